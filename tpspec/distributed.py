@@ -1,0 +1,208 @@
+"""Process-group bootstrap and the few collectives the library uses.
+
+Three ways in, all ending in one default process group and a :class:`Mapping`:
+
+* torchrun: ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` in the environment;
+* explicit: ``init_distributed(rank=..., world_size=..., master_addr=..., master_port=...)``
+  (what the Ray actors and the multi-process launcher use);
+* a single plain process: no environment, no arguments -> world size 1, no process group.
+
+The backend is ``nccl`` when the rank drives a CUDA device and ``gloo`` otherwise.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .mapping import Mapping
+
+DEFAULT_TIMEOUT_S = 300.0
+
+_TP_GROUP: Any = None
+_TP_GROUP_RANKS: list[int] | None = None
+
+
+def default_backend(device: str | torch.device | None = None) -> str:
+    """``nccl`` for a CUDA device, ``gloo`` for everything else."""
+    if device is None:
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def find_free_port() -> int:
+    """A TCP port that is free on this host right now (for rank 0's store)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def init_distributed(
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    tp_size: int | None = None,
+    backend: str | None = None,
+    device: str | torch.device | None = None,
+    enable_attention_dp: bool = False,
+    enable_lm_head_tp_in_adp: bool = False,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> Mapping:
+    """Join (or create) the job's process group and return this rank's :class:`Mapping`.
+
+    Explicit ``rank``/``world_size`` win over torchrun's environment; with neither, the
+    process runs alone (world size 1, no process group is created). An already
+    initialized default group is reused. On CUDA the rank's device is set to
+    ``LOCAL_RANK`` (or ``rank % device_count``) before the group is created.
+    Raises ``ValueError`` for inconsistent arguments.
+    """
+    if (rank is None) != (world_size is None):
+        raise ValueError("pass both rank and world_size, or neither")
+    if rank is None:
+        rank, world_size = _env_int("RANK"), _env_int("WORLD_SIZE")
+        if (rank is None) != (world_size is None):
+            raise ValueError("torchrun environment is incomplete: RANK and WORLD_SIZE must both be set")
+    if rank is None:
+        rank, world_size = 0, 1
+    mapping = Mapping(world_size, rank, tp_size, enable_attention_dp, enable_lm_head_tp_in_adp)
+
+    if backend is None:
+        backend = default_backend(device)
+    if backend == "nccl":
+        local_rank = _env_int("LOCAL_RANK")
+        if local_rank is None:
+            local_rank = rank % max(torch.cuda.device_count(), 1)
+        torch.cuda.set_device(local_rank)
+
+    if dist.is_available() and dist.is_initialized():
+        if dist.get_world_size() != world_size or dist.get_rank() != rank:
+            raise ValueError(
+                f"a process group already exists with rank {dist.get_rank()}/{dist.get_world_size()}, "
+                f"not {rank}/{world_size}"
+            )
+    elif world_size > 1:
+        addr = master_addr or os.environ.get("MASTER_ADDR")
+        port = master_port or _env_int("MASTER_PORT")
+        if addr is None or port is None:
+            raise ValueError("a multi-rank job needs master_addr and master_port (or MASTER_ADDR/MASTER_PORT)")
+        dist.init_process_group(
+            backend=backend,
+            init_method=f"tcp://{addr}:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    _init_tp_group(mapping)
+    return mapping
+
+
+def _init_tp_group(mapping: Mapping) -> None:
+    """Create every TP group (a collective call on all ranks) and keep this rank's."""
+    global _TP_GROUP, _TP_GROUP_RANKS
+    _TP_GROUP_RANKS = mapping.tp_group_ranks
+    if not (dist.is_available() and dist.is_initialized()):
+        _TP_GROUP = None
+        return
+    if mapping.num_tp_groups == 1:
+        _TP_GROUP = dist.group.WORLD
+        return
+    for ranks in mapping.all_tp_group_ranks:
+        group = dist.new_group(ranks)
+        if mapping.rank in ranks:
+            _TP_GROUP = group
+
+
+def tp_group() -> Any:
+    """This rank's TP process group (``None`` in a single plain process)."""
+    return _TP_GROUP
+
+
+def group_size(group: Any = None) -> int:
+    """Ranks in ``group``; 1 when no process group exists."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
+def group_rank(group: Any = None) -> int:
+    """This rank's index in ``group``; 0 when no process group exists."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0
+    return dist.get_rank(group)
+
+
+def group_backend(group: Any = None) -> str | None:
+    """``'nccl'``/``'gloo'`` of ``group``, or ``None`` when no process group exists."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return str(dist.get_backend(group))
+
+
+def all_gather_into(output: torch.Tensor, local: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """Gather ``local`` of every rank into ``output`` (``[world * n, ...]``, rank-major).
+
+    One collective. Uses whichever spelling the installed torch provides without
+    deprecation noise.
+    """
+    if group_size(group) == 1:
+        output.copy_(local.reshape(output.shape))
+        return output
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", category=FutureWarning)
+        warnings.simplefilter("ignore", category=DeprecationWarning)
+        dist.all_gather_into_tensor(output, local.contiguous(), group=group)
+    return output
+
+
+def all_reduce_(tensor: torch.Tensor, op: str = "sum", group: Any = None) -> torch.Tensor:
+    """In-place all-reduce (``sum``, ``max``, ``min`` or ``band``); identity without a group."""
+    if group_size(group) == 1:
+        return tensor
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "band": dist.ReduceOp.BAND}
+    dist.all_reduce(tensor, op=ops[op], group=group)
+    return tensor
+
+
+def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
+    """Every rank returns rank ``src``'s ``obj`` (picklable)."""
+    if group_size(group) == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
+    """Every rank returns the list of every rank's ``obj``."""
+    if group_size(group) == 1:
+        return [obj]
+    out: list[Any] = [None] * group_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def destroy_distributed() -> None:
+    """Tear down the default group (idempotent)."""
+    global _TP_GROUP, _TP_GROUP_RANKS
+    _TP_GROUP = None
+    _TP_GROUP_RANKS = None
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,35 @@
+"""Key exchange through one all-gather of the ``[R]`` int64 keys (any torch.distributed backend)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import distributed as D
+from .base import KeyExchange
+
+
+class AllGatherKeyExchange(KeyExchange):
+    """``max_keys`` = one ``all_gather_into_tensor`` of ``[R]`` int64 keys, then a max over ranks.
+
+    Works with NCCL and gloo, and with no process group at all (a single rank: the
+    local keys are the answer). ``group=None`` means the default group.
+    ``device``: where keys live (default: the current CUDA device for NCCL, else CPU).
+    """
+
+    def __init__(self, group: Any = None, *, device: str | torch.device | None = None) -> None:
+        backend = D.group_backend(group)
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        super().__init__(group, D.group_rank(group), D.group_size(group), torch.device(device))
+
+    def max_keys(self, keys: torch.Tensor, *, channel: int = 0) -> torch.Tensor:
+        self._check_rows_vector("keys", keys, None)
+        if keys.dtype != torch.int64:
+            raise ValueError(f"keys must be int64, got {keys.dtype}")
+        if self.world_size == 1:
+            return keys.clone()
+        gathered = torch.empty(self.world_size * keys.shape[0], dtype=torch.int64, device=keys.device)
+        D.all_gather_into(gathered, keys, self.group)
+        return gathered.view(self.world_size, -1).max(dim=0).values

@@ -1,0 +1,184 @@
+"""The ``KeyExchange`` contract: cross-rank max of 64-bit keys, and what is built on it.
+
+Every implementation returns, on every rank of its group, the tokens one rank would
+pick from the full logits (greedy) or from the full logits plus the same Gumbel noise
+(sampled rows). Implementations differ only in how the ``[R]`` keys travel.
+
+Shared here: argument validation (so every backend rejects the same bad input with
+the same message) and the device-side step counter that seeds rows without their own
+stream.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+from .. import keys as K
+
+UNSEEDED_STREAM_SEED = 0x7470737065630000  # "tpspec\0\0": seed of rows with no stream of their own
+"""Rows sampled without ``seeds``: seed = this, offset = ``step << 32 | row``."""
+
+
+class KeyExchange(ABC):
+    """Cross-rank selection over a process group. Collective: every rank of the group
+    must make the same calls, in the same order, with the same row counts.
+
+    ``channel`` keeps exchanges that may be in flight together apart (0 = draft,
+    1 = target); implementations without slots accept and ignore it.
+    """
+
+    MAX_ROWS: int = 2**31 - 1
+    NUM_CHANNELS: int = 2
+
+    def __init__(self, group: Any, rank: int, world_size: int, device: torch.device) -> None:
+        self.group = group
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        # Step counter of unseeded sampled rows: a device tensor so CUDA graphs can
+        # advance it without host work; every rank starts at 0 and advances identically.
+        self.step_counter = torch.zeros(1, dtype=torch.int64, device=device)
+
+    # -- the collective primitive --------------------------------------------------
+    @abstractmethod
+    def max_keys(self, keys: torch.Tensor, *, channel: int = 0) -> torch.Tensor:
+        """Element-wise max over ranks of ``keys`` (``[R]`` int64). Every rank gets ``[R]`` int64."""
+
+    # -- built on it ---------------------------------------------------------------
+    def argmax_tokens(
+        self, local_max: torch.Tensor, local_argmax: torch.Tensor, vocab_offset: int, *, channel: int = 0
+    ) -> torch.Tensor:
+        """Global argmax from each rank's per-row max and its local column.
+
+        ``local_max``: ``[R]`` float32/bf16/fp16; ``local_argmax``: ``[R]`` int (column
+        inside the rank's slice). Returns ``[R]`` int64 global columns, equal on every rank.
+        """
+        self._check_rows_vector("local_max", local_max, None)
+        self._check_rows_vector("local_argmax", local_argmax, local_max.shape[0])
+        if local_argmax.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"local_argmax must be int32 or int64, got {local_argmax.dtype}")
+        self._check_offset(vocab_offset, None)
+        keys = K.pack_keys(local_max, local_argmax.to(torch.int64) + vocab_offset)
+        return K.unpack_indices(self.max_keys(keys, channel=channel))
+
+    def argmax_logits(
+        self,
+        logits: torch.Tensor,
+        vocab_offset: int,
+        *,
+        vocab_size: int | None = None,
+        temperature: torch.Tensor | None = None,
+        seeds: torch.Tensor | None = None,
+        offsets: torch.Tensor | None = None,
+        greedy_threshold: float = K.GREEDY_TEMPERATURE_THRESHOLD,
+        channel: int = 0,
+    ) -> torch.Tensor:
+        """Tokens from a rank's ``[R, C]`` logits slice (global columns ``vocab_offset + c``).
+
+        Greedy rows (no ``temperature``, or ``temperature < greedy_threshold``) take the
+        global argmax; other rows a Gumbel-max draw from softmax(logits / T) with noise
+        keyed by ``(seeds, offsets, global column)`` — or, without ``seeds``, by this
+        exchange's step counter (advanced once per such call, on the device). Columns at
+        or past ``vocab_size`` are never chosen. Returns ``[R]`` int64, equal on every rank.
+        """
+        temperature, seeds, offsets = self.validate_logits_call(
+            logits, vocab_offset, vocab_size, temperature, seeds, offsets, channel
+        )
+        local = K.local_row_keys(
+            logits,
+            vocab_offset,
+            vocab_size=vocab_size,
+            temperature=temperature,
+            seeds=seeds,
+            offsets=offsets,
+            greedy_threshold=greedy_threshold,
+        )
+        return K.unpack_indices(self.max_keys(local, channel=channel))
+
+    def close(self) -> None:
+        """Release resources (idempotent)."""
+
+    def __enter__(self) -> "KeyExchange":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- shared validation ---------------------------------------------------------
+    def unseeded_streams(self, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Seeds/offsets for rows without a stream, from the step counter; advances it.
+
+        Row ``r`` of step ``s`` gets offset ``s << 32 | r``. Graph-capturable.
+        """
+        rows = torch.arange(num_rows, dtype=torch.int64, device=self.device)
+        offsets = (self.step_counter << 32) + rows
+        seeds = torch.full((num_rows,), UNSEEDED_STREAM_SEED, dtype=torch.int64, device=self.device)
+        self.step_counter.add_(1)
+        return seeds, offsets
+
+    def _check_rows_vector(self, name: str, t: Any, rows: int | None) -> None:
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 1:
+            raise ValueError(f"{name} must be 1-D [rows], got shape {tuple(t.shape)}")
+        if rows is not None and t.shape[0] != rows:
+            raise ValueError(f"{name} has {t.shape[0]} rows but the logits have {rows}")
+        if t.device != self.device and not (t.device.type == self.device.type == "cpu"):
+            raise ValueError(f"{name} is on {t.device}, the exchange works on {self.device}")
+
+    def _check_offset(self, vocab_offset: Any, vocab_size: int | None) -> None:
+        if isinstance(vocab_offset, bool) or not isinstance(vocab_offset, int):
+            raise ValueError(f"vocab_offset must be an int, got {type(vocab_offset).__name__}")
+        if vocab_offset < 0 or vocab_offset >= 2**32:
+            raise ValueError(f"vocab_offset={vocab_offset} is out of range [0, 2**32)")
+        if vocab_size is not None and vocab_offset >= vocab_size:
+            raise ValueError(f"vocab_offset={vocab_offset} is out of range for vocab_size={vocab_size}")
+
+    def validate_logits_call(
+        self,
+        logits: Any,
+        vocab_offset: Any,
+        vocab_size: int | None,
+        temperature: torch.Tensor | None,
+        seeds: torch.Tensor | None,
+        offsets: torch.Tensor | None,
+        channel: int,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """Check an ``argmax_logits`` call; return ``(temperature, seeds, offsets)`` with the
+        step-counter streams filled in for unseeded sampled rows. Raises ``ValueError``."""
+        if not isinstance(logits, torch.Tensor):
+            raise ValueError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be 2-D [rows, vocab_slice], got shape {tuple(logits.shape)}")
+        if logits.dtype not in K.SUPPORTED_VALUE_DTYPES:
+            raise ValueError(f"logits must be float32, bfloat16 or float16, got {logits.dtype}")
+        if logits.device != self.device and not (logits.device.type == self.device.type == "cpu"):
+            raise ValueError(f"logits are on {logits.device}, the exchange works on {self.device}")
+        if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1):
+            raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
+        self._check_offset(vocab_offset, vocab_size)
+        if vocab_offset + logits.shape[1] > 2**32:
+            raise ValueError("global columns must stay below 2**32")
+        if not isinstance(channel, int) or not 0 <= channel < self.NUM_CHANNELS:
+            raise ValueError(f"channel={channel!r} is out of range [0, {self.NUM_CHANNELS})")
+        rows = logits.shape[0]
+        if (seeds is None) != (offsets is None):
+            raise ValueError("pass seeds and offsets together, or neither")
+        if temperature is None:
+            if seeds is not None:
+                raise ValueError("seeds/offsets were given without temperature")
+            return None, None, None
+        self._check_rows_vector("temperature", temperature, rows)
+        if not temperature.is_floating_point():
+            raise ValueError(f"temperature must be a floating tensor, got {temperature.dtype}")
+        if seeds is None:
+            seeds, offsets = self.unseeded_streams(rows)
+        else:
+            for name, t in (("seeds", seeds), ("offsets", offsets)):
+                self._check_rows_vector(name, t, rows)
+                if t.dtype != torch.int64:
+                    raise ValueError(f"{name} must be int64, got {t.dtype}")
+        return temperature, seeds, offsets

@@ -1,0 +1,311 @@
+"""64-bit selection keys and counter-based Gumbel noise (SPEC §2).
+
+A *key* packs one candidate (value, global column) of a row into an int64 whose
+signed order is the candidate order, so ``max`` over keys picks the winner on any
+device and through any max-reduction (``torch.max``, an all-gather then ``max``, or
+the LL kernel's unsigned 64-bit atomic max on ``key ^ (1 << 63)``):
+
+* high 32 bits: the value's float32 bits mapped to an order-preserving integer,
+  after widening bf16/fp16 exactly, turning ``-0.0`` into ``+0.0`` and every NaN into
+  the canonical positive NaN (which ranks above ``+inf``, like ``torch.argmax``);
+* low 32 bits: ``0xFFFFFFFF - column``, so ties go to the lowest column.
+
+Gumbel-max sampling draws ``argmax_j logit_j / T - ln(E_j)`` with ``E_j ~ Exp(1)``
+built from a Philox4x32-10 word keyed by the row's 64-bit seed and a counter made
+of the row's 64-bit offset and the **global** column ``j``. Everything after the
+integer Philox word uses basic IEEE float32 operations in a fixed order (no library
+``log``, no fused multiply-add), so the CPU, torch on CUDA and the NVRTC kernel give
+identical bits. ``csrc/ll_exchange`` implements the same recipe; change both together.
+"""
+
+from __future__ import annotations
+
+import torch
+
+GREEDY_TEMPERATURE_THRESHOLD = 1e-5
+"""Rows whose temperature is below this are greedy: no noise, no division."""
+
+EMPTY_KEY = -(2**63)
+"""A key below every real candidate (its high half would be a negative NaN, which
+canonicalization never produces). Padding columns and empty slots use it."""
+
+CANONICAL_NAN_BITS = 0x7FC00000
+MASK32 = 0xFFFFFFFF
+SUPPORTED_VALUE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# Philox4x32-10 constants (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3").
+PHILOX_M0 = 0xD2511F53
+PHILOX_M1 = 0xCD9E8D57
+PHILOX_W0 = 0x9E3779B9
+PHILOX_W1 = 0xBB67AE85
+PHILOX_ROUNDS = 10
+
+
+# --------------------------------------------------------------------------- keys
+
+def canonical_float32(values: torch.Tensor) -> torch.Tensor:
+    """Widen to float32 exactly, map ``-0.0`` to ``+0.0`` and every NaN to the canonical NaN."""
+    if values.dtype not in SUPPORTED_VALUE_DTYPES:
+        raise ValueError(f"values must be float32, bfloat16 or float16, got {values.dtype}")
+    x = values.to(torch.float32)
+    x = torch.where(x == 0, torch.zeros_like(x), x)  # -0.0 == 0 is True: both become +0.0
+    nan = torch.tensor(CANONICAL_NAN_BITS, dtype=torch.int32, device=x.device).view(torch.float32)
+    return torch.where(torch.isnan(x), nan, x)
+
+
+def ordered_high_bits(values: torch.Tensor) -> torch.Tensor:
+    """Map canonical float32 values to int64 in ``[-2**31, 2**31)`` preserving order."""
+    bits = values.contiguous().view(torch.int32).to(torch.int64)
+    # Negative floats order backwards: flip their 31 magnitude bits (sign stays set).
+    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+def pack_keys(values: torch.Tensor, indices: torch.Tensor | int) -> torch.Tensor:
+    """Pack candidates into int64 keys whose signed order is the candidate order.
+
+    ``values``: float32/bf16/fp16 tensor; ``indices``: non-negative global columns
+    (int tensor broadcastable to ``values`` or a Python int), each below ``2**32``.
+    Returns an int64 tensor of the broadcast shape. ``torch.max`` over the keys of a
+    row picks what ``torch.argmax`` picks on the row: the largest value, the first NaN,
+    ties to the lowest index, ``-0.0 == +0.0``.
+    """
+    high = ordered_high_bits(canonical_float32(values))
+    if not isinstance(indices, torch.Tensor):
+        indices = torch.tensor(indices, dtype=torch.int64, device=high.device)
+    low = MASK32 - indices.to(torch.int64)
+    return (high << 32) | low
+
+
+def unpack_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`pack_keys`: ``(values float32, indices int64)``.
+
+    Values come back canonical (``+0.0`` for zeros, the canonical NaN for NaNs).
+    """
+    if keys.dtype != torch.int64:
+        raise ValueError(f"keys must be int64, got {keys.dtype}")
+    high = keys >> 32
+    low = keys & MASK32
+    bits = torch.where(high < 0, high ^ 0x7FFFFFFF, high)
+    values = bits.to(torch.int32).view(torch.float32)
+    return values, MASK32 - low
+
+
+def unpack_indices(keys: torch.Tensor) -> torch.Tensor:
+    """Only the global column of each key (int64)."""
+    return MASK32 - (keys & MASK32)
+
+
+# ------------------------------------------------------------------------- philox
+
+def _mulhilo32(a: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(high, low) 32-bit halves of ``a * m`` for uint32 values held in int64.
+
+    The multiplier is split into 16-bit halves so no intermediate exceeds 2**49:
+    integer-exact on every device, no reliance on signed overflow.
+    """
+    m_hi, m_lo = m >> 16, m & 0xFFFF
+    t = a * m_lo
+    u = a * m_hi
+    lo = (((u & 0xFFFF) << 16) + t) & MASK32
+    hi = (u + (t >> 16)) >> 16
+    return hi, lo
+
+
+def philox4x32_10(
+    counter: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    key: tuple[torch.Tensor, torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Philox4x32-10 block function on uint32 words stored in int64 tensors (broadcasting).
+
+    Stateless and integer-exact: the same words on CPU and GPU, equal to the Random123
+    reference (see the known-answer test).
+    """
+    c0, c1, c2, c3 = counter
+    k0, k1 = key
+    for round_index in range(PHILOX_ROUNDS):
+        if round_index:
+            k0 = (k0 + PHILOX_W0) & MASK32
+            k1 = (k1 + PHILOX_W1) & MASK32
+        hi0, lo0 = _mulhilo32(c0, PHILOX_M0)
+        hi1, lo1 = _mulhilo32(c2, PHILOX_M1)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+    return c0, c1, c2, c3
+
+
+def philox_words(seeds: torch.Tensor, offsets: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """The 32-bit random word ``h`` of each (row, global column), as int64 in ``[0, 2**32)``.
+
+    ``seeds``/``offsets``: ``[R]`` int64 (any 64-bit pattern); ``columns``: ``[C]`` int64
+    global columns. Returns ``[R, C]``. Column ``j`` reads word ``j & 3`` of the Philox
+    block whose counter is ``(j >> 2 low, j >> 2 high, offset low, offset high)`` and
+    whose key is ``(seed low, seed high)``.
+    """
+    seeds = seeds.to(torch.int64).reshape(-1, 1)
+    offsets = offsets.to(torch.int64).reshape(-1, 1)
+    columns = columns.to(torch.int64).reshape(1, -1)
+    if columns.numel() == 0:
+        return torch.zeros(seeds.shape[0], 0, dtype=torch.int64, device=seeds.device)
+    first_block = int(columns.min()) >> 2
+    last_block = int(columns.max()) >> 2
+    blocks = torch.arange(first_block, last_block + 1, dtype=torch.int64, device=columns.device).reshape(1, -1)
+    words = philox4x32_10(
+        (blocks & MASK32, (blocks >> 32) & MASK32, offsets & MASK32, (offsets >> 32) & MASK32),
+        (seeds & MASK32, (seeds >> 32) & MASK32),
+    )
+    # [R, B, 4] -> [R, 4B]: position (b - first_block) * 4 + w holds column 4b + w.
+    stacked = torch.stack(torch.broadcast_tensors(*words), dim=-1).reshape(seeds.shape[0], -1)
+    return stacked[:, (columns.reshape(-1) - first_block * 4)]
+
+
+# ------------------------------------------------------------ portable arithmetic
+
+def _f32(value: float, device: torch.device) -> torch.Tensor:
+    """A float32 constant as a 0-dim device tensor (never a CPU scalar: torch may turn
+    division by a CPU scalar into multiplication by its reciprocal on some devices)."""
+    return torch.tensor(value, dtype=torch.float32, device=device)
+
+
+# Float32 constants, written as the exact decimal of their bits. The CUDA kernel uses
+# the same bit patterns.
+_INV_ODD = {  # 1/3, 1/5, ... rounded to float32
+    3: 0.3333333432674408,
+    5: 0.20000000298023224,
+    7: 0.1428571492433548,
+    9: 0.1111111119389534,
+    11: 0.09090909361839294,
+    13: 0.07692307978868484,
+}
+_LN2_HI = 0.693145751953125  # 0x3F317200: few mantissa bits, so e * LN2_HI is exact
+_LN2_LO = 1.4286068203094172e-06  # 0x35BFBE8E
+_SQRT2_BITS = 0x3FB504F3  # float32(sqrt(2))
+_TWO_POW_M32 = 2.3283064365386963e-10  # 2**-32, exact
+
+
+def portable_log(x: torch.Tensor) -> torch.Tensor:
+    """Natural log of positive, finite, normal float32 values, bit-identical on every device.
+
+    ``x = m * 2**e`` with ``m`` in ``[sqrt(1/2), sqrt(2)]``; ``ln m = 2 atanh(s)``,
+    ``s = (m - 1) / (m + 1)``, by its odd series to ``s**9``; then ``e * ln 2`` added
+    in two parts. Relative error below 2e-7.
+    """
+    dev = x.device
+    bits = x.contiguous().view(torch.int32)
+    exponent = ((bits >> 23) & 0xFF) - 127
+    mantissa_bits = (bits & 0x007FFFFF) | 0x3F800000
+    big = mantissa_bits > _SQRT2_BITS
+    m = mantissa_bits.view(torch.float32)
+    m = torch.where(big, m * _f32(0.5, dev), m)
+    e = (exponent + big.to(torch.int32)).to(torch.float32)
+    one = _f32(1.0, dev)
+    s = (m - one) / (m + one)
+    z = s * s
+    p = z * _f32(_INV_ODD[9], dev)
+    p = p + _f32(_INV_ODD[7], dev)
+    p = p * z
+    p = p + _f32(_INV_ODD[5], dev)
+    p = p * z
+    p = p + _f32(_INV_ODD[3], dev)
+    p = p * z
+    p = p + one
+    t = s * p
+    t = t + t
+    low = e * _f32(_LN2_LO, dev)
+    low = low + t
+    high = e * _f32(_LN2_HI, dev)
+    return high + low
+
+
+def exponential_from_words(words: torch.Tensor) -> torch.Tensor:
+    """``E = -ln(1 - U) ~ Exp(1)`` from 32-bit words ``h``, ``U = (h + 0.5) * 2**-32``, float32.
+
+    For ``U < 1/2`` the series ``2 atanh(U / (2 - U))`` to ``s**13`` (accurate where
+    ``1 - U`` would round away the small values that decide the winners); for
+    ``U >= 1/2`` ``-ln`` of the complement ``(~h + 0.5) * 2**-32``, rounded once and
+    never zero. Relative error below 1e-6 everywhere.
+    """
+    dev = words.device
+    scale = _f32(_TWO_POW_M32, dev)
+    upper = words >= 2**31
+    # Round (h + 0.5) once to float32: exact in float64 first, then one rounding.
+    u = (words.to(torch.float64) + 0.5).to(torch.float32) * scale
+    complement = ((MASK32 - words).to(torch.float64) + 0.5).to(torch.float32) * scale
+    # Series branch, U < 1/2 (the value on upper rows is computed and discarded).
+    u_small = torch.where(upper, torch.zeros_like(u), u)
+    s = u_small / (_f32(2.0, dev) - u_small)
+    z = s * s
+    p = z * _f32(_INV_ODD[13], dev)
+    p = p + _f32(_INV_ODD[11], dev)
+    for k in (9, 7, 5, 3):
+        p = p * z
+        p = p + _f32(_INV_ODD[k], dev)
+    p = p * z
+    p = p + _f32(1.0, dev)
+    series = s * p
+    series = series + series
+    # Log branch, U >= 1/2: complement in (0, 1/2], exact-rounded and positive.
+    safe_complement = torch.where(upper, complement, torch.ones_like(complement))
+    log_branch = -portable_log(safe_complement)
+    return torch.where(upper, log_branch, series)
+
+
+def gumbel_scores(
+    logits: torch.Tensor,
+    columns: torch.Tensor,
+    temperature: torch.Tensor,
+    seeds: torch.Tensor,
+    offsets: torch.Tensor,
+) -> torch.Tensor:
+    """Float32 scores ``logit / T - ln(E)`` whose row argmax is an exact softmax(logit/T) draw.
+
+    ``logits``: ``[R, C]`` (any supported dtype); ``columns``: ``[C]`` global columns;
+    ``temperature``, ``seeds``, ``offsets``: ``[R]``. NaN logits stay NaN.
+    """
+    x = canonical_float32(logits)
+    e = exponential_from_words(philox_words(seeds, offsets, columns))
+    log_e = portable_log(e)
+    scaled = x / temperature.to(torch.float32).reshape(-1, 1)
+    return scaled - log_e
+
+
+def gumbel_noise(seeds: torch.Tensor, offsets: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """The Gumbel noise ``-ln(E)`` of each (row, global column): ``[R, C]`` float32."""
+    return -portable_log(exponential_from_words(philox_words(seeds, offsets, columns)))
+
+
+# ------------------------------------------------------------- local row reduction
+
+def local_row_keys(
+    logits: torch.Tensor,
+    vocab_offset: int,
+    *,
+    vocab_size: int | None = None,
+    temperature: torch.Tensor | None = None,
+    seeds: torch.Tensor | None = None,
+    offsets: torch.Tensor | None = None,
+    greedy_threshold: float = GREEDY_TEMPERATURE_THRESHOLD,
+) -> torch.Tensor:
+    """Reduce a rank's ``[R, C]`` logits slice to one winning key per row (``[R]`` int64).
+
+    Column ``c`` of the slice is global column ``vocab_offset + c``; columns at or past
+    ``vocab_size`` are never chosen (a row with no real column gets :data:`EMPTY_KEY`).
+    Rows with ``temperature < greedy_threshold`` (or no ``temperature``) rank the
+    logits themselves; other rows rank Gumbel scores from ``(seeds, offsets)``.
+    Inputs are assumed validated (see ``tpspec.exchange.base``).
+    """
+    num_rows, width = logits.shape
+    device = logits.device
+    if num_rows == 0:
+        return torch.empty(0, dtype=torch.int64, device=device)
+    real_width = width if vocab_size is None else max(0, min(width, vocab_size - vocab_offset))
+    if real_width == 0:
+        return torch.full((num_rows,), EMPTY_KEY, dtype=torch.int64, device=device)
+    logits = logits[:, :real_width]
+    columns = torch.arange(vocab_offset, vocab_offset + real_width, dtype=torch.int64, device=device)
+    values = canonical_float32(logits)
+    if temperature is not None:
+        sampled = temperature.to(torch.float32) >= greedy_threshold
+        safe_t = torch.where(sampled, temperature.to(torch.float32), torch.ones_like(temperature, dtype=torch.float32))
+        scores = gumbel_scores(logits, columns, safe_t, seeds, offsets)
+        values = torch.where(sampled.reshape(-1, 1), canonical_float32(scores), values)
+    keys = pack_keys(values, columns.reshape(1, -1))
+    return keys.max(dim=1).values

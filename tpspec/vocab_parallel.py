@@ -1,0 +1,170 @@
+"""The vocabulary-sharded LM head and the logits it produces (SPEC §4)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import distributed as D
+from .exchange.allgather import AllGatherKeyExchange
+from .exchange.base import KeyExchange
+from .mapping import Mapping
+
+
+def vocab_shard_bounds(vocab_size: int, tp_size: int, tp_rank: int) -> tuple[int, int, int]:
+    """``(offset, shard_width, real_width)`` of one rank's vocab slice.
+
+    Every rank holds ``shard_width = ceil(vocab_size / tp_size)`` columns starting at
+    ``offset = tp_rank * shard_width``; only the first ``real_width`` are real
+    (the last shard is zero-padded). Raises ``ValueError`` when a rank would hold no
+    real column at all (``vocab_size`` too small for ``tp_size``).
+    """
+    if vocab_size < 1 or tp_size < 1 or not 0 <= tp_rank < tp_size:
+        raise ValueError(f"bad vocab split: vocab_size={vocab_size}, tp_size={tp_size}, tp_rank={tp_rank}")
+    width = math.ceil(vocab_size / tp_size)
+    if (tp_size - 1) * width >= vocab_size:
+        raise ValueError(
+            f"vocab_size={vocab_size} cannot be split over tp_size={tp_size}: the last rank would hold no real "
+            f"column (slices of ceil({vocab_size}/{tp_size})={width})"
+        )
+    offset = tp_rank * width
+    return offset, width, min(width, vocab_size - offset)
+
+
+class VocabShardedLogits:
+    """One rank's ``[R, shard_width]`` slice of the logits, and how to pick tokens from it.
+
+    ``local`` columns ``[0, shard_width)`` are global columns ``vocab_offset + c``;
+    those at or past ``vocab_size`` are padding and never chosen. All methods are
+    collective over the exchange's group and return the same tensor on every rank.
+    """
+
+    def __init__(self, local: torch.Tensor, vocab_offset: int, vocab_size: int, exchange: KeyExchange) -> None:
+        if local.dim() != 2:
+            raise ValueError(f"logits slice must be 2-D [rows, shard], got shape {tuple(local.shape)}")
+        self.local = local
+        self.vocab_offset = vocab_offset
+        self.vocab_size = vocab_size
+        self.exchange = exchange
+
+    @property
+    def num_rows(self) -> int:
+        return self.local.shape[0]
+
+    @property
+    def shard_width(self) -> int:
+        return self.local.shape[1]
+
+    def argmax(self, *, channel: int = 1) -> torch.Tensor:
+        """Greedy tokens: ``[R]`` int64 == ``torch.argmax`` of the full logits rows."""
+        return self.exchange.argmax_logits(self.local, self.vocab_offset, vocab_size=self.vocab_size, channel=channel)
+
+    def sample(
+        self,
+        temperature: torch.Tensor | float,
+        seeds: torch.Tensor | None = None,
+        offsets: torch.Tensor | None = None,
+        *,
+        channel: int = 1,
+    ) -> torch.Tensor:
+        """Gumbel-max draws from softmax(logits / T) per row: ``[R]`` int64.
+
+        ``temperature``: a float or ``[R]`` tensor (rows below the greedy threshold
+        take the argmax). ``seeds``/``offsets``: ``[R]`` int64 streams; without them the
+        exchange's step counter seeds the rows. The same streams give the same tokens at
+        every TP size and on every exchange backend.
+        """
+        if not isinstance(temperature, torch.Tensor):
+            temperature = torch.full((self.num_rows,), float(temperature), dtype=torch.float32, device=self.local.device)
+        return self.exchange.argmax_logits(
+            self.local,
+            self.vocab_offset,
+            vocab_size=self.vocab_size,
+            temperature=temperature,
+            seeds=seeds,
+            offsets=offsets,
+            channel=channel,
+        )
+
+    def gather(self) -> torch.Tensor:
+        """The full ``[R, vocab_size]`` logits on every rank (one all-gather), padding removed."""
+        world = self.exchange.world_size
+        if world == 1:
+            return self.local[:, : self.vocab_size]
+        local = self.local.contiguous()
+        out = torch.empty(world * local.numel(), dtype=local.dtype, device=local.device)
+        D.all_gather_into(out, local.reshape(-1), self.exchange.group)
+        full = out.view(world, self.num_rows, self.shard_width).permute(1, 0, 2).reshape(self.num_rows, -1)
+        return full[:, : self.vocab_size]
+
+    def select_tokens(self, spec_metadata: Any) -> torch.Tensor:
+        """Tokens for every row under a step's sampling parameters (see ``tpspec.sampling.select``)."""
+        from .sampling.select import select_tokens  # sampling sits above this layer
+
+        return select_tokens(self, spec_metadata)
+
+
+class VocabParallelHead(nn.Module):
+    """The LM head split over the vocabulary: rank ``r`` holds weight rows
+    ``[r * shard, (r + 1) * shard)``, ``shard = ceil(vocab_size / tp_size)``.
+
+    ``forward(hidden [R, hidden_size]) -> VocabShardedLogits``. With ``tp_size == 1``
+    it needs no process group. Padding rows of the last shard are zero and masked.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        vocab_size: int,
+        mapping: Mapping | None = None,
+        exchange: KeyExchange | None = None,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device | None = None,
+        bias: bool = False,
+    ) -> None:
+        super().__init__()
+        mapping = mapping or Mapping()
+        self.mapping = mapping
+        self.hidden_size = hidden_size
+        self.vocab_size = vocab_size
+        sharded = mapping.lm_head_is_sharded
+        tp_size, tp_rank = (mapping.tp_size, mapping.tp_rank) if sharded else (1, 0)
+        self.vocab_offset, self.shard_width, self.real_width = vocab_shard_bounds(vocab_size, tp_size, tp_rank)
+        if exchange is None:
+            exchange = AllGatherKeyExchange(D.tp_group() if sharded else None, device=device)
+        if exchange.world_size != tp_size:
+            raise ValueError(f"the exchange spans {exchange.world_size} ranks but the head is split over {tp_size}")
+        self.exchange = exchange
+        self.weight = nn.Parameter(torch.zeros(self.shard_width, hidden_size, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.zeros(self.shard_width, dtype=dtype, device=device)) if bias else None
+
+    @torch.no_grad()
+    def load_full_weight(self, full_weight: torch.Tensor, full_bias: torch.Tensor | None = None) -> None:
+        """Copy this rank's rows out of the full ``[vocab_size, hidden_size]`` weight (padding stays zero)."""
+        if tuple(full_weight.shape) != (self.vocab_size, self.hidden_size):
+            raise ValueError(
+                f"full LM-head weight must be [{self.vocab_size}, {self.hidden_size}], got {tuple(full_weight.shape)}"
+            )
+        self.load_shard(full_weight[self.vocab_offset : self.vocab_offset + self.real_width],
+                        None if full_bias is None else full_bias[self.vocab_offset : self.vocab_offset + self.real_width])
+
+    @torch.no_grad()
+    def load_shard(self, weight_rows: torch.Tensor, bias_rows: torch.Tensor | None = None) -> None:
+        """Copy this rank's ``[real_width, hidden_size]`` rows (padding stays zero)."""
+        if tuple(weight_rows.shape) != (self.real_width, self.hidden_size):
+            raise ValueError(f"shard must be [{self.real_width}, {self.hidden_size}], got {tuple(weight_rows.shape)}")
+        self.weight.zero_()
+        self.weight[: self.real_width].copy_(weight_rows)
+        if self.bias is not None and bias_rows is not None:
+            self.bias.zero_()
+            self.bias[: self.real_width].copy_(bias_rows)
+
+    def forward(self, hidden: torch.Tensor) -> VocabShardedLogits:
+        if hidden.dim() != 2 or hidden.shape[1] != self.hidden_size:
+            raise ValueError(f"hidden must be [rows, {self.hidden_size}], got shape {tuple(hidden.shape)}")
+        local = torch.nn.functional.linear(hidden, self.weight, self.bias)
+        return VocabShardedLogits(local, self.vocab_offset, self.vocab_size, self.exchange)
