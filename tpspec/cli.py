@@ -1,0 +1,44 @@
+"""The ``tpspec`` command line.
+
+Each subcommand lives in the module that owns its work; that module exposes
+``add_arguments(parser)`` and ``run(args) -> int`` (the exit code). Modules are
+imported only when their subcommand is parsed, so ``tpspec --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "generate": ("tpspec.runtime.generate_cli", "generate text with a TP model (default: tiny model, TP=2, CPU)"),
+    "bench": ("tpspec.bench", "benchmarks: exchange, step, generate"),
+    "check": ("tpspec.check", "the determinism suite (SPEC §8): pass/fail table"),
+    "make-tiny-model": ("tpspec.model.tiny", "write a small random Llama checkpoint in HF format"),
+}
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tpspec", description="tensor-parallel speculative decoding runtime")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    wanted = next((a for a in argv if not a.startswith("-")), None)
+    for name, (module_name, help_text) in COMMANDS.items():
+        cmd = sub.add_parser(name, help=help_text, description=help_text)
+        cmd.set_defaults(_module=module_name)
+        if name == wanted:  # only the chosen command pays for its imports
+            importlib.import_module(module_name).add_arguments(cmd)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    module = importlib.import_module(args._module)
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
