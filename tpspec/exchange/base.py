@@ -84,9 +84,9 @@ class KeyExchange(ABC):
         exchange's step counter (advanced once per such call, on the device). Columns at
         or past ``vocab_size`` are never chosen. Returns ``[R]`` int64, equal on every rank.
         """
-        temperature, seeds, offsets = self.validate_logits_call(
-            logits, vocab_offset, vocab_size, temperature, seeds, offsets, channel
-        )
+        self.validate_logits_call(logits, vocab_offset, vocab_size, temperature, seeds, offsets, channel)
+        if temperature is not None and seeds is None:
+            seeds, offsets = self.unseeded_streams(logits.shape[0])
         local = K.local_row_keys(
             logits,
             vocab_offset,
@@ -146,9 +146,8 @@ class KeyExchange(ABC):
         seeds: torch.Tensor | None,
         offsets: torch.Tensor | None,
         channel: int,
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """Check an ``argmax_logits`` call; return ``(temperature, seeds, offsets)`` with the
-        step-counter streams filled in for unseeded sampled rows. Raises ``ValueError``."""
+    ) -> None:
+        """Check an ``argmax_logits`` call (no side effects). Raises ``ValueError`` naming the problem."""
         if not isinstance(logits, torch.Tensor):
             raise ValueError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
         if logits.dim() != 2:
@@ -170,15 +169,12 @@ class KeyExchange(ABC):
         if temperature is None:
             if seeds is not None:
                 raise ValueError("seeds/offsets were given without temperature")
-            return None, None, None
+            return
         self._check_rows_vector("temperature", temperature, rows)
         if not temperature.is_floating_point():
             raise ValueError(f"temperature must be a floating tensor, got {temperature.dtype}")
-        if seeds is None:
-            seeds, offsets = self.unseeded_streams(rows)
-        else:
+        if seeds is not None:
             for name, t in (("seeds", seeds), ("offsets", offsets)):
                 self._check_rows_vector(name, t, rows)
                 if t.dtype != torch.int64:
                     raise ValueError(f"{name} must be int64, got {t.dtype}")
-        return temperature, seeds, offsets
