@@ -94,7 +94,7 @@ class VocabShardedLogits:
         world = self.exchange.world_size
         if world == 1:
             return self.local[:, : self.vocab_size]
-        local = self.local.contiguous()
+        local = self.local.detach().contiguous()  # selection is not differentiable
         out = torch.empty(world * local.numel(), dtype=local.dtype, device=local.device)
         D.all_gather_into(out, local.reshape(-1), self.exchange.group)
         full = out.view(world, self.num_rows, self.shard_width).permute(1, 0, 2).reshape(self.num_rows, -1)
@@ -139,8 +139,11 @@ class VocabParallelHead(nn.Module):
         if exchange.world_size != tp_size:
             raise ValueError(f"the exchange spans {exchange.world_size} ranks but the head is split over {tp_size}")
         self.exchange = exchange
-        self.weight = nn.Parameter(torch.zeros(self.shard_width, hidden_size, dtype=dtype, device=device))
-        self.bias = nn.Parameter(torch.zeros(self.shard_width, dtype=dtype, device=device)) if bias else None
+        # Inference weights: no autograd.
+        self.weight = nn.Parameter(torch.zeros(self.shard_width, hidden_size, dtype=dtype, device=device), requires_grad=False)
+        self.bias = (
+            nn.Parameter(torch.zeros(self.shard_width, dtype=dtype, device=device), requires_grad=False) if bias else None
+        )
 
     @torch.no_grad()
     def load_full_weight(self, full_weight: torch.Tensor, full_bias: torch.Tensor | None = None) -> None:
