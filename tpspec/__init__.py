@@ -7,6 +7,7 @@ reduces its slice to one 64-bit key per row and the ranks exchange keys.
 from .exchange import AllGatherKeyExchange, KeyExchange, make_key_exchange
 from .keys import GREEDY_TEMPERATURE_THRESHOLD, pack_keys, unpack_keys
 from .mapping import Mapping
+from .sampling import SamplingParams
 from .vocab_parallel import VocabParallelHead, VocabShardedLogits
 
 __version__ = "0.1.0"
@@ -16,6 +17,7 @@ __all__ = [
     "AllGatherKeyExchange",
     "KeyExchange",
     "Mapping",
+    "SamplingParams",
     "VocabParallelHead",
     "VocabShardedLogits",
     "make_key_exchange",

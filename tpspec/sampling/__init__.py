@@ -1,0 +1,37 @@
+"""Sampling: request parameters, per-request Philox streams, full-logit ops, selection on shards.
+
+Public names:
+
+* :class:`SamplingParams` (``params``): per-request ``temperature, top_k, top_p,
+  min_p, seed``, validated and normalized (SPEC §5).
+* ``streams``: the window layout of SPEC §6 (:class:`WindowLayout`,
+  :class:`StreamAllocator`) and :func:`uniforms` from a request's stream.
+* ``ops``: :func:`sample_from_logits`, :func:`filtered_probs`, :func:`greedy_tokens`
+  on full logits (torch reference; flashinfer when installed and allowed).
+* ``select``: :func:`select_tokens` on ``VocabShardedLogits`` (imported lazily by
+  ``VocabShardedLogits.select_tokens``) and :class:`RowSampling`.
+"""
+
+from .ops import filtered_logits, filtered_probs, greedy_tokens, keep_mask, sample_from_logits
+from .params import GREEDY_SENTINEL_TEMPERATURE, TOP_K_DISABLED, SamplingParams
+from .select import RowSampling, select_tokens
+from .streams import SLOT_SPAN, UNSEEDED_OFFSET_BASE, UNSEEDED_SEED, StreamAllocator, WindowLayout, uniforms
+
+__all__ = [
+    "GREEDY_SENTINEL_TEMPERATURE",
+    "SLOT_SPAN",
+    "TOP_K_DISABLED",
+    "UNSEEDED_OFFSET_BASE",
+    "UNSEEDED_SEED",
+    "RowSampling",
+    "SamplingParams",
+    "StreamAllocator",
+    "WindowLayout",
+    "filtered_logits",
+    "filtered_probs",
+    "greedy_tokens",
+    "keep_mask",
+    "sample_from_logits",
+    "select_tokens",
+    "uniforms",
+]

@@ -1,0 +1,88 @@
+"""Token selection on vocab-sharded logits under a step's sampling parameters (SPEC §5).
+
+``select_tokens(sharded_logits, spec_metadata)`` picks one token per logits row and
+returns the same ``[R]`` int64 tensor on every rank of the exchange's group. The path
+is chosen from batch-level flags that are equal on every rank (the metadata ANDs them
+across the TP group under attention DP), so every rank runs the same collectives:
+
+1. all-greedy batch: the exchange argmax (8 bytes a row a rank);
+2. temperature-only batch (every sampled row has only a temperature): the exchange
+   Gumbel-max with each row's own ``(seed, offset)`` stream — greedy rows of the batch
+   still take the argmax (their temperature is the greedy sentinel);
+3. otherwise: gather the full logits (one all-gather) and sample them with
+   :func:`tpspec.sampling.ops.sample_from_logits`, whose Gumbel noise is the same as
+   the sharded path's, so temperature-only rows get the same token either way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .ops import sample_from_logits
+
+
+@dataclass
+class RowSampling:
+    """Per-row sampling tensors of one step (``[R]`` each) plus the batch flags.
+
+    ``is_all_greedy`` and ``temperature_only`` must be equal on every rank of the TP
+    group (they choose a code path that runs collectives); ``any_seeded`` says whether
+    some row needs its own reproducible stream (then flashinfer is not used).
+    """
+
+    temperature: torch.Tensor  # float32
+    top_k: torch.Tensor  # int64, INT32_MAX = off
+    top_p: torch.Tensor  # float32, 1 = off
+    min_p: torch.Tensor  # float32, 0 = off
+    seeds: torch.Tensor  # int64
+    offsets: torch.Tensor  # int64
+    is_all_greedy: bool
+    temperature_only: bool
+    any_seeded: bool = True
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.temperature.shape[0])
+
+
+def _row_sampling(spec_metadata: Any) -> RowSampling:
+    if isinstance(spec_metadata, RowSampling):
+        return spec_metadata
+    getter = getattr(spec_metadata, "row_sampling", None)
+    if getter is None:
+        raise ValueError(
+            f"select_tokens needs a SpecMetadata (with row_sampling()) or a RowSampling, got {type(spec_metadata).__name__}"
+        )
+    return getter()
+
+
+def select_tokens(sharded_logits: Any, spec_metadata: Any, *, channel: int = 1) -> torch.Tensor:
+    """Tokens for every row of ``sharded_logits`` (a ``VocabShardedLogits``): ``[R]`` int64.
+
+    ``spec_metadata``: a prepared ``tpspec.spec.SpecMetadata`` (or a :class:`RowSampling`)
+    whose rows match the logits rows. Collective over the logits' exchange group;
+    every rank returns the same tokens. Raises ``ValueError`` when the row counts differ.
+    """
+    rs = _row_sampling(spec_metadata)
+    if rs.num_rows != sharded_logits.num_rows:
+        raise ValueError(
+            f"the logits have {sharded_logits.num_rows} rows but the sampling metadata describes {rs.num_rows}"
+        )
+    if rs.is_all_greedy:
+        return sharded_logits.argmax(channel=channel)
+    if rs.temperature_only:
+        return sharded_logits.sample(rs.temperature, rs.seeds, rs.offsets, channel=channel)
+    full = sharded_logits.gather()
+    return sample_from_logits(
+        full,
+        rs.temperature,
+        rs.seeds,
+        rs.offsets,
+        rs.top_k,
+        rs.top_p,
+        rs.min_p,
+        needs_reproducible_streams=rs.any_seeded,
+    )
