@@ -1,0 +1,78 @@
+"""`tpspec check`: the determinism suite passes on CPU at TP=2, and catches a rank that disagrees."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tpspec import check as C
+from tpspec.cli import main
+
+
+def test_check_tp2_mp_cpu_passes(tmp_path, capsys):
+    out = tmp_path / "check.json"
+    code = main(["check", "--tp", "2", "--launcher", "mp", "--device", "cpu", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    report = json.loads(out.read_text())
+    rows = {r["key"]: r for r in report["results"]}
+    assert [k for k, _ in C.PROPERTIES] == list(rows)[: len(C.PROPERTIES)]
+    for key in ("ranks_agree", "greedy_argmax", "seeded_tp_invariant", "gumbel_exact"):
+        assert rows[key]["status"] == C.PASS, rows[key]
+        assert rows[key]["rows"] > 0 and rows[key]["mismatches"] == 0
+    assert rows["gumbel_exact"]["p_value"] > C.P_VALUE_THRESHOLD
+    # Rows that cannot apply on CPU are skipped with a reason, never failed.
+    for key in ("ll_equals_allgather", "cuda_graph", "cpu_gpu_bits"):
+        assert rows[key]["status"] == C.SKIP and "CUDA" in rows[key]["detail"]
+    assert "FAIL" not in text
+
+
+def test_perturbed_rank_fails_the_ranks_agree_row(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv(C.PERTURB_ENV, "1")
+    out = tmp_path / "check.json"
+    code = main(["check", "--tp", "2", "--launcher", "mp", "--device", "cpu", "--quick", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert code != 0
+    rows = {r["key"]: r for r in json.loads(out.read_text())["results"]}
+    assert rows["ranks_agree"]["status"] == C.FAIL
+    assert rows["ranks_agree"]["mismatches"] > 0 and "rank 1" in rows["ranks_agree"]["detail"]
+    # The statistical row does not look at which rank disagrees: it still passes.
+    assert rows["gumbel_exact"]["status"] == C.PASS
+    line = next(line for line in text.splitlines() if line.startswith(C.TITLES["ranks_agree"]))
+    assert "FAIL" in line
+
+
+def test_chi_square_rejects_a_wrong_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
+    _, p_good, dof = C.chi_square(torch.tensor([5010, 2985, 2005]), probs)
+    _, p_bad, _ = C.chi_square(torch.tensor([4700, 3200, 2100]), probs)
+    assert dof == 2 and p_good > 0.5 and p_bad < 1e-6
+
+
+def test_emulated_tp_sizes_agree_on_adversarial_rows():
+    gen = torch.Generator().manual_seed(0)
+    full = C.adversarial_logits(2, 37, gen, 8)
+    expected = torch.argmax(full, dim=-1)
+    for tp in C.splittable_tp_sizes(37, C.EMULATED_TP_SIZES):
+        assert torch.equal(C.emulated_tokens(full, tp), expected), tp
+
+
+def test_merge_marks_a_property_failed_when_any_rank_fails():
+    per_rank = [
+        [C.CheckResult("greedy_argmax", C.PASS, rows=10)],
+        [C.CheckResult("greedy_argmax", C.FAIL, rows=10, mismatches=2, detail="boom")],
+    ]
+    (merged,) = C.merge_rank_results(per_rank)
+    assert merged.status == C.FAIL and merged.mismatches == 2 and "rank 1: boom" in merged.detail
+    table = C.order_results([merged])
+    assert C.exit_code(table) == 1
+    assert C.exit_code([C.CheckResult("x", C.SKIP), C.CheckResult("y", C.PASS)]) == 0
+
+
+def test_torchrun_launcher_without_environment_is_a_clear_error(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(RuntimeError, match="torchrun"):
+        C.run_torchrun(2, "cpu")

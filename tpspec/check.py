@@ -1,0 +1,835 @@
+"""``tpspec check``: the determinism contract of SPEC §8, run on the user's own machines.
+
+Every property of §8 is one row of a pass/fail table, with its evidence (rows
+compared, mismatches, p-values). The exit code is 0 only when no row fails; a row
+whose layer is missing from this build or does not apply on this device (the LL
+exchange and CUDA graphs on CPU) reads SKIP with the reason and does not fail.
+
+Three ways to run it:
+
+* ``tpspec check --tp N --launcher mp|torchrun|ray [--device cpu|cuda] [--quick]``
+  (``mp``: N local processes; ``torchrun``: the command itself runs on every rank,
+  rank 0 prints; ``ray``: one Ray actor per rank, through the runtime's launcher);
+* ``pytest --pyargs tpspec.check`` (one test per property; ``TPSPEC_CHECK_TP``,
+  ``TPSPEC_CHECK_DEVICE``, ``TPSPEC_CHECK_QUICK`` choose the run);
+* inside any process group: ``run_suite(SuiteContext.create(...))`` on every rank, or
+  ``tpspec.testing.run_ranks(tpspec.check.suite_worker, N)``.
+
+The rank-level checks are SPMD: every rank runs the same code on the same data (built
+from a fixed seed, identical everywhere), so every collective is reached by every rank
+in the same order, and every SKIP decision depends only on facts shared by all ranks
+(the device type, what this build contains).
+
+Test hook: ``TPSPEC_TEST_PERTURB_RANK=r`` makes the suite's own exchange wrapper flip the
+first token of every selection on rank ``r`` (the library's exchanges are untouched), so
+the suite can show that it catches ranks that disagree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import importlib.util
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+
+from . import distributed as D
+from . import keys as K
+from .exchange.allgather import AllGatherKeyExchange
+from .exchange.base import KeyExchange
+from .vocab_parallel import VocabShardedLogits, vocab_shard_bounds
+
+PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
+DEFAULT_SEED = 20261202
+P_VALUE_THRESHOLD = 1e-3
+PERTURB_ENV = "TPSPEC_TEST_PERTURB_RANK"
+EMULATED_TP_SIZES = (1, 2, 4, 8)
+
+# (key, table title), in table order. The key names the pytest test: test_<key>.
+PROPERTIES: list[tuple[str, str]] = [
+    ("ranks_agree", "§8.1 all ranks return identical tokens"),
+    ("ll_equals_allgather", "§8.2 LL exchange == all-gather"),
+    ("greedy_argmax", "§8.3 greedy == argmax(gathered logits)"),
+    ("seeded_tp_invariant", "§8.4 seeded Gumbel: same tokens at every TP"),
+    ("seeded_streams", "§8.4 seeded streams: batch / slot independent"),
+    ("gumbel_exact", "§8.5 Gumbel-max exact (chi-square)"),
+    ("rejection_exact", "§8.5 rejection sampling exact (chi-square)"),
+    ("cuda_graph", "§8.6 CUDA-graph replay == eager"),
+    ("cpu_gpu_bits", "§8.7 CPU reference == GPU, bit for bit"),
+    ("generate_tp", "generate at TP=N == TP=1"),
+]
+TITLES = dict(PROPERTIES)
+
+
+@dataclasses.dataclass
+class CheckResult:
+    """One row of the table. ``rows``: rows/tokens/samples compared; ``p_value``: the
+    smallest p-value of the statistical tests behind the row (None when none)."""
+
+    key: str
+    status: str
+    rows: int = 0
+    mismatches: int = 0
+    p_value: float | None = None
+    detail: str = ""
+
+    @property
+    def title(self) -> str:
+        return TITLES.get(self.key, self.key)
+
+
+class Skip(Exception):
+    """Raised by a check whose layer is missing or does not apply here (same on every rank)."""
+
+
+# ----------------------------------------------------------------------------- context
+
+class PerturbedExchange(KeyExchange):
+    """Test-only wrapper: delegates to ``inner`` and, on rank ``perturb_rank``, flips the
+    lowest bit of the first token of every result (so that rank disagrees with the others)."""
+
+    def __init__(self, inner: KeyExchange, perturb_rank: int) -> None:
+        super().__init__(inner.group, inner.rank, inner.world_size, inner.device)
+        self.inner = inner
+        self.perturb_rank = perturb_rank
+        self.MAX_ROWS = inner.MAX_ROWS
+        self.NUM_CHANNELS = inner.NUM_CHANNELS
+        self.step_counter = inner.step_counter
+
+    def _perturb(self, out: torch.Tensor) -> torch.Tensor:
+        if self.rank != self.perturb_rank or out.numel() == 0:
+            return out
+        out = out.clone()
+        out[0] ^= 1
+        return out
+
+    def max_keys(self, keys: torch.Tensor, *, channel: int = 0) -> torch.Tensor:
+        return self._perturb(self.inner.max_keys(keys, channel=channel))
+
+    def argmax_tokens(self, local_max, local_argmax, vocab_offset, *, channel=0):  # type: ignore[override]
+        return self._perturb(self.inner.argmax_tokens(local_max, local_argmax, vocab_offset, channel=channel))
+
+    def argmax_logits(self, logits, vocab_offset, **kwargs):  # type: ignore[override]
+        return self._perturb(self.inner.argmax_logits(logits, vocab_offset, **kwargs))
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class SingleRankExchange(KeyExchange):
+    """The TP=1 reference: a group of one, whose max over ranks is the local keys."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(None, 0, 1, torch.device(device))
+
+    def max_keys(self, keys: torch.Tensor, *, channel: int = 0) -> torch.Tensor:
+        return keys.clone()
+
+
+@dataclasses.dataclass
+class SuiteContext:
+    """What every rank-level check needs. Equal on every rank except ``rank``."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    group: Any
+    quick: bool = False
+    seed: int = DEFAULT_SEED
+    perturb_rank: int | None = None
+    ledger: list[torch.Tensor] = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def create(cls, device: str | torch.device = "cpu", *, quick: bool = False, seed: int = DEFAULT_SEED,
+               group: Any = None) -> "SuiteContext":
+        """Context for the calling rank of ``group`` (default: the TP group, else the default group)."""
+        if group is None:
+            group = D.tp_group()
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        perturb = os.environ.get(PERTURB_ENV)
+        return cls(
+            rank=D.group_rank(group),
+            world_size=D.group_size(group),
+            device=device,
+            group=group,
+            quick=quick,
+            seed=seed,
+            perturb_rank=int(perturb) if perturb not in (None, "") else None,
+        )
+
+    def wrap(self, exchange: KeyExchange) -> KeyExchange:
+        """The exchange the checks use: ``exchange`` itself, or the perturbing test wrapper."""
+        if self.perturb_rank is None:
+            return exchange
+        return PerturbedExchange(exchange, self.perturb_rank)
+
+    def allgather_exchange(self) -> KeyExchange:
+        return self.wrap(AllGatherKeyExchange(self.group, device=self.device))
+
+    def generator(self, salt: int) -> torch.Generator:
+        """A CPU generator seeded from the suite seed and ``salt``: the same data on every rank."""
+        return torch.Generator().manual_seed((self.seed * 1_000_003 + salt) % 2**63)
+
+    def record(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Keep a copy of tokens this rank selected, for the cross-rank comparison (§8.1)."""
+        self.ledger.append(tokens.detach().to("cpu", torch.int64).reshape(-1))
+        return tokens
+
+
+# ------------------------------------------------------------------------------ helpers
+
+def require_module(name: str) -> Any:
+    """Import ``name``; raise :class:`Skip` when this build does not contain it (an
+    existing module that fails to import is an error, not a skip)."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except ModuleNotFoundError:
+        spec = None
+    if spec is None:
+        raise Skip(f"{name} is not in this build")
+    return importlib.import_module(name)
+
+
+def shard_slice(full: torch.Tensor, tp: int, tp_rank: int) -> tuple[torch.Tensor, int]:
+    """Rank ``tp_rank``'s zero-padded ``[R, ceil(V / tp)]`` slice of ``full`` and its vocab offset."""
+    vocab = full.shape[1]
+    offset, width, real = vocab_shard_bounds(vocab, tp, tp_rank)
+    local = torch.zeros(full.shape[0], width, dtype=full.dtype, device=full.device)
+    local[:, :real] = full[:, offset : offset + real]
+    return local, offset
+
+
+def emulated_tokens(
+    full: torch.Tensor,
+    tp: int,
+    temperature: torch.Tensor | None = None,
+    seeds: torch.Tensor | None = None,
+    offsets: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The tokens a TP=``tp`` group would pick from ``full`` (``[R, V]``), computed in one
+    process: every shard's row keys (padding included), then the max over shards."""
+    vocab = full.shape[1]
+    best = None
+    for r in range(tp):
+        local, offset = shard_slice(full, tp, r)
+        keys = K.local_row_keys(local, offset, vocab_size=vocab, temperature=temperature, seeds=seeds, offsets=offsets)
+        best = keys if best is None else torch.maximum(best, keys)
+    return K.unpack_indices(best)
+
+
+def splittable_tp_sizes(vocab: int, sizes: tuple[int, ...]) -> list[int]:
+    """The TP sizes of ``sizes`` that can split ``vocab`` columns."""
+    ok = []
+    for tp in sizes:
+        try:
+            vocab_shard_bounds(vocab, tp, tp - 1)
+        except ValueError:
+            continue
+        ok.append(tp)
+    return ok
+
+
+def random_streams(gen: torch.Generator, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row 64-bit ``(seeds, offsets)``: any bit pattern, as a user's streams may be."""
+    seeds = torch.randint(-(2**63), 2**63 - 1, (rows,), generator=gen, dtype=torch.int64)
+    offsets = torch.randint(0, 2**62, (rows,), generator=gen, dtype=torch.int64)
+    return seeds, offsets
+
+
+def adversarial_logits(tp: int, vocab: int, gen: torch.Generator, random_rows: int) -> torch.Tensor:
+    """``[R, vocab]`` float32 rows that break naive selections: ties across every shard
+    boundary of TP=``tp`` (and of 1, 2, 4, 8), padding that would win, NaN, ±inf, ±0,
+    extreme and subnormal values, heavy ties; then ``random_rows`` Gaussian rows."""
+    rows: list[torch.Tensor] = []
+
+    def low() -> torch.Tensor:  # a row of distinct negative values: padding zeros would win
+        return -1.0 - torch.rand(vocab, generator=gen)
+
+    boundaries = sorted({r * math.ceil(vocab / t) for t in splittable_tp_sizes(vocab, (tp, *EMULATED_TP_SIZES))
+                         for r in range(1, t)})
+    for b in boundaries:
+        row = low()
+        row[b - 1] = row[b] = 3.0  # tie across the boundary: the lower column wins
+        rows.append(row)
+        row = low()
+        row[b] = 3.0
+        row[vocab - 1] = 3.0  # tie between a shard's first column and the last real column
+        rows.append(row)
+    rows.append(low())  # all negative: the zero padding of the last shard must never win
+    last = boundaries[-1] if boundaries else vocab // 2
+    row = low(); row[last] = float("nan"); row[2] = float("nan"); rows.append(row)  # first NaN
+    row = low(); row[1] = float("inf"); row[vocab - 1] = float("nan"); rows.append(row)  # NaN beats +inf
+    row = low(); row[last] = float("inf"); row[vocab - 1] = float("inf"); rows.append(row)  # first +inf
+    rows.append(torch.full((vocab,), float("-inf")))  # all -inf: column 0
+    row = torch.full((vocab,), float("-inf")); row[vocab - 1] = -1e30; rows.append(row)
+    row = torch.full((vocab,), float("nan")); rows.append(row)  # all NaN: column 0
+    row = low(); row[last] = -0.0; row[vocab - 1] = 0.0; rows.append(row)  # -0.0 == +0.0: lower column
+    row = low(); row[1] = 0.0; row[last] = -0.0; rows.append(row)
+    rows.append(torch.full((vocab,), -0.0))
+    row = low(); row[last] = torch.finfo(torch.float32).max; row[0] = -torch.finfo(torch.float32).max; rows.append(row)
+    row = -torch.rand(vocab, generator=gen) * 1e-45; row[last] = 1e-45; rows.append(row)  # subnormals
+    rows.append(torch.randint(-2, 2, (vocab,), generator=gen).to(torch.float32))  # many ties
+    fixed = torch.stack(rows)
+    return torch.cat([fixed, torch.randn(random_rows, vocab, generator=gen) * 3.0])
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, float, int]:
+    """Pearson's chi-square of observed ``counts`` against ``probs``: ``(statistic, p_value, dof)``.
+
+    Categories whose expected count is below 5 are pooled into one; the p-value is the
+    chi-square survival function (regularized upper incomplete gamma), so no scipy needed.
+    """
+    counts = counts.to(torch.float64)
+    n = counts.sum()
+    expected = probs.to(torch.float64) * n
+    big = expected >= 5
+    obs = counts[big]
+    exp = expected[big]
+    if (~big).any():
+        obs = torch.cat([obs, counts[~big].sum().reshape(1)])
+        exp = torch.cat([exp, expected[~big].sum().reshape(1)])
+    stat = float(((obs - exp) ** 2 / exp.clamp_min(1e-300)).sum())
+    dof = max(int(obs.numel()) - 1, 1)
+    p = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+    return stat, p, dof
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _join(details: list[str], limit: int = 3) -> str:
+    """The first ``limit`` findings, and how many more there were."""
+    text = "; ".join(details[:limit])
+    return text + (f"; ... {len(details) - limit} more" if len(details) > limit else "")
+
+
+def _mismatches(a: torch.Tensor, b: torch.Tensor) -> int:
+    a, b = a.to("cpu").reshape(-1), b.to("cpu").reshape(-1)
+    if a.shape != b.shape:
+        return max(a.numel(), b.numel())
+    return int((a != b).sum())
+
+
+# ----------------------------------------------------------------------- rank-level checks
+# Each check runs on every rank of the group (SPMD) and returns that rank's CheckResult.
+
+def check_greedy_argmax(ctx: SuiteContext) -> CheckResult:
+    """§8.3: greedy tokens (argmax, and temperature-0 sampling) equal ``torch.argmax`` of the
+    gathered logits and of the original full logits, in fp32, bf16 and fp16."""
+    ex = ctx.allgather_exchange()
+    rows = mism = 0
+    details = []
+    for vocab in ((37, 250) if ctx.quick else (37, 1000, 4099)):
+        if not splittable_tp_sizes(vocab, (ctx.world_size,)):
+            continue
+        full32 = adversarial_logits(ctx.world_size, vocab, ctx.generator(vocab), 16 if ctx.quick else 128)
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            full = full32.to(dtype).to(ctx.device)
+            local, offset = shard_slice(full, ctx.world_size, ctx.rank)
+            sharded = VocabShardedLogits(local, offset, vocab, ex)
+            expected = torch.argmax(full, dim=-1)
+            gathered = sharded.gather()
+            from_gather = torch.argmax(gathered, dim=-1)
+            greedy = ctx.record(sharded.argmax())
+            zero_t = ctx.record(sharded.sample(0.0))
+            for name, got in (("argmax", greedy), ("temperature 0", zero_t), ("gather", from_gather)):
+                bad = _mismatches(got, expected)
+                if bad:
+                    details.append(f"{name} V={vocab} {_dtype_name(dtype)}: {bad} rows")
+                mism += bad
+                rows += full.shape[0]
+            if not torch.equal(gathered.to("cpu").contiguous().view(torch.uint8), full.to("cpu").view(torch.uint8)):
+                details.append(f"gather() is not bit-exact (V={vocab}, {_dtype_name(dtype)})")
+                mism += 1
+    status = PASS if mism == 0 else FAIL
+    return CheckResult("greedy_argmax", status, rows, mism, detail=_join(details) or
+                       "ties across shards, padding, NaN, ±inf, ±0, subnormals; fp32/bf16/fp16")
+
+
+def check_seeded_tp_invariant(ctx: SuiteContext) -> CheckResult:
+    """§8.4 (TP size): with the same logits and streams, the group's Gumbel tokens equal
+    what TP = 1, 2, 4, 8 would pick (emulated in one process), and repeat exactly."""
+    ex = ctx.allgather_exchange()
+    rows = mism = 0
+    details = []
+    sizes = ((64, 1000),) if ctx.quick else ((256, 1000), (64, 4099))
+    for num_rows, vocab in sizes:
+        gen = ctx.generator(10_000 + vocab)
+        full32 = torch.randn(num_rows, vocab, generator=gen) * 2.0
+        temps = torch.tensor([0.0, 0.5, 1.0, 1.7], dtype=torch.float32).repeat(num_rows // 4)
+        seeds, offsets = random_streams(gen, num_rows)
+        for dtype in (torch.float32, torch.bfloat16):
+            full = full32.to(dtype)
+            local, offset = shard_slice(full.to(ctx.device), ctx.world_size, ctx.rank)
+            sharded = VocabShardedLogits(local, offset, vocab, ex)
+            t, s, o = temps.to(ctx.device), seeds.to(ctx.device), offsets.to(ctx.device)
+            got = ctx.record(sharded.sample(t, s, o))
+            again = ctx.record(sharded.sample(t, s, o))
+            bad = _mismatches(got, again)
+            if bad:
+                details.append(f"not reproducible: {bad} rows")
+            mism += bad
+            rows += num_rows
+            for tp in splittable_tp_sizes(vocab, EMULATED_TP_SIZES):
+                ref = emulated_tokens(full, tp, temps, seeds, offsets)
+                bad = _mismatches(got, ref)
+                if bad:
+                    details.append(f"TP={ctx.world_size} vs TP={tp} V={vocab} {_dtype_name(dtype)}: {bad} rows")
+                mism += bad
+                rows += num_rows
+            # Sanity: the noise is used (sampled rows are not all the argmax).
+            sampled = temps > 0
+            if torch.equal(got.cpu()[sampled], torch.argmax(full.float(), -1)[sampled]):
+                details.append("sampled rows all equal the argmax: the noise is not applied")
+                mism += 1
+    return CheckResult("seeded_tp_invariant", PASS if mism == 0 else FAIL, rows, mism,
+                       detail=_join(details) or f"TP={ctx.world_size} vs emulated TP={list(EMULATED_TP_SIZES)}, "
+                       "repeat; fp32/bf16")
+
+
+def check_gumbel_exact(ctx: SuiteContext) -> CheckResult:
+    """§8.5 (Gumbel-max): the group's draws from fixed logits, one row per sample with its
+    own stream, follow softmax(logits / T): chi-square p > 0.001 at two temperatures."""
+    ex = ctx.allgather_exchange()
+    vocab = 37
+    samples = 8000 if ctx.quick else 40000
+    gen = ctx.generator(20_000)
+    logits = torch.randn(vocab, generator=gen) * 1.5
+    seeds = torch.full((samples,), ctx.seed, dtype=torch.int64)
+    offsets = torch.arange(samples, dtype=torch.int64) * 32  # one 32-wide window per draw (SPEC §6)
+    p_values, tvs = [], []
+    for temp in (1.0, 0.6):
+        full = logits.expand(samples, vocab).contiguous().to(ctx.device)
+        local, offset = shard_slice(full, ctx.world_size, ctx.rank)
+        sharded = VocabShardedLogits(local, offset, vocab, ex)
+        tokens = ctx.record(sharded.sample(
+            torch.full((samples,), temp, device=ctx.device), seeds.to(ctx.device), offsets.to(ctx.device)))
+        counts = torch.bincount(tokens.cpu(), minlength=vocab)[:vocab]
+        probs = torch.softmax(logits.double() / temp, dim=0)
+        _, p, _ = chi_square(counts, probs)
+        p_values.append(p)
+        tvs.append(0.5 * float((counts.double() / samples - probs).abs().sum()))
+    p_min = min(p_values)
+    return CheckResult("gumbel_exact", PASS if p_min > P_VALUE_THRESHOLD else FAIL, 2 * samples, 0, p_min,
+                       detail=f"V={vocab}, T=1.0/0.6, n={samples} each, TV={max(tvs):.4f}")
+
+
+def check_ll_equals_allgather(ctx: SuiteContext) -> CheckResult:
+    """§8.2: the LL exchange and the all-gather exchange pick identical tokens (GPU only)."""
+    if ctx.device.type != "cuda":
+        raise Skip("the LL exchange needs CUDA (device=cpu)")
+    require_module("tpspec.exchange.ll")
+    from .exchange.factory import make_key_exchange
+
+    try:
+        ll = ctx.wrap(make_key_exchange(ctx.group, prefer="ll", device=ctx.device))
+    except RuntimeError as exc:
+        raise Skip(f"LL exchange unavailable here: {exc}") from None
+    ag = ctx.allgather_exchange()
+    rows = mism = 0
+    details = []
+    try:
+        row_counts = (1, 8, 64) if ctx.quick else (1, 7, 64, 256, 1024)
+        for vocab in (1000, 32000):
+            gen = ctx.generator(30_000 + vocab)
+            adv = adversarial_logits(ctx.world_size, vocab, gen, 0)
+            for num_rows in row_counts:
+                full = torch.randn(num_rows, vocab, generator=gen) * 2.0
+                full = torch.cat([adv, full])[-num_rows:] if num_rows >= adv.shape[0] else full
+                local, offset = shard_slice(full.to(ctx.device), ctx.world_size, ctx.rank)
+                temps = torch.tensor([0.0, 0.8, 1.0, 1.3]).repeat(num_rows)[:num_rows].to(ctx.device)
+                seeds, offsets = (t.to(ctx.device) for t in random_streams(gen, num_rows))
+                for channel in (0, 1):
+                    pairs = [
+                        (ll.argmax_logits(local, offset, vocab_size=vocab, channel=channel),
+                         ag.argmax_logits(local, offset, vocab_size=vocab, channel=channel), "greedy"),
+                        (ll.argmax_logits(local, offset, vocab_size=vocab, temperature=temps, seeds=seeds,
+                                          offsets=offsets, channel=channel),
+                         ag.argmax_logits(local, offset, vocab_size=vocab, temperature=temps, seeds=seeds,
+                                          offsets=offsets, channel=channel), "seeded"),
+                    ]
+                    for a, b, name in pairs:
+                        ctx.record(a)
+                        bad = _mismatches(a, b)
+                        if bad:
+                            details.append(f"{name} R={num_rows} V={vocab} ch={channel}: {bad}")
+                        mism += bad
+                        rows += num_rows
+    finally:
+        ll.close()
+    return CheckResult("ll_equals_allgather", PASS if mism == 0 else FAIL, rows, mism,
+                       detail=_join(details) or "greedy + seeded Gumbel, both channels")
+
+
+def check_cpu_gpu_bits(ctx: SuiteContext) -> CheckResult:
+    """§8.7: keys computed on the GPU equal the CPU reference bit for bit, and the group's
+    GPU tokens equal the CPU-emulated tokens (GPU only)."""
+    if ctx.device.type != "cuda":
+        raise Skip("needs CUDA (device=cpu)")
+    ex = ctx.allgather_exchange()
+    rows = mism = 0
+    gen = ctx.generator(40_000)
+    num_rows, vocab = (64, 4099) if ctx.quick else (256, 32003)
+    full = torch.randn(num_rows, vocab, generator=gen) * 3.0
+    temps = torch.tensor([0.0, 0.5, 1.0, 2.0]).repeat(num_rows // 4)
+    seeds, offsets = random_streams(gen, num_rows)
+    local, offset = shard_slice(full, ctx.world_size, ctx.rank)
+    cpu_keys = K.local_row_keys(local, offset, vocab_size=vocab, temperature=temps, seeds=seeds, offsets=offsets)
+    gpu_keys = K.local_row_keys(local.to(ctx.device), offset, vocab_size=vocab, temperature=temps.to(ctx.device),
+                                seeds=seeds.to(ctx.device), offsets=offsets.to(ctx.device))
+    mism += _mismatches(cpu_keys, gpu_keys)
+    cols = torch.arange(offset, offset + min(local.shape[1], vocab - offset))
+    cpu_scores = K.gumbel_scores(local[:, : cols.numel()], cols, torch.ones(num_rows), seeds, offsets)
+    gpu_scores = K.gumbel_scores(local[:, : cols.numel()].to(ctx.device), cols.to(ctx.device),
+                                 torch.ones(num_rows, device=ctx.device), seeds.to(ctx.device), offsets.to(ctx.device))
+    score_bad = int((cpu_scores.view(torch.int32) != gpu_scores.cpu().view(torch.int32)).sum())
+    mism += score_bad
+    rows += 2 * num_rows + cpu_scores.numel()
+    sharded = VocabShardedLogits(local.to(ctx.device), offset, vocab, ex)
+    tokens = ctx.record(sharded.sample(temps.to(ctx.device), seeds.to(ctx.device), offsets.to(ctx.device)))
+    mism += _mismatches(tokens, emulated_tokens(full, ctx.world_size, temps, seeds, offsets))
+    rows += num_rows
+    return CheckResult("cpu_gpu_bits", PASS if mism == 0 else FAIL, rows, mism,
+                       detail=f"row keys, {cpu_scores.numel()} Gumbel scores ({score_bad} differ), tokens")
+
+
+def check_cuda_graph(ctx: SuiteContext) -> CheckResult:
+    """§8.6: an exchange captured in a CUDA graph and replayed gives the eager tokens,
+    including unseeded rows whose step counter advances inside the graph (GPU only)."""
+    if ctx.device.type != "cuda":
+        raise Skip("CUDA graphs need CUDA (device=cpu)")
+    exchange = None
+    if importlib.util.find_spec("tpspec.exchange.ll") is not None:
+        from .exchange.factory import make_key_exchange
+
+        try:
+            exchange = make_key_exchange(ctx.group, prefer="ll", device=ctx.device)
+        except RuntimeError:
+            exchange = None
+    if exchange is None:
+        if D.group_backend(ctx.group) not in (None, "nccl"):
+            raise Skip("no capturable exchange: LL unavailable and the group is not NCCL")
+        exchange = AllGatherKeyExchange(ctx.group, device=ctx.device)
+    ex = ctx.wrap(exchange)
+    gen = ctx.generator(50_000)
+    num_rows, vocab, steps = 64, 4099, 4
+    full = torch.randn(num_rows, vocab, generator=gen) * 2.0
+    local, offset = shard_slice(full.to(ctx.device), ctx.world_size, ctx.rank)
+    temps = torch.tensor([0.0, 1.0]).repeat(num_rows // 2).to(ctx.device)
+    seeds, offsets = (t.to(ctx.device) for t in random_streams(gen, num_rows))
+
+    def step() -> torch.Tensor:
+        greedy = ex.argmax_logits(local, offset, vocab_size=vocab, channel=1)
+        seeded = ex.argmax_logits(local, offset, vocab_size=vocab, temperature=temps, seeds=seeds, offsets=offsets,
+                                  channel=1)
+        unseeded = ex.argmax_logits(local, offset, vocab_size=vocab, temperature=temps, channel=1)
+        return torch.stack([greedy, seeded, unseeded])
+
+    try:
+        start = ex.step_counter.clone()
+        eager = [step().clone() for _ in range(steps)]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()  # warm-up outside capture (compiles, allocates)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = step()
+        ex.step_counter.copy_(start)
+        replayed = []
+        for _ in range(steps):
+            graph.replay()
+            replayed.append(static_out.clone())
+        torch.cuda.synchronize()
+    finally:
+        ex.close()
+    mism = sum(_mismatches(a, b) for a, b in zip(eager, replayed))
+    for t in replayed:
+        ctx.record(t)
+    return CheckResult("cuda_graph", PASS if mism == 0 else FAIL, steps * 3 * num_rows, mism,
+                       detail=f"{type(exchange).__name__}: greedy, seeded, unseeded x {steps} replays")
+
+
+def check_ranks_agree(ctx: SuiteContext) -> CheckResult:
+    """§8.1: every token any check selected on this rank equals rank 0's (collective)."""
+    mine = torch.cat(ctx.ledger) if ctx.ledger else torch.zeros(0, dtype=torch.int64)
+    everyone = D.all_gather_object(mine.numpy(), ctx.group)
+    ref = torch.from_numpy(everyone[0])
+    mism = 0
+    bad_ranks = []
+    for r, theirs in enumerate(everyone):
+        bad = _mismatches(torch.from_numpy(theirs), ref)
+        if bad:
+            bad_ranks.append(f"rank {r}: {bad}")
+        mism += bad
+    detail = (f"{len(ctx.ledger)} selections on {ctx.world_size} ranks"
+              if not bad_ranks else "differ from rank 0: " + ", ".join(bad_ranks))
+    return CheckResult("ranks_agree", PASS if mism == 0 else FAIL, int(ref.numel()), mism, detail=detail)
+
+
+RANK_CHECKS: list[Callable[[SuiteContext], CheckResult]] = [
+    check_greedy_argmax,
+    check_seeded_tp_invariant,
+    check_gumbel_exact,
+    check_ll_equals_allgather,
+    check_cpu_gpu_bits,
+    check_cuda_graph,
+]
+
+
+def _guarded(key: str, fn: Callable[[], CheckResult]) -> CheckResult:
+    try:
+        return fn()
+    except Skip as exc:
+        return CheckResult(key, SKIP, detail=str(exc))
+    except Exception as exc:  # noqa: BLE001 - an error is a failed property, reported with its cause
+        traceback.print_exc(file=sys.stderr)
+        return CheckResult(key, FAIL, detail=f"error: {type(exc).__name__}: {exc}")
+
+
+def _check_key(fn: Callable[..., CheckResult]) -> str:
+    return fn.__name__.removeprefix("check_")
+
+
+def run_suite(ctx: SuiteContext) -> list[CheckResult]:
+    """Run every rank-level check on this rank (call it on every rank of ``ctx.group``).
+
+    Returns this rank's results; the ranks-agree row comes last and is computed from the
+    tokens every other check recorded. Collective.
+    """
+    results = [_guarded(_check_key(fn), lambda fn=fn: fn(ctx)) for fn in RANK_CHECKS]
+    results.append(_guarded("ranks_agree", lambda: check_ranks_agree(ctx)))
+    return results
+
+
+def suite_worker(rank: int, world_size: int, device: str = "cpu", quick: bool = False,
+                 seed: int = DEFAULT_SEED) -> list[dict[str, Any]]:
+    """``run_ranks`` entry point: the rank-level suite on this rank, as plain dicts."""
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        device = f"cuda:{torch.cuda.current_device()}"
+    ctx = SuiteContext.create(device, quick=quick, seed=seed)
+    return [dataclasses.asdict(r) for r in run_suite(ctx)]
+
+
+# ----------------------------------------------------------------------- merging, table
+
+def merge_rank_results(per_rank: list[list[dict[str, Any]]]) -> list[CheckResult]:
+    """One result per property from every rank's: FAIL when any rank failed (its detail
+    first), SKIP when every rank skipped; rows from rank 0, mismatches summed, smallest p."""
+    by_key: dict[str, list[CheckResult]] = {}
+    for rank_results in per_rank:
+        for r in rank_results:
+            r = r if isinstance(r, CheckResult) else CheckResult(**r)
+            by_key.setdefault(r.key, []).append(r)
+    merged = []
+    for key, results in by_key.items():
+        failed = [(i, r) for i, r in enumerate(results) if r.status == FAIL]
+        statuses = {r.status for r in results}
+        status = FAIL if failed else (SKIP if statuses == {SKIP} else PASS)
+        if failed and key != "ranks_agree" and len(results) > 1:
+            detail = "; ".join(f"rank {i}: {r.detail}" for i, r in failed[:2])
+        else:
+            detail = results[0].detail if not failed else failed[0][1].detail
+        if key == "ranks_agree":  # computed collectively: every rank holds the same numbers
+            mismatches = results[0].mismatches
+        else:
+            mismatches = sum(r.mismatches for r in results)
+        ps = [r.p_value for r in results if r.p_value is not None]
+        merged.append(CheckResult(key, status, results[0].rows, mismatches, min(ps) if ps else None, detail))
+    return merged
+
+
+def order_results(results: list[CheckResult]) -> list[CheckResult]:
+    """Table order of SPEC §8; properties nobody reported read SKIP."""
+    by_key = {r.key: r for r in results}
+    ordered = [by_key.pop(key, CheckResult(key, SKIP, detail="not run by this launcher")) for key, _ in PROPERTIES]
+    return ordered + list(by_key.values())
+
+
+def format_results(results: list[CheckResult], *, color: bool = False) -> str:
+    """The pass/fail table: property, result, rows compared, mismatches, p-value, detail."""
+    header = ["property", "result", "rows", "mismatches", "p-value", "detail"]
+    body = [[r.title, r.status, str(r.rows) if r.status != SKIP else "-",
+             str(r.mismatches) if r.status != SKIP else "-",
+             f"{r.p_value:.3g}" if r.p_value is not None else "-", r.detail] for r in results]
+    widths = [max(len(h), *(len(row[i]) for row in body)) for i, h in enumerate(header[:-1])]
+    paint = {PASS: "\033[32m", FAIL: "\033[31;1m", SKIP: "\033[33m"}
+
+    def line(cells: list[str], status: str | None = None) -> str:
+        parts = []
+        for i, cell in enumerate(cells[:-1]):
+            text = cell.rjust(widths[i]) if i >= 2 else cell.ljust(widths[i])
+            if i == 1 and color and status:
+                text = f"{paint[status]}{text}\033[0m"
+            parts.append(text)
+        return "  ".join(parts + [cells[-1]])
+
+    lines = [line(header), "  ".join("-" * w for w in widths) + "  ------"]
+    lines += [line(row, r.status) for row, r in zip(body, results)]
+    failed = sum(r.status == FAIL for r in results)
+    skipped = sum(r.status == SKIP for r in results)
+    lines.append(f"{len(results) - failed - skipped} passed, {failed} failed, {skipped} skipped")
+    return "\n".join(lines)
+
+
+def exit_code(results: list[CheckResult]) -> int:
+    """0 when no property failed (SKIP does not fail), else 1."""
+    return 1 if any(r.status == FAIL for r in results) else 0
+
+
+# ---------------------------------------------------------------------------- launchers
+
+def _mp_backend(device: str, tp: int) -> str:
+    # NCCL refuses two ranks on one GPU: share a GPU over gloo (which handles CUDA tensors).
+    if device == "cuda" and torch.cuda.device_count() >= tp:
+        return "nccl"
+    return "gloo"
+
+
+def run_mp(tp: int, device: str = "cpu", *, quick: bool = False, seed: int = DEFAULT_SEED,
+           timeout_s: float = 600.0) -> list[CheckResult]:
+    """The whole suite on ``tp`` fresh local processes (``run_ranks``); returns the merged rows."""
+    from .testing import RankError, run_ranks
+
+    try:
+        per_rank = run_ranks(suite_worker, tp, device, quick, seed, timeout_s=timeout_s,
+                             backend=_mp_backend(device, tp))
+        results = merge_rank_results(per_rank)
+    except RankError as exc:
+        results = [CheckResult("ranks_agree", FAIL, detail=f"the rank processes failed: {str(exc).splitlines()[0]}")]
+        print(exc, file=sys.stderr)
+    return results + driver_checks(tp, device, quick=quick, seed=seed, launcher="mp")
+
+
+def run_torchrun(tp: int | None, device: str = "cpu", *, quick: bool = False,
+                 seed: int = DEFAULT_SEED) -> tuple[list[CheckResult], int]:
+    """The suite as one rank of a torchrun job (every rank runs this); returns the merged
+    rows (the same on every rank) and this rank's index."""
+    if os.environ.get("RANK") is None or os.environ.get("WORLD_SIZE") is None:
+        raise RuntimeError("--launcher torchrun: RANK/WORLD_SIZE are not set; start it as "
+                           "`torchrun --nproc-per-node N -m tpspec check --launcher torchrun`")
+    world = int(os.environ["WORLD_SIZE"])
+    if tp is not None and tp != world:
+        raise ValueError(f"--tp {tp} differs from torchrun's WORLD_SIZE={world}")
+    mapping = D.init_distributed(device=device, backend="gloo" if device == "cpu" else None)
+    dev = f"cuda:{torch.cuda.current_device()}" if device == "cuda" else "cpu"
+    mine = [dataclasses.asdict(r) for r in run_suite(SuiteContext.create(dev, quick=quick, seed=seed))]
+    everyone = D.all_gather_object(mine)
+    results = merge_rank_results(everyone)
+    return results + driver_checks(world, device, quick=quick, seed=seed, launcher="torchrun"), mapping.rank
+
+
+def run_ray(tp: int, device: str = "cpu", *, quick: bool = False, seed: int = DEFAULT_SEED,
+            timeout_s: float = 600.0) -> list[CheckResult]:
+    """The suite on ``tp`` Ray actors, one per rank, through the runtime's Ray launcher."""
+    try:
+        launchers = importlib.import_module("tpspec.runtime.launchers")
+    except ImportError as exc:
+        raise RuntimeError(f"--launcher ray needs tpspec.runtime.launchers: {exc}") from None
+    run_on_actors = getattr(launchers, "run_ray_ranks", None)
+    if run_on_actors is None:
+        raise RuntimeError("--launcher ray: this build's runtime has no Ray launcher (run_ray_ranks)")
+    per_rank = run_on_actors(suite_worker, tp, device, quick, seed, timeout_s=timeout_s)
+    return merge_rank_results(per_rank) + driver_checks(tp, device, quick=quick, seed=seed, launcher="ray")
+
+
+# ----------------------------------------------------------------------- driver-level checks
+
+def driver_checks(tp: int, device: str, *, quick: bool, seed: int, launcher: str) -> list[CheckResult]:
+    """Checks that run whole-model generation through the runtime (not per rank)."""
+    return []
+
+
+# ---------------------------------------------------------------------------------- CLI
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tp", type=int, default=None, help="ranks of the TP group (default: 2; torchrun: WORLD_SIZE)")
+    parser.add_argument("--launcher", choices=("mp", "torchrun", "ray"), default="mp",
+                        help="mp: local processes; torchrun: run under torchrun on every rank; ray: Ray actors")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                        help="default: cuda when available, else cpu")
+    parser.add_argument("--quick", action="store_true", help="smaller sizes (seconds)")
+    parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="seed of every input the suite builds")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds before unfinished ranks fail the run")
+    parser.add_argument("--json", default=None, help="also write the results to this JSON file")
+
+
+def run(args: argparse.Namespace) -> int:
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("tpspec check: --device cuda but no CUDA device is visible")
+    if args.tp is not None and args.tp < 1:
+        raise SystemExit(f"tpspec check: --tp must be >= 1, got {args.tp}")
+    started = time.monotonic()
+    rank = 0
+    if args.launcher == "torchrun":
+        results, rank = run_torchrun(args.tp, device, quick=args.quick, seed=args.seed)
+        tp = D.group_size()
+    elif args.launcher == "ray":
+        tp = args.tp or 2
+        results = run_ray(tp, device, quick=args.quick, seed=args.seed, timeout_s=args.timeout)
+    else:
+        tp = args.tp or 2
+        results = run_mp(tp, device, quick=args.quick, seed=args.seed, timeout_s=args.timeout)
+    results = order_results(results)
+    code = exit_code(results)
+    if rank == 0:
+        print(f"tpspec check: TP={tp}, launcher={args.launcher}, device={device}, "
+              f"{'quick' if args.quick else 'full'}, seed={args.seed}, {time.monotonic() - started:.1f} s")
+        print(format_results(results, color=sys.stdout.isatty() and "NO_COLOR" not in os.environ))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"tp": tp, "launcher": args.launcher, "device": device, "quick": args.quick,
+                           "seed": args.seed, "passed": code == 0,
+                           "results": [dataclasses.asdict(r) | {"title": r.title} for r in results]}, f, indent=2)
+    if args.launcher == "torchrun":
+        D.destroy_distributed()
+    return code
+
+
+# ----------------------------------------------------------------- pytest --pyargs tpspec.check
+
+_PYTEST_CACHE: dict[str, CheckResult] | None = None
+
+
+def _pytest_results() -> dict[str, CheckResult]:
+    """The suite run once per pytest session (``TPSPEC_CHECK_TP`` ranks, default 2)."""
+    global _PYTEST_CACHE
+    if _PYTEST_CACHE is None:
+        tp = int(os.environ.get("TPSPEC_CHECK_TP", "2"))
+        device = os.environ.get("TPSPEC_CHECK_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
+        quick = os.environ.get("TPSPEC_CHECK_QUICK", "") not in ("", "0")
+        _PYTEST_CACHE = {r.key: r for r in order_results(run_mp(tp, device, quick=quick))}
+    return _PYTEST_CACHE
+
+
+def _make_pytest_test(key: str) -> Callable[[], None]:
+    def test() -> None:
+        import pytest
+
+        result = _pytest_results()[key]
+        if result.status == SKIP:
+            pytest.skip(result.detail)
+        assert result.status == PASS, f"{result.title}: {result.mismatches} mismatches; {result.detail}"
+
+    test.__name__ = test.__qualname__ = f"test_{key}"
+    test.__doc__ = f"SPEC: {TITLES[key]}"
+    return test
+
+
+for _key, _ in PROPERTIES:
+    globals()[f"test_{_key}"] = _make_pytest_test(_key)
+del _key
