@@ -1,0 +1,64 @@
+"""Layer 7: the tensor-parallel Llama-family model, its checkpoint loader and the drafters.
+
+Public interface (what the runtime codes against)::
+
+    from tpspec.model import (ModelConfig, TPLlamaForCausalLM, ForwardBatch, load_model,
+                              make_tiny_checkpoint, NgramDrafter, DraftModel)
+
+    cfg = ModelConfig.from_pretrained(path)    # config.json: .vocab_size .hidden_size .num_layers .num_heads
+                                               # .num_kv_heads .head_dim .eos_token_id (int | list | None)
+                                               # .max_position_embeddings (.eos_token_ids: always a list)
+    model = load_model(path, mapping, device="cpu", dtype=torch.float32, exchange=None)
+    model.allocate_kv_cache(num_slots, max_seq_len)   # fixed slots; (re)allocates
+    batch = ForwardBatch(token_ids, positions, slot_ids, cache_lens, query_lens, logits_rows=None)
+    logits = model(batch)                      # tpspec.VocabShardedLogits for batch.logits_rows, in order
+
+* ``load_model`` is collective over the TP group (it may build the key exchange); each
+  rank reads only its slices of the safetensors files (``model.load_stats``).
+* ``ForwardBatch``: ``token_ids``/``positions`` ``[N]`` int64 (every new token of every
+  sequence, in sequence order); per sequence ``slot_ids``, ``cache_lens`` (tokens already
+  cached), ``query_lens`` (new tokens: a context chunk, or ``1 + D`` drafts);
+  ``logits_rows`` ``[M]`` int64 into ``[0, N)`` (default: each sequence's last token).
+  New token ``i`` of a sequence is written at cache index ``cache_len + i`` and attends to
+  ``[0, cache_len + i]`` of its slot. Rewind = lower your ``cache_len``: stale entries are
+  overwritten by the next write.
+* Plain TP: every rank passes the same batch. Attention DP (``mapping.enable_attention_dp``):
+  every rank passes its own (possibly empty) batch and all ranks call forward equally
+  often; the logits rows are this rank's. With ``enable_lm_head_tp_in_adp`` the result is a
+  :class:`StackedRowsLogits` whose ``argmax``/``sample``/``gather`` are collective and
+  return this rank's rows.
+* ``make_tiny_checkpoint(path, *, seed=0, ..., draft=False)`` writes a small random
+  Llama in HF format (``draft=True``: its matching draft, the target's first layer);
+  CLI: ``tpspec make-tiny-model DIR [--draft DRAFT_DIR]``.
+* ``NgramDrafter(num_draft_tokens=K, max_ngram=3, min_ngram=1).propose(history) -> list[int]`` (<= K).
+* ``DraftModel(path, mapping, device=, dtype=, exchange=, target_config=None)``: the draft,
+  TP-sharded, same API as the target; greedy drafts with ``draft(batch).argmax(channel=0)``.
+"""
+
+from .batch import AttentionMetadata, ForwardBatch
+from .comm import LocalKeyExchange
+from .config import SUPPORTED_ARCHITECTURES, ModelConfig
+from .drafters import DRAFT_CHANNEL, DraftModel, NgramDrafter
+from .llama import StackedRowsLogits, TPLlamaForCausalLM, check_split
+from .loader import CheckpointError, CheckpointReader, LoadStats, load_model, load_weights
+from .tiny import make_tiny_checkpoint
+
+__all__ = [
+    "DRAFT_CHANNEL",
+    "SUPPORTED_ARCHITECTURES",
+    "AttentionMetadata",
+    "CheckpointError",
+    "CheckpointReader",
+    "DraftModel",
+    "ForwardBatch",
+    "LoadStats",
+    "LocalKeyExchange",
+    "ModelConfig",
+    "NgramDrafter",
+    "StackedRowsLogits",
+    "TPLlamaForCausalLM",
+    "check_split",
+    "load_model",
+    "load_weights",
+    "make_tiny_checkpoint",
+]

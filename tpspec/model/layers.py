@@ -1,0 +1,327 @@
+"""Tensor-parallel building blocks of the Llama-family decoder.
+
+Each layer holds only this rank's slice of its weights and records, in ``self.plan``,
+which slice of which checkpoint tensor fills each parameter (:class:`ShardSpec`); the
+loader reads exactly those slices. Sharding follows Megatron: column-parallel
+linears split their outputs (no communication), row-parallel linears split their
+inputs and sum the partial outputs over the TP group.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..vocab_parallel import vocab_shard_bounds
+from .batch import AttentionMetadata
+from .comm import all_reduce_sum
+from .config import ModelConfig
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """Fill ``param[dest_start : dest_start + length]`` along ``dim`` with
+    ``checkpoint[name][start : start + length]`` along ``dim`` (``dim=None``: the whole
+    tensor). ``full_shape`` is the shape the checkpoint tensor must have."""
+
+    name: str
+    full_shape: tuple[int, ...]
+    dim: int | None = None
+    start: int = 0
+    length: int = 0
+    dest_start: int = 0
+
+
+@dataclass(frozen=True)
+class HeadSplit:
+    """Which attention heads one rank holds: query heads ``[q_start, q_start + q_heads)``,
+    KV heads ``[kv_start, kv_start + kv_heads)`` (a KV head may be held by several ranks)."""
+
+    q_heads: int
+    q_start: int
+    kv_heads: int
+    kv_start: int
+
+
+def split_heads(cfg: ModelConfig, tp_size: int, tp_rank: int) -> HeadSplit:
+    """Split the attention heads over ``tp_size`` ranks; raises ``ValueError`` when they don't split.
+
+    Query heads must divide evenly. KV heads divide evenly when there are at least
+    ``tp_size`` of them; with fewer, ``tp_size`` must be a multiple of their count and
+    each KV head is replicated on ``tp_size / num_kv_heads`` consecutive ranks.
+    """
+    nh, nkv = cfg.num_heads, cfg.num_kv_heads
+    if nh % tp_size != 0:
+        raise ValueError(f"num_attention_heads={nh} cannot be split over tp_size={tp_size} ranks")
+    q_heads = nh // tp_size
+    if nkv >= tp_size:
+        if nkv % tp_size != 0:
+            raise ValueError(f"num_key_value_heads={nkv} cannot be split over tp_size={tp_size} ranks")
+        kv_heads = nkv // tp_size
+        kv_start = tp_rank * kv_heads
+    else:
+        if tp_size % nkv != 0:
+            raise ValueError(
+                f"num_key_value_heads={nkv} cannot be replicated over tp_size={tp_size} ranks "
+                f"(tp_size must be a multiple of it)"
+            )
+        kv_heads = 1
+        kv_start = tp_rank // (tp_size // nkv)
+    return HeadSplit(q_heads, tp_rank * q_heads, kv_heads, kv_start)
+
+
+def split_evenly(name: str, size: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
+    """``(start, length)`` of this rank's equal share of ``size``; ``ValueError`` when it doesn't divide."""
+    if size % tp_size != 0:
+        raise ValueError(f"{name}={size} cannot be split over tp_size={tp_size} ranks")
+    length = size // tp_size
+    return tp_rank * length, length
+
+
+class RMSNorm(nn.Module):
+    """``x / rms(x) * weight``, computed in float32 and cast back (as transformers does)."""
+
+    def __init__(self, name: str, hidden_size: int, eps: float, *, dtype: torch.dtype, device: Any) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False)
+        self.plan = {"weight": [ShardSpec(name, (hidden_size,))]}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding with ``default``, ``linear`` or ``llama3`` frequency scaling.
+
+    ``forward(positions [N]) -> (cos, sin)``, each ``[N, head_dim]`` in ``dtype``; the
+    angles are computed in float32 from the positions on the fly (no table to outgrow).
+    """
+
+    def __init__(self, cfg: ModelConfig, *, device: Any) -> None:
+        super().__init__()
+        dim = cfg.head_dim
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim))
+        scaling = cfg.rope_scaling
+        if scaling is not None and scaling["rope_type"] == "linear":
+            inv_freq = inv_freq / float(scaling["factor"])
+        elif scaling is not None and scaling["rope_type"] == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, scaling)
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((angles, angles), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.1 frequency scaling: long wavelengths divided by ``factor``, short ones kept,
+    a linear blend (in 1/wavelength) between ``low_freq_factor`` and ``high_freq_factor``."""
+    factor = float(scaling["factor"])
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    blend = (old_len / wavelen - low) / (high - low)  # 0 at the low-frequency edge, 1 at the high one
+    blended = (1 - blend) * inv_freq / factor + blend * inv_freq
+    out = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, blended, out)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[N, heads, head_dim]`` by the per-token angles (half-split layout)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding split over the vocabulary like :class:`~tpspec.VocabParallelHead`:
+    each rank looks up the ids of its slice, zeros the others, and the TP group sums.
+    Ids outside ``[0, vocab_size)`` embed to zeros (never an indexing crash)."""
+
+    def __init__(self, name: str, vocab_size: int, hidden_size: int, tp_size: int, tp_rank: int, group: Any,
+                 *, dtype: torch.dtype, device: Any) -> None:
+        super().__init__()
+        self.offset, width, self.real_width = vocab_shard_bounds(vocab_size, tp_size, tp_rank)
+        self.tp_size = tp_size
+        self.group = group
+        self.weight = nn.Parameter(torch.zeros(width, hidden_size, dtype=dtype, device=device), requires_grad=False)
+        self.plan = {"weight": [ShardSpec(name, (vocab_size, hidden_size), 0, self.offset, self.real_width)]}
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.offset
+        valid = (local >= 0) & (local < self.real_width)
+        out = F.embedding(torch.where(valid, local, torch.zeros_like(local)), self.weight)
+        out = out * valid[:, None].to(out.dtype)
+        if self.tp_size > 1:
+            all_reduce_sum(out, self.group)
+        return out
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x W^T + b`` with this rank's output rows of one or more checkpoint linears,
+    concatenated (fused q/k/v or gate/up). ``pieces``: ``(checkpoint prefix, full out
+    features, start, length)``; the output is the pieces in order. No communication."""
+
+    def __init__(self, in_features: int, pieces: list[tuple[str, int, int, int]], bias: bool,
+                 *, dtype: torch.dtype, device: Any) -> None:
+        super().__init__()
+        self.out_sizes = [length for _, _, _, length in pieces]
+        out = sum(self.out_sizes)
+        self.weight = nn.Parameter(torch.zeros(out, in_features, dtype=dtype, device=device), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out, dtype=dtype, device=device), requires_grad=False) if bias else None
+        self.plan: dict[str, list[ShardSpec]] = {"weight": [], "bias": []}
+        dest = 0
+        for prefix, full_out, start, length in pieces:
+            self.plan["weight"].append(ShardSpec(f"{prefix}.weight", (full_out, in_features), 0, start, length, dest))
+            if bias:
+                self.plan["bias"].append(ShardSpec(f"{prefix}.bias", (full_out,), 0, start, length, dest))
+            dest += length
+        if not bias:
+            del self.plan["bias"]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """``y = sum over ranks (x_r W_r^T) + b``: this rank holds input columns
+    ``[start, start + length)`` of checkpoint linear ``prefix``. By default the partial
+    outputs are summed over ``group``; ``forward(x, reduce=fn)`` replaces that sum (attention
+    DP reduce-scatters instead). The bias is added once, after the reduction."""
+
+    def __init__(self, prefix: str, full_in: int, out_features: int, start: int, length: int, bias: bool,
+                 group: Any, tp_size: int, *, dtype: torch.dtype, device: Any) -> None:
+        super().__init__()
+        self.group = group
+        self.tp_size = tp_size
+        self.weight = nn.Parameter(torch.zeros(out_features, length, dtype=dtype, device=device), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
+        self.plan = {"weight": [ShardSpec(f"{prefix}.weight", (out_features, full_in), 1, start, length)]}
+        if bias:
+            self.plan["bias"] = [ShardSpec(f"{prefix}.bias", (out_features,))]
+
+    def forward(self, x: torch.Tensor, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if reduce is not None:
+            y = reduce(y)
+        elif self.tp_size > 1:
+            y = all_reduce_sum(y, self.group)
+        if self.bias is not None:
+            y = y + self.bias
+        return y
+
+
+class KVCache:
+    """One layer's fixed-slot cache: ``k``, ``v`` of shape ``[slots, max_seq_len, kv_heads, head_dim]``."""
+
+    def __init__(self, num_slots: int, max_seq_len: int, kv_heads: int, head_dim: int,
+                 *, dtype: torch.dtype, device: Any) -> None:
+        shape = (num_slots, max_seq_len, kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention over this rank's heads (all heads when ``tp_size == 1``).
+
+    ``forward(x [N, hidden], cos, sin, meta, cache) -> [N, hidden]``: projects q/k/v,
+    rotates q/k, writes the new K/V into the cache at ``meta.tok_slot, meta.tok_cache_idx``,
+    attends each token causally to its slot's cache, and projects back (summed over the group).
+    """
+
+    def __init__(self, cfg: ModelConfig, layer: int, tp_size: int, tp_rank: int, group: Any,
+                 *, dtype: torch.dtype, device: Any) -> None:
+        super().__init__()
+        split = split_heads(cfg, tp_size, tp_rank)
+        hd = cfg.head_dim
+        self.head_dim = hd
+        self.num_heads = split.q_heads
+        self.num_kv_heads = split.kv_heads
+        self.scale = hd**-0.5
+        prefix = f"model.layers.{layer}.self_attn"
+        self.qkv = ColumnParallelLinear(
+            cfg.hidden_size,
+            [
+                (f"{prefix}.q_proj", cfg.num_heads * hd, split.q_start * hd, split.q_heads * hd),
+                (f"{prefix}.k_proj", cfg.num_kv_heads * hd, split.kv_start * hd, split.kv_heads * hd),
+                (f"{prefix}.v_proj", cfg.num_kv_heads * hd, split.kv_start * hd, split.kv_heads * hd),
+            ],
+            cfg.qkv_bias,
+            dtype=dtype,
+            device=device,
+        )
+        self.o_proj = RowParallelLinear(
+            f"{prefix}.o_proj", cfg.num_heads * hd, cfg.hidden_size, split.q_start * hd, split.q_heads * hd,
+            cfg.o_bias, group, tp_size, dtype=dtype, device=device,
+        )
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                cache: KVCache) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv(x).split(self.qkv.out_sizes, dim=-1)
+        q = apply_rotary(q.view(n, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        cache.k.index_put_((meta.tok_slot, meta.tok_cache_idx), k)
+        cache.v.index_put_((meta.tok_slot, meta.tok_cache_idx), v)
+        out = self._attend(q, cache, meta)
+        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+
+    def _attend(self, q: torch.Tensor, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        """``[N, heads, head_dim]``: sequences padded to ``[B, q_max]`` queries over ``kv_len``
+        cache columns, one masked SDPA call for the whole batch."""
+        if meta.num_tokens == 0:
+            return q
+        b, group = meta.num_seqs, self.num_heads // self.num_kv_heads
+        keys = cache.k[meta.seq_slots, : meta.kv_len].transpose(1, 2)  # [B, kv, S, hd]
+        values = cache.v[meta.seq_slots, : meta.kv_len].transpose(1, 2)
+        if group > 1:
+            keys = keys.repeat_interleave(group, dim=1)
+            values = values.repeat_interleave(group, dim=1)
+        if b == 1:
+            queries = q[None].transpose(1, 2)  # one sequence: no padding needed
+        else:
+            padded = q.new_zeros(b, meta.q_max, self.num_heads, self.head_dim)
+            padded[meta.tok_seq, meta.tok_qi] = q
+            queries = padded.transpose(1, 2)
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.mask, scale=self.scale)
+        out = out.transpose(1, 2)  # [B, q_max, heads, hd]
+        return out[0] if b == 1 else out[meta.tok_seq, meta.tok_qi]
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward, ``down(silu(gate(x)) * up(x))``, intermediate features split over the group.
+
+    ``forward(x, reduce=None)``: ``reduce`` replaces the all-reduce of the down projection.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer: int, tp_size: int, tp_rank: int, group: Any,
+                 *, dtype: torch.dtype, device: Any) -> None:
+        super().__init__()
+        inter = cfg.intermediate_size
+        start, length = split_evenly("intermediate_size", inter, tp_size, tp_rank)
+        prefix = f"model.layers.{layer}.mlp"
+        self.gate_up = ColumnParallelLinear(
+            cfg.hidden_size,
+            [(f"{prefix}.gate_proj", inter, start, length), (f"{prefix}.up_proj", inter, start, length)],
+            cfg.mlp_bias,
+            dtype=dtype,
+            device=device,
+        )
+        self.down = RowParallelLinear(f"{prefix}.down_proj", inter, cfg.hidden_size, start, length, cfg.mlp_bias,
+                                      group, tp_size, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up, reduce)

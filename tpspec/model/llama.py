@@ -1,0 +1,249 @@
+"""The tensor-parallel Llama-family decoder (Llama, Mistral without sliding window, Qwen2).
+
+Plain TP: every rank of a TP group runs the same :class:`ForwardBatch`; attention heads,
+MLP features and the vocabulary (embedding and LM head) are split over the group.
+
+Attention DP (``mapping.enable_attention_dp``): every rank runs its OWN batch with full
+attention weights and its own KV cache; the MLP stays TP. Before each MLP the ranks
+stack their tokens (counts swapped once per step, so ranks with different or zero
+tokens stay in lock-step), and a reduce-scatter hands each rank its rows back. The LM
+head is replicated (tokens picked locally), or with ``enable_lm_head_tp_in_adp``
+vocabulary-sharded over the stacked rows of all ranks (:class:`StackedRowsLogits`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import distributed as D
+from ..exchange.base import KeyExchange
+from ..exchange.factory import make_key_exchange
+from ..mapping import Mapping
+from ..vocab_parallel import VocabParallelHead, VocabShardedLogits, vocab_shard_bounds
+from .batch import AttentionMetadata, ForwardBatch
+from .comm import LocalKeyExchange, VarlenRows, exchange_counts
+from .config import ModelConfig
+from .layers import MLP, Attention, KVCache, RMSNorm, RotaryEmbedding, ShardSpec, VocabParallelEmbedding, \
+    split_evenly, split_heads
+
+
+def check_split(config: ModelConfig, mapping: Mapping) -> None:
+    """Raise ``ValueError`` naming the size that cannot be laid out over ``mapping``'s TP group
+    (vocabulary, attention heads, KV heads, intermediate size). No communication."""
+    tp, rank = mapping.tp_size, mapping.tp_rank
+    vocab_shard_bounds(config.vocab_size, tp, rank)
+    split_heads(config, mapping.attention_tp_size, mapping.attention_tp_rank)
+    split_evenly("intermediate_size", config.intermediate_size, tp, rank)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: ``h = x + attn(norm(x)); out = h + mlp(norm(h))``."""
+
+    def __init__(self, config: ModelConfig, layer: int, mapping: Mapping, group: Any,
+                 *, dtype: torch.dtype, device: Any) -> None:
+        super().__init__()
+        prefix = f"model.layers.{layer}"
+        attn_group = group if mapping.attention_tp_size > 1 else None
+        self.input_layernorm = RMSNorm(f"{prefix}.input_layernorm.weight", config.hidden_size, config.rms_norm_eps,
+                                       dtype=dtype, device=device)
+        self.self_attn = Attention(config, layer, mapping.attention_tp_size, mapping.attention_tp_rank, attn_group,
+                                   dtype=dtype, device=device)
+        self.post_attention_layernorm = RMSNorm(f"{prefix}.post_attention_layernorm.weight", config.hidden_size,
+                                                config.rms_norm_eps, dtype=dtype, device=device)
+        self.mlp = MLP(config, layer, mapping.tp_size, mapping.tp_rank, group, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                cache: KVCache, dp_rows: VarlenRows | None) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, cache)
+        y = self.post_attention_layernorm(h)
+        if dp_rows is None:
+            return h + self.mlp(y)
+        # Attention DP: the MLP runs over the tokens of every rank of the group.
+        return h + self.mlp(dp_rows.gather(y), reduce=dp_rows.reduce_scatter)
+
+
+class StackedRowsLogits(VocabShardedLogits):
+    """Logits of attention DP with a vocabulary-sharded LM head: the rows of every rank of
+    the TP group are stacked (rank-major) and each rank holds its vocab slice of all of them.
+
+    ``argmax``/``sample``/``gather`` are collective over the group and return only THIS
+    rank's rows (``num_rows`` of them); per-row ``temperature``/``seeds``/``offsets`` are
+    this rank's rows too (stacked internally). ``local`` is the stacked ``[total, shard]``
+    slice and ``stacked`` the plain :class:`VocabShardedLogits` over all rows.
+    """
+
+    def __init__(self, stacked: VocabShardedLogits, rows: VarlenRows) -> None:
+        super().__init__(stacked.local, stacked.vocab_offset, stacked.vocab_size, stacked.exchange)
+        self.stacked = stacked
+        self.rows = rows
+
+    @property
+    def num_rows(self) -> int:
+        return self.rows.local
+
+    @property
+    def row_start(self) -> int:
+        """Index of this rank's first row in the stacked rows."""
+        return self.rows.start
+
+    def argmax(self, *, channel: int = 1) -> torch.Tensor:
+        return self.rows.take_local(self.stacked.argmax(channel=channel))
+
+    def sample(self, temperature: torch.Tensor | float, seeds: torch.Tensor | None = None,
+               offsets: torch.Tensor | None = None, *, channel: int = 1) -> torch.Tensor:
+        if not isinstance(temperature, torch.Tensor):
+            temperature = torch.full((self.num_rows,), float(temperature), dtype=torch.float32,
+                                     device=self.local.device)
+        temperature = self.rows.gather(temperature)
+        if seeds is not None and offsets is not None:
+            seeds, offsets = self.rows.gather(seeds), self.rows.gather(offsets)
+        return self.rows.take_local(self.stacked.sample(temperature, seeds, offsets, channel=channel))
+
+    def gather(self) -> torch.Tensor:
+        return self.rows.take_local(self.stacked.gather())
+
+    def select_tokens(self, spec_metadata: Any) -> torch.Tensor:
+        raise NotImplementedError(
+            "select_tokens on stacked attention-DP logits needs the metadata of every rank's rows: "
+            "call .stacked.select_tokens(stacked_metadata) and keep rows [row_start, row_start + num_rows)"
+        )
+
+
+class TPLlamaForCausalLM(nn.Module):
+    """A Llama-family causal LM holding one rank's shard of every weight.
+
+    Build with :func:`tpspec.model.load_model` (reads a checkpoint) or directly from a
+    :class:`ModelConfig` (zero weights, for tests). ``mapping.tp_size > 1`` needs the TP
+    process group (:func:`tpspec.distributed.init_distributed`) before the first forward.
+    ``exchange``: the key exchange of the vocab-sharded LM head (default: the best one for
+    the TP group); an unsharded head always picks locally.
+
+    Raises ``ValueError`` at construction when the vocabulary, heads or MLP cannot be split.
+    """
+
+    def __init__(self, config: ModelConfig, mapping: Mapping | None = None, *, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32, exchange: KeyExchange | None = None) -> None:
+        super().__init__()
+        mapping = mapping or Mapping()
+        check_split(config, mapping)
+        self.config = config
+        self.mapping = mapping
+        self.device = torch.device(device)
+        self.dtype = dtype
+        tp = mapping.tp_size
+        self.group = D.tp_group() if tp > 1 else None
+        self.attention_dp = mapping.enable_attention_dp and tp > 1
+        embed_tp, embed_rank = (1, 0) if self.attention_dp else (tp, mapping.tp_rank)
+        self.embed_tokens = VocabParallelEmbedding("model.embed_tokens.weight", config.vocab_size, config.hidden_size,
+                                                   embed_tp, embed_rank, self.group, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, mapping, self.group, dtype=dtype, device=device) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm("model.norm.weight", config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
+        self.rotary = RotaryEmbedding(config, device=device)
+        self.lm_head = VocabParallelHead(config.hidden_size, config.vocab_size, mapping,
+                                         self._head_exchange(exchange), dtype=dtype, device=device)
+        self.lm_head.weight.requires_grad_(False)
+        head_name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+        self.lm_head.plan = {"weight": [ShardSpec(head_name, (config.vocab_size, config.hidden_size), 0,
+                                                  self.lm_head.vocab_offset, self.lm_head.real_width)]}
+        self.caches: list[KVCache] = []
+        self.num_slots = 0
+        self.max_seq_len = 0
+
+    def _head_exchange(self, exchange: KeyExchange | None) -> KeyExchange:
+        if not self.mapping.lm_head_is_sharded:
+            if exchange is not None and exchange.world_size == 1:
+                return exchange
+            return LocalKeyExchange(self.device)
+        if self.group is None or D.group_size(self.group) != self.mapping.tp_size:
+            raise RuntimeError(
+                f"mapping.tp_size={self.mapping.tp_size} but the TP process group is not initialized "
+                f"(call tpspec.distributed.init_distributed first)"
+            )
+        if exchange is None:
+            exchange = make_key_exchange(self.group, device=self.device)
+        return exchange
+
+    @property
+    def exchange(self) -> KeyExchange:
+        """The key exchange the LM head's logits pick tokens with."""
+        return self.lm_head.exchange
+
+    @property
+    def num_kv_heads_per_rank(self) -> int:
+        return self.layers[0].self_attn.num_kv_heads if len(self.layers) else 0
+
+    def kv_cache_bytes(self, num_slots: int, max_seq_len: int) -> int:
+        """Bytes :meth:`allocate_kv_cache` would take on this rank."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.config.num_layers * num_slots * max_seq_len * self.num_kv_heads_per_rank \
+            * self.config.head_dim * elem
+
+    def allocate_kv_cache(self, num_slots: int, max_seq_len: int) -> None:
+        """(Re)allocate the fixed-slot cache: per layer ``k``/``v`` of shape
+        ``[num_slots, max_seq_len, kv_heads_per_rank, head_dim]`` (zeros, model dtype)."""
+        for name, value in (("num_slots", num_slots), ("max_seq_len", max_seq_len)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        self.caches = []  # free the old cache before allocating the new one
+        self.caches = [
+            KVCache(num_slots, max_seq_len, self.num_kv_heads_per_rank, self.config.head_dim,
+                    dtype=self.dtype, device=self.device)
+            for _ in range(self.config.num_layers)
+        ]
+        self.num_slots, self.max_seq_len = num_slots, max_seq_len
+
+    def _check_batch(self, batch: ForwardBatch) -> None:
+        if not isinstance(batch, ForwardBatch):
+            raise ValueError(f"expected a ForwardBatch, got {type(batch).__name__}")
+        if not self.caches:
+            raise RuntimeError("call allocate_kv_cache(num_slots, max_seq_len) before the first forward")
+        for slot, cached, new in zip(batch.slot_ids, batch.cache_lens, batch.query_lens):
+            if slot >= self.num_slots:
+                raise ValueError(f"slot {slot} is out of range: the KV cache has {self.num_slots} slots")
+            if cached + new > self.max_seq_len:
+                raise ValueError(
+                    f"slot {slot}: cache_len {cached} + query_len {new} exceeds max_seq_len {self.max_seq_len}"
+                )
+        batch.check_token_range(self.config.vocab_size)
+
+    @torch.no_grad()
+    def forward(self, batch: ForwardBatch) -> VocabShardedLogits:
+        """Run one step; return the logits of ``batch.logits_rows`` (default: each sequence's last token).
+
+        Writes the new tokens' K/V into their slots (see :mod:`tpspec.model.batch`). Collective
+        over the TP group: under plain TP every rank passes the same batch; under attention DP
+        every rank passes its own (possibly empty) batch, and all ranks call forward equally often.
+        Returns a :class:`VocabShardedLogits` with one row per requested row (under attention DP
+        with an LM-head TP, a :class:`StackedRowsLogits`).
+        """
+        self._check_batch(batch)
+        device = self.device
+        rows = batch.logits_rows if batch.logits_rows is not None else batch.default_logits_rows()
+        dp_rows = head_rows = None
+        if self.attention_dp:
+            counts = exchange_counts([batch.num_tokens, int(rows.shape[0])], self.group, device)
+            dp_rows = VarlenRows([c[0] for c in counts], self.group, device)
+            if self.mapping.lm_head_is_sharded:
+                head_rows = VarlenRows([c[1] for c in counts], self.group, device)
+        meta = AttentionMetadata.build(batch, device)
+        x = self.embed_tokens(batch.token_ids.to(device))
+        cos, sin = self.rotary(batch.positions.to(device), self.dtype)
+        for layer, cache in zip(self.layers, self.caches):
+            x = layer(x, cos, sin, meta, cache, dp_rows)
+        x = self.norm(x.index_select(0, rows.to(device)))
+        if head_rows is not None:
+            return StackedRowsLogits(self.lm_head(head_rows.gather(x)), head_rows)
+        return self.lm_head(x)
+
+    def shard_plan(self) -> list[tuple[str, nn.Parameter, list[ShardSpec]]]:
+        """Every parameter with the checkpoint slices that fill it: ``(name, param, specs)``."""
+        out = []
+        for mod_name, module in self.named_modules():
+            for pname, specs in getattr(module, "plan", {}).items():
+                out.append((f"{mod_name}.{pname}" if mod_name else pname, getattr(module, pname), specs))
+        return out

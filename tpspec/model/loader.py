@@ -1,0 +1,163 @@
+"""Load a Hugging Face safetensors checkpoint into a TP-sharded model.
+
+Each rank reads only the slices its parameters need (safetensors ``get_slice``, which
+reads those bytes of the memory-mapped file and nothing else), so a rank reads about
+``1/tp`` of the checkpoint plus the small replicated tensors (norms, biases of
+row-parallel linears, KV heads shared by several ranks). Single files and sharded
+checkpoints (``model.safetensors.index.json``) are both understood. Every problem
+(missing tensor, wrong shape, no safetensors) raises an error naming it.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from ..exchange.base import KeyExchange
+from ..mapping import Mapping
+from .config import ModelConfig
+from .layers import ShardSpec
+from .llama import TPLlamaForCausalLM
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match its config: a missing tensor or one of the wrong shape."""
+
+
+@dataclass
+class LoadStats:
+    """What a load read: ``bytes_read`` (sum of the slices read), ``tensors_read`` (slice
+    reads) and ``checkpoint_bytes`` (tensor data of the whole checkpoint, for comparison)."""
+
+    bytes_read: int = 0
+    tensors_read: int = 0
+    checkpoint_bytes: int = 0
+
+
+class CheckpointReader:
+    """Name -> file map of a safetensors checkpoint directory, and sliced reads from it.
+
+    Use as a context manager (closes the files). Raises ``FileNotFoundError`` when the
+    directory has no safetensors files.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = os.fspath(path)
+        self.stats = LoadStats()
+        self._handles: dict[str, Any] = {}
+        index_file = os.path.join(self.path, INDEX_FILE)
+        if os.path.isfile(index_file):
+            with open(index_file) as f:
+                weight_map = json.load(f).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{index_file} has no 'weight_map'")
+            self.files = {name: os.path.join(self.path, fname) for name, fname in weight_map.items()}
+            for fname in sorted(set(self.files.values())):
+                if not os.path.isfile(fname):
+                    raise FileNotFoundError(f"{index_file} names {os.path.basename(fname)!r}, which does not exist")
+        else:
+            paths = sorted(glob.glob(os.path.join(self.path, "*.safetensors")))
+            if not paths:
+                found = sorted(os.path.basename(p) for p in glob.glob(os.path.join(self.path, "*.bin")))
+                hint = f" (found {found}: PyTorch .bin checkpoints are not supported)" if found else ""
+                raise FileNotFoundError(f"no *.safetensors files in {self.path!r}{hint}")
+            self.files = {}
+            for fname in paths:
+                for name in self._open(fname).keys():
+                    self.files[name] = fname
+        self.stats.checkpoint_bytes = sum(self._data_bytes(f) for f in sorted(set(self.files.values())))
+
+    def _open(self, fname: str) -> Any:
+        if fname not in self._handles:
+            self._handles[fname] = safe_open(fname, framework="pt", device="cpu")
+        return self._handles[fname]
+
+    @staticmethod
+    def _data_bytes(fname: str) -> int:
+        """Size of the tensor data of one file (file size minus its JSON header)."""
+        with open(fname, "rb") as f:
+            header = int.from_bytes(f.read(8), "little")
+        return os.path.getsize(fname) - 8 - header
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def read(self, spec: ShardSpec) -> torch.Tensor:
+        """This spec's slice of its checkpoint tensor (CPU, checkpoint dtype). Raises
+        :class:`CheckpointError` naming a missing tensor or a wrong shape."""
+        fname = self.files.get(spec.name)
+        if fname is None:
+            raise CheckpointError(f"checkpoint {self.path!r} has no tensor {spec.name!r}")
+        sl = self._open(fname).get_slice(spec.name)
+        shape = tuple(sl.get_shape())
+        if shape != tuple(spec.full_shape):
+            raise CheckpointError(
+                f"tensor {spec.name!r} in {os.path.basename(fname)} has shape {list(shape)}, "
+                f"the config implies {list(spec.full_shape)}"
+            )
+        if spec.dim is None:
+            t = sl[:]
+        elif spec.dim == 0:
+            t = sl[spec.start : spec.start + spec.length]
+        else:
+            index = (slice(None),) * spec.dim + (slice(spec.start, spec.start + spec.length),)
+            t = sl[index]
+        self.stats.bytes_read += t.numel() * t.element_size()
+        self.stats.tensors_read += 1
+        return t
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    def __enter__(self) -> "CheckpointReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@torch.no_grad()
+def load_weights(model: TPLlamaForCausalLM, path: str | os.PathLike) -> LoadStats:
+    """Fill every parameter of ``model`` with its slices of the checkpoint at ``path``.
+
+    Local to the rank (no communication). Returns what was read. Raises
+    :class:`CheckpointError` (a ``ValueError``) naming a missing tensor or a wrong shape.
+    """
+    with CheckpointReader(path) as reader:
+        for _, param, specs in model.shard_plan():
+            for spec in specs:
+                t = reader.read(spec)
+                if spec.dim is None:
+                    param.copy_(t)
+                else:
+                    param.narrow(spec.dim, spec.dest_start, spec.length).copy_(t)
+        return reader.stats
+
+
+def load_model(
+    path: str | os.PathLike,
+    mapping: Mapping | None = None,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    exchange: KeyExchange | None = None,
+) -> TPLlamaForCausalLM:
+    """Build the model of the checkpoint at ``path`` for this rank and load its shard.
+
+    Collective over the TP group when the LM head is sharded and no ``exchange`` is given
+    (the exchange is created then). The result has ``load_stats`` (a :class:`LoadStats`)
+    and ``path``; call ``allocate_kv_cache`` before the first forward.
+    """
+    config = ModelConfig.from_pretrained(path)
+    model = TPLlamaForCausalLM(config, mapping, device=device, dtype=dtype, exchange=exchange)
+    model.load_stats = load_weights(model, path)
+    model.path = os.fspath(path)
+    return model

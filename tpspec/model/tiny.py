@@ -1,0 +1,230 @@
+"""A tiny random Llama checkpoint in Hugging Face format (no download, ever), and the
+``tpspec make-tiny-model DIR`` command that writes one.
+
+The default model (vocab 512, hidden 128, 2 layers, 8 heads, 2 KV heads) splits over
+TP = 1, 2, 4 and 8, runs in milliseconds on a CPU and loads in ``transformers``. Its
+weights are scaled so logits spread widely (greedy choices are far from ties, hence
+stable across TP sizes) and the special tokens' LM-head rows are zero (a random model
+rarely stops by itself). ``draft=True`` writes the matching draft model: the first
+``draft_num_layers`` layers of the same random target, with the same embeddings, final
+norm and head — a cheap drafter whose guesses the target often accepts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+NUM_SPECIAL = 3
+
+
+def tiny_config_dict(
+    *,
+    vocab_size: int = 512,
+    hidden_size: int = 128,
+    intermediate_size: int = 256,
+    num_layers: int = 2,
+    num_heads: int = 8,
+    num_kv_heads: int = 2,
+    max_position_embeddings: int = 4096,
+    rope_theta: float = 10000.0,
+    tie_word_embeddings: bool = False,
+    dtype: str = "float32",
+) -> dict[str, Any]:
+    """The ``config.json`` contents of a tiny Llama (transformers 4.x spelling, read by 5.x too)."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": hidden_size // num_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": max_position_embeddings,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": rope_theta,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": tie_word_embeddings,
+        "pad_token_id": PAD_ID,
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+        "torch_dtype": dtype,
+        "initializer_range": 0.02,
+    }
+
+
+def _random_weights(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
+    """Seeded fp32 weights of the full (target) model, in HF names."""
+    gen = torch.Generator().manual_seed(seed)
+    h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+
+    def normal(*shape: int, std: float) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * std
+
+    def norm_weight() -> torch.Tensor:
+        return 1.0 + normal(h, std=0.1)
+
+    # Residual branches are damped (0.5) so each layer nudges rather than replaces the
+    # stream: a model truncated to its first layers (the draft) stays a decent guesser.
+    w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal(v, h, std=1.0)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        w[f"{p}.input_layernorm.weight"] = norm_weight()
+        w[f"{p}.self_attn.q_proj.weight"] = normal(nh * hd, h, std=h**-0.5)
+        w[f"{p}.self_attn.k_proj.weight"] = normal(nkv * hd, h, std=h**-0.5)
+        w[f"{p}.self_attn.v_proj.weight"] = normal(nkv * hd, h, std=h**-0.5)
+        w[f"{p}.self_attn.o_proj.weight"] = normal(h, nh * hd, std=0.5 * (nh * hd) ** -0.5)
+        w[f"{p}.post_attention_layernorm.weight"] = norm_weight()
+        w[f"{p}.mlp.gate_proj.weight"] = normal(inter, h, std=h**-0.5)
+        w[f"{p}.mlp.up_proj.weight"] = normal(inter, h, std=h**-0.5)
+        w[f"{p}.mlp.down_proj.weight"] = normal(h, inter, std=0.5 * inter**-0.5)
+    w["model.norm.weight"] = norm_weight()
+    head = normal(v, h, std=3.0 * h**-0.5)  # logits of std ~3: far from ties
+    head[:NUM_SPECIAL] = 0.0  # pad/bos/eos get logit 0, well below the usual winners
+    if cfg["tie_word_embeddings"]:
+        w["model.embed_tokens.weight"] = head
+    else:
+        w["lm_head.weight"] = head
+    return w
+
+
+def make_tiny_checkpoint(
+    path: str | os.PathLike,
+    *,
+    seed: int = 0,
+    vocab_size: int = 512,
+    hidden_size: int = 128,
+    intermediate_size: int = 256,
+    num_layers: int = 2,
+    num_heads: int = 8,
+    num_kv_heads: int = 2,
+    max_position_embeddings: int = 4096,
+    rope_theta: float = 10000.0,
+    tie_word_embeddings: bool = False,
+    dtype: torch.dtype = torch.float32,
+    draft: bool = False,
+    draft_num_layers: int = 1,
+    tokenizer: bool = True,
+) -> str:
+    """Write a random Llama checkpoint (``config.json``, ``generation_config.json``,
+    ``model.safetensors``, and ``tokenizer.json`` when the ``tokenizers`` package is
+    installed and ``vocab_size >= 259``) into ``path``; return ``path``.
+
+    Deterministic: the same arguments give the same bytes. With ``draft=True`` the
+    checkpoint is the draft of the target written with the same other arguments: its
+    first ``draft_num_layers`` layers, same vocab, embeddings, final norm and LM head.
+    Raises ``ValueError`` for sizes that do not form a valid model.
+    """
+    if hidden_size % num_heads != 0:
+        raise ValueError(f"hidden_size={hidden_size} must be a multiple of num_heads={num_heads}")
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+    if vocab_size <= NUM_SPECIAL:
+        raise ValueError(f"vocab_size={vocab_size} must exceed the {NUM_SPECIAL} special tokens")
+    if draft and not 1 <= draft_num_layers <= num_layers:
+        raise ValueError(f"draft_num_layers={draft_num_layers} must lie in [1, num_layers={num_layers}]")
+    dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype)
+    if dtype_name is None:
+        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+    cfg = tiny_config_dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                           num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                           max_position_embeddings=max_position_embeddings, rope_theta=rope_theta,
+                           tie_word_embeddings=tie_word_embeddings, dtype=dtype_name)
+    weights = _random_weights(cfg, seed)
+    if draft:
+        keep = {f"model.layers.{i}." for i in range(draft_num_layers)}
+        weights = {k: t for k, t in weights.items()
+                   if not k.startswith("model.layers.") or any(k.startswith(p) for p in keep)}
+        cfg["num_hidden_layers"] = draft_num_layers
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    save_file({k: t.to(dtype).contiguous() for k, t in weights.items()}, os.path.join(path, "model.safetensors"),
+              metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}, f, indent=2)
+    if tokenizer:
+        write_tiny_tokenizer(path, vocab_size)
+    return path
+
+
+def _byte_to_char() -> dict[int, str]:
+    """Byte-level BPE's reversible byte -> printable character map (GPT-2 convention):
+    printable Latin-1 bytes map to themselves, the others to code points from 256 up."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def write_tiny_tokenizer(path: str, vocab_size: int) -> bool:
+    """Write a byte-level tokenizer (ids 0-2 = ``<pad> <s> </s>``, id ``3 + b`` = byte ``b``) if the
+    ``tokenizers`` package is installed and the vocab has room; return whether it was written."""
+    try:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    except ImportError:
+        return False
+    if vocab_size < NUM_SPECIAL + 256:
+        return False
+    vocab = {"<pad>": PAD_ID, "<s>": BOS_ID, "</s>": EOS_ID}
+    for b, ch in _byte_to_char().items():
+        vocab[ch] = NUM_SPECIAL + b
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<pad>", "<s>", "</s>"])
+    tok.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+                   "pad_token": "<pad>", "model_max_length": 4096}, f, indent=2)
+    return True
+
+
+# ------------------------------------------------------------------------- CLI
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("dir", help="directory to write the checkpoint into (created if missing)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vocab-size", type=int, default=512)
+    parser.add_argument("--hidden-size", type=int, default=128)
+    parser.add_argument("--intermediate-size", type=int, default=256)
+    parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument("--num-heads", type=int, default=8)
+    parser.add_argument("--num-kv-heads", type=int, default=2)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    parser.add_argument("--draft", metavar="DRAFT_DIR", default=None,
+                        help="also write the matching draft model (the target's first layers) into DRAFT_DIR")
+    parser.add_argument("--draft-num-layers", type=int, default=1)
+    parser.add_argument("--no-tokenizer", action="store_true", help="do not write tokenizer.json")
+
+
+def run(args: argparse.Namespace) -> int:
+    common = dict(seed=args.seed, vocab_size=args.vocab_size, hidden_size=args.hidden_size,
+                  intermediate_size=args.intermediate_size, num_layers=args.num_layers, num_heads=args.num_heads,
+                  num_kv_heads=args.num_kv_heads, dtype=getattr(torch, args.dtype), tokenizer=not args.no_tokenizer)
+    try:
+        print(f"target model: {make_tiny_checkpoint(args.dir, **common)}")
+        if args.draft:
+            out = make_tiny_checkpoint(args.draft, draft=True, draft_num_layers=args.draft_num_layers, **common)
+            print(f"draft model:  {out}")
+    except ValueError as exc:
+        print(f"error: {exc}")
+        return 2
+    return 0
