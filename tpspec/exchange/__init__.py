@@ -1,7 +1,21 @@
-"""Cross-rank key exchanges (SPEC §3)."""
+"""Cross-rank key exchanges (SPEC §3).
+
+``LLKeyExchange`` (CUDA IPC peer memory) is imported lazily: it needs CUDA and cupy
+only when built.
+"""
+
+from typing import Any
 
 from .allgather import AllGatherKeyExchange
 from .base import KeyExchange
 from .factory import make_key_exchange
 
-__all__ = ["KeyExchange", "AllGatherKeyExchange", "make_key_exchange"]
+__all__ = ["KeyExchange", "AllGatherKeyExchange", "LLKeyExchange", "LLTimeoutError", "make_key_exchange"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("LLKeyExchange", "LLTimeoutError"):
+        from . import ll
+
+        return getattr(ll, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,600 @@
+// LL (low-latency) key exchange of tpspec: cross-rank max of 64-bit keys over CUDA IPC
+// peer memory, fused with the row reduction of a rank's logits slice.
+//
+// Compiled at run time by NVRTC (tpspec/exchange/cuda_module.py) with --fmad=false and
+// -std=c++17; the CI compiles it with nvcc -arch=sm_90 using the same flags. The file is
+// self-contained (no headers) so both compilers see exactly the same text.
+//
+// Semantics: bit-identical to the torch reference in tpspec/keys.py (local_row_keys,
+// pack_keys, philox_words, exponential_from_words, portable_log, gumbel_scores). Change
+// both together. All float arithmetic on values goes through the inline-PTX helpers
+// below (add/sub/mul/div with an explicit .rn rounding and no .ftz): PTX never contracts
+// such instructions into FMA, and they keep subnormals even though cupy appends
+// -ftz=true to every NVRTC compile.
+//
+// Keys: kernels work on the *unsigned* form ukey = key ^ (1 << 63), so the empty key
+// (EMPTY_KEY = -2^63) is 0 and a plain unsigned 64-bit atomic max reduces.
+//
+// LL protocol, per channel (slots never shared between channels):
+//   slot(parity, src, row) in every rank's buffer is one 16-byte line
+//   {key_lo, epoch, key_hi, epoch}, written by rank `src` with one 16-byte store and
+//   read back with one 16-byte load until both epoch words equal the reader's epoch
+//   (each 8-byte half carries its own copy of the flag, so a torn line never passes).
+//   Slots are double-buffered by epoch parity: a rank one call ahead writes the other
+//   half. The epoch lives in device memory and the kernel advances it (graph replays
+//   need no host work). Epochs are 32-bit and never 0 (0 is "never written"): after
+//   0xFFFFFFFF comes 2, keeping the parity alternation.
+//   Waiting is bounded: after timeout_ns (%globaltimer) the kernel stops, records the
+//   missing ranks and the epoch in the channel's control block and in host-mapped
+//   memory, writes -1 for the affected rows, and every later call on that channel fails
+//   fast. The host turns the record into a clear error.
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef long long i64;
+typedef unsigned short u16;
+
+#define LL_THREADS 256
+#define LL_MAX_WORLD 64
+
+// Float32 constants of tpspec/keys.py, as bit patterns (test_ll_cpu checks they match).
+#define INV3_BITS 0x3eaaaaabu
+#define INV5_BITS 0x3e4ccccdu
+#define INV7_BITS 0x3e124925u
+#define INV9_BITS 0x3de38e39u
+#define INV11_BITS 0x3dba2e8cu
+#define INV13_BITS 0x3d9d89d9u
+#define LN2_HI_BITS 0x3f317200u
+#define LN2_LO_BITS 0x35bfbe8eu
+#define SQRT2_BITS 0x3fb504f3u
+#define TWO_POW_M33_BITS 0x2f000000u
+#define CANONICAL_NAN_BITS 0x7fc00000u
+
+#define PHILOX_M0 0xD2511F53u
+#define PHILOX_M1 0xCD9E8D57u
+#define PHILOX_W0 0x9E3779B9u
+#define PHILOX_W1 0xBB67AE85u
+
+// Per-channel control block in device memory (64 bytes).
+struct ChannelCtrl {
+    u32 epoch;        // epoch of the next call (host sets 1 at start)
+    u32 error;        // 1 once a wait timed out on this channel (sticky)
+    u32 error_epoch;  // epoch of the first timed-out call
+    u32 blocks_done;  // grid ticket counter of the fused kernel (reset by its last block)
+    u64 missing;      // ranks whose keys never arrived (bit mask)
+    u64 pad[5];
+};
+
+// Per-channel error record in host-mapped memory (16 bytes), read by the host without a sync.
+struct HostError {
+    u32 error;
+    u32 epoch;
+    u64 missing;
+};
+
+// ----------------------------------------------------------------- IEEE float32 helpers
+
+__device__ __forceinline__ float f_add(float a, float b) {
+    float r;
+    asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+__device__ __forceinline__ float f_sub(float a, float b) {
+    float r;
+    asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+__device__ __forceinline__ float f_mul(float a, float b) {
+    float r;
+    asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+__device__ __forceinline__ float f_div(float a, float b) {
+    float r;
+    asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+__device__ __forceinline__ bool f_ge(float a, float b) {  // a >= b, IEEE (false on NaN), no ftz
+    u32 r;
+    asm("{ .reg .pred p; setp.ge.f32 p, %1, %2; selp.u32 %0, 1, 0, p; }" : "=r"(r) : "f"(a), "f"(b));
+    return r != 0;
+}
+__device__ __forceinline__ float f_from_u64(u64 v) {  // round to nearest even
+    float r;
+    asm("cvt.rn.f32.u64 %0, %1;" : "=f"(r) : "l"(v));
+    return r;
+}
+__device__ __forceinline__ float f_from_i32(int v) {  // exact for the small ints used here
+    float r;
+    asm("cvt.rn.f32.s32 %0, %1;" : "=f"(r) : "r"(v));
+    return r;
+}
+__device__ __forceinline__ u32 f16_to_f32_bits(u16 h) {  // exact widening
+    float r;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(h));
+    return __float_as_uint(r);
+}
+__device__ __forceinline__ float fbits(u32 b) { return __uint_as_float(b); }
+
+// ------------------------------------------------------------------------------ keys
+
+// -0 -> +0, every NaN -> the canonical NaN (integer ops only: no ftz can touch them).
+__device__ __forceinline__ u32 canonical_bits(u32 b) {
+    if ((b & 0x7fffffffu) == 0u) return 0u;
+    if ((b & 0x7fffffffu) > 0x7f800000u) return CANONICAL_NAN_BITS;
+    return b;
+}
+
+// Canonical float bits -> the unsigned form of the key's high word (order preserving).
+__device__ __forceinline__ u32 ordered_high(u32 canon) {
+    return (canon & 0x80000000u) ? ~canon : (canon | 0x80000000u);
+}
+
+__device__ __forceinline__ u64 make_ukey(u32 canon, u32 column) {
+    return ((u64)ordered_high(canon) << 32) | (u64)(0xffffffffu - column);
+}
+
+// ---------------------------------------------------------------------------- philox
+
+struct Words4 {
+    u32 w0, w1, w2, w3;
+};
+
+__device__ __forceinline__ Words4 philox4x32_10(u32 c0, u32 c1, u32 c2, u32 c3, u32 k0, u32 k1) {
+#pragma unroll
+    for (int round = 0; round < 10; ++round) {
+        if (round) {
+            k0 += PHILOX_W0;
+            k1 += PHILOX_W1;
+        }
+        u32 hi0 = __umulhi(PHILOX_M0, c0), lo0 = PHILOX_M0 * c0;
+        u32 hi1 = __umulhi(PHILOX_M1, c2), lo1 = PHILOX_M1 * c2;
+        u32 n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
+        c0 = n0;
+        c1 = lo1;
+        c2 = n2;
+        c3 = lo0;
+    }
+    Words4 w = {c0, c1, c2, c3};
+    return w;
+}
+
+__device__ __forceinline__ u32 pick_word(const Words4& w, u32 k) {
+    return k == 0 ? w.w0 : (k == 1 ? w.w1 : (k == 2 ? w.w2 : w.w3));
+}
+
+// ----------------------------------------------------------------- portable arithmetic
+
+// keys.portable_log: positive, finite, normal float32 x.
+__device__ __forceinline__ float portable_log(float x) {
+    u32 bits = __float_as_uint(x);
+    int exponent = (int)((bits >> 23) & 0xffu) - 127;
+    u32 mantissa_bits = (bits & 0x007fffffu) | 0x3f800000u;
+    int big = mantissa_bits > SQRT2_BITS ? 1 : 0;
+    float m = fbits(mantissa_bits);
+    if (big) m = f_mul(m, 0.5f);
+    float e = f_from_i32(exponent + big);
+    float s = f_div(f_sub(m, 1.0f), f_add(m, 1.0f));
+    float z = f_mul(s, s);
+    float p = f_mul(z, fbits(INV9_BITS));
+    p = f_add(p, fbits(INV7_BITS));
+    p = f_mul(p, z);
+    p = f_add(p, fbits(INV5_BITS));
+    p = f_mul(p, z);
+    p = f_add(p, fbits(INV3_BITS));
+    p = f_mul(p, z);
+    p = f_add(p, 1.0f);
+    float t = f_mul(s, p);
+    t = f_add(t, t);
+    float low = f_mul(e, fbits(LN2_LO_BITS));
+    low = f_add(low, t);
+    float high = f_mul(e, fbits(LN2_HI_BITS));
+    return f_add(high, low);
+}
+
+// (h + 0.5) * 2^-32 rounded once to float32: round(2h + 1) * 2^-33 is the same number.
+__device__ __forceinline__ float unit_from_word(u32 h) {
+    return f_mul(f_from_u64(2ull * (u64)h + 1ull), fbits(TWO_POW_M33_BITS));
+}
+
+// keys.exponential_from_words: E = -ln(1 - U) ~ Exp(1).
+__device__ __forceinline__ float exponential_from_word(u32 h) {
+    if (h < 0x80000000u) {
+        float u = unit_from_word(h);
+        float s = f_div(u, f_sub(2.0f, u));
+        float z = f_mul(s, s);
+        float p = f_mul(z, fbits(INV13_BITS));
+        p = f_add(p, fbits(INV11_BITS));
+        p = f_mul(p, z);
+        p = f_add(p, fbits(INV9_BITS));
+        p = f_mul(p, z);
+        p = f_add(p, fbits(INV7_BITS));
+        p = f_mul(p, z);
+        p = f_add(p, fbits(INV5_BITS));
+        p = f_mul(p, z);
+        p = f_add(p, fbits(INV3_BITS));
+        p = f_mul(p, z);
+        p = f_add(p, 1.0f);
+        float series = f_mul(s, p);
+        return f_add(series, series);
+    }
+    float complement = unit_from_word(0xffffffffu - h);
+    return fbits(__float_as_uint(portable_log(complement)) ^ 0x80000000u);  // -ln, sign flip: exact
+}
+
+// Canonical bits of the Gumbel score x / T - ln(E) of one column (x: canonical logit).
+__device__ __forceinline__ u32 gumbel_score_bits(u32 x_canon, float temperature, u32 word) {
+    float e = exponential_from_word(word);
+    float log_e = portable_log(e);
+    float scaled = f_div(fbits(x_canon), temperature);
+    return canonical_bits(__float_as_uint(f_sub(scaled, log_e)));
+}
+
+// ----------------------------------------------------------------------- value loads
+
+template <int DTYPE>  // 0: float32, 1: bfloat16, 2: float16
+struct Elem;
+
+template <>
+struct Elem<0> {
+    typedef u32 raw;
+    static const int per16 = 4;
+    static __device__ __forceinline__ u32 bits(u32 v) { return v; }
+};
+template <>
+struct Elem<1> {
+    typedef u16 raw;
+    static const int per16 = 8;
+    static __device__ __forceinline__ u32 bits(u16 v) { return ((u32)v) << 16; }
+};
+template <>
+struct Elem<2> {
+    typedef u16 raw;
+    static const int per16 = 8;
+    static __device__ __forceinline__ u32 bits(u16 v) { return f16_to_f32_bits(v); }
+};
+
+// ------------------------------------------------------------------ the exchange phase
+
+// Dynamic shared memory of both kernels: one unsigned key per row (rows * 8 bytes).
+extern __shared__ u64 s_keys[];
+
+struct Exchange {
+    ChannelCtrl* ctrl;         // this rank's control block of the channel
+    const u64* peer_slots;     // [world] base of each rank's slot area of the channel
+    HostError* host_error;     // host-mapped error record of the channel
+    int rank;
+    int world;
+    int max_rows;
+    u64 timeout_ns;
+};
+
+__device__ __forceinline__ u64 global_timer_ns() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+__device__ __forceinline__ void store_line(u64 address, u32 a, u32 b, u32 c, u32 d) {
+    asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(address), "r"(a), "r"(b), "r"(c),
+                 "r"(d)
+                 : "memory");
+}
+
+__device__ __forceinline__ uint4 load_line(u64 address) {
+    uint4 v;
+    asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(address)
+                 : "memory");
+    return v;
+}
+
+__device__ __forceinline__ u64 slot_address(u64 base, int parity, int src, int row, int world, int max_rows) {
+    return base + 16ull * ((u64)(parity * world + src) * (u64)max_rows + (u64)row);
+}
+
+__device__ __forceinline__ u32 next_epoch(u32 e) { return e == 0xffffffffu ? 2u : e + 1u; }
+
+// Run by exactly one block. s_keys[row] holds this rank's unsigned key of each row.
+// Publishes them to every rank, waits for every rank's, writes out[row] (the signed max
+// key, or its token when want_tokens), advances the epoch and, when asked, the step
+// counter. The caller has made s_keys visible to the block (__syncthreads).
+__device__ void exchange_rows(const Exchange& x, const u64* s_keys, int rows, i64* out, int want_tokens,
+                              i64* step_counter, int advance_step) {
+    __shared__ u64 s_missing;
+    __shared__ u32 s_epoch;
+    __shared__ u32 s_failed_before;
+    if (threadIdx.x == 0) {
+        s_missing = 0ull;
+        s_epoch = *(volatile u32*)&x.ctrl->epoch;
+        s_failed_before = *(volatile u32*)&x.ctrl->error;
+    }
+    __syncthreads();
+    const u32 epoch = s_epoch;
+    const int parity = (int)(epoch & 1u);
+    const int world = x.world;
+
+    // Publish: one 16-byte line per (row, destination rank).
+    for (int i = threadIdx.x; i < rows * world; i += blockDim.x) {
+        int row = i / world, dst = i - row * world;
+        u64 key = s_keys[row];
+        store_line(slot_address(x.peer_slots[dst], parity, x.rank, row, world, x.max_rows), (u32)key, epoch,
+                   (u32)(key >> 32), epoch);
+    }
+
+    // Wait for every rank's line of each row; one thread per row, all its loads in flight.
+    const u64 own = x.peer_slots[x.rank];
+    const u64 everyone = world >= 64 ? ~0ull : ((1ull << world) - 1ull);
+    const bool fail_fast = s_failed_before != 0u;
+    for (int row = threadIdx.x; row < rows; row += blockDim.x) {
+        u64 best = 0ull, pending = everyone;
+        u64 start = 0ull;
+        bool started = false;
+        while (pending) {
+            for (int src = 0; src < world; ++src) {
+                if (!((pending >> src) & 1ull)) continue;
+                uint4 v = load_line(slot_address(own, parity, src, row, world, x.max_rows));
+                if (v.y == epoch && v.w == epoch) {
+                    u64 key = ((u64)v.z << 32) | (u64)v.x;
+                    best = key > best ? key : best;
+                    pending &= ~(1ull << src);
+                }
+            }
+            if (!pending) break;
+            if (fail_fast) break;
+            u64 now = global_timer_ns();
+            if (!started) {
+                start = now;
+                started = true;
+            } else if (now - start > x.timeout_ns || *(volatile u32*)&x.ctrl->error) {
+                break;
+            }
+        }
+        i64 result;
+        if (pending) {
+            atomicOr(&s_missing, pending);
+            result = -1;
+        } else {
+            i64 key = (i64)(best ^ 0x8000000000000000ull);
+            result = want_tokens ? (i64)(0xffffffffull - (best & 0xffffffffull)) : key;
+        }
+        out[row] = result;
+    }
+    __syncthreads();
+
+    if (threadIdx.x == 0) {
+        u64 missing = s_missing;
+        if (missing && !fail_fast) {
+            if (atomicCAS(&x.ctrl->error, 0u, 1u) == 0u) {
+                x.ctrl->error_epoch = epoch;
+                x.ctrl->missing = missing;
+                x.host_error->epoch = epoch;
+                x.host_error->missing = missing;
+                __threadfence_system();
+                *(volatile u32*)&x.host_error->error = 1u;
+                __threadfence_system();
+            }
+        }
+        *(volatile u32*)&x.ctrl->epoch = next_epoch(epoch);
+        if (advance_step) *(volatile i64*)step_counter = *(volatile i64*)step_counter + 1;
+    }
+}
+
+// ------------------------------------------------------- max_keys / argmax_tokens kernel
+
+// One block. mode 0: keys[row] are signed int64 keys. mode 1: pack (local_max[row],
+// local_argmax[row] + vocab_offset) like keys.pack_keys; max_dtype 0/1/2 =
+// float32/bfloat16/float16, argmax_is_i64 picks int64 or int32 columns.
+extern "C" __global__ void __launch_bounds__(LL_THREADS) ll_exchange_keys(
+    int mode, const i64* keys, const void* local_max, int max_dtype, const void* local_argmax, int argmax_is_i64,
+    i64 vocab_offset, int rows, i64* out, int want_tokens, u64 ctrl, const u64* peer_slots, u64 host_error,
+    int rank, int world, int max_rows, u64 timeout_ns) {
+    for (int row = threadIdx.x; row < rows; row += blockDim.x) {
+        u64 ukey;
+        if (mode == 0) {
+            ukey = (u64)keys[row] ^ 0x8000000000000000ull;
+        } else {
+            u32 b;
+            if (max_dtype == 0) b = ((const u32*)local_max)[row];
+            else if (max_dtype == 1) b = Elem<1>::bits(((const u16*)local_max)[row]);
+            else b = Elem<2>::bits(((const u16*)local_max)[row]);
+            i64 column = argmax_is_i64 ? ((const i64*)local_argmax)[row] : (i64)((const int*)local_argmax)[row];
+            ukey = make_ukey(canonical_bits(b), (u32)(column + vocab_offset));
+        }
+        s_keys[row] = ukey;
+    }
+    __syncthreads();
+    Exchange x = {(ChannelCtrl*)ctrl, peer_slots, (HostError*)host_error, rank, world, max_rows, timeout_ns};
+    exchange_rows(x, s_keys, rows, out, want_tokens, (i64*)0, 0);
+}
+
+// ------------------------------------------------------------ fused argmax_logits kernel
+
+__device__ __forceinline__ uint4 load_pack(const void* address) {  // read-only 16-byte load
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(address));
+    return v;
+}
+
+struct RowNoise {  // Gumbel parameters of one sampled row
+    float temperature;
+    u32 seed_lo, seed_hi, off_lo, off_hi;
+};
+
+// Fold the VEC values of one 16-byte pack (slice columns base .. base + VEC - 1) into best.
+template <int DTYPE, bool SAMPLED>
+__device__ __forceinline__ void fold_pack(uint4 pack, int base, u32 column0, const RowNoise& noise, u64& best) {
+    typedef typename Elem<DTYPE>::raw raw;
+    const int VEC = Elem<DTYPE>::per16;
+    const raw* vals = (const raw*)&pack;
+    u32 cur_block = 0xffffffffu;
+    Words4 w = {0u, 0u, 0u, 0u};
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+        u32 column = column0 + (u32)(base + i);
+        u32 value = canonical_bits(Elem<DTYPE>::bits(vals[i]));
+        if (SAMPLED) {
+            // Consecutive columns share a Philox block (4 words): compute each block once.
+            u32 block = column >> 2;
+            if (block != cur_block) {
+                w = philox4x32_10(block, 0u, noise.off_lo, noise.off_hi, noise.seed_lo, noise.seed_hi);
+                cur_block = block;
+            }
+            value = gumbel_score_bits(value, noise.temperature, pick_word(w, column & 3u));
+        }
+        u64 k = make_ukey(value, column);
+        best = k > best ? k : best;
+    }
+}
+
+// Reduce slice columns [begin, end) of one row (`row_ptr` = slice column 0) to the thread's
+// best unsigned key. `column0` = global column of slice column 0.
+template <int DTYPE, bool SAMPLED>
+__device__ __forceinline__ u64 reduce_span(const typename Elem<DTYPE>::raw* row_ptr, int begin, int end,
+                                           bool aligned, u32 column0, const RowNoise& noise) {
+    const int VEC = Elem<DTYPE>::per16;
+    const int UNROLL = SAMPLED ? 1 : 4;  // greedy is memory bound: keep 4 loads in flight
+    u64 best = 0ull;
+    int c = begin;
+    if (aligned) {
+        // 16-byte loads; `begin` is a multiple of VEC and the row start is 16-byte aligned.
+        const int vec_end = begin + ((end - begin) / VEC) * VEC;
+        const int step = blockDim.x * VEC;
+        int base = begin + threadIdx.x * VEC;
+        for (; base + (UNROLL - 1) * step < vec_end; base += UNROLL * step) {
+            uint4 packs[UNROLL];
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) packs[u] = load_pack(row_ptr + base + u * step);
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) fold_pack<DTYPE, SAMPLED>(packs[u], base + u * step, column0, noise, best);
+        }
+        for (; base < vec_end; base += step) {
+            fold_pack<DTYPE, SAMPLED>(load_pack(row_ptr + base), base, column0, noise, best);
+        }
+        c = vec_end;
+    }
+    for (int col = c + threadIdx.x; col < end; col += blockDim.x) {
+        u32 column = column0 + (u32)col;
+        u32 value = canonical_bits(Elem<DTYPE>::bits(row_ptr[col]));
+        if (SAMPLED) {
+            Words4 w = philox4x32_10(column >> 2, 0u, noise.off_lo, noise.off_hi, noise.seed_lo, noise.seed_hi);
+            value = gumbel_score_bits(value, noise.temperature, pick_word(w, column & 3u));
+        }
+        u64 k = make_ukey(value, column);
+        best = k > best ? k : best;
+    }
+    return best;
+}
+
+__device__ __forceinline__ u64 block_max(u64 v) {
+    __shared__ u64 s_warp[LL_THREADS / 32];
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        u64 o = __shfl_xor_sync(0xffffffffu, v, off);
+        v = o > v ? o : v;
+    }
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (lane == 0) s_warp[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        v = lane < (int)(blockDim.x >> 5) ? s_warp[lane] : 0ull;
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) {
+            u64 o = __shfl_xor_sync(0xffffffffu, v, off);
+            v = o > v ? o : v;
+        }
+    }
+    return v;  // valid in thread 0
+}
+
+// grid = rows * chunks blocks; block b reduces columns [chunk * (b % chunks), ...) of row
+// b / chunks into scratch[row] (atomic max); the last block to finish runs the exchange and
+// writes out[row]: the token (want_tokens) or the winning signed key.
+//   logits: [rows, *] with row stride `row_stride` (elements), `cols` real columns
+//           (columns at or past the true vocab size are excluded by the host).
+//   temperature: float32 [rows] or null (all greedy); rows with T >= threshold sample.
+//   seeds/offsets: int64 [rows] or null (then seed = unseeded_seed, offset =
+//           (*step_counter << 32) + row; *step_counter += 1 after all blocks read it
+//           when advance_step).
+template <int DTYPE>
+__device__ void argmax_logits_impl(const void* logits, i64 row_stride, int rows, int cols, u32 column0, int chunk,
+                                   int chunks, int aligned, const float* temperature, float threshold,
+                                   const i64* seeds, const i64* offsets, i64* step_counter, u64 unseeded_seed,
+                                   int advance_step, i64* out, int want_tokens, u64 ctrl_ptr, u64 scratch_ptr,
+                                   const u64* peer_slots, u64 host_error, int rank, int world, int max_rows,
+                                   u64 timeout_ns) {
+    typedef typename Elem<DTYPE>::raw raw;
+    __shared__ u32 s_is_last;
+    ChannelCtrl* ctrl = (ChannelCtrl*)ctrl_ptr;
+    u64* scratch = (u64*)scratch_ptr;
+
+    const int row = blockIdx.x / chunks;
+    const int chunk_index = blockIdx.x - row * chunks;
+    const int begin = chunk_index * chunk;
+    const int end = min(cols, begin + chunk);
+    const raw* row_ptr = (const raw*)logits + (i64)row * row_stride;
+
+    bool sampled = false;
+    float t = 1.0f;
+    if (temperature) {
+        t = temperature[row];
+        sampled = f_ge(t, threshold);
+    }
+    u64 best;
+    if (sampled) {
+        u64 seed, offset;
+        if (seeds) {
+            seed = (u64)seeds[row];
+            offset = (u64)offsets[row];
+        } else {
+            seed = unseeded_seed;
+            offset = ((u64)(*(volatile i64*)step_counter) << 32) + (u64)row;
+        }
+        RowNoise noise = {t, (u32)seed, (u32)(seed >> 32), (u32)offset, (u32)(offset >> 32)};
+        best = reduce_span<DTYPE, true>(row_ptr, begin, end, aligned != 0, column0, noise);
+    } else {
+        RowNoise none = {1.0f, 0u, 0u, 0u, 0u};
+        best = reduce_span<DTYPE, false>(row_ptr, begin, end, aligned != 0, column0, none);
+    }
+    best = block_max(best);
+
+    if (threadIdx.x == 0) {
+        if (best) atomicMax(scratch + row, best);
+        __threadfence();
+        u32 ticket = atomicAdd(&ctrl->blocks_done, 1u);
+        s_is_last = ticket == gridDim.x - 1 ? 1u : 0u;
+    }
+    __syncthreads();
+    if (!s_is_last) return;
+
+    // The last block: every block's atomic max is visible (fence + ticket). Take the
+    // row keys, reset the scratch for the next call, exchange.
+    __threadfence();
+    for (int r = threadIdx.x; r < rows; r += blockDim.x) {
+        s_keys[r] = *(volatile u64*)(scratch + r);
+        scratch[r] = 0ull;
+    }
+    if (threadIdx.x == 0) ctrl->blocks_done = 0u;
+    __syncthreads();
+    Exchange x = {ctrl, peer_slots, (HostError*)host_error, rank, world, max_rows, timeout_ns};
+    exchange_rows(x, s_keys, rows, out, want_tokens, step_counter, advance_step);
+}
+
+#define LL_ARGMAX_LOGITS_KERNEL(NAME, DTYPE)                                                                   \
+    extern "C" __global__ void __launch_bounds__(LL_THREADS)                                                  \
+        NAME(const void* logits, i64 row_stride, int rows, int cols, u32 column0, int chunk, int chunks,       \
+             int aligned, const float* temperature, float threshold, const i64* seeds, const i64* offsets,     \
+             i64* step_counter, u64 unseeded_seed, int advance_step, i64* out, int want_tokens, u64 ctrl,      \
+             u64 scratch,                                                                                      \
+             const u64* peer_slots, u64 host_error, int rank, int world, int max_rows, u64 timeout_ns) {       \
+        argmax_logits_impl<DTYPE>(logits, row_stride, rows, cols, column0, chunk, chunks, aligned, temperature, \
+                                  threshold, seeds, offsets, step_counter, unseeded_seed, advance_step, out,   \
+                                  want_tokens, ctrl, scratch, peer_slots, host_error, rank, world, max_rows, timeout_ns);   \
+    }
+
+LL_ARGMAX_LOGITS_KERNEL(ll_argmax_logits_f32, 0)
+LL_ARGMAX_LOGITS_KERNEL(ll_argmax_logits_bf16, 1)
+LL_ARGMAX_LOGITS_KERNEL(ll_argmax_logits_f16, 2)

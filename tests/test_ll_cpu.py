@@ -1,0 +1,190 @@
+"""What the CI (no GPU) can check of the LL exchange: the kernel source compiles for sm_90
+with the flags NVRTC gets, its constants match the torch reference, and the host-side
+logic (layout, chunking, errors, factory fallback) behaves."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+from tpspec import keys as K
+from tpspec.exchange import AllGatherKeyExchange, cuda_module, make_key_exchange
+from tpspec.exchange import ll as L
+from tpspec.exchange.factory import ll_decision, local_ll_blocker
+from tpspec.testing import run_ranks
+
+
+def _f32_bits(value: float) -> int:
+    return int(np.float32(value).view(np.uint32))
+
+
+# ------------------------------------------------------------------ the CUDA source
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+def test_kernel_source_compiles_for_sm90(tmp_path):
+    out = tmp_path / "ll_exchange.cubin"
+    cmd = cuda_module.nvcc_command(out, arch="sm_90", kind="cubin")
+    result = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stdout}\n{result.stderr}"
+    assert "warning" not in result.stderr.lower(), result.stderr
+    blob = out.read_bytes()
+    for name in cuda_module.KERNEL_NAMES:
+        assert name.encode() in blob, f"kernel {name} missing from the cubin"
+
+
+def test_source_constants_match_the_torch_reference():
+    source = cuda_module.kernel_source()
+    defines = {m.group(1): int(m.group(2), 16) for m in re.finditer(r"#define (\w+) 0x([0-9a-fA-F]+)u?", source)}
+    expected = {f"INV{k}_BITS": _f32_bits(v) for k, v in K._INV_ODD.items()}
+    expected.update(
+        LN2_HI_BITS=_f32_bits(K._LN2_HI),
+        LN2_LO_BITS=_f32_bits(K._LN2_LO),
+        SQRT2_BITS=K._SQRT2_BITS,
+        TWO_POW_M33_BITS=_f32_bits(K._TWO_POW_M32 / 2),
+        CANONICAL_NAN_BITS=K.CANONICAL_NAN_BITS,
+        PHILOX_M0=K.PHILOX_M0,
+        PHILOX_M1=K.PHILOX_M1,
+        PHILOX_W0=K.PHILOX_W0,
+        PHILOX_W1=K.PHILOX_W1,
+    )
+    for name, value in expected.items():
+        assert defines.get(name) == value, f"{name}: source has {defines.get(name)!r}, keys.py {value:#x}"
+    assert f"#define LL_THREADS {cuda_module.THREADS_PER_BLOCK}" in source
+    assert f"#define LL_MAX_WORLD {cuda_module.MAX_WORLD}" in source
+
+
+def test_source_never_uses_multicast_or_fast_math():
+    source = cuda_module.kernel_source()
+    for banned in ("cuMulticast", "multimem", "__expf", "__logf", "__fdividef", "#include"):
+        assert banned not in source, banned
+    assert "--fmad=false" in cuda_module.compile_options()
+    assert "-std=c++17" in cuda_module.compile_options()
+
+
+def test_source_dir_env_override(tmp_path, monkeypatch):
+    monkeypatch.setenv(cuda_module.SOURCE_ENV, str(tmp_path))
+    assert cuda_module.source_dir() == tmp_path
+    with pytest.raises(RuntimeError, match=cuda_module.SOURCE_ENV):
+        cuda_module.kernel_source()
+    (tmp_path / cuda_module.SOURCE_FILE).write_text("// empty")
+    assert cuda_module.kernel_source() == "// empty"
+    with pytest.raises(ValueError, match="kind"):
+        cuda_module.nvcc_command(tmp_path / "x", kind="fatbin")
+
+
+# ---------------------------------------------------------------- host-side logic
+
+@pytest.mark.parametrize("sampled", [False, True])
+@pytest.mark.parametrize("elem", [4, 2])
+def test_plan_chunks_covers_rows_with_aligned_chunks(sampled, elem):
+    for rows in (1, 3, 8, 64, 256, 1024):
+        for cols in (0, 1, 7, 1000, 16384, 32000, 65536, 128256):
+            chunk, chunks = L.plan_chunks(rows, cols, elem, 132, sampled)
+            assert chunk % (32 * 16 // elem) == 0
+            assert chunks >= 1 and chunk * chunks >= cols
+            assert (chunks - 1) * chunk < max(cols, 1)  # no empty trailing chunk
+    # Small batches spread a row over many blocks.
+    assert L.plan_chunks(1, 65536, 2, 132, False)[1] >= 32
+
+
+def test_buffer_layout_is_aligned_and_disjoint():
+    for world, rows, channels in ((1, 1, 1), (2, 1024, 2), (8, 333, 3), (64, 4096, 16)):
+        lay = L.BufferLayout(world, rows, channels)
+        assert lay.scratch_offset >= L.CTRL_BYTES * channels
+        assert lay.slots_offset % 256 == 0
+        assert lay.slots_offset >= lay.scratch_offset + 8 * rows * channels
+        assert lay.total_bytes == lay.slots_offset + channels * 2 * world * rows * 16
+        assert lay.slots(1000, channels - 1) + lay.slot_channel_bytes == 1000 + lay.total_bytes
+
+
+def test_timeout_error_message_names_channel_epoch_and_ranks():
+    msg = L.format_timeout_error(rank=0, channel=1, epoch=7, missing_mask=0b1010, timeout_s=2.5)
+    assert "channel 1" in msg and "epoch 7" in msg and "ranks 1, 3" in msg and "2.5 s" in msg
+    assert "rank 3 " not in L.format_timeout_error(0, 0, 1, 0b10, 1.0)
+    assert "rank 1 within" in L.format_timeout_error(0, 0, 1, 0b10, 1.0)
+    assert L.missing_ranks_from_mask(1 << 63 | 1) == [0, 63]
+    err = L.LLTimeoutError("m", 1, 7, [1, 3])
+    assert isinstance(err, RuntimeError) and err.missing_ranks == [1, 3] and err.epoch == 7
+
+
+def test_ll_argument_validation(monkeypatch):
+    with pytest.raises(ValueError, match="max_rows"):
+        L.validate_ll_arguments(0, 2, 2)
+    with pytest.raises(ValueError, match="max_rows"):
+        L.validate_ll_arguments(L.MAX_MAX_ROWS + 1, 2, 2)
+    with pytest.raises(ValueError, match="max_rows"):
+        L.validate_ll_arguments(True, 2, 2)
+    with pytest.raises(ValueError, match="num_channels"):
+        L.validate_ll_arguments(8, 0, 2)
+    with pytest.raises(ValueError, match="ranks"):
+        L.validate_ll_arguments(8, 2, 65)
+    L.validate_ll_arguments(4096, 16, 64)
+    for bad in (0, -1.0, float("inf"), float("nan"), "3"):
+        with pytest.raises(ValueError, match="timeout"):
+            L.resolve_timeout_s(bad)
+    monkeypatch.setenv(L.TIMEOUT_ENV, "2.5")
+    assert L.resolve_timeout_s(None) == 2.5
+    assert L.resolve_timeout_s(1) == 1.0
+    monkeypatch.setenv(L.TIMEOUT_ENV, "soon")
+    with pytest.raises(ValueError, match=L.TIMEOUT_ENV):
+        L.resolve_timeout_s(None)
+    monkeypatch.delenv(L.TIMEOUT_ENV)
+    assert L.resolve_timeout_s(None) == L.DEFAULT_TIMEOUT_S
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_ll_constructor_without_cuda_says_why():
+    with pytest.raises(RuntimeError, match="CUDA"):
+        L.LLKeyExchange(None)
+    with pytest.raises(ValueError, match="max_rows"):
+        L.LLKeyExchange(None, max_rows=0)
+
+
+def test_ll_decision_is_deterministic_and_explains():
+    assert ll_decision([("a", None), ("a", None)]) is None
+    why = ll_decision([("a", None), ("b", None)])
+    assert "2 nodes" in why and "a, b" in why
+    why = ll_decision([("a", None), ("a", "cupy is not installed")])
+    assert why == "rank 1: cupy is not installed"
+    assert "not a CUDA device" in local_ll_blocker(torch.device("cpu"))
+
+
+def test_factory_single_process_on_cpu():
+    ex = make_key_exchange(None)
+    assert isinstance(ex, AllGatherKeyExchange)
+    with pytest.raises(RuntimeError, match="LL exchange is not available"):
+        make_key_exchange(None, prefer="ll")
+    with pytest.raises(ValueError, match="prefer"):
+        make_key_exchange(None, prefer="fast")
+    with pytest.raises(ValueError, match="unknown option"):
+        make_key_exchange(None, max_row=4)
+
+
+def _factory_worker(rank, world_size):
+    from tpspec import distributed as D
+
+    group = D.tp_group()
+    auto = make_key_exchange(group, max_rows=16, timeout_s=1.0)
+    try:
+        make_key_exchange(group, prefer="ll")
+        ll_error = None
+    except RuntimeError as exc:
+        ll_error = str(exc)
+    # The factory's choice must still exchange correctly (a collective after the failed 'll').
+    keys = K.pack_keys(torch.tensor([float(rank), -float(rank)]), torch.tensor([rank, rank]))
+    best = auto.max_keys(keys)
+    tokens = auto.argmax_logits(torch.tensor([[0.0, float(rank)]]), 2 * rank, vocab_size=2 * world_size)
+    return type(auto).__name__, ll_error, K.unpack_indices(best).tolist(), tokens.tolist()
+
+
+def test_factory_falls_back_to_allgather_on_gloo_cpu():
+    results = run_ranks(_factory_worker, 2)
+    for name, ll_error, best, tokens in results:
+        assert name == "AllGatherKeyExchange"
+        assert "rank 0:" in ll_error and "rank 1:" in ll_error
+        assert best == [1, 0] and tokens == [3]

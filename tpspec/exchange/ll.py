@@ -1,0 +1,526 @@
+"""``LLKeyExchange``: the cross-rank key max through CUDA IPC peer memory (SPEC §3).
+
+Each rank ``cudaMalloc``s one buffer (control blocks, reduction scratch and the LL
+slots of every channel), shares it by CUDA IPC handle over the process group once (any
+backend: gloo is enough), and opens its peers' handles. One kernel launch per call
+reduces the rank's keys, writes them into every rank's slots with 16-byte
+``{key_lo, epoch, key_hi, epoch}`` stores, waits for every rank's lines (bounded by
+``timeout_s``), reduces and writes the result. See ``csrc/ll_exchange/ll_exchange.cu``.
+
+Results are bit-identical to :class:`~tpspec.exchange.allgather.AllGatherKeyExchange`;
+calls with more than ``max_rows`` rows go through an all-gather over the same group
+(same results, not graph-capturable with gloo).
+
+A timed-out wait poisons the channel: the kernel records the epoch and the missing
+ranks in host-mapped memory and every later call raises :class:`LLTimeoutError`
+(``check()`` raises it too). Close the exchange and build a new one after that.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import distributed as D
+from .. import keys as K
+from . import cuda_module
+from .allgather import AllGatherKeyExchange
+from .base import UNSEEDED_STREAM_SEED, KeyExchange
+
+DEFAULT_MAX_ROWS = 1024
+MAX_MAX_ROWS = 4096  # the kernels keep one key per row in shared memory (32 KiB)
+MAX_CHANNELS = 16
+DEFAULT_TIMEOUT_S = 30.0
+TIMEOUT_ENV = "TPSPEC_LL_TIMEOUT_S"
+
+CTRL_BYTES = 64  # ChannelCtrl in the source
+SLOT_BYTES = 16  # one LL line
+HOST_ERROR_BYTES = 16  # HostError in the source
+_CUDA_HOST_ALLOC_PORTABLE_MAPPED = 0x1 | 0x2
+_CUDA_IPC_LAZY_PEER_ACCESS = 0x1
+_CUDA_MEMCPY_HOST_TO_DEVICE = 1
+
+
+class LLTimeoutError(RuntimeError):
+    """A rank's keys did not arrive within the timeout (a rank skipped a call, hung or died)."""
+
+    def __init__(self, message: str, channel: int, epoch: int, missing_ranks: list[int]) -> None:
+        super().__init__(message)
+        self.channel = channel
+        self.epoch = epoch
+        self.missing_ranks = missing_ranks
+
+
+def missing_ranks_from_mask(mask: int) -> list[int]:
+    """Rank indices of the set bits of a 64-bit mask."""
+    return [bit for bit in range(64) if (mask >> bit) & 1]
+
+
+def format_timeout_error(rank: int, channel: int, epoch: int, missing_mask: int, timeout_s: float) -> str:
+    """The message of :class:`LLTimeoutError`."""
+    missing = missing_ranks_from_mask(missing_mask)
+    who = "rank" if len(missing) == 1 else "ranks"
+    listed = ", ".join(str(r) for r in missing) or "?"
+    return (
+        f"LL key exchange timed out on rank {rank}: channel {channel}, epoch {epoch}: no keys from {who} "
+        f"{listed} within {timeout_s:g} s. A rank skipped a collective exchange call, hung or died "
+        f"(every rank must make the same calls in the same order). The exchange is unusable now: close it "
+        f"and build a new one."
+    )
+
+
+def resolve_timeout_s(timeout_s: float | None) -> float:
+    """``timeout_s``, else ``$TPSPEC_LL_TIMEOUT_S``, else 30 s; must be positive and finite."""
+    if timeout_s is None:
+        env = os.environ.get(TIMEOUT_ENV)
+        if env:
+            try:
+                timeout_s = float(env)
+            except ValueError:
+                raise ValueError(f"{TIMEOUT_ENV}={env!r} is not a number") from None
+        else:
+            timeout_s = DEFAULT_TIMEOUT_S
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
+        raise ValueError(f"timeout_s must be a number, got {type(timeout_s).__name__}")
+    if not math.isfinite(timeout_s) or timeout_s <= 0:
+        raise ValueError(f"timeout_s must be positive and finite, got {timeout_s}")
+    return float(timeout_s)
+
+
+def validate_ll_arguments(max_rows: Any, num_channels: Any, world_size: int) -> None:
+    """Raise ``ValueError`` for arguments the LL exchange cannot serve."""
+    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or not 1 <= max_rows <= MAX_MAX_ROWS:
+        raise ValueError(f"max_rows must be an int in [1, {MAX_MAX_ROWS}], got {max_rows!r}")
+    if isinstance(num_channels, bool) or not isinstance(num_channels, int) or not 1 <= num_channels <= MAX_CHANNELS:
+        raise ValueError(f"num_channels must be an int in [1, {MAX_CHANNELS}], got {num_channels!r}")
+    if not 1 <= world_size <= cuda_module.MAX_WORLD:
+        raise ValueError(f"the LL exchange serves 1 to {cuda_module.MAX_WORLD} ranks, the group has {world_size}")
+
+
+@dataclass(frozen=True)
+class BufferLayout:
+    """Byte offsets inside one rank's exchange buffer (the IPC-shared allocation)."""
+
+    world_size: int
+    max_rows: int
+    num_channels: int
+
+    @property
+    def ctrl_offset(self) -> int:
+        return 0
+
+    @property
+    def scratch_offset(self) -> int:
+        return CTRL_BYTES * self.num_channels
+
+    @property
+    def slots_offset(self) -> int:
+        end = self.scratch_offset + 8 * self.max_rows * self.num_channels
+        return (end + 255) // 256 * 256
+
+    @property
+    def slot_channel_bytes(self) -> int:
+        """Slots of one channel: [parity 2][source rank][row] lines of 16 bytes."""
+        return 2 * self.world_size * self.max_rows * SLOT_BYTES
+
+    @property
+    def total_bytes(self) -> int:
+        return self.slots_offset + self.num_channels * self.slot_channel_bytes
+
+    def ctrl(self, base: int, channel: int) -> int:
+        return base + self.ctrl_offset + CTRL_BYTES * channel
+
+    def scratch(self, base: int, channel: int) -> int:
+        return base + self.scratch_offset + 8 * self.max_rows * channel
+
+    def slots(self, base: int, channel: int) -> int:
+        return base + self.slots_offset + self.slot_channel_bytes * channel
+
+
+def plan_chunks(rows: int, cols: int, elem_bytes: int, num_sms: int, sampled: bool) -> tuple[int, int]:
+    """Split each row of the fused kernel over blocks: ``(chunk columns, chunks per row)``.
+
+    Aims at a few blocks per SM in total (latency-bound small batches spread each row
+    over many blocks); chunks are multiples of a warp's 16-byte loads so vector loads
+    stay aligned; Gumbel rows (compute-heavy) take smaller chunks.
+    """
+    vec = 16 // elem_bytes
+    target_blocks = (8 if sampled else 4) * max(1, num_sms)
+    per_row = max(1, -(-target_blocks // max(1, rows)))
+    chunk = -(-max(cols, 1) // per_row)
+    chunk = max(chunk, 256 if sampled else 1024)
+    quantum = 32 * vec
+    chunk = -(-chunk // quantum) * quantum
+    chunks = max(1, -(-cols // chunk))
+    return chunk, chunks
+
+
+_DTYPE_KERNELS = {
+    torch.float32: ("ll_argmax_logits_f32", 0),
+    torch.bfloat16: ("ll_argmax_logits_bf16", 1),
+    torch.float16: ("ll_argmax_logits_f16", 2),
+}
+
+
+def _p(value: int) -> np.uint64:
+    return np.uint64(value)
+
+
+class LLKeyExchange(KeyExchange):
+    """Peer-memory exchange for the ranks of ``group`` on one node (collective constructor).
+
+    ``max_rows``: rows a call may have on the LL path (more go through an all-gather);
+    ``num_channels``: independent slot sets (0 = draft, 1 = target, ...); ``timeout_s``:
+    how long a kernel waits for a peer before it gives up (default 30 s or
+    ``$TPSPEC_LL_TIMEOUT_S``); ``device``: the CUDA device (default: the current one).
+
+    Every call launches on ``torch.cuda.current_stream()`` and is CUDA-graph capturable
+    (rows <= ``max_rows``). Calls on one channel must be stream-ordered; different
+    channels may overlap. Raises ``RuntimeError`` on every rank when any rank cannot
+    set up (no cupy, compile error, IPC failure, ranks on several nodes).
+    """
+
+    def __init__(
+        self,
+        group: Any = None,
+        *,
+        max_rows: int = DEFAULT_MAX_ROWS,
+        num_channels: int = 2,
+        timeout_s: float | None = None,
+        device: str | torch.device | None = None,
+    ) -> None:
+        world_size = D.group_size(group)
+        validate_ll_arguments(max_rows, num_channels, world_size)
+        self.timeout_s = resolve_timeout_s(timeout_s)
+        if not torch.cuda.is_available():
+            raise RuntimeError("the LL exchange needs a CUDA device")
+        device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        if device.type != "cuda":
+            raise ValueError(f"the LL exchange works on a CUDA device, got {device}")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        super().__init__(group, D.group_rank(group), world_size, device)
+        self.MAX_ROWS = max_rows
+        self.NUM_CHANNELS = num_channels
+        self.layout = BufferLayout(world_size, max_rows, num_channels)
+        self._closed = False
+        self._base = 0
+        self._host_error = 0
+        self._opened: list[int] = []
+        self._streams: dict[int, Any] = {}
+        self._cupy: Any = None
+        try:
+            self._setup()
+        except BaseException:
+            self._release(barrier=False)
+            self._closed = True
+            raise
+        self._fallback = AllGatherKeyExchange(group, device=device)
+
+    # ------------------------------------------------------------------ set-up
+    def _gather_ok(self, error: str | None, payload: Any = None) -> list[Any]:
+        """All-gather ``(error, payload)``; raise on every rank if any rank failed."""
+        gathered = D.all_gather_object((error, payload), self.group)
+        failures = [(r, e) for r, (e, _) in enumerate(gathered) if e is not None]
+        if failures:
+            detail = "; ".join(f"rank {r}: {e}" for r, e in failures)
+            raise RuntimeError(f"LL exchange set-up failed ({detail})")
+        return [p for _, p in gathered]
+
+    def _setup(self) -> None:
+        index = self.device.index
+        # Rank 0 compiles first so the others load cupy's on-disk cache.
+        error = None
+        if self.rank == 0:
+            error = self._try(lambda: cuda_module.load_module(index))
+        self._gather_ok(error)
+        if self.rank != 0:
+            error = self._try(lambda: cuda_module.load_module(index))
+        handle = None
+        if error is None:
+            error = self._try(self._allocate)
+            if error is None:
+                handle = self._cupy.cuda.runtime.ipcGetMemHandle(self._base)
+        payloads = self._gather_ok(error, (socket.gethostname(), handle))
+        hosts = sorted({host for host, _ in payloads})
+        if len(hosts) > 1:
+            raise RuntimeError(f"LL exchange needs every rank on one node, the group spans {hosts}")
+        bases = [0] * self.world_size
+        bases[self.rank] = self._base  # a process cannot open its own handle
+        error = self._try(lambda: self._open_peers(payloads, bases))
+        self._gather_ok(error)
+        table = [self.layout.slots(bases[r], ch) for ch in range(self.NUM_CHANNELS) for r in range(self.world_size)]
+        self._peer_slots = torch.tensor(table, dtype=torch.int64, device=self.device)
+        num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self._num_sms = int(num_sms)
+        self._module = cuda_module.load_module(index)
+        self._kernels = {name: self._module.get_function(name) for name in cuda_module.KERNEL_NAMES}
+
+    @staticmethod
+    def _try(fn: Any) -> str | None:
+        try:
+            fn()
+            return None
+        except Exception as exc:  # noqa: BLE001 - reported to every rank
+            return f"{type(exc).__name__}: {exc}"
+
+    def _allocate(self) -> None:
+        import cupy
+
+        self._cupy = cupy
+        rt = cupy.cuda.runtime
+        with cupy.cuda.Device(self.device.index):
+            self._base = rt.malloc(self.layout.total_bytes)
+            rt.memset(self._base, 0, self.layout.total_bytes)
+            ctrl = np.zeros(CTRL_BYTES // 4 * self.NUM_CHANNELS, dtype=np.uint32)
+            ctrl[:: CTRL_BYTES // 4] = 1  # first epoch of every channel; slots hold 0 = never written
+            rt.memcpy(self.layout.ctrl(self._base, 0), ctrl.ctypes.data, ctrl.nbytes, _CUDA_MEMCPY_HOST_TO_DEVICE)
+            self._host_error = rt.hostAlloc(HOST_ERROR_BYTES * self.NUM_CHANNELS, _CUDA_HOST_ALLOC_PORTABLE_MAPPED)
+            ctypes.memset(self._host_error, 0, HOST_ERROR_BYTES * self.NUM_CHANNELS)
+            rt.deviceSynchronize()
+
+    def _open_peers(self, payloads: list[Any], bases: list[int]) -> None:
+        rt = self._cupy.cuda.runtime
+        with self._cupy.cuda.Device(self.device.index):
+            for r, (_, handle) in enumerate(payloads):
+                if r == self.rank:
+                    continue
+                ptr = rt.ipcOpenMemHandle(handle, _CUDA_IPC_LAZY_PEER_ACCESS)
+                self._opened.append(ptr)
+                bases[r] = ptr
+
+    # ----------------------------------------------------------------- errors
+    def _error_record(self, channel: int) -> tuple[int, int, int]:
+        address = self._host_error + HOST_ERROR_BYTES * channel
+        flag = ctypes.c_uint32.from_address(address).value
+        epoch = ctypes.c_uint32.from_address(address + 4).value
+        missing = ctypes.c_uint64.from_address(address + 8).value
+        return flag, epoch, missing
+
+    def _raise_if_failed(self) -> None:
+        if self._closed:
+            raise RuntimeError("this LL key exchange is closed")
+        for channel in range(self.NUM_CHANNELS):
+            flag, epoch, missing = self._error_record(channel)
+            if flag:
+                raise LLTimeoutError(
+                    format_timeout_error(self.rank, channel, epoch, missing, self.timeout_s),
+                    channel,
+                    epoch,
+                    missing_ranks_from_mask(missing),
+                )
+
+    def check(self, *, sync: bool = True) -> None:
+        """Raise :class:`LLTimeoutError` if a wait on any channel timed out. With ``sync``
+        (default) first waits for the work queued on the current stream."""
+        if sync and not self._closed:
+            torch.cuda.current_stream(self.device).synchronize()
+        self._raise_if_failed()
+
+    def _check_channel(self, channel: Any) -> None:
+        if isinstance(channel, bool) or not isinstance(channel, int) or not 0 <= channel < self.NUM_CHANNELS:
+            raise ValueError(f"channel={channel!r} is out of range [0, {self.NUM_CHANNELS})")
+
+    # ----------------------------------------------------------------- launch
+    def _exchange_args(self, channel: int) -> tuple:
+        return (
+            _p(self.layout.ctrl(self._base, channel)),
+            _p(self._peer_slots.data_ptr() + 8 * self.world_size * channel),
+            _p(self._host_error + HOST_ERROR_BYTES * channel),
+            np.int32(self.rank),
+            np.int32(self.world_size),
+            np.int32(self.MAX_ROWS),
+            np.uint64(int(self.timeout_s * 1e9)),
+        )
+
+    def _launch(self, name: str, blocks: int, shared_bytes: int, args: tuple) -> None:
+        # Read the current stream at every launch: under torch.cuda.graph it is the capture stream.
+        stream_ptr = torch.cuda.current_stream(self.device).cuda_stream
+        stream = self._streams.get(stream_ptr)
+        if stream is None:
+            stream = self._cupy.cuda.ExternalStream(stream_ptr, self.device.index)
+            self._streams[stream_ptr] = stream
+        self._kernels[name]((blocks,), (cuda_module.THREADS_PER_BLOCK,), args, shared_mem=shared_bytes, stream=stream)
+
+    # ------------------------------------------------------------------ calls
+    def max_keys(self, keys: torch.Tensor, *, channel: int = 0) -> torch.Tensor:
+        self._check_rows_vector("keys", keys, None)
+        if keys.dtype != torch.int64:
+            raise ValueError(f"keys must be int64, got {keys.dtype}")
+        self._check_channel(channel)
+        rows = keys.shape[0]
+        if rows > self.MAX_ROWS:
+            return self._fallback.max_keys(keys, channel=channel)
+        self._raise_if_failed()
+        if rows == 0:
+            return keys.clone()
+        keys = keys.contiguous()
+        out = torch.empty(rows, dtype=torch.int64, device=self.device)
+        null = _p(0)
+        args = (np.int32(0), _p(keys.data_ptr()), null, np.int32(0), null, np.int32(0), np.int64(0),
+                np.int32(rows), _p(out.data_ptr()), np.int32(0), *self._exchange_args(channel))
+        self._launch("ll_exchange_keys", 1, 8 * rows, args)
+        return out
+
+    def argmax_tokens(
+        self, local_max: torch.Tensor, local_argmax: torch.Tensor, vocab_offset: int, *, channel: int = 0
+    ) -> torch.Tensor:
+        self._check_rows_vector("local_max", local_max, None)
+        self._check_rows_vector("local_argmax", local_argmax, local_max.shape[0])
+        if local_argmax.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"local_argmax must be int32 or int64, got {local_argmax.dtype}")
+        self._check_offset(vocab_offset, None)
+        if local_max.dtype not in K.SUPPORTED_VALUE_DTYPES:
+            raise ValueError(f"values must be float32, bfloat16 or float16, got {local_max.dtype}")
+        self._check_channel(channel)
+        rows = local_max.shape[0]
+        if rows > self.MAX_ROWS:
+            return super().argmax_tokens(local_max, local_argmax, vocab_offset, channel=channel)
+        self._raise_if_failed()
+        if rows == 0:
+            return torch.empty(0, dtype=torch.int64, device=self.device)
+        local_max = local_max.contiguous()
+        local_argmax = local_argmax.contiguous()
+        out = torch.empty(rows, dtype=torch.int64, device=self.device)
+        args = (np.int32(1), _p(0), _p(local_max.data_ptr()), np.int32(_DTYPE_KERNELS[local_max.dtype][1]),
+                _p(local_argmax.data_ptr()), np.int32(local_argmax.dtype == torch.int64), np.int64(vocab_offset),
+                np.int32(rows), _p(out.data_ptr()), np.int32(1), *self._exchange_args(channel))
+        self._launch("ll_exchange_keys", 1, 8 * rows, args)
+        return out
+
+    def argmax_logits(
+        self,
+        logits: torch.Tensor,
+        vocab_offset: int,
+        *,
+        vocab_size: int | None = None,
+        temperature: torch.Tensor | None = None,
+        seeds: torch.Tensor | None = None,
+        offsets: torch.Tensor | None = None,
+        greedy_threshold: float = K.GREEDY_TEMPERATURE_THRESHOLD,
+        channel: int = 0,
+    ) -> torch.Tensor:
+        """See :meth:`KeyExchange.argmax_logits`; one kernel launch when rows <= ``max_rows``."""
+        return self._fused(logits, vocab_offset, vocab_size, temperature, seeds, offsets, greedy_threshold,
+                           channel, want_tokens=True)
+
+    def max_logits_keys(
+        self,
+        logits: torch.Tensor,
+        vocab_offset: int,
+        *,
+        vocab_size: int | None = None,
+        temperature: torch.Tensor | None = None,
+        seeds: torch.Tensor | None = None,
+        offsets: torch.Tensor | None = None,
+        greedy_threshold: float = K.GREEDY_TEMPERATURE_THRESHOLD,
+        channel: int = 0,
+    ) -> torch.Tensor:
+        """Like :meth:`argmax_logits` but returns the winning keys (``[R]`` int64, equal on every
+        rank): ``max over ranks of keys.local_row_keys(...)``, bit for bit. Unpack with
+        ``keys.unpack_keys`` for the winning score and column. Same step-counter rules."""
+        return self._fused(logits, vocab_offset, vocab_size, temperature, seeds, offsets, greedy_threshold,
+                           channel, want_tokens=False)
+
+    def _fused(
+        self,
+        logits: torch.Tensor,
+        vocab_offset: int,
+        vocab_size: int | None,
+        temperature: torch.Tensor | None,
+        seeds: torch.Tensor | None,
+        offsets: torch.Tensor | None,
+        greedy_threshold: float,
+        channel: int,
+        *,
+        want_tokens: bool,
+    ) -> torch.Tensor:
+        self.validate_logits_call(logits, vocab_offset, vocab_size, temperature, seeds, offsets, channel)
+        rows, width = logits.shape
+        unseeded = temperature is not None and seeds is None
+        if rows > self.MAX_ROWS:  # the all-gather path, same results (not graph-capturable on gloo)
+            if unseeded:
+                seeds, offsets = self.unseeded_streams(rows)
+            local = K.local_row_keys(logits, vocab_offset, vocab_size=vocab_size, temperature=temperature,
+                                     seeds=seeds, offsets=offsets, greedy_threshold=greedy_threshold)
+            best = self._fallback.max_keys(local, channel=channel)
+            return K.unpack_indices(best) if want_tokens else best
+        self._raise_if_failed()
+        if rows == 0:
+            if unseeded:
+                self.step_counter.add_(1)  # the all-gather path advances it for every such call
+            return torch.empty(0, dtype=torch.int64, device=self.device)
+        if width > 0 and logits.stride(1) != 1:
+            logits = logits.contiguous()
+        real_width = width if vocab_size is None else max(0, min(width, vocab_size - vocab_offset))
+        name, _ = _DTYPE_KERNELS[logits.dtype]
+        elem = logits.element_size()
+        aligned = logits.data_ptr() % 16 == 0 and (logits.stride(0) * elem) % 16 == 0
+        chunk, chunks = plan_chunks(rows, real_width, elem, self._num_sms, temperature is not None)
+        null = _p(0)
+        temp_ptr = null
+        if temperature is not None:
+            temperature = temperature.to(torch.float32).contiguous()
+            temp_ptr = _p(temperature.data_ptr())
+        seeds_ptr = offsets_ptr = null
+        if seeds is not None:
+            seeds, offsets = seeds.contiguous(), offsets.contiguous()
+            seeds_ptr, offsets_ptr = _p(seeds.data_ptr()), _p(offsets.data_ptr())
+        out = torch.empty(rows, dtype=torch.int64, device=self.device)
+        args = (
+            _p(logits.data_ptr()), np.int64(logits.stride(0)), np.int32(rows), np.int32(real_width),
+            np.uint32(vocab_offset), np.int32(chunk), np.int32(chunks), np.int32(aligned), temp_ptr,
+            np.float32(greedy_threshold), seeds_ptr, offsets_ptr, _p(self.step_counter.data_ptr()),
+            _p(UNSEEDED_STREAM_SEED), np.int32(unseeded), _p(out.data_ptr()), np.int32(want_tokens),
+            _p(self.layout.ctrl(self._base, channel)), _p(self.layout.scratch(self._base, channel)),
+            *self._exchange_args(channel)[1:],
+        )
+        self._launch(name, rows * chunks, 8 * rows, args)
+        return out
+
+    # ---------------------------------------------------------------- shutdown
+    def close(self) -> None:
+        """Free the buffers (collective: peers must close too). Idempotent.
+
+        Waits for this device's work, closes the peers' handles, waits (best effort) for
+        every rank to have closed theirs, then frees this rank's buffer.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._release(barrier=True)
+
+    def _release(self, barrier: bool) -> None:
+        cupy = self._cupy
+        if cupy is None:
+            return
+        rt = cupy.cuda.runtime
+        with cupy.cuda.Device(self.device.index):
+            try:
+                rt.deviceSynchronize()
+            except Exception:  # noqa: BLE001 - still free what we can
+                pass
+            for ptr in self._opened:
+                try:
+                    rt.ipcCloseMemHandle(ptr)
+                except Exception:  # noqa: BLE001
+                    pass
+            self._opened = []
+            if barrier and self.world_size > 1:
+                try:  # owners free only after every peer closed its mapping
+                    D.all_gather_object(None, self.group)
+                except Exception:  # noqa: BLE001 - a dead peer must not keep us from freeing
+                    pass
+            if self._base:
+                rt.free(self._base)
+                self._base = 0
+            if self._host_error:
+                rt.freeHost(self._host_error)
+                self._host_error = 0
