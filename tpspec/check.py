@@ -425,6 +425,147 @@ def check_gumbel_exact(ctx: SuiteContext) -> CheckResult:
                        detail=f"V={vocab}, T=1.0/0.6, n={samples} each, TV={max(tvs):.4f}")
 
 
+def small_vocab(world_size: int, preferred: int = 37) -> int:
+    """The smallest vocabulary >= ``preferred`` that ``world_size`` ranks can split."""
+    vocab = preferred
+    while not splittable_tp_sizes(vocab, (world_size,)):
+        vocab += 1
+    return vocab
+
+
+def check_rejection_exact(ctx: SuiteContext) -> CheckResult:
+    """§8.5 (rejection sampling): one-model speculative steps through ``SpecWorker`` with
+    rejection acceptance on vocab-sharded target logits; each emitted position follows the
+    target distribution of that position (chi-square p > 0.001), for drafts drawn from a
+    draft distribution q and for deterministic drafts (one-hot q)."""
+    require_module("tpspec.spec")
+    from .sampling.params import SamplingParams
+    from .spec import SpecMetadata, SpecWorker
+
+    ex = ctx.allgather_exchange()
+    vocab, num_drafts = small_vocab(ctx.world_size), 2
+    requests = 6000 if ctx.quick else 12000
+    gen = ctx.generator(60_000)
+    target_logits = torch.randn(num_drafts + 1, vocab, generator=gen) * 1.5  # p_k, position k
+    # q_k close to p_k (as a real drafter's is), so later positions get enough samples too.
+    draft_logits = target_logits[:num_drafts] + torch.randn(num_drafts, vocab, generator=gen) * 0.8
+    p = torch.softmax(target_logits.double(), dim=-1)
+    q = torch.softmax(draft_logits.float(), dim=-1)
+    worker = SpecWorker("rejection", forced=None)
+    p_values: list[float] = []
+    details: list[str] = []
+    mean_accepted: list[str] = []
+    rows = 0
+    for case in ("q", "one-hot q"):
+        meta = SpecMetadata(requests, num_drafts, device=ctx.device)
+        # Distinct seeds: every request draws from its own stream.
+        meta.prepare([(i, i, SamplingParams(temperature=1.0, seed=ctx.seed + 7919 * i), False)
+                      for i in range(requests)], num_drafts)
+        full = target_logits.repeat(requests, 1)  # rows: request-major, positions 0..D
+        local, offset = shard_slice(full.to(ctx.device), ctx.world_size, ctx.rank)
+        sharded = VocabShardedLogits(local, offset, vocab, ex)
+        if case == "q":
+            drafts = torch.stack([torch.multinomial(q[k], requests, replacement=True, generator=gen)
+                                  for k in range(num_drafts)], dim=1)
+            draft_probs = q.unsqueeze(0).expand(requests, num_drafts, vocab).contiguous().to(ctx.device)
+        else:
+            drafts = torch.stack([torch.full((requests,), int(torch.argmax(p[k])), dtype=torch.int64)
+                                  for k in range(num_drafts)], dim=1)
+            draft_probs = None
+        out = worker.step(sharded, drafts.to(ctx.device), meta, draft_probs)
+        accepted = ctx.record(out.accepted_tokens).cpu().reshape(requests, num_drafts + 1)
+        num = out.num_accepted.cpu()
+        for pos in range(num_drafts + 1):
+            emitted = accepted[num > pos, pos]
+            if emitted.numel() < 500:
+                continue  # too few samples at this position for a meaningful test
+            counts = torch.bincount(emitted, minlength=vocab)[:vocab]
+            _, pv, _ = chi_square(counts, p[pos])
+            p_values.append(pv)
+            rows += int(emitted.numel())
+            if pv <= P_VALUE_THRESHOLD:
+                details.append(f"{case}, position {pos}: p={pv:.2g}")
+        mean_accepted.append(f"{float(num.double().mean()) - 1:.2f}")
+    p_min = min(p_values) if p_values else None
+    status = PASS if p_values and p_min > P_VALUE_THRESHOLD else FAIL
+    return CheckResult("rejection_exact", status, rows, 0, p_min,
+                       detail=_join(details) or f"V={vocab}, D={num_drafts}, {requests} requests per draft kind "
+                       f"(q / one-hot q: {' / '.join(mean_accepted)} drafts accepted), {len(p_values)} positions")
+
+
+def _request_logits(tag: int, step: int, position: int, vocab: int) -> torch.Tensor:
+    """The logits of one row of a request, a function of (request tag, its own step,
+    position) only, so a request sees the same logits whatever batch it runs in."""
+    gen = torch.Generator().manual_seed(tag * 1_000_003 + step * 1009 + position)
+    return torch.randn(vocab, generator=gen) * 2.0
+
+
+def check_seeded_streams(ctx: SuiteContext) -> CheckResult:
+    """§8.4 (batch, slot history, TP size): a seeded request's tokens, chosen by
+    ``select_tokens`` under ``SpecMetadata`` streams, are the same alone in slot 0, in a
+    mixed batch at another position in a slot used before, in a batch that takes the
+    full-logit path (a top-k neighbour), and at TP=1; a different seed changes them."""
+    require_module("tpspec.spec")
+    from .sampling.params import SamplingParams
+    from .spec import SpecMetadata
+
+    vocab, draft_len, steps = 1000, 3, 5
+    x_params = SamplingParams(temperature=0.9, seed=123456789)
+    x_tag = 1
+
+    def run(exchange: KeyExchange, tp: int, rank: int, x_slot: int, history: int, neighbours: list[tuple],
+            params: SamplingParams = x_params) -> torch.Tensor:
+        """X's tokens over ``steps`` steps; ``history`` earlier steps of another request in X's slot."""
+        meta = SpecMetadata(8, draft_len, device=ctx.device)
+        schedule = [[(100, x_slot, SamplingParams(temperature=1.0, seed=5), t == 0)] for t in range(history)]
+        schedule += [[*neighbours, (x_tag, x_slot, params, t == 0)] for t in range(steps)]
+        out = []
+        for step, requests in enumerate(schedule):
+            meta.prepare(requests, draft_len)
+            rows = []
+            for rid, _, _, is_ctx in requests:
+                own_step = step - history if rid == x_tag else step
+                rows += [_request_logits(rid, own_step, i, vocab) for i in range(1 if is_ctx else draft_len + 1)]
+            full = torch.stack(rows)
+            local, offset = shard_slice(full.to(ctx.device), tp, rank)
+            tokens = VocabShardedLogits(local, offset, vocab, exchange).select_tokens(meta)
+            if tp == ctx.world_size:
+                ctx.record(tokens)
+            b = len(requests) - 1  # X is last
+            if requests[b][0] == x_tag:
+                idx = meta.request_row_index[b, : (1 if requests[b][3] else draft_len + 1)]
+                out.append(tokens[idx.to(tokens.device)].cpu())
+        return torch.cat(out)
+
+    ex = ctx.allgather_exchange()
+    single = SingleRankExchange(ctx.device)
+    mixed = [(10, 0, SamplingParams(temperature=0.7, seed=99), False), (11, 1, None, False),
+             (12, 4, SamplingParams(temperature=1.2), False)]
+    filtered = [(10, 0, SamplingParams(temperature=0.7, seed=99), False),
+                (13, 1, SamplingParams(temperature=1.0, top_k=5, seed=7), False)]
+    alone = run(ex, ctx.world_size, ctx.rank, 0, 0, [])
+    scenarios = {
+        "mixed batch, slot 2 after 3 steps of another request": run(ex, ctx.world_size, ctx.rank, 2, 3, mixed),
+        "full-logit path (top-k neighbour), slot 5": run(ex, ctx.world_size, ctx.rank, 5, 1, filtered),
+        "TP=1": run(single, 1, 0, 0, 0, []),
+    }
+    rows = mism = 0
+    details = []
+    for name, tokens in scenarios.items():
+        bad = _mismatches(tokens, alone)
+        if bad:
+            details.append(f"{name}: {bad} of {alone.numel()} tokens differ")
+        mism += bad
+        rows += alone.numel()
+    other_seed = run(ex, ctx.world_size, ctx.rank, 0, 0, [], SamplingParams(temperature=0.9, seed=987654321))
+    if torch.equal(other_seed, alone):
+        details.append("a different seed gives the same tokens: the seed is not used")
+        mism += 1
+    return CheckResult("seeded_streams", PASS if mism == 0 else FAIL, rows, mism,
+                       detail=_join(details) or f"{steps} steps x D={draft_len}: alone vs mixed batch / slot "
+                       "history / full-logit path / TP=1")
+
+
 def check_ll_equals_allgather(ctx: SuiteContext) -> CheckResult:
     """§8.2: the LL exchange and the all-gather exchange pick identical tokens (GPU only)."""
     if ctx.device.type != "cuda":
@@ -583,6 +724,8 @@ RANK_CHECKS: list[Callable[[SuiteContext], CheckResult]] = [
     check_greedy_argmax,
     check_seeded_tp_invariant,
     check_gumbel_exact,
+    check_rejection_exact,
+    check_seeded_streams,
     check_ll_equals_allgather,
     check_cpu_gpu_bits,
     check_cuda_graph,
