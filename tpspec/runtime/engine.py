@@ -1,0 +1,411 @@
+"""The engine loop that runs on every rank: admission into KV slots, chunked context,
+speculative generation steps, verification, stop conditions, slot reuse.
+
+Lock-step rule: every decision that leads to a collective (how many forwards a step
+runs, whether token selection runs, when the loop ends) is taken from *replicated*
+state — the requests and the tokens chosen so far, which come out of the exchange and
+are therefore identical on every rank. Nothing rank-local (timers, queue contents)
+ever steers the loop.
+
+Plain TP: every rank holds every request and runs the same batch.
+Attention DP: request ``i`` belongs to TP rank ``i % tp_size``; each rank runs its own
+batch (a one-token dummy row in a scratch slot when it has nothing to do while others
+do, because the TP MLP and the token selection are collectives), and after every step
+the ranks all-gather the tokens they emitted, so every rank again knows every
+request's tokens — rank 0 can report all of them and the loop ends everywhere at once.
+
+Per-request invariant in the generation phase: the target KV cache holds every token
+but the last (``target_cached == len(tokens) - 1``); a step feeds the last token plus K
+drafts, and "rewinding" rejected drafts is just not counting them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .. import distributed as D
+from ..mapping import Mapping
+from ..sampling.params import SamplingParams
+from .config import EngineConfig, Request, RequestStats
+
+DRAFT_CHANNEL = 0  # exchange channel of draft picks (the target's picks use 1)
+
+ProgressFn = Callable[[int, int], None]
+"""``on_progress(steps_done, tokens_generated_so_far)``."""
+
+_DUMMY_PARAMS = SamplingParams()
+_DUMMY_REQUEST_ID = -1
+
+
+@dataclass
+class SequenceResult:
+    """What a rank returns for one request (the driver turns it into a ``RequestOutput``)."""
+
+    token_ids: list[int]
+    finish_reason: str
+    stats: RequestStats
+
+
+@dataclass
+class _Seq:
+    req: Request
+    index: int  # position in the request list of this generate call
+    owner: int  # attention-DP rank that runs it (0 under plain TP)
+    tokens: list[int]
+    num_prompt: int
+    slot: int = -1
+    target_cached: int = 0
+    draft_cached: int = 0
+    finished: bool = False
+    finish_reason: str = ""
+    stats: RequestStats = field(default_factory=RequestStats)
+
+    @property
+    def in_context(self) -> bool:
+        return self.target_cached < self.num_prompt
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.num_prompt
+
+
+@dataclass
+class _Plan:
+    """One rank's batch for one step. Order in the forward batch: final context chunks,
+    partial context chunks, generation requests (context rows first, as the acceptance
+    code expects)."""
+
+    final_ctx: list[tuple[_Seq, int]] = field(default_factory=list)  # (seq, chunk length)
+    partial_ctx: list[tuple[_Seq, int]] = field(default_factory=list)
+    gen: list[_Seq] = field(default_factory=list)
+
+    @property
+    def emitting(self) -> list[_Seq]:
+        return [s for s, _ in self.final_ctx] + self.gen
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """``"float32"``/``"bfloat16"``/``"float16"`` -> torch dtype (ValueError otherwise)."""
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name not in table:
+        raise ValueError(f"dtype must be one of {sorted(table)}, got {name!r}")
+    return table[name]
+
+
+class Engine:
+    """One rank's engine. Build it on every rank of the TP group after the process group
+    exists (collective: loads the sharded weights); then call :meth:`generate` on every rank
+    with the same requests, in the same order.
+    """
+
+    def __init__(self, config: EngineConfig, mapping: Mapping, device: torch.device | str | None = None) -> None:
+        from ..exchange import make_key_exchange
+        from ..model.drafters import DraftModel, NgramDrafter
+        from ..model.loader import load_model
+        from ..spec import SpecMetadata, SpecWorker
+
+        self.config = config
+        self.mapping = mapping
+        self.device = torch.device(device if device is not None else config.device)
+        self.dtype = resolve_dtype(config.dtype)
+        self.group = D.tp_group()
+        self.dp_size = mapping.tp_size if mapping.enable_attention_dp else 1
+        self.dp_rank = mapping.tp_rank if mapping.enable_attention_dp else 0
+        self.num_draft = config.num_draft_tokens
+        spec = config.speculative
+
+        self.exchange = None
+        if mapping.lm_head_is_sharded:
+            self.exchange = make_key_exchange(self.group, prefer=config.exchange, device=self.device)
+        self.model = load_model(config.model_path, mapping, device=self.device, dtype=self.dtype,
+                                exchange=self.exchange)
+        # Slot max_batch_size is a scratch slot for dummy rows (attention DP).
+        self.num_slots = config.max_batch_size + 1
+        self.scratch_slot = config.max_batch_size
+        # Verification writes K positions past the last committed token.
+        self.cache_len = config.max_seq_len + self.num_draft + 1
+        self.model.allocate_kv_cache(self.num_slots, self.cache_len)
+
+        self.ngram = None
+        self.draft_model = None
+        if spec is not None and spec.method == "ngram":
+            self.ngram = NgramDrafter(num_draft_tokens=spec.num_draft_tokens, max_ngram=spec.max_ngram,
+                                      min_ngram=spec.min_ngram)
+        elif spec is not None:
+            self.draft_model = DraftModel(config.draft_model_path, mapping, device=self.device, dtype=self.dtype,
+                                          exchange=self.exchange, target_config=self.model.config)
+            self.draft_model.allocate_kv_cache(self.num_slots, self.cache_len)
+
+        # One request more than the batch: the dummy row (slot -1 = padding for the streams).
+        # max_draft_len >= 1: SpecMetadata's stream layout rejects 0 (it is only a window layout;
+        # steps still pass draft_len=0 without speculation).
+        self.meta = SpecMetadata(config.max_batch_size + 1, max(self.num_draft, 1), device=self.device,
+                                 mapping=mapping, max_num_slots=config.max_batch_size)
+        self.worker = SpecWorker(acceptance=spec.acceptance if spec is not None else "strict")
+        self.graphs = None
+        if self.device.type == "cuda" and config.use_cuda_graphs:
+            from .cuda_graphs import GenerationGraphs
+
+            self.graphs = GenerationGraphs.maybe_create(self)
+
+    # ------------------------------------------------------------------ public
+    @torch.inference_mode()
+    def generate(self, requests: list[Request], on_progress: ProgressFn | None = None) -> list[SequenceResult]:
+        """Run ``requests`` to completion. Collective: every rank of the TP group calls it with
+        the same list. Returns one :class:`SequenceResult` per request, in order, identical on
+        every rank (attention DP included)."""
+        seqs = [self._new_seq(req, i, i % self.dp_size) for i, req in enumerate(requests)]
+        waiting = deque(s for s in seqs if s.owner == self.dp_rank)
+        running: list[_Seq] = []
+        free_slots = list(range(self.config.max_batch_size))
+        steps = 0
+        for s in seqs:  # a zero-budget request needs no step
+            self._check_done(s)
+        while not all(s.finished for s in seqs):
+            for s in running:
+                if s.finished:  # slot reuse: the next owner restarts the slot's streams
+                    self.meta.release_slot(s.slot)
+            running = [s for s in running if not s.finished]
+            used = {s.slot for s in running}
+            free_slots = [i for i in range(self.config.max_batch_size) if i not in used]
+            while waiting and free_slots:
+                seq = waiting.popleft()
+                if seq.finished:
+                    continue
+                seq.slot = free_slots.pop(0)
+                running.append(seq)
+            self._step(self._schedule(running), seqs)
+            steps += 1
+            if on_progress is not None:
+                on_progress(steps, sum(s.num_generated for s in seqs))
+        return [SequenceResult(s.tokens[s.num_prompt:], s.finish_reason, s.stats) for s in seqs]
+
+    def close(self) -> None:
+        if self.graphs is not None:
+            self.graphs.close()
+            self.graphs = None
+        if self.exchange is not None:
+            self.exchange.close()
+
+    # ------------------------------------------------------------------ scheduling
+    def _new_seq(self, req: Request, index: int, owner: int) -> _Seq:
+        if not req.prompt:
+            raise ValueError(f"request {req.request_id}: empty prompt")
+        if len(req.prompt) >= self.config.max_seq_len:
+            raise ValueError(
+                f"request {req.request_id}: prompt of {len(req.prompt)} tokens leaves no room to generate "
+                f"(max_seq_len={self.config.max_seq_len})"
+            )
+        seq = _Seq(req=req, index=index, owner=owner, tokens=list(req.prompt), num_prompt=len(req.prompt))
+        seq.stats.num_prompt_tokens = len(req.prompt)
+        return seq
+
+    def _schedule(self, running: list[_Seq]) -> _Plan:
+        """Generation requests always run (K+1 tokens each); context chunks fill the rest of the
+        token budget in admission order."""
+        plan = _Plan()
+        budget = self.config.max_num_tokens
+        for seq in running:
+            if not seq.in_context:
+                plan.gen.append(seq)
+                budget -= self.num_draft + 1
+        for seq in running:
+            if not seq.in_context or budget <= 0:
+                continue
+            chunk = min(seq.num_prompt - seq.target_cached, budget)
+            budget -= chunk
+            if seq.target_cached + chunk == seq.num_prompt:
+                plan.final_ctx.append((seq, chunk))
+            else:
+                plan.partial_ctx.append((seq, chunk))
+        return plan
+
+    # ------------------------------------------------------------------ one step
+    def _step(self, plan: _Plan, seqs: list[_Seq]) -> None:
+        from ..model.batch import ForwardBatch
+
+        dp = self.dp_size > 1
+        k = self.num_draft
+        use_dummy = dp and not plan.emitting  # this rank has no row, others may: keep collectives paired
+        drafts = self._propose(plan, always_run_model=dp)
+
+        tokens: list[int] = []
+        positions: list[int] = []
+        slot_ids: list[int] = []
+        cache_lens: list[int] = []
+        query_lens: list[int] = []
+        rows: list[int] = []
+
+        def add(slot: int, start: int, chunk: list[int], logit_rows: int) -> None:
+            first = len(tokens)
+            tokens.extend(chunk)
+            positions.extend(range(start, start + len(chunk)))
+            slot_ids.append(slot)
+            cache_lens.append(start)
+            query_lens.append(len(chunk))
+            rows.extend(range(first + len(chunk) - logit_rows, first + len(chunk)))
+
+        for seq, n in plan.final_ctx:
+            add(seq.slot, seq.target_cached, seq.tokens[seq.target_cached:seq.target_cached + n], 1)
+        if use_dummy:
+            add(self.scratch_slot, 0, [0], 1)
+        for seq, n in plan.partial_ctx:
+            add(seq.slot, seq.target_cached, seq.tokens[seq.target_cached:seq.target_cached + n], 0)
+        for seq, d in zip(plan.gen, drafts):
+            last = len(seq.tokens) - 1
+            add(seq.slot, last, [seq.tokens[-1]] + d, k + 1)
+
+        emitted: dict[int, list[int]] = {}
+        if tokens:  # under attention DP there is always at least the dummy row
+            batch = ForwardBatch(
+                token_ids=torch.tensor(tokens, dtype=torch.int64, device=self.device),
+                positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
+                slot_ids=slot_ids,
+                cache_lens=cache_lens,
+                query_lens=query_lens,
+                logits_rows=torch.tensor(rows, dtype=torch.int64, device=self.device),
+            )
+            for seq, n in plan.final_ctx + plan.partial_ctx:
+                seq.target_cached += n
+            if rows:
+                emitted = self._verify(plan, batch, drafts, use_dummy)
+        if dp:
+            emitted = self._all_gather_emitted(emitted, seqs)
+        for idx, toks in emitted.items():
+            self._commit(seqs[idx], toks)
+
+    def _propose(self, plan: _Plan, *, always_run_model: bool) -> list[list[int]]:
+        """K draft tokens for every generation request of ``plan`` (empty lists without
+        speculation). The draft model runs exactly K forwards when any rank may need it."""
+        k = self.num_draft
+        if k == 0:
+            return [[] for _ in plan.gen]
+        if self.ngram is not None:
+            out = []
+            for seq in plan.gen:
+                d = [int(t) for t in self.ngram.propose(seq.tokens)][:k]
+                # Pad a short proposal: any token verifies correctly, it is just less likely kept.
+                out.append(d + [d[-1] if d else seq.tokens[-1]] * (k - len(d)))
+            return out
+        if not plan.gen and not always_run_model:
+            return []
+        return self._draft_with_model(plan.gen)
+
+    def _draft_with_model(self, gen: list[_Seq]) -> list[list[int]]:
+        """Greedy drafts from the draft model: one catch-up forward (tokens the draft cache has
+        not seen, last row -> first draft), then K-1 one-token forwards."""
+        from ..model.batch import ForwardBatch
+
+        k = self.num_draft
+        dev = self.device
+        if gen:
+            first = [s.tokens[s.draft_cached:] for s in gen]
+            starts = [s.draft_cached for s in gen]
+            slots = [s.slot for s in gen]
+        else:  # attention DP, nothing here: a dummy row keeps the collectives paired
+            first, starts, slots = [[0]], [0], [self.scratch_slot]
+        toks = [t for chunk in first for t in chunk]
+        pos = [p for chunk, st in zip(first, starts) for p in range(st, st + len(chunk))]
+        lens = [len(c) for c in first]
+        last_rows = torch.tensor(list(_cumsum(lens)), dtype=torch.int64, device=dev) - 1
+        batch = ForwardBatch(token_ids=torch.tensor(toks, dtype=torch.int64, device=dev),
+                             positions=torch.tensor(pos, dtype=torch.int64, device=dev),
+                             slot_ids=slots, cache_lens=starts, query_lens=lens, logits_rows=last_rows)
+        cur = self.draft_model(batch).argmax(channel=DRAFT_CHANNEL)
+        drafts = [cur]
+        ends = [st + n for st, n in zip(starts, lens)]
+        for j in range(1, k):
+            batch = ForwardBatch(token_ids=cur.to(torch.int64),
+                                 positions=torch.tensor([e + j - 1 for e in ends], dtype=torch.int64, device=dev),
+                                 slot_ids=slots, cache_lens=[e + j - 1 for e in ends], query_lens=[1] * len(slots),
+                                 logits_rows=None)
+            cur = self.draft_model(batch).argmax(channel=DRAFT_CHANNEL)
+            drafts.append(cur)
+        table = torch.stack(drafts, dim=1).cpu().tolist() if gen else []
+        for s in gen:  # the cache now holds the committed tokens plus drafts 1..K-1
+            s.draft_cached = len(s.tokens) + k - 1
+        return [[int(t) for t in row] for row in table]
+
+    def _verify(self, plan: _Plan, batch, drafts: list[list[int]], use_dummy: bool) -> dict[int, list[int]]:
+        """Target forward, token selection and acceptance. Returns ``{seq index: tokens}``."""
+        k = self.num_draft
+        reqs = [(s.req.request_id, s.slot, s.req.sampling, True) for s, _ in plan.final_ctx]
+        if use_dummy:
+            reqs.append((_DUMMY_REQUEST_ID, -1, _DUMMY_PARAMS, True))
+        reqs += [(s.req.request_id, s.slot, s.req.sampling, False) for s in plan.gen]
+        self.meta.prepare(requests=reqs, draft_len=k)
+        logits = self.model(batch)
+        draft_table = None
+        if k:
+            draft_table = torch.zeros(len(reqs), k, dtype=torch.int64, device=self.device)
+            if plan.gen:
+                first_gen = len(reqs) - len(plan.gen)
+                draft_table[first_gen:] = torch.tensor(drafts, dtype=torch.int64, device=self.device)
+        out = self.worker.step(logits, draft_table, self.meta)
+        accepted = out.accepted_tokens.cpu().tolist()
+        counts = out.num_accepted.cpu().tolist()
+        emitting = [s for s, _ in plan.final_ctx] + ([None] if use_dummy else []) + plan.gen
+        result: dict[int, list[int]] = {}
+        for seq, row, n in zip(emitting, accepted, counts):
+            if seq is None:
+                continue
+            result[seq.index] = [int(t) for t in row[: int(n)]]
+        return result
+
+    def _all_gather_emitted(self, emitted: dict[int, list[int]], seqs: list[_Seq]) -> dict[int, list[int]]:
+        """Attention DP: every rank learns every rank's emitted tokens (one all-gather of a
+        fixed-size ``[max_batch_size, K + 3]`` int64 table: seq index, count, tokens)."""
+        k = self.num_draft
+        width = k + 3
+        table = torch.full((self.config.max_batch_size, width), -1, dtype=torch.int64)
+        for row, (idx, toks) in enumerate(emitted.items()):
+            table[row, 0] = idx
+            table[row, 1] = len(toks)
+            table[row, 2:2 + len(toks)] = torch.tensor(toks, dtype=torch.int64)
+        dev = self.device if self.device.type == "cuda" else torch.device("cpu")
+        local = table.to(dev).reshape(-1)
+        full = torch.empty(self.dp_size * local.numel(), dtype=torch.int64, device=dev)
+        D.all_gather_into(full, local, self.group)
+        out: dict[int, list[int]] = {}
+        for row in full.view(-1, width).cpu().tolist():
+            if row[0] >= 0:
+                out[row[0]] = row[2:2 + row[1]]
+        return out
+
+    def _commit(self, seq: _Seq, toks: list[int]) -> None:
+        """Append a step's tokens, apply the stop rules, keep the cache bookkeeping."""
+        was_context = seq.num_generated == 0  # a request's first tokens always come from its context step
+        st = seq.stats
+        st.num_steps += 1
+        if not was_context:
+            st.num_draft_tokens += self.num_draft
+            st.num_accepted_drafts += len(toks) - 1
+            st.accepted_drafts_per_step.append(len(toks) - 1)
+        for t in toks:
+            seq.tokens.append(int(t))
+            if self._check_done(seq):
+                break
+        st.num_generated_tokens = seq.num_generated
+        seq.target_cached = len(seq.tokens) - 1
+        seq.draft_cached = min(seq.draft_cached, len(seq.tokens) - 1)
+
+    def _check_done(self, seq: _Seq) -> bool:
+        if seq.finished:
+            return True
+        if seq.num_generated > 0 and seq.tokens[-1] in seq.req.stop_token_ids:
+            seq.finished, seq.finish_reason = True, "stop"
+        elif seq.num_generated >= seq.req.max_new_tokens or len(seq.tokens) >= self.config.max_seq_len:
+            seq.finished, seq.finish_reason = True, "length"
+        return seq.finished
+
+
+def _cumsum(values: list[int]):
+    total = 0
+    for v in values:
+        total += v
+        yield total
