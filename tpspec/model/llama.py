@@ -73,6 +73,8 @@ class StackedRowsLogits(VocabShardedLogits):
     rank's rows (``num_rows`` of them); per-row ``temperature``/``seeds``/``offsets`` are
     this rank's rows too (stacked internally). ``local`` is the stacked ``[total, shard]``
     slice and ``stacked`` the plain :class:`VocabShardedLogits` over all rows.
+    ``select_tokens`` (inherited) works through these methods; like them it needs every rank
+    of the group to take the same path (SPEC §5: AND the all-greedy flag across the group).
     """
 
     def __init__(self, stacked: VocabShardedLogits, rows: VarlenRows) -> None:
@@ -104,12 +106,6 @@ class StackedRowsLogits(VocabShardedLogits):
 
     def gather(self) -> torch.Tensor:
         return self.rows.take_local(self.stacked.gather())
-
-    def select_tokens(self, spec_metadata: Any) -> torch.Tensor:
-        raise NotImplementedError(
-            "select_tokens on stacked attention-DP logits needs the metadata of every rank's rows: "
-            "call .stacked.select_tokens(stacked_metadata) and keep rows [row_start, row_start + num_rows)"
-        )
 
 
 class TPLlamaForCausalLM(nn.Module):
