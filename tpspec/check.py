@@ -875,17 +875,90 @@ def run_torchrun(tp: int | None, device: str = "cpu", *, quick: bool = False,
     return results + driver_checks(world, device, quick=quick, seed=seed, launcher="torchrun"), mapping.rank
 
 
+class _RaySuiteRank:
+    """One rank of the suite inside a Ray actor."""
+
+    def node_info(self) -> tuple[str, str, list[str]]:
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return ctx.get_node_id(), ray.util.get_node_ip_address(), [str(g) for g in ray.get_gpu_ids()]
+
+    def free_port(self) -> int:
+        from .runtime.launchers import free_port
+
+        return free_port()
+
+    def run(self, rank: int, world_size: int, addr: str, port: int, env: dict[str, str], device: str,
+            quick: bool, seed: int) -> list[dict[str, Any]]:
+        os.environ.update(env)  # before CUDA is touched: the node's GPUs and LOCAL_RANK
+        torch.set_num_threads(1)
+        D.init_distributed(rank=rank, world_size=world_size, master_addr=addr, master_port=port,
+                           backend="nccl" if device == "cuda" else "gloo", device=device)
+        try:
+            dev = f"cuda:{torch.cuda.current_device()}" if device == "cuda" else "cpu"
+            return [dataclasses.asdict(r) for r in run_suite(SuiteContext.create(dev, quick=quick, seed=seed))]
+        finally:
+            D.destroy_distributed()
+
+
 def run_ray(tp: int, device: str = "cpu", *, quick: bool = False, seed: int = DEFAULT_SEED,
             timeout_s: float = 600.0) -> list[CheckResult]:
-    """The suite on ``tp`` Ray actors, one per rank, through the runtime's Ray launcher."""
+    """The suite on ``tp`` Ray actors, one per rank, placed like the runtime's Ray launcher
+    places its ranks (a placement group of ``{"GPU": 1}`` bundles, or ``{"CPU": 1}`` on CPU;
+    every actor of a node sees all of that node's GPUs). Connects to ``RAY_ADDRESS`` when set,
+    else starts a local Ray for the run. Bounded waits: a rank that does not finish within
+    ``timeout_s`` fails the run."""
     try:
-        launchers = importlib.import_module("tpspec.runtime.launchers")
-    except ImportError as exc:
-        raise RuntimeError(f"--launcher ray needs tpspec.runtime.launchers: {exc}") from None
-    run_on_actors = getattr(launchers, "run_ray_ranks", None)
-    if run_on_actors is None:
-        raise RuntimeError("--launcher ray: this build's runtime has no Ray launcher (run_ray_ranks)")
-    per_rank = run_on_actors(suite_worker, tp, device, quick, seed, timeout_s=timeout_s)
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    except ImportError:
+        raise RuntimeError("--launcher ray needs ray: pip install 'tpspec[ray]'") from None
+    from .runtime.launchers import RayExecutor
+
+    started = False
+    pg = None
+    actors: list[Any] = []
+    try:
+        if not ray.is_initialized():
+            ray.init(include_dashboard=False, log_to_driver=False)
+            started = True
+        gpu = device == "cuda"
+        bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
+        pg = placement_group([dict(bundle) for _ in range(tp)], strategy="PACK")
+        try:
+            ray.get(pg.ready(), timeout=60.0)
+        except ray.exceptions.GetTimeoutError:
+            raise RuntimeError(f"Ray could not place {tp} bundles of {bundle} within 60 s "
+                               f"(available: {ray.available_resources()})") from None
+        actor_cls = ray.remote(_RaySuiteRank)
+        actors = [actor_cls.options(num_cpus=1, num_gpus=1 if gpu else 0,
+                                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                                        placement_group=pg, placement_group_bundle_index=r)).remote()
+                  for r in range(tp)]
+        infos = ray.get([a.node_info.remote() for a in actors], timeout=timeout_s)
+        envs = RayExecutor._rank_envs(infos)
+        addr = infos[0][1]
+        port = ray.get(actors[0].free_port.remote(), timeout=60.0)
+        refs = [a.run.remote(r, tp, addr, port, envs[r], device, quick, seed) for r, a in enumerate(actors)]
+        ready, pending = ray.wait(refs, num_returns=tp, timeout=timeout_s)
+        if pending:
+            raise RuntimeError(f"{len(pending)} Ray ranks did not finish the suite within {timeout_s:.0f} s")
+        per_rank = ray.get(refs)
+    finally:
+        for a in actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:  # noqa: BLE001
+                pass
+        if pg is not None:
+            try:
+                remove_placement_group(pg)
+            except Exception:  # noqa: BLE001
+                pass
+        if started:
+            ray.shutdown()
     return merge_rank_results(per_rank) + driver_checks(tp, device, quick=quick, seed=seed, launcher="ray")
 
 
