@@ -188,3 +188,14 @@ def test_factory_falls_back_to_allgather_on_gloo_cpu():
         assert name == "AllGatherKeyExchange"
         assert "rank 0:" in ll_error and "rank 1:" in ll_error
         assert best == [1, 0] and tokens == [3]
+
+
+def test_mps_daemon_reports_when_binary_missing(monkeypatch, tmp_path):
+    from tpspec.bench import exchange as B
+
+    monkeypatch.setattr(B.shutil, "which", lambda name: None)
+    monkeypatch.setenv(B.MPS_PIPE_ENV, str(tmp_path / "pipe"))
+    monkeypatch.setenv(B.MPS_LOG_ENV, str(tmp_path / "log"))
+    daemon = B.MPSDaemon()
+    assert "not on PATH" in daemon.start()
+    daemon.stop()  # nothing was started: a no-op

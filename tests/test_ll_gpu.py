@@ -1,0 +1,423 @@
+"""LL exchange on a GPU: N rank processes sharing one GPU (CUDA IPC between processes,
+gloo for bootstrap and for the all-gather reference, MPS so the ranks run concurrently).
+
+Checks (SPEC §8): LL tokens == all-gather tokens == the CPU reference (and torch.argmax
+for greedy rows), winning keys bit-equal to the CPU reference, ranks agree; CUDA-graph
+replays over two channels; a long back-to-back stress; the timeout error.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tpspec import keys as K
+from tpspec.testing import run_ranks
+
+pytestmark = pytest.mark.gpu
+
+
+def _cupy_ok() -> bool:
+    try:
+        import cupy  # noqa: F401
+
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+@pytest.fixture(scope="module", autouse=True)
+def mps():
+    """Start MPS or skip: ranks sharing a GPU must run concurrently, or every exchange
+    waits for a time slice. (This process creates no CUDA context itself.)"""
+    from tpspec.bench.exchange import MPSDaemon
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    if not _cupy_ok():
+        pytest.skip("needs cupy (pip install 'tpspec[cuda]')")
+    daemon = MPSDaemon()
+    reason = daemon.start()
+    if reason is not None:
+        pytest.skip(f"needs NVIDIA MPS for several rank processes on one GPU: {reason}")
+    yield daemon
+    daemon.stop()
+
+
+def _exchanges(rank, max_rows=64, num_channels=2, timeout_s=60.0):
+    from tpspec import distributed as D
+    from tpspec.exchange import AllGatherKeyExchange
+    from tpspec.exchange.ll import LLKeyExchange
+
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    group = D.tp_group()
+    ll = LLKeyExchange(group, max_rows=max_rows, num_channels=num_channels, timeout_s=timeout_s)
+    ag = AllGatherKeyExchange(group, device=ll.device)
+    return group, ll, ag
+
+
+# ------------------------------------------------------------------------ correctness
+
+def _adversarial_rows(vocab: int, shard: int, world: int) -> torch.Tensor:
+    """Rows that exercise ties across ranks, NaN, ±inf, ±0 and subnormals (float32)."""
+    rows = []
+    base = torch.linspace(-3, 3, vocab)
+    rows.append(torch.zeros(vocab))  # all tie: column 0
+    r = base.clone()
+    r[[shard - 1, shard, vocab - 1]] = 10.0  # equal maxima in several shards: the first
+    rows.append(r)
+    r = base.clone()
+    r[[vocab - 1, shard + 1]] = float("nan")  # NaNs: the first NaN wins
+    rows.append(r)
+    r = base.clone()
+    r[[vocab // 2, 1]] = float("inf")
+    rows.append(r)
+    rows.append(torch.full((vocab,), float("-inf")))  # all -inf: column 0
+    r = torch.zeros(vocab)
+    r[0] = -0.0
+    r[vocab - 1] = 0.0
+    rows.append(r)  # ±0 tie: column 0
+    r = torch.full((vocab,), -1.0)
+    r[[3, vocab - 2]] = torch.tensor([1e-40, 2e-40])  # subnormals order (no flush to zero)
+    rows.append(r)
+    r = torch.full((vocab,), -1.0)
+    r[[2, vocab - 3]] = torch.tensor([-1e-40, -2e-40])
+    rows.append(r)
+    r = base.clone()
+    r[world * 0 + 5] = float("-inf")
+    r[vocab - 1] = float("nan")
+    r[0] = float("inf")
+    rows.append(r)
+    return torch.stack(rows)
+
+
+def _case_inputs(gen, rows, vocab, world, dtype, kind):
+    shard = -(-vocab // world)
+    if kind == "adversarial":
+        full = _adversarial_rows(vocab, shard, world)
+        reps = -(-rows // full.shape[0])
+        full = full.repeat(reps, 1)[:rows]
+    elif kind == "flat":
+        full = torch.zeros(rows, vocab)
+    else:
+        full = torch.randn(rows, vocab, generator=gen) * 4
+        # Coarse values: many exact ties inside and across shards.
+        full[: rows // 2] = torch.round(full[: rows // 2])
+    return full.to(dtype), shard
+
+
+def _local_slice(full, rank, shard, layout, gen):
+    """This rank's [R, shard] slice, padded past the vocab with values that must never win."""
+    rows, vocab = full.shape
+    begin = rank * shard
+    width = shard
+    pad = torch.full((rows, width), float("nan")).to(full.dtype)
+    real = max(0, min(width, vocab - begin))
+    pad[:, :real] = full[:, begin:begin + real]
+    if real < width:
+        pad[:, real:] = float("inf") if rank % 2 else float("nan")
+    if layout == "strided":  # a view into a wider buffer: unaligned row stride
+        wide = torch.zeros(rows, width + 3, dtype=full.dtype)
+        wide[:, 1:width + 1] = pad
+        return wide, (slice(None), slice(1, width + 1))
+    return pad, None
+
+
+def _correctness_worker(rank, world):
+    from tpspec.exchange.base import UNSEEDED_STREAM_SEED
+
+    group, ll, ag = _exchanges(rank, max_rows=64)
+    dev = ll.device
+    gen = torch.Generator().manual_seed(2024)
+    failures, digests = [], []
+    step = 0  # unseeded calls so far; ll and ag are kept in step
+    cases = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for rows in (1, 3, 8, 64, 65):
+            cases.append((dtype, rows, 997 + 2 * world, "random", "greedy", "contiguous"))
+        cases.append((dtype, 9, 613, "adversarial", "greedy", "contiguous"))
+        cases.append((dtype, 9, 613, "adversarial", "greedy", "strided"))
+        cases.append((dtype, 9, 613, "adversarial", "seeded", "contiguous"))
+        cases.append((dtype, 16, 40009, "random", "seeded", "contiguous"))
+        cases.append((dtype, 64, 5003, "random", "mixed", "strided"))
+        cases.append((dtype, 7, 3001, "random", "unseeded", "contiguous"))
+        cases.append((dtype, 65, 1001, "random", "unseeded", "contiguous"))
+        cases.append((dtype, 2, 50021, "random", "threshold", "contiguous"))
+    cases.append((torch.bfloat16, 0, 101, "random", "unseeded", "contiguous"))
+    for index, (dtype, rows, vocab, kind, mode, layout) in enumerate(cases):
+        name = f"case {index}: {dtype} rows={rows} vocab={vocab} {kind} {mode} {layout}"
+        full, shard = _case_inputs(gen, rows, vocab, world, dtype, kind)
+        local_cpu, view = _local_slice(full, rank, shard, layout, gen)
+        local = local_cpu.to(dev)
+        if view is not None:
+            local = local[view]
+        offset = rank * shard
+        temperature = seeds = offsets = None
+        if mode != "greedy":
+            temperature = (torch.rand(rows, generator=gen) * 1.5 + 0.25).to(torch.float32)
+            if mode == "mixed":
+                temperature[::2] = 0.0
+            if mode == "threshold":  # exactly at the float32 threshold samples, just below is greedy
+                temperature = torch.tensor([1e-5, np.nextafter(np.float32(1e-5), np.float32(0))][:rows],
+                                           dtype=torch.float64)
+        if mode in ("seeded", "mixed", "threshold"):
+            seeds = torch.randint(-(2**63), 2**63 - 1, (rows,), generator=gen)
+            offsets = torch.randint(0, 2**40, (rows,), generator=gen)
+        kw = dict(vocab_size=vocab)
+        if temperature is not None:
+            kw["temperature"] = temperature.to(dev)
+        if seeds is not None:
+            kw["seeds"], kw["offsets"] = seeds.to(dev), offsets.to(dev)
+        ll_step = step
+        if mode == "unseeded":
+            step += 2
+        tok_ll = ll.argmax_logits(local, offset, **kw).cpu()
+        keys_ll = ll.max_logits_keys(local, offset, channel=1, **kw).cpu()
+        if rows == 0:
+            if mode == "unseeded":
+                ag.step_counter.add_(2)
+            if tok_ll.shape != (0,) or keys_ll.shape != (0,):
+                failures.append(f"{name}: shapes {tuple(tok_ll.shape)} {tuple(keys_ll.shape)}")
+            continue
+        tok_ag = ag.argmax_logits(local, offset, **kw).cpu()
+        if mode == "unseeded":
+            ag.step_counter.add_(1)  # the LL made two unseeded calls (tokens, keys)
+        if not torch.equal(tok_ll, tok_ag):
+            failures.append(f"{name}: LL {tok_ll.tolist()[:8]} != all-gather {tok_ag.tolist()[:8]}")
+        if not torch.equal(K.unpack_indices(keys_ll), tok_ll):
+            failures.append(f"{name}: max_logits_keys disagrees with argmax_logits")
+        digests.append(tok_ll.tolist())
+        if rank == 0:  # the CPU reference on the full logits
+            ref_kw = dict(vocab_size=vocab)
+            if temperature is not None:
+                ref_kw["temperature"] = temperature
+                if seeds is not None:
+                    ref_kw["seeds"], ref_kw["offsets"] = seeds, offsets
+            ref_keys = []
+            for s in ((ll_step, ll_step + 1) if mode == "unseeded" else (None, None)):
+                if s is not None:
+                    ref_kw["seeds"] = torch.full((rows,), UNSEEDED_STREAM_SEED, dtype=torch.int64)
+                    ref_kw["offsets"] = (torch.tensor(s, dtype=torch.int64) << 32) + torch.arange(rows)
+                ref_keys.append(K.local_row_keys(full, 0, **ref_kw))
+            if not torch.equal(K.unpack_indices(ref_keys[0]), tok_ll):
+                bad = (K.unpack_indices(ref_keys[0]) != tok_ll).nonzero().flatten().tolist()
+                failures.append(f"{name}: LL tokens differ from the CPU reference at rows {bad[:8]}")
+            if not torch.equal(ref_keys[1], keys_ll):
+                bad = (ref_keys[1] != keys_ll).nonzero().flatten().tolist()
+                failures.append(f"{name}: LL keys not bit-equal to the CPU reference at rows {bad[:8]}")
+            if mode == "greedy":
+                argmax = full.float().argmax(dim=-1)
+                if not torch.equal(argmax, tok_ll):
+                    failures.append(f"{name}: LL {tok_ll.tolist()[:8]} != torch.argmax {argmax.tolist()[:8]}")
+
+    # argmax_tokens and max_keys, against the all-gather exchange and a CPU max.
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for rows in (1, 5, 64, 65):
+            values = torch.randn(world, rows, generator=gen).round().to(dtype)
+            values[:, 0] = float("nan") if rows > 1 else values[:, 0]
+            cols = torch.randint(0, 500, (world, rows), generator=gen)
+            got = ll.argmax_tokens(values[rank].to(dev), cols[rank].to(dev, torch.int32), rank * 500).cpu()
+            want = ag.argmax_tokens(values[rank].to(dev), cols[rank].to(dev), rank * 500).cpu()
+            ref = K.unpack_indices(K.pack_keys(values, cols + torch.arange(world).reshape(-1, 1) * 500).max(0).values)
+            if not (torch.equal(got, want) and torch.equal(got, ref)):
+                failures.append(f"argmax_tokens {dtype} rows={rows}: {got.tolist()[:6]} {want.tolist()[:6]}")
+    for rows in (1, 2, 64, 65):
+        keys = torch.randint(-(2**63), 2**63 - 1, (world, rows), generator=gen)
+        keys[:, 0] = K.EMPTY_KEY
+        if rows > 1:
+            keys[:, 1] = 2**63 - 1
+        got = ll.max_keys(keys[rank].to(dev), channel=rows % 2).cpu()
+        if not torch.equal(got, keys.max(0).values):
+            failures.append(f"max_keys rows={rows}: mismatch")
+    try:
+        ll.max_keys(torch.zeros(3, dtype=torch.int64, device=dev), channel=2)
+        failures.append("channel 2 of 2 was accepted")
+    except ValueError:
+        pass
+    ll.check()
+    counters = (int(ll.step_counter.item()), int(ag.step_counter.item()))
+    if counters != (step, step):
+        failures.append(f"step counters {counters} != expected {(step, step)}")
+    ll.close()
+    ll.close()  # idempotent
+    return failures, digests
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_ll_equals_allgather_and_reference(world):
+    results = run_ranks(_correctness_worker, world, backend="gloo", timeout_s=600)
+    for rank, (failures, _) in enumerate(results):
+        assert not failures, f"rank {rank}:\n" + "\n".join(failures)
+    for rank, (_, digests) in enumerate(results[1:], start=1):
+        assert digests == results[0][1], f"rank {rank} returned other tokens than rank 0"
+
+
+# ------------------------------------------------------------------------ CUDA graphs
+
+REPLAYS = 10_000
+
+
+def _graph_worker(rank, world):
+    from tpspec.exchange.base import UNSEEDED_STREAM_SEED
+
+    group, ll, _ = _exchanges(rank, max_rows=16)
+    dev = ll.device
+    gen = torch.Generator().manual_seed(77)
+    rows, vocab, pool_size = 8, 3001, 8
+    shard = -(-vocab // world)
+    offset = rank * shard
+    pool_full = (torch.randn(pool_size, rows, vocab, generator=gen) * 3).to(torch.bfloat16)
+    pool_local = torch.full((pool_size, rows, shard), float("-inf"), dtype=torch.bfloat16)
+    real = min(shard, vocab - offset)
+    pool_local[:, :, :real] = pool_full[:, :, offset:offset + real]
+    pool_local = pool_local.to(dev)
+    expected_greedy = pool_full.float().argmax(dim=-1).to(dev)  # [pool, rows]
+    keys_pool = torch.randint(-(2**62), 2**62, (pool_size, world, rows), generator=gen)
+    expected_keys = keys_pool.max(dim=1).values.to(dev)
+    keys_local = keys_pool[:, rank].contiguous().to(dev)
+
+    static_logits = pool_local[0].clone()
+    static_keys = keys_local[0].clone()
+    flat = torch.zeros(rows, shard, dtype=torch.bfloat16, device=dev)
+    temperature = torch.ones(rows, device=dev)
+
+    def step():
+        target = ll.argmax_logits(static_logits, offset, vocab_size=vocab, channel=1)
+        draft = ll.argmax_logits(flat, offset, vocab_size=vocab, temperature=temperature, channel=0)
+        best = ll.max_keys(static_keys, channel=0)
+        return target, draft, best
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up (advances the step counter once)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        target, draft, best = step()
+    hist_target = torch.empty(REPLAYS, rows, dtype=torch.int64, device=dev)
+    hist_draft = torch.empty_like(hist_target)
+    bad_keys = torch.zeros((), dtype=torch.int64, device=dev)
+    for i in range(REPLAYS):
+        static_logits.copy_(pool_local[i % pool_size])
+        static_keys.copy_(keys_local[i % pool_size])
+        graph.replay()
+        hist_target[i].copy_(target)
+        hist_draft[i].copy_(draft)
+        bad_keys += (best != expected_keys[i % pool_size]).sum()
+    torch.cuda.synchronize()
+    ll.check()
+    failures = []
+    want = expected_greedy[torch.arange(REPLAYS, device=dev) % pool_size]
+    wrong = (hist_target != want).any(dim=1).nonzero().flatten().tolist()
+    if wrong:
+        failures.append(f"greedy target wrong on {len(wrong)} replays, first {wrong[:5]}")
+    if int(bad_keys):
+        failures.append(f"max_keys wrong {int(bad_keys)} times")
+    if int(ll.step_counter.item()) != REPLAYS + 1:
+        failures.append(f"step counter {int(ll.step_counter.item())} != {REPLAYS + 1}")
+    draft_cpu = hist_draft.cpu()
+    changed = (draft_cpu[1:] != draft_cpu[:-1]).float().mean().item()
+    if changed < 0.99:  # uniform over 3001 columns: consecutive draws repeat with p = 1/3001
+        failures.append(f"unseeded draws changed between replays only {changed:.3f} of the time")
+    if rank == 0:  # replay i used step i + 1 (the warm-up took step 0): check a sample on CPU
+        flat_full = torch.zeros(rows, vocab, dtype=torch.bfloat16)
+        for i in list(range(0, REPLAYS, 997)) + [REPLAYS - 1]:
+            offsets = (torch.tensor(i + 1, dtype=torch.int64) << 32) + torch.arange(rows)
+            seeds = torch.full((rows,), UNSEEDED_STREAM_SEED, dtype=torch.int64)
+            ref = K.unpack_indices(K.local_row_keys(flat_full, 0, vocab_size=vocab, temperature=torch.ones(rows),
+                                                    seeds=seeds, offsets=offsets))
+            if not torch.equal(ref, draft_cpu[i]):
+                failures.append(f"replay {i}: draft {draft_cpu[i].tolist()} != CPU reference {ref.tolist()}")
+    ll.close()
+    return failures, draft_cpu
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ll_cuda_graph_two_channels_many_replays(world):
+    results = run_ranks(_graph_worker, world, backend="gloo", timeout_s=600)
+    for rank, (failures, _) in enumerate(results):
+        assert not failures, f"rank {rank}:\n" + "\n".join(failures)
+    for rank, (_, draws) in enumerate(results[1:], start=1):
+        assert torch.equal(draws, results[0][1]), f"rank {rank} drew other tokens than rank 0"
+
+
+# ---------------------------------------------------------------------------- stress
+
+STRESS_CALLS = 100_000
+
+
+def _stress_worker(rank, world):
+    group, ll, _ = _exchanges(rank, max_rows=64)
+    dev = ll.device
+    rng = np.random.default_rng(5)
+    row_counts = rng.integers(1, 65, size=STRESS_CALLS)
+    row_counts[::997] = 65  # now and then past max_rows: the all-gather path
+    gen = torch.Generator().manual_seed(11)
+    pool, width = 16, 700
+    keys_pool = torch.randint(-(2**63), 2**63 - 1, (pool, world, 65), generator=gen)
+    keys_pool[:, :, ::7] = K.EMPTY_KEY
+    expected_keys = keys_pool.max(dim=1).values.to(dev)
+    keys_local = keys_pool[:, rank].contiguous().to(dev)
+    full = (torch.randn(pool, 65, width * world, generator=gen) * 2).round().to(torch.bfloat16)
+    expected_tokens = full.float().argmax(dim=-1).to(dev)
+    logits_local = full[:, :, rank * width:(rank + 1) * width].contiguous().to(dev)
+    bad = torch.zeros((), dtype=torch.int64, device=dev)
+    for i in range(STRESS_CALLS):
+        r, p = int(row_counts[i]), i % pool
+        if i % 5 == 4:
+            out = ll.argmax_logits(logits_local[p, :r], rank * width, channel=i & 1)
+            bad += (out != expected_tokens[p, :r]).sum()
+        else:
+            out = ll.max_keys(keys_local[p, :r], channel=i & 1)
+            bad += (out != expected_keys[p, :r]).sum()
+    torch.cuda.synchronize()
+    ll.check()
+    ll.close()
+    return int(bad)
+
+
+def test_ll_stress_back_to_back_calls():
+    assert run_ranks(_stress_worker, 4, backend="gloo", timeout_s=600) == [0, 0, 0, 0]
+
+
+# --------------------------------------------------------------------------- timeout
+
+def _timeout_worker(rank, world):
+    from tpspec import distributed as D
+    from tpspec.exchange.ll import LLTimeoutError
+
+    group, ll, _ = _exchanges(rank, max_rows=8, timeout_s=2.0)
+    keys = torch.arange(4, dtype=torch.int64, device=ll.device) * (rank + 1)
+    first = ll.max_keys(keys).cpu().tolist()  # everyone takes part: fine
+    result = None
+    if rank != world - 1:  # the last rank skips the next call on channel 1
+        ll.max_keys(keys, channel=1)
+        try:
+            ll.check()
+        except LLTimeoutError as exc:
+            result = (str(exc), exc.channel, exc.epoch, exc.missing_ranks)
+        try:
+            ll.max_keys(keys)
+            again = "no error"
+        except LLTimeoutError as exc:
+            again = str(exc)
+        result = (result, again)
+    D.all_gather_object(None, group)  # the skipping rank waits here, then everyone closes
+    ll.close()
+    return first, result
+
+
+def test_ll_timeout_names_channel_epoch_and_missing_rank():
+    world = 3
+    results = run_ranks(_timeout_worker, world, backend="gloo", timeout_s=300)
+    for rank, (first, result) in enumerate(results):
+        assert first == [3 * k for k in range(4)]
+        if rank == world - 1:
+            assert result is None
+            continue
+        (message, channel, epoch, missing), again = result
+        assert (channel, epoch, missing) == (1, 1, [world - 1]), message
+        assert "channel 1" in message and "epoch 1" in message and f"rank {world - 1}" in message
+        assert "timed out" in again

@@ -1,0 +1,398 @@
+"""``tpspec bench exchange``: the LL exchange against the all-gather baselines.
+
+On CUDA, ``--tp N`` rank processes share the GPUs of this node (several per GPU when
+there are fewer GPUs than ranks, through MPS: CUDA IPC works between processes on one
+GPU, NCCL does not, so the group is bootstrapped with gloo). Per shape (rows x slice
+width, bf16) and mode (greedy, Gumbel) it times:
+
+* ``ll_fused``       LLKeyExchange.argmax_logits, one launch (all ranks concurrently);
+* ``ll_max_keys``    the bare exchange of [rows] keys (LL), and ``ll_argmax_tokens``;
+* ``local_fused``    the fused kernel of one rank alone (a 1-rank LL group): the local
+                     stage, with its effective HBM bandwidth;
+* ``local_torch``    torch.max + pack (greedy) / keys.local_row_keys (Gumbel): the
+                     local stage of the all-gather path;
+* ``ag_keys``        torch.max + pack + all-gather of keys (the fallback exchange);
+* ``ag_logits``      all-gather of the full logits slice + argmax (what vLLM/SGLang do).
+
+``graph`` rows replay a CUDA graph of ``--calls-per-graph`` calls; ``eager`` rows call
+from Python. On one GPU the all-gather baselines run over gloo (NCCL refuses two ranks
+on one GPU), which says nothing about NCCL on real GPUs: they are labelled so.
+``--device cpu --quick`` runs the all-gather variants on CPU ranks (gloo), tiny sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import time
+from typing import Any, Callable
+
+import torch
+
+from . import report
+
+DEFAULT_ROWS = (1, 8, 64, 256)
+DEFAULT_WIDTHS = (16384, 32768, 65536)
+QUICK_ROWS = (1, 8)
+QUICK_WIDTHS = (1024, 4096)
+MPS_PIPE_ENV = "CUDA_MPS_PIPE_DIRECTORY"
+MPS_LOG_ENV = "CUDA_MPS_LOG_DIRECTORY"
+
+
+# ------------------------------------------------------------------------------ MPS
+
+class MPSDaemon:
+    """Start NVIDIA MPS so rank processes sharing one GPU run concurrently.
+
+    Without MPS the GPU time-slices between processes and every cross-process wait
+    costs a slice (~2 ms). ``start()`` returns ``None`` when MPS runs (already, or
+    started now) or the reason it could not start; ``stop()`` quits only a daemon this
+    object started. Must run before this process touches CUDA; children inherit the
+    environment it sets.
+    """
+
+    def __init__(self, pipe_dir: str = "/tmp/tpspec-mps", log_dir: str = "/tmp/tpspec-mps-log") -> None:
+        self.pipe_dir = os.environ.get(MPS_PIPE_ENV) or pipe_dir
+        self.log_dir = os.environ.get(MPS_LOG_ENV) or log_dir
+        self.started = False
+
+    def running(self) -> bool:
+        return os.path.exists(os.path.join(self.pipe_dir, "control"))
+
+    def start(self) -> str | None:
+        os.environ[MPS_PIPE_ENV] = self.pipe_dir
+        os.environ[MPS_LOG_ENV] = self.log_dir
+        if self.running():
+            return None
+        binary = shutil.which("nvidia-cuda-mps-control")
+        if binary is None:
+            return "nvidia-cuda-mps-control is not on PATH"
+        os.makedirs(self.pipe_dir, exist_ok=True)
+        os.makedirs(self.log_dir, exist_ok=True)
+        try:
+            result = subprocess.run([binary, "-d"], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return f"nvidia-cuda-mps-control -d failed: {exc}"
+        if result.returncode != 0:
+            return f"nvidia-cuda-mps-control -d exited {result.returncode}: {result.stderr.strip()}"
+        for _ in range(50):
+            if self.running():
+                self.started = True
+                return None
+            time.sleep(0.1)
+        return f"MPS control pipe did not appear in {self.pipe_dir}"
+
+    def stop(self) -> None:
+        if not self.started:
+            return
+        binary = shutil.which("nvidia-cuda-mps-control")
+        if binary:
+            subprocess.run([binary], input="quit\n", text=True, capture_output=True, timeout=30)
+        self.started = False
+
+
+# --------------------------------------------------------------------------- timing
+
+def _time_graph(fn: Callable[[], Any], calls: int, replays: int, barrier: Callable[[], None]) -> float:
+    """µs per call of ``fn`` captured ``calls`` times in one CUDA graph, replayed ``replays`` times."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    barrier()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    del graph
+    return start.elapsed_time(end) * 1000.0 / (calls * replays)
+
+
+def _time_eager(fn: Callable[[], Any], iters: int, barrier: Callable[[], None], device: torch.device) -> float:
+    """µs per call of ``fn`` called ``iters`` times from Python (median of 3 rounds)."""
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    barrier()
+    rounds = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        rounds.append((time.perf_counter() - t0) * 1e6 / iters)
+    return statistics.median(rounds)
+
+
+def _copy_bandwidth_gbps(device: torch.device) -> float:
+    """Device-to-device copy bandwidth (bytes read + written), the HBM ceiling we compare with."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return 2 * src.numel() * 10 / (start.elapsed_time(end) / 1000.0) / 1e9
+
+
+# --------------------------------------------------------------------------- worker
+
+def _bench_worker(rank: int, world_size: int, cfg: dict) -> list[dict]:
+    from .. import distributed as D
+    from .. import keys as K
+    from ..exchange import AllGatherKeyExchange
+
+    group = D.tp_group()
+    on_cuda = cfg["device"] == "cuda"
+    if on_cuda:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+
+    def barrier() -> None:
+        D.all_gather_object(None, group)
+
+    dtype = torch.bfloat16 if on_cuda else torch.float32
+    ag = AllGatherKeyExchange(group, device=device)
+    ll = solo = None
+    solo_groups = []
+    if on_cuda:
+        from ..exchange.ll import LLKeyExchange
+
+        ll = LLKeyExchange(group, max_rows=max(cfg["rows"]), num_channels=2)
+        # One-rank groups, created by every rank (collective), for the local stage alone.
+        import torch.distributed as dist
+
+        solo_groups = [dist.new_group([r], backend="gloo") for r in range(world_size)]
+        solo = LLKeyExchange(solo_groups[rank], max_rows=max(cfg["rows"]), num_channels=1)
+    copy_gbps = _copy_bandwidth_gbps(device) if on_cuda and rank == 0 else None
+    results: list[dict] = []
+
+    def record(variant: str, how: str, rows: int, width: int, mode: str, us: float, **extra: Any) -> None:
+        results.append(dict(variant=variant, how=how, rows=rows, width=width, mode=mode, us=us, **extra))
+
+    gen = torch.Generator().manual_seed(1000 + rank)
+    for rows in cfg["rows"]:
+        keys = torch.randint(-(2**62), 2**62, (rows,), generator=gen).to(device)
+        local_max = torch.randn(rows, generator=gen).to(device=device, dtype=dtype)
+        local_arg = torch.randint(0, 1000, (rows,), generator=gen).to(device)
+        if on_cuda:
+            record("ll_max_keys", "graph", rows, 0, "-",
+                   _time_graph(lambda: ll.max_keys(keys, channel=1), cfg["calls"], cfg["replays"], barrier))
+            record("ll_argmax_tokens", "graph", rows, 0, "-",
+                   _time_graph(lambda: ll.argmax_tokens(local_max, local_arg, 0, channel=1), cfg["calls"],
+                               cfg["replays"], barrier))
+            record("ll_max_keys", "eager", rows, 0, "-", _time_eager(lambda: ll.max_keys(keys), cfg["iters"],
+                                                                     barrier, device))
+        record("ag_max_keys", "eager", rows, 0, "-",
+               _time_eager(lambda: ag.max_keys(keys), cfg["ag_iters"], barrier, device))
+        for width in cfg["widths"]:
+            logits = torch.randn(rows, width, generator=gen).mul_(3).to(device=device, dtype=dtype)
+            offset = rank * width
+            vocab = world_size * width
+            nbytes = logits.numel() * logits.element_size()
+            for mode in ("greedy", "gumbel"):
+                kw: dict[str, Any] = {}
+                if mode == "gumbel":
+                    kw = dict(temperature=torch.full((rows,), 0.8, device=device),
+                              seeds=torch.arange(rows, device=device) + 7,
+                              offsets=torch.arange(rows, device=device) * 32)
+
+                def torch_local() -> torch.Tensor:
+                    if mode == "greedy":  # what an engine does: max, canonical -0, pack (graph-capturable)
+                        values, idx = logits.max(dim=-1)
+                        values = values.float()
+                        values = torch.where(values == 0, torch.zeros_like(values), values)
+                        return (K.ordered_high_bits(values) << 32) | (K.MASK32 - (idx + offset))
+                    # keys.local_row_keys syncs (Philox column range): eager only.
+                    return K.local_row_keys(logits, offset, vocab_size=vocab, **kw)
+
+                def ag_keys() -> torch.Tensor:
+                    return K.unpack_indices(ag.max_keys(torch_local()))
+
+                def ag_logits() -> torch.Tensor:
+                    full = torch.empty(world_size * rows, width, dtype=dtype, device=device)
+                    D.all_gather_into(full, logits, group)
+                    full = full.view(world_size, rows, width).permute(1, 0, 2).reshape(rows, -1)
+                    return full.float().argmax(dim=-1)
+
+                if on_cuda:
+                    us = _time_graph(lambda: ll.argmax_logits(logits, offset, vocab_size=vocab, channel=0, **kw),
+                                     cfg["calls"], cfg["replays"], barrier)
+                    record("ll_fused", "graph", rows, width, mode, us)
+                    us = _time_eager(lambda: ll.argmax_logits(logits, offset, vocab_size=vocab, **kw),
+                                     cfg["iters"], barrier, device)
+                    record("ll_fused", "eager", rows, width, mode, us)
+                    barrier()
+                    if rank == 0:  # the local stage alone: one process on the GPU
+                        nop = lambda: None  # noqa: E731
+                        us = _time_graph(lambda: solo.argmax_logits(logits, offset, vocab_size=vocab, **kw),
+                                         cfg["calls"], cfg["replays"], nop)
+                        record("local_fused", "graph", rows, width, mode, us,
+                               hbm_gbps=nbytes / us / 1e3, hbm_pct=100 * nbytes / us / 1e3 / copy_gbps)
+                        if mode == "greedy":
+                            us, how = _time_graph(torch_local, cfg["calls"], cfg["replays"], nop), "graph"
+                        else:
+                            us, how = _time_eager(torch_local, cfg["ag_iters"], nop, device), "eager"
+                        record("local_torch", how, rows, width, mode, us,
+                               hbm_gbps=nbytes / us / 1e3, hbm_pct=100 * nbytes / us / 1e3 / copy_gbps)
+                    barrier()
+                else:
+                    us = _time_eager(torch_local, cfg["iters"], barrier, device)
+                    record("local_torch", "eager", rows, width, mode, us)
+                record("ag_keys", "eager", rows, width, mode, _time_eager(ag_keys, cfg["ag_iters"], barrier, device))
+                if mode == "greedy":
+                    record("ag_logits", "eager", rows, width, mode,
+                           _time_eager(ag_logits, cfg["ag_iters"], barrier, device))
+    if ll is not None:
+        ll.check()
+        solo.close()
+        ll.close()
+    for row in results:
+        row["rank"] = rank
+    if copy_gbps is not None:
+        results.append(dict(variant="copy_bandwidth", how="-", rows=0, width=0, mode="-", us=0.0,
+                            hbm_gbps=copy_gbps, rank=rank))
+    return results
+
+
+# ------------------------------------------------------------------------ reporting
+
+COLUMNS = ("tp", "rows", "width", "mode", "variant", "how", "us_per_call", "vs_ag_keys", "hbm_GBps", "hbm_pct")
+
+
+def summarize(per_rank: list[list[dict]], tp: int, ag_label: str) -> tuple[list[list[Any]], dict]:
+    """Rows of the table: per (variant, how, rows, width, mode) the slowest rank's µs."""
+    merged: dict[tuple, dict] = {}
+    extras: dict[str, Any] = {}
+    for rank_rows in per_rank:
+        for r in rank_rows:
+            if r["variant"] == "copy_bandwidth":
+                extras["copy_bandwidth_GBps"] = r["hbm_gbps"]
+                continue
+            key = (r["variant"], r["how"], r["rows"], r["width"], r["mode"])
+            if key not in merged or r["us"] > merged[key]["us"]:
+                merged[key] = r
+    baseline = {(k[2], k[3], k[4]): v["us"] for k, v in merged.items() if k[0] == "ag_keys"}
+    table = []
+    for key in sorted(merged, key=lambda k: (k[2], k[3], k[4], k[0], k[1])):
+        r = merged[key]
+        base = baseline.get((key[2], key[3], key[4]))
+        variant = r["variant"] + (f" ({ag_label})" if r["variant"].startswith("ag_") else "")
+        table.append([
+            tp, r["rows"], r["width"], r["mode"], variant, r["how"], round(r["us"], 3),
+            round(base / r["us"], 2) if base and r["us"] > 0 else "",
+            round(r["hbm_gbps"], 1) if "hbm_gbps" in r else "",
+            round(r["hbm_pct"], 1) if "hbm_pct" in r else "",
+        ])
+    return table, extras
+
+
+def _plot(table: list[list[Any]]) -> Callable[[Any], None]:
+    def draw(ax: Any) -> None:
+        widths = sorted({r[2] for r in table if r[2]})
+        width = widths[-1] if widths else 0
+        series: dict[str, list[tuple[int, float]]] = {}
+        for r in table:
+            if (r[2] == width or r[2] == 0) and isinstance(r[6], float):
+                series.setdefault(f"{r[4]} {r[5]} {r[3]}", []).append((r[1], r[6]))
+        for name, points in sorted(series.items()):
+            points.sort()
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("rows")
+        ax.set_ylabel("µs per call (slowest rank)")
+        ax.set_title(f"tpspec bench exchange, slice width {width}")
+        ax.legend(fontsize=6)
+        ax.grid(True, which="both", alpha=0.3)
+
+    return draw
+
+
+# ---------------------------------------------------------------------------- CLI
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tp", type=int, default=2, help="rank processes (default 2)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                        help="cuda (default when available) or cpu (gloo, all-gather variants only)")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes and few iterations")
+    parser.add_argument("--rows", type=str, default=None, help="comma-separated row counts")
+    parser.add_argument("--widths", type=str, default=None, help="comma-separated slice widths")
+    parser.add_argument("--calls-per-graph", type=int, default=20)
+    parser.add_argument("--replays", type=int, default=50)
+    parser.add_argument("--iters", type=int, default=200, help="eager iterations of the LL variants")
+    parser.add_argument("--ag-iters", type=int, default=20, help="eager iterations of the all-gather variants")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds before the rank processes are killed")
+
+
+def _ints(text: str | None, default: tuple[int, ...]) -> tuple[int, ...]:
+    if not text:
+        return default
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise SystemExit(f"expected comma-separated integers, got {text!r}") from None
+    if any(v < 1 for v in values):
+        raise SystemExit(f"expected positive integers, got {text!r}")
+    return values
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..testing import run_ranks
+
+    if args.tp < 1:
+        raise SystemExit("--tp must be >= 1")
+    device = args.device
+    mps = MPSDaemon()
+    mps_note = None
+    if device != "cpu":
+        mps_note = mps.start()  # before this process touches CUDA
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cuda" and not torch.cuda.is_available():
+            raise SystemExit("--device cuda: no CUDA device")
+    quick = args.quick
+    cfg = dict(
+        device=device,
+        rows=_ints(args.rows, QUICK_ROWS if quick else DEFAULT_ROWS),
+        widths=_ints(args.widths, QUICK_WIDTHS if quick else DEFAULT_WIDTHS),
+        calls=max(1, args.calls_per_graph if not quick else min(args.calls_per_graph, 5)),
+        replays=max(1, args.replays if not quick else min(args.replays, 5)),
+        iters=max(1, args.iters if not quick else min(args.iters, 10)),
+        ag_iters=max(1, args.ag_iters if not quick else min(args.ag_iters, 5)),
+    )
+    gpus = torch.cuda.device_count() if device == "cuda" else 0
+    ag_label = "gloo"  # the rank processes are bootstrapped with gloo (NCCL refuses ranks sharing a GPU)
+    if device == "cuda" and mps_note is not None and args.tp > gpus:
+        print(f"warning: MPS is not running ({mps_note}); ranks sharing a GPU will time-slice (~ms per exchange)")
+    try:
+        per_rank = run_ranks(_bench_worker, args.tp, cfg, backend="gloo", timeout_s=args.timeout)
+    finally:
+        mps.stop()
+    table, extras = summarize(per_rank, args.tp, ag_label)
+    meta = dict(cfg, tp=args.tp, gpus=gpus, mps=(mps_note is None) if device == "cuda" else None,
+                mps_note=mps_note, allgather_backend=ag_label, **extras,
+                note="ag_* variants use gloo (NCCL refuses several ranks on one GPU); local_* run on one "
+                     "process alone; us_per_call is the slowest rank's")
+    report.write_report(args.out, "exchange", columns=COLUMNS, rows=table, meta=meta, plot=_plot(table))
+    return 0
