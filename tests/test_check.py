@@ -19,10 +19,12 @@ def test_check_tp2_mp_cpu_passes(tmp_path, capsys):
     report = json.loads(out.read_text())
     rows = {r["key"]: r for r in report["results"]}
     assert [k for k, _ in C.PROPERTIES] == list(rows)[: len(C.PROPERTIES)]
-    for key in ("ranks_agree", "greedy_argmax", "seeded_tp_invariant", "gumbel_exact"):
+    for key in ("ranks_agree", "greedy_argmax", "seeded_tp_invariant", "seeded_streams", "gumbel_exact",
+                "rejection_exact", "generate_tp"):
         assert rows[key]["status"] == C.PASS, rows[key]
         assert rows[key]["rows"] > 0 and rows[key]["mismatches"] == 0
     assert rows["gumbel_exact"]["p_value"] > C.P_VALUE_THRESHOLD
+    assert rows["rejection_exact"]["p_value"] > C.P_VALUE_THRESHOLD
     # Rows that cannot apply on CPU are skipped with a reason, never failed.
     for key in ("ll_equals_allgather", "cuda_graph", "cpu_gpu_bits"):
         assert rows[key]["status"] == C.SKIP and "CUDA" in rows[key]["detail"]
@@ -32,7 +34,8 @@ def test_check_tp2_mp_cpu_passes(tmp_path, capsys):
 def test_perturbed_rank_fails_the_ranks_agree_row(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv(C.PERTURB_ENV, "1")
     out = tmp_path / "check.json"
-    code = main(["check", "--tp", "2", "--launcher", "mp", "--device", "cpu", "--quick", "--json", str(out)])
+    code = main(["check", "--tp", "2", "--launcher", "mp", "--device", "cpu", "--quick", "--skip",
+                 "generate_tp,rejection_exact", "--json", str(out)])
     text = capsys.readouterr().out
     assert code != 0
     rows = {r["key"]: r for r in json.loads(out.read_text())["results"]}
@@ -40,6 +43,7 @@ def test_perturbed_rank_fails_the_ranks_agree_row(tmp_path, capsys, monkeypatch)
     assert rows["ranks_agree"]["mismatches"] > 0 and "rank 1" in rows["ranks_agree"]["detail"]
     # The statistical row does not look at which rank disagrees: it still passes.
     assert rows["gumbel_exact"]["status"] == C.PASS
+    assert rows["generate_tp"]["status"] == C.SKIP and "--skip" in rows["generate_tp"]["detail"]
     line = next(line for line in text.splitlines() if line.startswith(C.TITLES["ranks_agree"]))
     assert "FAIL" in line
 
@@ -76,3 +80,8 @@ def test_torchrun_launcher_without_environment_is_a_clear_error(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(RuntimeError, match="torchrun"):
         C.run_torchrun(2, "cpu")
+
+
+def test_unknown_skip_key_is_a_clear_error():
+    with pytest.raises(SystemExit, match="unknown --skip"):
+        main(["check", "--tp", "2", "--device", "cpu", "--skip", "nonsense"])

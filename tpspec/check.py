@@ -746,25 +746,32 @@ def _check_key(fn: Callable[..., CheckResult]) -> str:
     return fn.__name__.removeprefix("check_")
 
 
-def run_suite(ctx: SuiteContext) -> list[CheckResult]:
-    """Run every rank-level check on this rank (call it on every rank of ``ctx.group``).
+def _skipped(key: str) -> CheckResult:
+    return CheckResult(key, SKIP, detail="skipped by --skip")
+
+
+def run_suite(ctx: SuiteContext, skip: frozenset[str] = frozenset()) -> list[CheckResult]:
+    """Run every rank-level check on this rank (call it on every rank of ``ctx.group``),
+    except those whose key is in ``skip``.
 
     Returns this rank's results; the ranks-agree row comes last and is computed from the
     tokens every other check recorded. Collective.
     """
-    results = [_guarded(_check_key(fn), lambda fn=fn: fn(ctx)) for fn in RANK_CHECKS]
-    results.append(_guarded("ranks_agree", lambda: check_ranks_agree(ctx)))
+    results = [_skipped(_check_key(fn)) if _check_key(fn) in skip else _guarded(_check_key(fn), lambda fn=fn: fn(ctx))
+               for fn in RANK_CHECKS]
+    results.append(_skipped("ranks_agree") if "ranks_agree" in skip else
+                   _guarded("ranks_agree", lambda: check_ranks_agree(ctx)))
     return results
 
 
 def suite_worker(rank: int, world_size: int, device: str = "cpu", quick: bool = False,
-                 seed: int = DEFAULT_SEED) -> list[dict[str, Any]]:
+                 seed: int = DEFAULT_SEED, skip: frozenset[str] = frozenset()) -> list[dict[str, Any]]:
     """``run_ranks`` entry point: the rank-level suite on this rank, as plain dicts."""
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
         device = f"cuda:{torch.cuda.current_device()}"
     ctx = SuiteContext.create(device, quick=quick, seed=seed)
-    return [dataclasses.asdict(r) for r in run_suite(ctx)]
+    return [dataclasses.asdict(r) for r in run_suite(ctx, skip)]
 
 
 # ----------------------------------------------------------------------- merging, table
@@ -795,9 +802,25 @@ def merge_rank_results(per_rank: list[list[dict[str, Any]]]) -> list[CheckResult
     return merged
 
 
+def combine(a: CheckResult, b: CheckResult) -> CheckResult:
+    """Two results of one property (e.g. the exchange-level and the generate-level CUDA-graph
+    checks): FAIL if either failed, SKIP only if both skipped; evidence added up."""
+    if a.status == SKIP and b.status != SKIP:
+        return b if b.status == FAIL or not a.detail else dataclasses.replace(b, detail=f"{b.detail}; {a.detail}")
+    if b.status == SKIP:
+        return a if a.status == SKIP or not b.detail else dataclasses.replace(a, detail=f"{a.detail}; {b.detail}")
+    status = FAIL if FAIL in (a.status, b.status) else PASS
+    ps = [p for p in (a.p_value, b.p_value) if p is not None]
+    return CheckResult(a.key, status, a.rows + b.rows, a.mismatches + b.mismatches, min(ps) if ps else None,
+                       f"{a.detail}; {b.detail}")
+
+
 def order_results(results: list[CheckResult]) -> list[CheckResult]:
-    """Table order of SPEC §8; properties nobody reported read SKIP."""
-    by_key = {r.key: r for r in results}
+    """Table order of SPEC §8, one row per property (several results of one property are
+    combined); properties nobody reported read SKIP."""
+    by_key: dict[str, CheckResult] = {}
+    for r in results:
+        by_key[r.key] = combine(by_key[r.key], r) if r.key in by_key else r
     ordered = [by_key.pop(key, CheckResult(key, SKIP, detail="not run by this launcher")) for key, _ in PROPERTIES]
     return ordered + list(by_key.values())
 
@@ -843,22 +866,22 @@ def _mp_backend(device: str, tp: int) -> str:
 
 
 def run_mp(tp: int, device: str = "cpu", *, quick: bool = False, seed: int = DEFAULT_SEED,
-           timeout_s: float = 600.0) -> list[CheckResult]:
+           timeout_s: float = 600.0, skip: frozenset[str] = frozenset()) -> list[CheckResult]:
     """The whole suite on ``tp`` fresh local processes (``run_ranks``); returns the merged rows."""
     from .testing import RankError, run_ranks
 
     try:
-        per_rank = run_ranks(suite_worker, tp, device, quick, seed, timeout_s=timeout_s,
+        per_rank = run_ranks(suite_worker, tp, device, quick, seed, frozenset(skip), timeout_s=timeout_s,
                              backend=_mp_backend(device, tp))
         results = merge_rank_results(per_rank)
     except RankError as exc:
         results = [CheckResult("ranks_agree", FAIL, detail=f"the rank processes failed: {str(exc).splitlines()[0]}")]
         print(exc, file=sys.stderr)
-    return results + driver_checks(tp, device, quick=quick, seed=seed, launcher="mp")
+    return results + driver_checks(tp, device, quick=quick, seed=seed, launcher="mp", skip=skip)
 
 
-def run_torchrun(tp: int | None, device: str = "cpu", *, quick: bool = False,
-                 seed: int = DEFAULT_SEED) -> tuple[list[CheckResult], int]:
+def run_torchrun(tp: int | None, device: str = "cpu", *, quick: bool = False, seed: int = DEFAULT_SEED,
+                 skip: frozenset[str] = frozenset()) -> tuple[list[CheckResult], int]:
     """The suite as one rank of a torchrun job (every rank runs this); returns the merged
     rows (the same on every rank) and this rank's index."""
     if os.environ.get("RANK") is None or os.environ.get("WORLD_SIZE") is None:
@@ -869,10 +892,11 @@ def run_torchrun(tp: int | None, device: str = "cpu", *, quick: bool = False,
         raise ValueError(f"--tp {tp} differs from torchrun's WORLD_SIZE={world}")
     mapping = D.init_distributed(device=device, backend="gloo" if device == "cpu" else None)
     dev = f"cuda:{torch.cuda.current_device()}" if device == "cuda" else "cpu"
-    mine = [dataclasses.asdict(r) for r in run_suite(SuiteContext.create(dev, quick=quick, seed=seed))]
+    mine = [dataclasses.asdict(r) for r in run_suite(SuiteContext.create(dev, quick=quick, seed=seed), skip)]
     everyone = D.all_gather_object(mine)
     results = merge_rank_results(everyone)
-    return results + driver_checks(world, device, quick=quick, seed=seed, launcher="torchrun"), mapping.rank
+    return (results + driver_checks(world, device, quick=quick, seed=seed, launcher="torchrun", skip=skip),
+            mapping.rank)
 
 
 class _RaySuiteRank:
@@ -890,20 +914,21 @@ class _RaySuiteRank:
         return free_port()
 
     def run(self, rank: int, world_size: int, addr: str, port: int, env: dict[str, str], device: str,
-            quick: bool, seed: int) -> list[dict[str, Any]]:
+            quick: bool, seed: int, skip: frozenset[str]) -> list[dict[str, Any]]:
         os.environ.update(env)  # before CUDA is touched: the node's GPUs and LOCAL_RANK
         torch.set_num_threads(1)
         D.init_distributed(rank=rank, world_size=world_size, master_addr=addr, master_port=port,
                            backend="nccl" if device == "cuda" else "gloo", device=device)
         try:
             dev = f"cuda:{torch.cuda.current_device()}" if device == "cuda" else "cpu"
-            return [dataclasses.asdict(r) for r in run_suite(SuiteContext.create(dev, quick=quick, seed=seed))]
+            ctx = SuiteContext.create(dev, quick=quick, seed=seed)
+            return [dataclasses.asdict(r) for r in run_suite(ctx, skip)]
         finally:
             D.destroy_distributed()
 
 
 def run_ray(tp: int, device: str = "cpu", *, quick: bool = False, seed: int = DEFAULT_SEED,
-            timeout_s: float = 600.0) -> list[CheckResult]:
+            timeout_s: float = 600.0, skip: frozenset[str] = frozenset()) -> list[CheckResult]:
     """The suite on ``tp`` Ray actors, one per rank, placed like the runtime's Ray launcher
     places its ranks (a placement group of ``{"GPU": 1}`` bundles, or ``{"CPU": 1}`` on CPU;
     every actor of a node sees all of that node's GPUs). Connects to ``RAY_ADDRESS`` when set,
@@ -941,7 +966,8 @@ def run_ray(tp: int, device: str = "cpu", *, quick: bool = False, seed: int = DE
         envs = RayExecutor._rank_envs(infos)
         addr = infos[0][1]
         port = ray.get(actors[0].free_port.remote(), timeout=60.0)
-        refs = [a.run.remote(r, tp, addr, port, envs[r], device, quick, seed) for r, a in enumerate(actors)]
+        refs = [a.run.remote(r, tp, addr, port, envs[r], device, quick, seed, frozenset(skip))
+                for r, a in enumerate(actors)]
         ready, pending = ray.wait(refs, num_returns=tp, timeout=timeout_s)
         if pending:
             raise RuntimeError(f"{len(pending)} Ray ranks did not finish the suite within {timeout_s:.0f} s")
@@ -959,14 +985,86 @@ def run_ray(tp: int, device: str = "cpu", *, quick: bool = False, seed: int = DE
                 pass
         if started:
             ray.shutdown()
-    return merge_rank_results(per_rank) + driver_checks(tp, device, quick=quick, seed=seed, launcher="ray")
+    return merge_rank_results(per_rank) + driver_checks(tp, device, quick=quick, seed=seed, launcher="ray",
+                                                        skip=skip)
 
 
 # ----------------------------------------------------------------------- driver-level checks
 
-def driver_checks(tp: int, device: str, *, quick: bool, seed: int, launcher: str) -> list[CheckResult]:
-    """Checks that run whole-model generation through the runtime (not per rank)."""
-    return []
+GENERATE_PROMPTS = [
+    [5, 17, 42, 99, 5, 17, 42, 99, 5],  # repeats: the n-gram drafter proposes, drafts get accepted
+    [300, 301, 302, 303, 300, 301],
+    [7],
+    [11, 12, 13, 14, 15, 16, 17, 18, 11, 12, 13],
+    [200, 100, 200, 100, 200],
+]
+
+
+def _generate(tp: int, launcher: str, device: str, *, max_new_tokens: int, seed: int,
+              use_cuda_graphs: bool = True) -> list[list[int]]:
+    """Token ids of the tiny model on ``GENERATE_PROMPTS`` (greedy, seeded temperature, seeded
+    top-k: the full-logit path), n-gram speculation with 3 drafts, 3 slots for 5 requests (so
+    slots are reused), float32 so that TP sizes see the same logits."""
+    from .runtime import LLM, SpeculativeConfig
+    from .sampling.params import SamplingParams
+
+    params = [SamplingParams(), SamplingParams(temperature=0.8, seed=seed), SamplingParams(temperature=1.0, top_k=20,
+              seed=seed + 1), SamplingParams(temperature=0.7, seed=seed + 2), SamplingParams(temperature=1.3)]
+    with LLM("tiny", tp_size=tp, launcher=launcher, device=device, dtype="float32", max_batch_size=3,
+             speculative=SpeculativeConfig("ngram", num_draft_tokens=3), use_cuda_graphs=use_cuda_graphs) as llm:
+        outputs = llm.generate(GENERATE_PROMPTS, params, max_new_tokens=max_new_tokens, ignore_eos=True,
+                               use_tqdm=False)
+    return [list(o.token_ids) for o in outputs]
+
+
+def _compare_generations(key: str, got: list[list[int]], ref: list[list[int]], label: str) -> CheckResult:
+    mism = sum(_mismatches(torch.tensor(a), torch.tensor(b)) for a, b in zip(got, ref))
+    rows = sum(len(b) for b in ref)
+    bad = [i for i, (a, b) in enumerate(zip(got, ref)) if a != b]
+    detail = f"{label}: {len(ref)} requests" if not bad else f"{label}: requests {bad} differ"
+    return CheckResult(key, PASS if mism == 0 and len(got) == len(ref) else FAIL, rows, mism, detail=detail)
+
+
+def driver_checks(tp: int, device: str, *, quick: bool, seed: int, launcher: str,
+                  skip: frozenset[str] = frozenset()) -> list[CheckResult]:
+    """Whole-model checks through the runtime (``tpspec.LLM`` on the tiny model):
+
+    * ``generate_tp``: generation at TP=``tp`` under ``launcher`` equals TP=1 (local process);
+    * ``cuda_graph`` (GPU): generation with CUDA graphs equals eager generation.
+
+    Under torchrun every rank calls this (the TP=``tp`` runs are collective); the TP=1
+    reference runs from rank 0 and the verdict is broadcast, so every rank returns the same.
+    """
+    def guarded(key: str, fn: Callable[[], CheckResult]) -> CheckResult:
+        if key in skip:
+            return _skipped(key)
+        result = _guarded(key, fn)
+        if launcher == "torchrun":
+            result = D.broadcast_object(result, src=0)
+        return result
+
+    max_new = 12 if quick else 32
+
+    def generate_tp() -> CheckResult:
+        require_module("tpspec.runtime")
+        if launcher != "torchrun" and device == "cuda" and torch.cuda.device_count() < tp:
+            raise Skip(f"the runtime's {launcher} launcher needs one GPU per rank ({torch.cuda.device_count()} < {tp})")
+        got = _generate(tp, launcher, device, max_new_tokens=max_new, seed=seed)
+        ref = _generate(1, "mp", device, max_new_tokens=max_new, seed=seed) if D.group_rank() == 0 else got
+        return _compare_generations("generate_tp", got, ref, f"tiny model, TP={tp} ({launcher}) vs TP=1, "
+                                    "greedy/seeded/top-k/unseeded, n-gram spec")
+
+    def cuda_graph_generate() -> CheckResult:
+        if device != "cuda":
+            raise Skip("CUDA graphs need CUDA (device=cpu)")
+        require_module("tpspec.runtime")
+        if launcher != "torchrun" and torch.cuda.device_count() < tp:
+            raise Skip(f"the runtime's {launcher} launcher needs one GPU per rank")
+        graphs = _generate(tp, launcher, device, max_new_tokens=max_new, seed=seed, use_cuda_graphs=True)
+        eager = _generate(tp, launcher, device, max_new_tokens=max_new, seed=seed, use_cuda_graphs=False)
+        return _compare_generations("cuda_graph", graphs, eager, f"generate TP={tp} graphs vs eager")
+
+    return [guarded("generate_tp", generate_tp), guarded("cuda_graph", cuda_graph_generate)]
 
 
 # ---------------------------------------------------------------------------------- CLI
@@ -981,6 +1079,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="seed of every input the suite builds")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before unfinished ranks fail the run")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
+    parser.add_argument("--skip", default="", metavar="KEYS",
+                        help="comma-separated properties not to run: " + ", ".join(k for k, _ in PROPERTIES))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -989,17 +1089,21 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("tpspec check: --device cuda but no CUDA device is visible")
     if args.tp is not None and args.tp < 1:
         raise SystemExit(f"tpspec check: --tp must be >= 1, got {args.tp}")
+    skip = frozenset(k.strip() for k in args.skip.split(",") if k.strip())
+    unknown = sorted(skip - set(TITLES))
+    if unknown:
+        raise SystemExit(f"tpspec check: unknown --skip keys {unknown}; known: {', '.join(TITLES)}")
     started = time.monotonic()
     rank = 0
     if args.launcher == "torchrun":
-        results, rank = run_torchrun(args.tp, device, quick=args.quick, seed=args.seed)
+        results, rank = run_torchrun(args.tp, device, quick=args.quick, seed=args.seed, skip=skip)
         tp = D.group_size()
     elif args.launcher == "ray":
         tp = args.tp or 2
-        results = run_ray(tp, device, quick=args.quick, seed=args.seed, timeout_s=args.timeout)
+        results = run_ray(tp, device, quick=args.quick, seed=args.seed, timeout_s=args.timeout, skip=skip)
     else:
         tp = args.tp or 2
-        results = run_mp(tp, device, quick=args.quick, seed=args.seed, timeout_s=args.timeout)
+        results = run_mp(tp, device, quick=args.quick, seed=args.seed, timeout_s=args.timeout, skip=skip)
     results = order_results(results)
     code = exit_code(results)
     if rank == 0:
