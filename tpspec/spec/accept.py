@@ -21,19 +21,25 @@ from ..sampling.streams import ACCEPT_RESIDUAL_SUBSTREAM, ACCEPT_UNIFORM_SUBSTRE
 PAD_TOKEN = -1
 
 
-def _draft_lens(draft_lens: torch.Tensor | None, batch: int, max_len: int, device: torch.device) -> torch.Tensor:
+def _draft_lens(
+    draft_lens: torch.Tensor | None, batch: int, max_len: int, device: torch.device, check_values: bool = True
+) -> torch.Tensor:
     if draft_lens is None:
         return torch.full((batch,), max_len, dtype=torch.int64, device=device)
     if not isinstance(draft_lens, torch.Tensor) or draft_lens.shape != (batch,):
         raise ValueError(f"draft_lens must be a [{batch}] tensor, got {getattr(draft_lens, 'shape', draft_lens)}")
     lens = draft_lens.to(device=device, dtype=torch.int64)
-    if bool(((lens < 0) | (lens > max_len)).any()):
+    if check_values and bool(((lens < 0) | (lens > max_len)).any()):
         raise ValueError(f"draft_lens must lie in [0, {max_len}]")
     return lens
 
 
 def accept_from_targets(
-    target_tokens: torch.Tensor, draft_tokens: torch.Tensor, draft_lens: torch.Tensor | None = None
+    target_tokens: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    draft_lens: torch.Tensor | None = None,
+    *,
+    check_values: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Strict acceptance on a per-request matrix.
 
@@ -42,6 +48,8 @@ def accept_from_targets(
     (default all ``D``; 0 for a context request). A request accepts drafts while each
     equals the target's choice, then adds the target's token at the first mismatch
     (or after the last draft). Returns ``(accepted_tokens [B, D+1], num_accepted [B])``.
+    ``check_values=False`` skips the range check of ``draft_lens`` (a device sync), for
+    trusted callers inside CUDA graph capture.
     """
     if target_tokens.dim() != 2 or draft_tokens.dim() != 2 or target_tokens.shape[0] != draft_tokens.shape[0]:
         raise ValueError(
@@ -53,7 +61,7 @@ def accept_from_targets(
     if width != num_drafts + 1:
         raise ValueError(f"target_tokens has {width} columns but draft_tokens has {num_drafts} (need D+1 and D)")
     device = target_tokens.device
-    lens = _draft_lens(draft_lens, batch, num_drafts, device)
+    lens = _draft_lens(draft_lens, batch, num_drafts, device, check_values)
     positions = torch.arange(width, dtype=torch.int64, device=device).reshape(1, -1)
     match = (draft_tokens.to(torch.int64) == target_tokens[:, :num_drafts].to(torch.int64)) & (
         positions[:, :num_drafts] < lens.reshape(-1, 1)

@@ -5,6 +5,10 @@ rejection sampling), applies forced acceptance when the benchmark env var asks f
 it, and returns what the request emits and what the next step feeds. Every path is
 chosen from flags that are equal on every rank (``SpecMetadata`` syncs them under
 attention DP), so every rank runs the same collectives and returns the same tensors.
+
+Host syncs: strict acceptance of an all-greedy or temperature-only batch (and forced
+acceptance) adds none of its own, so it can sit inside a CUDA graph with the exchange.
+The full-logit fallback and rejection sampling check values on the host (eager only).
 """
 
 from __future__ import annotations
@@ -99,7 +103,8 @@ class SpecWorker:
         row_tokens: torch.Tensor | None = None
         if self.acceptance == "strict" or meta.is_all_greedy:
             row_tokens = select_tokens(target_logits, meta, channel=self.channel)
-            accepted, num = accept_from_targets(row_tokens[row_index], drafts, lens)
+            # Lengths come from the metadata: no value check, so this path has no host sync.
+            accepted, num = accept_from_targets(row_tokens[row_index], drafts, lens, check_values=False)
         else:
             full = target_logits.gather()
             rs = meta.row_sampling()

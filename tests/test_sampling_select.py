@@ -1,0 +1,114 @@
+"""Token selection on vocab shards (``VocabShardedLogits.select_tokens``) and a full
+``SpecWorker`` step at TP = 1: which path each batch takes, greedy semantics, and the
+same token for a row drawn on shards or on gathered logits. ``tp_worker`` is also run
+on 2 and 4 gloo ranks by ``test_spec_ranks.py`` (one spawn for all multi-rank checks)."""
+
+import pytest
+import torch
+
+from tpspec import SamplingParams, VocabShardedLogits
+from tpspec.exchange import AllGatherKeyExchange
+from tpspec.sampling import RowSampling, select_tokens
+from tpspec.spec import SpecMetadata, SpecWorker
+from tpspec.vocab_parallel import vocab_shard_bounds
+
+VOCAB = 1001  # uneven: the last shard is padded at TP = 2, 4
+D = 3
+COMMON = [  # requests shared by the temperature-only and the mixed batch (same ids, slots, order)
+    ("g0", 0, None, True),
+    ("s1", 1, SamplingParams(temperature=0.8, seed=7), False),
+    ("u2", 2, SamplingParams(temperature=1.3), False),
+    ("s3", 3, SamplingParams(temperature=0.5, seed=2**63 + 5), True),
+    ("g4", 4, SamplingParams(temperature=0.0, seed=1), False),
+]
+BATCHES = {
+    "greedy": [("a", 0, None, True), ("b", 1, None, False), ("c", 2, SamplingParams(temperature=0.9, top_k=1), False)],
+    "temperature": COMMON,
+    "mixed": COMMON + [
+        ("k5", 5, SamplingParams(temperature=1.0, top_k=30, seed=11), False),
+        ("p6", 6, SamplingParams(temperature=0.7, top_p=0.9, min_p=0.02), True),
+    ],
+}
+
+
+def logits_for(name: str, rows: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(sum(map(ord, name)))
+    x = torch.randn(rows, VOCAB, generator=gen) * 2.5
+    x[:, 997] = x[:, 3]  # a tie across shards at TP = 2 and 4
+    return x
+
+
+def sharded(full: torch.Tensor, world: int, rank: int, ex) -> VocabShardedLogits:
+    offset, width, real = vocab_shard_bounds(VOCAB, world, rank)
+    local = torch.full((full.shape[0], width), 50.0)  # padding must never win
+    local[:, :real] = full[:, offset:offset + real]
+    return VocabShardedLogits(local, offset, VOCAB, ex)
+
+
+def tp_worker(rank: int, world: int, group=None) -> dict:
+    ex = AllGatherKeyExchange(group)
+    out: dict = {}
+    for name, requests in BATCHES.items():
+        meta = SpecMetadata(8, D).prepare(requests, draft_len=D)
+        full = logits_for(name, meta.num_rows)
+        logits = sharded(full, world, rank, ex)
+        out[name] = {
+            "flags": (meta.is_all_greedy, meta.temperature_only),
+            "tokens": logits.select_tokens(meta),
+            "argmax": full.argmax(dim=1),
+            "row_index": meta.request_row_index.clone(),
+        }
+        # A whole worker step in both acceptance modes, drafts half right.
+        gen = torch.Generator().manual_seed(5)
+        drafts = torch.randint(0, VOCAB, (meta.num_requests, D), generator=gen)
+        drafts[:, 0] = out[name]["tokens"][meta.request_row_index[:, 0]]
+        for mode in ("strict", "rejection"):
+            step_meta = SpecMetadata(8, D).prepare(requests, draft_len=D)
+            res = SpecWorker(mode, forced=None).step(logits, drafts, step_meta)
+            out[name][mode] = (res.accepted_tokens, res.num_accepted, res.next_input_tokens)
+    return out
+
+
+def check_against(reference: dict, results: list[dict]) -> None:
+    for rank_result in results:
+        for name in BATCHES:
+            for key in ("flags", "tokens", "strict", "rejection"):
+                got, want = rank_result[name][key], reference[name][key]
+                if isinstance(want, tuple):
+                    assert all(torch.equal(g, w) if isinstance(w, torch.Tensor) else g == w for g, w in zip(got, want)), (name, key)
+                else:
+                    assert torch.equal(got, want) if isinstance(want, torch.Tensor) else got == want, (name, key)
+
+
+@pytest.fixture(scope="module")
+def tp1() -> dict:
+    return tp_worker(0, 1)  # no process group: the exchange spans one rank
+
+
+def test_tp1_paths_and_semantics(tp1):
+    assert tp1["greedy"]["flags"] == (True, True)
+    assert tp1["temperature"]["flags"] == (False, True)
+    assert tp1["mixed"]["flags"] == (False, False)  # falls back to the gathered logits
+    assert torch.equal(tp1["greedy"]["tokens"], tp1["greedy"]["argmax"])
+    # Greedy requests of sampled batches take the argmax.
+    for name in ("temperature", "mixed"):
+        rows = tp1[name]["row_index"][[0, 4]].unique()
+        assert torch.equal(tp1[name]["tokens"][rows], tp1[name]["argmax"][rows])
+    # A row drawn on the shards (temperature-only path) and on the gathered logits (forced
+    # fallback) gets the same token from the same stream.
+    meta = SpecMetadata(8, D).prepare(BATCHES["temperature"], draft_len=D)
+    full = logits_for("temperature", meta.num_rows)
+    rs = meta.row_sampling()
+    fallback = RowSampling(rs.temperature, rs.top_k, rs.top_p, rs.min_p, rs.seeds, rs.offsets,
+                           is_all_greedy=False, temperature_only=False)
+    on_full = select_tokens(VocabShardedLogits(full, 0, VOCAB, AllGatherKeyExchange()), fallback)
+    assert torch.equal(on_full, tp1["temperature"]["tokens"])
+
+
+def test_row_count_mismatch_raises():
+    meta = SpecMetadata(4, 1).prepare([("a", 0, None, True)], draft_len=1)
+    logits = VocabShardedLogits(torch.zeros(3, 10), 0, 10, AllGatherKeyExchange())
+    with pytest.raises(ValueError, match="rows"):
+        logits.select_tokens(meta)
+    with pytest.raises(ValueError, match="SpecMetadata"):
+        select_tokens(logits, object())

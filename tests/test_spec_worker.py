@@ -1,0 +1,113 @@
+"""SpecWorker (one step: select, verify, forced) and draft-token selection, single rank."""
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from tpspec import SamplingParams, VocabShardedLogits
+from tpspec.exchange import AllGatherKeyExchange
+from tpspec.sampling import filtered_probs
+from tpspec.spec import FORCE_ENV, SpecMetadata, SpecWorker, select_draft_tokens, strict_accept
+
+EX = AllGatherKeyExchange()
+
+
+def logits(rows: int, vocab: int, seed: int) -> VocabShardedLogits:
+    gen = torch.Generator().manual_seed(seed)
+    return VocabShardedLogits(torch.randn(rows, vocab, generator=gen) * 2, 0, vocab, EX)
+
+
+def test_strict_greedy_step_matches_argmax_reference():
+    meta = SpecMetadata(4, 3).prepare([("c", 0, None, True), ("g", 1, None, False), ("h", 2, None, False)], draft_len=3)
+    lg = logits(meta.num_rows, 50, 0)
+    argmax = lg.local.argmax(dim=1)
+    drafts = torch.stack([torch.tensor([0, 0, 0]), argmax[1:4], torch.tensor([int(argmax[5]), 49, 49])])
+    out = SpecWorker("strict", forced=None).step(lg, drafts, meta)
+    want = strict_accept(argmax, drafts, num_contexts=1, batch_size=3)
+    assert torch.equal(out.accepted_tokens, want[0]) and torch.equal(out.num_accepted, want[1])
+    assert out.num_accepted.tolist() == [1, 4, 2]
+    assert out.next_input_tokens.tolist() == [int(argmax[0]), int(argmax[4]), int(argmax[6])]
+    assert torch.equal(out.target_tokens, argmax)
+
+
+def test_rejection_mode_agrees_with_strict_where_it_must():
+    requests = [("c", 0, SamplingParams(temperature=0.8, top_k=10, seed=4), True),
+                ("g", 1, SamplingParams(temperature=1.0, seed=9), False)]
+    metas = [SpecMetadata(4, 2).prepare(requests, draft_len=2) for _ in range(2)]
+    lg = logits(metas[0].num_rows, 40, 1)
+    drafts = torch.tensor([[0, 0], [3, 4]])
+    strict = SpecWorker("strict", forced=None).step(lg, drafts, metas[0])
+    rejection = SpecWorker("rejection", forced=None).step(lg, drafts, metas[1])
+    # A context request emits the target's own per-row draw in both modes.
+    assert rejection.accepted_tokens[0].tolist() == strict.accepted_tokens[0].tolist()
+    # All-greedy batches take the strict path: same tokens.
+    greedy = [("a", 0, None, False), ("b", 1, None, True)]
+    m1, m2 = (SpecMetadata(4, 2).prepare(greedy, draft_len=2) for _ in range(2))
+    lg2 = logits(m1.num_rows, 40, 2)
+    d2 = lg2.local[:2].argmax(dim=1).reshape(1, 2).repeat(2, 1)
+    a = SpecWorker("strict", forced=None).step(lg2, d2, m1)
+    b = SpecWorker("rejection", forced=None).step(lg2, d2, m2)
+    assert torch.equal(a.accepted_tokens, b.accepted_tokens) and a.num_accepted.tolist() == [3, 1]
+
+
+def test_worker_rejection_step_is_lossless():
+    n, vocab = 40_000, 8
+    params = SamplingParams(temperature=1.0, top_k=6, seed=None)
+    meta = SpecMetadata(n, 1).prepare([(i, i, params, False) for i in range(n)], draft_len=1)
+    gen = torch.Generator().manual_seed(3)
+    row = torch.randn(2, vocab, generator=gen)
+    full = row.repeat(n, 1)  # rows: position 0, position 1 of every request
+    q = torch.softmax(torch.randn(vocab, generator=gen), dim=0)
+    drafts = torch.multinomial(q, n, replacement=True, generator=gen).reshape(n, 1)
+    out = SpecWorker("rejection", forced=None).step(VocabShardedLogits(full, 0, vocab, EX), drafts, meta,
+                                                    draft_probs=q.expand(n, 1, vocab))
+    p0 = filtered_probs(row[:1], torch.ones(1), torch.tensor([6]), torch.ones(1), torch.zeros(1))[0].double()
+    counts = np.bincount(out.accepted_tokens[:, 0].numpy(), minlength=vocab)
+    live = (p0 > 0).numpy()
+    assert counts[~live].sum() == 0
+    expected = (p0[live] / p0[live].sum()).numpy() * n
+    assert stats.chisquare(counts[live], expected).pvalue > 1e-3
+
+
+def test_forced_acceptance_from_env(monkeypatch):
+    monkeypatch.setenv(FORCE_ENV, "2")
+    meta = SpecMetadata(4, 3).prepare([("g", 0, None, False), ("c", 1, None, True)], draft_len=3)
+    lg = logits(meta.num_rows, 30, 4)
+    drafts = torch.tensor([[29, 28, 27], [0, 0, 0]])  # wrong drafts, accepted anyway
+    worker = SpecWorker("strict")
+    warm = worker.step(lg, drafts, meta, is_warmup=True)
+    assert warm.num_accepted.tolist() == [1, 1]
+    out = worker.step(lg, drafts, meta)
+    assert out.num_accepted.tolist() == [3, 1]
+    assert out.accepted_tokens[0, :2].tolist() == [29, 28]
+    assert out.accepted_tokens[0, 2] == out.target_tokens[2]
+    assert int(worker.forced_acceptance(torch.device("cpu")).counter) == 1
+
+
+def test_draft_selection():
+    requests = [("a", 0, SamplingParams(temperature=0.9, seed=1), False), ("b", 1, None, False)]
+    meta = SpecMetadata(4, 2).prepare(requests, draft_len=2)
+    lg = logits(2, 64, 5)
+    greedy = select_draft_tokens(lg, meta, 0)
+    assert greedy.probs is None and torch.equal(greedy.tokens, lg.local.argmax(dim=1))
+    sampled = select_draft_tokens(lg, meta, 0, sample=True)
+    again = select_draft_tokens(lg, meta, 0, sample=True)
+    other_step = [select_draft_tokens(lg, meta, 1, sample=True).tokens[0] for _ in range(1)]
+    assert torch.equal(sampled.tokens, again.tokens)  # the draft step's stream, reproducible
+    assert torch.allclose(sampled.probs.sum(dim=1), torch.ones(2), atol=1e-6)
+    assert sampled.probs[0, sampled.tokens[0]] > 0 and sampled.tokens[1] == lg.local[1].argmax()
+    assert meta.draft_offsets(0)[0] != meta.draft_offsets(1)[0] and other_step
+    with pytest.raises(ValueError, match="rows"):
+        select_draft_tokens(logits(3, 64, 5), meta, 0)
+
+
+def test_worker_errors():
+    with pytest.raises(ValueError, match="acceptance"):
+        SpecWorker("lossy")
+    meta = SpecMetadata(2, 2).prepare([("a", 0, None, False)], draft_len=2)
+    lg = logits(3, 10, 0)
+    with pytest.raises(ValueError, match="draft_tokens"):
+        SpecWorker(forced=None).step(lg, torch.zeros(1, 3, dtype=torch.int64), meta)
+    with pytest.raises(ValueError, match="draft_tokens is None"):
+        SpecWorker(forced=None).step(lg, None, meta)
