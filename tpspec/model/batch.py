@@ -120,7 +120,10 @@ class AttentionMetadata:
     mask: torch.Tensor  # [B, 1, q_max, kv_len] bool
 
     @classmethod
-    def build(cls, batch: ForwardBatch, device: torch.device) -> "AttentionMetadata":
+    def build(cls, batch: ForwardBatch, device: torch.device | str, kv_len: int | None = None) -> "AttentionMetadata":
+        """Index tensors of ``batch`` on ``device``. ``kv_len``: cache columns to attend over
+        (default: the longest ``cache_len + query_len`` of the batch; a CUDA graph passes a
+        fixed one, e.g. the cache's ``max_seq_len``, so every step has the same shapes)."""
         qlens = torch.tensor(batch.query_lens, dtype=torch.int64)
         clens = torch.tensor(batch.cache_lens, dtype=torch.int64)
         b = batch.num_seqs
@@ -130,7 +133,11 @@ class AttentionMetadata:
         tok_cache_idx = clens[tok_seq] + tok_qi
         slots = torch.tensor(batch.slot_ids, dtype=torch.int64)
         q_max = max(batch.query_lens, default=0)
-        kv_len = max((c + q for c, q in zip(batch.cache_lens, batch.query_lens)), default=0)
+        needed = max((c + q for c, q in zip(batch.cache_lens, batch.query_lens)), default=0)
+        if kv_len is None:
+            kv_len = needed
+        elif kv_len < needed:
+            raise ValueError(f"kv_len={kv_len} is shorter than the batch needs ({needed})")
         limit = clens[:, None] + torch.arange(q_max, dtype=torch.int64)[None, :]  # [B, q_max]
         mask = torch.arange(kv_len, dtype=torch.int64)[None, None, :] <= limit[:, :, None]
         return cls(
@@ -145,3 +152,13 @@ class AttentionMetadata:
             kv_len=kv_len,
             mask=mask[:, None].to(device),
         )
+
+    def copy_(self, other: "AttentionMetadata") -> "AttentionMetadata":
+        """Copy ``other``'s tensors into this one's (same shapes) in place: how a captured
+        CUDA graph's static metadata takes the next step's values. Returns ``self``."""
+        for name in ("num_tokens", "num_seqs", "q_max", "kv_len"):
+            if getattr(self, name) != getattr(other, name):
+                raise ValueError(f"metadata shapes differ: {name} {getattr(self, name)} != {getattr(other, name)}")
+        for name in ("seq_slots", "tok_slot", "tok_cache_idx", "tok_seq", "tok_qi", "mask"):
+            getattr(self, name).copy_(getattr(other, name), non_blocking=True)
+        return self

@@ -208,7 +208,7 @@ class TPLlamaForCausalLM(nn.Module):
         batch.check_token_range(self.config.vocab_size)
 
     @torch.no_grad()
-    def forward(self, batch: ForwardBatch) -> VocabShardedLogits:
+    def forward(self, batch: ForwardBatch, attn_meta: AttentionMetadata | None = None) -> VocabShardedLogits:
         """Run one step; return the logits of ``batch.logits_rows`` (default: each sequence's last token).
 
         Writes the new tokens' K/V into their slots (see :mod:`tpspec.model.batch`). Collective
@@ -216,6 +216,11 @@ class TPLlamaForCausalLM(nn.Module):
         every rank passes its own (possibly empty) batch, and all ranks call forward equally often.
         Returns a :class:`VocabShardedLogits` with one row per requested row (under attention DP
         with an LM-head TP, a :class:`StackedRowsLogits`).
+
+        ``attn_meta``: prebuilt :class:`AttentionMetadata` of this batch (default: built here). A
+        CUDA graph of plain TP captures a forward with static device tensors (``token_ids``,
+        ``positions``, ``logits_rows``, and metadata built with a fixed ``kv_len``) and refreshes them
+        in place before each replay; nothing in the plain-TP forward synchronizes with the host.
         """
         self._check_batch(batch)
         device = self.device
@@ -226,7 +231,7 @@ class TPLlamaForCausalLM(nn.Module):
             dp_rows = VarlenRows([c[0] for c in counts], self.group, device)
             if self.mapping.lm_head_is_sharded:
                 head_rows = VarlenRows([c[1] for c in counts], self.group, device)
-        meta = AttentionMetadata.build(batch, device)
+        meta = attn_meta if attn_meta is not None else AttentionMetadata.build(batch, device)
         x = self.embed_tokens(batch.token_ids.to(device))
         cos, sin = self.rotary(batch.positions.to(device), self.dtype)
         for layer, cache in zip(self.layers, self.caches):
