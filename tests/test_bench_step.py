@@ -1,0 +1,40 @@
+"""`tpspec bench step --device cpu --quick` writes a valid JSON and PNG, and both selection
+paths pick identical tokens."""
+
+from __future__ import annotations
+
+import json
+
+from tpspec.bench import step
+from tpspec.cli import main
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_step_quick_cpu_writes_json_and_png(tmp_path):
+    out = tmp_path / "bench"
+    assert main(["bench", "step", "--device", "cpu", "--quick", "--out", str(out)]) == 0
+    report = json.loads((out / "step.json").read_text())
+    assert report["benchmark"] == "step" and report["columns"] == step.COLUMNS
+    meta = report["meta"]
+    assert meta["tp"] == 2 and meta["device"] == "cpu" and meta["vocab_size"] == step.QUICK_VOCAB
+    assert meta["tokens_equal"] and all(meta["tokens_equal"].values())
+    rows = [dict(zip(report["columns"], r)) for r in report["rows"]]
+    # one row per (batch, mode, path)
+    cells = {(r["batch"], r["mode"], r["path"]) for r in rows}
+    assert cells == {(b, m, p) for b in step.QUICK_BATCHES for m in step.MODES for p in step.PATHS}
+    for r in rows:
+        assert r["forward_ms"] > 0 and r["select_ms"] > 0
+        assert abs(r["step_ms"] - r["forward_ms"] - r["select_ms"]) < 1e-2
+        assert 0 < r["select_share_%"] < 100
+        assert r["rows"] == r["batch"] * (r["draft_len"] + 1)
+    assert (out / "step.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_bench_step_rejects_bad_arguments(tmp_path):
+    import pytest
+
+    with pytest.raises(SystemExit, match="--modes"):
+        main(["bench", "step", "--device", "cpu", "--quick", "--modes", "beam", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="positive"):
+        main(["bench", "step", "--device", "cpu", "--quick", "--batch", "0", "--out", str(tmp_path)])
