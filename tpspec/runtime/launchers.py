@@ -40,6 +40,8 @@ class WorkerError(RuntimeError):
 
 def _worker_threads(tp_size: int) -> int:
     """CPU threads per rank: the cores split between the local ranks (at least 1)."""
+    if os.environ.get("TPSPEC_NUM_THREADS"):
+        return max(1, int(os.environ["TPSPEC_NUM_THREADS"]))
     return max(1, (os.cpu_count() or 1) // max(1, tp_size))
 
 
@@ -130,9 +132,12 @@ class InProcessExecutor(Executor):
 
 
 # ---------------------------------------------------------------------------- multiprocessing
-def _mp_worker_main(rank: int, world_size: int, port: int, config: EngineConfig, commands: Any, out: Any) -> None:
+def _mp_worker_main(rank: int, world_size: int, port: int, config: EngineConfig, commands: Any, out: Any,
+                    env: dict[str, str], parent: int) -> None:
     """Body of one spawned rank: build the engine, then serve ``generate`` commands."""
-    parent = os.getppid()
+    # The forkserver's environment is from when it started: take the driver's current one
+    # (TPSPEC_FORCE_NUM_ACCEPTED_TOKENS, TPSPEC_NUM_THREADS, NCCL_* ... set since then).
+    os.environ.update(env)
     engine = None
     try:
         torch.set_num_threads(_worker_threads(world_size))
@@ -146,7 +151,7 @@ def _mp_worker_main(rank: int, world_size: int, port: int, config: EngineConfig,
             try:
                 cmd = commands.get(timeout=1.0)
             except queue.Empty:
-                if os.getppid() != parent:  # the driver is gone: do not linger
+                if not _pid_alive(parent):  # the driver is gone: do not linger
                     return
                 continue
             if cmd[0] == "shutdown":
@@ -167,6 +172,16 @@ def _mp_worker_main(rank: int, world_size: int, port: int, config: EngineConfig,
             D.destroy_distributed()
         except Exception:  # noqa: BLE001
             pass
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _worker_context() -> Any:
@@ -227,7 +242,8 @@ class MPExecutor(Executor):
         self._commands = [ctx.Queue() for _ in range(n)]
         port = D.find_free_port()
         self.procs = [
-            ctx.Process(target=_mp_worker_main, args=(r, n, port, self.config, self._commands[r], self._out),
+            ctx.Process(target=_mp_worker_main,
+                        args=(r, n, port, self.config, self._commands[r], self._out, dict(os.environ), os.getpid()),
                         daemon=True, name=f"tpspec-rank{r}")
             for r in range(n)
         ]
@@ -281,8 +297,22 @@ class MPExecutor(Executor):
                     raise WorkerError(f"timed out waiting for {waiting_for}; {states}") from None
                 continue
             if msg[0] == "error":
-                raise WorkerError(f"worker rank {msg[1]} raised:\n{msg[2]}")
+                self._raise_rank_error(msg[1], msg[2])
             return msg
+
+    def _raise_rank_error(self, rank: int, tb: str) -> None:
+        """A rank raised. When a peer died, that death is the news (the raise is its echo:
+        a collective lost its peer), so name the dead rank first."""
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            dead = [(r, p) for r, p in enumerate(self.procs) if r != rank and p.exitcode not in (None, 0)]
+            if dead:
+                r, p = dead[0]
+                last = tb.strip().splitlines()[-1] if tb.strip() else ""
+                raise WorkerError(f"worker rank {r} (pid {p.pid}) died with exit code {p.exitcode}; "
+                                  f"rank {rank} then failed: {last}")
+            time.sleep(0.05)
+        raise WorkerError(f"worker rank {rank} raised:\n{tb}")
 
     def _check_alive(self) -> None:
         for rank, p in enumerate(self.procs):
@@ -290,8 +320,8 @@ class MPExecutor(Executor):
                 # A crashing rank usually posts its traceback first: prefer that message.
                 try:
                     msg = self._out.get(timeout=0.5)
-                    if msg[0] == "error":
-                        raise WorkerError(f"worker rank {msg[1]} raised:\n{msg[2]}")
+                    if msg[0] == "error" and msg[1] == rank:
+                        raise WorkerError(f"worker rank {rank} raised:\n{msg[2]}")
                 except queue.Empty:
                     pass
                 raise WorkerError(f"worker rank {rank} (pid {p.pid}) died with exit code {p.exitcode}")
@@ -435,6 +465,8 @@ class RayExecutor(Executor):
         ]
         infos = self._wait([a.node_info.remote() for a in self.actors], self.init_timeout_s, "actor start-up")
         env = self._rank_envs(infos)
+        for e in env:  # the driver's tpspec settings reach the actors (forced acceptance, threads)
+            e.update({k: v for k, v in os.environ.items() if k.startswith("TPSPEC_")})
         config = self.config
         if len({node for node, _, _ in infos}) > 1:
             config = dataclasses.replace(config, exchange="allgather")  # the LL exchange is one node only

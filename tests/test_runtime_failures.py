@@ -1,0 +1,71 @@
+"""The driver never hangs: a killed worker or a hung (stopped) worker surfaces as a
+``WorkerError`` within the executor's bounds, and the LLM refuses further work."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+
+from tpspec import LLM
+from tpspec.model.tiny import make_tiny_checkpoint
+from tpspec.runtime import WorkerError
+
+LONG = dict(max_new_tokens=2000)  # far longer than the time it takes to break a worker
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TPSPEC_NUM_THREADS", "1")
+        yield make_tiny_checkpoint(tmp_path_factory.mktemp("failures") / "tiny", seed=0)
+
+
+def _after_first_progress(llm: LLM, action) -> threading.Event:
+    """Run ``action(pids)`` once rank 0 has reported its first step (the run is under way)."""
+    started = threading.Event()
+    executor = llm._executor  # noqa: SLF001 - test hook: watch the executor's progress callback
+    original_run = executor.run
+
+    def run(requests, on_progress=None):
+        def hook(steps, tokens):
+            if not started.is_set():
+                started.set()
+                action(llm._executor.pids if llm._executor else [])  # noqa: SLF001
+            if on_progress is not None:
+                on_progress(steps, tokens)
+
+        return original_run(requests, hook)
+
+    executor.run = run
+    return started
+
+
+@pytest.mark.parametrize("sig,expect", [(signal.SIGKILL, "died"), (signal.SIGSTOP, "no step finished")],
+                         ids=["killed", "hung"])
+def test_broken_worker_raises(ckpt, sig, expect):
+    with LLM(ckpt, tp_size=2, max_seq_len=2048, step_timeout_s=3.0) as llm:
+        pids = llm._executor.pids  # noqa: SLF001
+        started = _after_first_progress(llm, lambda p: os.kill(p[1], sig))
+        with pytest.raises(WorkerError, match=expect):
+            llm.generate([[5, 6, 7]], **LONG)
+        assert started.is_set()
+        with pytest.raises(WorkerError, match="workers are gone"):
+            llm.generate([[5, 6, 7]], max_new_tokens=4)
+    # Every worker was reaped (a stopped one too).
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_worker_error_reaches_the_driver(ckpt, tmp_path):
+    """A rank that raises at start-up (here: a corrupt weight file) reports its traceback."""
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(ckpt, bad)
+    (bad / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(WorkerError, match="raised"):
+        LLM(str(bad), tp_size=2, init_timeout_s=60.0)

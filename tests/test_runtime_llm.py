@@ -1,0 +1,184 @@
+"""The runtime end to end on CPU: speculative == plain greedy decoding (TP 1 and 2, plain TP
+and attention DP, n-gram and draft model, strict and rejection), seeded sampling across
+TP sizes and batch compositions, stop rules, bad requests.
+
+LLMs are built once per configuration and reused; worker processes fork from one
+forkserver, so after the first start-up each LLM costs well under a second."""
+
+from __future__ import annotations
+
+import pytest
+
+from tpspec import LLM, SamplingParams, SpeculativeConfig
+from tpspec.model.tiny import make_tiny_checkpoint
+
+MAX_NEW = 24
+# Six prompts for a batch of four: slots are reused. The long one is chunked when the token
+# budget is small. Repetition gives the n-gram drafter something to find.
+PROMPTS = [
+    [5, 6, 7, 8, 9, 10, 5, 6, 7],
+    [100, 200, 300, 5, 6, 7],
+    [42] * 12,
+    list(range(3, 43)),  # 40 tokens
+    [7],
+    [300, 301, 302, 303, 300, 301],
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread_per_rank():
+    # Tiny models gain nothing from more threads, and oversubscribed OpenMP spins are slow.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TPSPEC_NUM_THREADS", "1")
+        yield
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runtime_models")
+    target = make_tiny_checkpoint(root / "tiny", seed=0)
+    draft = make_tiny_checkpoint(root / "tiny-draft", seed=0, draft=True)
+    return str(target), str(draft)
+
+
+@pytest.fixture(scope="module")
+def baseline(ckpt):
+    """Greedy tokens at TP = 1 without speculation or chunking (the reference)."""
+    with LLM(ckpt[0], tp_size=1, max_batch_size=8) as llm:
+        outs = llm.generate(PROMPTS, max_new_tokens=MAX_NEW)
+    assert all(len(o.token_ids) == MAX_NEW and o.finish_reason == "length" for o in outs)
+    return [o.token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def llm_tp2(ckpt):
+    """A plain TP = 2 LLM reused by several tests."""
+    with LLM(ckpt[0], tp_size=2, max_batch_size=4) as llm:
+        yield llm
+
+
+def _spec(method: str, acceptance: str, draft: str) -> SpeculativeConfig | None:
+    if method == "none":
+        return None
+    k = 4 if method == "ngram" else 3
+    return SpeculativeConfig(method=method, num_draft_tokens=k, acceptance=acceptance,
+                             draft_model=draft if method == "draft_model" else None)
+
+
+SPECS = [("none", "strict"), ("ngram", "strict"), ("ngram", "rejection"), ("draft_model", "strict"),
+         ("draft_model", "rejection")]
+
+
+@pytest.mark.parametrize("tp,adp", [(1, False), (2, False), (2, True)], ids=["tp1", "tp2", "tp2-adp"])
+def test_speculative_greedy_equals_plain_greedy(ckpt, baseline, tp, adp):
+    """Every method and acceptance rule reproduces plain greedy decoding exactly, with a small
+    token budget (chunked context of the 40-token prompt) and slot reuse (6 prompts, 4 slots)."""
+    accepted_any = {}
+    for method, acceptance in SPECS:
+        spec = _spec(method, acceptance, ckpt[1])
+        with LLM(ckpt[0], tp_size=tp, attention_dp=adp, speculative=spec, max_batch_size=4,
+                 max_num_tokens=24) as llm:
+            outs = llm.generate(PROMPTS, max_new_tokens=MAX_NEW)
+            stats = llm.last_stats
+        got = [o.token_ids for o in outs]
+        assert got == baseline, f"{method}/{acceptance} at tp={tp} adp={adp} differs from plain greedy"
+        for o in outs:
+            st = o.stats
+            assert st.num_generated_tokens == MAX_NEW
+            assert len(st.accepted_drafts_per_step) == st.num_steps - 1  # the context step drafts nothing
+            assert st.num_accepted_drafts == sum(st.accepted_drafts_per_step)
+        accepted_any[method] = stats.num_accepted_drafts
+    # The drafters do propose tokens the target keeps (otherwise the test proves little).
+    assert accepted_any["ngram"] > 0 and accepted_any["draft_model"] > 0
+
+
+def test_seeded_sampling_same_across_tp_and_batch(ckpt, llm_tp2):
+    """A seeded request draws the same tokens alone, in a batch of 8 (other seeds, unseeded
+    neighbours, another slot), at TP = 1 and TP = 2."""
+    target = [11, 12, 13, 14]
+    sp = SamplingParams(temperature=0.9, seed=1234)
+    others = [SamplingParams(temperature=1.0, seed=s) for s in range(3)] + [SamplingParams(temperature=0.7)] * 4
+    batch_prompts = [[50 + i, 60 + i] for i in range(7)]
+
+    alone_tp2 = llm_tp2.generate([target], sp, max_new_tokens=16)[0].token_ids
+    # max_batch_size 4 + 8 requests: the seeded one (last) waits and gets a reused slot.
+    mixed = llm_tp2.generate(batch_prompts + [target], others + [sp], max_new_tokens=16)
+    assert mixed[-1].token_ids == alone_tp2
+    with LLM(ckpt[0], tp_size=1, max_batch_size=8) as llm1:
+        alone_tp1 = llm1.generate([target], sp, max_new_tokens=16)[0].token_ids
+        mixed_tp1 = llm1.generate(batch_prompts + [target], others + [sp], max_new_tokens=16)
+    assert alone_tp1 == alone_tp2
+    assert mixed_tp1[-1].token_ids == alone_tp2
+    # Seeded neighbours reproduce across TP sizes too; sampling really samples.
+    assert [o.token_ids for o in mixed[:3]] == [o.token_ids for o in mixed_tp1[:3]]
+    greedy = llm_tp2.generate([target], max_new_tokens=16)[0].token_ids
+    assert alone_tp2 != greedy
+    # Unseeded requests of one batch do not share a stream.
+    twins = llm_tp2.generate([target, target], SamplingParams(temperature=1.0), max_new_tokens=16)
+    assert twins[0].token_ids != twins[1].token_ids
+
+
+def test_stop_rules_and_per_prompt_budgets(llm_tp2, baseline):
+    """Stop tokens end a request (the stop token is kept); per-prompt max_new_tokens;
+    outputs stay in prompt order."""
+    ref = baseline[0]
+    stop = ref[5]
+    first = ref.index(stop)
+    outs = llm_tp2.generate([PROMPTS[0], PROMPTS[1]], max_new_tokens=[MAX_NEW, 3], stop_token_ids=[stop])
+    assert outs[0].token_ids == ref[: first + 1] and outs[0].finish_reason == "stop"
+    assert outs[1].token_ids == baseline[1][:3] and outs[1].finish_reason == "length"
+    assert outs[0].prompt_token_ids == PROMPTS[0]
+
+
+def test_max_seq_len_ends_requests(ckpt):
+    with LLM(ckpt[0], tp_size=1, max_seq_len=16, speculative=SpeculativeConfig("ngram", 4)) as llm:
+        outs = llm.generate([[5, 6, 7, 8, 9, 10], list(range(3, 18))], max_new_tokens=100)
+        assert [len(o.prompt_token_ids) + len(o.token_ids) for o in outs] == [16, 16]
+        assert all(o.finish_reason == "length" for o in outs)
+        with pytest.raises(ValueError, match="max_seq_len"):
+            llm.generate([list(range(3, 19))])
+
+
+def test_bad_requests_rejected_without_disturbing_others(llm_tp2, baseline):
+    cases = [
+        ([[]], None, "prompt 0 is empty"),
+        ([PROMPTS[0], [1] * 5000], None, "prompt 1 has 5000 tokens"),
+        ([[1, 2, 100000]], None, r"outside \[0, 512\)"),
+        ([[1, -2]], None, "outside"),
+        ([PROMPTS[0]], {"temperature": -1.0}, "temperature"),
+        ([PROMPTS[0]], {"top_p": 1.5}, "top_p"),
+        ([PROMPTS[0], PROMPTS[1]], [SamplingParams()], "2 prompts"),
+        ([PROMPTS[0]], "greedy", "SamplingParams"),
+        ([[1.5, 2.0]], None, "prompt 0 must be"),
+    ]
+    for prompts, sp, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            llm_tp2.generate(prompts, sp, max_new_tokens=4)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        llm_tp2.generate([PROMPTS[0]], max_new_tokens=0)
+    with pytest.raises(ValueError, match="stop token"):
+        llm_tp2.generate([PROMPTS[0]], stop_token_ids=[-1])
+    # The LLM is still healthy and deterministic after the rejected calls.
+    outs = llm_tp2.generate(PROMPTS[:2], max_new_tokens=MAX_NEW)
+    assert [o.token_ids for o in outs] == baseline[:2]
+
+
+def test_bad_configs_raise_clear_errors(ckpt, tmp_path):
+    with pytest.raises(ValueError, match="launcher"):
+        LLM(ckpt[0], launcher="slurm")
+    with pytest.raises(ValueError, match="no config.json"):
+        LLM(str(tmp_path))
+    with pytest.raises(ValueError, match="max_num_tokens"):
+        LLM(ckpt[0], max_batch_size=8, max_num_tokens=8, speculative=SpeculativeConfig("ngram", 4))
+    with pytest.raises(ValueError, match="draft_model"):
+        SpeculativeConfig("draft_model", 4)
+    with pytest.raises(ValueError, match="acceptance"):
+        SpeculativeConfig("ngram", 4, acceptance="lenient")
+
+
+def test_text_prompts_use_the_tokenizer(llm_tp2):
+    if llm_tp2.tokenizer is None:
+        pytest.skip("the tiny checkpoint has no tokenizer (tokenizers not installed)")
+    out = llm_tp2.generate("Hello, world!", max_new_tokens=8)[0]
+    assert out.prompt == "Hello, world!" and out.text is not None and len(out.token_ids) == 8
+    assert out.prompt_token_ids == llm_tp2.tokenizer.encode("Hello, world!")
