@@ -228,3 +228,8 @@ def test_kv_heads_replicated_when_fewer_than_ranks():
     assert all(s.q_heads == 1 and s.kv_heads == 1 for s in splits)
     # Query head r belongs to KV group r // 4, which is the KV head rank r holds.
     assert all(s.q_start // (cfg.num_heads // cfg.num_kv_heads) == s.kv_start for s in splits)
+
+
+def test_tp_without_process_group_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="TP process group is not initialized"):
+        TPLlamaForCausalLM(_cfg(), Mapping(world_size=2, rank=0))

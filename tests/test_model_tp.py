@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from model_helpers import greedy_generate, make_batch, mixed_reference, mixed_scenario, speculative_greedy
+from tpspec import distributed as D
 from tpspec.mapping import Mapping
+from tpspec.model.comm import VarlenRows
 from tpspec.model import DraftModel, NgramDrafter, load_model, make_tiny_checkpoint
 from tpspec.testing import run_ranks
 
@@ -28,9 +30,25 @@ def _sampled_prefill(model, prompts, indices):
     return logits.gather(), tokens
 
 
+VARLEN_COUNTS = [2, 0, 3, 1]
+
+
+def _varlen_checks(rank: int, world: int) -> list:
+    """Stack/unstack rows of uneven counts (one rank holds none), through both reduce-scatter paths."""
+    counts = VARLEN_COUNTS[:world]
+    rows = VarlenRows(counts, D.tp_group(), torch.device("cpu"))
+    mine = torch.arange(counts[rank] * 2, dtype=torch.float32).view(-1, 2) + 100 * rank
+    results = [rows.gather(mine)]
+    partial = (rank + 1) * torch.arange(sum(counts) * 2, dtype=torch.float32).view(-1, 2)
+    for nccl_path in (False, True):  # gloo on CPU can also run the padded reduce_scatter_tensor path
+        rows.nccl = nccl_path
+        results.append(rows.reduce_scatter(partial))
+    return results
+
+
 def run_checks(rank: int, world: int, target: str, draft: str) -> dict:
     """Everything one rank does; rank-local results go back to the test for comparison."""
-    out: dict = {}
+    out: dict = {"varlen": _varlen_checks(rank, world)}
     plain = load_model(target, Mapping(world, rank))
     out["load"] = (plain.load_stats.bytes_read, plain.load_stats.checkpoint_bytes)
     plain.allocate_kv_cache(16, 64)
@@ -88,7 +106,15 @@ def reference(tiny):
 def test_tensor_parallel_matches_tp1(tiny, reference, world):
     results = run_ranks(run_checks, world, *tiny, timeout_s=240)
     ref = reference
+    counts = VARLEN_COUNTS[:world]
+    stacked = torch.cat([torch.arange(c * 2, dtype=torch.float32).view(-1, 2) + 100 * r for r, c in enumerate(counts)])
+    summed = sum(r + 1 for r in range(world)) * torch.arange(sum(counts) * 2, dtype=torch.float32).view(-1, 2)
     for rank, out in enumerate(results):
+        gathered, *scattered = out["varlen"]
+        assert torch.equal(gathered, stacked)
+        start = sum(counts[:rank])
+        for got in scattered:
+            assert torch.equal(got, summed[start : start + counts[rank]])
         assert out["greedy"] == ref["greedy"], rank
         torch.testing.assert_close(out["prompt_logits"], ref["prompt_logits"], atol=1e-4, rtol=1e-4)
         for got, want in zip(out["mixed"], ref["mixed"]):

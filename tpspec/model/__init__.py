@@ -12,6 +12,8 @@ Public interface (what the runtime codes against)::
     model.allocate_kv_cache(num_slots, max_seq_len)   # fixed slots; (re)allocates
     batch = ForwardBatch(token_ids, positions, slot_ids, cache_lens, query_lens, logits_rows=None)
     logits = model(batch)                      # tpspec.VocabShardedLogits for batch.logits_rows, in order
+    logits = model(batch, attn_meta)           # with prebuilt AttentionMetadata (CUDA graphs: fixed kv_len,
+                                               # refreshed in place with attn_meta.copy_(new))
 
 * ``load_model`` is collective over the TP group (it may build the key exchange); each
   rank reads only its slices of the safetensors files (``model.load_stats``).

@@ -63,6 +63,7 @@ class VarlenRows:
         self.group = group
         self.rank = D.group_rank(group)
         self.world = D.group_size(group)
+        self.nccl = D.group_backend(group) == "nccl"
         if len(self.counts) != self.world:
             raise ValueError(f"VarlenRows needs one count per rank ({self.world}), got {self.counts}")
         self.pad = max(self.counts, default=0)
@@ -92,6 +93,10 @@ class VarlenRows:
             raise ValueError(f"reduce_scatter expects {self.total} rows, got {x.shape[0]}")
         if self.world == 1:
             return x
+        if not self.nccl:
+            # gloo (CPU tests, or several ranks on one GPU): not every torch build reduce-scatters
+            # CUDA tensors over gloo, so sum everything and keep this rank's rows.
+            return self.take_local(D.all_reduce_(x.clone(), "sum", self.group))
         padded = x.new_zeros((self.world * self.pad,) + tuple(x.shape[1:]))
         padded.index_copy_(0, self._real, x)
         out = x.new_empty((self.pad,) + tuple(x.shape[1:]))

@@ -117,7 +117,8 @@ class TPLlamaForCausalLM(nn.Module):
     ``exchange``: the key exchange of the vocab-sharded LM head (default: the best one for
     the TP group); an unsharded head always picks locally.
 
-    Raises ``ValueError`` at construction when the vocabulary, heads or MLP cannot be split.
+    Raises ``ValueError`` at construction when the vocabulary, heads or MLP cannot be split,
+    and ``RuntimeError`` when ``tp_size > 1`` but the TP process group does not exist.
     """
 
     def __init__(self, config: ModelConfig, mapping: Mapping | None = None, *, device: str | torch.device = "cpu",
@@ -131,6 +132,11 @@ class TPLlamaForCausalLM(nn.Module):
         self.dtype = dtype
         tp = mapping.tp_size
         self.group = D.tp_group() if tp > 1 else None
+        if tp > 1 and (self.group is None or D.group_size(self.group) != tp):
+            raise RuntimeError(
+                f"mapping.tp_size={tp} but the TP process group is not initialized "
+                f"(call tpspec.distributed.init_distributed first)"
+            )
         self.attention_dp = mapping.enable_attention_dp and tp > 1
         embed_tp, embed_rank = (1, 0) if self.attention_dp else (tp, mapping.tp_rank)
         self.embed_tokens = VocabParallelEmbedding("model.embed_tokens.weight", config.vocab_size, config.hidden_size,
@@ -155,13 +161,10 @@ class TPLlamaForCausalLM(nn.Module):
             if exchange is not None and exchange.world_size == 1:
                 return exchange
             return LocalKeyExchange(self.device)
-        if self.group is None or D.group_size(self.group) != self.mapping.tp_size:
-            raise RuntimeError(
-                f"mapping.tp_size={self.mapping.tp_size} but the TP process group is not initialized "
-                f"(call tpspec.distributed.init_distributed first)"
-            )
         if exchange is None:
             exchange = make_key_exchange(self.group, device=self.device)
+        elif exchange.world_size != self.mapping.tp_size:
+            raise ValueError(f"the exchange spans {exchange.world_size} ranks, the TP group {self.mapping.tp_size}")
         return exchange
 
     @property

@@ -233,6 +233,12 @@ class Engine:
         k = self.num_draft
         use_dummy = dp and not plan.emitting  # this rank has no row, others may: keep collectives paired
         drafts = self._propose(plan, always_run_model=dp)
+        if self.graphs is not None and plan.gen and not plan.final_ctx and not plan.partial_ctx:
+            graphed = self.graphs.run(plan.gen, drafts)  # None: not graphed, nothing changed
+            if graphed is not None:
+                for idx, toks in graphed.items():
+                    self._commit(seqs[idx], toks)
+                return
 
         tokens: list[int] = []
         positions: list[int] = []

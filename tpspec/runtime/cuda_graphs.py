@@ -1,0 +1,213 @@
+"""CUDA graphs for generation steps (GPU only; the CPU path is always eager).
+
+A pure generation step of plain TP — every request verifies K drafts, no context
+chunk — has the same shapes every time once the batch is padded to a bucket size:
+``Bp * (K + 1)`` tokens, attention over the whole cache (a fixed ``kv_len``). One graph
+per (bucket, sampling path) captures the target forward, the token selection (the
+exchange, whose device-side counters advance inside the graph) and the acceptance.
+Before a replay the host refreshes the static inputs in place (token ids, positions,
+drafts, attention metadata; ``SpecMetadata.prepare`` refills its stable buffers).
+
+Padding requests use free KV slots (writes there are overwritten by the slot's next
+owner before anything reads them) and slot -1 in the metadata (greedy, no stream).
+
+Every rank takes the same decisions: whether a step is graphed depends only on the
+batch (replicated) and a capture failure on any rank disables that graph on all ranks
+(one all-reduce at capture time), so the ranks never split between graph and eager.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .. import distributed as D
+from ..sampling.params import SamplingParams
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .engine import Engine, _Seq
+
+_PAD = SamplingParams()
+WARMUP_RUNS = 2
+
+
+def bucket_sizes(max_batch_size: int) -> list[int]:
+    """1, 2, 4, 8, then multiples of 8, up to ``max_batch_size`` (always included)."""
+    sizes = [b for b in (1, 2, 4) if b < max_batch_size]
+    sizes += list(range(8, max_batch_size, 8))
+    return sorted(set(sizes + [max_batch_size]))
+
+
+@dataclass
+class _Graph:
+    graph: Any
+    tokens: torch.Tensor  # [Bp * (K + 1)] int64
+    positions: torch.Tensor
+    drafts: torch.Tensor | None  # [Bp, K] int64
+    attn_meta: Any
+    accepted: torch.Tensor  # [Bp, K + 1] int64 (graph output)
+    num_accepted: torch.Tensor  # [Bp] int64 (graph output)
+    batch: Any = None  # the static ForwardBatch, kept alive with the graph
+
+
+class GenerationGraphs:
+    """Captured generation steps of one :class:`~tpspec.runtime.engine.Engine`."""
+
+    def __init__(self, engine: "Engine") -> None:
+        self.engine = engine
+        self.buckets = bucket_sizes(engine.config.max_batch_size)
+        self.graphs: dict[tuple, _Graph] = {}
+        self.failed: set[tuple] = set()
+        self.pool = torch.cuda.graph_pool_handle()
+
+    @classmethod
+    def maybe_create(cls, engine: "Engine") -> "GenerationGraphs | None":
+        """Graphs for ``engine`` when they apply (CUDA, plain TP), else None (eager)."""
+        if engine.device.type != "cuda" or not torch.cuda.is_available():
+            return None
+        if engine.dp_size > 1:  # per-rank batch sizes differ under attention DP: eager
+            return None
+        return cls(engine)
+
+    def close(self) -> None:
+        self.graphs.clear()
+
+    # ------------------------------------------------------------------ per step
+    def run(self, gen: list["_Seq"], drafts: list[list[int]]) -> dict[int, list[int]] | None:
+        """Run a pure generation step through a graph; ``{seq index: emitted tokens}``, or
+        None when this step is not graphed (the caller runs it eagerly; no state changed)."""
+        b = len(gen)
+        padded = next((s for s in self.buckets if s >= b), None)
+        if padded is None or b == 0:
+            return None
+        params = [s.req.sampling for s in gen]
+        # The sampling path of the step, known before prepare (plain TP: no group sync needed).
+        key = (padded, all(p.is_greedy for p in params), all(p.is_temperature_only for p in params),
+               any(p.is_seeded and not p.is_greedy for p in params))
+        if key in self.failed:
+            return None
+        eng = self.engine
+        k = eng.num_draft
+        used = {s.slot for s in gen}
+        free = [slot for slot in range(eng.num_slots) if slot not in used][: padded - b]
+        reqs = [(s.req.request_id, s.slot, s.req.sampling, False) for s in gen]
+        reqs += [(-1 - i, -1, _PAD, False) for i in range(padded - b)]
+        eng.meta.prepare(requests=reqs, draft_len=k)
+        host = self._host_batch(gen, drafts, free)
+        graph = self.graphs.get(key)
+        if graph is None:
+            graph = self._capture(key, host)
+            if graph is None:  # capture failed on some rank: this step (and key) eagerly
+                out = self._eager(host)
+                return self._emitted(gen, out[0], out[1])
+        self._load(graph, host)
+        graph.graph.replay()
+        return self._emitted(gen, graph.accepted, graph.num_accepted)
+
+    # ------------------------------------------------------------------ helpers
+    def _host_batch(self, gen: list["_Seq"], drafts: list[list[int]], free: list[int]) -> Any:
+        from ..model.batch import ForwardBatch
+
+        k = self.engine.num_draft
+        tokens, positions, slots, cache_lens = [], [], [], []
+        for seq, d in zip(gen, drafts):
+            last = len(seq.tokens) - 1
+            tokens += [seq.tokens[-1]] + list(d)
+            positions += list(range(last, last + k + 1))
+            slots.append(seq.slot)
+            cache_lens.append(last)
+        for slot in free:
+            tokens += [0] * (k + 1)
+            positions += list(range(k + 1))
+            slots.append(slot)
+            cache_lens.append(0)
+        n = len(tokens)
+        dev = self.engine.device
+        batch = ForwardBatch(
+            token_ids=torch.tensor(tokens, dtype=torch.int64),
+            positions=torch.tensor(positions, dtype=torch.int64),
+            slot_ids=slots, cache_lens=cache_lens, query_lens=[k + 1] * len(slots),
+            logits_rows=torch.arange(n, dtype=torch.int64, device=dev),
+        )
+        draft_table = None
+        if k:
+            rows = [list(d) for d in drafts] + [[0] * k for _ in free]
+            draft_table = torch.tensor(rows, dtype=torch.int64)
+        return batch, draft_table
+
+    def _attn_meta(self, batch: Any) -> Any:
+        from ..model.batch import AttentionMetadata
+
+        return AttentionMetadata.build(batch, self.engine.device, kv_len=self.engine.cache_len)
+
+    def _forward_and_select(self, batch: Any, attn_meta: Any, drafts: torch.Tensor | None,
+                            is_warmup: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        eng = self.engine
+        logits = eng.model(batch, attn_meta)
+        out = eng.worker.step(logits, drafts, eng.meta, is_warmup=is_warmup)
+        return out.accepted_tokens, out.num_accepted
+
+    def _eager(self, host: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        batch, drafts = host
+        dev = self.engine.device
+        dev_batch = _on_device(batch, dev)
+        return self._forward_and_select(dev_batch, self._attn_meta(batch),
+                                        None if drafts is None else drafts.to(dev), False)
+
+    def _capture(self, key: tuple, host: Any) -> _Graph | None:
+        batch, drafts = host
+        dev = self.engine.device
+        static_batch = _on_device(batch, dev)
+        static_meta = self._attn_meta(batch)
+        static_drafts = None if drafts is None else drafts.to(dev)
+        ok = True
+        graph = None
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # eager warm-up (allocations, lazy inits), no forced acceptance
+                for _ in range(WARMUP_RUNS):
+                    self._forward_and_select(static_batch, static_meta, static_drafts, True)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                accepted, num = self._forward_and_select(static_batch, static_meta, static_drafts, False)
+        except Exception as exc:  # noqa: BLE001 - any failure means: this key runs eagerly
+            ok = False
+            warnings.warn(f"CUDA graph capture of generation step {key} failed, running it eagerly: {exc}",
+                          RuntimeWarning, stacklevel=2)
+            torch.cuda.synchronize()
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int64, device=dev)
+        D.all_reduce_(flag, "min", self.engine.group)  # one rank failed -> every rank goes eager
+        if int(flag.item()) == 0:
+            self.failed.add(key)
+            return None
+        g = _Graph(graph, static_batch.token_ids, static_batch.positions, static_drafts, static_meta, accepted, num,
+                   static_batch)
+        self.graphs[key] = g
+        return g
+
+    def _load(self, g: _Graph, host: Any) -> None:
+        batch, drafts = host
+        g.tokens.copy_(batch.token_ids, non_blocking=True)
+        g.positions.copy_(batch.positions, non_blocking=True)
+        if g.drafts is not None and drafts is not None:
+            g.drafts.copy_(drafts, non_blocking=True)
+        g.attn_meta.copy_(self._attn_meta(batch))
+
+    @staticmethod
+    def _emitted(gen: list["_Seq"], accepted: torch.Tensor, num: torch.Tensor) -> dict[int, list[int]]:
+        acc = accepted[: len(gen)].cpu().tolist()
+        counts = num[: len(gen)].cpu().tolist()
+        return {s.index: [int(t) for t in row[: int(n)]] for s, row, n in zip(gen, acc, counts)}
+
+
+def _on_device(batch: Any, device: torch.device) -> Any:
+    from ..model.batch import ForwardBatch
+
+    return ForwardBatch(token_ids=batch.token_ids.to(device), positions=batch.positions.to(device),
+                        slot_ids=batch.slot_ids, cache_lens=batch.cache_lens, query_lens=batch.query_lens,
+                        logits_rows=batch.logits_rows.to(device))
