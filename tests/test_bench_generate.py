@@ -1,0 +1,37 @@
+"""`tpspec bench generate --device cpu --quick` writes a valid JSON and PNG, and the forced
+acceptance rates reach the ranks (measured accepted drafts per step)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tpspec.bench import generate
+from tpspec.cli import main
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_generate_quick_cpu_writes_json_and_png(tmp_path, monkeypatch):
+    monkeypatch.setenv(generate.FORCE_ENV, "2")  # the bench sets its own rates; an inherited value must not leak
+    out = tmp_path / "bench"
+    assert main(["bench", "generate", "--device", "cpu", "--quick", "--out", str(out)]) == 0
+    report = json.loads((out / "generate.json").read_text())
+    assert report["benchmark"] == "generate" and report["columns"] == generate.COLUMNS
+    rows = {r[0]: dict(zip(report["columns"], r)) for r in report["rows"]}
+    assert list(rows) == ["no-spec", "forced=0", "forced=1.5", "forced=3"]
+    meta = report["meta"]
+    for r in rows.values():
+        assert r["tokens"] == meta["num_prompts"] * meta["max_new_tokens"]
+        assert r["tokens_per_s"] > 0 and r["wall_s"] > 0
+    assert rows["no-spec"]["accepted_per_step"] == 0 and rows["no-spec"]["draft_len"] == 0
+    assert rows["forced=0"]["accepted_per_step"] == 0
+    assert rows["forced=3"]["accepted_per_step"] == 3  # min(rate, draft_len) every step
+    assert 1.0 <= rows["forced=1.5"]["accepted_per_step"] <= 2.0
+    assert (out / "generate.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_bench_generate_rejects_bad_rates(tmp_path):
+    with pytest.raises(SystemExit, match="--rates"):
+        main(["bench", "generate", "--device", "cpu", "--quick", "--rates", "-1", "--out", str(tmp_path)])

@@ -1,0 +1,197 @@
+"""``tpspec bench generate``: end-to-end tokens/s with and without speculation.
+
+Runs ``tpspec.LLM`` (the tiny random Llama or a user checkpoint) at ``--tp N`` on the same
+prompts (random token ids, greedy, EOS ignored so every request generates
+``--max-new-tokens``) in several configurations:
+
+* ``no-spec``      plain decoding, one token per request per step;
+* ``forced=a``     n-gram speculation with ``--draft-len K`` drafts whose acceptance is
+                   forced to ``a`` drafts per step (``TPSPEC_FORCE_NUM_ACCEPTED_TOKENS``,
+                   SPEC §7), for ``a`` in ``--rates`` (default 0, 1.5, 3): the cost of
+                   verifying K drafts, and the speed-up each acceptance rate buys.
+
+Launchers: ``mp`` starts ``--tp`` local rank processes that each run the engine
+in-process (SPMD, exactly as under torchrun) and set the env var themselves before each
+configuration; ``torchrun`` runs the same on every rank of the job; ``ray`` drives one
+actor per rank and hands the env var to them through Ray's ``runtime_env``. Each
+configuration builds a fresh ``LLM``, makes one warm-up call, then the timed ``generate``.
+The table reports tokens/s, measured accepted drafts per step (a check that forcing took
+effect) and the speed-up over ``no-spec``. On CPU only the ratios mean something.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any, Callable
+
+import torch
+
+from . import report
+
+FORCE_ENV = "TPSPEC_FORCE_NUM_ACCEPTED_TOKENS"
+DEFAULT_RATES = (0.0, 1.5, 3.0)
+COLUMNS = ["config", "forced_rate", "draft_len", "requests", "tokens", "wall_s", "tokens_per_s",
+           "accepted_per_step", "tokens_per_step", "speedup"]
+
+
+def _prompts(num: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (num, length), generator=gen).tolist()
+
+
+def measure(cfg: dict) -> dict:
+    """One configuration in this process: build the LLM, warm up, time one ``generate``.
+
+    ``cfg``: model, tp, launcher, device, dtype, draft_len (0 = no speculation), prompts
+    (count, length), max_new_tokens, max_batch_size, use_cuda_graphs. Reads the forced
+    acceptance rate from the environment like every rank does.
+    """
+    from ..runtime import LLM, SpeculativeConfig
+
+    spec = SpeculativeConfig("ngram", num_draft_tokens=cfg["draft_len"]) if cfg["draft_len"] else None
+    kwargs: dict[str, Any] = {}
+    if cfg["launcher"] == "ray" and os.environ.get(FORCE_ENV):
+        # Ray workers do not inherit this process's environment: hand it over explicitly.
+        kwargs["ray_init_kwargs"] = {"runtime_env": {"env_vars": {FORCE_ENV: os.environ[FORCE_ENV]}}}
+    with LLM(cfg["model"], tp_size=cfg["tp"], launcher=cfg["launcher"], device=cfg["device"], dtype=cfg["dtype"],
+             speculative=spec, max_batch_size=cfg["max_batch_size"], use_cuda_graphs=cfg["use_cuda_graphs"],
+             **kwargs) as llm:
+        prompts = _prompts(cfg["num_prompts"], cfg["prompt_len"], llm.vocab_size)
+        llm.generate(prompts[: max(1, min(2, len(prompts)))], max_new_tokens=4, ignore_eos=True, use_tqdm=False)
+        llm.generate(prompts, max_new_tokens=cfg["max_new_tokens"], ignore_eos=True, use_tqdm=False)
+        stats = llm.last_stats
+        rank = llm.rank
+    assert stats is not None
+    return {
+        "rank": rank,
+        "requests": stats.num_requests,
+        "tokens": stats.num_generated_tokens,
+        "wall_s": stats.wall_s,
+        "tokens_per_s": stats.tokens_per_s,
+        "accepted_per_step": stats.mean_accepted_drafts_per_step,
+        "tokens_per_step": stats.mean_tokens_per_step,
+    }
+
+
+def _with_forced_rate(rate: float | None, fn: Callable[[], dict]) -> dict:
+    """Run ``fn`` with ``TPSPEC_FORCE_NUM_ACCEPTED_TOKENS`` set to ``rate`` (unset for None)
+    in this process, where the engine reads it at its first step."""
+    saved = os.environ.pop(FORCE_ENV, None)
+    try:
+        if rate is not None:
+            os.environ[FORCE_ENV] = repr(float(rate))
+        return fn()
+    finally:
+        os.environ.pop(FORCE_ENV, None)
+        if saved is not None:
+            os.environ[FORCE_ENV] = saved
+
+
+def run_configs(configs: list[tuple[dict, float | None]]) -> list[dict]:
+    """Every configuration, in order, in this process (a rank under torchrun or the mp
+    launcher, or the Ray driver)."""
+    return [_with_forced_rate(rate, lambda cfg=cfg: measure(cfg)) for cfg, rate in configs]
+
+
+def _spmd_worker(rank: int, world_size: int, configs: list[tuple[dict, float | None]]) -> list[dict]:
+    """``--launcher mp``: one of ``tp`` local rank processes (``run_ranks``), each running the
+    engine in-process exactly as under torchrun, so the forced rate set here reaches the
+    engine (forked workers of a long-lived server would keep the environment it started with)."""
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)})
+    if configs and configs[0][0]["device"] == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    return run_configs(configs)
+
+
+def _plot(rows: list[list[Any]]) -> Callable[[Any], None]:
+    def draw(ax: Any) -> None:
+        labels = [r[0] for r in rows]
+        values = [r[6] for r in rows]
+        colors = ["gray" if r[0] == "no-spec" else "tab:blue" for r in rows]
+        bars = ax.bar(range(len(rows)), values, color=colors)
+        for bar, r in zip(bars, rows):
+            ax.annotate(f"{r[9]}x" if r[9] != "-" else "", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                        ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(range(len(rows)))
+        ax.set_xticklabels(labels)
+        ax.set_ylabel("generated tokens / s")
+        ax.set_title("end-to-end generation: no speculation vs forced acceptance rates")
+
+    return draw
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="tiny", help="'tiny' or a Hugging Face model directory")
+    parser.add_argument("--tp", type=int, default=2, help="TP size (default 2; torchrun: WORLD_SIZE)")
+    parser.add_argument("--launcher", choices=("mp", "torchrun", "ray"), default="mp")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--rates", default=None, help="comma-separated forced acceptance rates (default 0,1.5,3)")
+    parser.add_argument("--draft-len", type=int, default=3, help="drafts per step when speculating (default 3)")
+    parser.add_argument("--num-prompts", type=int, default=None, help="requests (default 8; --quick 2)")
+    parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 64; --quick 8)")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="tokens per request (default 128; --quick 12)")
+    parser.add_argument("--max-batch-size", type=int, default=None, help="requests in flight (default: all)")
+    parser.add_argument("--no-cuda-graphs", action="store_true", help="eager generation steps on GPU")
+    parser.add_argument("--quick", action="store_true", help="small sizes, seconds per configuration on CPU")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds before the run is abandoned")
+
+
+def _rates(text: str | None) -> list[float]:
+    if text is None:
+        return list(DEFAULT_RATES)
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise SystemExit(f"tpspec bench generate: --rates must be comma-separated numbers, got {text!r}") from None
+    if any(v < 0 for v in values):
+        raise SystemExit(f"tpspec bench generate: --rates must be >= 0, got {text!r}")
+    return values
+
+
+def run(args: argparse.Namespace) -> int:
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("tpspec bench generate: --device cuda but no CUDA device is visible")
+    if args.draft_len < 1:
+        raise SystemExit("tpspec bench generate: --draft-len must be >= 1")
+    rates = _rates(args.rates)
+    tp = int(os.environ.get("WORLD_SIZE", "1")) if args.launcher == "torchrun" else args.tp
+    if tp < 1:
+        raise SystemExit("tpspec bench generate: --tp must be >= 1")
+    num_prompts = args.num_prompts or (2 if args.quick else 8)
+    cfg = {
+        "model": args.model, "tp": tp, "launcher": args.launcher, "device": device, "dtype": args.dtype,
+        "num_prompts": num_prompts, "prompt_len": args.prompt_len or (8 if args.quick else 64),
+        "max_new_tokens": args.max_new_tokens or (12 if args.quick else 128),
+        "max_batch_size": args.max_batch_size or num_prompts, "use_cuda_graphs": not args.no_cuda_graphs,
+    }
+    names = ["no-spec"] + [f"forced={rate:g}" for rate in rates]
+    configs: list[tuple[dict, float | None]] = [(dict(cfg, draft_len=0), None)]
+    configs += [(dict(cfg, draft_len=args.draft_len), rate) for rate in rates]
+    if args.launcher == "mp":
+        from ..testing import run_ranks
+
+        spmd = [(dict(c, launcher="torchrun"), rate) for c, rate in configs]
+        backend = "nccl" if device == "cuda" and torch.cuda.device_count() >= tp else "gloo"
+        per_config = run_ranks(_spmd_worker, tp, spmd, backend=backend, timeout_s=args.timeout)[0]
+    else:  # torchrun: every rank runs this; ray: this driver drives the actors
+        per_config = run_configs(configs)
+    results = [(name, rate, c["draft_len"], res) for name, (c, rate), res in zip(names, configs, per_config)]
+    base = results[0][3]["tokens_per_s"]
+    rows = []
+    for name, rate, draft_len, res in results:
+        speedup = res["tokens_per_s"] / base if base > 0 and name != "no-spec" else "-"
+        rows.append([name, "-" if rate is None else rate, draft_len, res["requests"], res["tokens"],
+                     round(res["wall_s"], 4), round(res["tokens_per_s"], 2), round(res["accepted_per_step"], 3),
+                     round(res["tokens_per_step"], 3), round(speedup, 3) if speedup != "-" else "-"])
+    if results[0][3]["rank"] != 0:
+        return 0  # rank 0 writes the report
+    meta = {"command": "tpspec bench generate", **{k: v for k, v in cfg.items()}, "draft_len": args.draft_len,
+            "rates": rates, "quick": args.quick, "drafter": "ngram",
+            "note": "greedy, EOS ignored; accepted_per_step is measured (forced: min(rate, draft_len) expected). "
+                    "On CPU only ratios are meaningful."}
+    report.write_report(args.out, "generate", columns=COLUMNS, rows=rows, meta=meta, plot=_plot(rows))
+    return 0
