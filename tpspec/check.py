@@ -870,13 +870,27 @@ def run_mp(tp: int, device: str = "cpu", *, quick: bool = False, seed: int = DEF
     """The whole suite on ``tp`` fresh local processes (``run_ranks``); returns the merged rows."""
     from .testing import RankError, run_ranks
 
+    backend = _mp_backend(device, tp)
+    mps = None
+    if device == "cuda" and backend == "gloo":
+        # Ranks share GPUs: without MPS every cross-process wait of the LL exchange costs a
+        # time slice (ms). Start it for the run when it is not running (a no-op otherwise).
+        from .bench.exchange import MPSDaemon
+
+        mps = MPSDaemon()
+        why = mps.start()
+        if why is not None:
+            print(f"tpspec check: MPS not started ({why}); ranks sharing a GPU will time-slice", file=sys.stderr)
     try:
         per_rank = run_ranks(suite_worker, tp, device, quick, seed, frozenset(skip), timeout_s=timeout_s,
-                             backend=_mp_backend(device, tp))
+                             backend=backend)
         results = merge_rank_results(per_rank)
     except RankError as exc:
         results = [CheckResult("ranks_agree", FAIL, detail=f"the rank processes failed: {str(exc).splitlines()[0]}")]
         print(exc, file=sys.stderr)
+    finally:
+        if mps is not None:
+            mps.stop()
     return results + driver_checks(tp, device, quick=quick, seed=seed, launcher="mp", skip=skip)
 
 
