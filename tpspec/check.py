@@ -587,7 +587,7 @@ def check_ll_equals_allgather(ctx: SuiteContext) -> CheckResult:
             adv = adversarial_logits(ctx.world_size, vocab, gen, 0)
             for num_rows in row_counts:
                 full = torch.randn(num_rows, vocab, generator=gen) * 2.0
-                full = torch.cat([adv, full])[-num_rows:] if num_rows >= adv.shape[0] else full
+                full = torch.cat([adv, full])[:num_rows] if num_rows >= adv.shape[0] else full
                 local, offset = shard_slice(full.to(ctx.device), ctx.world_size, ctx.rank)
                 temps = torch.tensor([0.0, 0.8, 1.0, 1.3]).repeat(num_rows)[:num_rows].to(ctx.device)
                 seeds, offsets = (t.to(ctx.device) for t in random_streams(gen, num_rows))

@@ -1,0 +1,24 @@
+"""`tpspec check` on CUDA: the LL, CUDA-graph and CPU==GPU rows run and pass (skipped without a GPU)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tpspec import check as C
+from tpspec.cli import main
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def test_check_tp2_cuda_quick_passes(tmp_path, capsys):
+    out = tmp_path / "check.json"
+    code = main(["check", "--tp", "2", "--device", "cuda", "--quick", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    rows = {r["key"]: r for r in json.loads(out.read_text())["results"]}
+    for key in ("cuda_graph", "cpu_gpu_bits"):
+        assert rows[key]["status"] == C.PASS, rows[key]
+    assert rows["ll_equals_allgather"]["status"] in (C.PASS, C.SKIP), rows["ll_equals_allgather"]
