@@ -439,8 +439,10 @@ class RayExecutor(Executor):
     def _start(self, ray: Any, placement_group: Callable, strategy_cls: Any) -> None:
         n = self.config.tp_size
         if not ray.is_initialized():
-            kwargs = {"include_dashboard": False, "log_to_driver": False}
-            kwargs.update(self.ray_init_kwargs)
+            if os.environ.get("RAY_ADDRESS") or "address" in self.ray_init_kwargs:
+                kwargs = dict(self.ray_init_kwargs)  # join a running cluster (e.g. inside `ray job submit`)
+            else:  # start a local Ray for this LLM (stopped again at shutdown)
+                kwargs = {"include_dashboard": False, "log_to_driver": False, **self.ray_init_kwargs}
             ray.init(**kwargs)
             self._started_ray = True
         gpu = self.config.device == "cuda"
