@@ -389,6 +389,8 @@ class _RayRank:
 
     def generate(self, call_id: int, requests: list[Request]) -> list[SequenceResult] | None:
         assert self.engine is not None
+        if self.engine.device.type == "cuda":  # the current device is per thread; this may be a new one
+            torch.cuda.set_device(self.engine.device)
 
         def record(steps: int, tokens: int) -> None:
             self._progress = (call_id, steps, tokens)
