@@ -274,7 +274,7 @@ def run(args: argparse.Namespace) -> int:
         "iters": args.iters or (3 if args.quick else 20),
         "warmup": args.warmup if args.warmup is not None else (1 if args.quick else 3),
     }
-    backend, mps_note = "gloo", None
+    backend, mps_note, mps = "gloo", None, None
     if device == "cuda":
         if torch.cuda.device_count() >= args.tp:
             backend = "nccl"
@@ -283,7 +283,11 @@ def run(args: argparse.Namespace) -> int:
 
             mps = MPSDaemon()
             mps_note = mps.start()
-    per_rank = run_ranks(_step_worker, args.tp, cfg, backend=backend, timeout_s=args.timeout)
+    try:
+        per_rank = run_ranks(_step_worker, args.tp, cfg, backend=backend, timeout_s=args.timeout)
+    finally:
+        if mps is not None:
+            mps.stop()
     rows, equal = summarize(per_rank, args.draft_len)
     from ..model.config import ModelConfig
 
