@@ -165,6 +165,10 @@ def test_missing_and_misshapen_tensors_are_named(tmp_path):
     save_file(bad, file, metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=r"model\.layers\.0\.self_attn\.k_proj\.weight.*\[48, 128\].*\[32, 128\]"):
         load_model(path)
+    with open(file, "wb") as f:
+        f.write(b"not a safetensors file")
+    with pytest.raises(CheckpointError, match="cannot read safetensors file.*model.safetensors"):
+        load_model(path)
     os.remove(file)
     with pytest.raises(FileNotFoundError, match="safetensors"):
         load_model(path)

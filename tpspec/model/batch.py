@@ -138,8 +138,10 @@ class AttentionMetadata:
             kv_len = needed
         elif kv_len < needed:
             raise ValueError(f"kv_len={kv_len} is shorter than the batch needs ({needed})")
-        limit = clens[:, None] + torch.arange(q_max, dtype=torch.int64)[None, :]  # [B, q_max]
-        mask = torch.arange(kv_len, dtype=torch.int64)[None, None, :] <= limit[:, :, None]
+        # The mask is built on the device from the [B] cache lengths (no [B, q, kv] host copy).
+        clens_dev = clens.to(device)
+        limit = clens_dev[:, None] + torch.arange(q_max, dtype=torch.int64, device=device)[None, :]  # [B, q_max]
+        mask = torch.arange(kv_len, dtype=torch.int64, device=device)[None, None, :] <= limit[:, :, None]
         return cls(
             num_tokens=batch.num_tokens,
             num_seqs=b,
@@ -150,7 +152,7 @@ class AttentionMetadata:
             tok_qi=tok_qi.to(device),
             q_max=q_max,
             kv_len=kv_len,
-            mask=mask[:, None].to(device),
+            mask=mask[:, None],
         )
 
     def copy_(self, other: "AttentionMetadata") -> "AttentionMetadata":

@@ -29,7 +29,7 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that does not match its config: a missing tensor or one of the wrong shape."""
+    """A checkpoint that cannot be loaded: a missing tensor, one of the wrong shape, a corrupt file."""
 
 
 @dataclass
@@ -77,7 +77,10 @@ class CheckpointReader:
 
     def _open(self, fname: str) -> Any:
         if fname not in self._handles:
-            self._handles[fname] = safe_open(fname, framework="pt", device="cpu")
+            try:
+                self._handles[fname] = safe_open(fname, framework="pt", device="cpu")
+            except Exception as exc:  # safetensors raises its own error types for corrupt files
+                raise CheckpointError(f"cannot read safetensors file {fname!r}: {exc}") from exc
         return self._handles[fname]
 
     @staticmethod
