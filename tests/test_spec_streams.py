@@ -141,3 +141,9 @@ def test_prepare_errors(requests, draft_len, match):
 def test_unprepared_metadata_raises():
     with pytest.raises(RuntimeError, match="prepare"):
         SpecMetadata(2, 1).row_sampling()
+
+
+def test_no_speculation_layout():
+    meta = SpecMetadata(2, 0).prepare([("a", 0, SEEDED, True), ("b", 1, UNSEEDED, False)], draft_len=0)
+    assert meta.num_rows == 2 and meta.layout.span == 2 * SLOT_SPAN
+    assert meta.request_row_index.tolist() == [[0], [1]]

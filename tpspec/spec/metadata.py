@@ -25,7 +25,13 @@ from .. import distributed as D
 from ..mapping import Mapping
 from ..sampling.params import GREEDY, SamplingParams
 from ..sampling.select import RowSampling
-from ..sampling.streams import ACCEPT_RESIDUAL_SUBSTREAM, ACCEPT_UNIFORM_SUBSTREAM, StreamAllocator, WindowLayout
+from ..sampling.streams import (
+    ACCEPT_RESIDUAL_SUBSTREAM,
+    ACCEPT_UNIFORM_SUBSTREAM,
+    SLOT_SPAN,
+    StreamAllocator,
+    WindowLayout,
+)
 
 
 @dataclass(frozen=True)
@@ -216,7 +222,7 @@ class SpecMetadata:
         row_req = self._row_request[:R]
         self._row_seed[:R].copy_(self._req_seed[:B][row_req])
         # Target row i of a request sits at slot i of its window (SPEC §6).
-        self._row_offset[:R].copy_(self._req_window[:B][row_req] + self._row_position[:R] * self.layout.target_row(1))
+        self._row_offset[:R].copy_(self._req_window[:B][row_req] + self._row_position[:R] * SLOT_SPAN)
 
     def _sync_flags(self) -> None:
         flags = [self.local_is_all_greedy, self.local_temperature_only, not self.local_any_seeded]
