@@ -176,7 +176,17 @@ def run(args: argparse.Namespace) -> int:
 
         spmd = [(dict(c, launcher="torchrun"), rate) for c, rate in configs]
         backend = "nccl" if device == "cuda" and torch.cuda.device_count() >= tp else "gloo"
-        per_config = run_ranks(_spmd_worker, tp, spmd, backend=backend, timeout_s=args.timeout)[0]
+        mps = None
+        if device == "cuda" and backend == "gloo":  # ranks share GPUs: let them run concurrently
+            from .exchange import MPSDaemon
+
+            mps = MPSDaemon()
+            mps.start()
+        try:
+            per_config = run_ranks(_spmd_worker, tp, spmd, backend=backend, timeout_s=args.timeout)[0]
+        finally:
+            if mps is not None:
+                mps.stop()
     else:  # torchrun: every rank runs this; ray: this driver drives the actors
         per_config = run_configs(configs)
     results = [(name, rate, c["draft_len"], res) for name, (c, rate), res in zip(names, configs, per_config)]
