@@ -92,6 +92,15 @@ def test_speculative_greedy_equals_plain_greedy(ckpt, baseline, tp, adp):
     assert accepted_any["ngram"] > 0 and accepted_any["draft_model"] > 0
 
 
+@pytest.mark.parametrize("adp", [False, True], ids=["tp2", "tp2-adp"])
+def test_context_chunked_over_many_steps(ckpt, baseline, adp):
+    """A long prompt alone, fed 8 tokens a step (steps with no token due), then drafted."""
+    with LLM(ckpt[0], tp_size=2, attention_dp=adp, max_batch_size=1, max_num_tokens=8,
+             speculative=SpeculativeConfig("ngram", 4)) as llm:
+        outs = llm.generate([PROMPTS[3], PROMPTS[0]], max_new_tokens=MAX_NEW)
+    assert [o.token_ids for o in outs] == [baseline[3], baseline[0]]
+
+
 def test_seeded_sampling_same_across_tp_and_batch(ckpt, llm_tp2):
     """A seeded request draws the same tokens alone, in a batch of 8 (other seeds, unseeded
     neighbours, another slot), at TP = 1 and TP = 2."""

@@ -280,6 +280,8 @@ class Engine:
                 seq.target_cached += n
             if rows:
                 emitted = self._verify(plan, batch, drafts, use_dummy)
+            else:  # only partial context chunks: fill the cache, no token is due
+                self.model(batch)
         if dp:
             emitted = self._all_gather_emitted(emitted, seqs)
         for idx, toks in emitted.items():
