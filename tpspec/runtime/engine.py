@@ -21,7 +21,6 @@ drafts, and "rewinding" rejected drafts is just not counting them.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
