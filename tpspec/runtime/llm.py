@@ -38,12 +38,17 @@ def tiny_model_path(kind: str = "target") -> str:
     """Path of the tiny random Llama (``kind="target"``) or its smaller draft
     (``kind="draft"``), created on first use from a fixed seed (deterministic; no download).
     Safe when several processes create it at once (write to a temp dir, then rename)."""
-    from .. import __version__
+    import hashlib
+
+    from ..model import tiny
     from ..model.tiny import make_tiny_checkpoint
 
     if kind not in ("target", "draft"):
         raise ValueError(f"kind must be 'target' or 'draft', got {kind!r}")
-    name = f"tiny-{__version__}" if kind == "target" else f"tiny-draft-{__version__}"
+    # Keyed by the generator's source: a changed tiny model never reuses a stale cache.
+    with open(tiny.__file__, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()[:12]
+    name = f"tiny-{digest}" if kind == "target" else f"tiny-draft-{digest}"
     path = os.path.join(cache_dir(), name)
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
