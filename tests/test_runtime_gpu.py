@@ -31,3 +31,26 @@ def test_cuda_graphs_match_eager(tmp_path, spec):
                 assert not engine.graphs.failed, f"captures failed: {engine.graphs.failed}"
             results[graphs] = (greedy, mixed)
     assert results[True] == results[False]
+
+
+def test_graph_step_inputs_on_cpu(tmp_path):
+    """What a graph replays, run eagerly on CPU: batches padded to the bucket size with free
+    slots and padding requests, attention over the whole cache, the strict selection path.
+    It must give the tokens of the ordinary eager step."""
+    from tpspec.runtime.cuda_graphs import GenerationGraphs
+
+    path = make_tiny_checkpoint(tmp_path / "tiny", seed=0)
+    spec = SpeculativeConfig("ngram", 4)
+    with LLM(path, launcher="torchrun", tp_size=1, device="cpu", speculative=spec, max_batch_size=8) as llm:
+        ref = [o.token_ids for o in llm.generate(PROMPTS, PARAMS, max_new_tokens=24)]
+        engine = llm._executor.engine  # noqa: SLF001
+        graphs = GenerationGraphs.__new__(GenerationGraphs)  # no CUDA here: never capture, run the padded step
+        graphs.engine, graphs.buckets, graphs.graphs, graphs.failed = engine, [8], {}, set()
+        graphs._capture = lambda key, host: None
+        eager, calls = graphs._eager, []
+        graphs._eager = lambda host: calls.append(1) or eager(host)
+        engine.graphs = graphs
+        got = [o.token_ids for o in llm.generate(PROMPTS, PARAMS, max_new_tokens=24)]
+        engine.graphs = None
+    assert calls, "no step took the padded graph path"
+    assert got == ref

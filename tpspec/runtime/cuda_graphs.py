@@ -7,6 +7,8 @@ per (bucket, sampling path) captures the target forward, the token selection (th
 exchange, whose device-side counters advance inside the graph) and the acceptance.
 Before a replay the host refreshes the static inputs in place (token ids, positions,
 drafts, attention metadata; ``SpecMetadata.prepare`` refills its stable buffers).
+Graphed: all-greedy batches, and temperature-only batches under strict acceptance.
+Rejection sampling and top-k/top-p/min-p rows run eagerly (their paths sync with the host).
 
 Padding requests use free KV slots (writes there are overwritten by the slot's next
 owner before anything reads them) and slot -1 in the metadata (greedy, no stream).
@@ -85,8 +87,11 @@ class GenerationGraphs:
             return None
         params = [s.req.sampling for s in gen]
         # The sampling path of the step, known before prepare (plain TP: no group sync needed).
-        key = (padded, all(p.is_greedy for p in params), all(p.is_temperature_only for p in params),
-               any(p.is_seeded and not p.is_greedy for p in params))
+        all_greedy = all(p.is_greedy for p in params)
+        temperature_only = all(p.is_temperature_only for p in params)
+        if not (all_greedy or (temperature_only and eng_strict(self.engine))):
+            return None  # rejection sampling / full-logit filters: eager (they sync with the host)
+        key = (padded, all_greedy, temperature_only, any(p.is_seeded and not p.is_greedy for p in params))
         if key in self.failed:
             return None
         eng = self.engine
@@ -145,10 +150,28 @@ class GenerationGraphs:
 
     def _forward_and_select(self, batch: Any, attn_meta: Any, drafts: torch.Tensor | None,
                             is_warmup: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Target forward + the strict path of ``SpecWorker.step`` without its host-side value
+        checks (a device sync would break the capture): select each row's token, accept the
+        drafts that match, forced acceptance when the benchmark asks for it."""
+        from ..sampling.select import select_tokens
+        from ..spec import accept_from_targets
+
         eng = self.engine
+        meta = eng.meta
+        dev = eng.device
         logits = eng.model(batch, attn_meta)
-        out = eng.worker.step(logits, drafts, eng.meta, is_warmup=is_warmup)
-        return out.accepted_tokens, out.num_accepted
+        row_tokens = select_tokens(logits, meta, channel=eng.worker.channel)
+        targets = row_tokens[meta.request_row_index]
+        if drafts is None:
+            drafts = torch.zeros(targets.shape[0], 0, dtype=torch.int64, device=dev)
+        lens = meta.request_draft_len
+        accepted, num = accept_from_targets(targets, drafts, lens, check_values=False)
+        forced = eng.worker.forced_acceptance(dev)
+        if forced is not None and not is_warmup:
+            out = forced.apply(targets, drafts, lens, meta.slot_ids)
+            if out is not None:
+                accepted, num = out
+        return accepted, num
 
     def _eager(self, host: Any) -> tuple[torch.Tensor, torch.Tensor]:
         batch, drafts = host
@@ -203,6 +226,10 @@ class GenerationGraphs:
         acc = accepted[: len(gen)].cpu().tolist()
         counts = num[: len(gen)].cpu().tolist()
         return {s.index: [int(t) for t in row[: int(n)]] for s, row, n in zip(gen, acc, counts)}
+
+
+def eng_strict(engine: "Engine") -> bool:
+    return engine.worker.acceptance == "strict"
 
 
 def _on_device(batch: Any, device: torch.device) -> Any:
