@@ -141,9 +141,7 @@ class Engine:
             self.draft_model.allocate_kv_cache(self.num_slots, self.cache_len)
 
         # One request more than the batch: the dummy row (slot -1 = padding for the streams).
-        # max_draft_len >= 1: SpecMetadata's stream layout rejects 0 (it is only a window layout;
-        # steps still pass draft_len=0 without speculation).
-        self.meta = SpecMetadata(config.max_batch_size + 1, max(self.num_draft, 1), device=self.device,
+        self.meta = SpecMetadata(config.max_batch_size + 1, self.num_draft, device=self.device,
                                  mapping=mapping, max_num_slots=config.max_batch_size)
         self.worker = SpecWorker(acceptance=spec.acceptance if spec is not None else "strict")
         self.graphs = None
