@@ -214,3 +214,15 @@ def test_head_rejects_bad_splits_and_shapes():
         head(torch.zeros(2, 7))
     with pytest.raises(ValueError, match=r"must be \[10, 8\]"):
         head.load_full_weight(torch.zeros(9, 8))
+
+
+def test_replicated_head_under_attention_dp_picks_locally():
+    """Under attention DP the head is whole on every rank: no collective, local argmax."""
+    from tpspec.exchange import LocalKeyExchange
+
+    head = VocabParallelHead(4, 10, Mapping(2, 1, 2, enable_attention_dp=True))
+    assert isinstance(head.exchange, LocalKeyExchange) and head.shard_width == 10
+    weight = torch.randn(10, 4, generator=torch.Generator().manual_seed(0))
+    head.load_full_weight(weight)
+    hidden = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(head(hidden).argmax(), torch.argmax(hidden @ weight.T, dim=1))

@@ -11,6 +11,7 @@ from torch import nn
 from . import distributed as D
 from .exchange.allgather import AllGatherKeyExchange
 from .exchange.base import KeyExchange
+from .exchange.local import LocalKeyExchange
 from .mapping import Mapping
 
 
@@ -135,7 +136,7 @@ class VocabParallelHead(nn.Module):
         tp_size, tp_rank = (mapping.tp_size, mapping.tp_rank) if sharded else (1, 0)
         self.vocab_offset, self.shard_width, self.real_width = vocab_shard_bounds(vocab_size, tp_size, tp_rank)
         if exchange is None:
-            exchange = AllGatherKeyExchange(D.tp_group() if sharded else None, device=device)
+            exchange = AllGatherKeyExchange(D.tp_group(), device=device) if sharded else LocalKeyExchange(device or "cpu")
         if exchange.world_size != tp_size:
             raise ValueError(f"the exchange spans {exchange.world_size} ranks but the head is split over {tp_size}")
         self.exchange = exchange

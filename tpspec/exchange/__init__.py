@@ -9,8 +9,9 @@ from typing import Any
 from .allgather import AllGatherKeyExchange
 from .base import KeyExchange
 from .factory import make_key_exchange
+from .local import LocalKeyExchange
 
-__all__ = ["KeyExchange", "AllGatherKeyExchange", "LLKeyExchange", "LLTimeoutError", "make_key_exchange"]
+__all__ = ["KeyExchange", "AllGatherKeyExchange", "LocalKeyExchange", "LLKeyExchange", "LLTimeoutError", "make_key_exchange"]
 
 
 def __getattr__(name: str) -> Any:

@@ -1,4 +1,4 @@
-"""The collectives the model runs over its TP group, and a one-rank key exchange.
+"""The collectives the model runs over its TP group.
 
 Under attention DP every rank of a TP group brings its own number of tokens. The
 ranks first swap their counts (:func:`exchange_counts`, one all-gather of a small
@@ -15,24 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .. import distributed as D
-from ..exchange.base import KeyExchange
-
-
-class LocalKeyExchange(KeyExchange):
-    """A key exchange over one rank: ``max_keys`` returns the keys themselves.
-
-    For heads that are not vocabulary-sharded (TP = 1, or the replicated LM head of
-    attention DP), where a group-wide exchange would wrongly wait for other ranks.
-    """
-
-    def __init__(self, device: str | torch.device = "cpu") -> None:
-        super().__init__(None, 0, 1, torch.device(device))
-
-    def max_keys(self, keys: torch.Tensor, *, channel: int = 0) -> torch.Tensor:
-        self._check_rows_vector("keys", keys, None)
-        if keys.dtype != torch.int64:
-            raise ValueError(f"keys must be int64, got {keys.dtype}")
-        return keys.clone()
+from ..exchange.local import LocalKeyExchange  # noqa: F401  (re-exported for the model)
 
 
 def all_reduce_sum(x: torch.Tensor, group: Any) -> torch.Tensor:
