@@ -179,6 +179,8 @@ def test_bad_configs_raise_clear_errors(ckpt, tmp_path):
         LLM(str(tmp_path))
     with pytest.raises(ValueError, match="max_num_tokens"):
         LLM(ckpt[0], max_batch_size=8, max_num_tokens=8, speculative=SpeculativeConfig("ngram", 4))
+    with pytest.raises(ValueError, match="tp_size=3"):
+        LLM(ckpt[0], tp_size=3)  # 8 heads / 2 KV heads do not split over 3 ranks: no worker starts
     with pytest.raises(ValueError, match="draft_model"):
         SpeculativeConfig("draft_model", 4)
     with pytest.raises(ValueError, match="acceptance"):

@@ -208,6 +208,7 @@ class LLM:
 
         self.model_path = resolve_model(model)
         self.model_config = ModelConfig.from_pretrained(self.model_path)
+        _check_layout(self.model_config, tp_size, attention_dp, self.model_path)
         draft_path = None
         if speculative is not None and speculative.method == "draft_model":
             draft_path = resolve_model(speculative.draft_model, kind="draft")
@@ -215,6 +216,7 @@ class LLM:
             if draft_cfg.vocab_size != self.model_config.vocab_size:
                 raise ValueError(f"the draft model's vocab_size {draft_cfg.vocab_size} differs from the target's "
                                  f"{self.model_config.vocab_size}")
+            _check_layout(draft_cfg, tp_size, attention_dp, draft_path)
         k = speculative.num_draft_tokens if speculative is not None else 0
         if max_seq_len is None:
             max_seq_len = min(self.model_config.max_position_embeddings, 2048)
@@ -460,6 +462,18 @@ def _is_int(value: object) -> bool:
 def _check_positive(name: str, value: object) -> None:
     if not _is_int(value) or value < 1:  # type: ignore[operator]
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _check_layout(config: Any, tp_size: int, attention_dp: bool, path: str) -> None:
+    """The model splits over ``tp_size`` ranks (checked here, before any worker starts)."""
+    from ..mapping import Mapping
+    from ..model.llama import check_split
+
+    for rank in range(tp_size):
+        try:
+            check_split(config, Mapping(tp_size, rank, tp_size, attention_dp))
+        except ValueError as exc:
+            raise ValueError(f"{path} cannot run at tp_size={tp_size}: {exc}") from None
 
 
 def _resolve_device(device: str) -> str:
