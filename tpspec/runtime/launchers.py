@@ -110,6 +110,8 @@ class InProcessExecutor(Executor):
                                      enable_attention_dp=self.config.attention_dp)
         self._owns_group = not existed
         if mapping.world_size != self.config.tp_size:
+            if self._owns_group:
+                D.destroy_distributed()
             raise ValueError(
                 f"launcher='torchrun' runs one TP group: WORLD_SIZE={mapping.world_size} must equal "
                 f"tp_size={self.config.tp_size}"
