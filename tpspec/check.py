@@ -328,15 +328,18 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"tpspec check: unknown --skip keys {unknown}; known: {', '.join(TITLES)}")
     started = time.monotonic()
     rank = 0
-    if args.launcher == "torchrun":
-        results, rank = run_torchrun(args.tp, device, quick=args.quick, seed=args.seed, skip=skip)
-        tp = D.group_size()
-    elif args.launcher == "ray":
-        tp = args.tp or 2
-        results = run_ray(tp, device, quick=args.quick, seed=args.seed, timeout_s=args.timeout, skip=skip)
-    else:
-        tp = args.tp or 2
-        results = run_mp(tp, device, quick=args.quick, seed=args.seed, timeout_s=args.timeout, skip=skip)
+    try:
+        if args.launcher == "torchrun":
+            results, rank = run_torchrun(args.tp, device, quick=args.quick, seed=args.seed, skip=skip)
+            tp = D.group_size()
+        elif args.launcher == "ray":
+            tp = args.tp or 2
+            results = run_ray(tp, device, quick=args.quick, seed=args.seed, timeout_s=args.timeout, skip=skip)
+        else:
+            tp = args.tp or 2
+            results = run_mp(tp, device, quick=args.quick, seed=args.seed, timeout_s=args.timeout, skip=skip)
+    except (RuntimeError, ValueError) as exc:  # the launcher could not run the suite at all
+        raise SystemExit(f"tpspec check: {exc}") from None
     results = order_results(results)
     code = exit_code(results)
     if rank == 0:

@@ -797,6 +797,20 @@ def _compare_generations(key: str, got: list[list[int]], ref: list[list[int]], l
     return CheckResult(key, PASS if mism == 0 and len(got) == len(ref) else FAIL, rows, mism, detail=detail)
 
 
+def _require_tiny_split(tp: int) -> None:
+    """Skip when the tiny model (the generate checks' model) cannot be laid out over ``tp`` ranks."""
+    from .mapping import Mapping
+    from .model import ModelConfig, check_split
+    from .runtime import tiny_model_path
+
+    config = ModelConfig.from_pretrained(tiny_model_path())
+    try:
+        for rank in range(tp):
+            check_split(config, Mapping(tp, rank, tp))
+    except ValueError as exc:
+        raise Skip(f"the tiny model cannot be split over TP={tp}: {exc}") from None
+
+
 def driver_checks(tp: int, device: str, *, quick: bool, seed: int, launcher: str,
                   skip: frozenset[str] = frozenset()) -> list[CheckResult]:
     """Whole-model checks through the runtime (``tpspec.LLM`` on the tiny model):
@@ -819,6 +833,7 @@ def driver_checks(tp: int, device: str, *, quick: bool, seed: int, launcher: str
 
     def generate_tp() -> CheckResult:
         require_module("tpspec.runtime")
+        _require_tiny_split(tp)
         if launcher != "torchrun" and device == "cuda" and torch.cuda.device_count() < tp:
             raise Skip(f"the runtime's {launcher} launcher needs one GPU per rank ({torch.cuda.device_count()} < {tp})")
         got = _generate(tp, launcher, device, max_new_tokens=max_new, seed=seed)
@@ -832,6 +847,7 @@ def driver_checks(tp: int, device: str, *, quick: bool, seed: int, launcher: str
         require_module("tpspec.runtime")
         if launcher != "torchrun" and torch.cuda.device_count() < tp:
             raise Skip(f"the runtime's {launcher} launcher needs one GPU per rank")
+        _require_tiny_split(tp)
         graphs = _generate(tp, launcher, device, max_new_tokens=max_new, seed=seed, use_cuda_graphs=True)
         eager = _generate(tp, launcher, device, max_new_tokens=max_new, seed=seed, use_cuda_graphs=False)
         return _compare_generations("cuda_graph", graphs, eager, f"generate TP={tp} graphs vs eager")
