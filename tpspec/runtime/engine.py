@@ -21,6 +21,7 @@ drafts, and "rewinding" rejected drafts is just not counting them.
 
 from __future__ import annotations
 
+import hashlib
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -180,7 +181,18 @@ class Engine:
             steps += 1
             if on_progress is not None:
                 on_progress(steps, sum(s.num_generated for s in seqs))
-        return [SequenceResult(s.tokens[s.num_prompt:], s.finish_reason, s.stats) for s in seqs]
+        results = [SequenceResult(s.tokens[s.num_prompt:], s.finish_reason, s.stats) for s in seqs]
+        self._check_ranks_agree(results)
+        return results
+
+    def _check_ranks_agree(self, results: list[SequenceResult]) -> None:
+        """One small collective per call: every rank must hold the same tokens (SPEC §8.1)."""
+        if D.group_size(self.group) == 1:
+            return
+        digest = hashlib.sha256(repr([r.token_ids for r in results]).encode()).hexdigest()
+        digests = D.all_gather_object(digest, self.group)
+        if len(set(digests)) != 1:
+            raise RuntimeError(f"ranks disagree on the generated tokens (digests by rank: {digests})")
 
     def close(self) -> None:
         if self.graphs is not None:
