@@ -49,7 +49,8 @@ def canonical_float32(values: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"values must be float32, bfloat16 or float16, got {values.dtype}")
     x = values.to(torch.float32)
     x = torch.where(x == 0, torch.zeros_like(x), x)  # -0.0 == 0 is True: both become +0.0
-    nan = torch.tensor(CANONICAL_NAN_BITS, dtype=torch.int32, device=x.device).view(torch.float32)
+    # torch.full, not torch.tensor: a device fill, no host copy (allowed inside CUDA graph capture).
+    nan = torch.full((), CANONICAL_NAN_BITS, dtype=torch.int32, device=x.device).view(torch.float32)
     return torch.where(torch.isnan(x), nan, x)
 
 
@@ -71,7 +72,7 @@ def pack_keys(values: torch.Tensor, indices: torch.Tensor | int) -> torch.Tensor
     """
     high = ordered_high_bits(canonical_float32(values))
     if not isinstance(indices, torch.Tensor):
-        indices = torch.tensor(indices, dtype=torch.int64, device=high.device)
+        indices = torch.full((), indices, dtype=torch.int64, device=high.device)
     low = MASK32 - indices.to(torch.int64)
     return (high << 32) | low
 
@@ -132,21 +133,28 @@ def philox4x32_10(
     return c0, c1, c2, c3
 
 
-def philox_words(seeds: torch.Tensor, offsets: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+def philox_words(
+    seeds: torch.Tensor,
+    offsets: torch.Tensor,
+    columns: torch.Tensor,
+    column_range: tuple[int, int] | None = None,
+) -> torch.Tensor:
     """The 32-bit random word ``h`` of each (row, global column), as int64 in ``[0, 2**32)``.
 
     ``seeds``/``offsets``: ``[R]`` int64 (any 64-bit pattern); ``columns``: ``[C]`` int64
     global columns. Returns ``[R, C]``. Column ``j`` reads word ``j & 3`` of the Philox
     block whose counter is ``(j >> 2 low, j >> 2 high, offset low, offset high)`` and
-    whose key is ``(seed low, seed high)``.
+    whose key is ``(seed low, seed high)``. ``column_range``: ``(min, max)`` of ``columns``
+    when the caller knows them (no device sync: allowed inside CUDA graph capture).
     """
     seeds = seeds.to(torch.int64).reshape(-1, 1)
     offsets = offsets.to(torch.int64).reshape(-1, 1)
     columns = columns.to(torch.int64).reshape(1, -1)
     if columns.numel() == 0:
         return torch.zeros(seeds.shape[0], 0, dtype=torch.int64, device=seeds.device)
-    first_block = int(columns.min()) >> 2
-    last_block = int(columns.max()) >> 2
+    lo, hi = column_range if column_range is not None else (int(columns.min()), int(columns.max()))
+    first_block = lo >> 2
+    last_block = hi >> 2
     blocks = torch.arange(first_block, last_block + 1, dtype=torch.int64, device=columns.device).reshape(1, -1)
     words = philox4x32_10(
         (blocks & MASK32, (blocks >> 32) & MASK32, offsets & MASK32, (offsets >> 32) & MASK32),
@@ -161,8 +169,9 @@ def philox_words(seeds: torch.Tensor, offsets: torch.Tensor, columns: torch.Tens
 
 def _f32(value: float, device: torch.device) -> torch.Tensor:
     """A float32 constant as a 0-dim device tensor (never a CPU scalar: torch may turn
-    division by a CPU scalar into multiplication by its reciprocal on some devices)."""
-    return torch.tensor(value, dtype=torch.float32, device=device)
+    division by a CPU scalar into multiplication by its reciprocal on some devices). A device
+    fill, not a host copy, so it is allowed inside CUDA graph capture."""
+    return torch.full((), value, dtype=torch.float32, device=device)
 
 
 # Float32 constants, written as the exact decimal of their bits. The CUDA kernel uses
@@ -254,14 +263,16 @@ def gumbel_scores(
     temperature: torch.Tensor,
     seeds: torch.Tensor,
     offsets: torch.Tensor,
+    column_range: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Float32 scores ``logit / T - ln(E)`` whose row argmax is an exact softmax(logit/T) draw.
 
     ``logits``: ``[R, C]`` (any supported dtype); ``columns``: ``[C]`` global columns;
     ``temperature``, ``seeds``, ``offsets``: ``[R]``. NaN logits stay NaN.
+    ``column_range``: see :func:`philox_words`.
     """
     x = canonical_float32(logits)
-    e = exponential_from_words(philox_words(seeds, offsets, columns))
+    e = exponential_from_words(philox_words(seeds, offsets, columns, column_range))
     log_e = portable_log(e)
     scaled = x / temperature.to(torch.float32).reshape(-1, 1)
     return scaled - log_e
@@ -305,7 +316,8 @@ def local_row_keys(
     if temperature is not None:
         sampled = temperature.to(torch.float32) >= greedy_threshold
         safe_t = torch.where(sampled, temperature.to(torch.float32), torch.ones_like(temperature, dtype=torch.float32))
-        scores = gumbel_scores(logits, columns, safe_t, seeds, offsets)
+        scores = gumbel_scores(logits, columns, safe_t, seeds, offsets,
+                               column_range=(vocab_offset, vocab_offset + real_width - 1))
         values = torch.where(sampled.reshape(-1, 1), canonical_float32(scores), values)
     keys = pack_keys(values, columns.reshape(1, -1))
     return keys.max(dim=1).values
