@@ -185,7 +185,8 @@ def _correctness_worker(rank, world):
             ag.step_counter.add_(1)  # the LL made two unseeded calls (tokens, keys)
         if not torch.equal(tok_ll, tok_ag):
             failures.append(f"{name}: LL {tok_ll.tolist()[:8]} != all-gather {tok_ag.tolist()[:8]}")
-        if not torch.equal(K.unpack_indices(keys_ll), tok_ll):
+        # Unseeded calls draw at consecutive steps, so only seeded/greedy keys match the tokens call.
+        if mode != "unseeded" and not torch.equal(K.unpack_indices(keys_ll), tok_ll):
             failures.append(f"{name}: max_logits_keys disagrees with argmax_logits")
         digests.append(tok_ll.tolist())
         if rank == 0:  # the CPU reference on the full logits

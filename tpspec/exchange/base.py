@@ -22,6 +22,15 @@ UNSEEDED_STREAM_SEED = 0x7470737065630000  # "tpspec\0\0": seed of rows with no 
 """Rows sampled without ``seeds``: seed = this, offset = ``step << 32 | row``."""
 
 
+def _concrete_device(device: torch.device) -> torch.device:
+    """``cuda`` -> ``cuda:<current>``, ``cpu:0`` -> ``cpu``: so equal places compare equal."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cpu":
+        return torch.device("cpu")
+    return device
+
+
 class KeyExchange(ABC):
     """Cross-rank selection over a process group. Collective: every rank of the group
     must make the same calls, in the same order, with the same row counts.
@@ -37,7 +46,7 @@ class KeyExchange(ABC):
         self.group = group
         self.rank = rank
         self.world_size = world_size
-        self.device = device
+        self.device = _concrete_device(torch.device(device))
         # Step counter of unseeded sampled rows: a device tensor so CUDA graphs can
         # advance it without host work; every rank starts at 0 and advances identically.
         self.step_counter = torch.zeros(1, dtype=torch.int64, device=device)
@@ -126,7 +135,7 @@ class KeyExchange(ABC):
             raise ValueError(f"{name} must be 1-D [rows], got shape {tuple(t.shape)}")
         if rows is not None and t.shape[0] != rows:
             raise ValueError(f"{name} has {t.shape[0]} rows but the logits have {rows}")
-        if t.device != self.device and not (t.device.type == self.device.type == "cpu"):
+        if _concrete_device(t.device) != self.device:
             raise ValueError(f"{name} is on {t.device}, the exchange works on {self.device}")
 
     def _check_offset(self, vocab_offset: Any, vocab_size: int | None) -> None:
@@ -154,7 +163,7 @@ class KeyExchange(ABC):
             raise ValueError(f"logits must be 2-D [rows, vocab_slice], got shape {tuple(logits.shape)}")
         if logits.dtype not in K.SUPPORTED_VALUE_DTYPES:
             raise ValueError(f"logits must be float32, bfloat16 or float16, got {logits.dtype}")
-        if logits.device != self.device and not (logits.device.type == self.device.type == "cpu"):
+        if _concrete_device(logits.device) != self.device:
             raise ValueError(f"logits are on {logits.device}, the exchange works on {self.device}")
         if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1):
             raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
