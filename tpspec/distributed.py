@@ -84,15 +84,16 @@ def init_distributed(
         rank, world_size = 0, 1
     mapping = Mapping(world_size, rank, tp_size, enable_attention_dp, enable_lm_head_tp_in_adp)
 
-    if backend is None:
-        backend = default_backend(device)
-    if backend == "nccl":
+    initialized = dist.is_available() and dist.is_initialized()
+    if backend is None:  # an existing group keeps its backend (e.g. gloo ranks sharing one GPU)
+        backend = str(dist.get_backend()) if initialized else default_backend(device)
+    uses_cuda = backend == "nccl" or (device is not None and torch.device(device).type == "cuda")
+    if uses_cuda and torch.cuda.is_available():
         local_rank = _env_int("LOCAL_RANK")
-        if local_rank is None:
-            local_rank = rank % max(torch.cuda.device_count(), 1)
-        torch.cuda.set_device(local_rank)
+        # Modulo: several ranks may share one GPU (gloo + CUDA IPC); NCCL itself refuses that clearly.
+        torch.cuda.set_device((rank if local_rank is None else local_rank) % torch.cuda.device_count())
 
-    if dist.is_available() and dist.is_initialized():
+    if initialized:
         if dist.get_world_size() != world_size or dist.get_rank() != rank:
             raise ValueError(
                 f"a process group already exists with rank {dist.get_rank()}/{dist.get_world_size()}, "
