@@ -315,9 +315,11 @@ def _plot(table: list[list[Any]]) -> Callable[[Any], None]:
         for r in table:
             if (r[2] == width or r[2] == 0) and isinstance(r[6], float):
                 series.setdefault(f"{r[4]} {r[5]} {r[3]}", []).append((r[1], r[6]))
-        for name, points in sorted(series.items()):
+        styles = ("-", "--", ":", "-.")  # more series than colours: vary the line too
+        for i, (name, points) in enumerate(sorted(series.items())):
             points.sort()
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="os^D"[i // 10 % 4],
+                    linestyle=styles[i // 10 % 4], color=f"C{i % 10}", label=name)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("rows")
