@@ -216,6 +216,25 @@ def test_head_rejects_bad_splits_and_shapes():
         head.load_full_weight(torch.zeros(9, 8))
 
 
+def test_sample_rejects_non_finite_temperatures():
+    head = VocabParallelHead(8, 10)
+    head.load_full_weight(torch.randn(10, 8))
+    logits = head(torch.randn(3, 8))
+    seeds, offsets = torch.tensor([1, 2, 3]), torch.zeros(3, dtype=torch.int64)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        with pytest.raises(ValueError, match="temperature must be finite"):
+            logits.sample(bad, seeds, offsets)
+        with pytest.raises(ValueError, match="NaN or infinite"):
+            logits.sample(torch.tensor([1.0, bad, 0.5]), seeds, offsets)
+    with pytest.raises(ValueError, match="temperature must be a float or a"):
+        logits.sample("0.8", seeds, offsets)
+    with pytest.raises(ValueError, match="temperature has 2 rows but the logits have 3"):
+        logits.sample(torch.ones(2), seeds, offsets)
+    # Finite values still work, and a greedy row (T=0) is the argmax.
+    tokens = logits.sample(torch.tensor([0.0, 1.0, 0.5]), seeds, offsets)
+    assert tokens[0].item() == logits.argmax()[0].item()
+
+
 def test_replicated_head_under_attention_dp_picks_locally():
     """Under attention DP the head is whole on every rank: no collective, local argmax."""
     from tpspec.exchange import LocalKeyExchange

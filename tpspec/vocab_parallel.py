@@ -70,6 +70,7 @@ class VocabShardedLogits:
         offsets: torch.Tensor | None = None,
         *,
         channel: int = 1,
+        check_values: bool = True,
     ) -> torch.Tensor:
         """Gumbel-max draws from softmax(logits / T) per row: ``[R]`` int64.
 
@@ -77,9 +78,26 @@ class VocabShardedLogits:
         take the argmax). ``seeds``/``offsets``: ``[R]`` int64 streams; without them the
         exchange's step counter seeds the rows. The same streams give the same tokens at
         every TP size and on every exchange backend.
+
+        Raises ``ValueError`` for a NaN or infinite temperature. A temperature tensor is
+        checked on the host (one sync; not while a CUDA graph is being captured);
+        ``check_values=False`` skips that check for callers whose temperatures are already
+        validated (``select_tokens``).
         """
         if not isinstance(temperature, torch.Tensor):
+            if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+                raise ValueError(f"temperature must be a float or a [rows] tensor, got {type(temperature).__name__}")
+            if not math.isfinite(temperature):
+                raise ValueError(f"temperature must be finite, got {temperature}")
             temperature = torch.full((self.num_rows,), float(temperature), dtype=torch.float32, device=self.local.device)
+        elif (
+            check_values
+            and temperature.is_floating_point()
+            and not (temperature.is_cuda and torch.cuda.is_current_stream_capturing())  # no host sync in a capture
+            and not bool(torch.isfinite(temperature).all())
+        ):
+            # Every rank holds the same temperatures, so every rank raises here (no collective has started).
+            raise ValueError(f"temperature has NaN or infinite values: {temperature.tolist()[:8]}")
         return self.exchange.argmax_logits(
             self.local,
             self.vocab_offset,

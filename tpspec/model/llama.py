@@ -95,14 +95,17 @@ class StackedRowsLogits(VocabShardedLogits):
         return self.rows.take_local(self.stacked.argmax(channel=channel))
 
     def sample(self, temperature: torch.Tensor | float, seeds: torch.Tensor | None = None,
-               offsets: torch.Tensor | None = None, *, channel: int = 1) -> torch.Tensor:
+               offsets: torch.Tensor | None = None, *, channel: int = 1, check_values: bool = True) -> torch.Tensor:
+        # Values are checked after the gather, on the stacked (replicated) temperatures: a
+        # rank-local check before the gather would leave the other ranks waiting in it.
         if not isinstance(temperature, torch.Tensor):
             temperature = torch.full((self.num_rows,), float(temperature), dtype=torch.float32,
                                      device=self.local.device)
         temperature = self.rows.gather(temperature)
         if seeds is not None and offsets is not None:
             seeds, offsets = self.rows.gather(seeds), self.rows.gather(offsets)
-        return self.rows.take_local(self.stacked.sample(temperature, seeds, offsets, channel=channel))
+        return self.rows.take_local(self.stacked.sample(temperature, seeds, offsets, channel=channel,
+                                                      check_values=check_values))
 
     def gather(self) -> torch.Tensor:
         return self.rows.take_local(self.stacked.gather())

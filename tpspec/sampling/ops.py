@@ -209,7 +209,11 @@ def sample_from_logits(
     if rows == 0:
         return torch.empty(0, dtype=torch.int64, device=device)
     greedy = greedy_rows(t)
-    if bool(greedy.all()):
+    # One host sync for both facts (this path syncs anyway).
+    all_greedy, all_finite = (bool(v) for v in torch.stack([greedy.all(), torch.isfinite(t).all()]).tolist())
+    if not all_finite:
+        raise ValueError(f"temperature has NaN or infinite values: {t.tolist()[:8]}")
+    if all_greedy:
         return key_argmax(logits)
     fs = _flashinfer_sampling() if backend in ("auto", "flashinfer") else None
     fi_ok = (

@@ -74,7 +74,8 @@ def select_tokens(sharded_logits: Any, spec_metadata: Any, *, channel: int = 1) 
     if rs.is_all_greedy:
         return sharded_logits.argmax(channel=channel)
     if rs.temperature_only:
-        return sharded_logits.sample(rs.temperature, rs.seeds, rs.offsets, channel=channel)
+        # SamplingParams validated the temperatures: no host check here (CUDA graphs capture this path).
+        return sharded_logits.sample(rs.temperature, rs.seeds, rs.offsets, channel=channel, check_values=False)
     full = sharded_logits.gather()
     return sample_from_logits(
         full,
