@@ -5,7 +5,7 @@ ranks (each spawn costs seconds on CI's 2 cores):
   pair groups) give the tokens of TP = 1, on every rank;
 * all-greedy sync under attention DP: one greedy and one sampling rank of a pair take the
   same path (the one that runs the same collectives), and unseeded streams of the two
-  ranks are disjoint;
+  ranks are disjoint; a bad batch on one rank makes both raise (no hang), advancing nothing;
 * forced acceptance (``TPSPEC_FORCE_NUM_ACCEPTED_TOKENS``) gives the same counts on every
   rank, equal to the pool formula, and eager warm-up steps neither force nor advance it.
 """
@@ -67,6 +67,20 @@ def adp_check(rank: int, pair) -> dict:
     # Unseeded streams of the two ranks never overlap.
     meta.prepare([("n", 2, SamplingParams(temperature=1.0), True)], draft_len=ADP_D)
     out["unseeded_window"] = int(meta.request_windows[0])
+    # A bad batch on one rank of the pair: every rank raises (no rank is left in the
+    # flag all-reduce), no stream advances, and the next good step works on both.
+    before = int(meta.request_windows[0])
+    bad_slot = 99 if tp_rank == 1 else 2
+    try:
+        meta.prepare([("n", bad_slot, SamplingParams(temperature=1.0), True)], draft_len=ADP_D)
+        out["bad_step"] = "no error"
+    except (ValueError, RuntimeError) as exc:
+        out["bad_step"] = f"{type(exc).__name__}: {exc}"
+    windows = [before]
+    for _ in range(2):
+        meta.prepare([("n", 2, SamplingParams(temperature=1.0), True)], draft_len=ADP_D)
+        windows.append(int(meta.request_windows[0]))
+    out["windows_around_bad_step"] = windows
     return out
 
 
@@ -117,6 +131,11 @@ def test_all_greedy_sync_under_attention_dp(results):
         assert torch.equal(greedy["tokens"], greedy["argmax"])
         assert greedy["unseeded_window"] != sampling["unseeded_window"]
         assert abs(greedy["unseeded_window"] - sampling["unseeded_window"]) >= 2**40
+        assert greedy["bad_step"].startswith("RuntimeError: SpecMetadata.prepare failed on another rank")
+        assert sampling["bad_step"].startswith("ValueError: slot_id=99")
+        for r in (greedy, sampling):
+            w = r["windows_around_bad_step"]
+            assert w[1] - w[0] == w[2] - w[1] > 0  # the failed step advanced nothing
 
 
 def test_forced_acceptance_identical_on_every_rank(results):

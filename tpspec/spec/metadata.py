@@ -127,8 +127,26 @@ class SpecMetadata:
 
         Advances the request streams (call exactly once per step, on every rank of the
         group, in the same order). Under attention DP this is collective over the group.
-        Raises ``ValueError`` for bad input (nothing is changed then).
+        Raises ``ValueError`` for bad input (nothing is changed then); under attention DP
+        the ranks still meet in the flag sync, so a bad batch on one rank makes every rank
+        raise (the others a ``RuntimeError``, their streams not advanced either) instead of
+        leaving them waiting.
         """
+        error: Exception | None = None
+        try:
+            self._prepare_local(requests, draft_len)
+        except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks heard of it
+            error = exc
+        group_ok = self._sync_flags(ok=error is None)
+        if error is not None:
+            raise error
+        if not group_ok:
+            raise RuntimeError("SpecMetadata.prepare failed on another rank of the group (bad requests there)")
+        self._fill_streams()  # only once every rank is good: a failed step advances no stream
+        self._prepared = True
+        return self
+
+    def _prepare_local(self, requests: Sequence[tuple], draft_len: int) -> None:
         if isinstance(draft_len, bool) or not isinstance(draft_len, int) or not 0 <= draft_len <= self.max_draft_len:
             raise ValueError(f"draft_len={draft_len!r} is out of range [0, {self.max_draft_len}]")
         if len(requests) > self.max_num_requests:
@@ -138,10 +156,6 @@ class SpecMetadata:
         if key != self._param_key:
             self._fill_params(entries, draft_len)
             self._param_key = key
-        self._fill_streams()
-        self._sync_flags()
-        self._prepared = True
-        return self
 
     def _entry(self, request: Any) -> RequestEntry:
         if not isinstance(request, (tuple, list)) or len(request) != 4:
@@ -224,16 +238,21 @@ class SpecMetadata:
         # Target row i of a request sits at slot i of its window (SPEC §6).
         self._row_offset[:R].copy_(self._req_window[:B][row_req] + self._row_position[:R] * SLOT_SPAN)
 
-    def _sync_flags(self) -> None:
-        flags = [self.local_is_all_greedy, self.local_temperature_only, not self.local_any_seeded]
+    def _sync_flags(self, ok: bool = True) -> bool:
+        """Set the batch flags (ANDed over the group when syncing); returns whether every
+        rank of the group prepared its batch (``ok``). Flags are left alone when one did not."""
+        flags = [self.local_is_all_greedy, self.local_temperature_only, not self.local_any_seeded, ok]
         if self.sync_flags and D.group_size(self.group) > 1:
             # Every rank must take the same path: AND the flags (min over 0/1) across the group.
             device = self.device if D.group_backend(self.group) == "nccl" else torch.device("cpu")
             t = torch.tensor([int(f) for f in flags], dtype=torch.int64, device=device)
             D.all_reduce_(t, op="min", group=self.group)
             flags = [bool(v) for v in t.tolist()]
-        self.is_all_greedy, self.temperature_only, none_seeded = flags
-        self.any_seeded = not none_seeded
+        all_ok = flags.pop()
+        if all_ok:
+            self.is_all_greedy, self.temperature_only, none_seeded = flags
+            self.any_seeded = not none_seeded
+        return all_ok
 
     # ------------------------------------------------------------------ views
     def _check_prepared(self) -> None:
