@@ -82,6 +82,11 @@ def test_torchrun_launcher_without_environment_is_a_clear_error(monkeypatch):
         C.run_torchrun(2, "cpu")
 
 
+def test_bad_tp_is_a_clear_error():
+    with pytest.raises(SystemExit, match="--tp must be >= 1, got 0"):
+        main(["check", "--tp", "0", "--device", "cpu"])
+
+
 def test_unknown_skip_key_is_a_clear_error():
     with pytest.raises(SystemExit, match="unknown --skip"):
         main(["check", "--tp", "2", "--device", "cpu", "--skip", "nonsense"])

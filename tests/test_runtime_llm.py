@@ -159,6 +159,11 @@ def test_bad_requests_rejected_without_disturbing_others(llm_tp2, baseline):
         ([PROMPTS[0], PROMPTS[1]], [SamplingParams()], "2 prompts"),
         ([PROMPTS[0]], "greedy", "SamplingParams"),
         ([[1.5, 2.0]], None, "prompt 0 must be"),
+        (None, None, "prompts must be"),
+        (7, None, "prompts must be"),
+        ([True, False], None, "prompt 0 must be"),
+        ([PROMPTS[0]], {"temprature": 0.5}, r"unknown key\(s\) \['temprature'\]"),
+        ([PROMPTS[0]], [{"seed": 1, "topk": 3}], r"sampling_params\[0\] has unknown key"),
     ]
     for prompts, sp, msg in cases:
         with pytest.raises(ValueError, match=msg):

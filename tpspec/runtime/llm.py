@@ -13,6 +13,7 @@ the requests on the launcher's ranks and turns rank 0's results into
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import sys
@@ -385,14 +386,14 @@ class LLM:
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * n
         if isinstance(sampling_params, dict):
-            return [SamplingParams(**sampling_params)] * n
+            return [_params_from_dict(sampling_params)] * n
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != n:
                 raise ValueError(f"got {len(sampling_params)} sampling_params for {n} prompts")
             out = []
             for i, sp in enumerate(sampling_params):
                 if isinstance(sp, dict):
-                    sp = SamplingParams(**sp)
+                    sp = _params_from_dict(sp, f"sampling_params[{i}]")
                 if not isinstance(sp, SamplingParams):
                     raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(sp).__name__}")
                 out.append(sp)
@@ -453,6 +454,15 @@ class _ProgressBar:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def _params_from_dict(values: dict, name: str = "sampling_params") -> SamplingParams:
+    """``SamplingParams(**values)``; an unknown key is a ``ValueError`` naming it."""
+    known = {f.name for f in dataclasses.fields(SamplingParams)}
+    unknown = sorted(str(k) for k in values if k not in known)
+    if unknown:
+        raise ValueError(f"{name} has unknown key(s) {unknown}; known: {sorted(known)}")
+    return SamplingParams(**values)
 
 
 def _is_int(value: object) -> bool:
