@@ -117,6 +117,7 @@ def test_tensor_parallel_matches_tp1(tiny, reference, world):
             assert torch.equal(got, summed[start : start + counts[rank]])
         assert out["greedy"] == ref["greedy"], rank
         torch.testing.assert_close(out["prompt_logits"], ref["prompt_logits"], atol=1e-4, rtol=1e-4)
+        assert len(out["mixed"]) == len(ref["mixed"]) > 0
         for got, want in zip(out["mixed"], ref["mixed"]):
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
             assert torch.equal(got.argmax(-1), want.argmax(-1))

@@ -1,5 +1,7 @@
 """SamplingParams: validation errors and the normalization of SPEC §5."""
 
+import dataclasses
+
 import pytest
 
 import tpspec
@@ -64,5 +66,6 @@ def test_sampled_normalization():
 def test_hashable_and_immutable():
     p = SamplingParams(temperature=0.5, seed=3)
     assert hash(p) == hash(SamplingParams(temperature=0.5, seed=3))
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         p.temperature = 1.0  # type: ignore[misc]
+    assert p.temperature == 0.5

@@ -75,6 +75,7 @@ def check_against(reference: dict, results: list[dict]) -> None:
             for key in ("flags", "tokens", "strict", "rejection"):
                 got, want = rank_result[name][key], reference[name][key]
                 if isinstance(want, tuple):
+                    assert len(got) == len(want), (name, key)
                     assert all(torch.equal(g, w) if isinstance(w, torch.Tensor) else g == w for g, w in zip(got, want)), (name, key)
                 else:
                     assert torch.equal(got, want) if isinstance(want, torch.Tensor) else got == want, (name, key)
