@@ -72,6 +72,13 @@ def run_checks(rank: int, world: int, target: str, draft: str) -> dict:
         # A step where only rank 0 has work: the others pass empty batches and still join the collectives.
         only0 = [PROMPTS[0]] if rank == 0 else []
         out[f"adp{lm_head_tp}_only0"] = greedy_generate(adp, only0, 3, slots=[0] if rank == 0 else [])
+    # A bad batch on the last rank only (slot out of range): every rank raises, none waits.
+    bad = make_batch([(99 if rank == world - 1 else 0, 0, [1, 2])])
+    try:
+        adp(bad)
+        out["adp_bad_batch"] = "no error"
+    except (ValueError, RuntimeError) as exc:
+        out["adp_bad_batch"] = f"{type(exc).__name__}: {exc}"
     return out
 
 
@@ -132,6 +139,9 @@ def test_tensor_parallel_matches_tp1(tiny, reference, world):
             torch.testing.assert_close(logits, ref["sampled"][0][mine], atol=1e-4, rtol=1e-4)
             assert tokens == [ref["sampled"][1][i] for i in mine], (rank, lm_head_tp)
             assert out[f"adp{lm_head_tp}_only0"] == ([ref["only0"]] if rank == 0 else []), (rank, lm_head_tp)
+        want_bad = ("ValueError: slot 99 is out of range" if rank == world - 1 else
+                    f"RuntimeError: the forward batch of rank(s) [{world - 1}] of the attention-DP group is invalid")
+        assert out["adp_bad_batch"].startswith(want_bad), (rank, out["adp_bad_batch"])
 
     # Sliced loading: each rank reads about 1/world of the checkpoint (norms are replicated, and at
     # TP=4 each of the 2 KV heads is read by 2 ranks), and the ranks together read it about once.

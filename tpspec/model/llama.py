@@ -221,23 +221,40 @@ class TPLlamaForCausalLM(nn.Module):
         over the TP group: under plain TP every rank passes the same batch; under attention DP
         every rank passes its own (possibly empty) batch, and all ranks call forward equally often.
         Returns a :class:`VocabShardedLogits` with one row per requested row (under attention DP
-        with an LM-head TP, a :class:`StackedRowsLogits`).
+        with an LM-head TP, a :class:`StackedRowsLogits`). A bad batch raises ``ValueError``; under
+        attention DP the other ranks then raise ``RuntimeError`` instead of waiting for it.
 
         ``attn_meta``: prebuilt :class:`AttentionMetadata` of this batch (default: built here). A
         CUDA graph of plain TP captures a forward with static device tensors (``token_ids``,
         ``positions``, ``logits_rows``, and metadata built with a fixed ``kv_len``) and refreshes them
         in place before each replay; nothing in the plain-TP forward synchronizes with the host.
         """
-        self._check_batch(batch)
         device = self.device
-        rows = batch.logits_rows if batch.logits_rows is not None else batch.default_logits_rows()
         dp_rows = head_rows = None
-        if self.attention_dp:
-            counts = exchange_counts([batch.num_tokens, int(rows.shape[0])], self.group, device)
+        if not self.attention_dp:
+            self._check_batch(batch)  # the same batch on every rank: every rank raises alike
+            rows = batch.logits_rows if batch.logits_rows is not None else batch.default_logits_rows()
+            meta = attn_meta if attn_meta is not None else AttentionMetadata.build(batch, device)
+        else:
+            # Each rank checks its own batch: the verdict rides along with the counts, so a bad
+            # batch on one rank makes every rank raise instead of leaving the others waiting.
+            error: Exception | None = None
+            try:
+                self._check_batch(batch)
+                rows = batch.logits_rows if batch.logits_rows is not None else batch.default_logits_rows()
+                meta = attn_meta if attn_meta is not None else AttentionMetadata.build(batch, device)
+                mine = [batch.num_tokens, int(rows.shape[0]), 1]
+            except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks heard of it
+                error, mine = exc, [0, 0, 0]
+            counts = exchange_counts(mine, self.group, device)
+            if error is not None:
+                raise error
+            bad = [r for r, c in enumerate(counts) if c[2] == 0]
+            if bad:
+                raise RuntimeError(f"the forward batch of rank(s) {bad} of the attention-DP group is invalid")
             dp_rows = VarlenRows([c[0] for c in counts], self.group, device)
             if self.mapping.lm_head_is_sharded:
                 head_rows = VarlenRows([c[1] for c in counts], self.group, device)
-        meta = attn_meta if attn_meta is not None else AttentionMetadata.build(batch, device)
         x = self.embed_tokens(batch.token_ids.to(device))
         cos, sin = self.rotary(batch.positions.to(device), self.dtype)
         for layer, cache in zip(self.layers, self.caches):
