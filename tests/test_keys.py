@@ -178,3 +178,92 @@ def test_local_row_keys_greedy_threshold_and_padding():
     assert torch.equal(keys_t, keys)  # below threshold -> greedy, bit for bit
     empty = K.local_row_keys(logits, 20, vocab_size=13)
     assert (empty == K.EMPTY_KEY).all()
+
+
+# ------------------------------------------------------ pruning bounds of the kernel
+
+def test_gumbel_bucket_table_bounds_the_noise_of_every_word_sampled():
+    table = K.gumbel_bound_table()
+    _, half_width, noise_max, noise_min = K.gumbel_bound_constants()
+    gen = torch.Generator().manual_seed(11)
+    words = torch.cat([
+        torch.randint(0, 2**32, (400_000,), generator=gen, dtype=torch.int64),
+        torch.arange(0, 4096), K.MASK32 - torch.arange(0, 4096), 2**31 + torch.arange(-4096, 4096),
+        torch.tensor([2**k + d for k in range(32) for d in (-1, 0, 1) if 0 <= 2**k + d < 2**32]),
+    ])
+    buckets = K.gumbel_bucket_index(words)
+    assert int(buckets.min()) >= 0 and int(buckets.max()) < 2 * K.GUMBEL_BUCKETS_PER_HALF
+    noise = -K.portable_log(K.exponential_from_words(words)).to(torch.float64)
+    estimate = table[buckets].to(torch.float64)
+    # The portable noise differs from the true one by < 1e-5: well inside the absolute error.
+    assert float((noise - estimate).abs().max()) <= half_width + 1e-5
+    assert float(noise.max()) <= noise_max and float(noise.min()) >= noise_min
+    # Each word lies inside the word range its bucket claims.
+    for word, bucket in zip(words[::997].tolist(), buckets[::997].tolist()):
+        lo, hi = K._bucket_word_range(bucket)
+        assert lo <= word <= hi
+
+
+def _pruning_rows() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(5)
+    width = 2048
+    lm_like = torch.randn(4, width, generator=gen) * 2.5
+    lm_like[:, :20] += 18.0  # a few tokens far above the rest, like a real LM's logits
+    rows = [
+        torch.randn(4, width, generator=gen),
+        lm_like,
+        torch.full((1, width), 3.0),  # all tied
+        torch.randn(2, width, generator=gen) * 1e4,  # large t
+        torch.randn(1, width, generator=gen) * 3e38,  # near overflow (and |t| > 1e37 at small T)
+        torch.randn(1, width, generator=gen) * 1e-40,  # subnormals
+    ]
+    special = torch.randn(3, width, generator=gen)
+    special[0, ::7] = float("-inf")  # masked tokens
+    special[1, 100] = float("inf")
+    special[2, 5] = float("nan")
+    rows.append(special)
+    logits = torch.cat(rows)
+    temps = torch.tensor([1e-5, 0.01, 0.7, 1.0, 100.0])
+    return logits, temps
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gumbel_pruning_bounds_hold_for_the_exact_scores(dtype):
+    """The kernel skips a column when ``t + noise_max + err(t) < L0`` and scores exactly only
+    columns with ``A + W >= max(L0, max(A - W))``. Both rest on: every exact score lies in
+    ``[A - W, A + W]`` and below ``t + noise_max + err(t)``, and the largest logit's column
+    scores at least ``L0``. Checked here for every column of adversarial and LM-like rows."""
+    logits, temps = _pruning_rows()
+    logits = logits.to(dtype)
+    rows, width = logits.shape
+    table = K.gumbel_bound_table()
+    c0, noise_max, noise_min = (float(v) for v in table[-4:-1])
+    abs_err, rel_err = K.GUMBEL_BOUND_ABS_ERROR, K.GUMBEL_BOUND_REL_ERROR
+    columns = torch.arange(5000, 5000 + width)
+    for temp in temps.tolist():
+        t_rows = torch.full((rows,), temp)
+        seeds = torch.arange(rows, dtype=torch.int64) * 7919 + 3
+        offsets = torch.arange(rows, dtype=torch.int64) << 20
+        exact = K.canonical_float32(K.gumbel_scores(logits, columns, t_rows, seeds, offsets)).to(torch.float64)
+        x = K.canonical_float32(logits)
+        t = (x * (1.0 / torch.tensor(temp, dtype=torch.float32))).to(torch.float64)
+        words = K.philox_words(seeds, offsets, columns)
+        a = t + table[K.gumbel_bucket_index(words)].to(torch.float64)
+        w = c0 + rel_err * a.abs()
+        # Every finite t except huge positive ones (the kernel scores those exactly); bounds
+        # that overflow float32 round outward to +-inf, as in the kernel.
+        finite = torch.isfinite(t) & (t <= 1e37)
+        lo32 = (a - w).to(torch.float32).to(torch.float64)
+        hi32 = (a + w).to(torch.float32).to(torch.float64)
+        ok = ~finite | ((exact >= lo32) & (exact <= hi32))
+        assert bool(ok.all()), f"T={temp}: estimate bound broken at {(~ok).nonzero()[:5].tolist()}"
+        best_case = t + noise_max + abs_err + rel_err * t.abs()
+        ok = ~finite | (exact <= best_case.to(torch.float32).to(torch.float64))
+        assert bool(ok.all()), f"T={temp}: skip bound broken"
+        # L0 from each row's largest logit.
+        top = t.nan_to_num(nan=-float("inf")).max(dim=1)
+        for r in range(rows):
+            t_top = float(top.values[r])
+            if abs(t_top) <= 1e37:
+                low0 = t_top + noise_min - (abs_err + rel_err * abs(t_top))
+                assert float(exact[r, int(top.indices[r])]) >= low0

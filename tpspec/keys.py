@@ -20,6 +20,9 @@ identical bits. ``csrc/ll_exchange`` implements the same recipe; change both tog
 
 from __future__ import annotations
 
+import functools
+import math
+
 import torch
 
 GREEDY_TEMPERATURE_THRESHOLD = 1e-5
@@ -321,3 +324,106 @@ def local_row_keys(
         values = torch.where(sampled.reshape(-1, 1), canonical_float32(scores), values)
     keys = pack_keys(values, columns.reshape(1, -1))
     return keys.max(dim=1).values
+
+
+# ------------------------------------------------- bounds of the noise, for pruning
+
+# The CUDA kernel ranks a sampled row's columns first by a cheap estimate of the score,
+# ``t + G[bucket(h)]`` with ``t = logit * (1 / T)`` and ``G`` a table of the noise
+# ``-ln E`` over buckets of the Philox word ``h``, and computes the exact portable score
+# only for columns whose estimate comes within the error bound of the best lower bound.
+# The exact score of every column that can win is still the portable one, so the tokens
+# do not change; the table only decides which columns are worth the exact arithmetic.
+# The bucket of h: fold the upper half onto the lower one (c = h or ~h), then take the
+# position of c's leading one and the GUMBEL_BUCKET_SUB_BITS bits after it.
+
+GUMBEL_BUCKET_SUB_BITS = 3
+GUMBEL_BUCKETS_PER_HALF = 33 << GUMBEL_BUCKET_SUB_BITS
+GUMBEL_BOUND_ABS_ERROR = 1e-3
+"""Bound on ``|exact score - (t + true noise)|`` is ``ABS + REL * |t|`` (the exact path's
+roundings are below ``2**-21 |t| + 1e-5``; the rest is slack for the bound arithmetic)."""
+GUMBEL_BOUND_REL_ERROR = 2.0**-16
+
+
+def gumbel_bucket_index(words: torch.Tensor) -> torch.Tensor:
+    """Bucket of each 32-bit Philox word (int64 tensor in ``[0, 2**32)``), as the kernel computes it.
+
+    ``c = h`` below ``2**31``, else ``~h``; ``lz`` = leading zeros of ``c`` as a 32-bit word
+    (32 for 0); ``sub`` = the ``GUMBEL_BUCKET_SUB_BITS`` bits after ``c``'s leading one.
+    Index ``= (h >> 31) * GUMBEL_BUCKETS_PER_HALF + (lz << SUB_BITS) + sub``.
+    """
+    words = words.to(torch.int64)
+    half = words >> 31
+    c = torch.where(half == 1, MASK32 - words, words)
+    lz = torch.full_like(c, 32)
+    for bit in range(31, -1, -1):  # the highest set bit decides; c < 2**31 so bit 31 never is
+        lz = torch.where((c >> bit) == 1, torch.full_like(c, 31 - bit), lz)
+    norm = torch.where(c == 0, torch.zeros_like(c), (c << lz.clamp(max=31)) & MASK32)
+    sub = (norm >> (31 - GUMBEL_BUCKET_SUB_BITS)) & ((1 << GUMBEL_BUCKET_SUB_BITS) - 1)
+    return half * GUMBEL_BUCKETS_PER_HALF + (lz << GUMBEL_BUCKET_SUB_BITS) + sub
+
+
+def _true_noise(h: int) -> float:
+    """``-ln E`` of word ``h`` in float64 (E = -ln(1 - U), U = (h + 0.5) 2**-32)."""
+    u = (h + 0.5) * 2.0**-32
+    return -math.log(-math.log1p(-u))
+
+
+def _bucket_word_range(index: int) -> tuple[int, int]:
+    """The smallest and largest word ``h`` of bucket ``index`` (empty buckets: ``(-1, -1)``)."""
+    sub_bits = GUMBEL_BUCKET_SUB_BITS
+    half, rest = divmod(index, GUMBEL_BUCKETS_PER_HALF)
+    lz, sub = rest >> sub_bits, rest & ((1 << sub_bits) - 1)
+    if lz == 0:
+        return -1, -1  # c < 2**31: never used
+    if lz == 32:
+        lo = hi = 0 if sub == 0 else -1
+    else:
+        top = 31 - lz  # position of c's leading one
+        if top >= sub_bits:
+            step = 1 << (top - sub_bits)
+            lo = (1 << top) + sub * step
+            hi = lo + step - 1
+        else:  # few bits: each c its own bucket (sub holds the bits shifted up)
+            shift = sub_bits - top
+            lo = hi = (1 << top) + (sub >> shift) if sub & ((1 << shift) - 1) == 0 else -1
+    if lo < 0:
+        return -1, -1
+    if half == 1:
+        lo, hi = MASK32 - hi, MASK32 - lo
+    return lo, hi
+
+
+@functools.lru_cache(maxsize=None)
+def gumbel_bound_constants() -> tuple[tuple[float, ...], float, float, float]:
+    """``(G, half_width, noise_max, noise_min)`` of the pruning bound, in float64.
+
+    ``G[b]`` (to be rounded to float32) is the midpoint of the true noise over bucket
+    ``b``, ``half_width`` bounds ``|true noise - float32(G[b])|`` for every word of the
+    bucket, and ``noise_max`` / ``noise_min`` bound the noise of any word. The noise is
+    monotone in ``h``, so each bucket's extremes sit at its end words.
+    """
+    mids = []
+    half_width = 0.0
+    for index in range(2 * GUMBEL_BUCKETS_PER_HALF):
+        lo, hi = _bucket_word_range(index)
+        if lo < 0:
+            mids.append(0.0)
+            continue
+        g_top, g_bottom = _true_noise(lo), _true_noise(hi)  # decreasing in h
+        mid = 0.5 * (g_top + g_bottom)
+        mid32 = float(torch.tensor(mid, dtype=torch.float32))
+        half_width = max(half_width, g_top - mid32, mid32 - g_bottom)
+        mids.append(mid32)
+    return tuple(mids), half_width + 1e-6, _true_noise(0) + 1e-6, _true_noise(MASK32) - 1e-6
+
+
+def gumbel_bound_table(device: torch.device | str = "cpu") -> torch.Tensor:
+    """The float32 table the CUDA kernel prunes with: ``2 * GUMBEL_BUCKETS_PER_HALF``
+    bucket midpoints, then ``C0 = half_width + ABS + 24 * REL`` (the error bound of an
+    estimate ``A`` is ``C0 + REL * |A|``), ``noise_max`` and ``noise_min`` (rounded
+    outward), and one zero of padding."""
+    mids, half_width, noise_max, noise_min = gumbel_bound_constants()
+    c0 = half_width + GUMBEL_BOUND_ABS_ERROR + 24.0 * GUMBEL_BOUND_REL_ERROR
+    tail = [c0 * (1 + 2**-20), noise_max + 1e-5, noise_min - 1e-5, 0.0]
+    return torch.tensor(list(mids) + tail, dtype=torch.float32, device=device)
