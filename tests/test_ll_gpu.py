@@ -100,6 +100,15 @@ def _case_inputs(gen, rows, vocab, world, dtype, kind):
         full = full.repeat(reps, 1)[:rows]
     elif kind == "flat":
         full = torch.zeros(rows, vocab)
+    elif kind == "lm":
+        # Like a real LM's logits: a few columns far above the rest, a masked (-inf) share.
+        # Sampled rows skip Philox for most columns here (the kernel's pruning).
+        full = torch.randn(rows, vocab, generator=gen) * 2.5
+        top = torch.randint(0, vocab, (rows, 12), generator=gen)
+        full.scatter_(1, top, 18.0 + torch.rand(rows, 12, generator=gen))
+        full[:, ::9] = float("-inf")
+    elif kind == "huge":
+        full = torch.randn(rows, vocab, generator=gen) * 3e4  # float16 overflows some to +-inf
     else:
         full = torch.randn(rows, vocab, generator=gen) * 4
         # Coarse values: many exact ties inside and across shards.
@@ -144,6 +153,13 @@ def _correctness_worker(rank, world):
         cases.append((dtype, 7, 3001, "random", "unseeded", "contiguous"))
         cases.append((dtype, 65, 1001, "random", "unseeded", "contiguous"))
         cases.append((dtype, 2, 50021, "random", "threshold", "contiguous"))
+        # Slices starting at multiples of 4 on every rank at TP 2/4/8: the kernel's pruned path
+        # (odd splits above take its column-by-column path on ranks > 0).
+        cases.append((dtype, 12, 130688, "lm", "seeded", "contiguous"))  # several tiles per block
+        cases.append((dtype, 24, 32672, "random", "seeded", "contiguous"))
+        cases.append((dtype, 9, 32672, "adversarial", "seeded", "contiguous"))
+        cases.append((dtype, 6, 20016, "huge", "seeded", "contiguous"))
+        cases.append((dtype, 5, 7008, "huge", "tiny-t", "contiguous"))
     cases.append((torch.bfloat16, 0, 101, "random", "unseeded", "contiguous"))
     for index, (dtype, rows, vocab, kind, mode, layout) in enumerate(cases):
         name = f"case {index}: {dtype} rows={rows} vocab={vocab} {kind} {mode} {layout}"
@@ -161,7 +177,9 @@ def _correctness_worker(rank, world):
             if mode == "threshold":  # exactly at the float32 threshold samples, just below is greedy
                 temperature = torch.tensor([1e-5, np.nextafter(np.float32(1e-5), np.float32(0))][:rows],
                                            dtype=torch.float64)
-        if mode in ("seeded", "mixed", "threshold"):
+            if mode == "tiny-t":  # |logit / T| up to ~1e10 and beyond float32 (inf scores)
+                temperature = torch.tensor([1e-5, 1e-4, 0.01, 1.0, 100.0][:rows], dtype=torch.float32)
+        if mode in ("seeded", "mixed", "threshold", "tiny-t"):
             seeds = torch.randint(-(2**63), 2**63 - 1, (rows,), generator=gen)
             offsets = torch.randint(0, 2**40, (rows,), generator=gen)
         kw = dict(vocab_size=vocab)

@@ -296,40 +296,56 @@ __device__ __forceinline__ u64 slot_address(u64 base, int parity, int src, int r
 
 __device__ __forceinline__ u32 next_epoch(u32 e) { return e == 0xffffffffu ? 2u : e + 1u; }
 
-// Run by exactly one block. s_keys[row] holds this rank's unsigned key of each row.
+// Bitmask of ranks whose lines never arrived in this call (the waiting threads OR into it).
+__shared__ u64 s_missing_ranks;
+
+// What the exchange needs from memory, loaded at the start of a kernel so the loads
+// overlap the kernel's other loads instead of delaying the publish.
+struct ExchangeStart {
+    u32 epoch;          // this call's epoch
+    u32 failed_before;  // the channel had already timed out: do not wait
+    u64 peer;           // slot area of rank threadIdx.x % world (this thread's publish target)
+};
+
+__device__ __forceinline__ ExchangeStart exchange_prologue(const Exchange& x) {
+    ExchangeStart start;
+    start.epoch = *(volatile u32*)&x.ctrl->epoch;  // same word for every thread: one broadcast load per warp
+    start.failed_before = *(volatile u32*)&x.ctrl->error;
+    start.peer = x.peer_slots[threadIdx.x % x.world];
+    if (threadIdx.x == 0) s_missing_ranks = 0ull;
+    return start;
+}
+
+// Run by exactly one block after exchange_prologue. s_keys[row] holds this rank's
+// unsigned key of each row (written by this block; this function syncs before reading).
 // Publishes them to every rank, waits for every rank's, writes out[row] (the signed max
 // key, or its token when want_tokens), advances the epoch and, when asked, the step
-// counter. The caller has made s_keys visible to the block (__syncthreads).
-__device__ void exchange_rows(const Exchange& x, const u64* s_keys, int rows, i64* out, int want_tokens,
-                              i64* step_counter, int advance_step) {
-    __shared__ u64 s_missing;
-    __shared__ u32 s_epoch;
-    __shared__ u32 s_failed_before;
-    if (threadIdx.x == 0) {
-        s_missing = 0ull;
-        s_epoch = *(volatile u32*)&x.ctrl->epoch;
-        s_failed_before = *(volatile u32*)&x.ctrl->error;
-    }
+// counter.
+__device__ void exchange_rows(const Exchange& x, const ExchangeStart& start, const u64* s_keys, int rows, i64* out,
+                              int want_tokens, i64* step_counter, int advance_step) {
     __syncthreads();
-    const u32 epoch = s_epoch;
+    const u32 epoch = start.epoch;
     const int parity = (int)(epoch & 1u);
     const int world = x.world;
+    // With blockDim a multiple of world a thread always publishes to the same rank.
+    const bool fixed_target = (blockDim.x % (unsigned)world) == 0u;
 
     // Publish: one 16-byte line per (row, destination rank).
     for (int i = threadIdx.x; i < rows * world; i += blockDim.x) {
         int row = i / world, dst = i - row * world;
         u64 key = s_keys[row];
-        store_line(slot_address(x.peer_slots[dst], parity, x.rank, row, world, x.max_rows), (u32)key, epoch,
-                   (u32)(key >> 32), epoch);
+        u64 base = fixed_target ? start.peer : x.peer_slots[dst];
+        store_line(slot_address(base, parity, x.rank, row, world, x.max_rows), (u32)key, epoch, (u32)(key >> 32),
+                   epoch);
     }
 
     // Wait for every rank's line of each row; one thread per row, all its loads in flight.
     const u64 own = x.peer_slots[x.rank];
     const u64 everyone = world >= 64 ? ~0ull : ((1ull << world) - 1ull);
-    const bool fail_fast = s_failed_before != 0u;
+    const bool fail_fast = start.failed_before != 0u;
     for (int row = threadIdx.x; row < rows; row += blockDim.x) {
         u64 best = 0ull, pending = everyone;
-        u64 start = 0ull;
+        u64 begin_ns = 0ull;
         bool started = false;
         while (pending) {
             for (int src = 0; src < world; ++src) {
@@ -345,15 +361,15 @@ __device__ void exchange_rows(const Exchange& x, const u64* s_keys, int rows, i6
             if (fail_fast) break;
             u64 now = global_timer_ns();
             if (!started) {
-                start = now;
+                begin_ns = now;
                 started = true;
-            } else if (now - start > x.timeout_ns || *(volatile u32*)&x.ctrl->error) {
+            } else if (now - begin_ns > x.timeout_ns || *(volatile u32*)&x.ctrl->error) {
                 break;
             }
         }
         i64 result;
         if (pending) {
-            atomicOr(&s_missing, pending);
+            atomicOr(&s_missing_ranks, pending);
             result = -1;
         } else {
             i64 key = (i64)(best ^ 0x8000000000000000ull);
@@ -364,7 +380,7 @@ __device__ void exchange_rows(const Exchange& x, const u64* s_keys, int rows, i6
     __syncthreads();
 
     if (threadIdx.x == 0) {
-        u64 missing = s_missing;
+        u64 missing = s_missing_ranks;
         if (missing && !fail_fast) {
             if (atomicCAS(&x.ctrl->error, 0u, 1u) == 0u) {
                 x.ctrl->error_epoch = epoch;
@@ -390,6 +406,8 @@ extern "C" __global__ void __launch_bounds__(LL_THREADS) ll_exchange_keys(
     int mode, const i64* keys, const void* local_max, int max_dtype, const void* local_argmax, int argmax_is_i64,
     i64 vocab_offset, int rows, i64* out, int want_tokens, u64 ctrl, const u64* peer_slots, u64 host_error,
     int rank, int world, int max_rows, u64 timeout_ns) {
+    Exchange x = {(ChannelCtrl*)ctrl, peer_slots, (HostError*)host_error, rank, world, max_rows, timeout_ns};
+    const ExchangeStart start = exchange_prologue(x);  // its loads overlap the key loads below
     for (int row = threadIdx.x; row < rows; row += blockDim.x) {
         u64 ukey;
         if (mode == 0) {
@@ -404,9 +422,7 @@ extern "C" __global__ void __launch_bounds__(LL_THREADS) ll_exchange_keys(
         }
         s_keys[row] = ukey;
     }
-    __syncthreads();
-    Exchange x = {(ChannelCtrl*)ctrl, peer_slots, (HostError*)host_error, rank, world, max_rows, timeout_ns};
-    exchange_rows(x, s_keys, rows, out, want_tokens, (i64*)0, 0);
+    exchange_rows(x, start, s_keys, rows, out, want_tokens, (i64*)0, 0);
 }
 
 // ------------------------------------------------------------ fused argmax_logits kernel
@@ -424,67 +440,304 @@ struct RowNoise {  // Gumbel parameters of one sampled row
     u32 seed_lo, seed_hi, off_lo, off_hi;
 };
 
-// Fold the VEC values of one 16-byte pack (slice columns base .. base + VEC - 1) into best.
-template <int DTYPE, bool SAMPLED>
-__device__ __forceinline__ void fold_pack(uint4 pack, int base, u32 column0, const RowNoise& noise, u64& best) {
-    typedef typename Elem<DTYPE>::raw raw;
-    const int VEC = Elem<DTYPE>::per16;
-    const raw* vals = (const raw*)&pack;
-    u32 cur_block = 0xffffffffu;
-    Words4 w = {0u, 0u, 0u, 0u};
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) {
-        u32 column = column0 + (u32)(base + i);
-        u32 value = canonical_bits(Elem<DTYPE>::bits(vals[i]));
-        if (SAMPLED) {
-            // Consecutive columns share a Philox block (4 words): compute each block once.
-            u32 block = column >> 2;
-            if (block != cur_block) {
-                w = philox4x32_10(block, 0u, noise.off_lo, noise.off_hi, noise.seed_lo, noise.seed_hi);
-                cur_block = block;
-            }
-            value = gumbel_score_bits(value, noise.temperature, pick_word(w, column & 3u));
-        }
-        u64 k = make_ukey(value, column);
-        best = k > best ? k : best;
-    }
+__device__ __forceinline__ u32 philox_word(u32 column, const RowNoise& noise) {
+    Words4 w = philox4x32_10(column >> 2, 0u, noise.off_lo, noise.off_hi, noise.seed_lo, noise.seed_hi);
+    return pick_word(w, column & 3u);
 }
 
-// Reduce slice columns [begin, end) of one row (`row_ptr` = slice column 0) to the thread's
-// best unsigned key. `column0` = global column of slice column 0.
-template <int DTYPE, bool SAMPLED>
-__device__ __forceinline__ u64 reduce_span(const typename Elem<DTYPE>::raw* row_ptr, int begin, int end,
-                                           bool aligned, u32 column0, const RowNoise& noise) {
+// Exact unsigned key of one column (canonical value bits `value`): the portable score.
+__device__ __forceinline__ u64 exact_key(u32 value, u32 column, bool sampled, const RowNoise& noise) {
+    if (sampled) value = gumbel_score_bits(value, noise.temperature, philox_word(column, noise));
+    return make_ukey(value, column);
+}
+
+// --- NaN-propagating maxima (sm_80+; no .ftz, so subnormals compare exactly)
+__device__ __forceinline__ float f_max_nan(float a, float b) {
+    float r;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+__device__ __forceinline__ u32 bf16x2_max_nan(u32 a, u32 b) {
+    u32 r;
+    asm("max.NaN.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+__device__ __forceinline__ u32 f16x2_max_nan(u32 a, u32 b) {
+    u32 r;
+    asm("max.NaN.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+
+// float32 bits of the largest value of a pack (any NaN in it -> a NaN). Which zero or
+// which NaN comes back does not matter: the caller canonicalizes.
+template <int DTYPE>
+__device__ __forceinline__ u32 pack_max_bits(uint4 p);
+template <>
+__device__ __forceinline__ u32 pack_max_bits<0>(uint4 p) {
+    float m = f_max_nan(f_max_nan(fbits(p.x), fbits(p.y)), f_max_nan(fbits(p.z), fbits(p.w)));
+    return __float_as_uint(m);
+}
+template <>
+__device__ __forceinline__ u32 pack_max_bits<1>(uint4 p) {
+    u32 m = bf16x2_max_nan(bf16x2_max_nan(p.x, p.y), bf16x2_max_nan(p.z, p.w));
+    return __float_as_uint(f_max_nan(fbits(m & 0xffff0000u), fbits(m << 16)));
+}
+template <>
+__device__ __forceinline__ u32 pack_max_bits<2>(uint4 p) {
+    u32 m = f16x2_max_nan(f16x2_max_nan(p.x, p.y), f16x2_max_nan(p.z, p.w));
+    return __float_as_uint(f_max_nan(fbits(f16_to_f32_bits((u16)(m & 0xffffu))), fbits(f16_to_f32_bits((u16)(m >> 16)))));
+}
+
+// Canonical float32 bits of value i of a pack.
+template <int DTYPE>
+__device__ __forceinline__ u32 pack_value(const uint4& p, int i) {
+    const typename Elem<DTYPE>::raw* vals = (const typename Elem<DTYPE>::raw*)&p;
+    return canonical_bits(Elem<DTYPE>::bits(vals[i]));
+}
+
+// --- greedy rows: memory bound, so a few instructions per 16 bytes. Per pack only its
+// maximum (packed NaN-propagating max) is ranked; a thread keeps the first pack holding
+// its best value and finds the lowest column of that value inside it at the end.
+template <int DTYPE>
+__device__ __forceinline__ u64 greedy_span(const typename Elem<DTYPE>::raw* row_ptr, int begin, int vec_end,
+                                           u32 column0) {
     const int VEC = Elem<DTYPE>::per16;
-    const int UNROLL = SAMPLED ? 1 : 4;  // greedy is memory bound: keep 4 loads in flight
-    u64 best = 0ull;
-    int c = begin;
-    if (aligned) {
-        // 16-byte loads; `begin` is a multiple of VEC and the row start is 16-byte aligned.
-        const int vec_end = begin + ((end - begin) / VEC) * VEC;
-        const int step = blockDim.x * VEC;
-        int base = begin + threadIdx.x * VEC;
-        for (; base + (UNROLL - 1) * step < vec_end; base += UNROLL * step) {
-            uint4 packs[UNROLL];
+    const int UNROLL = 4;  // 64 bytes in flight per thread
+    const int step = blockDim.x * VEC;
+    u32 best_order = 0u;   // ordered_high of the best value; 0 = none (every real value maps above 0)
+    uint4 best_pack = make_uint4(0u, 0u, 0u, 0u);
+    int best_base = 0;
+    int base = begin + threadIdx.x * VEC;
+    for (; base + (UNROLL - 1) * step < vec_end; base += UNROLL * step) {
+        uint4 packs[UNROLL];
 #pragma unroll
-            for (int u = 0; u < UNROLL; ++u) packs[u] = load_pack(row_ptr + base + u * step);
+        for (int u = 0; u < UNROLL; ++u) packs[u] = load_pack(row_ptr + base + u * step);
 #pragma unroll
-            for (int u = 0; u < UNROLL; ++u) fold_pack<DTYPE, SAMPLED>(packs[u], base + u * step, column0, noise, best);
+        for (int u = 0; u < UNROLL; ++u) {
+            u32 order = ordered_high(canonical_bits(pack_max_bits<DTYPE>(packs[u])));
+            if (order > best_order) {  // strict: the earlier pack keeps a tie
+                best_order = order;
+                best_pack = packs[u];
+                best_base = base + u * step;
+            }
         }
-        for (; base < vec_end; base += step) {
-            fold_pack<DTYPE, SAMPLED>(load_pack(row_ptr + base), base, column0, noise, best);
-        }
-        c = vec_end;
     }
-    for (int col = c + threadIdx.x; col < end; col += blockDim.x) {
-        u32 column = column0 + (u32)col;
-        u32 value = canonical_bits(Elem<DTYPE>::bits(row_ptr[col]));
-        if (SAMPLED) {
-            Words4 w = philox4x32_10(column >> 2, 0u, noise.off_lo, noise.off_hi, noise.seed_lo, noise.seed_hi);
-            value = gumbel_score_bits(value, noise.temperature, pick_word(w, column & 3u));
+    for (; base < vec_end; base += step) {
+        uint4 pack = load_pack(row_ptr + base);
+        u32 order = ordered_high(canonical_bits(pack_max_bits<DTYPE>(pack)));
+        if (order > best_order) {
+            best_order = order;
+            best_pack = pack;
+            best_base = base;
         }
-        u64 k = make_ukey(value, column);
-        best = k > best ? k : best;
+    }
+    if (best_order == 0u) return 0ull;
+    int first = 0;
+#pragma unroll
+    for (int i = VEC - 1; i >= 0; --i) {
+        if (ordered_high(pack_value<DTYPE>(best_pack, i)) == best_order) first = i;
+    }
+    return ((u64)best_order << 32) | (u64)(0xffffffffu - (column0 + (u32)(best_base + first)));
+}
+
+// --- sampled rows: Philox for every column is unavoidable, the exact portable score is
+// not. Per tile (SAMPLED_PACKS packs per thread, kept in registers):
+//   1. X = the tile's largest logit; its column scores at least L0 = X/T + noise_min - err,
+//      so a column whose best case t + noise_max + err stays below L0 cannot win and
+//      skips Philox too (most of a real LM's vocabulary at T <= 1);
+//   2. every other column gets the estimate A = t + G[bucket(h)], t = x * (1/T), whose
+//      exact score lies in [A - W, A + W], W = C0 + REL * |A| (keys.gumbel_bound_table);
+//   3. L = max(L0, max over the tile of A - W); only columns with A + W >= L can win, and
+//      only they get the exact portable score (a handful per tile).
+// Decisions are per quad (4 columns, one Philox block): A - W is increasing in A, so a
+// quad's largest estimate carries its contribution to L and decides whether it survives.
+// The bound is relative, so it holds for every finite t (an overflowing bound rounds
+// outward to +-inf); quads holding a NaN or a t above 1e37 are scored exactly, -inf
+// columns can only win when every column is -inf (then L is -inf and all are scored).
+#define SAMPLED_PACKS 2
+#define GUMBEL_TABLE_SIZE 528  // 2 * keys.GUMBEL_BUCKETS_PER_HALF
+#define GUMBEL_SUB_BITS 3
+#define GUMBEL_ABS_ERROR 1e-3f
+#define GUMBEL_REL_ERROR 1.52587890625e-05f  // 2^-16
+#define HUGE_ESTIMATE 1e37f
+
+__device__ __forceinline__ u32 gumbel_bucket(u32 h) {  // keys.gumbel_bucket_index
+    u32 half = h >> 31;
+    u32 c = half ? ~h : h;
+    u32 lz = __clz(c);
+    u32 norm;
+    asm("shl.b32 %0, %1, %2;" : "=r"(norm) : "r"(c), "r"(lz));  // PTX clamps: c = 0 gives 0
+    u32 sub = (norm >> (31 - GUMBEL_SUB_BITS)) & ((1u << GUMBEL_SUB_BITS) - 1u);
+    return half * (33u << GUMBEL_SUB_BITS) + (lz << GUMBEL_SUB_BITS) + sub;
+}
+
+__device__ __forceinline__ float bound_error(float t) {  // ABS + REL * |t|
+    return GUMBEL_ABS_ERROR + GUMBEL_REL_ERROR * fabsf(t);
+}
+
+__device__ __forceinline__ float warp_max_f32(float v, bool propagate_nan) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        float o = __shfl_xor_sync(0xffffffffu, v, off);
+        v = propagate_nan ? f_max_nan(v, o) : fmaxf(v, o);
+    }
+    return v;
+}
+
+// Maximum of v over the block, returned to every thread (NaN wins when propagate_nan,
+// NaN is ignored otherwise).
+__device__ float block_max_f32(float v, bool propagate_nan) {
+    __shared__ float s_part[LL_THREADS / 32];
+    __shared__ float s_result;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    v = warp_max_f32(v, propagate_nan);
+    if (lane == 0) s_part[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        v = lane < (int)(blockDim.x >> 5) ? s_part[lane] : -__int_as_float(0x7f800000);
+        v = warp_max_f32(v, propagate_nan);
+        if (lane == 0) s_result = v;
+    }
+    __syncthreads();
+    return s_result;
+}
+
+// Canonical float32 bits of value i (0 <= i < VEC, a run-time index) of a pack.
+template <int DTYPE>
+__device__ __forceinline__ u32 pack_value_at(const uint4& p, int i) {
+    const int per_word = 4 / (int)sizeof(typename Elem<DTYPE>::raw);
+    const int word_index = i / per_word;
+    const u32 word = word_index == 0 ? p.x : (word_index == 1 ? p.y : (word_index == 2 ? p.z : p.w));
+    if (per_word == 1) return canonical_bits(word);
+    const u16 half = (i & 1) ? (u16)(word >> 16) : (u16)(word & 0xffffu);
+    return canonical_bits(Elem<DTYPE>::bits((typename Elem<DTYPE>::raw)half));
+}
+
+// Per tile, [quad][thread]: the largest estimate of the thread's quad (4 columns sharing
+// one Philox block); -inf when the quad cannot win, +inf when it must be scored exactly.
+__shared__ float s_quad_estimates[SAMPLED_PACKS * 2][LL_THREADS];
+
+template <int DTYPE>
+__device__ __forceinline__ float widened(const uint4& pack, int i) {  // value i as float32 (no canonicalization)
+    const typename Elem<DTYPE>::raw* vals = (const typename Elem<DTYPE>::raw*)&pack;
+    return fbits(Elem<DTYPE>::bits(vals[i]));
+}
+
+// Estimate t + G of one column (-inf stays -inf; a NaN t gives NaN, handled per quad).
+__device__ __forceinline__ float column_estimate(float t, u32 word, const float* s_table) {
+    return t + s_table[gumbel_bucket(word)];
+}
+
+// Sampled rows whose slice starts at a global column that is a multiple of 4 (so a quad
+// of a pack is one Philox block; the host's vocab offsets are in practice). See above.
+template <int DTYPE>
+__device__ u64 sampled_span(const typename Elem<DTYPE>::raw* row_ptr, int begin, int vec_end, u32 column0,
+                            const RowNoise& noise, const float* s_table) {
+    const int VEC = Elem<DTYPE>::per16;
+    const int K = SAMPLED_PACKS;
+    const int QPP = VEC / 4;  // quads per pack
+    const float NEG_INF = -__int_as_float(0x7f800000);
+    const float POS_INF = __int_as_float(0x7f800000);
+    const float c0 = s_table[GUMBEL_TABLE_SIZE];
+    const float noise_max = s_table[GUMBEL_TABLE_SIZE + 1];
+    const float noise_min = s_table[GUMBEL_TABLE_SIZE + 2];
+    const float inv_t = 1.0f / noise.temperature;  // estimates only: any rounding is in the error bound
+    u64 best = 0ull;
+    for (int tile = begin; tile < vec_end; tile += (int)blockDim.x * VEC * K) {  // uniform over the block
+        uint4 packs[K];
+        int bases[K];
+        float x_max = NEG_INF;
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            bases[k] = tile + (k * (int)blockDim.x + (int)threadIdx.x) * VEC;
+            packs[k] = bases[k] < vec_end ? load_pack(row_ptr + bases[k]) : make_uint4(0u, 0u, 0u, 0u);
+        }
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            if (bases[k] < vec_end) x_max = f_max_nan(x_max, fbits(pack_max_bits<DTYPE>(packs[k])));
+        }
+        // 1. The lower bound L0 from the tile's largest logit (NaN -> no skipping).
+        const float t_top = block_max_f32(x_max, true) * inv_t;
+        const float low0 = fabsf(t_top) <= HUGE_ESTIMATE ? t_top + noise_min - bound_error(t_top) : NEG_INF;
+        float low = low0;
+        // 2. Estimates, decided per quad (the estimate's lower bound is monotone, so the
+        //    quad's largest estimate carries its contribution to L).
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            const uint4 pack = k == 0 ? packs[0] : packs[K - 1];
+            const int base = k == 0 ? bases[0] : bases[K - 1];
+            const bool valid = base < vec_end;
+#pragma unroll
+            for (int q = 0; q < QPP; ++q) {
+                float t[4];
+                float t_quad = NEG_INF;
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    t[i] = widened<DTYPE>(pack, 4 * q + i) * inv_t;
+                    t_quad = f_max_nan(t_quad, t[i]);
+                }
+                // A NaN (its estimate would drop out of the maxima) or a huge score: score exactly.
+                const bool special = !(t_quad <= HUGE_ESTIMATE);
+                const bool needed = valid && (special || !(t_quad + noise_max + bound_error(t_quad) < low0));
+                float quad_max = NEG_INF;
+                if (__any_sync(0xffffffffu, needed)) {  // otherwise no lane needs this quad's noise
+                    const u32 column = column0 + (u32)(base + 4 * q);
+                    const Words4 w = philox4x32_10(column >> 2, 0u, noise.off_lo, noise.off_hi, noise.seed_lo,
+                                                   noise.seed_hi);
+                    quad_max = fmaxf(fmaxf(column_estimate(t[0], w.w0, s_table), column_estimate(t[1], w.w1, s_table)),
+                                     fmaxf(column_estimate(t[2], w.w2, s_table), column_estimate(t[3], w.w3, s_table)));
+                    if (!needed) {
+                        quad_max = NEG_INF;
+                    } else if (special) {
+                        quad_max = POS_INF;
+                    } else {
+                        low = fmaxf(low, quad_max - (c0 + GUMBEL_REL_ERROR * fabsf(quad_max)));
+                    }
+                }
+                s_quad_estimates[k * QPP + q][threadIdx.x] = quad_max;
+            }
+        }
+        // 3. Exact scores for the columns that can still win (a handful per tile).
+        low = block_max_f32(low, false);
+        u32 survivors = 0u;
+#pragma unroll
+        for (int j = 0; j < K * QPP; ++j) {
+            const float a = s_quad_estimates[j][threadIdx.x];
+            const float high = a == NEG_INF ? NEG_INF : a + (c0 + GUMBEL_REL_ERROR * fabsf(a));
+            if (!(high < low) && bases[j / QPP] < vec_end) survivors |= 1u << j;
+        }
+        while (survivors) {
+            const int j = __ffs(survivors) - 1;
+            survivors &= survivors - 1u;
+            const int k = j / QPP, first = (j - k * QPP) * 4;
+            const uint4 pack = k == 0 ? packs[0] : packs[K - 1];
+            const u32 column = column0 + (u32)((k == 0 ? bases[0] : bases[K - 1]) + first);
+            const bool special = s_quad_estimates[j][threadIdx.x] == POS_INF;
+            const Words4 w = philox4x32_10(column >> 2, 0u, noise.off_lo, noise.off_hi, noise.seed_lo, noise.seed_hi);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const u32 bits = pack_value_at<DTYPE>(pack, first + i);
+                const u32 word = pick_word(w, (u32)i);
+                const float est = column_estimate(fbits(bits) * inv_t, word, s_table);
+                const float high = est == NEG_INF ? NEG_INF : est + (c0 + GUMBEL_REL_ERROR * fabsf(est));
+                if (special || !(high < low)) {
+                    const u64 key = make_ukey(gumbel_score_bits(bits, noise.temperature, word), column + (u32)i);
+                    best = key > best ? key : best;
+                }
+            }
+        }
+    }
+    return best;
+}
+
+// Columns [begin, end) one by one (unaligned rows and the tail after the 16-byte packs).
+template <int DTYPE>
+__device__ __forceinline__ u64 scalar_span(const typename Elem<DTYPE>::raw* row_ptr, int begin, int end,
+                                           u32 column0, bool sampled, const RowNoise& noise) {
+    u64 best = 0ull;
+    for (int col = begin + threadIdx.x; col < end; col += blockDim.x) {
+        const u64 key = exact_key(canonical_bits(Elem<DTYPE>::bits(row_ptr[col])), column0 + (u32)col, sampled, noise);
+        best = key > best ? key : best;
     }
     return best;
 }
@@ -519,15 +772,17 @@ __device__ __forceinline__ u64 block_max(u64 v) {
 //   seeds/offsets: int64 [rows] or null (then seed = unseeded_seed, offset =
 //           (*step_counter << 32) + row; *step_counter += 1 after all blocks read it
 //           when advance_step).
+//   gumbel_table: keys.gumbel_bound_table() (GUMBEL_TABLE_SIZE + 4 floats).
 template <int DTYPE>
 __device__ void argmax_logits_impl(const void* logits, i64 row_stride, int rows, int cols, u32 column0, int chunk,
                                    int chunks, int aligned, const float* temperature, float threshold,
                                    const i64* seeds, const i64* offsets, i64* step_counter, u64 unseeded_seed,
                                    int advance_step, i64* out, int want_tokens, u64 ctrl_ptr, u64 scratch_ptr,
-                                   const u64* peer_slots, u64 host_error, int rank, int world, int max_rows,
-                                   u64 timeout_ns) {
+                                   const float* gumbel_table, const u64* peer_slots, u64 host_error, int rank,
+                                   int world, int max_rows, u64 timeout_ns) {
     typedef typename Elem<DTYPE>::raw raw;
     __shared__ u32 s_is_last;
+    __shared__ float s_table[GUMBEL_TABLE_SIZE + 4];
     ChannelCtrl* ctrl = (ChannelCtrl*)ctrl_ptr;
     u64* scratch = (u64*)scratch_ptr;
 
@@ -536,6 +791,9 @@ __device__ void argmax_logits_impl(const void* logits, i64 row_stride, int rows,
     const int begin = chunk_index * chunk;
     const int end = min(cols, begin + chunk);
     const raw* row_ptr = (const raw*)logits + (i64)row * row_stride;
+    const int VEC = Elem<DTYPE>::per16;
+    // 16-byte packs over [begin, vec_end) when the rows allow (begin is a multiple of VEC).
+    const int vec_end = aligned ? begin + max(0, (end - begin) / VEC) * VEC : begin;
 
     bool sampled = false;
     float t = 1.0f;
@@ -554,10 +812,18 @@ __device__ void argmax_logits_impl(const void* logits, i64 row_stride, int rows,
             offset = ((u64)(*(volatile i64*)step_counter) << 32) + (u64)row;
         }
         RowNoise noise = {t, (u32)seed, (u32)(seed >> 32), (u32)offset, (u32)(offset >> 32)};
-        best = reduce_span<DTYPE, true>(row_ptr, begin, end, aligned != 0, column0, noise);
+        for (int i = threadIdx.x; i < GUMBEL_TABLE_SIZE + 4; i += blockDim.x) s_table[i] = gumbel_table[i];
+        __syncthreads();
+        // Pruned packs need quads aligned with Philox blocks; otherwise every column is scored.
+        const int packed_end = (column0 & 3u) == 0u ? vec_end : begin;
+        best = sampled_span<DTYPE>(row_ptr, begin, packed_end, column0, noise, s_table);
+        u64 tail = scalar_span<DTYPE>(row_ptr, packed_end, end, column0, true, noise);
+        best = tail > best ? tail : best;
     } else {
         RowNoise none = {1.0f, 0u, 0u, 0u, 0u};
-        best = reduce_span<DTYPE, false>(row_ptr, begin, end, aligned != 0, column0, none);
+        best = greedy_span<DTYPE>(row_ptr, begin, vec_end, column0);
+        u64 tail = scalar_span<DTYPE>(row_ptr, vec_end, end, column0, false, none);
+        best = tail > best ? tail : best;
     }
     best = block_max(best);
 
@@ -573,14 +839,14 @@ __device__ void argmax_logits_impl(const void* logits, i64 row_stride, int rows,
     // The last block: every block's atomic max is visible (fence + ticket). Take the
     // row keys, reset the scratch for the next call, exchange.
     __threadfence();
+    Exchange x = {ctrl, peer_slots, (HostError*)host_error, rank, world, max_rows, timeout_ns};
+    ExchangeStart start = exchange_prologue(x);
     for (int r = threadIdx.x; r < rows; r += blockDim.x) {
         s_keys[r] = *(volatile u64*)(scratch + r);
         scratch[r] = 0ull;
     }
     if (threadIdx.x == 0) ctrl->blocks_done = 0u;
-    __syncthreads();
-    Exchange x = {ctrl, peer_slots, (HostError*)host_error, rank, world, max_rows, timeout_ns};
-    exchange_rows(x, s_keys, rows, out, want_tokens, step_counter, advance_step);
+    exchange_rows(x, start, s_keys, rows, out, want_tokens, step_counter, advance_step);
 }
 
 #define LL_ARGMAX_LOGITS_KERNEL(NAME, DTYPE)                                                                   \
@@ -588,11 +854,12 @@ __device__ void argmax_logits_impl(const void* logits, i64 row_stride, int rows,
         NAME(const void* logits, i64 row_stride, int rows, int cols, u32 column0, int chunk, int chunks,       \
              int aligned, const float* temperature, float threshold, const i64* seeds, const i64* offsets,     \
              i64* step_counter, u64 unseeded_seed, int advance_step, i64* out, int want_tokens, u64 ctrl,      \
-             u64 scratch,                                                                                      \
-             const u64* peer_slots, u64 host_error, int rank, int world, int max_rows, u64 timeout_ns) {       \
+             u64 scratch, const float* gumbel_table, const u64* peer_slots, u64 host_error, int rank,          \
+             int world, int max_rows, u64 timeout_ns) {                                                        \
         argmax_logits_impl<DTYPE>(logits, row_stride, rows, cols, column0, chunk, chunks, aligned, temperature, \
                                   threshold, seeds, offsets, step_counter, unseeded_seed, advance_step, out,   \
-                                  want_tokens, ctrl, scratch, peer_slots, host_error, rank, world, max_rows, timeout_ns);   \
+                                  want_tokens, ctrl, scratch, gumbel_table, peer_slots, host_error, rank,      \
+                                  world, max_rows, timeout_ns);                                                \
     }
 
 LL_ARGMAX_LOGITS_KERNEL(ll_argmax_logits_f32, 0)

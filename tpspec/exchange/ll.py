@@ -148,19 +148,22 @@ def plan_chunks(rows: int, cols: int, elem_bytes: int, num_sms: int, sampled: bo
     """Split each row of the fused kernel over blocks: ``(chunk columns, chunks per row)``.
 
     Aims at a few blocks per SM in total (latency-bound small batches spread each row
-    over many blocks); chunks are multiples of a warp's 16-byte loads so vector loads
-    stay aligned; Gumbel rows (compute-heavy) take smaller chunks.
+    over many blocks). Greedy chunks are multiples of a warp's 16-byte loads so vector
+    loads stay aligned; sampled chunks are multiples of the kernel's tile (every thread
+    holds SAMPLED_PACKS 16-byte packs of it in registers while it prunes).
     """
     vec = 16 // elem_bytes
     target_blocks = (8 if sampled else 4) * max(1, num_sms)
     per_row = max(1, -(-target_blocks // max(1, rows)))
     chunk = -(-max(cols, 1) // per_row)
-    chunk = max(chunk, 256 if sampled else 1024)
-    quantum = 32 * vec
+    chunk = max(chunk, 1024)
+    quantum = (cuda_module.THREADS_PER_BLOCK * SAMPLED_PACKS if sampled else 32) * vec
     chunk = -(-chunk // quantum) * quantum
     chunks = max(1, -(-cols // chunk))
     return chunk, chunks
 
+
+SAMPLED_PACKS = 2  # SAMPLED_PACKS in the source
 
 _DTYPE_KERNELS = {
     torch.float32: ("ll_argmax_logits_f32", 0),
@@ -258,6 +261,7 @@ class LLKeyExchange(KeyExchange):
         self._gather_ok(error)
         table = [self.layout.slots(bases[r], ch) for ch in range(self.NUM_CHANNELS) for r in range(self.world_size)]
         self._peer_slots = torch.tensor(table, dtype=torch.int64, device=self.device)
+        self._gumbel_table = K.gumbel_bound_table(self.device)  # the sampled rows' pruning bounds
         num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self._num_sms = int(num_sms)
         self._module = cuda_module.load_module(index)
@@ -480,7 +484,7 @@ class LLKeyExchange(KeyExchange):
             np.float32(greedy_threshold), seeds_ptr, offsets_ptr, _p(self.step_counter.data_ptr()),
             _p(UNSEEDED_STREAM_SEED), np.int32(unseeded), _p(out.data_ptr()), np.int32(want_tokens),
             _p(self.layout.ctrl(self._base, channel)), _p(self.layout.scratch(self._base, channel)),
-            *self._exchange_args(channel)[1:],
+            _p(self._gumbel_table.data_ptr()), *self._exchange_args(channel)[1:],
         )
         self._launch(name, rows * chunks, 8 * rows, args)
         return out
