@@ -23,6 +23,7 @@ on one GPU), which says nothing about NCCL on real GPUs: they are labelled so.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import shutil
 import statistics
@@ -155,6 +156,32 @@ def _copy_bandwidth_gbps(device: torch.device) -> float:
 
 # --------------------------------------------------------------------------- worker
 
+COLD_BYTES = 256 << 20  # several times the L2 of current GPUs (H100/H200: 50 MB)
+
+
+def cold_copies(logits: torch.Tensor, calls: int) -> int:
+    """How many copies of ``logits`` one CUDA graph of ``calls`` calls rotates through so that
+    each call reads data no earlier call left in L2 (1 on CPU)."""
+    if logits.device.type != "cuda":
+        return 1
+    nbytes = max(1, logits.numel() * logits.element_size())
+    return max(1, min(calls, -(-COLD_BYTES // nbytes)))
+
+
+def bench_logits(rows: int, width: int, kind: str, gen: torch.Generator) -> torch.Tensor:
+    """float32 ``[rows, width]`` logits of the benchmark. ``randn``: N(0, 3^2), where the
+    kernel's pruning can skip no column's noise (the worst case for Gumbel). ``lm``: like a
+    language model's, N(0, 2.5^2) with 12 columns a row lifted to 18-19, where columns far
+    below the top skip it."""
+    if kind == "randn":
+        return torch.randn(rows, width, generator=gen).mul_(3)
+    if kind == "lm":
+        logits = torch.randn(rows, width, generator=gen).mul_(2.5)
+        top = torch.randint(0, width, (rows, 12), generator=gen)
+        return logits.scatter_(1, top, 18.0 + torch.rand(rows, 12, generator=gen))
+    raise ValueError(f"unknown logits kind {kind!r} (randn or lm)")
+
+
 def _bench_worker(rank: int, world_size: int, cfg: dict) -> list[dict]:
     from .. import distributed as D
     from .. import keys as K
@@ -179,11 +206,13 @@ def _bench_worker(rank: int, world_size: int, cfg: dict) -> list[dict]:
         from ..exchange.ll import LLKeyExchange
 
         ll = LLKeyExchange(group, max_rows=max(cfg["rows"]), num_channels=2)
-        # One-rank groups, created by every rank (collective), for the local stage alone.
-        import torch.distributed as dist
+        solo = ll  # at --tp 1 the exchange is the local stage alone
+        if world_size > 1:
+            # One-rank groups, created by every rank (collective), for the local stage alone.
+            import torch.distributed as dist
 
-        solo_groups = [dist.new_group([r], backend="gloo") for r in range(world_size)]
-        solo = LLKeyExchange(solo_groups[rank], max_rows=max(cfg["rows"]), num_channels=1)
+            solo_groups = [dist.new_group([r], backend="gloo") for r in range(world_size)]
+            solo = LLKeyExchange(solo_groups[rank], max_rows=max(cfg["rows"]), num_channels=1)
     copy_gbps = _copy_bandwidth_gbps(device) if on_cuda and rank == 0 else None
     results: list[dict] = []
 
@@ -206,7 +235,10 @@ def _bench_worker(rank: int, world_size: int, cfg: dict) -> list[dict]:
         record("ag_max_keys", "eager", rows, 0, "-",
                _time_eager(lambda: ag.max_keys(keys), cfg["ag_iters"], barrier, device))
         for width in cfg["widths"]:
-            logits = torch.randn(rows, width, generator=gen).mul_(3).to(device=device, dtype=dtype)
+            logits = bench_logits(rows, width, cfg["logits"], gen).to(device=device, dtype=dtype)
+            # Copies to rotate through, so timed calls read cold logits from HBM, not from L2.
+            pool = [logits] + [logits.clone() for _ in range(cold_copies(logits, cfg["calls"]) - 1)]
+            cycle = itertools.cycle(pool)
             offset = rank * width
             vocab = world_size * width
             nbytes = logits.numel() * logits.element_size()
@@ -218,13 +250,14 @@ def _bench_worker(rank: int, world_size: int, cfg: dict) -> list[dict]:
                               offsets=torch.arange(rows, device=device) * 32)
 
                 def torch_local() -> torch.Tensor:
+                    x = next(cycle)
                     if mode == "greedy":  # what an engine does: max, canonical -0, pack (graph-capturable)
-                        values, idx = logits.max(dim=-1)
+                        values, idx = x.max(dim=-1)
                         values = values.float()
                         values = torch.where(values == 0, torch.zeros_like(values), values)
                         return (K.ordered_high_bits(values) << 32) | (K.MASK32 - (idx + offset))
                     # keys.local_row_keys syncs (Philox column range): eager only.
-                    return K.local_row_keys(logits, offset, vocab_size=vocab, **kw)
+                    return K.local_row_keys(x, offset, vocab_size=vocab, **kw)
 
                 def ag_keys() -> torch.Tensor:
                     return K.unpack_indices(ag.max_keys(torch_local()))
@@ -236,16 +269,16 @@ def _bench_worker(rank: int, world_size: int, cfg: dict) -> list[dict]:
                     return full.float().argmax(dim=-1)
 
                 if on_cuda:
-                    us = _time_graph(lambda: ll.argmax_logits(logits, offset, vocab_size=vocab, channel=0, **kw),
+                    us = _time_graph(lambda: ll.argmax_logits(next(cycle), offset, vocab_size=vocab, channel=0, **kw),
                                      cfg["calls"], cfg["replays"], barrier)
                     record("ll_fused", "graph", rows, width, mode, us)
-                    us = _time_eager(lambda: ll.argmax_logits(logits, offset, vocab_size=vocab, **kw),
+                    us = _time_eager(lambda: ll.argmax_logits(next(cycle), offset, vocab_size=vocab, **kw),
                                      cfg["iters"], barrier, device)
                     record("ll_fused", "eager", rows, width, mode, us)
                     barrier()
                     if rank == 0:  # the local stage alone: one process on the GPU
                         nop = lambda: None  # noqa: E731
-                        us = _time_graph(lambda: solo.argmax_logits(logits, offset, vocab_size=vocab, **kw),
+                        us = _time_graph(lambda: solo.argmax_logits(next(cycle), offset, vocab_size=vocab, **kw),
                                          cfg["calls"], cfg["replays"], nop)
                         record("local_fused", "graph", rows, width, mode, us,
                                hbm_gbps=nbytes / us / 1e3, hbm_pct=100 * nbytes / us / 1e3 / copy_gbps)
@@ -265,7 +298,8 @@ def _bench_worker(rank: int, world_size: int, cfg: dict) -> list[dict]:
                            _time_eager(ag_logits, cfg["ag_iters"], barrier, device))
     if ll is not None:
         ll.check()
-        solo.close()
+        if solo is not ll:
+            solo.close()
         ll.close()
     for row in results:
         row["rank"] = rank
@@ -304,7 +338,33 @@ def summarize(per_rank: list[list[dict]], tp: int, ag_label: str) -> tuple[list[
             round(r["hbm_gbps"], 1) if "hbm_gbps" in r else "",
             round(r["hbm_pct"], 1) if "hbm_pct" in r else "",
         ])
+    extras["local_fused_streaming"] = streaming_bandwidth(merged, extras.get("copy_bandwidth_GBps"))
     return table, extras
+
+
+def streaming_bandwidth(merged: dict[tuple, dict], copy_gbps: float | None) -> list[dict]:
+    """The local stage's bandwidth without its fixed cost (launch, block tickets, the
+    exchange tail): at the largest row count, extra bytes over extra time between the
+    narrowest and the widest slice, per mode. Empty without two widths."""
+    out = []
+    for mode in ("greedy", "gumbel"):
+        points = {(k[2], k[3]): v for k, v in merged.items()
+                  if k[0] == "local_fused" and k[1] == "graph" and k[4] == mode and "hbm_gbps" in v}
+        if not points:
+            continue
+        rows = max(r for r, _ in points)
+        widths = sorted(w for r, w in points if r == rows)
+        if len(widths) < 2:
+            continue
+        narrow, wide = points[(rows, widths[0])], points[(rows, widths[-1])]
+        extra_us = wide["us"] - narrow["us"]
+        if extra_us <= 0:
+            continue
+        bytes_per_col = wide["hbm_gbps"] * 1e3 * wide["us"] / (rows * widths[-1])  # element size
+        gbps = rows * (widths[-1] - widths[0]) * bytes_per_col / extra_us / 1e3
+        out.append(dict(mode=mode, rows=rows, widths=[widths[0], widths[-1]], us=[narrow["us"], wide["us"]],
+                        GBps=round(gbps, 1), pct_of_copy=round(100 * gbps / copy_gbps, 1) if copy_gbps else None))
+    return out
 
 
 def _plot(table: list[list[Any]]) -> Callable[[Any], None]:
@@ -340,6 +400,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny sizes and few iterations")
     parser.add_argument("--rows", type=str, default=None, help="comma-separated row counts")
     parser.add_argument("--widths", type=str, default=None, help="comma-separated slice widths")
+    parser.add_argument("--logits", choices=("randn", "lm"), default="randn",
+                        help="randn: N(0, 9), the worst case for the Gumbel pruning; lm: a few columns far above "
+                             "the rest, like a language model's")
     parser.add_argument("--calls-per-graph", type=int, default=20)
     parser.add_argument("--replays", type=int, default=50)
     parser.add_argument("--iters", type=int, default=200, help="eager iterations of the LL variants")
@@ -376,6 +439,7 @@ def run(args: argparse.Namespace) -> int:
     quick = args.quick
     cfg = dict(
         device=device,
+        logits=args.logits,
         rows=_ints(args.rows, QUICK_ROWS if quick else DEFAULT_ROWS),
         widths=_ints(args.widths, QUICK_WIDTHS if quick else DEFAULT_WIDTHS),
         calls=max(1, args.calls_per_graph if not quick else min(args.calls_per_graph, 5)),
@@ -397,4 +461,7 @@ def run(args: argparse.Namespace) -> int:
                 note="ag_* variants use gloo (NCCL refuses several ranks on one GPU); local_* run on one "
                      "process alone; us_per_call is the slowest rank's")
     report.write_report(args.out, "exchange", columns=COLUMNS, rows=table, meta=meta, plot=_plot(table))
+    for item in extras["local_fused_streaming"]:
+        print(f"local stage streaming ({item['mode']}, {item['rows']} rows, slice {item['widths'][0]} -> "
+              f"{item['widths'][1]}): {item['GBps']} GB/s ({item['pct_of_copy']} % of copy bandwidth)")
     return 0
