@@ -54,3 +54,26 @@ def test_graph_step_inputs_on_cpu(tmp_path):
         engine.graphs = None
     assert calls, "no step took the padded graph path"
     assert got == ref
+
+
+def _graph_reason_worker(rank, world):
+    from types import SimpleNamespace
+
+    from tpspec import distributed as D
+    from tpspec.runtime.cuda_graphs import graphs_unavailable_reason
+
+    torch.cuda.is_available = lambda: True  # this process only: the decision past the device check
+    engine = SimpleNamespace(device=torch.device("cuda", 0), dp_size=1, group=D.tp_group())
+    plain = graphs_unavailable_reason(engine)
+    engine.dp_size = world
+    return plain, graphs_unavailable_reason(engine)
+
+
+def test_graphs_are_off_when_tp_collectives_cannot_be_captured():
+    """A TP group on gloo (ranks sharing a GPU) cannot be captured: every rank decides so
+    up front, instead of failing captures at run time."""
+    from tpspec.testing import run_ranks
+
+    for plain, dp in run_ranks(_graph_reason_worker, 2, timeout_s=60):
+        assert plain is not None and "gloo" in plain
+        assert dp is not None and "attention DP" in dp

@@ -67,10 +67,12 @@ class GenerationGraphs:
 
     @classmethod
     def maybe_create(cls, engine: "Engine") -> "GenerationGraphs | None":
-        """Graphs for ``engine`` when they apply (CUDA, plain TP), else None (eager)."""
-        if engine.device.type != "cuda" or not torch.cuda.is_available():
-            return None
-        if engine.dp_size > 1:  # per-rank batch sizes differ under attention DP: eager
+        """Graphs for ``engine`` when they apply (see :func:`graphs_unavailable_reason`), else
+        None (eager steps; rank 0 warns once with the reason)."""
+        reason = graphs_unavailable_reason(engine)
+        if reason is not None:
+            if engine.device.type == "cuda" and D.group_rank(engine.group) == 0:
+                warnings.warn(f"CUDA graphs are off for this engine: {reason}", RuntimeWarning, stacklevel=2)
             return None
         return cls(engine)
 
@@ -203,6 +205,9 @@ class GenerationGraphs:
             warnings.warn(f"CUDA graph capture of generation step {key} failed, running it eagerly: {exc}",
                           RuntimeWarning, stacklevel=2)
             torch.cuda.synchronize()
+            # A capture that failed midway can leave its memory pool marked as recording; later
+            # captures into it would fail too. The next capture gets a fresh pool.
+            self.pool = torch.cuda.graph_pool_handle()
         flag = torch.tensor([1 if ok else 0], dtype=torch.int64, device=dev)
         D.all_reduce_(flag, "min", self.engine.group)  # one rank failed -> every rank goes eager
         if int(flag.item()) == 0:
@@ -226,6 +231,22 @@ class GenerationGraphs:
         acc = accepted[: len(gen)].cpu().tolist()
         counts = num[: len(gen)].cpu().tolist()
         return {s.index: [int(t) for t in row[: int(n)]] for s, row, n in zip(gen, acc, counts)}
+
+
+def graphs_unavailable_reason(engine: "Engine") -> str | None:
+    """Why generation steps of ``engine`` cannot be graphed, or None when they can.
+
+    The decision depends only on the configuration, so every rank takes the same one.
+    """
+    if engine.device.type != "cuda" or not torch.cuda.is_available():
+        return "not on a CUDA device"
+    if engine.dp_size > 1:
+        return "attention DP (per-rank batch sizes differ)"
+    backend = D.group_backend(engine.group)
+    if D.group_size(engine.group) > 1 and backend != "nccl":
+        # gloo moves CUDA tensors through the host: its collectives cannot be captured.
+        return f"the TP group's collectives run on {backend}, which CUDA graphs cannot capture (NCCL can)"
+    return None
 
 
 def eng_strict(engine: "Engine") -> bool:
