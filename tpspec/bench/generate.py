@@ -40,8 +40,12 @@ def _prompts(num: int, length: int, vocab: int, seed: int = 0) -> list[list[int]
     return torch.randint(3, vocab, (num, length), generator=gen).tolist()
 
 
+WARMUP_TOKENS = 16
+
+
 def measure(cfg: dict) -> dict:
-    """One configuration in this process: build the LLM, warm up, time one ``generate``.
+    """One configuration in this process: build the LLM, warm up on the same batch for a few
+    tokens, time one ``generate``.
 
     ``cfg``: model, tp, launcher, device, dtype, draft_len (0 = no speculation), prompts
     (count, length), max_new_tokens, max_batch_size, use_cuda_graphs. Reads the forced
@@ -58,7 +62,10 @@ def measure(cfg: dict) -> dict:
              speculative=spec, max_batch_size=cfg["max_batch_size"], use_cuda_graphs=cfg["use_cuda_graphs"],
              **kwargs) as llm:
         prompts = _prompts(cfg["num_prompts"], cfg["prompt_len"], llm.vocab_size)
-        llm.generate(prompts[: max(1, min(2, len(prompts)))], max_new_tokens=4, ignore_eos=True, use_tqdm=False)
+        # Warm up on the timed batch itself (its CUDA-graph bucket, first-use costs of its shapes),
+        # so the timed call measures steady-state steps.
+        llm.generate(prompts, max_new_tokens=min(WARMUP_TOKENS, cfg["max_new_tokens"]), ignore_eos=True,
+                     use_tqdm=False)
         llm.generate(prompts, max_new_tokens=cfg["max_new_tokens"], ignore_eos=True, use_tqdm=False)
         stats = llm.last_stats
         rank = llm.rank
