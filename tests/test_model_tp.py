@@ -149,3 +149,26 @@ def test_tensor_parallel_matches_tp1(tiny, reference, world):
     total = results[0]["load"][1]
     assert all(b < 1.1 * total / world for b in per_rank), (per_rank, total)
     assert total <= sum(per_rank) < 1.2 * total
+
+
+def test_attention_never_uses_cudnn_sdpa(tiny, monkeypatch):
+    """cuDNN attention builds a plan per new shape, and eager decode changes shape every step
+    (on an H200 each eager attention call took ~20 ms). The model must call SDPA with the
+    cuDNN backend disabled, in eager steps and graphs alike."""
+    import torch.nn.functional as F
+
+    from tests.model_helpers import greedy_generate
+
+    seen = []
+    original = F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    model = load_model(tiny[0])
+    model.allocate_kv_cache(2, 16)
+    greedy_generate(model, [[1, 2, 3], [4, 5]], steps=3)
+    assert seen and not any(seen), f"cuDNN SDPA enabled in {sum(seen)} of {len(seen)} attention calls"
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # the process-wide setting is left alone

@@ -16,11 +16,18 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..vocab_parallel import vocab_shard_bounds
 from .batch import AttentionMetadata
 from .comm import all_reduce_sum
 from .config import ModelConfig
+
+# SDPA backends the model may use. Not cuDNN attention: it builds an execution plan per new
+# shape, and eager decode steps change shape every step (the KV length grows) — on an H200
+# that made each eager attention call take ~20 ms. The same list serves eager steps and
+# CUDA graphs, so both compute the same logits.
+ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass(frozen=True)
@@ -295,7 +302,8 @@ class Attention(nn.Module):
             padded = q.new_zeros(b, meta.q_max, self.num_heads, self.head_dim)
             padded[meta.tok_seq, meta.tok_qi] = q
             queries = padded.transpose(1, 2)
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.mask, scale=self.scale)
+        with sdpa_kernel(ATTENTION_BACKENDS):
+            out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.mask, scale=self.scale)
         out = out.transpose(1, 2)  # [B, q_max, heads, hd]
         return out[0] if b == 1 else out[meta.tok_seq, meta.tok_qi]
 
