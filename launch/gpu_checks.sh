@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU test and the exchange benchmark in one go, on one machine (what we run on the
+# Every GPU test, the exchange benchmark and the generate benchmark in one go, on one machine (what we run on the
 # lent H200). Starts MPS first: rank processes sharing a GPU must run concurrently.
 # Usage: bash launch/gpu_checks.sh OUT_DIR [TEST_TIMEOUT_S] [BENCH_TPS]
 set -uo pipefail
@@ -17,5 +17,9 @@ timeout "$test_timeout" python3 -m pytest -q -rfE -p no:cacheprovider --timeout 
 for tp in $bench_tps; do
     timeout 110 python3 -m tpspec bench exchange --tp "$tp" --out "$out/bench-tp$tp" --ag-iters 5 \
         --timeout 100 2>&1 | tee "$out/bench-tp$tp.txt"
+done
+for tp in 1 2; do
+    timeout 150 python3 -m tpspec bench generate --device cuda --tp "$tp" --out "$out/generate-tp$tp" \
+        --timeout 140 2>&1 | tee "$out/generate-tp$tp.txt"
 done
 echo quit | nvidia-cuda-mps-control 2>/dev/null || true
