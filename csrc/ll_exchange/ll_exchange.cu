@@ -7,10 +7,12 @@
 //
 // Semantics: bit-identical to the torch reference in tpspec/keys.py (local_row_keys,
 // pack_keys, philox_words, exponential_from_words, portable_log, gumbel_scores). Change
-// both together. All float arithmetic on values goes through the inline-PTX helpers
+// both together. All float arithmetic of exact scores goes through the inline-PTX helpers
 // below (add/sub/mul/div with an explicit .rn rounding and no .ftz): PTX never contracts
 // such instructions into FMA, and they keep subnormals even though cupy appends
-// -ftz=true to every NVRTC compile.
+// -ftz=true to every NVRTC compile. Only the pruning estimates of sampled rows use plain
+// float operations: their roundings (and flushed subnormals) sit inside the error bound
+// of keys.gumbel_bound_table, so they decide which columns get an exact score, never a key.
 //
 // Keys: kernels work on the *unsigned* form ukey = key ^ (1 << 63), so the empty key
 // (EMPTY_KEY = -2^63) is 0 and a plain unsigned 64-bit atomic max reduces.
@@ -544,7 +546,7 @@ __device__ __forceinline__ u64 greedy_span(const typename Elem<DTYPE>::raw* row_
 // not. Per tile (SAMPLED_PACKS packs per thread, kept in registers):
 //   1. X = the tile's largest logit; its column scores at least L0 = X/T + noise_min - err,
 //      so a column whose best case t + noise_max + err stays below L0 cannot win and
-//      skips Philox too (most of a real LM's vocabulary at T <= 1);
+//      skips Philox too (columns more than about 26 * T below the top logit);
 //   2. every other column gets the estimate A = t + G[bucket(h)], t = x * (1/T), whose
 //      exact score lies in [A - W, A + W], W = C0 + REL * |A| (keys.gumbel_bound_table);
 //   3. L = max(L0, max over the tile of A - W); only columns with A + W >= L can win, and

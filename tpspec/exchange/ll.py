@@ -144,6 +144,9 @@ class BufferLayout:
         return base + self.slots_offset + self.slot_channel_bytes * channel
 
 
+SAMPLED_PACKS = 2  # SAMPLED_PACKS in the source: 16-byte packs a thread holds per sampled tile
+
+
 def plan_chunks(rows: int, cols: int, elem_bytes: int, num_sms: int, sampled: bool) -> tuple[int, int]:
     """Split each row of the fused kernel over blocks: ``(chunk columns, chunks per row)``.
 
@@ -162,8 +165,6 @@ def plan_chunks(rows: int, cols: int, elem_bytes: int, num_sms: int, sampled: bo
     chunks = max(1, -(-cols // chunk))
     return chunk, chunks
 
-
-SAMPLED_PACKS = 2  # SAMPLED_PACKS in the source
 
 _DTYPE_KERNELS = {
     torch.float32: ("ll_argmax_logits_f32", 0),
