@@ -94,6 +94,22 @@ class KeyExchange(ABC):
         or past ``vocab_size`` are never chosen. Returns ``[R]`` int64, equal on every rank.
         """
         self.validate_logits_call(logits, vocab_offset, vocab_size, temperature, seeds, offsets, channel)
+        return K.unpack_indices(self._max_local_keys(logits, vocab_offset, vocab_size, temperature, seeds, offsets,
+                                                     greedy_threshold, channel))
+
+    def _max_local_keys(
+        self,
+        logits: torch.Tensor,
+        vocab_offset: int,
+        vocab_size: int | None,
+        temperature: torch.Tensor | None,
+        seeds: torch.Tensor | None,
+        offsets: torch.Tensor | None,
+        greedy_threshold: float,
+        channel: int,
+    ) -> torch.Tensor:
+        """The winning keys of a validated ``argmax_logits`` call: ``keys.local_row_keys`` on
+        this rank (unseeded rows take this exchange's step counter), then :meth:`max_keys`."""
         if temperature is not None and seeds is None:
             seeds, offsets = self.unseeded_streams(logits.shape[0])
         local = K.local_row_keys(
@@ -105,7 +121,7 @@ class KeyExchange(ABC):
             offsets=offsets,
             greedy_threshold=greedy_threshold,
         )
-        return K.unpack_indices(self.max_keys(local, channel=channel))
+        return self.max_keys(local, channel=channel)
 
     def close(self) -> None:
         """Release resources (idempotent)."""

@@ -450,12 +450,9 @@ class LLKeyExchange(KeyExchange):
         self.validate_logits_call(logits, vocab_offset, vocab_size, temperature, seeds, offsets, channel)
         rows, width = logits.shape
         unseeded = temperature is not None and seeds is None
-        if rows > self.MAX_ROWS:  # the all-gather path, same results (not graph-capturable on gloo)
-            if unseeded:
-                seeds, offsets = self.unseeded_streams(rows)
-            local = K.local_row_keys(logits, vocab_offset, vocab_size=vocab_size, temperature=temperature,
-                                     seeds=seeds, offsets=offsets, greedy_threshold=greedy_threshold)
-            best = self._fallback.max_keys(local, channel=channel)
+        if rows > self.MAX_ROWS:  # the all-gather path (max_keys hands these rows over), same results
+            best = self._max_local_keys(logits, vocab_offset, vocab_size, temperature, seeds, offsets,
+                                        greedy_threshold, channel)
             return K.unpack_indices(best) if want_tokens else best
         self._raise_if_failed()
         if rows == 0:
