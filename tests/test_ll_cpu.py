@@ -196,7 +196,7 @@ def test_factory_falls_back_to_allgather_on_gloo_cpu():
 
 
 def test_mps_daemon_reports_when_binary_missing(monkeypatch, tmp_path):
-    from tpspec.bench import exchange as B
+    from tpspec import testing as B
 
     monkeypatch.setattr(B.shutil, "which", lambda name: None)
     monkeypatch.setenv(B.MPS_PIPE_ENV, str(tmp_path / "pipe"))

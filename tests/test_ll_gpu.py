@@ -31,7 +31,7 @@ def _cupy_ok() -> bool:
 def mps():
     """Start MPS or skip: ranks sharing a GPU must run concurrently, or every exchange
     waits for a time slice. (This process creates no CUDA context itself.)"""
-    from tpspec.bench.exchange import MPSDaemon
+    from tpspec.testing import MPSDaemon
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")

@@ -155,39 +155,23 @@ def exit_code(results: list[CheckResult]) -> int:
 
 # ---------------------------------------------------------------------------- launchers
 
-def _mp_backend(device: str, tp: int) -> str:
-    # NCCL refuses two ranks on one GPU: share a GPU over gloo (which handles CUDA tensors).
-    if device == "cuda" and torch.cuda.device_count() >= tp:
-        return "nccl"
-    return "gloo"
-
-
 def run_mp(tp: int, device: str = "cpu", *, quick: bool = False, seed: int = DEFAULT_SEED,
            timeout_s: float = 600.0, skip: frozenset[str] = frozenset()) -> list[CheckResult]:
     """The whole suite on ``tp`` fresh local processes (``run_ranks``); returns the merged rows."""
-    from .testing import RankError, run_ranks
+    from .testing import RankError, rank_backend, run_ranks, shared_gpu_mps
 
-    backend = _mp_backend(device, tp)
-    mps = None
-    if device == "cuda" and backend == "gloo":
-        # Ranks share GPUs: without MPS every cross-process wait of the LL exchange costs a
-        # time slice (ms). Start it for the run when it is not running (a no-op otherwise).
-        from .bench.exchange import MPSDaemon
-
-        mps = MPSDaemon()
-        why = mps.start()
+    # Ranks sharing GPUs: without MPS every cross-process wait of the LL exchange costs a time slice (ms).
+    with shared_gpu_mps(device, tp) as why:
         if why is not None:
             print(f"tpspec check: MPS not started ({why}); ranks sharing a GPU will time-slice", file=sys.stderr)
-    try:
-        per_rank = run_ranks(suite_worker, tp, device, quick, seed, frozenset(skip), timeout_s=timeout_s,
-                             backend=backend)
-        results = merge_rank_results(per_rank)
-    except RankError as exc:
-        results = [CheckResult("ranks_agree", FAIL, detail=f"the rank processes failed: {str(exc).splitlines()[0]}")]
-        print(exc, file=sys.stderr)
-    finally:
-        if mps is not None:
-            mps.stop()
+        try:
+            per_rank = run_ranks(suite_worker, tp, device, quick, seed, frozenset(skip), timeout_s=timeout_s,
+                                 backend=rank_backend(device, tp))
+            results = merge_rank_results(per_rank)
+        except RankError as exc:
+            results = [CheckResult("ranks_agree", FAIL,
+                                   detail=f"the rank processes failed: {str(exc).splitlines()[0]}")]
+            print(exc, file=sys.stderr)
     return results + driver_checks(tp, device, quick=quick, seed=seed, launcher="mp", skip=skip)
 
 

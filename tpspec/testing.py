@@ -10,13 +10,16 @@ raises too. Never hangs.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
 import queue
+import shutil
+import subprocess
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 
 class RankError(RuntimeError):
@@ -144,3 +147,88 @@ def run_ranks(
                 proc.kill()
                 proc.join(timeout=5.0)
     return [outputs[rank] for rank in range(world_size)]
+
+
+# ------------------------------------------------ rank processes sharing GPUs (MPS)
+
+MPS_PIPE_ENV = "CUDA_MPS_PIPE_DIRECTORY"
+MPS_LOG_ENV = "CUDA_MPS_LOG_DIRECTORY"
+
+
+class MPSDaemon:
+    """Start NVIDIA MPS so rank processes sharing one GPU run concurrently.
+
+    Without MPS the GPU time-slices between processes and every cross-process wait
+    costs a slice (~2 ms). ``start()`` returns ``None`` when MPS runs (already, or
+    started now) or the reason it could not start; ``stop()`` quits only a daemon this
+    object started. Must run before this process touches CUDA; children inherit the
+    environment it sets.
+    """
+
+    def __init__(self, pipe_dir: str = "/tmp/tpspec-mps", log_dir: str = "/tmp/tpspec-mps-log") -> None:
+        self.pipe_dir = os.environ.get(MPS_PIPE_ENV) or pipe_dir
+        self.log_dir = os.environ.get(MPS_LOG_ENV) or log_dir
+        self.started = False
+
+    def running(self) -> bool:
+        return os.path.exists(os.path.join(self.pipe_dir, "control"))
+
+    def start(self) -> str | None:
+        os.environ[MPS_PIPE_ENV] = self.pipe_dir
+        os.environ[MPS_LOG_ENV] = self.log_dir
+        if self.running():
+            return None
+        binary = shutil.which("nvidia-cuda-mps-control")
+        if binary is None:
+            return "nvidia-cuda-mps-control is not on PATH"
+        os.makedirs(self.pipe_dir, exist_ok=True)
+        os.makedirs(self.log_dir, exist_ok=True)
+        try:
+            result = subprocess.run([binary, "-d"], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return f"nvidia-cuda-mps-control -d failed: {exc}"
+        if result.returncode != 0:
+            return f"nvidia-cuda-mps-control -d exited {result.returncode}: {result.stderr.strip()}"
+        for _ in range(50):
+            if self.running():
+                self.started = True
+                return None
+            time.sleep(0.1)
+        return f"MPS control pipe did not appear in {self.pipe_dir}"
+
+    def stop(self) -> None:
+        if not self.started:
+            return
+        binary = shutil.which("nvidia-cuda-mps-control")
+        if binary:
+            subprocess.run([binary], input="quit\n", text=True, capture_output=True, timeout=30)
+        self.started = False
+
+
+def rank_backend(device: str, world_size: int) -> str:
+    """The process-group backend for ``world_size`` local rank processes on ``device``:
+    NCCL with a GPU per rank; gloo on CPU and when ranks share GPUs (NCCL refuses two
+    ranks on one GPU; gloo carries CUDA tensors through the host)."""
+    import torch
+
+    if device == "cuda" and torch.cuda.device_count() >= world_size:
+        return "nccl"
+    return "gloo"
+
+
+@contextlib.contextmanager
+def shared_gpu_mps(device: str, world_size: int) -> Iterator[str | None]:
+    """Around a :func:`run_ranks` call: when ``world_size`` CUDA ranks share GPUs, make sure
+    NVIDIA MPS runs (so they run concurrently) and quit it afterwards if this started it.
+    Yields ``None`` when MPS runs or is not needed, else why it could not start."""
+    import torch
+
+    if device != "cuda" or torch.cuda.device_count() >= world_size:
+        yield None
+        return
+    daemon = MPSDaemon()
+    note = daemon.start()
+    try:
+        yield note
+    finally:
+        daemon.stop()

@@ -9,12 +9,30 @@ from __future__ import annotations
 
 import argparse
 import importlib
+from typing import Any, Sequence
 
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "exchange": ("tpspec.bench.exchange", "LL exchange vs all-gather of keys vs all-gather of full logits"),
     "step": ("tpspec.bench.step", "one speculative decode step: sharded selection vs full-logit gather"),
     "generate": ("tpspec.bench.generate", "end-to-end tokens/s with and without speculation"),
 }
+
+
+def number_list(text: str | None, default: Sequence[Any], *, option: str, kind: type = int,
+                minimum: float = 1) -> list[Any]:
+    """The comma-separated numbers of a command-line ``option`` (``default`` when it is not
+    given); ``SystemExit`` naming the option for anything else than ``kind`` values >= ``minimum``."""
+    if text is None:
+        return list(default)
+    what = "integers" if kind is int else "numbers"
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise SystemExit(f"{option}: expected comma-separated {what}, got {text!r}") from None
+    if not values or min(values) < minimum:
+        bound = f"positive {what}" if minimum == 1 else f"{what} >= {minimum:g}"
+        raise SystemExit(f"{option}: expected {bound}, got {text!r}")
+    return values
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

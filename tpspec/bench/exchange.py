@@ -25,74 +25,18 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import shutil
 import statistics
-import subprocess
 import time
 from typing import Any, Callable
 
 import torch
 
-from . import report
+from . import number_list, report
 
 DEFAULT_ROWS = (1, 8, 64, 256)
 DEFAULT_WIDTHS = (16384, 32768, 65536)
 QUICK_ROWS = (1, 8)
 QUICK_WIDTHS = (1024, 4096)
-MPS_PIPE_ENV = "CUDA_MPS_PIPE_DIRECTORY"
-MPS_LOG_ENV = "CUDA_MPS_LOG_DIRECTORY"
-
-
-# ------------------------------------------------------------------------------ MPS
-
-class MPSDaemon:
-    """Start NVIDIA MPS so rank processes sharing one GPU run concurrently.
-
-    Without MPS the GPU time-slices between processes and every cross-process wait
-    costs a slice (~2 ms). ``start()`` returns ``None`` when MPS runs (already, or
-    started now) or the reason it could not start; ``stop()`` quits only a daemon this
-    object started. Must run before this process touches CUDA; children inherit the
-    environment it sets.
-    """
-
-    def __init__(self, pipe_dir: str = "/tmp/tpspec-mps", log_dir: str = "/tmp/tpspec-mps-log") -> None:
-        self.pipe_dir = os.environ.get(MPS_PIPE_ENV) or pipe_dir
-        self.log_dir = os.environ.get(MPS_LOG_ENV) or log_dir
-        self.started = False
-
-    def running(self) -> bool:
-        return os.path.exists(os.path.join(self.pipe_dir, "control"))
-
-    def start(self) -> str | None:
-        os.environ[MPS_PIPE_ENV] = self.pipe_dir
-        os.environ[MPS_LOG_ENV] = self.log_dir
-        if self.running():
-            return None
-        binary = shutil.which("nvidia-cuda-mps-control")
-        if binary is None:
-            return "nvidia-cuda-mps-control is not on PATH"
-        os.makedirs(self.pipe_dir, exist_ok=True)
-        os.makedirs(self.log_dir, exist_ok=True)
-        try:
-            result = subprocess.run([binary, "-d"], capture_output=True, text=True, timeout=30)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            return f"nvidia-cuda-mps-control -d failed: {exc}"
-        if result.returncode != 0:
-            return f"nvidia-cuda-mps-control -d exited {result.returncode}: {result.stderr.strip()}"
-        for _ in range(50):
-            if self.running():
-                self.started = True
-                return None
-            time.sleep(0.1)
-        return f"MPS control pipe did not appear in {self.pipe_dir}"
-
-    def stop(self) -> None:
-        if not self.started:
-            return
-        binary = shutil.which("nvidia-cuda-mps-control")
-        if binary:
-            subprocess.run([binary], input="quit\n", text=True, capture_output=True, timeout=30)
-        self.started = False
 
 
 # --------------------------------------------------------------------------- timing
@@ -410,38 +354,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before the rank processes are killed")
 
 
-def _ints(text: str | None, default: tuple[int, ...]) -> tuple[int, ...]:
-    if not text:
-        return default
-    try:
-        values = tuple(int(v) for v in text.split(","))
-    except ValueError:
-        raise SystemExit(f"expected comma-separated integers, got {text!r}") from None
-    if any(v < 1 for v in values):
-        raise SystemExit(f"expected positive integers, got {text!r}")
-    return values
-
-
 def run(args: argparse.Namespace) -> int:
-    from ..testing import run_ranks
+    from ..testing import run_ranks, shared_gpu_mps
 
     if args.tp < 1:
         raise SystemExit("--tp must be >= 1")
-    device = args.device
-    mps = MPSDaemon()
-    mps_note = None
-    if device != "cpu":
-        mps_note = mps.start()  # before this process touches CUDA
-        if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        if device == "cuda" and not torch.cuda.is_available():
-            raise SystemExit("--device cuda: no CUDA device")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device")
     quick = args.quick
     cfg = dict(
         device=device,
         logits=args.logits,
-        rows=_ints(args.rows, QUICK_ROWS if quick else DEFAULT_ROWS),
-        widths=_ints(args.widths, QUICK_WIDTHS if quick else DEFAULT_WIDTHS),
+        rows=number_list(args.rows, QUICK_ROWS if quick else DEFAULT_ROWS, option="--rows"),
+        widths=number_list(args.widths, QUICK_WIDTHS if quick else DEFAULT_WIDTHS, option="--widths"),
         calls=max(1, args.calls_per_graph if not quick else min(args.calls_per_graph, 5)),
         replays=max(1, args.replays if not quick else min(args.replays, 5)),
         iters=max(1, args.iters if not quick else min(args.iters, 10)),
@@ -449,12 +375,10 @@ def run(args: argparse.Namespace) -> int:
     )
     gpus = torch.cuda.device_count() if device == "cuda" else 0
     ag_label = "gloo"  # the rank processes are bootstrapped with gloo (NCCL refuses ranks sharing a GPU)
-    if device == "cuda" and mps_note is not None and args.tp > gpus:
-        print(f"warning: MPS is not running ({mps_note}); ranks sharing a GPU will time-slice (~ms per exchange)")
-    try:
+    with shared_gpu_mps(device, args.tp) as mps_note:
+        if mps_note is not None:
+            print(f"warning: MPS is not running ({mps_note}); ranks sharing a GPU will time-slice (~ms per exchange)")
         per_rank = run_ranks(_bench_worker, args.tp, cfg, backend="gloo", timeout_s=args.timeout)
-    finally:
-        mps.stop()
     table, extras = summarize(per_rank, args.tp, ag_label)
     meta = dict(cfg, tp=args.tp, gpus=gpus, mps=(mps_note is None) if device == "cuda" else None,
                 mps_note=mps_note, allgather_backend=ag_label, **extras,

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import report
+from . import number_list, report
 
 FORCE_ENV = "TPSPEC_FORCE_NUM_ACCEPTED_TOKENS"
 DEFAULT_RATES = (0.0, 1.5, 3.0)
@@ -145,25 +145,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds before the run is abandoned")
 
 
-def _rates(text: str | None) -> list[float]:
-    if text is None:
-        return list(DEFAULT_RATES)
-    try:
-        values = [float(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise SystemExit(f"tpspec bench generate: --rates must be comma-separated numbers, got {text!r}") from None
-    if any(v < 0 for v in values):
-        raise SystemExit(f"tpspec bench generate: --rates must be >= 0, got {text!r}")
-    return values
-
-
 def run(args: argparse.Namespace) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("tpspec bench generate: --device cuda but no CUDA device is visible")
     if args.draft_len < 1:
         raise SystemExit("tpspec bench generate: --draft-len must be >= 1")
-    rates = _rates(args.rates)
+    rates = number_list(args.rates, DEFAULT_RATES, option="tpspec bench generate: --rates", kind=float, minimum=0)
     tp = int(os.environ.get("WORLD_SIZE", "1")) if args.launcher == "torchrun" else args.tp
     if tp < 1:
         raise SystemExit("tpspec bench generate: --tp must be >= 1")
@@ -178,21 +166,12 @@ def run(args: argparse.Namespace) -> int:
     configs: list[tuple[dict, float | None]] = [(dict(cfg, draft_len=0), None)]
     configs += [(dict(cfg, draft_len=args.draft_len), rate) for rate in rates]
     if args.launcher == "mp":
-        from ..testing import run_ranks
+        from ..testing import rank_backend, run_ranks, shared_gpu_mps
 
         spmd = [(dict(c, launcher="torchrun"), rate) for c, rate in configs]
-        backend = "nccl" if device == "cuda" and torch.cuda.device_count() >= tp else "gloo"
-        mps = None
-        if device == "cuda" and backend == "gloo":  # ranks share GPUs: let them run concurrently
-            from .exchange import MPSDaemon
-
-            mps = MPSDaemon()
-            mps.start()
-        try:
-            per_config = run_ranks(_spmd_worker, tp, spmd, backend=backend, timeout_s=args.timeout)[0]
-        finally:
-            if mps is not None:
-                mps.stop()
+        with shared_gpu_mps(device, tp):  # ranks sharing GPUs run concurrently
+            per_config = run_ranks(_spmd_worker, tp, spmd, backend=rank_backend(device, tp),
+                                   timeout_s=args.timeout)[0]
     else:  # torchrun: every rank runs this; ray: this driver drives the actors
         per_config = run_configs(configs)
     results = [(name, rate, c["draft_len"], res) for name, (c, rate), res in zip(names, configs, per_config)]

@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import report
+from . import number_list, report
 
 DEFAULT_BATCHES = (1, 8, 32)
 QUICK_BATCHES = (1, 4)
@@ -238,20 +238,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds before the ranks are killed")
 
 
-def _ints(text: str | None, default: tuple[int, ...]) -> list[int]:
-    if text is None:
-        return list(default)
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise SystemExit(f"tpspec bench step: expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise SystemExit(f"tpspec bench step: values must be positive integers, got {text!r}")
-    return values
-
-
 def run(args: argparse.Namespace) -> int:
-    from ..testing import run_ranks
+    from ..testing import rank_backend, run_ranks, shared_gpu_mps
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
@@ -267,7 +255,8 @@ def run(args: argparse.Namespace) -> int:
         "model": resolve_model(args.model, vocab),
         "device": device,
         "dtype": dtype,
-        "batches": _ints(args.batch, QUICK_BATCHES if args.quick else DEFAULT_BATCHES),
+        "batches": number_list(args.batch, QUICK_BATCHES if args.quick else DEFAULT_BATCHES,
+                               option="tpspec bench step: --batch"),
         "draft_len": args.draft_len,
         "context_len": args.context_len or (16 if args.quick else 128),
         "modes": modes,
@@ -276,20 +265,9 @@ def run(args: argparse.Namespace) -> int:
         "iters": args.iters or (3 if args.quick else (20 if device == "cuda" else 5)),
         "warmup": args.warmup if args.warmup is not None else (1 if args.quick else 3),
     }
-    backend, mps_note, mps = "gloo", None, None
-    if device == "cuda":
-        if torch.cuda.device_count() >= args.tp:
-            backend = "nccl"
-        else:  # several ranks per GPU: NCCL refuses, gloo carries CUDA tensors; MPS lets them run concurrently
-            from .exchange import MPSDaemon
-
-            mps = MPSDaemon()
-            mps_note = mps.start()
-    try:
+    backend = rank_backend(device, args.tp)
+    with shared_gpu_mps(device, args.tp) as mps_note:
         per_rank = run_ranks(_step_worker, args.tp, cfg, backend=backend, timeout_s=args.timeout)
-    finally:
-        if mps is not None:
-            mps.stop()
     rows, equal = summarize(per_rank, args.draft_len)
     from ..model.config import ModelConfig
 
