@@ -204,6 +204,27 @@ def test_gumbel_bucket_table_bounds_the_noise_of_every_word_sampled():
         assert lo <= word <= hi
 
 
+def test_gumbel_bucket_midpoints_decrease_as_the_word_grows():
+    """The kernel bounds a whole quad by its smallest word's bucket: that needs G to be
+    non-increasing over the buckets taken in word order (the noise decreases in h)."""
+    table = K.gumbel_bound_table()
+    used = []
+    for index in range(2 * K.GUMBEL_BUCKETS_PER_HALF):
+        lo, hi = K._bucket_word_range(index)
+        if lo >= 0:
+            used.append((lo, hi, float(table[index])))
+    used.sort()
+    assert used[0][0] == 0 and used[-1][1] == K.MASK32
+    for (lo_a, hi_a, g_a), (lo_b, _, g_b) in zip(used, used[1:]):
+        assert hi_a + 1 == lo_b  # consecutive word intervals, no gaps or overlaps
+        assert g_b <= g_a
+    # The same through the kernel's index function, on words around every bucket edge.
+    edges = torch.tensor(sorted({max(0, min(K.MASK32, e + d)) for lo, hi, _ in used for e in (lo, hi)
+                                 for d in (-1, 0, 1)}), dtype=torch.int64)
+    g = table[K.gumbel_bucket_index(edges)]
+    assert bool((g[1:] <= g[:-1]).all())
+
+
 def _pruning_rows() -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(5)
     width = 2048
@@ -257,6 +278,15 @@ def test_gumbel_pruning_bounds_hold_for_the_exact_scores(dtype):
         hi32 = (a + w).to(torch.float32).to(torch.float64)
         ok = ~finite | ((exact >= lo32) & (exact <= hi32))
         assert bool(ok.all()), f"T={temp}: estimate bound broken at {(~ok).nonzero()[:5].tolist()}"
+        # A quad (4 columns of one Philox block) is bounded by its largest t plus G of its
+        # smallest word: every exact score of the quad lies below that estimate's A + W.
+        quad_t = t.nan_to_num(nan=float("inf")).view(rows, -1, 4).amax(dim=2)
+        quad_h = words.view(rows, -1, 4).amin(dim=2)
+        a_quad = quad_t + table[K.gumbel_bucket_index(quad_h)].to(torch.float64)
+        hi_quad = (a_quad + c0 + rel_err * a_quad.abs()).to(torch.float32).to(torch.float64)
+        quad_finite = finite.view(rows, -1, 4).all(dim=2)
+        ok = ~quad_finite | (exact.view(rows, -1, 4).amax(dim=2) <= hi_quad)
+        assert bool(ok.all()), f"T={temp}: quad bound broken at {(~ok).nonzero()[:5].tolist()}"
         best_case = t + noise_max + abs_err + rel_err * t.abs()
         ok = ~finite | (exact <= best_case.to(torch.float32).to(torch.float64))
         assert bool(ok.all()), f"T={temp}: skip bound broken"
