@@ -55,7 +55,6 @@ def test_source_constants_match_the_torch_reference():
     for name, value in expected.items():
         assert defines.get(name) == value, f"{name}: source has {defines.get(name)!r}, keys.py {value:#x}"
     assert f"#define LL_THREADS {cuda_module.THREADS_PER_BLOCK}" in source
-    assert f"#define SAMPLED_PACKS {L.SAMPLED_PACKS}" in source
     assert f"#define GUMBEL_TABLE_SIZE {2 * K.GUMBEL_BUCKETS_PER_HALF}" in source
     assert f"#define GUMBEL_SUB_BITS {K.GUMBEL_BUCKET_SUB_BITS}" in source
     for name, value in (("GUMBEL_ABS_ERROR", K.GUMBEL_BOUND_ABS_ERROR), ("GUMBEL_REL_ERROR", K.GUMBEL_BOUND_REL_ERROR)):

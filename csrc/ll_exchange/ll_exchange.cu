@@ -161,6 +161,44 @@ __device__ __forceinline__ Words4 philox4x32_10(u32 c0, u32 c1, u32 c2, u32 c3, 
     return w;
 }
 
+// Philox4x32-10 with the key schedule (round r's key words) computed once by the caller.
+struct PhiloxKeys {
+    u32 k0[10], k1[10];
+};
+
+// The moves are opaque to the compiler, so it keeps the 20 words in registers instead of
+// recomputing them with two adds per round of every Philox block.
+__device__ __forceinline__ u32 kept(u32 v) {
+    u32 r;
+    asm volatile("mov.b32 %0, %1;" : "=r"(r) : "r"(v));
+    return r;
+}
+
+__device__ __forceinline__ PhiloxKeys philox_keys(u32 k0, u32 k1) {
+    PhiloxKeys keys;
+#pragma unroll
+    for (int round = 0; round < 10; ++round) {
+        keys.k0[round] = kept(k0 + (u32)round * PHILOX_W0);
+        keys.k1[round] = kept(k1 + (u32)round * PHILOX_W1);
+    }
+    return keys;
+}
+
+__device__ __forceinline__ Words4 philox4x32_10(u32 c0, u32 c1, u32 c2, u32 c3, const PhiloxKeys& keys) {
+#pragma unroll
+    for (int round = 0; round < 10; ++round) {
+        u32 hi0 = __umulhi(PHILOX_M0, c0), lo0 = PHILOX_M0 * c0;
+        u32 hi1 = __umulhi(PHILOX_M1, c2), lo1 = PHILOX_M1 * c2;
+        u32 n0 = hi1 ^ c1 ^ keys.k0[round], n2 = hi0 ^ c3 ^ keys.k1[round];
+        c0 = n0;
+        c1 = lo1;
+        c2 = n2;
+        c3 = lo0;
+    }
+    Words4 w = {c0, c1, c2, c3};
+    return w;
+}
+
 __device__ __forceinline__ u32 pick_word(const Words4& w, u32 k) {
     return k == 0 ? w.w0 : (k == 1 ? w.w1 : (k == 2 ? w.w2 : w.w3));
 }
@@ -300,89 +338,105 @@ __device__ __forceinline__ u32 next_epoch(u32 e) { return e == 0xffffffffu ? 2u 
 
 // Bitmask of ranks whose lines never arrived in this call (the waiting threads OR into it).
 __shared__ u64 s_missing_ranks;
+// Every rank's slot area of the channel (peer_slots, copied at kernel start).
+__shared__ u64 s_peer_slots[LL_MAX_WORLD];
 
 // What the exchange needs from memory, loaded at the start of a kernel so the loads
 // overlap the kernel's other loads instead of delaying the publish.
 struct ExchangeStart {
     u32 epoch;          // this call's epoch
     u32 failed_before;  // the channel had already timed out: do not wait
-    u64 peer;           // slot area of rank threadIdx.x % world (this thread's publish target)
 };
 
 __device__ __forceinline__ ExchangeStart exchange_prologue(const Exchange& x) {
     ExchangeStart start;
     start.epoch = *(volatile u32*)&x.ctrl->epoch;  // same word for every thread: one broadcast load per warp
     start.failed_before = *(volatile u32*)&x.ctrl->error;
-    start.peer = x.peer_slots[threadIdx.x % x.world];
+    for (int r = threadIdx.x; r < x.world; r += blockDim.x) s_peer_slots[r] = x.peer_slots[r];
     if (threadIdx.x == 0) s_missing_ranks = 0ull;
     return start;
 }
 
+// WAIT_BATCH: lines a waiting thread keeps in flight at once; its loads are issued
+// together, so a poll costs one memory round trip, not one per line (8 in the exchange
+// kernel; 4 in the fused kernel, whose register budget is set by its row reduction).
+
 // Run by exactly one block after exchange_prologue. s_keys[row] holds this rank's
 // unsigned key of each row (written by this block; this function syncs before reading).
-// Publishes them to every rank, waits for every rank's, writes out[row] (the signed max
-// key, or its token when want_tokens), advances the epoch and, when asked, the step
-// counter.
-__device__ void exchange_rows(const Exchange& x, const ExchangeStart& start, const u64* s_keys, int rows, i64* out,
-                              int want_tokens, i64* step_counter, int advance_step) {
+// Publishes them to every other rank, waits for every other rank's, writes out[row]
+// (the signed max key, or its token when want_tokens; -1 for a row whose lines did not
+// all arrive), advances the epoch and, when asked, the step counter. One thread per row
+// throughout: no index arithmetic beyond a stride, no shared atomics.
+template <int WAIT_BATCH>
+__device__ void exchange_rows(const Exchange& x, const ExchangeStart& start, const u64* s_keys, int rows,
+                              i64* out, int want_tokens, i64* step_counter, int advance_step) {
     __syncthreads();
     const u32 epoch = start.epoch;
     const int parity = (int)(epoch & 1u);
-    const int world = x.world;
-    // With blockDim a multiple of world a thread always publishes to the same rank.
-    const bool fixed_target = (blockDim.x % (unsigned)world) == 0u;
+    const int world = x.world, peers = world - 1;  // a rank's own key never travels
 
-    // Publish: one 16-byte line per (row, destination rank).
-    for (int i = threadIdx.x; i < rows * world; i += blockDim.x) {
-        int row = i / world, dst = i - row * world;
-        u64 key = s_keys[row];
-        u64 base = fixed_target ? start.peer : x.peer_slots[dst];
-        store_line(slot_address(base, parity, x.rank, row, world, x.max_rows), (u32)key, epoch, (u32)(key >> 32),
-                   epoch);
+    // Publish: a 16-byte line per other rank (a warp writes consecutive slots of each peer).
+    for (int row = threadIdx.x; row < rows; row += blockDim.x) {
+        const u64 key = s_keys[row];
+        for (int d = 0; d < peers; ++d) {
+            const int dst = d + (d >= x.rank ? 1 : 0);
+            store_line(slot_address(s_peer_slots[dst], parity, x.rank, row, world, x.max_rows), (u32)key, epoch,
+                       (u32)(key >> 32), epoch);
+        }
     }
 
-    // Wait for every rank's line of each row; one thread per row, all its loads in flight.
-    const u64 own = x.peer_slots[x.rank];
-    const u64 everyone = world >= 64 ? ~0ull : ((1ull << world) - 1ull);
+    // Wait: the same thread per row; the lines of up to WAIT_BATCH peers in flight at once.
+    const u64 own = s_peer_slots[x.rank];
     const bool fail_fast = start.failed_before != 0u;
     for (int row = threadIdx.x; row < rows; row += blockDim.x) {
-        u64 best = 0ull, pending = everyone;
-        u64 begin_ns = 0ull;
-        bool started = false;
-        while (pending) {
-            for (int src = 0; src < world; ++src) {
-                if (!((pending >> src) & 1ull)) continue;
-                uint4 v = load_line(slot_address(own, parity, src, row, world, x.max_rows));
-                if (v.y == epoch && v.w == epoch) {
-                    u64 key = ((u64)v.z << 32) | (u64)v.x;
-                    best = key > best ? key : best;
-                    pending &= ~(1ull << src);
+        u64 best = s_keys[row];
+        u64 missing = 0ull;
+        for (int first = 0; first < peers; first += WAIT_BATCH) {
+            u32 pending = 0u;
+#pragma unroll
+            for (int j = 0; j < WAIT_BATCH; ++j) {
+                if (first + j < peers) pending |= 1u << j;
+            }
+            u64 begin_ns = 0ull;
+            bool started = false;
+            while (pending) {
+                uint4 v[WAIT_BATCH];
+#pragma unroll
+                for (int j = 0; j < WAIT_BATCH; ++j) {
+                    const int src = first + j + (first + j >= x.rank ? 1 : 0);
+                    if ((pending >> j) & 1u) v[j] = load_line(slot_address(own, parity, src, row, world, x.max_rows));
+                }
+#pragma unroll
+                for (int j = 0; j < WAIT_BATCH; ++j) {
+                    if (((pending >> j) & 1u) && v[j].y == epoch && v[j].w == epoch) {
+                        const u64 key = ((u64)v[j].z << 32) | (u64)v[j].x;
+                        best = key > best ? key : best;
+                        pending &= ~(1u << j);
+                    }
+                }
+                if (!pending || fail_fast) break;
+                const u64 now = global_timer_ns();
+                if (!started) {
+                    begin_ns = now;
+                    started = true;
+                } else if (now - begin_ns > x.timeout_ns || *(volatile u32*)&x.ctrl->error) {
+                    break;
                 }
             }
-            if (!pending) break;
-            if (fail_fast) break;
-            u64 now = global_timer_ns();
-            if (!started) {
-                begin_ns = now;
-                started = true;
-            } else if (now - begin_ns > x.timeout_ns || *(volatile u32*)&x.ctrl->error) {
-                break;
+#pragma unroll
+            for (int j = 0; j < WAIT_BATCH; ++j) {
+                if ((pending >> j) & 1u) missing |= 1ull << (first + j + (first + j >= x.rank ? 1 : 0));
             }
         }
-        i64 result;
-        if (pending) {
-            atomicOr(&s_missing_ranks, pending);
-            result = -1;
-        } else {
-            i64 key = (i64)(best ^ 0x8000000000000000ull);
-            result = want_tokens ? (i64)(0xffffffffull - (best & 0xffffffffull)) : key;
-        }
-        out[row] = result;
+        if (missing) atomicOr(&s_missing_ranks, missing);
+        out[row] = missing ? -1
+                           : (want_tokens ? (i64)(0xffffffffull - (best & 0xffffffffull))
+                                          : (i64)(best ^ 0x8000000000000000ull));
     }
     __syncthreads();
 
+    const u64 missing = s_missing_ranks;
     if (threadIdx.x == 0) {
-        u64 missing = s_missing_ranks;
         if (missing && !fail_fast) {
             if (atomicCAS(&x.ctrl->error, 0u, 1u) == 0u) {
                 x.ctrl->error_epoch = epoch;
@@ -424,7 +478,7 @@ extern "C" __global__ void __launch_bounds__(LL_THREADS) ll_exchange_keys(
         }
         s_keys[row] = ukey;
     }
-    exchange_rows(x, start, s_keys, rows, out, want_tokens, (i64*)0, 0);
+    exchange_rows<8>(x, start, s_keys, rows, out, want_tokens, (i64*)0, 0);
 }
 
 // ------------------------------------------------------------ fused argmax_logits kernel
@@ -542,20 +596,33 @@ __device__ __forceinline__ u64 greedy_span(const typename Elem<DTYPE>::raw* row_
     return ((u64)best_order << 32) | (u64)(0xffffffffu - (column0 + (u32)(best_base + first)));
 }
 
-// --- sampled rows: Philox for every column is unavoidable, the exact portable score is
-// not. Per tile (SAMPLED_PACKS packs per thread, kept in registers):
-//   1. X = the tile's largest logit; its column scores at least L0 = X/T + noise_min - err,
-//      so a column whose best case t + noise_max + err stays below L0 cannot win and
-//      skips Philox too (columns more than about 26 * T below the top logit);
-//   2. every other column gets the estimate A = t + G[bucket(h)], t = x * (1/T), whose
-//      exact score lies in [A - W, A + W], W = C0 + REL * |A| (keys.gumbel_bound_table);
-//   3. L = max(L0, max over the tile of A - W); only columns with A + W >= L can win, and
-//      only they get the exact portable score (a handful per tile).
-// Decisions are per quad (4 columns, one Philox block): A - W is increasing in A, so a
-// quad's largest estimate carries its contribution to L and decides whether it survives.
+// --- sampled rows: SPEC §2 fixes the noise (Philox4x32-10 of the global column), so
+// every column that could win needs its Philox block; the exact portable score is needed
+// only by the few columns that can still win. The estimate of a column is
+// A = t + G[bucket(h)], t = x * (1/T), h its Philox word; its exact score lies in
+// [A - W(A), A + W(A)], W(A) = C0 + REL * |A| (keys.gumbel_bound_table). A + W(A) and
+// A - W(A) are increasing in A. `low` is a lower bound of the row's best exact score:
+// the best key of the row's finished blocks (seeded into s_low), the warp's largest logit
+// X of the tile (its column scores at least X/T + noise_min - err), and A - W(A) of
+// columns estimated so far; warps share it through s_low. Per tile (SAMPLED_PACKS 16-byte
+// packs a thread, in registers, the next tile already loading), per quad (4 columns, one
+// Philox block):
+//   pass 1. a quad whose best case max t + noise_max + err is below low cannot win and
+//      skips Philox (columns far below the top logit). Otherwise: the noise and
+//      G[bucket(h)] both decrease as h grows (G holds the midpoints of consecutive word
+//      intervals), so A_q = max t + G[bucket(min h)] is at least every estimate of the
+//      quad, and the column holding min h has the quad's largest noise: its A - W(A)
+//      raises low. Then low becomes the warp's maximum (and goes to s_low).
+//   pass 2. quads with A_q + W(A_q) >= low (a few per warp) get per-column estimates;
+//      every column with A + W(A) >= low is listed (s_survivors).
+// Once the block's tiles are done, each listed column still at or above the block's
+// final low gets the exact portable score. The winner always does: its score is at least
+// every lower bound and at most its own A + W(A) and its quad's A_q + W(A_q).
+// The set of exactly scored columns depends on timing (how far s_low has risen), the
+// result does not: it is the largest exact key, and the winner is always among them.
 // The bound is relative, so it holds for every finite t (an overflowing bound rounds
-// outward to +-inf); quads holding a NaN or a t above 1e37 are scored exactly, -inf
-// columns can only win when every column is -inf (then L is -inf and all are scored).
+// outward to +-inf); quads holding a NaN or a t above 1e37 are scored exactly; -inf
+// columns can only win when every column is -inf (then low stays -inf and all are scored).
 #define SAMPLED_PACKS 2
 #define GUMBEL_TABLE_SIZE 528  // 2 * keys.GUMBEL_BUCKETS_PER_HALF
 #define GUMBEL_SUB_BITS 3
@@ -577,31 +644,36 @@ __device__ __forceinline__ float bound_error(float t) {  // ABS + REL * |t|
     return GUMBEL_ABS_ERROR + GUMBEL_REL_ERROR * fabsf(t);
 }
 
-__device__ __forceinline__ float warp_max_f32(float v, bool propagate_nan) {
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-        float o = __shfl_xor_sync(0xffffffffu, v, off);
-        v = propagate_nan ? f_max_nan(v, o) : fmaxf(v, o);
-    }
-    return v;
+// Pruning arithmetic, -inf kept as -inf (a plain -inf + inf would give NaN).
+__device__ __forceinline__ float best_case(float t, float noise_max) {  // >= every exact score of t
+    return t == -__int_as_float(0x7f800000) ? t : t + noise_max + bound_error(t);
+}
+__device__ __forceinline__ float upper_bound(float a, float c0) {  // A + W(A)
+    return a == -__int_as_float(0x7f800000) ? a : a + (c0 + GUMBEL_REL_ERROR * fabsf(a));
+}
+__device__ __forceinline__ float lower_bound(float a, float c0) {  // A - W(A)
+    return a - (c0 + GUMBEL_REL_ERROR * fabsf(a));
 }
 
-// Maximum of v over the block, returned to every thread (NaN wins when propagate_nan,
-// NaN is ignored otherwise).
-__device__ float block_max_f32(float v, bool propagate_nan) {
-    __shared__ float s_part[LL_THREADS / 32];
-    __shared__ float s_result;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    v = warp_max_f32(v, propagate_nan);
-    if (lane == 0) s_part[warp] = v;
-    __syncthreads();
-    if (warp == 0) {
-        v = lane < (int)(blockDim.x >> 5) ? s_part[lane] : -__int_as_float(0x7f800000);
-        v = warp_max_f32(v, propagate_nan);
-        if (lane == 0) s_result = v;
-    }
-    __syncthreads();
-    return s_result;
+// Order-preserving int of a non-NaN float (signed compare), and back.
+__device__ __forceinline__ int ordered_int(float f) {
+    const int i = __float_as_int(f);
+    return i >= 0 ? i : i ^ 0x7fffffff;
+}
+__device__ __forceinline__ float from_ordered_int(int i) { return __int_as_float(i >= 0 ? i : i ^ 0x7fffffff); }
+
+// Canonical float bits back from ordered_high (inverse of ordered_high).
+__device__ __forceinline__ u32 canonical_from_ordered(u32 o) { return (o & 0x80000000u) ? (o & 0x7fffffffu) : ~o; }
+
+__device__ __forceinline__ int warp_max_i32(int v) {  // every lane of the warp must call
+    int r;
+    asm volatile("redux.sync.max.s32 %0, %1, 0xffffffff;" : "=r"(r) : "r"(v));
+    return r;
+}
+__device__ __forceinline__ u32 warp_max_u32(u32 v) {
+    u32 r;
+    asm volatile("redux.sync.max.u32 %0, %1, 0xffffffff;" : "=r"(r) : "r"(v));
+    return r;
 }
 
 // Canonical float32 bits of value i (0 <= i < VEC, a run-time index) of a pack.
@@ -615,20 +687,68 @@ __device__ __forceinline__ u32 pack_value_at(const uint4& p, int i) {
     return canonical_bits(Elem<DTYPE>::bits((typename Elem<DTYPE>::raw)half));
 }
 
-// Per tile, [quad][thread]: the largest estimate of the thread's quad (4 columns sharing
-// one Philox block); -inf when the quad cannot win, +inf when it must be scored exactly.
-__shared__ float s_quad_estimates[SAMPLED_PACKS * 2][LL_THREADS];
-
 template <int DTYPE>
 __device__ __forceinline__ float widened(const uint4& pack, int i) {  // value i as float32 (no canonicalization)
     const typename Elem<DTYPE>::raw* vals = (const typename Elem<DTYPE>::raw*)&pack;
     return fbits(Elem<DTYPE>::bits(vals[i]));
 }
 
+__device__ __forceinline__ u32 pack_word(const uint4& p, int w) {
+    return w == 0 ? p.x : (w == 1 ? p.y : (w == 2 ? p.z : p.w));
+}
+
+// Largest value of quad q of a pack as float32, NaN when it holds one (packed maxima for
+// 16-bit types; multiplying by 1/T > 0 keeps the order, so it gives the quad's max t).
+template <int DTYPE>
+__device__ __forceinline__ float quad_max_value(const uint4& p, int q);
+template <>
+__device__ __forceinline__ float quad_max_value<0>(const uint4& p, int q) {
+    return f_max_nan(f_max_nan(fbits(p.x), fbits(p.y)), f_max_nan(fbits(p.z), fbits(p.w)));
+}
+template <>
+__device__ __forceinline__ float quad_max_value<1>(const uint4& p, int q) {
+    const u32 m = bf16x2_max_nan(pack_word(p, 2 * q), pack_word(p, 2 * q + 1));
+    return f_max_nan(fbits(m << 16), fbits(m & 0xffff0000u));
+}
+template <>
+__device__ __forceinline__ float quad_max_value<2>(const uint4& p, int q) {
+    const u32 m = f16x2_max_nan(pack_word(p, 2 * q), pack_word(p, 2 * q + 1));
+    return f_max_nan(fbits(f16_to_f32_bits((u16)(m & 0xffffu))), fbits(f16_to_f32_bits((u16)(m >> 16))));
+}
+
+// The smallest Philox word of a quad and the value (float32) of the column holding it.
+struct MinWord {
+    u32 word;
+    float value;
+};
+template <int DTYPE>
+__device__ __forceinline__ MinWord min_word_column(const uint4& p, int q, const Words4& w) {
+    MinWord m = {w.w0, widened<DTYPE>(p, 4 * q)};
+    const float v1 = widened<DTYPE>(p, 4 * q + 1), v2 = widened<DTYPE>(p, 4 * q + 2);
+    const float v3 = widened<DTYPE>(p, 4 * q + 3);
+    if (w.w1 < m.word) m = {w.w1, v1};
+    if (w.w2 < m.word) m = {w.w2, v2};
+    if (w.w3 < m.word) m = {w.w3, v3};
+    return m;
+}
+
 // Estimate t + G of one column (-inf stays -inf; a NaN t gives NaN, handled per quad).
 __device__ __forceinline__ float column_estimate(float t, u32 word, const float* s_table) {
     return t + s_table[gumbel_bucket(word)];
 }
+
+// The block's lower bound of its row's best exact score (ordered_int), shared by its warps.
+__shared__ int s_low;
+
+// Columns that passed a warp's bound, scored exactly once the block's bound is final (by
+// then most of them are below it). A full list falls back to scoring on the spot.
+#define SURVIVOR_SLOTS 256
+struct Survivor {
+    u32 column, bits, word;  // global column, canonical value bits, Philox word
+    float estimate;          // +inf: must be scored (a NaN or huge t)
+};
+__shared__ Survivor s_survivors[SURVIVOR_SLOTS];
+__shared__ int s_survivor_count;
 
 // Sampled rows whose slice starts at a global column that is a multiple of 4 (so a quad
 // of a pack is one Philox block; the host's vocab offsets are in practice). See above.
@@ -638,95 +758,115 @@ __device__ u64 sampled_span(const typename Elem<DTYPE>::raw* row_ptr, int begin,
     const int VEC = Elem<DTYPE>::per16;
     const int K = SAMPLED_PACKS;
     const int QPP = VEC / 4;  // quads per pack
-    const float NEG_INF = -__int_as_float(0x7f800000);
-    const float POS_INF = __int_as_float(0x7f800000);
     const float c0 = s_table[GUMBEL_TABLE_SIZE];
     const float noise_max = s_table[GUMBEL_TABLE_SIZE + 1];
     const float noise_min = s_table[GUMBEL_TABLE_SIZE + 2];
     const float inv_t = 1.0f / noise.temperature;  // estimates only: any rounding is in the error bound
+    const int stride = (int)blockDim.x * VEC * K;
+    const int lane = (int)(threadIdx.x & 31u);
+    const PhiloxKeys keys = philox_keys(noise.seed_lo, noise.seed_hi);
     u64 best = 0ull;
-    for (int tile = begin; tile < vec_end; tile += (int)blockDim.x * VEC * K) {  // uniform over the block
+    uint4 next[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        const int b = begin + (k * (int)blockDim.x + (int)threadIdx.x) * VEC;
+        next[k] = b < vec_end ? load_pack(row_ptr + b) : make_uint4(0u, 0u, 0u, 0u);
+    }
+    for (int tile = begin; tile < vec_end; tile += stride) {  // uniform over the block
         uint4 packs[K];
         int bases[K];
-        float x_max = NEG_INF;
 #pragma unroll
         for (int k = 0; k < K; ++k) {
+            packs[k] = next[k];
             bases[k] = tile + (k * (int)blockDim.x + (int)threadIdx.x) * VEC;
-            packs[k] = bases[k] < vec_end ? load_pack(row_ptr + bases[k]) : make_uint4(0u, 0u, 0u, 0u);
+            const int b = bases[k] + stride;
+            next[k] = b < vec_end ? load_pack(row_ptr + b) : make_uint4(0u, 0u, 0u, 0u);
         }
+        float low = from_ordered_int(*(volatile int*)&s_low);
+        // The warp's largest logit of the tile (a NaN, ranked highest, gives no bound).
+        u32 top = 0u;
 #pragma unroll
         for (int k = 0; k < K; ++k) {
-            if (bases[k] < vec_end) x_max = f_max_nan(x_max, fbits(pack_max_bits<DTYPE>(packs[k])));
-        }
-        // 1. The lower bound L0 from the tile's largest logit (NaN -> no skipping).
-        const float t_top = block_max_f32(x_max, true) * inv_t;
-        const float low0 = fabsf(t_top) <= HUGE_ESTIMATE ? t_top + noise_min - bound_error(t_top) : NEG_INF;
-        float low = low0;
-        // 2. Estimates, decided per quad (the estimate's lower bound is monotone, so the
-        //    quad's largest estimate carries its contribution to L).
-#pragma unroll
-        for (int k = 0; k < K; ++k) {
-            const uint4 pack = k == 0 ? packs[0] : packs[K - 1];
-            const int base = k == 0 ? bases[0] : bases[K - 1];
-            const bool valid = base < vec_end;
-#pragma unroll
-            for (int q = 0; q < QPP; ++q) {
-                float t[4];
-                float t_quad = NEG_INF;
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    t[i] = widened<DTYPE>(pack, 4 * q + i) * inv_t;
-                    t_quad = f_max_nan(t_quad, t[i]);
-                }
-                // A NaN (its estimate would drop out of the maxima) or a huge score: score exactly.
-                const bool special = !(t_quad <= HUGE_ESTIMATE);
-                const bool needed = valid && (special || !(t_quad + noise_max + bound_error(t_quad) < low0));
-                float quad_max = NEG_INF;
-                if (__any_sync(0xffffffffu, needed)) {  // otherwise no lane needs this quad's noise
-                    const u32 column = column0 + (u32)(base + 4 * q);
-                    const Words4 w = philox4x32_10(column >> 2, 0u, noise.off_lo, noise.off_hi, noise.seed_lo,
-                                                   noise.seed_hi);
-                    quad_max = fmaxf(fmaxf(column_estimate(t[0], w.w0, s_table), column_estimate(t[1], w.w1, s_table)),
-                                     fmaxf(column_estimate(t[2], w.w2, s_table), column_estimate(t[3], w.w3, s_table)));
-                    if (!needed) {
-                        quad_max = NEG_INF;
-                    } else if (special) {
-                        quad_max = POS_INF;
-                    } else {
-                        low = fmaxf(low, quad_max - (c0 + GUMBEL_REL_ERROR * fabsf(quad_max)));
-                    }
-                }
-                s_quad_estimates[k * QPP + q][threadIdx.x] = quad_max;
+            if (bases[k] < vec_end) {
+                const u32 order = ordered_high(canonical_bits(pack_max_bits<DTYPE>(packs[k])));
+                top = order > top ? order : top;
             }
         }
-        // 3. Exact scores for the columns that can still win (a handful per tile).
-        low = block_max_f32(low, false);
-        u32 survivors = 0u;
+        top = warp_max_u32(top);
+        if (top != 0u && top <= ordered_high(0x7f800000u)) {
+            const float t_top = fbits(canonical_from_ordered(top)) * inv_t;
+            if (fabsf(t_top) <= HUGE_ESTIMATE) low = fmaxf(low, t_top + noise_min - bound_error(t_top));
+        }
+        // Pass 1, per quad: the skip rule, then A_q + W(A_q) (what the quad can reach) and
+        // A - W(A) of its smallest word's column (the quad's largest noise), a lower bound
+        // of the row's best score.
+        float reach[K * QPP];
 #pragma unroll
         for (int j = 0; j < K * QPP; ++j) {
-            const float a = s_quad_estimates[j][threadIdx.x];
-            const float high = a == NEG_INF ? NEG_INF : a + (c0 + GUMBEL_REL_ERROR * fabsf(a));
-            if (!(high < low) && bases[j / QPP] < vec_end) survivors |= 1u << j;
+            const int k = j / QPP, q = j - k * QPP;
+            const float t_quad = quad_max_value<DTYPE>(packs[k], q) * inv_t;
+            const bool special = !(t_quad <= HUGE_ESTIMATE);  // NaN or huge: score exactly
+            const bool needed = bases[k] < vec_end && (special || !(best_case(t_quad, noise_max) < low));
+            reach[j] = -__int_as_float(0x7f800000);
+            if (__any_sync(0xffffffffu, needed)) {  // otherwise no lane needs this quad's noise
+                const u32 column = column0 + (u32)(bases[k] + 4 * q);
+                const Words4 w = philox4x32_10(column >> 2, 0u, noise.off_lo, noise.off_hi, keys);
+                const MinWord m = min_word_column<DTYPE>(packs[k], q, w);
+                const float g = s_table[gumbel_bucket(m.word)];
+                if (needed) {
+                    reach[j] = special ? __int_as_float(0x7f800000) : upper_bound(t_quad + g, c0);
+                    if (!special) low = fmaxf(low, lower_bound(m.value * inv_t + g, c0));
+                }
+            }
         }
-        while (survivors) {
-            const int j = __ffs(survivors) - 1;
-            survivors &= survivors - 1u;
+        {  // the warp's bound, and the block's
+            int low_bits = warp_max_i32(ordered_int(low));
+            if (lane == 0) low_bits = max(low_bits, atomicMax(&s_low, low_bits));
+            low = from_ordered_int(__shfl_sync(0xffffffffu, low_bits, 0));
+        }
+        // Pass 2: quads that can still reach low (a few per warp) list every column that can.
+        u32 candidates = 0u, specials = 0u;
+#pragma unroll
+        for (int j = 0; j < K * QPP; ++j) {
+            // (-inf reach passes a -inf low: packs past the span must not)
+            if (bases[j / QPP] < vec_end && !(reach[j] < low)) candidates |= 1u << j;
+            if (reach[j] == __int_as_float(0x7f800000)) specials |= 1u << j;
+        }
+        while (candidates) {
+            const int j = __ffs(candidates) - 1;
+            candidates &= candidates - 1u;
             const int k = j / QPP, first = (j - k * QPP) * 4;
             const uint4 pack = k == 0 ? packs[0] : packs[K - 1];
             const u32 column = column0 + (u32)((k == 0 ? bases[0] : bases[K - 1]) + first);
-            const bool special = s_quad_estimates[j][threadIdx.x] == POS_INF;
-            const Words4 w = philox4x32_10(column >> 2, 0u, noise.off_lo, noise.off_hi, noise.seed_lo, noise.seed_hi);
+            const bool special = (specials >> j) & 1u;
+            const Words4 w = philox4x32_10(column >> 2, 0u, noise.off_lo, noise.off_hi, keys);
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 const u32 bits = pack_value_at<DTYPE>(pack, first + i);
                 const u32 word = pick_word(w, (u32)i);
                 const float est = column_estimate(fbits(bits) * inv_t, word, s_table);
-                const float high = est == NEG_INF ? NEG_INF : est + (c0 + GUMBEL_REL_ERROR * fabsf(est));
-                if (special || !(high < low)) {
-                    const u64 key = make_ukey(gumbel_score_bits(bits, noise.temperature, word), column + (u32)i);
-                    best = key > best ? key : best;
+                if (special || !(upper_bound(est, c0) < low)) {
+                    const int slot = atomicAdd(&s_survivor_count, 1);
+                    if (slot < SURVIVOR_SLOTS) {
+                        s_survivors[slot] = {column + (u32)i, bits, word, special ? __int_as_float(0x7f800000) : est};
+                    } else {
+                        const u64 key = make_ukey(gumbel_score_bits(bits, noise.temperature, word), column + (u32)i);
+                        best = key > best ? key : best;
+                    }
                 }
             }
+        }
+        __syncwarp();  // reconverge here, or the lanes run the next tile's setup apart
+    }
+    // The survivors against the block's final bound, one per thread.
+    __syncthreads();
+    const float final_low = from_ordered_int(*(volatile int*)&s_low);
+    const int listed = min(*(volatile int*)&s_survivor_count, SURVIVOR_SLOTS);
+    for (int i = threadIdx.x; i < listed; i += blockDim.x) {
+        const Survivor sv = s_survivors[i];
+        if (!(upper_bound(sv.estimate, c0) < final_low)) {
+            const u64 key = make_ukey(gumbel_score_bits(sv.bits, noise.temperature, sv.word), sv.column);
+            best = key > best ? key : best;
         }
     }
     return best;
@@ -797,24 +937,42 @@ __device__ void argmax_logits_impl(const void* logits, i64 row_stride, int rows,
     // 16-byte packs over [begin, vec_end) when the rows allow (begin is a multiple of VEC).
     const int vec_end = aligned ? begin + max(0, (end - begin) / VEC) * VEC : begin;
 
-    bool sampled = false;
+    // A row's inputs are loaded side by side, with no branch between them: on a sampled
+    // row each dependent load would add a memory round trip to a latency-bound call.
     float t = 1.0f;
-    if (temperature) {
+    u64 seed = unseeded_seed, offset = 0ull, seen = 0ull;
+    const int TABLE_PER_THREAD = (GUMBEL_TABLE_SIZE + 4 + LL_THREADS - 1) / LL_THREADS;
+    float table_part[TABLE_PER_THREAD];
+    if (temperature) {  // uniform: the call has sampled rows
         t = temperature[row];
-        sampled = f_ge(t, threshold);
-    }
-    u64 best;
-    if (sampled) {
-        u64 seed, offset;
         if (seeds) {
             seed = (u64)seeds[row];
             offset = (u64)offsets[row];
         } else {
-            seed = unseeded_seed;
             offset = ((u64)(*(volatile i64*)step_counter) << 32) + (u64)row;
         }
+        seen = *(volatile u64*)(scratch + row);
+#pragma unroll
+        for (int k = 0; k < TABLE_PER_THREAD; ++k) {
+            const int i = (int)threadIdx.x + k * LL_THREADS;
+            table_part[k] = i < GUMBEL_TABLE_SIZE + 4 ? gumbel_table[i] : 0.0f;
+        }
+    }
+    const bool sampled = temperature && f_ge(t, threshold);
+    u64 best;
+    if (sampled) {
         RowNoise noise = {t, (u32)seed, (u32)(seed >> 32), (u32)offset, (u32)(offset >> 32)};
-        for (int i = threadIdx.x; i < GUMBEL_TABLE_SIZE + 4; i += blockDim.x) s_table[i] = gumbel_table[i];
+#pragma unroll
+        for (int k = 0; k < TABLE_PER_THREAD; ++k) {
+            const int i = (int)threadIdx.x + k * LL_THREADS;
+            if (i < GUMBEL_TABLE_SIZE + 4) s_table[i] = table_part[k];
+        }
+        if (threadIdx.x == 0) {  // start from the best exact score of the row's finished blocks
+            const u32 order = (u32)(seen >> 32);
+            const bool usable = seen != 0ull && order <= ordered_high(0x7f800000u);  // a key, not NaN
+            s_low = ordered_int(usable ? fbits(canonical_from_ordered(order)) : -__int_as_float(0x7f800000));
+            s_survivor_count = 0;
+        }
         __syncthreads();
         // Pruned packs need quads aligned with Philox blocks; otherwise every column is scored.
         const int packed_end = (column0 & 3u) == 0u ? vec_end : begin;
@@ -848,7 +1006,7 @@ __device__ void argmax_logits_impl(const void* logits, i64 row_stride, int rows,
         scratch[r] = 0ull;
     }
     if (threadIdx.x == 0) ctrl->blocks_done = 0u;
-    exchange_rows(x, start, s_keys, rows, out, want_tokens, step_counter, advance_step);
+    exchange_rows<4>(x, start, s_keys, rows, out, want_tokens, step_counter, advance_step);
 }
 
 #define LL_ARGMAX_LOGITS_KERNEL(NAME, DTYPE)                                                                   \
@@ -867,3 +1025,46 @@ __device__ void argmax_logits_impl(const void* logits, i64 row_stride, int rows,
 LL_ARGMAX_LOGITS_KERNEL(ll_argmax_logits_f32, 0)
 LL_ARGMAX_LOGITS_KERNEL(ll_argmax_logits_bf16, 1)
 LL_ARGMAX_LOGITS_KERNEL(ll_argmax_logits_f16, 2)
+
+// ------------------------------------------------- benchmark reference (not an exchange)
+
+// The floor of a sampled row under SPEC §2's noise, for tpspec bench exchange: read a bf16
+// [rows, cols] slice (cols a multiple of 8, rows 16-byte aligned) the way the fused kernel
+// does (grid = rows * chunks, the same tiles and prefetch) and compute the Philox block of
+// every column, folding the words into out[row] so nothing is optimised away. No scores,
+// no pruning, no exchange.
+extern "C" __global__ void __launch_bounds__(LL_THREADS)
+    ll_philox_floor_bf16(const u16* logits, i64 row_stride, int cols, int chunk, int chunks, u32 seed, u32* out) {
+    const int VEC = 8, K = SAMPLED_PACKS;
+    const int row = blockIdx.x / chunks;
+    const int begin = (blockIdx.x - row * chunks) * chunk;
+    const int end = min(cols, begin + chunk);
+    const u16* row_ptr = logits + (i64)row * row_stride;
+    const int stride = (int)blockDim.x * VEC * K;
+    const PhiloxKeys keys = philox_keys(seed, 0u);  // as the fused kernel computes them
+    u32 acc = 0u;
+    uint4 next[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        const int b = begin + (k * (int)blockDim.x + (int)threadIdx.x) * VEC;
+        next[k] = b < end ? load_pack(row_ptr + b) : make_uint4(0u, 0u, 0u, 0u);
+    }
+    for (int tile = begin; tile < end; tile += stride) {
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            const uint4 pack = next[k];
+            const int base = tile + (k * (int)blockDim.x + (int)threadIdx.x) * VEC;
+            next[k] = base + stride < end ? load_pack(row_ptr + base + stride) : make_uint4(0u, 0u, 0u, 0u);
+            if (base < end) {
+#pragma unroll
+                for (int q = 0; q < 2; ++q) {
+                    const Words4 w = philox4x32_10((u32)(base + 4 * q) >> 2, 0u, (u32)row, 0u, keys);
+                    const u32 folded = (w.w0 ^ w.w1) + (w.w2 ^ w.w3) + pack_word(pack, 2 * q);
+                    acc = folded > acc ? folded : acc;
+                }
+            }
+        }
+    }
+    acc = warp_max_u32(acc);
+    if ((threadIdx.x & 31u) == 0u) atomicMax(out + row, acc);
+}

@@ -11,6 +11,8 @@ width, bf16) and mode (greedy, Gumbel) it times:
                      stage, with its effective HBM bandwidth;
 * ``local_torch``    torch.max + pack (greedy) / keys.local_row_keys (Gumbel): the
                      local stage of the all-gather path;
+* ``local_philox_floor`` (Gumbel) the fused kernel's reads plus the Philox block of
+                     every column and nothing else: the floor SPEC §2's noise sets;
 * ``ag_keys``        torch.max + pack + all-gather of keys (the fallback exchange);
 * ``ag_logits``      all-gather of the full logits slice + argmax (what vLLM/SGLang do).
 
@@ -126,6 +128,26 @@ def bench_logits(rows: int, width: int, kind: str, gen: torch.Generator) -> torc
     raise ValueError(f"unknown logits kind {kind!r} (randn or lm)")
 
 
+def philox_floor_call(ll: Any, cycle: Any, rows: int, width: int) -> Callable[[], None]:
+    """One launch of the source's ``ll_philox_floor_bf16`` over the next bf16 logits of
+    ``cycle``: the fused kernel's reads plus the Philox block of every column, nothing
+    else. SPEC §2 fixes that noise, so no exact sampled kernel can beat this floor."""
+    import numpy as np
+
+    from ..exchange.ll import plan_chunks
+
+    chunk, chunks = plan_chunks(rows, width, 2, ll._num_sms, sampled=True)
+    out = torch.zeros(rows, dtype=torch.int32, device=ll.device)
+
+    def call() -> None:
+        x = next(cycle)
+        ll._launch("ll_philox_floor_bf16", rows * chunks, 0,
+                   (np.uint64(x.data_ptr()), np.int64(x.stride(0)), np.int32(width), np.int32(chunk),
+                    np.int32(chunks), np.uint32(7), np.uint64(out.data_ptr())))
+
+    return call
+
+
 def _bench_worker(rank: int, world_size: int, cfg: dict) -> list[dict]:
     from .. import distributed as D
     from .. import keys as K
@@ -232,6 +254,11 @@ def _bench_worker(rank: int, world_size: int, cfg: dict) -> list[dict]:
                             us, how = _time_eager(torch_local, cfg["ag_iters"], nop, device), "eager"
                         record("local_torch", how, rows, width, mode, us,
                                hbm_gbps=nbytes / us / 1e3, hbm_pct=100 * nbytes / us / 1e3 / copy_gbps)
+                        if mode == "gumbel":
+                            us = _time_graph(philox_floor_call(solo, cycle, rows, width), cfg["calls"],
+                                             cfg["replays"], nop)
+                            record("local_philox_floor", "graph", rows, width, mode, us,
+                                   hbm_gbps=nbytes / us / 1e3, hbm_pct=100 * nbytes / us / 1e3 / copy_gbps)
                     barrier()
                 else:
                     us = _time_eager(torch_local, cfg["iters"], barrier, device)

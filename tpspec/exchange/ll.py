@@ -144,23 +144,19 @@ class BufferLayout:
         return base + self.slots_offset + self.slot_channel_bytes * channel
 
 
-SAMPLED_PACKS = 2  # SAMPLED_PACKS in the source: 16-byte packs a thread holds per sampled tile
-
-
 def plan_chunks(rows: int, cols: int, elem_bytes: int, num_sms: int, sampled: bool) -> tuple[int, int]:
     """Split each row of the fused kernel over blocks: ``(chunk columns, chunks per row)``.
 
     Aims at a few blocks per SM in total (latency-bound small batches spread each row
-    over many blocks). Greedy chunks are multiples of a warp's 16-byte loads so vector
-    loads stay aligned; sampled chunks are multiples of the kernel's tile (every thread
-    holds SAMPLED_PACKS 16-byte packs of it in registers while it prunes).
+    over many blocks; sampled rows, compute-bound, over more). Chunks are multiples of a
+    warp's 16-byte loads, so vector loads stay aligned and quads stay Philox blocks.
     """
     vec = 16 // elem_bytes
     target_blocks = (8 if sampled else 4) * max(1, num_sms)
     per_row = max(1, -(-target_blocks // max(1, rows)))
     chunk = -(-max(cols, 1) // per_row)
     chunk = max(chunk, 1024)
-    quantum = (cuda_module.THREADS_PER_BLOCK * SAMPLED_PACKS if sampled else 32) * vec
+    quantum = 32 * vec
     chunk = -(-chunk // quantum) * quantum
     chunks = max(1, -(-cols // chunk))
     return chunk, chunks
