@@ -12,7 +12,8 @@ width, bf16) and mode (greedy, Gumbel) it times:
 * ``local_torch``    torch.max + pack (greedy) / keys.local_row_keys (Gumbel): the
                      local stage of the all-gather path;
 * ``local_philox_floor`` (Gumbel) the fused kernel's reads plus the Philox block of
-                     every column and nothing else: the floor SPEC §2's noise sets;
+                     every column and nothing else: the floor SPEC §2's noise sets
+                     when no column can be ruled out before its noise;
 * ``ag_keys``        torch.max + pack + all-gather of keys (the fallback exchange);
 * ``ag_logits``      all-gather of the full logits slice + argmax (what vLLM/SGLang do).
 
@@ -131,7 +132,8 @@ def bench_logits(rows: int, width: int, kind: str, gen: torch.Generator) -> torc
 def philox_floor_call(ll: Any, cycle: Any, rows: int, width: int) -> Callable[[], None]:
     """One launch of the source's ``ll_philox_floor_bf16`` over the next bf16 logits of
     ``cycle``: the fused kernel's reads plus the Philox block of every column, nothing
-    else. SPEC §2 fixes that noise, so no exact sampled kernel can beat this floor."""
+    else. SPEC §2 fixes that noise, so where no column can be ruled out before its noise
+    (``--logits randn``), no exact sampled kernel can beat this floor."""
     import numpy as np
 
     from ..exchange.ll import plan_chunks
