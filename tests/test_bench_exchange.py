@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from tpspec.bench.exchange import gumbel_costs
 from tpspec.cli import main
 
 
@@ -21,3 +22,19 @@ def test_bench_exchange_cpu_quick(tmp_path, capsys):
     png = (out / "exchange.png").read_bytes()
     assert png.startswith(b"\x89PNG")
     assert "us_per_call" in capsys.readouterr().out
+
+
+def test_gumbel_costs_are_ratios_to_the_greedy_call_of_the_same_shape():
+    def row(variant, rows, width, mode, us):
+        return {(variant, "graph", rows, width, mode): {"us": us}}
+
+    merged = {}
+    for part in (row("local_fused", 8, 1024, "greedy", 4.0), row("local_fused", 8, 1024, "gumbel", 7.0),
+                 row("local_philox_floor", 8, 1024, "gumbel", 5.0), row("local_fused", 256, 1024, "greedy", 10.0),
+                 row("local_fused", 256, 1024, "gumbel", 30.0), row("local_fused", 1, 1024, "greedy", 3.0),
+                 row("ll_fused", 8, 1024, "gumbel", 99.0)):
+        merged.update(part)
+    costs = gumbel_costs(merged)
+    assert [(c["rows"], c["gumbel_vs_greedy"], c["floor_vs_greedy"]) for c in costs] == [(8, 1.75, 1.25),
+                                                                                          (256, 3.0, None)]
+    assert gumbel_costs({}) == []

@@ -312,7 +312,28 @@ def summarize(per_rank: list[list[dict]], tp: int, ag_label: str) -> tuple[list[
             round(r["hbm_pct"], 1) if "hbm_pct" in r else "",
         ])
     extras["local_fused_streaming"] = streaming_bandwidth(merged, extras.get("copy_bandwidth_GBps"))
+    extras["gumbel_vs_greedy"] = gumbel_costs(merged)
     return table, extras
+
+
+def gumbel_costs(merged: dict[tuple, dict]) -> list[dict]:
+    """Per shape with both local stages graphed: the Gumbel call and the Philox-only floor
+    (when timed) as multiples of the greedy call. Empty on CPU (no fused kernel)."""
+    def us(variant: str, rows: int, width: int, mode: str) -> float | None:
+        r = merged.get((variant, "graph", rows, width, mode))
+        return r["us"] if r and r["us"] > 0 else None
+
+    out = []
+    shapes = sorted({(k[2], k[3]) for k in merged if k[0] == "local_fused" and k[1] == "graph"})
+    for rows, width in shapes:
+        greedy, gumbel = us("local_fused", rows, width, "greedy"), us("local_fused", rows, width, "gumbel")
+        if greedy is None or gumbel is None:
+            continue
+        floor = us("local_philox_floor", rows, width, "gumbel")
+        out.append(dict(rows=rows, width=width, greedy_us=greedy, gumbel_us=gumbel, floor_us=floor,
+                        gumbel_vs_greedy=round(gumbel / greedy, 2),
+                        floor_vs_greedy=round(floor / greedy, 2) if floor is not None else None))
+    return out
 
 
 def streaming_bandwidth(merged: dict[tuple, dict], copy_gbps: float | None) -> list[dict]:
@@ -414,6 +435,9 @@ def run(args: argparse.Namespace) -> int:
                 note="ag_* variants use gloo (NCCL refuses several ranks on one GPU); local_* run on one "
                      "process alone; us_per_call is the slowest rank's")
     report.write_report(args.out, "exchange", columns=COLUMNS, rows=table, meta=meta, plot=_plot(table))
+    for item in extras["gumbel_vs_greedy"]:
+        floor = f", reads + Philox alone {item['floor_vs_greedy']}x" if item["floor_vs_greedy"] is not None else ""
+        print(f"local stage {item['rows']} x {item['width']}: Gumbel {item['gumbel_vs_greedy']}x greedy{floor}")
     for item in extras["local_fused_streaming"]:
         print(f"local stage streaming ({item['mode']}, {item['rows']} rows, slice {item['widths'][0]} -> "
               f"{item['widths'][1]}): {item['GBps']} GB/s ({item['pct_of_copy']} % of copy bandwidth)")
