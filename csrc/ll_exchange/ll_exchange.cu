@@ -607,12 +607,15 @@ __device__ __forceinline__ u64 greedy_span(const typename Elem<DTYPE>::raw* row_
 // columns estimated so far; warps share it through s_low. Per tile (SAMPLED_PACKS 16-byte
 // packs a thread, in registers, the next tile already loading), per quad (4 columns, one
 // Philox block):
-//   pass 1. a quad whose best case max t + noise_max + err is below low cannot win and
-//      skips Philox (columns far below the top logit). Otherwise: the noise and
-//      G[bucket(h)] both decrease as h grows (G holds the midpoints of consecutive word
-//      intervals), so A_q = max t + G[bucket(min h)] is at least every estimate of the
-//      quad, and the column holding min h has the quad's largest noise: its A - W(A)
-//      raises low. Then low becomes the warp's maximum (and goes to s_low).
+//   pass 1. a lane whose best case (its largest t + noise_max + err) is below low cannot
+//      win this tile; when no lane of the warp can, the warp skips Philox for the tile
+//      (columns far below the top logit, the common case). Otherwise every quad gets its
+//      Philox block: the noise and G[bucket(h)] both decrease as h grows (G holds the
+//      midpoints of consecutive word intervals), so A_q = max t + G[bucket(min h)] is at
+//      least every estimate of the quad (a quad of a lane that cannot win has
+//      A_q + W(A_q) <= its best case < low, so pass 2 drops it), and the column holding
+//      min h has the quad's largest noise: its A - W(A) raises low. Then low becomes the
+//      warp's maximum (and goes to s_low).
 //   pass 2. quads with A_q + W(A_q) >= low (a few per warp) get per-column estimates;
 //      every column with A + W(A) >= low is listed (s_survivors).
 // Once the block's tiles are done, each listed column still at or above the block's
@@ -766,57 +769,67 @@ __device__ u64 sampled_span(const typename Elem<DTYPE>::raw* row_ptr, int begin,
     const int lane = (int)(threadIdx.x & 31u);
     const PhiloxKeys keys = philox_keys(noise.seed_lo, noise.seed_hi);
     u64 best = 0ull;
+    // This thread's pack k of a tile is pack_ptr[k * blockDim.x]; the pointer advances a
+    // tile at a time (no per-tile 64-bit address arithmetic).
+    const int thread_base = begin + (int)threadIdx.x * VEC;
+    const int pack_stride = (int)blockDim.x;  // in 16-byte packs
+    const uint4* pack_ptr = (const uint4*)(row_ptr + thread_base);
     uint4 next[K];
 #pragma unroll
     for (int k = 0; k < K; ++k) {
-        const int b = begin + (k * (int)blockDim.x + (int)threadIdx.x) * VEC;
-        next[k] = b < vec_end ? load_pack(row_ptr + b) : make_uint4(0u, 0u, 0u, 0u);
+        next[k] = thread_base + k * pack_stride * VEC < vec_end ? load_pack(pack_ptr + k * pack_stride)
+                                                                : make_uint4(0u, 0u, 0u, 0u);
     }
     for (int tile = begin; tile < vec_end; tile += stride) {  // uniform over the block
         uint4 packs[K];
         int bases[K];
+        pack_ptr += K * pack_stride;
 #pragma unroll
         for (int k = 0; k < K; ++k) {
             packs[k] = next[k];
-            bases[k] = tile + (k * (int)blockDim.x + (int)threadIdx.x) * VEC;
-            const int b = bases[k] + stride;
-            next[k] = b < vec_end ? load_pack(row_ptr + b) : make_uint4(0u, 0u, 0u, 0u);
+            bases[k] = tile - begin + thread_base + k * pack_stride * VEC;
+            next[k] = bases[k] + stride < vec_end ? load_pack(pack_ptr + k * pack_stride) : make_uint4(0u, 0u, 0u, 0u);
         }
         float low = from_ordered_int(*(volatile int*)&s_low);
-        // The warp's largest logit of the tile (a NaN, ranked highest, gives no bound).
-        u32 top = 0u;
+        // The lane's and the warp's largest logit of the tile (ordered; 0: no real pack).
+        u32 lane_top = 0u;
 #pragma unroll
         for (int k = 0; k < K; ++k) {
             if (bases[k] < vec_end) {
                 const u32 order = ordered_high(canonical_bits(pack_max_bits<DTYPE>(packs[k])));
-                top = order > top ? order : top;
+                lane_top = order > lane_top ? order : lane_top;
             }
         }
-        top = warp_max_u32(top);
+        const u32 top = warp_max_u32(lane_top);
         if (top != 0u && top <= ordered_high(0x7f800000u)) {
             const float t_top = fbits(canonical_from_ordered(top)) * inv_t;
             if (fabsf(t_top) <= HUGE_ESTIMATE) low = fmaxf(low, t_top + noise_min - bound_error(t_top));
         }
-        // Pass 1, per quad: the skip rule, then A_q + W(A_q) (what the quad can reach) and
-        // A - W(A) of its smallest word's column (the quad's largest noise), a lower bound
-        // of the row's best score.
+        // The skip rule, per lane: a lane whose largest t cannot reach low even with the
+        // largest noise needs no noise this tile. Once any lane needs it, every quad gets
+        // its Philox block (side by side); a quad that cannot win then fails reach < low.
+        bool lane_needed = false;
+        if (lane_top != 0u) {
+            const float t_lane = fbits(canonical_from_ordered(lane_top)) * inv_t;  // NaN: a NaN column
+            lane_needed = !(t_lane <= HUGE_ESTIMATE) || !(best_case(t_lane, noise_max) < low);
+        }
+        // Pass 1, per quad: A_q + W(A_q) (what the quad can reach) and A - W(A) of its
+        // smallest word's column (the quad's largest noise), a lower bound of the row's best score.
         float reach[K * QPP];
 #pragma unroll
-        for (int j = 0; j < K * QPP; ++j) {
-            const int k = j / QPP, q = j - k * QPP;
-            const float t_quad = quad_max_value<DTYPE>(packs[k], q) * inv_t;
-            const bool special = !(t_quad <= HUGE_ESTIMATE);  // NaN or huge: score exactly
-            const bool needed = bases[k] < vec_end && (special || !(best_case(t_quad, noise_max) < low));
-            reach[j] = -__int_as_float(0x7f800000);
-            if (__any_sync(0xffffffffu, needed)) {  // otherwise no lane needs this quad's noise
+        for (int j = 0; j < K * QPP; ++j) reach[j] = -__int_as_float(0x7f800000);
+        if (__any_sync(0xffffffffu, lane_needed)) {
+#pragma unroll
+            for (int j = 0; j < K * QPP; ++j) {
+                const int k = j / QPP, q = j - k * QPP;
+                const float t_quad = quad_max_value<DTYPE>(packs[k], q) * inv_t;
+                const bool special = !(t_quad <= HUGE_ESTIMATE);  // NaN or huge: score exactly
                 const u32 column = column0 + (u32)(bases[k] + 4 * q);
                 const Words4 w = philox4x32_10(column >> 2, 0u, noise.off_lo, noise.off_hi, keys);
                 const MinWord m = min_word_column<DTYPE>(packs[k], q, w);
                 const float g = s_table[gumbel_bucket(m.word)];
-                if (needed) {
-                    reach[j] = special ? __int_as_float(0x7f800000) : upper_bound(t_quad + g, c0);
-                    if (!special) low = fmaxf(low, lower_bound(m.value * inv_t + g, c0));
-                }
+                reach[j] = special ? __int_as_float(0x7f800000) : upper_bound(t_quad + g, c0);
+                if (bases[k] < vec_end && !special) low = fmaxf(low, lower_bound(m.value * inv_t + g, c0));
             }
         }
         {  // the warp's bound, and the block's
