@@ -1,0 +1,65 @@
+"""Quick bit-exactness check of the fused LL kernel on one GPU, in one process (~20 s).
+
+Compares ``LLKeyExchange.max_logits_keys`` with the CPU-exact ``keys.local_row_keys`` on 84
+cases: fp32, bf16 and fp16; 1 to 256 rows; slices of 8 to 64K columns at vocab offsets that
+are multiples of 4 (and a vocab that cuts the last slice short); random, LM-like, adversarial
+(NaN, +-inf, ties, all -inf rows, greedy rows mixed in) and low-temperature rows; per-row
+seeds and offsets. Meant for iterating on the kernel: point ``TPSPEC_LL_SOURCE_DIR`` at a
+modified copy of ``csrc/ll_exchange`` and run this before timing it with ``tpspec bench
+exchange``. The GPU tests (``tests/test_ll_gpu.py``) remain the full check across ranks.
+
+Usage: python3 launch/ll_kernel_check.py   (exit code 1 when any case differs)
+"""
+import sys
+
+import torch
+
+from tpspec import keys as K
+from tpspec.exchange.ll import LLKeyExchange
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("ll_kernel_check: needs a CUDA device", file=sys.stderr)
+        return 2
+    ll = LLKeyExchange(None, max_rows=256, num_channels=1)
+    gen = torch.Generator().manual_seed(11)
+    bad = total = 0
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for rows, width in ((1, 16384), (8, 65536), (256, 16384), (64, 1000), (3, 4099), (256, 65536), (5, 8)):
+            for kind in ("randn", "lm", "adv", "lowt"):
+                x = torch.randn(rows, width, generator=gen) * 3
+                t = torch.full((rows,), 0.8)
+                if kind == "lm":  # a dozen logits far above the rest, as a language model gives
+                    top = torch.randint(0, width, (rows, 12), generator=gen)
+                    x.scatter_(1, top, 18.0 + torch.rand(rows, 12, generator=gen))
+                if kind == "adv":
+                    x = torch.randint(-2, 3, (rows, width), generator=gen).float()  # many ties
+                    m = torch.rand(rows, width, generator=gen)
+                    x[m < 0.001] = float("nan")
+                    x[(m > 0.5) & (m < 0.502)] = float("inf")
+                    x[(m > 0.6) & (m < 0.7)] = float("-inf")
+                    x[0] = float("-inf")
+                    t[::3] = 0.0  # greedy rows mixed in
+                if kind == "lowt":
+                    t = torch.rand(rows, generator=gen) * 0.05 + 1e-4
+                seeds = torch.randint(0, 2**62, (rows,), generator=gen)
+                offsets = torch.randint(0, 2**40, (rows,), generator=gen) * 4
+                logits = x.to(dtype).cuda()
+                vocab_offset = 4 * int(torch.randint(0, 1000, (1,), generator=gen))
+                vocab = vocab_offset + width - (3 if kind == "adv" else 0)
+                kw = dict(vocab_size=vocab, temperature=t.cuda(), seeds=seeds.cuda(), offsets=offsets.cuda())
+                got = ll.max_logits_keys(logits, vocab_offset, **kw)
+                want = K.local_row_keys(logits, vocab_offset, **kw)
+                total += 1
+                if not torch.equal(got, want):
+                    bad += 1
+                    print("MISMATCH", dtype, rows, width, kind, int((got != want).sum()))
+    ll.check()
+    ll.close()
+    print(f"check: {total - bad}/{total} cases bit-exact")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
