@@ -612,10 +612,10 @@ __device__ __forceinline__ u64 greedy_span(const typename Elem<DTYPE>::raw* row_
 //      (columns far below the top logit, the common case). Otherwise every quad gets its
 //      Philox block: the noise and G[bucket(h)] both decrease as h grows (G holds the
 //      midpoints of consecutive word intervals), so A_q = max t + G[bucket(min h)] is at
-//      least every estimate of the quad (a quad of a lane that cannot win has
-//      A_q + W(A_q) <= its best case < low, so pass 2 drops it), and the column holding
-//      min h has the quad's largest noise: its A - W(A) raises low. Then low becomes the
-//      warp's maximum (and goes to s_low).
+//      least every estimate of the quad (quads of lanes that cannot win get it too: the
+//      bound is sound for every quad, so pass 2 drops them or scores them and they lose),
+//      and the column holding min h has the quad's largest noise: its A - W(A) raises
+//      low. Then low becomes the warp's maximum (and goes to s_low).
 //   pass 2. quads with A_q + W(A_q) >= low (a few per warp) get per-column estimates;
 //      every column with A + W(A) >= low is listed (s_survivors).
 // Once the block's tiles are done, each listed column still at or above the block's
@@ -807,7 +807,7 @@ __device__ u64 sampled_span(const typename Elem<DTYPE>::raw* row_ptr, int begin,
         }
         // The skip rule, per lane: a lane whose largest t cannot reach low even with the
         // largest noise needs no noise this tile. Once any lane needs it, every quad gets
-        // its Philox block (side by side); a quad that cannot win then fails reach < low.
+        // its Philox block (side by side, no divergence); pass 2 then sorts them by reach.
         bool lane_needed = false;
         if (lane_top != 0u) {
             const float t_lane = fbits(canonical_from_ordered(lane_top)) * inv_t;  // NaN: a NaN column
