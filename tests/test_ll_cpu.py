@@ -101,13 +101,32 @@ def test_plan_chunks_covers_rows_with_aligned_chunks(sampled, elem):
 
 
 def test_buffer_layout_is_aligned_and_disjoint():
-    for world, rows, channels in ((1, 1, 1), (2, 1024, 2), (8, 333, 3), (64, 4096, 16)):
-        lay = L.BufferLayout(world, rows, channels)
-        assert lay.scratch_offset >= L.CTRL_BYTES * channels
-        assert lay.slots_offset % 256 == 0
-        assert lay.slots_offset >= lay.scratch_offset + 8 * rows * channels
-        assert lay.total_bytes == lay.slots_offset + channels * 2 * world * rows * 16
-        assert lay.slots(1000, channels - 1) + lay.slot_channel_bytes == 1000 + lay.total_bytes
+    for world, rows, channels, sms in ((1, 1, 1, 132), (2, 1024, 2, 132), (8, 333, 3, 1), (64, 4096, 16, 200)):
+        blocks = L.max_grid_blocks(rows, sms)
+        lay = L.BufferLayout(world, rows, channels, blocks)
+        assert lay.slots_offset % 256 == 0 and lay.slots_offset >= L.CTRL_BYTES * channels
+        assert lay.block_lines_offset == lay.slots_offset + channels * 2 * world * rows * 16
+        assert lay.block_lines_offset % 16 == 0
+        assert lay.total_bytes == lay.block_lines_offset + channels * blocks * 16
+        assert lay.slots(1000, channels - 1) + lay.slot_channel_bytes == 1000 + lay.block_lines_offset
+        assert lay.block_lines(1000, channels - 1) + blocks * 16 == 1000 + lay.total_bytes
+        # Peers address the slots of each other's buffers with their own layout: the slot
+        # offsets must not depend on the GPU (its SM count sizes only the block lines).
+        other = L.BufferLayout(world, rows, channels, L.max_grid_blocks(rows, 2 * sms))
+        assert other.slots(0, channels - 1) == lay.slots(0, channels - 1)
+
+
+def test_every_planned_grid_fits_the_block_lines():
+    for sms in (1, 16, 132, 200):
+        for max_rows in (1, 64, 1024, 4096):
+            lines = L.max_grid_blocks(max_rows, sms)
+            for rows in sorted({1, 2, 3, max_rows // 2 or 1, max_rows}):
+                for cols in (1, 1000, 16384, 65536, 262144):
+                    for sampled in (False, True):
+                        for elem in (2, 4):
+                            chunk, chunks = L.plan_chunks(rows, cols, elem, sms, sampled)
+                            assert rows * chunks <= lines, (sms, max_rows, rows, cols, sampled)
+    assert L.max_grid_blocks(1, 132) == 4 * 132 and L.max_grid_blocks(4096, 132) == 4096
 
 
 def test_timeout_error_message_names_channel_epoch_and_ranks():

@@ -30,6 +30,12 @@
 //   missing ranks and the epoch in the channel's control block and in host-mapped
 //   memory, writes -1 for the affected rows, and every later call on that channel fails
 //   fast. The host turns the record into a clear error.
+//
+// Inside one rank, the fused kernel's blocks hand their row maxima to block 0 the same
+// way: each block writes one {key_lo, epoch, key_hi, epoch} line of the channel's block
+// lines; block 0, after its own columns, polls them (bounded by the same timeout), resets
+// them to zero and runs the exchange. No fence, no ticket atomic, no re-read of a scratch
+// max: a block's result reaches block 0 in one store and one poll.
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -62,7 +68,7 @@ struct ChannelCtrl {
     u32 epoch;        // epoch of the next call (host sets 1 at start)
     u32 error;        // 1 once a wait timed out on this channel (sticky)
     u32 error_epoch;  // epoch of the first timed-out call
-    u32 blocks_done;  // grid ticket counter of the fused kernel (reset by its last block)
+    u32 reserved;     // unused (keeps the 64-byte layout)
     u64 missing;      // ranks whose keys never arrived (bit mask)
     u64 pad[5];
 };
@@ -338,6 +344,9 @@ __device__ __forceinline__ u32 next_epoch(u32 e) { return e == 0xffffffffu ? 2u 
 
 // Bitmask of ranks whose lines never arrived in this call (the waiting threads OR into it).
 __shared__ u64 s_missing_ranks;
+// 1 when a block line of this rank's own fused kernel never arrived (then this rank
+// publishes nothing: its peers time out on it instead of taking a wrong key).
+__shared__ u32 s_local_failed;
 // Every rank's slot area of the channel (peer_slots, copied at kernel start).
 __shared__ u64 s_peer_slots[LL_MAX_WORLD];
 
@@ -353,7 +362,10 @@ __device__ __forceinline__ ExchangeStart exchange_prologue(const Exchange& x) {
     start.epoch = *(volatile u32*)&x.ctrl->epoch;  // same word for every thread: one broadcast load per warp
     start.failed_before = *(volatile u32*)&x.ctrl->error;
     for (int r = threadIdx.x; r < x.world; r += blockDim.x) s_peer_slots[r] = x.peer_slots[r];
-    if (threadIdx.x == 0) s_missing_ranks = 0ull;
+    if (threadIdx.x == 0) {
+        s_missing_ranks = 0ull;
+        s_local_failed = 0u;
+    }
     return start;
 }
 
@@ -374,9 +386,10 @@ __device__ void exchange_rows(const Exchange& x, const ExchangeStart& start, con
     const u32 epoch = start.epoch;
     const int parity = (int)(epoch & 1u);
     const int world = x.world, peers = world - 1;  // a rank's own key never travels
+    const bool local_failed = s_local_failed != 0u;
 
     // Publish: a 16-byte line per other rank (a warp writes consecutive slots of each peer).
-    for (int row = threadIdx.x; row < rows; row += blockDim.x) {
+    for (int row = threadIdx.x; row < rows && !local_failed; row += blockDim.x) {
         const u64 key = s_keys[row];
         for (int d = 0; d < peers; ++d) {
             const int dst = d + (d >= x.rank ? 1 : 0);
@@ -387,7 +400,7 @@ __device__ void exchange_rows(const Exchange& x, const ExchangeStart& start, con
 
     // Wait: the same thread per row; the lines of up to WAIT_BATCH peers in flight at once.
     const u64 own = s_peer_slots[x.rank];
-    const bool fail_fast = start.failed_before != 0u;
+    const bool fail_fast = start.failed_before != 0u || local_failed;
     for (int row = threadIdx.x; row < rows; row += blockDim.x) {
         u64 best = s_keys[row];
         u64 missing = 0ull;
@@ -428,6 +441,7 @@ __device__ void exchange_rows(const Exchange& x, const ExchangeStart& start, con
                 if ((pending >> j) & 1u) missing |= 1ull << (first + j + (first + j >= x.rank ? 1 : 0));
             }
         }
+        if (local_failed) missing |= 1ull << x.rank;
         if (missing) atomicOr(&s_missing_ranks, missing);
         out[row] = missing ? -1
                            : (want_tokens ? (i64)(0xffffffffull - (best & 0xffffffffull))
@@ -437,7 +451,7 @@ __device__ void exchange_rows(const Exchange& x, const ExchangeStart& start, con
 
     const u64 missing = s_missing_ranks;
     if (threadIdx.x == 0) {
-        if (missing && !fail_fast) {
+        if (missing && (start.failed_before == 0u)) {
             if (atomicCAS(&x.ctrl->error, 0u, 1u) == 0u) {
                 x.ctrl->error_epoch = epoch;
                 x.ctrl->missing = missing;
@@ -601,12 +615,11 @@ __device__ __forceinline__ u64 greedy_span(const typename Elem<DTYPE>::raw* row_
 // only by the few columns that can still win. The estimate of a column is
 // A = t + G[bucket(h)], t = x * (1/T), h its Philox word; its exact score lies in
 // [A - W(A), A + W(A)], W(A) = C0 + REL * |A| (keys.gumbel_bound_table). A + W(A) and
-// A - W(A) are increasing in A. `low` is a lower bound of the row's best exact score:
-// the best key of the row's finished blocks (seeded into s_low), the warp's largest logit
-// X of the tile (its column scores at least X/T + noise_min - err), and A - W(A) of
-// columns estimated so far; warps share it through s_low. Per tile (SAMPLED_PACKS 16-byte
-// packs a thread, in registers, the next tile already loading), per quad (4 columns, one
-// Philox block):
+// A - W(A) are increasing in A. `low` is a lower bound of the block's best exact score
+// (it starts at -inf): the warp's largest logit X of the tile (its column scores at least
+// X/T + noise_min - err) and A - W(A) of columns estimated so far; warps share it through
+// s_low. Per tile (SAMPLED_PACKS 16-byte packs a thread, in registers, the next tile
+// already loading), per quad (4 columns, one Philox block):
 //   pass 1. a lane whose best case (its largest t + noise_max + err) is below low cannot
 //      win this tile; when no lane of the warp can, the warp skips Philox for the tile
 //      (columns far below the top logit, the common case). Otherwise every quad gets its
@@ -918,28 +931,97 @@ __device__ __forceinline__ u64 block_max(u64 v) {
     return v;  // valid in thread 0
 }
 
+// Block 0 of the fused kernel: every other block's line of this call into s_parts[block]
+// (block 0's own key is put there by the caller). A thread keeps up to 4 lines in flight;
+// each line, once it carries this call's epoch, is read and reset to zero (so no stale line
+// survives an epoch wrap). Returns false in a thread whose wait ran past timeout_ns.
+__device__ bool gather_block_lines(u64 lines, int blocks, u32 epoch, u64 timeout_ns, u64* s_parts) {
+    const int BATCH = 4;
+    for (int first = (int)threadIdx.x; first < blocks; first += BATCH * (int)blockDim.x) {
+        u32 pending = 0u;
+#pragma unroll
+        for (int j = 0; j < BATCH; ++j) {
+            const int b = first + j * (int)blockDim.x;
+            if (b > 0 && b < blocks) pending |= 1u << j;
+        }
+        u64 begin_ns = 0ull;
+        bool started = false;
+        while (pending) {
+            uint4 v[BATCH];
+#pragma unroll
+            for (int j = 0; j < BATCH; ++j) {
+                if ((pending >> j) & 1u) v[j] = load_line(lines + 16ull * (u64)(first + j * (int)blockDim.x));
+            }
+#pragma unroll
+            for (int j = 0; j < BATCH; ++j) {
+                if (((pending >> j) & 1u) && v[j].y == epoch && v[j].w == epoch) {
+                    const int b = first + j * (int)blockDim.x;
+                    s_parts[b] = ((u64)v[j].z << 32) | (u64)v[j].x;
+                    store_line(lines + 16ull * (u64)b, 0u, 0u, 0u, 0u);
+                    pending &= ~(1u << j);
+                }
+            }
+            if (!pending) break;
+            const u64 now = global_timer_ns();
+            if (!started) {
+                begin_ns = now;
+                started = true;
+            } else if (now - begin_ns > timeout_ns) {
+                return false;
+            }
+        }
+    }
+    return true;
+}
+
+// s_keys[row] = max over the row's chunks of s_parts[row * chunks + chunk] (chunks > 1):
+// g lanes per row (a power of two up to a warp), striding its chunks, then a shuffle max.
+__device__ void reduce_chunk_parts(const u64* s_parts, int rows, int chunks, u64* s_keys) {
+    int g = 1;
+    while (g < chunks && g < 32) g <<= 1;
+    const int rows_per_pass = (int)blockDim.x / g;
+    const int member = (int)threadIdx.x & (g - 1);
+    for (int base = 0; base < rows; base += rows_per_pass) {  // uniform over the block
+        const int row = base + (int)threadIdx.x / g;
+        u64 m = 0ull;
+        if (row < rows) {
+            for (int c = member; c < chunks; c += g) {
+                const u64 v = s_parts[row * chunks + c];
+                m = v > m ? v : m;
+            }
+        }
+        for (int off = g >> 1; off > 0; off >>= 1) {
+            const u64 o = __shfl_xor_sync(0xffffffffu, m, off);
+            m = o > m ? o : m;
+        }
+        if (row < rows && member == 0) s_keys[row] = m;
+    }
+}
+
 // grid = rows * chunks blocks; block b reduces columns [chunk * (b % chunks), ...) of row
-// b / chunks into scratch[row] (atomic max); the last block to finish runs the exchange and
-// writes out[row]: the token (want_tokens) or the winning signed key.
+// b / chunks. Every block but 0 writes its key to its block line (see the protocol above);
+// block 0 gathers them, reduces each row over its chunks, runs the exchange and writes
+// out[row]: the token (want_tokens) or the winning signed key.
 //   logits: [rows, *] with row stride `row_stride` (elements), `cols` real columns
 //           (columns at or past the true vocab size are excluded by the host).
 //   temperature: float32 [rows] or null (all greedy); rows with T >= threshold sample.
 //   seeds/offsets: int64 [rows] or null (then seed = unseeded_seed, offset =
-//           (*step_counter << 32) + row; *step_counter += 1 after all blocks read it
-//           when advance_step).
+//           (*step_counter << 32) + row; *step_counter += 1 once block 0 holds every
+//           block's line, so after all blocks read it, when advance_step).
 //   gumbel_table: keys.gumbel_bound_table() (GUMBEL_TABLE_SIZE + 4 floats).
+//   lines: the channel's block lines (at least rows * chunks of 16 bytes, zero between calls).
+//   Dynamic shared memory: 8 * rows bytes, plus 8 * rows * chunks when chunks > 1.
 template <int DTYPE>
 __device__ void argmax_logits_impl(const void* logits, i64 row_stride, int rows, int cols, u32 column0, int chunk,
                                    int chunks, int aligned, const float* temperature, float threshold,
                                    const i64* seeds, const i64* offsets, i64* step_counter, u64 unseeded_seed,
-                                   int advance_step, i64* out, int want_tokens, u64 ctrl_ptr, u64 scratch_ptr,
+                                   int advance_step, i64* out, int want_tokens, u64 ctrl_ptr, u64 lines,
                                    const float* gumbel_table, const u64* peer_slots, u64 host_error, int rank,
                                    int world, int max_rows, u64 timeout_ns) {
     typedef typename Elem<DTYPE>::raw raw;
-    __shared__ u32 s_is_last;
     __shared__ float s_table[GUMBEL_TABLE_SIZE + 4];
     ChannelCtrl* ctrl = (ChannelCtrl*)ctrl_ptr;
-    u64* scratch = (u64*)scratch_ptr;
+    const bool collector = blockIdx.x == 0;
 
     const int row = blockIdx.x / chunks;
     const int chunk_index = blockIdx.x - row * chunks;
@@ -950,10 +1032,21 @@ __device__ void argmax_logits_impl(const void* logits, i64 row_stride, int rows,
     // 16-byte packs over [begin, vec_end) when the rows allow (begin is a multiple of VEC).
     const int vec_end = aligned ? begin + max(0, (end - begin) / VEC) * VEC : begin;
 
+    // The epoch (and, in block 0, what the exchange needs) is loaded up front, beside the
+    // row's inputs: off the path from the last block's key to the exchange.
+    Exchange x = {ctrl, peer_slots, (HostError*)host_error, rank, world, max_rows, timeout_ns};
+    ExchangeStart start;
+    if (collector) {
+        start = exchange_prologue(x);
+    } else {
+        start.epoch = *(volatile u32*)&ctrl->epoch;
+        start.failed_before = 0u;
+    }
+
     // A row's inputs are loaded side by side, with no branch between them: on a sampled
     // row each dependent load would add a memory round trip to a latency-bound call.
     float t = 1.0f;
-    u64 seed = unseeded_seed, offset = 0ull, seen = 0ull;
+    u64 seed = unseeded_seed, offset = 0ull;
     const int TABLE_PER_THREAD = (GUMBEL_TABLE_SIZE + 4 + LL_THREADS - 1) / LL_THREADS;
     float table_part[TABLE_PER_THREAD];
     if (temperature) {  // uniform: the call has sampled rows
@@ -964,7 +1057,6 @@ __device__ void argmax_logits_impl(const void* logits, i64 row_stride, int rows,
         } else {
             offset = ((u64)(*(volatile i64*)step_counter) << 32) + (u64)row;
         }
-        seen = *(volatile u64*)(scratch + row);
 #pragma unroll
         for (int k = 0; k < TABLE_PER_THREAD; ++k) {
             const int i = (int)threadIdx.x + k * LL_THREADS;
@@ -980,10 +1072,8 @@ __device__ void argmax_logits_impl(const void* logits, i64 row_stride, int rows,
             const int i = (int)threadIdx.x + k * LL_THREADS;
             if (i < GUMBEL_TABLE_SIZE + 4) s_table[i] = table_part[k];
         }
-        if (threadIdx.x == 0) {  // start from the best exact score of the row's finished blocks
-            const u32 order = (u32)(seen >> 32);
-            const bool usable = seen != 0ull && order <= ordered_high(0x7f800000u);  // a key, not NaN
-            s_low = ordered_int(usable ? fbits(canonical_from_ordered(order)) : -__int_as_float(0x7f800000));
+        if (threadIdx.x == 0) {
+            s_low = ordered_int(-__int_as_float(0x7f800000));
             s_survivor_count = 0;
         }
         __syncthreads();
@@ -1000,25 +1090,18 @@ __device__ void argmax_logits_impl(const void* logits, i64 row_stride, int rows,
     }
     best = block_max(best);
 
-    if (threadIdx.x == 0) {
-        if (best) atomicMax(scratch + row, best);
-        __threadfence();
-        u32 ticket = atomicAdd(&ctrl->blocks_done, 1u);
-        s_is_last = ticket == gridDim.x - 1 ? 1u : 0u;
+    if (!collector) {
+        if (threadIdx.x == 0) store_line(lines + 16ull * blockIdx.x, (u32)best, start.epoch, (u32)(best >> 32), start.epoch);
+        return;
     }
-    __syncthreads();
-    if (!s_is_last) return;
 
-    // The last block: every block's atomic max is visible (fence + ticket). Take the
-    // row keys, reset the scratch for the next call, exchange.
-    __threadfence();
-    Exchange x = {ctrl, peer_slots, (HostError*)host_error, rank, world, max_rows, timeout_ns};
-    ExchangeStart start = exchange_prologue(x);
-    for (int r = threadIdx.x; r < rows; r += blockDim.x) {
-        s_keys[r] = *(volatile u64*)(scratch + r);
-        scratch[r] = 0ull;
-    }
-    if (threadIdx.x == 0) ctrl->blocks_done = 0u;
+    // Block 0: every block's key (one line each), the row maxima, the exchange.
+    u64* s_parts = chunks > 1 ? s_keys + rows : s_keys;
+    if (threadIdx.x == 0) s_parts[0] = best;
+    const bool complete = gather_block_lines(lines, rows * chunks, start.epoch, timeout_ns, s_parts);
+    if (!complete) s_local_failed = 1u;
+    __syncthreads();
+    if (chunks > 1) reduce_chunk_parts(s_parts, rows, chunks, s_keys);
     exchange_rows<4>(x, start, s_keys, rows, out, want_tokens, step_counter, advance_step);
 }
 
@@ -1027,11 +1110,11 @@ __device__ void argmax_logits_impl(const void* logits, i64 row_stride, int rows,
         NAME(const void* logits, i64 row_stride, int rows, int cols, u32 column0, int chunk, int chunks,       \
              int aligned, const float* temperature, float threshold, const i64* seeds, const i64* offsets,     \
              i64* step_counter, u64 unseeded_seed, int advance_step, i64* out, int want_tokens, u64 ctrl,      \
-             u64 scratch, const float* gumbel_table, const u64* peer_slots, u64 host_error, int rank,          \
+             u64 lines, const float* gumbel_table, const u64* peer_slots, u64 host_error, int rank,          \
              int world, int max_rows, u64 timeout_ns) {                                                        \
         argmax_logits_impl<DTYPE>(logits, row_stride, rows, cols, column0, chunk, chunks, aligned, temperature, \
                                   threshold, seeds, offsets, step_counter, unseeded_seed, advance_step, out,   \
-                                  want_tokens, ctrl, scratch, gumbel_table, peer_slots, host_error, rank,      \
+                                  want_tokens, ctrl, lines, gumbel_table, peer_slots, host_error, rank,      \
                                   world, max_rows, timeout_ns);                                                \
     }
 
@@ -1080,4 +1163,17 @@ extern "C" __global__ void __launch_bounds__(LL_THREADS)
     }
     acc = warp_max_u32(acc);
     if ((threadIdx.x & 31u) == 0u) atomicMax(out + row, acc);
+}
+
+// The floor of a greedy call, for tpspec bench exchange: one launch with the fused kernel's
+// grid that reads a bf16 [rows, cols] slice (cols a multiple of 8, rows 16-byte aligned)
+// the way its greedy rows do and stores each block's maximum key to out[block]. No block
+// lines, no exchange: what any one-launch row max pays for its launch, ramp and stream.
+extern "C" __global__ void __launch_bounds__(LL_THREADS)
+    ll_read_floor_bf16(const u16* logits, i64 row_stride, int cols, int chunk, int chunks, u64* out) {
+    const int row = blockIdx.x / chunks;
+    const int begin = (blockIdx.x - row * chunks) * chunk;
+    const int end = min(cols, begin + chunk);
+    const u64 best = block_max(greedy_span<1>(logits + (i64)row * row_stride, begin, max(begin, end), 0u));
+    if (threadIdx.x == 0) out[blockIdx.x] = best;
 }

@@ -1,9 +1,10 @@
 """``LLKeyExchange``: the cross-rank key max through CUDA IPC peer memory (SPEC §3).
 
-Each rank ``cudaMalloc``s one buffer (control blocks, reduction scratch and the LL
-slots of every channel), shares it by CUDA IPC handle over the process group once (any
-backend: gloo is enough), and opens its peers' handles. One kernel launch per call
-reduces the rank's keys, writes them into every rank's slots with 16-byte
+Each rank ``cudaMalloc``s one buffer (control blocks, the LL slots and the fused
+kernel's block lines of every channel), shares it by CUDA IPC handle over the process
+group once (any backend: gloo is enough), and opens its peers' handles. One kernel launch
+per call reduces the rank's keys (the fused kernel's blocks hand theirs to block 0 through
+the block lines), writes them into every rank's slots with 16-byte
 ``{key_lo, epoch, key_hi, epoch}`` stores, waits for every rank's lines (bounded by
 ``timeout_s``), reduces and writes the result. See ``csrc/ll_exchange/ll_exchange.cu``.
 
@@ -104,25 +105,32 @@ def validate_ll_arguments(max_rows: Any, num_channels: Any, world_size: int) -> 
         raise ValueError(f"the LL exchange serves 1 to {cuda_module.MAX_WORLD} ranks, the group has {world_size}")
 
 
+def max_grid_blocks(max_rows: int, num_sms: int) -> int:
+    """The most blocks a fused call of up to ``max_rows`` rows launches (see :func:`plan_chunks`)."""
+    return max(max_rows, SAMPLED_BLOCKS_PER_SM * max(1, num_sms))
+
+
 @dataclass(frozen=True)
 class BufferLayout:
-    """Byte offsets inside one rank's exchange buffer (the IPC-shared allocation)."""
+    """Byte offsets inside one rank's exchange buffer (the IPC-shared allocation).
+
+    ``[ctrl: 64 B per channel][slots: per channel][block lines: per channel]``. Peers address
+    only the slots, whose offsets depend on ``world_size``, ``max_rows`` and ``num_channels``
+    alone (equal on every rank); the block lines, sized by this GPU's ``max_blocks``, come last.
+    """
 
     world_size: int
     max_rows: int
     num_channels: int
+    max_blocks: int
 
     @property
     def ctrl_offset(self) -> int:
         return 0
 
     @property
-    def scratch_offset(self) -> int:
-        return CTRL_BYTES * self.num_channels
-
-    @property
     def slots_offset(self) -> int:
-        end = self.scratch_offset + 8 * self.max_rows * self.num_channels
+        end = CTRL_BYTES * self.num_channels
         return (end + 255) // 256 * 256
 
     @property
@@ -131,17 +139,30 @@ class BufferLayout:
         return 2 * self.world_size * self.max_rows * SLOT_BYTES
 
     @property
-    def total_bytes(self) -> int:
+    def block_lines_offset(self) -> int:
         return self.slots_offset + self.num_channels * self.slot_channel_bytes
+
+    @property
+    def block_lines_channel_bytes(self) -> int:
+        """Block lines of one channel: one 16-byte line per block of a fused call."""
+        return self.max_blocks * SLOT_BYTES
+
+    @property
+    def total_bytes(self) -> int:
+        return self.block_lines_offset + self.num_channels * self.block_lines_channel_bytes
 
     def ctrl(self, base: int, channel: int) -> int:
         return base + self.ctrl_offset + CTRL_BYTES * channel
 
-    def scratch(self, base: int, channel: int) -> int:
-        return base + self.scratch_offset + 8 * self.max_rows * channel
-
     def slots(self, base: int, channel: int) -> int:
         return base + self.slots_offset + self.slot_channel_bytes * channel
+
+    def block_lines(self, base: int, channel: int) -> int:
+        return base + self.block_lines_offset + self.block_lines_channel_bytes * channel
+
+
+GREEDY_BLOCKS_PER_SM = 2
+SAMPLED_BLOCKS_PER_SM = 4
 
 
 def plan_chunks(rows: int, cols: int, elem_bytes: int, num_sms: int, sampled: bool) -> tuple[int, int]:
@@ -149,14 +170,15 @@ def plan_chunks(rows: int, cols: int, elem_bytes: int, num_sms: int, sampled: bo
 
     Aims at one wave of blocks in total: 2 per SM for greedy rows, 4 for sampled ones
     (compute-bound, they need more warps to hide Philox latency), rounding the blocks per
-    row down so a second, mostly idle wave never starts. Small batches still spread each
+    row down so a second, mostly idle wave never starts. So ``rows * chunks`` never exceeds
+    ``max_grid_blocks(rows, num_sms)``. Small batches still spread each
     row over many blocks (at least 1024 columns each). On the H200 this beat rounding up
     (greedy 256 x 64K bf16: 14.6 -> 12.1 us; 64 x 64K: 8.8 -> 6.2 us; Gumbel 256 x 64K:
     43.5 -> 40.7 us). Chunks are multiples of a warp's 16-byte loads, so vector loads stay
     aligned and quads stay Philox blocks.
     """
     vec = 16 // elem_bytes
-    blocks_per_sm = 4 if sampled else 2
+    blocks_per_sm = SAMPLED_BLOCKS_PER_SM if sampled else GREEDY_BLOCKS_PER_SM
     per_row = max(1, (blocks_per_sm * max(1, num_sms)) // max(1, rows))
     chunk = -(-max(cols, 1) // per_row)
     chunk = max(chunk, 1024)
@@ -213,7 +235,8 @@ class LLKeyExchange(KeyExchange):
         super().__init__(group, D.group_rank(group), world_size, device)
         self.MAX_ROWS = max_rows
         self.NUM_CHANNELS = num_channels
-        self.layout = BufferLayout(world_size, max_rows, num_channels)
+        self._num_sms = int(torch.cuda.get_device_properties(device).multi_processor_count)
+        self.layout = BufferLayout(world_size, max_rows, num_channels, max_grid_blocks(max_rows, self._num_sms))
         self._closed = False
         self._base = 0
         self._host_error = 0
@@ -263,8 +286,6 @@ class LLKeyExchange(KeyExchange):
         table = [self.layout.slots(bases[r], ch) for ch in range(self.NUM_CHANNELS) for r in range(self.world_size)]
         self._peer_slots = torch.tensor(table, dtype=torch.int64, device=self.device)
         self._gumbel_table = K.gumbel_bound_table(self.device)  # the sampled rows' pruning bounds
-        num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        self._num_sms = int(num_sms)
         self._module = cuda_module.load_module(index)
         self._kernels = {name: self._module.get_function(name) for name in cuda_module.KERNEL_NAMES}
 
@@ -466,6 +487,8 @@ class LLKeyExchange(KeyExchange):
         elem = logits.element_size()
         aligned = logits.data_ptr() % 16 == 0 and (logits.stride(0) * elem) % 16 == 0
         chunk, chunks = plan_chunks(rows, real_width, elem, self._num_sms, temperature is not None)
+        if rows * chunks > self.layout.max_blocks:  # plan_chunks promises otherwise
+            raise RuntimeError(f"fused call of {rows * chunks} blocks exceeds the {self.layout.max_blocks} block lines")
         null = _p(0)
         temp_ptr = null
         if temperature is not None:
@@ -481,10 +504,12 @@ class LLKeyExchange(KeyExchange):
             np.uint32(vocab_offset), np.int32(chunk), np.int32(chunks), np.int32(aligned), temp_ptr,
             np.float32(greedy_threshold), seeds_ptr, offsets_ptr, _p(self.step_counter.data_ptr()),
             _p(UNSEEDED_STREAM_SEED), np.int32(unseeded), _p(out.data_ptr()), np.int32(want_tokens),
-            _p(self.layout.ctrl(self._base, channel)), _p(self.layout.scratch(self._base, channel)),
+            _p(self.layout.ctrl(self._base, channel)), _p(self.layout.block_lines(self._base, channel)),
             _p(self._gumbel_table.data_ptr()), *self._exchange_args(channel)[1:],
         )
-        self._launch(name, rows * chunks, 8 * rows, args)
+        # Shared memory: a key per row, and in block 0 a key per block when rows span several.
+        shared_bytes = 8 * rows * (1 + chunks if chunks > 1 else 1)
+        self._launch(name, rows * chunks, shared_bytes, args)
         return out
 
     # ---------------------------------------------------------------- shutdown
