@@ -1,10 +1,11 @@
 """Quick bit-exactness check of the fused LL kernel on one GPU, in one process (~20 s).
 
-Compares ``LLKeyExchange.max_logits_keys`` with the CPU-exact ``keys.local_row_keys`` on 84
-cases: fp32, bf16 and fp16; 1 to 256 rows; slices of 8 to 64K columns at vocab offsets that
+Compares ``LLKeyExchange.max_logits_keys`` with the CPU-exact ``keys.local_row_keys`` on 135
+cases: fp32, bf16 and fp16; 1 to 3000 rows (grids of one block per row up to several blocks
+per row, and more blocks than one wave); slices of 8 to 64K columns at vocab offsets that
 are multiples of 4 (and a vocab that cuts the last slice short); random, LM-like, adversarial
-(NaN, +-inf, ties, all -inf rows, greedy rows mixed in) and low-temperature rows; per-row
-seeds and offsets. Meant for iterating on the kernel: point ``TPSPEC_LL_SOURCE_DIR`` at a
+(NaN, +-inf, ties, all -inf rows, greedy rows mixed in) and low-temperature sampled rows with
+per-row seeds and offsets, and all-greedy calls (no temperature). Meant for iterating on the kernel: point ``TPSPEC_LL_SOURCE_DIR`` at a
 modified copy of ``csrc/ll_exchange`` and run this before timing it with ``tpspec bench
 exchange``. The GPU tests (``tests/test_ll_gpu.py``) remain the full check across ranks.
 
@@ -22,12 +23,14 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("ll_kernel_check: needs a CUDA device", file=sys.stderr)
         return 2
-    ll = LLKeyExchange(None, max_rows=256, num_channels=1)
+    ll = LLKeyExchange(None, max_rows=4096, num_channels=1)
     gen = torch.Generator().manual_seed(11)
     bad = total = 0
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        for rows, width in ((1, 16384), (8, 65536), (256, 16384), (64, 1000), (3, 4099), (256, 65536), (5, 8)):
-            for kind in ("randn", "lm", "adv", "lowt"):
+        shapes = ((1, 16384), (8, 65536), (256, 16384), (64, 1000), (3, 4099), (256, 65536), (5, 8), (1024, 520),
+                  (3000, 64))
+        for rows, width in shapes:
+            for kind in ("randn", "lm", "adv", "lowt", "greedy"):
                 x = torch.randn(rows, width, generator=gen) * 3
                 t = torch.full((rows,), 0.8)
                 if kind == "lm":  # a dozen logits far above the rest, as a language model gives
@@ -49,6 +52,8 @@ def main() -> int:
                 vocab_offset = 4 * int(torch.randint(0, 1000, (1,), generator=gen))
                 vocab = vocab_offset + width - (3 if kind == "adv" else 0)
                 kw = dict(vocab_size=vocab, temperature=t.cuda(), seeds=seeds.cuda(), offsets=offsets.cuda())
+                if kind == "greedy":
+                    kw = dict(vocab_size=vocab)
                 got = ll.max_logits_keys(logits, vocab_offset, **kw)
                 want = K.local_row_keys(logits, vocab_offset, **kw)
                 total += 1
