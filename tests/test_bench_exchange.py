@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from tpspec.bench.exchange import gumbel_costs
+from tpspec.bench.exchange import greedy_costs, gumbel_costs
 from tpspec.cli import main
 
 
@@ -38,3 +38,16 @@ def test_gumbel_costs_are_ratios_to_the_greedy_call_of_the_same_shape():
     assert [(c["rows"], c["gumbel_vs_greedy"], c["floor_vs_greedy"]) for c in costs] == [(8, 1.75, 1.25),
                                                                                           (256, 3.0, None)]
     assert gumbel_costs({}) == []
+
+
+def test_greedy_costs_compare_the_call_with_the_read_only_launch_of_the_same_shape():
+    merged = {
+        ("local_fused", "graph", 256, 65536, "greedy"): {"us": 12.0, "hbm_pct": 66.0},
+        ("local_read_floor", "graph", 256, 65536, "greedy"): {"us": 10.0, "hbm_pct": 79.2},
+        ("local_fused", "graph", 8, 65536, "greedy"): {"us": 4.0, "hbm_pct": 5.0},  # no floor timed
+        ("local_read_floor", "graph", 1, 16384, "greedy"): {"us": 2.0},  # no call timed
+    }
+    costs = greedy_costs(merged)
+    assert [(c["rows"], c["width"], c["greedy_vs_floor"], c["greedy_pct"], c["floor_pct"]) for c in costs] == [
+        (256, 65536, 1.2, 66.0, 79.2)]
+    assert greedy_costs({}) == []

@@ -14,6 +14,9 @@ width, bf16) and mode (greedy, Gumbel) it times:
 * ``local_philox_floor`` (Gumbel) the fused kernel's reads plus the Philox block of
                      every column and nothing else: the floor SPEC §2's noise sets
                      when no column can be ruled out before its noise;
+* ``local_read_floor`` (greedy) one launch with the greedy grid that reads the slice
+                     and stores a max per block: what any one-launch row max pays
+                     (launch, ramp-up, stream), with no hand-off and no exchange;
 * ``ag_keys``        torch.max + pack + all-gather of keys (the fallback exchange);
 * ``ag_logits``      all-gather of the full logits slice + argmax (what vLLM/SGLang do).
 
@@ -150,6 +153,26 @@ def philox_floor_call(ll: Any, cycle: Any, rows: int, width: int) -> Callable[[]
     return call
 
 
+def read_floor_call(ll: Any, cycle: Any, rows: int, width: int) -> Callable[[], None]:
+    """One launch of the source's ``ll_read_floor_bf16`` over the next bf16 logits of
+    ``cycle``, with the greedy call's grid: the reads and a max key per block, stored with
+    no hand-off between blocks and no exchange. What one launch of any row max costs."""
+    import numpy as np
+
+    from ..exchange.ll import plan_chunks
+
+    chunk, chunks = plan_chunks(rows, width, 2, ll._num_sms, sampled=False)
+    out = torch.zeros(rows * chunks, dtype=torch.int64, device=ll.device)
+
+    def call() -> None:
+        x = next(cycle)
+        ll._launch("ll_read_floor_bf16", rows * chunks, 0,
+                   (np.uint64(x.data_ptr()), np.int64(x.stride(0)), np.int32(width), np.int32(chunk),
+                    np.int32(chunks), np.uint64(out.data_ptr())))
+
+    return call
+
+
 def _bench_worker(rank: int, world_size: int, cfg: dict) -> list[dict]:
     from .. import distributed as D
     from .. import keys as K
@@ -251,6 +274,10 @@ def _bench_worker(rank: int, world_size: int, cfg: dict) -> list[dict]:
                         record("local_fused", "graph", rows, width, mode, us,
                                hbm_gbps=nbytes / us / 1e3, hbm_pct=100 * nbytes / us / 1e3 / copy_gbps)
                         if mode == "greedy":
+                            us = _time_graph(read_floor_call(solo, cycle, rows, width), cfg["calls"],
+                                             cfg["replays"], nop)
+                            record("local_read_floor", "graph", rows, width, mode, us,
+                                   hbm_gbps=nbytes / us / 1e3, hbm_pct=100 * nbytes / us / 1e3 / copy_gbps)
                             us, how = _time_graph(torch_local, cfg["calls"], cfg["replays"], nop), "graph"
                         else:
                             us, how = _time_eager(torch_local, cfg["ag_iters"], nop, device), "eager"
@@ -313,7 +340,24 @@ def summarize(per_rank: list[list[dict]], tp: int, ag_label: str) -> tuple[list[
         ])
     extras["local_fused_streaming"] = streaming_bandwidth(merged, extras.get("copy_bandwidth_GBps"))
     extras["gumbel_vs_greedy"] = gumbel_costs(merged)
+    extras["greedy_vs_read_floor"] = greedy_costs(merged)
     return table, extras
+
+
+def greedy_costs(merged: dict[tuple, dict]) -> list[dict]:
+    """Per shape with the greedy local stage and the read-only floor both graphed: their µs
+    and share of copy bandwidth per call, and the call as a multiple of the floor."""
+    out = []
+    for key, fused in sorted(merged.items(), key=lambda kv: (kv[0][2], kv[0][3])):
+        if key[:2] != ("local_fused", "graph") or key[4] != "greedy":
+            continue
+        floor = merged.get(("local_read_floor", "graph", key[2], key[3], "greedy"))
+        if floor is None or fused["us"] <= 0 or floor["us"] <= 0:
+            continue
+        out.append(dict(rows=key[2], width=key[3], greedy_us=fused["us"], floor_us=floor["us"],
+                        greedy_pct=fused.get("hbm_pct"), floor_pct=floor.get("hbm_pct"),
+                        greedy_vs_floor=round(fused["us"] / floor["us"], 2)))
+    return out
 
 
 def gumbel_costs(merged: dict[tuple, dict]) -> list[dict]:
@@ -438,6 +482,11 @@ def run(args: argparse.Namespace) -> int:
     for item in extras["gumbel_vs_greedy"]:
         floor = f", reads + Philox alone {item['floor_vs_greedy']}x" if item["floor_vs_greedy"] is not None else ""
         print(f"local stage {item['rows']} x {item['width']}: Gumbel {item['gumbel_vs_greedy']}x greedy{floor}")
+    for item in extras["greedy_vs_read_floor"]:
+        pct = (f" ({item['greedy_pct']:.1f} % vs {item['floor_pct']:.1f} % of copy bandwidth per call)"
+               if item["greedy_pct"] is not None and item["floor_pct"] is not None else "")
+        print(f"local stage {item['rows']} x {item['width']} greedy: {item['greedy_us']:.2f} us, one launch that "
+              f"only reads {item['floor_us']:.2f} us: {item['greedy_vs_floor']}x{pct}")
     for item in extras["local_fused_streaming"]:
         print(f"local stage streaming ({item['mode']}, {item['rows']} rows, slice {item['widths'][0]} -> "
               f"{item['widths'][1]}): {item['GBps']} GB/s ({item['pct_of_copy']} % of copy bandwidth)")
