@@ -3,7 +3,7 @@
 A *key* packs one candidate (value, global column) of a row into an int64 whose
 signed order is the candidate order, so ``max`` over keys picks the winner on any
 device and through any max-reduction (``torch.max``, an all-gather then ``max``, or
-the LL kernel's unsigned 64-bit atomic max on ``key ^ (1 << 63)``):
+the LL kernel's unsigned 64-bit max on ``key ^ (1 << 63)``):
 
 * high 32 bits: the value's float32 bits mapped to an order-preserving integer,
   after widening bf16/fp16 exactly, turning ``-0.0`` into ``+0.0`` and every NaN into

@@ -15,7 +15,7 @@
 // of keys.gumbel_bound_table, so they decide which columns get an exact score, never a key.
 //
 // Keys: kernels work on the *unsigned* form ukey = key ^ (1 << 63), so the empty key
-// (EMPTY_KEY = -2^63) is 0 and a plain unsigned 64-bit atomic max reduces.
+// (EMPTY_KEY = -2^63) is 0 and a plain unsigned 64-bit max reduces.
 //
 // LL protocol, per channel (slots never shared between channels):
 //   slot(parity, src, row) in every rank's buffer is one 16-byte line
