@@ -1165,10 +1165,10 @@ extern "C" __global__ void __launch_bounds__(LL_THREADS)
     if ((threadIdx.x & 31u) == 0u) atomicMax(out + row, acc);
 }
 
-// The floor of a greedy call, for tpspec bench exchange: one launch with the fused kernel's
-// grid that reads a bf16 [rows, cols] slice (cols a multiple of 8, rows 16-byte aligned)
-// the way its greedy rows do and stores each block's maximum key to out[block]. No block
-// lines, no exchange: what any one-launch row max pays for its launch, ramp and stream.
+// A reference for tpspec bench exchange: one launch with the fused kernel's greedy grid
+// that reads a bf16 [rows, cols] slice (cols a multiple of 8, rows 16-byte aligned) with
+// the greedy rows' loop and stores each block's maximum key to out[block]. No block lines,
+// no exchange: at small shapes, what the launch and the reads of a greedy call cost alone.
 extern "C" __global__ void __launch_bounds__(LL_THREADS)
     ll_read_floor_bf16(const u16* logits, i64 row_stride, int cols, int chunk, int chunks, u64* out) {
     const int row = blockIdx.x / chunks;

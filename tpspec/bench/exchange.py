@@ -15,8 +15,9 @@ width, bf16) and mode (greedy, Gumbel) it times:
                      every column and nothing else: the floor SPEC §2's noise sets
                      when no column can be ruled out before its noise;
 * ``local_read_floor`` (greedy) one launch with the greedy grid that reads the slice
-                     and stores a max per block: what any one-launch row max pays
-                     (launch, ramp-up, stream), with no hand-off and no exchange;
+                     and stores a max per block, with no hand-off between blocks and
+                     no exchange: at small shapes, what launch and reads cost alone.
+                     Its plain loop is not tuned: at 256 x 64K the fused kernel beats it;
 * ``ag_keys``        torch.max + pack + all-gather of keys (the fallback exchange);
 * ``ag_logits``      all-gather of the full logits slice + argmax (what vLLM/SGLang do).
 
@@ -156,7 +157,7 @@ def philox_floor_call(ll: Any, cycle: Any, rows: int, width: int) -> Callable[[]
 def read_floor_call(ll: Any, cycle: Any, rows: int, width: int) -> Callable[[], None]:
     """One launch of the source's ``ll_read_floor_bf16`` over the next bf16 logits of
     ``cycle``, with the greedy call's grid: the reads and a max key per block, stored with
-    no hand-off between blocks and no exchange. What one launch of any row max costs."""
+    no hand-off between blocks and no exchange (the launch and reads of a greedy call)."""
     import numpy as np
 
     from ..exchange.ll import plan_chunks
