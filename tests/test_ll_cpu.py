@@ -126,7 +126,13 @@ def test_every_planned_grid_fits_the_block_lines():
                         for elem in (2, 4):
                             chunk, chunks = L.plan_chunks(rows, cols, elem, sms, sampled)
                             assert rows * chunks <= lines, (sms, max_rows, rows, cols, sampled)
+                            # The launch asks for no more shared memory than any GPU grants by default.
+                            shared = L.fused_shared_bytes(rows, chunks)
+                            assert 8 * rows <= shared <= L.DEFAULT_DYNAMIC_SHARED_LIMIT
+                            if chunks > 1:
+                                assert shared == 8 * (rows + rows * chunks)
     assert L.max_grid_blocks(1, 132) == 4 * 132 and L.max_grid_blocks(4096, 132) == 4096
+    assert L.fused_shared_bytes(L.MAX_MAX_ROWS, 1) == 8 * L.MAX_MAX_ROWS
 
 
 def test_timeout_error_message_names_channel_epoch_and_ranks():

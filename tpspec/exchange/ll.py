@@ -188,6 +188,15 @@ def plan_chunks(rows: int, cols: int, elem_bytes: int, num_sms: int, sampled: bo
     return chunk, chunks
 
 
+DEFAULT_DYNAMIC_SHARED_LIMIT = 48 * 1024  # what a launch may ask for without opting in
+
+
+def fused_shared_bytes(rows: int, chunks: int) -> int:
+    """Dynamic shared memory of a fused launch: a key per row, and in block 0 a key per
+    block when rows span several blocks (see argmax_logits_impl in the source)."""
+    return 8 * rows * (1 + chunks if chunks > 1 else 1)
+
+
 _DTYPE_KERNELS = {
     torch.float32: ("ll_argmax_logits_f32", 0),
     torch.bfloat16: ("ll_argmax_logits_bf16", 1),
@@ -507,9 +516,7 @@ class LLKeyExchange(KeyExchange):
             _p(self.layout.ctrl(self._base, channel)), _p(self.layout.block_lines(self._base, channel)),
             _p(self._gumbel_table.data_ptr()), *self._exchange_args(channel)[1:],
         )
-        # Shared memory: a key per row, and in block 0 a key per block when rows span several.
-        shared_bytes = 8 * rows * (1 + chunks if chunks > 1 else 1)
-        self._launch(name, rows * chunks, shared_bytes, args)
+        self._launch(name, rows * chunks, fused_shared_bytes(rows, chunks), args)
         return out
 
     # ---------------------------------------------------------------- shutdown
