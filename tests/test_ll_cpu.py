@@ -141,6 +141,8 @@ def test_timeout_error_message_names_channel_epoch_and_ranks():
     assert "rank 3 " not in L.format_timeout_error(0, 0, 1, 0b10, 1.0)
     assert "rank 1 within" in L.format_timeout_error(0, 0, 1, 0b10, 1.0)
     assert L.missing_ranks_from_mask(1 << 63 | 1) == [0, 63]
+    own = L.format_timeout_error(rank=2, channel=0, epoch=9, missing_mask=0b100, timeout_s=30.0)
+    assert "own fused kernel" in own and "epoch 9" in own and "rank 2" in own
     err = L.LLTimeoutError("m", 1, 7, [1, 3])
     assert isinstance(err, RuntimeError) and err.missing_ranks == [1, 3] and err.epoch == 7
 

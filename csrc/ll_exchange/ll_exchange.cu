@@ -451,7 +451,7 @@ __device__ void exchange_rows(const Exchange& x, const ExchangeStart& start, con
 
     const u64 missing = s_missing_ranks;
     if (threadIdx.x == 0) {
-        if (missing && (start.failed_before == 0u)) {
+        if (missing && start.failed_before == 0u) {
             if (atomicCAS(&x.ctrl->error, 0u, 1u) == 0u) {
                 x.ctrl->error_epoch = epoch;
                 x.ctrl->missing = missing;
@@ -1091,7 +1091,9 @@ __device__ void argmax_logits_impl(const void* logits, i64 row_stride, int rows,
     best = block_max(best);
 
     if (!collector) {
-        if (threadIdx.x == 0) store_line(lines + 16ull * blockIdx.x, (u32)best, start.epoch, (u32)(best >> 32), start.epoch);
+        if (threadIdx.x == 0) {
+            store_line(lines + 16ull * blockIdx.x, (u32)best, start.epoch, (u32)(best >> 32), start.epoch);
+        }
         return;
     }
 
@@ -1110,11 +1112,11 @@ __device__ void argmax_logits_impl(const void* logits, i64 row_stride, int rows,
         NAME(const void* logits, i64 row_stride, int rows, int cols, u32 column0, int chunk, int chunks,       \
              int aligned, const float* temperature, float threshold, const i64* seeds, const i64* offsets,     \
              i64* step_counter, u64 unseeded_seed, int advance_step, i64* out, int want_tokens, u64 ctrl,      \
-             u64 lines, const float* gumbel_table, const u64* peer_slots, u64 host_error, int rank,          \
+             u64 lines, const float* gumbel_table, const u64* peer_slots, u64 host_error, int rank,            \
              int world, int max_rows, u64 timeout_ns) {                                                        \
         argmax_logits_impl<DTYPE>(logits, row_stride, rows, cols, column0, chunk, chunks, aligned, temperature, \
                                   threshold, seeds, offsets, step_counter, unseeded_seed, advance_step, out,   \
-                                  want_tokens, ctrl, lines, gumbel_table, peer_slots, host_error, rank,      \
+                                  want_tokens, ctrl, lines, gumbel_table, peer_slots, host_error, rank,        \
                                   world, max_rows, timeout_ns);                                                \
     }
 

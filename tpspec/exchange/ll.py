@@ -65,7 +65,15 @@ def missing_ranks_from_mask(mask: int) -> list[int]:
 
 
 def format_timeout_error(rank: int, channel: int, epoch: int, missing_mask: int, timeout_s: float) -> str:
-    """The message of :class:`LLTimeoutError`."""
+    """The message of :class:`LLTimeoutError`. The mask names this rank itself when blocks of
+    its own fused kernel never handed over their keys (then it published nothing)."""
+    if (missing_mask >> rank) & 1:
+        return (
+            f"LL key exchange timed out on rank {rank}: channel {channel}, epoch {epoch}: blocks of this "
+            f"rank's own fused kernel did not finish within {timeout_s:g} s (the GPU is oversubscribed or "
+            f"hung), so it published no keys and its peers time out on it. The exchange is unusable now: "
+            f"close it and build a new one."
+        )
     missing = missing_ranks_from_mask(missing_mask)
     who = "rank" if len(missing) == 1 else "ranks"
     listed = ", ".join(str(r) for r in missing) or "?"
