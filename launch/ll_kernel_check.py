@@ -5,9 +5,10 @@ cases: fp32, bf16 and fp16; 1 to 3000 rows (grids of one block per row up to sev
 per row, and more blocks than one wave); slices of 8 to 64K columns at vocab offsets that
 are multiples of 4 (and a vocab that cuts the last slice short); random, LM-like, adversarial
 (NaN, +-inf, ties, all -inf rows, greedy rows mixed in) and low-temperature sampled rows with
-per-row seeds and offsets, and all-greedy calls (no temperature). Meant for iterating on the kernel: point ``TPSPEC_LL_SOURCE_DIR`` at a
-modified copy of ``csrc/ll_exchange`` and run this before timing it with ``tpspec bench
-exchange``. The GPU tests (``tests/test_ll_gpu.py``) remain the full check across ranks.
+per-row seeds and offsets, and all-greedy calls (no temperature). Meant for iterating on
+the kernel: point ``TPSPEC_LL_SOURCE_DIR`` at a modified copy of ``csrc/ll_exchange`` and
+run this before timing it with ``tpspec bench exchange``. The GPU tests
+(``tests/test_ll_gpu.py``) remain the full check across ranks.
 
 Usage: python3 launch/ll_kernel_check.py   (exit code 1 when any case differs)
 """
@@ -26,9 +27,9 @@ def main() -> int:
     ll = LLKeyExchange(None, max_rows=4096, num_channels=1)
     gen = torch.Generator().manual_seed(11)
     bad = total = 0
+    shapes = ((1, 16384), (8, 65536), (256, 16384), (64, 1000), (3, 4099), (256, 65536), (5, 8), (1024, 520),
+              (3000, 64))
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        shapes = ((1, 16384), (8, 65536), (256, 16384), (64, 1000), (3, 4099), (256, 65536), (5, 8), (1024, 520),
-                  (3000, 64))
         for rows, width in shapes:
             for kind in ("randn", "lm", "adv", "lowt", "greedy"):
                 x = torch.randn(rows, width, generator=gen) * 3

@@ -383,8 +383,8 @@ def gumbel_costs(merged: dict[tuple, dict]) -> list[dict]:
 
 def streaming_bandwidth(merged: dict[tuple, dict], copy_gbps: float | None) -> list[dict]:
     """The local stage's bandwidth without its fixed cost (launch, ramp-up, the hand-off
-    of block keys, the exchange tail): at the largest row count, extra bytes over extra time between the
-    narrowest and the widest slice, per mode. Empty without two widths."""
+    of block keys, the exchange tail): at the largest row count, extra bytes over extra
+    time between the narrowest and the widest slice, per mode. Empty without two widths."""
     out = []
     for mode in ("greedy", "gumbel"):
         points = {(k[2], k[3]): v for k, v in merged.items()

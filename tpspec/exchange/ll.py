@@ -179,8 +179,8 @@ def plan_chunks(rows: int, cols: int, elem_bytes: int, num_sms: int, sampled: bo
     Aims at one wave of blocks in total: 2 per SM for greedy rows, 4 for sampled ones
     (compute-bound, they need more warps to hide Philox latency), rounding the blocks per
     row down so a second, mostly idle wave never starts. So ``rows * chunks`` never exceeds
-    ``max_grid_blocks(rows, num_sms)``. Small batches still spread each
-    row over many blocks (at least 1024 columns each). On the H200 this beat rounding up
+    ``max_grid_blocks(rows, num_sms)``. Small batches still spread each row over many
+    blocks (at least 1024 columns each). On the H200 this beat rounding up
     (greedy 256 x 64K bf16: 14.6 -> 12.1 us; 64 x 64K: 8.8 -> 6.2 us; Gumbel 256 x 64K:
     43.5 -> 40.7 us). Chunks are multiples of a warp's 16-byte loads, so vector loads stay
     aligned and quads stay Philox blocks.
