@@ -440,3 +440,76 @@ def test_ll_timeout_names_channel_epoch_and_missing_rank():
         assert (channel, epoch, missing) == (1, 1, [world - 1]), message
         assert "channel 1" in message and "epoch 1" in message and f"rank {world - 1}" in message
         assert "timed out" in again
+
+
+# ------------------------------------------------------------------- epoch cycle
+
+_MEMCPY_DEVICE_TO_HOST = 2
+
+
+def _device_words(ll, address, count):
+    """``count`` uint32 words of this rank's exchange buffer at ``address`` (synchronizes)."""
+    torch.cuda.synchronize()
+    out = np.zeros(count, dtype=np.uint32)
+    ll._cupy.cuda.runtime.memcpy(out.ctypes.data, address, out.nbytes, _MEMCPY_DEVICE_TO_HOST)
+    return out
+
+
+def _set_epoch(ll, group, channel, epoch):
+    """Every rank sets the channel's epoch while no call is in flight (between barriers)."""
+    from tpspec import distributed as D
+    from tpspec.exchange.ll import _CUDA_MEMCPY_HOST_TO_DEVICE
+
+    torch.cuda.synchronize()
+    D.all_gather_object(None, group)
+    word = np.array([epoch], dtype=np.uint32)
+    ll._cupy.cuda.runtime.memcpy(ll.layout.ctrl(ll._base, channel), word.ctypes.data, 4,
+                                 _CUDA_MEMCPY_HOST_TO_DEVICE)
+    torch.cuda.synchronize()
+    D.all_gather_object(None, group)
+
+
+def _epoch_cycle_worker(rank, world):
+    import time
+
+    group, ll, ag = _exchanges(rank, max_rows=64)
+    dev = ll.device
+    ctrl = ll.layout.ctrl(ll._base, 0)
+    failures = []
+    # A slot this rank has read holds zeros afterwards (no line outlives its call).
+    for _ in range(3):
+        ll.max_keys(torch.arange(8, dtype=torch.int64, device=dev) + rank)
+    epoch = int(_device_words(ll, ctrl, 1)[0])
+    old = torch.arange(8, dtype=torch.int64, device=dev) + 10**12 * (rank + 1)
+    ll.max_keys(old)
+    lines = _device_words(ll, ll.layout.slots(ll._base, 0), 2 * world * 64 * 4).reshape(2, world, 64, 4)
+    if lines[epoch & 1, :, :8].any():
+        failures.append(f"slots of epoch {epoch} not reset after reading")
+    # The epoch comes round again (as after ~4.3e9 calls) and one rank is late: the others
+    # must wait for its new line, not take the one left from the earlier call.
+    _set_epoch(ll, group, 0, epoch)
+    new = torch.arange(8, dtype=torch.int64, device=dev) * (rank + 1)
+    if rank == world - 1:
+        time.sleep(0.3)
+    got = ll.max_keys(new)
+    want = ag.max_keys(new)
+    if not torch.equal(got, want):
+        failures.append(f"epoch {epoch} reused: {got.tolist()} != {want.tolist()}")
+    # Across the wrap: 0xFFFFFFFD, 0xFFFFFFFE, 0xFFFFFFFF, then 2 (never 0), 3, ...
+    _set_epoch(ll, group, 0, 0xFFFFFFFD)
+    gen = torch.Generator().manual_seed(5)
+    for rows in (1, 64, 3, 17, 64, 8):
+        keys = torch.randint(-2**62, 2**62, (rows,), generator=gen).add_(rank).to(dev)
+        got, want = ll.max_keys(keys), ag.max_keys(keys)
+        if not torch.equal(got, want):
+            failures.append(f"across the wrap, {rows} rows: {got.tolist()} != {want.tolist()}")
+    after = int(_device_words(ll, ctrl, 1)[0])
+    if after != 5:  # six calls from 0xFFFFFFFD
+        failures.append(f"epoch after the wrap is {after}, expected 5")
+    ll.check()
+    ll.close()
+    return failures
+
+
+def test_ll_epoch_cycle_resets_slots_and_wraps():
+    assert run_ranks(_epoch_cycle_worker, 2, backend="gloo", timeout_s=300) == [[], []]

@@ -26,6 +26,11 @@
 //   half. The epoch lives in device memory and the kernel advances it (graph replays
 //   need no host work). Epochs are 32-bit and never 0 (0 is "never written"): after
 //   0xFFFFFFFF comes 2, keeping the parity alternation.
+//   The reader resets each line to zero once it has read it. Otherwise a row that went
+//   unused for a whole epoch cycle (~4.3e9 calls) would still hold a line whose epoch
+//   matches again. The reset cannot erase the next line written there: a peer writes
+//   that slot again two calls later, after it has read this rank's line of the next
+//   call, which this rank publishes only after this kernel, reset included, has ended.
 //   Waiting is bounded: after timeout_ns (%globaltimer) the kernel stops, records the
 //   missing ranks and the epoch in the channel's control block and in host-mapped
 //   memory, writes -1 for the affected rows, and every later call on that channel fails
@@ -321,6 +326,23 @@ __device__ __forceinline__ u64 global_timer_ns() {
     return t;
 }
 
+// The clock of one bounded wait: started by the first poll that finds a line missing
+// (a wait that never fails reads no clock), expired once timeout_ns have passed since.
+struct WaitClock {
+    u64 begin_ns;
+    bool started;
+    __device__ WaitClock() : begin_ns(0ull), started(false) {}
+    __device__ __forceinline__ bool expired(u64 timeout_ns) {
+        const u64 now = global_timer_ns();
+        if (!started) {
+            begin_ns = now;
+            started = true;
+            return false;
+        }
+        return now - begin_ns > timeout_ns;
+    }
+};
+
 __device__ __forceinline__ void store_line(u64 address, u32 a, u32 b, u32 c, u32 d) {
     asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(address), "r"(a), "r"(b), "r"(c),
                  "r"(d)
@@ -410,8 +432,7 @@ __device__ void exchange_rows(const Exchange& x, const ExchangeStart& start, con
             for (int j = 0; j < WAIT_BATCH; ++j) {
                 if (first + j < peers) pending |= 1u << j;
             }
-            u64 begin_ns = 0ull;
-            bool started = false;
+            WaitClock clock;
             while (pending) {
                 uint4 v[WAIT_BATCH];
 #pragma unroll
@@ -425,16 +446,14 @@ __device__ void exchange_rows(const Exchange& x, const ExchangeStart& start, con
                         const u64 key = ((u64)v[j].z << 32) | (u64)v[j].x;
                         best = key > best ? key : best;
                         pending &= ~(1u << j);
+                        // Reset the line once read: no line outlives its call, so none can
+                        // match again when the 32-bit epoch comes round (see the header).
+                        const int src = first + j + (first + j >= x.rank ? 1 : 0);
+                        store_line(slot_address(own, parity, src, row, world, x.max_rows), 0u, 0u, 0u, 0u);
                     }
                 }
                 if (!pending || fail_fast) break;
-                const u64 now = global_timer_ns();
-                if (!started) {
-                    begin_ns = now;
-                    started = true;
-                } else if (now - begin_ns > x.timeout_ns || *(volatile u32*)&x.ctrl->error) {
-                    break;
-                }
+                if (clock.expired(x.timeout_ns) || *(volatile u32*)&x.ctrl->error) break;
             }
 #pragma unroll
             for (int j = 0; j < WAIT_BATCH; ++j) {
@@ -944,8 +963,7 @@ __device__ bool gather_block_lines(u64 lines, int blocks, u32 epoch, u64 timeout
             const int b = first + j * (int)blockDim.x;
             if (b > 0 && b < blocks) pending |= 1u << j;
         }
-        u64 begin_ns = 0ull;
-        bool started = false;
+        WaitClock clock;
         while (pending) {
             uint4 v[BATCH];
 #pragma unroll
@@ -962,13 +980,7 @@ __device__ bool gather_block_lines(u64 lines, int blocks, u32 epoch, u64 timeout
                 }
             }
             if (!pending) break;
-            const u64 now = global_timer_ns();
-            if (!started) {
-                begin_ns = now;
-                started = true;
-            } else if (now - begin_ns > timeout_ns) {
-                return false;
-            }
+            if (clock.expired(timeout_ns)) return false;
         }
     }
     return true;
