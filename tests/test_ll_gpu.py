@@ -3,7 +3,8 @@ gloo for bootstrap and for the all-gather reference, MPS so the ranks run concur
 
 Checks (SPEC §8): LL tokens == all-gather tokens == the CPU reference (and torch.argmax
 for greedy rows), winning keys bit-equal to the CPU reference, ranks agree; CUDA-graph
-replays over two channels; a long back-to-back stress; the timeout error.
+replays over two channels; a long back-to-back stress; the timeout error; the epoch cycle
+(slots reset after reading, the epoch set back by hand, calls across the 32-bit wrap).
 """
 
 from __future__ import annotations
