@@ -362,6 +362,9 @@ __device__ __forceinline__ u64 slot_address(u64 base, int parity, int src, int r
     return base + 16ull * ((u64)(parity * world + src) * (u64)max_rows + (u64)row);
 }
 
+// The rank of a rank's i-th peer (its own rank skipped: its key never travels).
+__device__ __forceinline__ int peer_rank(int i, int rank) { return i + (i >= rank ? 1 : 0); }
+
 __device__ __forceinline__ u32 next_epoch(u32 e) { return e == 0xffffffffu ? 2u : e + 1u; }
 
 // Bitmask of ranks whose lines never arrived in this call (the waiting threads OR into it).
@@ -414,7 +417,7 @@ __device__ void exchange_rows(const Exchange& x, const ExchangeStart& start, con
     for (int row = threadIdx.x; row < rows && !local_failed; row += blockDim.x) {
         const u64 key = s_keys[row];
         for (int d = 0; d < peers; ++d) {
-            const int dst = d + (d >= x.rank ? 1 : 0);
+            const int dst = peer_rank(d, x.rank);
             store_line(slot_address(s_peer_slots[dst], parity, x.rank, row, world, x.max_rows), (u32)key, epoch,
                        (u32)(key >> 32), epoch);
         }
@@ -437,7 +440,7 @@ __device__ void exchange_rows(const Exchange& x, const ExchangeStart& start, con
                 uint4 v[WAIT_BATCH];
 #pragma unroll
                 for (int j = 0; j < WAIT_BATCH; ++j) {
-                    const int src = first + j + (first + j >= x.rank ? 1 : 0);
+                    const int src = peer_rank(first + j, x.rank);
                     if ((pending >> j) & 1u) v[j] = load_line(slot_address(own, parity, src, row, world, x.max_rows));
                 }
 #pragma unroll
@@ -448,7 +451,7 @@ __device__ void exchange_rows(const Exchange& x, const ExchangeStart& start, con
                         pending &= ~(1u << j);
                         // Reset the line once read: no line outlives its call, so none can
                         // match again when the 32-bit epoch comes round (see the header).
-                        const int src = first + j + (first + j >= x.rank ? 1 : 0);
+                        const int src = peer_rank(first + j, x.rank);
                         store_line(slot_address(own, parity, src, row, world, x.max_rows), 0u, 0u, 0u, 0u);
                     }
                 }
@@ -457,7 +460,7 @@ __device__ void exchange_rows(const Exchange& x, const ExchangeStart& start, con
             }
 #pragma unroll
             for (int j = 0; j < WAIT_BATCH; ++j) {
-                if ((pending >> j) & 1u) missing |= 1ull << (first + j + (first + j >= x.rank ? 1 : 0));
+                if ((pending >> j) & 1u) missing |= 1ull << peer_rank(first + j, x.rank);
             }
         }
         if (local_failed) missing |= 1ull << x.rank;
