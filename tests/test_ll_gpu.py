@@ -4,7 +4,7 @@ gloo for bootstrap and for the all-gather reference, MPS so the ranks run concur
 Checks (SPEC §8): LL tokens == all-gather tokens == the CPU reference (and torch.argmax
 for greedy rows), winning keys bit-equal to the CPU reference, ranks agree; CUDA-graph
 replays over two channels; a long back-to-back stress; the timeout error; the epoch cycle
-(slots reset after reading, the epoch set back by hand, calls across the 32-bit wrap).
+(the calls at the end of the 32-bit cycle clear every line left, so none matches after the wrap).
 """
 
 from __future__ import annotations
@@ -473,44 +473,57 @@ def _set_epoch(ll, group, channel, epoch):
 def _epoch_cycle_worker(rank, world):
     import time
 
+    from tpspec import distributed as D
+
     group, ll, ag = _exchanges(rank, max_rows=64)
     dev = ll.device
     ctrl = ll.layout.ctrl(ll._base, 0)
+    slot_words = 2 * world * 64 * 4
     failures = []
-    # A slot this rank has read holds zeros afterwards (no line outlives its call).
-    for _ in range(3):
-        ll.max_keys(torch.arange(8, dtype=torch.int64, device=dev) + rank)
-    epoch = int(_device_words(ll, ctrl, 1)[0])
-    old = torch.arange(8, dtype=torch.int64, device=dev) + 10**12 * (rank + 1)
-    ll.max_keys(old)
-    lines = _device_words(ll, ll.layout.slots(ll._base, 0), 2 * world * 64 * 4).reshape(2, world, 64, 4)
-    if lines[epoch & 1, :, :8].any():
-        failures.append(f"slots of epoch {epoch} not reset after reading")
-    # The epoch comes round again (as after ~4.3e9 calls) and one rank is late: the others
-    # must wait for its new line, not take the one left from the earlier call.
-    _set_epoch(ll, group, 0, epoch)
-    new = torch.arange(8, dtype=torch.int64, device=dev) * (rank + 1)
-    if rank == world - 1:
-        time.sleep(0.3)
-    got = ll.max_keys(new)
-    want = ag.max_keys(new)
-    if not torch.equal(got, want):
-        failures.append(f"epoch {epoch} reused: {got.tolist()} != {want.tolist()}")
-    # Across the wrap: 0xFFFFFFFD, 0xFFFFFFFE, 0xFFFFFFFF, then 2 (never 0), 3, ...
+    # Lines at all 64 rows from epochs 1..4 (max_keys) and 5 (a fused call, which also
+    # leaves 255 block lines): what a late rank's peer could take again after the wrap.
+    for epoch in range(1, 5):
+        keys = torch.arange(64, dtype=torch.int64, device=dev) + 10**12 * (rank + 1) + epoch
+        ll.max_keys(keys)
+    logits = torch.randn(64, 4096, device=dev, dtype=torch.bfloat16)
+    ll.argmax_logits(logits, rank * 4096)
+    if not _device_words(ll, ll.layout.slots(ll._base, 0), slot_words).any():
+        failures.append("no lines left in the slots before the wrap (the test would prove nothing)")
+    # The end of the cycle, one row a call: rows 1..63 keep their old lines until the
+    # calls of epochs 0xFFFFFFFE and 0xFFFFFFFF clear them.
     _set_epoch(ll, group, 0, 0xFFFFFFFD)
+    for _ in range(3):
+        ll.max_keys(torch.tensor([rank], dtype=torch.int64, device=dev))
+    slots = _device_words(ll, ll.layout.slots(ll._base, 0), slot_words)
+    block_lines = _device_words(ll, ll.layout.block_lines(ll._base, 0), 4 * ll.layout.max_blocks)
+    D.all_gather_object(None, group)  # no rank starts the next cycle before both have looked
+    if slots.any():
+        failures.append(f"{np.count_nonzero(slots.reshape(-1, 4).any(axis=1))} slot lines left after the cycle")
+    if block_lines.any():
+        failures.append(f"{np.count_nonzero(block_lines.reshape(-1, 4).any(axis=1))} block lines left after the cycle")
+    # The new cycle: epochs 2 and 3 at one row (rows 1..63 keep what epochs 4 and 5 of the
+    # old cycle left, unless it was cleared), then 4 (max_keys) and 5 (fused) at all 64
+    # rows with the last rank 0.3 s late: its peer must wait for its new lines, not take
+    # the old ones (nor, in the fused call, the old block lines).
     gen = torch.Generator().manual_seed(5)
-    for rows in (1, 64, 3, 17, 64, 8):
+    for epoch, rows in ((2, 1), (3, 1), (4, 64), (5, 64)):
         keys = torch.randint(-2**62, 2**62, (rows,), generator=gen).add_(rank).to(dev)
-        got, want = ll.max_keys(keys), ag.max_keys(keys)
+        logits = torch.randn(rows, 4096, generator=gen).to(dev, torch.bfloat16)
+        if rank == world - 1:
+            time.sleep(0.3)
+        if epoch < 5:
+            got, want = ll.max_keys(keys), ag.max_keys(keys)
+        else:
+            got, want = ll.argmax_logits(logits, rank * 4096), ag.argmax_logits(logits, rank * 4096)
         if not torch.equal(got, want):
-            failures.append(f"across the wrap, {rows} rows: {got.tolist()} != {want.tolist()}")
+            failures.append(f"epoch {epoch} after the wrap: {got.tolist()[:4]}... != {want.tolist()[:4]}...")
     after = int(_device_words(ll, ctrl, 1)[0])
-    if after != 5:  # six calls from 0xFFFFFFFD
-        failures.append(f"epoch after the wrap is {after}, expected 5")
+    if after != 6:  # epochs 2..5 used after the wrap
+        failures.append(f"epoch after the wrap is {after}, expected 6")
     ll.check()
     ll.close()
     return failures
 
 
-def test_ll_epoch_cycle_resets_slots_and_wraps():
+def test_ll_epoch_wrap_clears_stale_lines():
     assert run_ranks(_epoch_cycle_worker, 2, backend="gloo", timeout_s=300) == [[], []]

@@ -26,11 +26,14 @@
 //   half. The epoch lives in device memory and the kernel advances it (graph replays
 //   need no host work). Epochs are 32-bit and never 0 (0 is "never written"): after
 //   0xFFFFFFFF comes 2, keeping the parity alternation.
-//   The reader resets each line to zero once it has read it. Otherwise a row that went
-//   unused for a whole epoch cycle (~4.3e9 calls) would still hold a line whose epoch
-//   matches again. The reset cannot erase the next line written there: a peer writes
-//   that slot again two calls later, after it has read this rank's line of the next
-//   call, which this rank publishes only after this kernel, reset included, has ended.
+//   Lines stay in the slots after they are read, so a row unused for a whole epoch cycle
+//   (~4.3e9 calls) would still hold a line whose epoch matches again. The cycle's last
+//   two calls therefore clear them: the call of epoch 0xFFFFFFFE zeroes every line of
+//   parity 0 in this rank's slots once it has read its own rows, the call of 0xFFFFFFFF
+//   every line of parity 1 (and the channel's block lines, below). The clearing cannot
+//   erase a line of the next cycle: a peer writes that parity again two calls later,
+//   after it has read this rank's line of the next call, which this rank publishes only
+//   after the clearing kernel has ended. The hot path carries no extra store.
 //   Waiting is bounded: after timeout_ns (%globaltimer) the kernel stops, records the
 //   missing ranks and the epoch in the channel's control block and in host-mapped
 //   memory, writes -1 for the affected rows, and every later call on that channel fails
@@ -38,9 +41,11 @@
 //
 // Inside one rank, the fused kernel's blocks hand their row maxima to block 0 the same
 // way: each block writes one {key_lo, epoch, key_hi, epoch} line of the channel's block
-// lines; block 0, after its own columns, polls them (bounded by the same timeout), resets
-// them to zero and runs the exchange. No fence, no ticket atomic, no re-read of a scratch
-// max: a block's result reaches block 0 in one store and one poll.
+// lines; block 0, after its own columns, polls them (bounded by the same timeout) and runs
+// the exchange. No fence, no ticket atomic, no re-read of a scratch max: a block's result
+// reaches block 0 in one store and one poll. Block lines are rewritten only by the next
+// kernel on the channel, so clearing all of them in the call of epoch 0xFFFFFFFF (after
+// block 0 has read this call's) keeps a stale one from matching after the wrap.
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -312,6 +317,8 @@ extern __shared__ u64 s_keys[];
 
 struct Exchange {
     ChannelCtrl* ctrl;         // this rank's control block of the channel
+    u64 block_lines;           // the channel's block lines (cleared at the end of an epoch cycle)
+    int block_line_count;      // how many there are
     const u64* peer_slots;     // [world] base of each rank's slot area of the channel
     HostError* host_error;     // host-mapped error record of the channel
     int rank;
@@ -369,6 +376,9 @@ __device__ __forceinline__ u32 next_epoch(u32 e) { return e == 0xffffffffu ? 2u 
 
 // Bitmask of ranks whose lines never arrived in this call (the waiting threads OR into it).
 __shared__ u64 s_missing_ranks;
+// 1 once a waiting thread has given up: the others then poll once more and stop, so a
+// rank that never arrives costs one timeout, not one per row a thread waits for.
+__shared__ u32 s_gave_up;
 // 1 when a block line of this rank's own fused kernel never arrived (then this rank
 // publishes nothing: its peers time out on it instead of taking a wrong key).
 __shared__ u32 s_local_failed;
@@ -390,6 +400,7 @@ __device__ __forceinline__ ExchangeStart exchange_prologue(const Exchange& x) {
     if (threadIdx.x == 0) {
         s_missing_ranks = 0ull;
         s_local_failed = 0u;
+        s_gave_up = 0u;
     }
     return start;
 }
@@ -449,14 +460,16 @@ __device__ void exchange_rows(const Exchange& x, const ExchangeStart& start, con
                         const u64 key = ((u64)v[j].z << 32) | (u64)v[j].x;
                         best = key > best ? key : best;
                         pending &= ~(1u << j);
-                        // Reset the line once read: no line outlives its call, so none can
-                        // match again when the 32-bit epoch comes round (see the header).
-                        const int src = peer_rank(first + j, x.rank);
-                        store_line(slot_address(own, parity, src, row, world, x.max_rows), 0u, 0u, 0u, 0u);
                     }
                 }
                 if (!pending || fail_fast) break;
-                if (clock.expired(x.timeout_ns) || *(volatile u32*)&x.ctrl->error) break;
+                // Only the clock and a shared flag between polls: a global load here would
+                // add a memory round trip to every poll, and so to the latency of the wait.
+                if (*(volatile u32*)&s_gave_up) break;
+                if (clock.expired(x.timeout_ns)) {
+                    *(volatile u32*)&s_gave_up = 1u;
+                    break;
+                }
             }
 #pragma unroll
             for (int j = 0; j < WAIT_BATCH; ++j) {
@@ -470,6 +483,18 @@ __device__ void exchange_rows(const Exchange& x, const ExchangeStart& start, con
                                           : (i64)(best ^ 0x8000000000000000ull));
     }
     __syncthreads();
+
+    // The last two calls of an epoch cycle clear what they have read (see the header):
+    // every line of this parity in this rank's slots, and at the very end the block lines.
+    if (epoch >= 0xfffffffeu) {
+        const u64 parity_lines = slot_address(own, parity, 0, 0, world, x.max_rows);
+        for (int i = threadIdx.x; i < world * x.max_rows; i += blockDim.x) {
+            store_line(parity_lines + 16ull * (u64)i, 0u, 0u, 0u, 0u);
+        }
+        for (int i = threadIdx.x; i < x.block_line_count && epoch == 0xffffffffu; i += blockDim.x) {
+            store_line(x.block_lines + 16ull * (u64)i, 0u, 0u, 0u, 0u);
+        }
+    }
 
     const u64 missing = s_missing_ranks;
     if (threadIdx.x == 0) {
@@ -496,9 +521,10 @@ __device__ void exchange_rows(const Exchange& x, const ExchangeStart& start, con
 // float32/bfloat16/float16, argmax_is_i64 picks int64 or int32 columns.
 extern "C" __global__ void __launch_bounds__(LL_THREADS) ll_exchange_keys(
     int mode, const i64* keys, const void* local_max, int max_dtype, const void* local_argmax, int argmax_is_i64,
-    i64 vocab_offset, int rows, i64* out, int want_tokens, u64 ctrl, const u64* peer_slots, u64 host_error,
-    int rank, int world, int max_rows, u64 timeout_ns) {
-    Exchange x = {(ChannelCtrl*)ctrl, peer_slots, (HostError*)host_error, rank, world, max_rows, timeout_ns};
+    i64 vocab_offset, int rows, i64* out, int want_tokens, u64 ctrl, u64 lines, int line_count,
+    const u64* peer_slots, u64 host_error, int rank, int world, int max_rows, u64 timeout_ns) {
+    Exchange x = {(ChannelCtrl*)ctrl, lines, line_count, peer_slots, (HostError*)host_error,
+                  rank, world, max_rows, timeout_ns};
     const ExchangeStart start = exchange_prologue(x);  // its loads overlap the key loads below
     for (int row = threadIdx.x; row < rows; row += blockDim.x) {
         u64 ukey;
@@ -954,9 +980,9 @@ __device__ __forceinline__ u64 block_max(u64 v) {
 }
 
 // Block 0 of the fused kernel: every other block's line of this call into s_parts[block]
-// (block 0's own key is put there by the caller). A thread keeps up to 4 lines in flight;
-// each line, once it carries this call's epoch, is read and reset to zero (so no stale line
-// survives an epoch wrap). Returns false in a thread whose wait ran past timeout_ns.
+// (block 0's own key is put there by the caller). A thread keeps up to 4 lines in flight
+// until each carries this call's epoch. Returns false in a thread whose wait ran past
+// timeout_ns.
 __device__ bool gather_block_lines(u64 lines, int blocks, u32 epoch, u64 timeout_ns, u64* s_parts) {
     const int BATCH = 4;
     for (int first = (int)threadIdx.x; first < blocks; first += BATCH * (int)blockDim.x) {
@@ -978,7 +1004,6 @@ __device__ bool gather_block_lines(u64 lines, int blocks, u32 epoch, u64 timeout
                 if (((pending >> j) & 1u) && v[j].y == epoch && v[j].w == epoch) {
                     const int b = first + j * (int)blockDim.x;
                     s_parts[b] = ((u64)v[j].z << 32) | (u64)v[j].x;
-                    store_line(lines + 16ull * (u64)b, 0u, 0u, 0u, 0u);
                     pending &= ~(1u << j);
                 }
             }
@@ -1024,15 +1049,15 @@ __device__ void reduce_chunk_parts(const u64* s_parts, int rows, int chunks, u64
 //           (*step_counter << 32) + row; *step_counter += 1 once block 0 holds every
 //           block's line, so after all blocks read it, when advance_step).
 //   gumbel_table: keys.gumbel_bound_table() (GUMBEL_TABLE_SIZE + 4 floats).
-//   lines: the channel's block lines (at least rows * chunks of 16 bytes, zero between calls).
+//   lines: the channel's block lines (line_count >= rows * chunks lines of 16 bytes).
 //   Dynamic shared memory: 8 * rows bytes, plus 8 * rows * chunks when chunks > 1.
 template <int DTYPE>
 __device__ void argmax_logits_impl(const void* logits, i64 row_stride, int rows, int cols, u32 column0, int chunk,
                                    int chunks, int aligned, const float* temperature, float threshold,
                                    const i64* seeds, const i64* offsets, i64* step_counter, u64 unseeded_seed,
-                                   int advance_step, i64* out, int want_tokens, u64 ctrl_ptr, u64 lines,
-                                   const float* gumbel_table, const u64* peer_slots, u64 host_error, int rank,
-                                   int world, int max_rows, u64 timeout_ns) {
+                                   int advance_step, i64* out, int want_tokens, const float* gumbel_table,
+                                   u64 ctrl_ptr, u64 lines, int line_count, const u64* peer_slots,
+                                   u64 host_error, int rank, int world, int max_rows, u64 timeout_ns) {
     typedef typename Elem<DTYPE>::raw raw;
     __shared__ float s_table[GUMBEL_TABLE_SIZE + 4];
     ChannelCtrl* ctrl = (ChannelCtrl*)ctrl_ptr;
@@ -1049,7 +1074,7 @@ __device__ void argmax_logits_impl(const void* logits, i64 row_stride, int rows,
 
     // The epoch (and, in block 0, what the exchange needs) is loaded up front, beside the
     // row's inputs: off the path from the last block's key to the exchange.
-    Exchange x = {ctrl, peer_slots, (HostError*)host_error, rank, world, max_rows, timeout_ns};
+    Exchange x = {ctrl, lines, line_count, peer_slots, (HostError*)host_error, rank, world, max_rows, timeout_ns};
     ExchangeStart start;
     if (collector) {
         start = exchange_prologue(x);
@@ -1126,13 +1151,13 @@ __device__ void argmax_logits_impl(const void* logits, i64 row_stride, int rows,
     extern "C" __global__ void __launch_bounds__(LL_THREADS)                                                  \
         NAME(const void* logits, i64 row_stride, int rows, int cols, u32 column0, int chunk, int chunks,       \
              int aligned, const float* temperature, float threshold, const i64* seeds, const i64* offsets,     \
-             i64* step_counter, u64 unseeded_seed, int advance_step, i64* out, int want_tokens, u64 ctrl,      \
-             u64 lines, const float* gumbel_table, const u64* peer_slots, u64 host_error, int rank,            \
-             int world, int max_rows, u64 timeout_ns) {                                                        \
+             i64* step_counter, u64 unseeded_seed, int advance_step, i64* out, int want_tokens,                \
+             const float* gumbel_table, u64 ctrl, u64 lines, int line_count, const u64* peer_slots,             \
+             u64 host_error, int rank, int world, int max_rows, u64 timeout_ns) {                               \
         argmax_logits_impl<DTYPE>(logits, row_stride, rows, cols, column0, chunk, chunks, aligned, temperature, \
                                   threshold, seeds, offsets, step_counter, unseeded_seed, advance_step, out,   \
-                                  want_tokens, ctrl, lines, gumbel_table, peer_slots, host_error, rank,        \
-                                  world, max_rows, timeout_ns);                                                \
+                                  want_tokens, gumbel_table, ctrl, lines, line_count, peer_slots, host_error,  \
+                                  rank, world, max_rows, timeout_ns);                                          \
     }
 
 LL_ARGMAX_LOGITS_KERNEL(ll_argmax_logits_f32, 0)

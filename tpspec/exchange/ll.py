@@ -375,6 +375,8 @@ class LLKeyExchange(KeyExchange):
     def _exchange_args(self, channel: int) -> tuple:
         return (
             _p(self.layout.ctrl(self._base, channel)),
+            _p(self.layout.block_lines(self._base, channel)),
+            np.int32(self.layout.max_blocks),
             _p(self._peer_slots.data_ptr() + 8 * self.world_size * channel),
             _p(self._host_error + HOST_ERROR_BYTES * channel),
             np.int32(self.rank),
@@ -521,8 +523,7 @@ class LLKeyExchange(KeyExchange):
             np.uint32(vocab_offset), np.int32(chunk), np.int32(chunks), np.int32(aligned), temp_ptr,
             np.float32(greedy_threshold), seeds_ptr, offsets_ptr, _p(self.step_counter.data_ptr()),
             _p(UNSEEDED_STREAM_SEED), np.int32(unseeded), _p(out.data_ptr()), np.int32(want_tokens),
-            _p(self.layout.ctrl(self._base, channel)), _p(self.layout.block_lines(self._base, channel)),
-            _p(self._gumbel_table.data_ptr()), *self._exchange_args(channel)[1:],
+            _p(self._gumbel_table.data_ptr()), *self._exchange_args(channel),
         )
         self._launch(name, rows * chunks, fused_shared_bytes(rows, chunks), args)
         return out
