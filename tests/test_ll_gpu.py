@@ -405,19 +405,25 @@ def test_ll_stress_back_to_back_calls():
 # --------------------------------------------------------------------------- timeout
 
 def _timeout_worker(rank, world):
+    import time
+
     from tpspec import distributed as D
     from tpspec.exchange.ll import LLTimeoutError
 
-    group, ll, _ = _exchanges(rank, max_rows=8, timeout_s=2.0)
+    group, ll, _ = _exchanges(rank, max_rows=1024, timeout_s=2.0)
     keys = torch.arange(4, dtype=torch.int64, device=ll.device) * (rank + 1)
     first = ll.max_keys(keys).cpu().tolist()  # everyone takes part: fine
     result = None
     if rank != world - 1:  # the last rank skips the next call on channel 1
-        ll.max_keys(keys, channel=1)
+        # 1000 rows: a waiting thread serves up to 4 of them, and the whole call must still
+        # give up after one timeout, not one per row.
+        many = torch.arange(1000, dtype=torch.int64, device=ll.device)
+        begin = time.monotonic()
+        ll.max_keys(many, channel=1)
         try:
             ll.check()
         except LLTimeoutError as exc:
-            result = (str(exc), exc.channel, exc.epoch, exc.missing_ranks)
+            result = (str(exc), exc.channel, exc.epoch, exc.missing_ranks, time.monotonic() - begin)
         try:
             ll.max_keys(keys)
             again = "no error"
@@ -437,8 +443,9 @@ def test_ll_timeout_names_channel_epoch_and_missing_rank():
         if rank == world - 1:
             assert result is None
             continue
-        (message, channel, epoch, missing), again = result
+        (message, channel, epoch, missing, seconds), again = result
         assert (channel, epoch, missing) == (1, 1, [world - 1]), message
+        assert seconds < 2 * 2.0, f"the timed-out call took {seconds:.1f} s with timeout_s=2"  # not 4 timeouts
         assert "channel 1" in message and "epoch 1" in message and f"rank {world - 1}" in message
         assert "timed out" in again
 
