@@ -1015,14 +1015,16 @@ __device__ bool gather_block_lines(u64 lines, int blocks, u32 epoch, u64 timeout
 }
 
 // s_keys[row] = max over the row's chunks of s_parts[row * chunks + chunk] (chunks > 1):
-// g lanes per row (a power of two up to a warp), striding its chunks, then a shuffle max.
+// g = 2^lg lanes per row (the smallest power of two >= chunks, at most a warp), striding
+// its chunks, then a shuffle max. Shifts only: this runs once per call, in block 0, on
+// the path from the last block's key to the exchange.
 __device__ void reduce_chunk_parts(const u64* s_parts, int rows, int chunks, u64* s_keys) {
-    int g = 1;
-    while (g < chunks && g < 32) g <<= 1;
-    const int rows_per_pass = (int)blockDim.x / g;
+    const int lg = chunks >= 32 ? 5 : 32 - __clz(chunks - 1);
+    const int g = 1 << lg;
+    const int rows_per_pass = (int)blockDim.x >> lg;
     const int member = (int)threadIdx.x & (g - 1);
     for (int base = 0; base < rows; base += rows_per_pass) {  // uniform over the block
-        const int row = base + (int)threadIdx.x / g;
+        const int row = base + ((int)threadIdx.x >> lg);
         u64 m = 0ull;
         if (row < rows) {
             for (int c = member; c < chunks; c += g) {
@@ -1030,9 +1032,12 @@ __device__ void reduce_chunk_parts(const u64* s_parts, int rows, int chunks, u64
                 m = v > m ? v : m;
             }
         }
-        for (int off = g >> 1; off > 0; off >>= 1) {
-            const u64 o = __shfl_xor_sync(0xffffffffu, m, off);
-            m = o > m ? o : m;
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) {
+            if (off < g) {  // uniform
+                const u64 o = __shfl_xor_sync(0xffffffffu, m, off);
+                m = o > m ? o : m;
+            }
         }
         if (row < rows && member == 0) s_keys[row] = m;
     }
