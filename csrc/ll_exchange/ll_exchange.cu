@@ -1153,13 +1153,13 @@ __device__ void argmax_logits_impl(const void* logits, i64 row_stride, int rows,
 }
 
 #define LL_ARGMAX_LOGITS_KERNEL(NAME, DTYPE)                                                                   \
-    extern "C" __global__ void __launch_bounds__(LL_THREADS)                                                  \
+    extern "C" __global__ void __launch_bounds__(LL_THREADS)                                                   \
         NAME(const void* logits, i64 row_stride, int rows, int cols, u32 column0, int chunk, int chunks,       \
              int aligned, const float* temperature, float threshold, const i64* seeds, const i64* offsets,     \
              i64* step_counter, u64 unseeded_seed, int advance_step, i64* out, int want_tokens,                \
-             const float* gumbel_table, u64 ctrl, u64 lines, int line_count, const u64* peer_slots,             \
-             u64 host_error, int rank, int world, int max_rows, u64 timeout_ns) {                               \
-        argmax_logits_impl<DTYPE>(logits, row_stride, rows, cols, column0, chunk, chunks, aligned, temperature, \
+             const float* gumbel_table, u64 ctrl, u64 lines, int line_count, const u64* peer_slots,            \
+             u64 host_error, int rank, int world, int max_rows, u64 timeout_ns) {                              \
+        argmax_logits_impl<DTYPE>(logits, row_stride, rows, cols, column0, chunk, chunks, aligned, temperature,\
                                   threshold, seeds, offsets, step_counter, unseeded_seed, advance_step, out,   \
                                   want_tokens, gumbel_table, ctrl, lines, line_count, peer_slots, host_error,  \
                                   rank, world, max_rows, timeout_ns);                                          \
