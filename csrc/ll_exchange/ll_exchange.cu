@@ -411,15 +411,22 @@ __device__ __forceinline__ ExchangeStart exchange_prologue(const Exchange& x) {
 
 // Run by exactly one block after exchange_prologue. s_keys[row] holds this rank's
 // unsigned key of each row (written by this block; this function syncs before reading).
-// Publishes them to every other rank, waits for every other rank's, writes out[row]
-// (the signed max key, or its token when want_tokens; -1 for a row whose lines did not
-// all arrive), advances the epoch and, when asked, the step counter. One thread per row
-// throughout: no index arithmetic beyond a stride, no shared atomics.
+// Advances the epoch and, when asked, the step counter, publishes the keys to every other
+// rank, waits for every other rank's, and writes out[row] (the signed max key, or its
+// token when want_tokens; -1 for a row whose lines did not all arrive). One thread per
+// row throughout: no index arithmetic beyond a stride, no shared atomics.
 template <int WAIT_BATCH>
 __device__ void exchange_rows(const Exchange& x, const ExchangeStart& start, const u64* s_keys, int rows,
                               i64* out, int want_tokens, i64* step_counter, int advance_step) {
-    __syncthreads();
     const u32 epoch = start.epoch;
+    // Nothing of this kernel reads the epoch or the step counter again (every block of the
+    // fused kernel has read both before its line reached block 0), and the next kernel on
+    // the channel starts after this one ends: writing them first takes them off the tail.
+    if (threadIdx.x == 0) {
+        *(volatile u32*)&x.ctrl->epoch = next_epoch(epoch);
+        if (advance_step) *(volatile i64*)step_counter = *(volatile i64*)step_counter + 1;
+    }
+    __syncthreads();
     const int parity = (int)(epoch & 1u);
     const int world = x.world, peers = world - 1;  // a rank's own key never travels
     const bool local_failed = s_local_failed != 0u;
@@ -509,12 +516,39 @@ __device__ void exchange_rows(const Exchange& x, const ExchangeStart& start, con
                 __threadfence_system();
             }
         }
-        *(volatile u32*)&x.ctrl->epoch = next_epoch(epoch);
-        if (advance_step) *(volatile i64*)step_counter = *(volatile i64*)step_counter + 1;
     }
 }
 
 // ------------------------------------------------------- max_keys / argmax_tokens kernel
+
+// One row of ll_exchange_keys' input as loaded (see there): loads only, so that a
+// caller can issue other loads before the first use of these.
+struct RowInput {
+    i64 key_or_column;  // mode 0: the signed key; mode 1: the local argmax column
+    u32 max_raw;        // mode 1: local_max[row] as stored (a float32 or a 16-bit float)
+};
+
+__device__ __forceinline__ RowInput load_row_input(int mode, const i64* keys, const void* local_max, int max_dtype,
+                                                   const void* local_argmax, int argmax_is_i64, int row) {
+    RowInput in;
+    in.max_raw = 0u;
+    if (mode == 0) {
+        in.key_or_column = keys[row];
+    } else {
+        in.max_raw = max_dtype == 0 ? ((const u32*)local_max)[row] : (u32)((const u16*)local_max)[row];
+        in.key_or_column = argmax_is_i64 ? ((const i64*)local_argmax)[row] : (i64)((const int*)local_argmax)[row];
+    }
+    return in;
+}
+
+__device__ __forceinline__ u64 row_ukey(int mode, const RowInput& in, int max_dtype, i64 vocab_offset) {
+    if (mode == 0) return (u64)in.key_or_column ^ 0x8000000000000000ull;
+    u32 b;
+    if (max_dtype == 0) b = in.max_raw;
+    else if (max_dtype == 1) b = Elem<1>::bits((u16)in.max_raw);
+    else b = Elem<2>::bits((u16)in.max_raw);
+    return make_ukey(canonical_bits(b), (u32)(in.key_or_column + vocab_offset));
+}
 
 // One block. mode 0: keys[row] are signed int64 keys. mode 1: pack (local_max[row],
 // local_argmax[row] + vocab_offset) like keys.pack_keys; max_dtype 0/1/2 =
@@ -525,20 +559,17 @@ extern "C" __global__ void __launch_bounds__(LL_THREADS) ll_exchange_keys(
     const u64* peer_slots, u64 host_error, int rank, int world, int max_rows, u64 timeout_ns) {
     Exchange x = {(ChannelCtrl*)ctrl, lines, line_count, peer_slots, (HostError*)host_error,
                   rank, world, max_rows, timeout_ns};
-    const ExchangeStart start = exchange_prologue(x);  // its loads overlap the key loads below
-    for (int row = threadIdx.x; row < rows; row += blockDim.x) {
-        u64 ukey;
-        if (mode == 0) {
-            ukey = (u64)keys[row] ^ 0x8000000000000000ull;
-        } else {
-            u32 b;
-            if (max_dtype == 0) b = ((const u32*)local_max)[row];
-            else if (max_dtype == 1) b = Elem<1>::bits(((const u16*)local_max)[row]);
-            else b = Elem<2>::bits(((const u16*)local_max)[row]);
-            i64 column = argmax_is_i64 ? ((const i64*)local_argmax)[row] : (i64)((const int*)local_argmax)[row];
-            ukey = make_ukey(canonical_bits(b), (u32)(column + vocab_offset));
-        }
-        s_keys[row] = ukey;
+    // The thread's first row is loaded before the prologue, whose first use of a loaded
+    // value (the slot pointers it stages in shared memory) would otherwise hold these loads
+    // back by a memory round trip: one round trip in all before the publish, not two.
+    const int first = (int)threadIdx.x;
+    RowInput in = {0, 0u};
+    if (first < rows) in = load_row_input(mode, keys, local_max, max_dtype, local_argmax, argmax_is_i64, first);
+    const ExchangeStart start = exchange_prologue(x);
+    if (first < rows) s_keys[first] = row_ukey(mode, in, max_dtype, vocab_offset);
+    for (int row = first + (int)blockDim.x; row < rows; row += blockDim.x) {
+        in = load_row_input(mode, keys, local_max, max_dtype, local_argmax, argmax_is_i64, row);
+        s_keys[row] = row_ukey(mode, in, max_dtype, vocab_offset);
     }
     exchange_rows<8>(x, start, s_keys, rows, out, want_tokens, (i64*)0, 0);
 }
