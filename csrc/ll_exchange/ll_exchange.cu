@@ -420,8 +420,9 @@ __device__ void exchange_rows(const Exchange& x, const ExchangeStart& start, con
                               i64* out, int want_tokens, i64* step_counter, int advance_step) {
     const u32 epoch = start.epoch;
     // Nothing of this kernel reads the epoch or the step counter again (every block of the
-    // fused kernel has read both before its line reached block 0), and the next kernel on
-    // the channel starts after this one ends: writing them first takes them off the tail.
+    // fused kernel has read both before its line reached block 0; if a line never came, this
+    // call fails and so does every later one on the channel), and the next kernel on the
+    // channel starts after this one ends: writing them first takes them off the tail.
     if (threadIdx.x == 0) {
         *(volatile u32*)&x.ctrl->epoch = next_epoch(epoch);
         if (advance_step) *(volatile i64*)step_counter = *(volatile i64*)step_counter + 1;
