@@ -657,6 +657,14 @@ __device__ __forceinline__ u64 greedy_span(const typename Elem<DTYPE>::raw* row_
     u32 best_order = 0u;   // ordered_high of the best value; 0 = none (every real value maps above 0)
     uint4 best_pack = make_uint4(0u, 0u, 0u, 0u);
     int best_base = 0;
+    auto rank_pack = [&](const uint4& pack, int pack_base) {
+        const u32 order = ordered_high(canonical_bits(pack_max_bits<DTYPE>(pack)));
+        if (order > best_order) {  // strict: the earlier pack keeps a tie
+            best_order = order;
+            best_pack = pack;
+            best_base = pack_base;
+        }
+    };
     int base = begin + threadIdx.x * VEC;
     if (base + (UNROLL - 1) * step < vec_end) {
         // The next group's loads are issued before this group is ranked, so a thread keeps
@@ -676,27 +684,12 @@ __device__ __forceinline__ u64 greedy_span(const typename Elem<DTYPE>::raw* row_
                 for (int u = 0; u < UNROLL; ++u) next[u] = load_pack(row_ptr + next_base + u * step);
             }
 #pragma unroll
-            for (int u = 0; u < UNROLL; ++u) {
-                u32 order = ordered_high(canonical_bits(pack_max_bits<DTYPE>(packs[u])));
-                if (order > best_order) {  // strict: the earlier pack keeps a tie
-                    best_order = order;
-                    best_pack = packs[u];
-                    best_base = base + u * step;
-                }
-            }
+            for (int u = 0; u < UNROLL; ++u) rank_pack(packs[u], base + u * step);
             base = next_base;
             if (!more) break;
         }
     }
-    for (; base < vec_end; base += step) {
-        uint4 pack = load_pack(row_ptr + base);
-        u32 order = ordered_high(canonical_bits(pack_max_bits<DTYPE>(pack)));
-        if (order > best_order) {
-            best_order = order;
-            best_pack = pack;
-            best_base = base;
-        }
-    }
+    for (; base < vec_end; base += step) rank_pack(load_pack(row_ptr + base), base);
     if (best_order == 0u) return 0ull;
     int first = 0;
 #pragma unroll
