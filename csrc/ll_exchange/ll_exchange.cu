@@ -645,6 +645,19 @@ __device__ __forceinline__ u32 pack_value(const uint4& p, int i) {
     return canonical_bits(Elem<DTYPE>::bits(vals[i]));
 }
 
+// One pack of a greedy span against the thread's best so far: keeps the first pack that
+// holds the largest value (strictly larger replaces, so the earlier pack keeps a tie).
+template <int DTYPE>
+__device__ __forceinline__ void rank_pack(const uint4& pack, int pack_base, u32& best_order, uint4& best_pack,
+                                          int& best_base) {
+    const u32 order = ordered_high(canonical_bits(pack_max_bits<DTYPE>(pack)));
+    if (order > best_order) {
+        best_order = order;
+        best_pack = pack;
+        best_base = pack_base;
+    }
+}
+
 // --- greedy rows: memory bound, so a few instructions per 16 bytes. Per pack only its
 // maximum (packed NaN-propagating max) is ranked; a thread keeps the first pack holding
 // its best value and finds the lowest column of that value inside it at the end.
@@ -657,14 +670,6 @@ __device__ __forceinline__ u64 greedy_span(const typename Elem<DTYPE>::raw* row_
     u32 best_order = 0u;   // ordered_high of the best value; 0 = none (every real value maps above 0)
     uint4 best_pack = make_uint4(0u, 0u, 0u, 0u);
     int best_base = 0;
-    auto rank_pack = [&](const uint4& pack, int pack_base) {
-        const u32 order = ordered_high(canonical_bits(pack_max_bits<DTYPE>(pack)));
-        if (order > best_order) {  // strict: the earlier pack keeps a tie
-            best_order = order;
-            best_pack = pack;
-            best_base = pack_base;
-        }
-    };
     int base = begin + threadIdx.x * VEC;
     if (base + (UNROLL - 1) * step < vec_end) {
         // The next group's loads are issued before this group is ranked, so a thread keeps
@@ -684,12 +689,16 @@ __device__ __forceinline__ u64 greedy_span(const typename Elem<DTYPE>::raw* row_
                 for (int u = 0; u < UNROLL; ++u) next[u] = load_pack(row_ptr + next_base + u * step);
             }
 #pragma unroll
-            for (int u = 0; u < UNROLL; ++u) rank_pack(packs[u], base + u * step);
+            for (int u = 0; u < UNROLL; ++u) {
+                rank_pack<DTYPE>(packs[u], base + u * step, best_order, best_pack, best_base);
+            }
             base = next_base;
             if (!more) break;
         }
     }
-    for (; base < vec_end; base += step) rank_pack(load_pack(row_ptr + base), base);
+    for (; base < vec_end; base += step) {
+        rank_pack<DTYPE>(load_pack(row_ptr + base), base, best_order, best_pack, best_base);
+    }
     if (best_order == 0u) return 0ull;
     int first = 0;
 #pragma unroll
