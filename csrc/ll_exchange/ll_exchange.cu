@@ -499,8 +499,10 @@ __device__ void exchange_rows(const Exchange& x, const ExchangeStart& start, con
         for (int i = threadIdx.x; i < world * x.max_rows; i += blockDim.x) {
             store_line(parity_lines + 16ull * (u64)i, 0u, 0u, 0u, 0u);
         }
-        for (int i = threadIdx.x; i < x.block_line_count && epoch == 0xffffffffu; i += blockDim.x) {
-            store_line(x.block_lines + 16ull * (u64)i, 0u, 0u, 0u, 0u);
+        if (epoch == 0xffffffffu) {
+            for (int i = threadIdx.x; i < x.block_line_count; i += blockDim.x) {
+                store_line(x.block_lines + 16ull * (u64)i, 0u, 0u, 0u, 0u);
+            }
         }
     }
 
