@@ -406,8 +406,10 @@ __device__ __forceinline__ ExchangeStart exchange_prologue(const Exchange& x) {
 }
 
 // WAIT_BATCH: lines a waiting thread keeps in flight at once; its loads are issued
-// together, so a poll costs one memory round trip, not one per line (8 in the exchange
-// kernel; 4 in the fused kernel, whose register budget is set by its row reduction).
+// together, so a poll costs one memory round trip, not one per line. The exchange kernel
+// takes 1, 4 or 8 by world size: a poll runs the instructions of all WAIT_BATCH lines, and
+// at TP=2 polling 1 instead of 8 made a call 0.1-0.25 us faster (docs/gpu-results.md,
+// session 10). The fused kernel uses 4: its register budget is set by its row reduction.
 
 // Run by exactly one block after exchange_prologue. s_keys[row] holds this rank's
 // unsigned key of each row (written by this block; this function syncs before reading).
@@ -574,7 +576,10 @@ extern "C" __global__ void __launch_bounds__(LL_THREADS) ll_exchange_keys(
         in = load_row_input(mode, keys, local_max, max_dtype, local_argmax, argmax_is_i64, row);
         s_keys[row] = row_ukey(mode, in, max_dtype, vocab_offset);
     }
-    exchange_rows<8>(x, start, s_keys, rows, out, want_tokens, (i64*)0, 0);
+    // Peer lines a waiting thread polls at once: no more than the world needs (see WAIT_BATCH).
+    if (world <= 2) exchange_rows<1>(x, start, s_keys, rows, out, want_tokens, (i64*)0, 0);
+    else if (world <= 5) exchange_rows<4>(x, start, s_keys, rows, out, want_tokens, (i64*)0, 0);
+    else exchange_rows<8>(x, start, s_keys, rows, out, want_tokens, (i64*)0, 0);
 }
 
 // ------------------------------------------------------------ fused argmax_logits kernel
