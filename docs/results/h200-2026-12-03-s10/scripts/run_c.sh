@@ -1,0 +1,29 @@
+#!/bin/bash
+# Session 10 GPU batch C: lines dealt one per thread in ll_exchange_keys (v_spread: a row's peer
+# lines polled by different threads, shared atomic max) against the session 9 kernel (v_base),
+# alternating at TP=8, 4, 2; the LL GPU tests on v_spread.
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
+R=$OUT/c
+mkdir -p /tmp/mps /tmp/mpslog $R
+date -u > $R/date.txt
+nvidia-cuda-mps-control -d; sleep 1
+bench() {
+  local name=$1 v=$2; shift 2
+  local o=/tmp/b-$name s=$(date +%s)
+  TPSPEC_LL_SOURCE_DIR=tmp_gpu/v_$v timeout 120 python3 -m tpspec bench exchange --out $o "$@" > $R/$name.txt 2>&1
+  echo "== $name rc=$? $(( $(date +%s) - s )) s"
+  grep -E "ll_max_keys|ll_argmax_tokens" $R/$name.txt | grep graph | awk '{printf "%s/%s=%s  ", substr($5,4),$2,$7} END {print ""}'
+  cp $o/exchange.json $R/$name.json 2>/dev/null
+}
+T8="--tp 8 --rows 1,8,64,256 --widths 16384 --ag-iters 2 --iters 50 --timeout 100"
+T4="--tp 4 --rows 1,8,64,256 --widths 16384 --ag-iters 2 --iters 50 --timeout 80"
+T2="--tp 2 --rows 1,8,64,256 --widths 16384 --ag-iters 2 --iters 50 --timeout 80"
+for i in 1 2; do bench tp8-spread-$i spread $T8; bench tp8-base-$i base $T8; done
+for i in 1 2; do bench tp4-spread-$i spread $T4; bench tp4-base-$i base $T4; done
+for i in 1 2; do bench tp2-spread-$i spread $T2; bench tp2-base-$i base $T2; done
+export TPSPEC_LL_SOURCE_DIR=tmp_gpu/v_spread
+s=$(date +%s)
+timeout 200 python3 -m pytest -v -p no:cacheprovider tests/test_ll_gpu.py > $R/ll-gpu-spread.txt 2>&1; echo "ll gpu tests rc=$? $(( $(date +%s) - s )) s"; grep -E "passed|failed|PASS|FAIL" $R/ll-gpu-spread.txt | tail -10
+echo quit | nvidia-cuda-mps-control
+date -u >> $R/date.txt
+cd $OUT && tar czf c.tgz c && rm -rf c
