@@ -100,6 +100,24 @@ def test_plan_chunks_covers_rows_with_aligned_chunks(sampled, elem):
     assert L.plan_chunks(256, 65536, 2, 132, False) == (65536, 1)
 
 
+def test_fused_kernel_name_takes_the_one_tile_twin_only_when_every_chunk_fits_a_tile():
+    source = cuda_module.kernel_source()
+    assert f"#define SAMPLED_PACKS {L.SAMPLED_PACKS}" in source
+    for dtype, elem in ((torch.bfloat16, 2), (torch.float16, 2), (torch.float32, 4)):
+        tile = L.sampled_tile_columns(elem)
+        assert tile == 256 * (16 // elem) * 2
+        plain = L.fused_kernel_name(dtype, tile, sampled=False)
+        assert plain in cuda_module.KERNEL_NAMES and not plain.endswith("_one_tile")
+        assert L.fused_kernel_name(dtype, tile, sampled=True) == plain + "_one_tile"
+        assert L.fused_kernel_name(dtype, tile + 32 * 16 // elem, sampled=True) == plain  # two tiles
+        assert plain + "_one_tile" in cuda_module.KERNEL_NAMES
+    # The bench's bf16 shapes on the H200 (132 SMs): small batches fit a tile per block.
+    names = {(rows, cols): L.fused_kernel_name(torch.bfloat16, L.plan_chunks(rows, cols, 2, 132, True)[0], True)
+             for rows in (1, 8, 64, 256) for cols in (16384, 65536)}
+    assert {k for k, v in names.items() if v.endswith("_one_tile")} == {
+        (1, 16384), (1, 65536), (8, 16384), (8, 65536), (64, 16384)}
+
+
 def test_buffer_layout_is_aligned_and_disjoint():
     for world, rows, channels, sms in ((1, 1, 1, 132), (2, 1024, 2, 132), (8, 333, 3, 1), (64, 4096, 16, 200)):
         blocks = L.max_grid_blocks(rows, sms)

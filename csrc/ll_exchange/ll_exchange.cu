@@ -871,20 +871,122 @@ struct Survivor {
 __shared__ Survivor s_survivors[SURVIVOR_SLOTS];
 __shared__ int s_survivor_count;
 
-// Sampled rows whose slice starts at a global column that is a multiple of 4 (so a quad
-// of a pack is one Philox block; the host's vocab offsets are in practice). See above.
-template <int DTYPE>
-__device__ u64 sampled_span(const typename Elem<DTYPE>::raw* row_ptr, int begin, int vec_end, u32 column0,
-                            const RowNoise& noise, const float* s_table) {
+// One tile of sampled_span (see there): this thread's packs (pack k holds the columns from
+// bases[k]; none when bases[k] >= vec_end). BLOCK_BOUND (a block of one tile only: every
+// thread of the block must call): pass 2 waits at a barrier for every warp's pass 1 and
+// lists against the block's bound instead of the warp's, so fewer columns get listed and
+// exactly scored (H200, docs/gpu-results.md session 11: 1 x 64K Gumbel 6.0 -> 5.5 us).
+template <int DTYPE, bool BLOCK_BOUND>
+__device__ __forceinline__ void sampled_tile(const uint4 (&packs)[SAMPLED_PACKS], const int (&bases)[SAMPLED_PACKS],
+                                             int vec_end, u32 column0, const RowNoise& noise,
+                                             const PhiloxKeys& keys, const float* s_table, float inv_t, u64& best) {
     const int VEC = Elem<DTYPE>::per16;
     const int K = SAMPLED_PACKS;
     const int QPP = VEC / 4;  // quads per pack
     const float c0 = s_table[GUMBEL_TABLE_SIZE];
     const float noise_max = s_table[GUMBEL_TABLE_SIZE + 1];
     const float noise_min = s_table[GUMBEL_TABLE_SIZE + 2];
+    const int lane = (int)(threadIdx.x & 31u);
+    float low = from_ordered_int(*(volatile int*)&s_low);
+    // The lane's and the warp's largest logit of the tile (ordered; 0: no real pack).
+    u32 lane_top = 0u;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        if (bases[k] < vec_end) {
+            const u32 order = ordered_high(canonical_bits(pack_max_bits<DTYPE>(packs[k])));
+            lane_top = order > lane_top ? order : lane_top;
+        }
+    }
+    const u32 top = warp_max_u32(lane_top);
+    if (top != 0u && top <= ordered_high(0x7f800000u)) {
+        const float t_top = fbits(canonical_from_ordered(top)) * inv_t;
+        if (fabsf(t_top) <= HUGE_ESTIMATE) low = fmaxf(low, t_top + noise_min - bound_error(t_top));
+    }
+    // The skip rule, per lane: a lane whose largest t cannot reach low even with the
+    // largest noise needs no noise this tile. Once any lane needs it, every quad gets
+    // its Philox block (side by side, no divergence); pass 2 then sorts them by reach.
+    bool lane_needed = false;
+    if (lane_top != 0u) {
+        const float t_lane = fbits(canonical_from_ordered(lane_top)) * inv_t;  // NaN: a NaN column
+        lane_needed = !(t_lane <= HUGE_ESTIMATE) || !(best_case(t_lane, noise_max) < low);
+    }
+    // Pass 1, per quad: A_q + W(A_q) (what the quad can reach) and A - W(A) of its
+    // smallest word's column (the quad's largest noise), a lower bound of the row's best score.
+    float reach[K * QPP];
+#pragma unroll
+    for (int j = 0; j < K * QPP; ++j) reach[j] = -__int_as_float(0x7f800000);
+    if (__any_sync(0xffffffffu, lane_needed)) {
+#pragma unroll
+        for (int j = 0; j < K * QPP; ++j) {
+            const int k = j / QPP, q = j - k * QPP;
+            const float t_quad = quad_max_value<DTYPE>(packs[k], q) * inv_t;
+            const bool special = !(t_quad <= HUGE_ESTIMATE);  // NaN or huge: score exactly
+            const u32 column = column0 + (u32)(bases[k] + 4 * q);
+            const Words4 w = philox4x32_10(column >> 2, 0u, noise.off_lo, noise.off_hi, keys);
+            const MinWord m = min_word_column<DTYPE>(packs[k], q, w);
+            const float g = s_table[gumbel_bucket(m.word)];
+            reach[j] = special ? __int_as_float(0x7f800000) : upper_bound(t_quad + g, c0);
+            if (bases[k] < vec_end && !special) low = fmaxf(low, lower_bound(m.value * inv_t + g, c0));
+        }
+    }
+    {  // the warp's bound, and the block's
+        int low_bits = warp_max_i32(ordered_int(low));
+        if (lane == 0) low_bits = max(low_bits, atomicMax(&s_low, low_bits));
+        low = from_ordered_int(__shfl_sync(0xffffffffu, low_bits, 0));
+    }
+    if (BLOCK_BOUND) {  // every warp's pass 1 is in s_low: pass 2 lists against the block's bound
+        __syncthreads();
+        low = from_ordered_int(*(volatile int*)&s_low);
+    }
+    // Pass 2: quads that can still reach low (a few per warp) list every column that can.
+    u32 candidates = 0u, specials = 0u;
+#pragma unroll
+    for (int j = 0; j < K * QPP; ++j) {
+        // (-inf reach passes a -inf low: packs past the span must not)
+        if (bases[j / QPP] < vec_end && !(reach[j] < low)) candidates |= 1u << j;
+        if (reach[j] == __int_as_float(0x7f800000)) specials |= 1u << j;
+    }
+    while (candidates) {
+        const int j = __ffs(candidates) - 1;
+        candidates &= candidates - 1u;
+        const int k = j / QPP, first = (j - k * QPP) * 4;
+        const uint4 pack = k == 0 ? packs[0] : packs[K - 1];
+        const u32 column = column0 + (u32)((k == 0 ? bases[0] : bases[K - 1]) + first);
+        const bool special = (specials >> j) & 1u;
+        const Words4 w = philox4x32_10(column >> 2, 0u, noise.off_lo, noise.off_hi, keys);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const u32 bits = pack_value_at<DTYPE>(pack, first + i);
+            const u32 word = pick_word(w, (u32)i);
+            const float est = column_estimate(fbits(bits) * inv_t, word, s_table);
+            if (special || !(upper_bound(est, c0) < low)) {
+                const int slot = atomicAdd(&s_survivor_count, 1);
+                if (slot < SURVIVOR_SLOTS) {
+                    s_survivors[slot] = {column + (u32)i, bits, word, special ? __int_as_float(0x7f800000) : est};
+                } else {
+                    const u64 key = make_ukey(gumbel_score_bits(bits, noise.temperature, word), column + (u32)i);
+                    best = key > best ? key : best;
+                }
+            }
+        }
+    }
+    __syncwarp();  // reconverge here, or the lanes run the next tile's setup apart
+}
+
+// Sampled rows whose slice starts at a global column that is a multiple of 4 (so a quad
+// of a pack is one Philox block; the host's vocab offsets are in practice). See above.
+// ONE_TILE (the fused kernels the host picks when every block's chunk fits one tile): a
+// block whose span is one tile runs it outside the tile loop, with the block's bound in
+// pass 2; other blocks take the loop. Separate kernels, so the loop of the others keeps
+// its code (the barrier inside the loop's code took it from 64 to 86 registers).
+template <int DTYPE, bool ONE_TILE>
+__device__ u64 sampled_span(const typename Elem<DTYPE>::raw* row_ptr, int begin, int vec_end, u32 column0,
+                            const RowNoise& noise, const float* s_table) {
+    const int VEC = Elem<DTYPE>::per16;
+    const int K = SAMPLED_PACKS;
+    const float c0 = s_table[GUMBEL_TABLE_SIZE];
     const float inv_t = 1.0f / noise.temperature;  // estimates only: any rounding is in the error bound
     const int stride = (int)blockDim.x * VEC * K;
-    const int lane = (int)(threadIdx.x & 31u);
     const PhiloxKeys keys = philox_keys(noise.seed_lo, noise.seed_hi);
     u64 best = 0ull;
     // This thread's pack k of a tile is pack_ptr[k * blockDim.x]; the pointer advances a
@@ -898,96 +1000,28 @@ __device__ u64 sampled_span(const typename Elem<DTYPE>::raw* row_ptr, int begin,
         next[k] = thread_base + k * pack_stride * VEC < vec_end ? load_pack(pack_ptr + k * pack_stride)
                                                                 : make_uint4(0u, 0u, 0u, 0u);
     }
-    for (int tile = begin; tile < vec_end; tile += stride) {  // uniform over the block
+    if (ONE_TILE && begin < vec_end && begin + stride >= vec_end) {  // uniform over the block
         uint4 packs[K];
         int bases[K];
-        pack_ptr += K * pack_stride;
 #pragma unroll
         for (int k = 0; k < K; ++k) {
             packs[k] = next[k];
-            bases[k] = tile - begin + thread_base + k * pack_stride * VEC;
-            next[k] = bases[k] + stride < vec_end ? load_pack(pack_ptr + k * pack_stride) : make_uint4(0u, 0u, 0u, 0u);
+            bases[k] = thread_base + k * pack_stride * VEC;
         }
-        float low = from_ordered_int(*(volatile int*)&s_low);
-        // The lane's and the warp's largest logit of the tile (ordered; 0: no real pack).
-        u32 lane_top = 0u;
+        sampled_tile<DTYPE, true>(packs, bases, vec_end, column0, noise, keys, s_table, inv_t, best);
+    } else {
+        for (int tile = begin; tile < vec_end; tile += stride) {  // uniform over the block
+            uint4 packs[K];
+            int bases[K];
+            pack_ptr += K * pack_stride;
 #pragma unroll
-        for (int k = 0; k < K; ++k) {
-            if (bases[k] < vec_end) {
-                const u32 order = ordered_high(canonical_bits(pack_max_bits<DTYPE>(packs[k])));
-                lane_top = order > lane_top ? order : lane_top;
+            for (int k = 0; k < K; ++k) {
+                packs[k] = next[k];
+                bases[k] = tile - begin + thread_base + k * pack_stride * VEC;
+                next[k] = bases[k] + stride < vec_end ? load_pack(pack_ptr + k * pack_stride) : make_uint4(0u, 0u, 0u, 0u);
             }
+            sampled_tile<DTYPE, false>(packs, bases, vec_end, column0, noise, keys, s_table, inv_t, best);
         }
-        const u32 top = warp_max_u32(lane_top);
-        if (top != 0u && top <= ordered_high(0x7f800000u)) {
-            const float t_top = fbits(canonical_from_ordered(top)) * inv_t;
-            if (fabsf(t_top) <= HUGE_ESTIMATE) low = fmaxf(low, t_top + noise_min - bound_error(t_top));
-        }
-        // The skip rule, per lane: a lane whose largest t cannot reach low even with the
-        // largest noise needs no noise this tile. Once any lane needs it, every quad gets
-        // its Philox block (side by side, no divergence); pass 2 then sorts them by reach.
-        bool lane_needed = false;
-        if (lane_top != 0u) {
-            const float t_lane = fbits(canonical_from_ordered(lane_top)) * inv_t;  // NaN: a NaN column
-            lane_needed = !(t_lane <= HUGE_ESTIMATE) || !(best_case(t_lane, noise_max) < low);
-        }
-        // Pass 1, per quad: A_q + W(A_q) (what the quad can reach) and A - W(A) of its
-        // smallest word's column (the quad's largest noise), a lower bound of the row's best score.
-        float reach[K * QPP];
-#pragma unroll
-        for (int j = 0; j < K * QPP; ++j) reach[j] = -__int_as_float(0x7f800000);
-        if (__any_sync(0xffffffffu, lane_needed)) {
-#pragma unroll
-            for (int j = 0; j < K * QPP; ++j) {
-                const int k = j / QPP, q = j - k * QPP;
-                const float t_quad = quad_max_value<DTYPE>(packs[k], q) * inv_t;
-                const bool special = !(t_quad <= HUGE_ESTIMATE);  // NaN or huge: score exactly
-                const u32 column = column0 + (u32)(bases[k] + 4 * q);
-                const Words4 w = philox4x32_10(column >> 2, 0u, noise.off_lo, noise.off_hi, keys);
-                const MinWord m = min_word_column<DTYPE>(packs[k], q, w);
-                const float g = s_table[gumbel_bucket(m.word)];
-                reach[j] = special ? __int_as_float(0x7f800000) : upper_bound(t_quad + g, c0);
-                if (bases[k] < vec_end && !special) low = fmaxf(low, lower_bound(m.value * inv_t + g, c0));
-            }
-        }
-        {  // the warp's bound, and the block's
-            int low_bits = warp_max_i32(ordered_int(low));
-            if (lane == 0) low_bits = max(low_bits, atomicMax(&s_low, low_bits));
-            low = from_ordered_int(__shfl_sync(0xffffffffu, low_bits, 0));
-        }
-        // Pass 2: quads that can still reach low (a few per warp) list every column that can.
-        u32 candidates = 0u, specials = 0u;
-#pragma unroll
-        for (int j = 0; j < K * QPP; ++j) {
-            // (-inf reach passes a -inf low: packs past the span must not)
-            if (bases[j / QPP] < vec_end && !(reach[j] < low)) candidates |= 1u << j;
-            if (reach[j] == __int_as_float(0x7f800000)) specials |= 1u << j;
-        }
-        while (candidates) {
-            const int j = __ffs(candidates) - 1;
-            candidates &= candidates - 1u;
-            const int k = j / QPP, first = (j - k * QPP) * 4;
-            const uint4 pack = k == 0 ? packs[0] : packs[K - 1];
-            const u32 column = column0 + (u32)((k == 0 ? bases[0] : bases[K - 1]) + first);
-            const bool special = (specials >> j) & 1u;
-            const Words4 w = philox4x32_10(column >> 2, 0u, noise.off_lo, noise.off_hi, keys);
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const u32 bits = pack_value_at<DTYPE>(pack, first + i);
-                const u32 word = pick_word(w, (u32)i);
-                const float est = column_estimate(fbits(bits) * inv_t, word, s_table);
-                if (special || !(upper_bound(est, c0) < low)) {
-                    const int slot = atomicAdd(&s_survivor_count, 1);
-                    if (slot < SURVIVOR_SLOTS) {
-                        s_survivors[slot] = {column + (u32)i, bits, word, special ? __int_as_float(0x7f800000) : est};
-                    } else {
-                        const u64 key = make_ukey(gumbel_score_bits(bits, noise.temperature, word), column + (u32)i);
-                        best = key > best ? key : best;
-                    }
-                }
-            }
-        }
-        __syncwarp();  // reconverge here, or the lanes run the next tile's setup apart
     }
     // The survivors against the block's final bound, one per thread.
     __syncthreads();
@@ -1113,7 +1147,7 @@ __device__ void reduce_chunk_parts(const u64* s_parts, int rows, int chunks, u64
 //   gumbel_table: keys.gumbel_bound_table() (GUMBEL_TABLE_SIZE + 4 floats).
 //   lines: the channel's block lines (line_count >= rows * chunks lines of 16 bytes).
 //   Dynamic shared memory: 8 * rows bytes, plus 8 * rows * chunks when chunks > 1.
-template <int DTYPE>
+template <int DTYPE, bool ONE_TILE>
 __device__ void argmax_logits_impl(const void* logits, i64 row_stride, int rows, int cols, u32 column0, int chunk,
                                    int chunks, int aligned, const float* temperature, float threshold,
                                    const i64* seeds, const i64* offsets, i64* step_counter, u64 unseeded_seed,
@@ -1181,7 +1215,7 @@ __device__ void argmax_logits_impl(const void* logits, i64 row_stride, int rows,
         __syncthreads();
         // Pruned packs need quads aligned with Philox blocks; otherwise every column is scored.
         const int packed_end = (column0 & 3u) == 0u ? vec_end : begin;
-        best = sampled_span<DTYPE>(row_ptr, begin, packed_end, column0, noise, s_table);
+        best = sampled_span<DTYPE, ONE_TILE>(row_ptr, begin, packed_end, column0, noise, s_table);
         u64 tail = scalar_span<DTYPE>(row_ptr, packed_end, end, column0, true, noise);
         best = tail > best ? tail : best;
     } else {
@@ -1209,22 +1243,26 @@ __device__ void argmax_logits_impl(const void* logits, i64 row_stride, int rows,
     exchange_rows<4>(x, start, s_keys, rows, out, want_tokens, step_counter, advance_step);
 }
 
-#define LL_ARGMAX_LOGITS_KERNEL(NAME, DTYPE)                                                                   \
+#define LL_ARGMAX_LOGITS_KERNEL(NAME, DTYPE, ONE)                                                                \
     extern "C" __global__ void __launch_bounds__(LL_THREADS)                                                   \
         NAME(const void* logits, i64 row_stride, int rows, int cols, u32 column0, int chunk, int chunks,       \
              int aligned, const float* temperature, float threshold, const i64* seeds, const i64* offsets,     \
              i64* step_counter, u64 unseeded_seed, int advance_step, i64* out, int want_tokens,                \
              const float* gumbel_table, u64 ctrl, u64 lines, int line_count, const u64* peer_slots,            \
              u64 host_error, int rank, int world, int max_rows, u64 timeout_ns) {                              \
-        argmax_logits_impl<DTYPE>(logits, row_stride, rows, cols, column0, chunk, chunks, aligned, temperature,\
+        argmax_logits_impl<DTYPE, ONE>(logits, row_stride, rows, cols, column0, chunk, chunks, aligned, temperature,\
                                   threshold, seeds, offsets, step_counter, unseeded_seed, advance_step, out,   \
                                   want_tokens, gumbel_table, ctrl, lines, line_count, peer_slots, host_error,  \
                                   rank, world, max_rows, timeout_ns);                                          \
     }
 
-LL_ARGMAX_LOGITS_KERNEL(ll_argmax_logits_f32, 0)
-LL_ARGMAX_LOGITS_KERNEL(ll_argmax_logits_bf16, 1)
-LL_ARGMAX_LOGITS_KERNEL(ll_argmax_logits_f16, 2)
+LL_ARGMAX_LOGITS_KERNEL(ll_argmax_logits_f32, 0, false)
+LL_ARGMAX_LOGITS_KERNEL(ll_argmax_logits_bf16, 1, false)
+LL_ARGMAX_LOGITS_KERNEL(ll_argmax_logits_f16, 2, false)
+// Calls with sampled rows whose every chunk fits one tile (tpspec/exchange/ll.py picks them).
+LL_ARGMAX_LOGITS_KERNEL(ll_argmax_logits_f32_one_tile, 0, true)
+LL_ARGMAX_LOGITS_KERNEL(ll_argmax_logits_bf16_one_tile, 1, true)
+LL_ARGMAX_LOGITS_KERNEL(ll_argmax_logits_f16_one_tile, 2, true)
 
 // ------------------------------------------------- benchmark reference (not an exchange)
 

@@ -211,6 +211,24 @@ _DTYPE_KERNELS = {
     torch.float16: ("ll_argmax_logits_f16", 2),
 }
 
+SAMPLED_PACKS = 2  # SAMPLED_PACKS in the source: 16-byte packs a thread takes per tile of a sampled row
+
+
+def sampled_tile_columns(elem_bytes: int) -> int:
+    """Columns one tile of a sampled row covers: every thread of a block, SAMPLED_PACKS packs each."""
+    return cuda_module.THREADS_PER_BLOCK * (16 // elem_bytes) * SAMPLED_PACKS
+
+
+def fused_kernel_name(dtype: torch.dtype, chunk: int, sampled: bool) -> str:
+    """The fused kernel of a call: its dtype's, or that kernel's ``_one_tile`` twin when the
+    call has sampled rows and every chunk fits one tile. The twin's sampled blocks take the
+    block's bound before listing columns (a barrier between passes; H200: 1 x 64K Gumbel
+    6.0 -> 5.5 us); the same barrier inside the tile loop cost registers, so blocks of
+    several tiles keep the plain kernel. Both give the same keys."""
+    name = _DTYPE_KERNELS[dtype][0]
+    elem_bytes = torch.empty((), dtype=dtype).element_size()
+    return name + "_one_tile" if sampled and chunk <= sampled_tile_columns(elem_bytes) else name
+
 
 def _p(value: int) -> np.uint64:
     return np.uint64(value)
@@ -502,10 +520,10 @@ class LLKeyExchange(KeyExchange):
         if width > 0 and logits.stride(1) != 1:
             logits = logits.contiguous()
         real_width = width if vocab_size is None else max(0, min(width, vocab_size - vocab_offset))
-        name, _ = _DTYPE_KERNELS[logits.dtype]
         elem = logits.element_size()
         aligned = logits.data_ptr() % 16 == 0 and (logits.stride(0) * elem) % 16 == 0
         chunk, chunks = plan_chunks(rows, real_width, elem, self._num_sms, temperature is not None)
+        name = fused_kernel_name(logits.dtype, chunk, temperature is not None)
         if rows * chunks > self.layout.max_blocks:  # plan_chunks promises otherwise
             raise RuntimeError(f"fused call of {rows * chunks} blocks exceeds the {self.layout.max_blocks} block lines")
         null = _p(0)
