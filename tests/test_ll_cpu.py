@@ -118,6 +118,15 @@ def test_fused_kernel_name_takes_the_one_tile_twin_only_when_every_chunk_fits_a_
         (1, 16384), (1, 65536), (8, 16384), (8, 65536), (64, 16384)}
 
 
+def test_exchange_keys_kernel_polls_as_many_peer_lines_as_the_world_needs():
+    source = cuda_module.kernel_source()
+    batches = {name: int(b) for name, b in re.findall(r"^LL_EXCHANGE_KEYS_KERNEL\((\w+), (\d+)\)", source, re.M)}
+    assert set(batches) == {n for n in cuda_module.KERNEL_NAMES if n.startswith("ll_exchange_keys")}
+    picked = {world: batches[L.exchange_keys_kernel_name(world)] for world in range(1, cuda_module.MAX_WORLD + 1)}
+    assert [picked[w] for w in range(1, 10)] == [1, 1, 4, 4, 4, 8, 8, 8, 8]
+    assert all(picked[w] == 8 for w in range(9, cuda_module.MAX_WORLD + 1))
+
+
 def test_buffer_layout_is_aligned_and_disjoint():
     for world, rows, channels, sms in ((1, 1, 1, 132), (2, 1024, 2, 132), (8, 333, 3, 1), (64, 4096, 16, 200)):
         blocks = L.max_grid_blocks(rows, sms)

@@ -406,8 +406,8 @@ __device__ __forceinline__ ExchangeStart exchange_prologue(const Exchange& x) {
 }
 
 // WAIT_BATCH: lines a waiting thread keeps in flight at once; its loads are issued
-// together, so a poll costs one memory round trip, not one per line. The exchange kernel
-// takes 1, 4 or 8 by world size: a poll runs the instructions of all WAIT_BATCH lines, and
+// together, so a poll costs one memory round trip, not one per line. The exchange kernels
+// take 1, 4 or 8 by world size: a poll runs the instructions of all WAIT_BATCH lines, and
 // at TP=2 polling 1 instead of 8 made a call 0.1-0.25 us faster (docs/gpu-results.md,
 // session 10). The fused kernel uses 4: its register budget is set by its row reduction.
 
@@ -526,7 +526,7 @@ __device__ void exchange_rows(const Exchange& x, const ExchangeStart& start, con
 
 // ------------------------------------------------------- max_keys / argmax_tokens kernel
 
-// One row of ll_exchange_keys' input as loaded (see there): loads only, so that a
+// One row of exchange_keys_impl's input as loaded (see there): loads only, so that a
 // caller can issue other loads before the first use of these.
 struct RowInput {
     i64 key_or_column;  // mode 0: the signed key; mode 1: the local argmax column
@@ -557,11 +557,15 @@ __device__ __forceinline__ u64 row_ukey(int mode, const RowInput& in, int max_dt
 
 // One block. mode 0: keys[row] are signed int64 keys. mode 1: pack (local_max[row],
 // local_argmax[row] + vocab_offset) like keys.pack_keys; max_dtype 0/1/2 =
-// float32/bfloat16/float16, argmax_is_i64 picks int64 or int32 columns.
-extern "C" __global__ void __launch_bounds__(LL_THREADS) ll_exchange_keys(
-    int mode, const i64* keys, const void* local_max, int max_dtype, const void* local_argmax, int argmax_is_i64,
-    i64 vocab_offset, int rows, i64* out, int want_tokens, u64 ctrl, u64 lines, int line_count,
-    const u64* peer_slots, u64 host_error, int rank, int world, int max_rows, u64 timeout_ns) {
+// float32/bfloat16/float16, argmax_is_i64 picks int64 or int32 columns. WAIT_BATCH: peer
+// lines a waiting thread polls at once, no more than the world needs (see there); one
+// kernel per batch, picked by the host, so each world size runs only its own wait loop.
+template <int WAIT_BATCH>
+__device__ __forceinline__ void exchange_keys_impl(int mode, const i64* keys, const void* local_max, int max_dtype,
+                                                   const void* local_argmax, int argmax_is_i64, i64 vocab_offset,
+                                                   int rows, i64* out, int want_tokens, u64 ctrl, u64 lines,
+                                                   int line_count, const u64* peer_slots, u64 host_error, int rank,
+                                                   int world, int max_rows, u64 timeout_ns) {
     Exchange x = {(ChannelCtrl*)ctrl, lines, line_count, peer_slots, (HostError*)host_error,
                   rank, world, max_rows, timeout_ns};
     // The thread's first row is loaded before the prologue, whose first use of a loaded
@@ -576,11 +580,23 @@ extern "C" __global__ void __launch_bounds__(LL_THREADS) ll_exchange_keys(
         in = load_row_input(mode, keys, local_max, max_dtype, local_argmax, argmax_is_i64, row);
         s_keys[row] = row_ukey(mode, in, max_dtype, vocab_offset);
     }
-    // Peer lines a waiting thread polls at once: no more than the world needs (see WAIT_BATCH).
-    if (world <= 2) exchange_rows<1>(x, start, s_keys, rows, out, want_tokens, (i64*)0, 0);
-    else if (world <= 5) exchange_rows<4>(x, start, s_keys, rows, out, want_tokens, (i64*)0, 0);
-    else exchange_rows<8>(x, start, s_keys, rows, out, want_tokens, (i64*)0, 0);
+    exchange_rows<WAIT_BATCH>(x, start, s_keys, rows, out, want_tokens, (i64*)0, 0);
 }
+
+#define LL_EXCHANGE_KEYS_KERNEL(NAME, WAIT_BATCH)                                                              \
+    extern "C" __global__ void __launch_bounds__(LL_THREADS)                                                   \
+        NAME(int mode, const i64* keys, const void* local_max, int max_dtype, const void* local_argmax,        \
+             int argmax_is_i64, i64 vocab_offset, int rows, i64* out, int want_tokens, u64 ctrl, u64 lines,    \
+             int line_count, const u64* peer_slots, u64 host_error, int rank, int world, int max_rows,         \
+             u64 timeout_ns) {                                                                                 \
+        exchange_keys_impl<WAIT_BATCH>(mode, keys, local_max, max_dtype, local_argmax, argmax_is_i64,          \
+                                       vocab_offset, rows, out, want_tokens, ctrl, lines, line_count,          \
+                                       peer_slots, host_error, rank, world, max_rows, timeout_ns);             \
+    }
+
+LL_EXCHANGE_KEYS_KERNEL(ll_exchange_keys_1, 1)  // world 1-2 (tpspec/exchange/ll.py picks by world)
+LL_EXCHANGE_KEYS_KERNEL(ll_exchange_keys_4, 4)  // world 3-5
+LL_EXCHANGE_KEYS_KERNEL(ll_exchange_keys_8, 8)  // world 6+
 
 // ------------------------------------------------------------ fused argmax_logits kernel
 

@@ -211,6 +211,13 @@ _DTYPE_KERNELS = {
     torch.float16: ("ll_argmax_logits_f16", 2),
 }
 
+def exchange_keys_kernel_name(world: int) -> str:
+    """The ``max_keys`` / ``argmax_tokens`` kernel for a world size: each polls as many peer
+    lines at once as the world needs (1 for 1-2 ranks, 4 for 3-5, 8 beyond), and each world
+    runs only its own wait loop (one kernel holding all three measured slower at TP=8)."""
+    return "ll_exchange_keys_1" if world <= 2 else ("ll_exchange_keys_4" if world <= 5 else "ll_exchange_keys_8")
+
+
 SAMPLED_PACKS = 2  # SAMPLED_PACKS in the source: 16-byte packs a thread takes per tile of a sampled row
 
 
@@ -429,7 +436,7 @@ class LLKeyExchange(KeyExchange):
         null = _p(0)
         args = (np.int32(0), _p(keys.data_ptr()), null, np.int32(0), null, np.int32(0), np.int64(0),
                 np.int32(rows), _p(out.data_ptr()), np.int32(0), *self._exchange_args(channel))
-        self._launch("ll_exchange_keys", 1, 8 * rows, args)
+        self._launch(exchange_keys_kernel_name(self.world_size), 1, 8 * rows, args)
         return out
 
     def argmax_tokens(
@@ -455,7 +462,7 @@ class LLKeyExchange(KeyExchange):
         args = (np.int32(1), _p(0), _p(local_max.data_ptr()), np.int32(_DTYPE_KERNELS[local_max.dtype][1]),
                 _p(local_argmax.data_ptr()), np.int32(local_argmax.dtype == torch.int64), np.int64(vocab_offset),
                 np.int32(rows), _p(out.data_ptr()), np.int32(1), *self._exchange_args(channel))
-        self._launch("ll_exchange_keys", 1, 8 * rows, args)
+        self._launch(exchange_keys_kernel_name(self.world_size), 1, 8 * rows, args)
         return out
 
     def argmax_logits(
