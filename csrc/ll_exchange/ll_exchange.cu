@@ -1034,7 +1034,8 @@ __device__ u64 sampled_span(const typename Elem<DTYPE>::raw* row_ptr, int begin,
             for (int k = 0; k < K; ++k) {
                 packs[k] = next[k];
                 bases[k] = tile - begin + thread_base + k * pack_stride * VEC;
-                next[k] = bases[k] + stride < vec_end ? load_pack(pack_ptr + k * pack_stride) : make_uint4(0u, 0u, 0u, 0u);
+                next[k] = bases[k] + stride < vec_end ? load_pack(pack_ptr + k * pack_stride)
+                                                      : make_uint4(0u, 0u, 0u, 0u);
             }
             sampled_tile<DTYPE, false>(packs, bases, vec_end, column0, noise, keys, s_table, inv_t, best);
         }
@@ -1259,17 +1260,17 @@ __device__ void argmax_logits_impl(const void* logits, i64 row_stride, int rows,
     exchange_rows<4>(x, start, s_keys, rows, out, want_tokens, step_counter, advance_step);
 }
 
-#define LL_ARGMAX_LOGITS_KERNEL(NAME, DTYPE, ONE)                                                                \
-    extern "C" __global__ void __launch_bounds__(LL_THREADS)                                                   \
-        NAME(const void* logits, i64 row_stride, int rows, int cols, u32 column0, int chunk, int chunks,       \
-             int aligned, const float* temperature, float threshold, const i64* seeds, const i64* offsets,     \
-             i64* step_counter, u64 unseeded_seed, int advance_step, i64* out, int want_tokens,                \
-             const float* gumbel_table, u64 ctrl, u64 lines, int line_count, const u64* peer_slots,            \
-             u64 host_error, int rank, int world, int max_rows, u64 timeout_ns) {                              \
-        argmax_logits_impl<DTYPE, ONE>(logits, row_stride, rows, cols, column0, chunk, chunks, aligned, temperature,\
-                                  threshold, seeds, offsets, step_counter, unseeded_seed, advance_step, out,   \
-                                  want_tokens, gumbel_table, ctrl, lines, line_count, peer_slots, host_error,  \
-                                  rank, world, max_rows, timeout_ns);                                          \
+#define LL_ARGMAX_LOGITS_KERNEL(NAME, DTYPE, ONE)                                                                      \
+    extern "C" __global__ void __launch_bounds__(LL_THREADS)                                                           \
+        NAME(const void* logits, i64 row_stride, int rows, int cols, u32 column0, int chunk, int chunks,               \
+             int aligned, const float* temperature, float threshold, const i64* seeds, const i64* offsets,             \
+             i64* step_counter, u64 unseeded_seed, int advance_step, i64* out, int want_tokens,                        \
+             const float* gumbel_table, u64 ctrl, u64 lines, int line_count, const u64* peer_slots,                    \
+             u64 host_error, int rank, int world, int max_rows, u64 timeout_ns) {                                      \
+        argmax_logits_impl<DTYPE, ONE>(logits, row_stride, rows, cols, column0, chunk, chunks, aligned,                \
+                                       temperature, threshold, seeds, offsets, step_counter, unseeded_seed,            \
+                                       advance_step, out, want_tokens, gumbel_table, ctrl, lines, line_count,          \
+                                       peer_slots, host_error, rank, world, max_rows, timeout_ns);                     \
     }
 
 LL_ARGMAX_LOGITS_KERNEL(ll_argmax_logits_f32, 0, false)

@@ -211,6 +211,7 @@ _DTYPE_KERNELS = {
     torch.float16: ("ll_argmax_logits_f16", 2),
 }
 
+
 def exchange_keys_kernel_name(world: int) -> str:
     """The ``max_keys`` / ``argmax_tokens`` kernel for a world size: each polls as many peer
     lines at once as the world needs (1 for 1-2 ranks, 4 for 3-5, 8 beyond), and each world
