@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from tpspec.bench.exchange import greedy_costs, gumbel_costs
+from tpspec.bench.exchange import greedy_costs, gumbel_costs, torch_max_speedups
 from tpspec.cli import main
 
 
@@ -16,7 +16,8 @@ def test_bench_exchange_cpu_quick(tmp_path, capsys):
     data = json.loads((out / "exchange.json").read_text())
     assert data["benchmark"] == "exchange" and data["meta"]["tp"] == 2
     variants = {row[4] for row in data["rows"]}
-    assert {"local_torch", "ag_max_keys (gloo)", "ag_keys (gloo)", "ag_logits (gloo)"} <= variants
+    assert {"local_torch", "local_torch_max", "ag_max_keys (gloo)", "ag_keys (gloo)", "ag_logits (gloo)"} <= variants
+    assert {row[3] for row in data["rows"] if row[4] == "local_torch_max"} == {"greedy"}
     assert all(isinstance(row[6], float) and row[6] > 0 for row in data["rows"])
     assert {row[1] for row in data["rows"]} == {1, 4}
     png = (out / "exchange.png").read_bytes()
@@ -51,3 +52,15 @@ def test_greedy_costs_compare_the_call_with_the_read_only_launch_of_the_same_sha
     assert [(c["rows"], c["width"], c["greedy_vs_floor"], c["greedy_pct"], c["floor_pct"]) for c in costs] == [
         (256, 65536, 1.2, 66.0, 79.2)]
     assert greedy_costs({}) == []
+
+
+def test_torch_max_speedups_compare_the_greedy_call_with_torch_max_of_the_same_shape():
+    merged = {
+        ("local_fused", "graph", 1, 16384, "greedy"): {"us": 3.0},
+        ("local_torch_max", "graph", 1, 16384, "greedy"): {"us": 6.3},
+        ("local_fused", "graph", 8, 16384, "greedy"): {"us": 3.5},  # no torch.max timed
+        ("local_fused", "graph", 1, 16384, "gumbel"): {"us": 5.5},
+        ("local_torch_max", "eager", 8, 16384, "greedy"): {"us": 50.0},  # eager rows are not compared
+    }
+    assert [(s["rows"], s["width"], s["speedup"]) for s in torch_max_speedups(merged)] == [(1, 16384, 2.1)]
+    assert torch_max_speedups({}) == []

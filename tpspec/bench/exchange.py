@@ -11,13 +11,15 @@ width, bf16) and mode (greedy, Gumbel) it times:
                      stage, with its effective HBM bandwidth;
 * ``local_torch``    torch.max + pack (greedy) / keys.local_row_keys (Gumbel): the
                      local stage of the all-gather path;
+* ``local_torch_max`` (greedy) ``torch.max(x, dim=-1)`` alone, the baseline GUIDE.md
+                     quotes for the fused kernel (no key packing);
 * ``local_philox_floor`` (Gumbel) the fused kernel's reads plus the Philox block of
                      every column and nothing else: the floor SPEC §2's noise sets
                      when no column can be ruled out before its noise;
 * ``local_read_floor`` (greedy) one launch with the greedy grid that reads the slice
-                     and stores a max per block, with no hand-off between blocks and
-                     no exchange: at small shapes, what launch and reads cost alone.
-                     Its plain loop is not tuned: at 256 x 64K the fused kernel beats it;
+                     with the greedy rows' loop and stores a max per block, with no
+                     hand-off between blocks and no exchange: what launch and reads
+                     cost alone;
 * ``ag_keys``        torch.max + pack + all-gather of keys (the fallback exchange);
 * ``ag_logits``      all-gather of the full logits slice + argmax (what vLLM/SGLang do).
 
@@ -251,6 +253,9 @@ def _bench_worker(rank: int, world_size: int, cfg: dict) -> list[dict]:
                     # keys.local_row_keys syncs (Philox column range): eager only.
                     return K.local_row_keys(x, offset, vocab_size=vocab, **kw)
 
+                def torch_max_only() -> Any:
+                    return torch.max(next(cycle), dim=-1)
+
                 def ag_keys() -> torch.Tensor:
                     return K.unpack_indices(ag.max_keys(torch_local()))
 
@@ -279,6 +284,9 @@ def _bench_worker(rank: int, world_size: int, cfg: dict) -> list[dict]:
                                              cfg["replays"], nop)
                             record("local_read_floor", "graph", rows, width, mode, us,
                                    hbm_gbps=nbytes / us / 1e3, hbm_pct=100 * nbytes / us / 1e3 / copy_gbps)
+                            us = _time_graph(torch_max_only, cfg["calls"], cfg["replays"], nop)
+                            record("local_torch_max", "graph", rows, width, mode, us,
+                                   hbm_gbps=nbytes / us / 1e3, hbm_pct=100 * nbytes / us / 1e3 / copy_gbps)
                             us, how = _time_graph(torch_local, cfg["calls"], cfg["replays"], nop), "graph"
                         else:
                             us, how = _time_eager(torch_local, cfg["ag_iters"], nop, device), "eager"
@@ -293,6 +301,9 @@ def _bench_worker(rank: int, world_size: int, cfg: dict) -> list[dict]:
                 else:
                     us = _time_eager(torch_local, cfg["iters"], barrier, device)
                     record("local_torch", "eager", rows, width, mode, us)
+                    if mode == "greedy":
+                        us = _time_eager(torch_max_only, cfg["iters"], barrier, device)
+                        record("local_torch_max", "eager", rows, width, mode, us)
                 record("ag_keys", "eager", rows, width, mode, _time_eager(ag_keys, cfg["ag_iters"], barrier, device))
                 if mode == "greedy":
                     record("ag_logits", "eager", rows, width, mode,
@@ -342,7 +353,23 @@ def summarize(per_rank: list[list[dict]], tp: int, ag_label: str) -> tuple[list[
     extras["local_fused_streaming"] = streaming_bandwidth(merged, extras.get("copy_bandwidth_GBps"))
     extras["gumbel_vs_greedy"] = gumbel_costs(merged)
     extras["greedy_vs_read_floor"] = greedy_costs(merged)
+    extras["greedy_vs_torch_max"] = torch_max_speedups(merged)
     return table, extras
+
+
+def torch_max_speedups(merged: dict[tuple, dict]) -> list[dict]:
+    """Per shape with the greedy local stage and ``torch.max`` alone both graphed: how many
+    times faster the fused call is (issue 3's target: >= 2x at 1-8 rows). Empty on CPU."""
+    out = []
+    for key, fused in sorted(merged.items(), key=lambda kv: (kv[0][2], kv[0][3])):
+        if key[:2] != ("local_fused", "graph") or key[4] != "greedy":
+            continue
+        base = merged.get(("local_torch_max", "graph", key[2], key[3], "greedy"))
+        if base is None or fused["us"] <= 0 or base["us"] <= 0:
+            continue
+        out.append(dict(rows=key[2], width=key[3], greedy_us=fused["us"], torch_max_us=base["us"],
+                        speedup=round(base["us"] / fused["us"], 2)))
+    return out
 
 
 def greedy_costs(merged: dict[tuple, dict]) -> list[dict]:
@@ -488,6 +515,9 @@ def run(args: argparse.Namespace) -> int:
                if item["greedy_pct"] is not None and item["floor_pct"] is not None else "")
         print(f"local stage {item['rows']} x {item['width']} greedy: {item['greedy_us']:.2f} us, one launch that "
               f"only reads {item['floor_us']:.2f} us: {item['greedy_vs_floor']}x{pct}")
+    for item in extras["greedy_vs_torch_max"]:
+        print(f"local stage {item['rows']} x {item['width']} greedy: {item['greedy_us']:.2f} us, torch.max alone "
+              f"{item['torch_max_us']:.2f} us: {item['speedup']}x faster")
     for item in extras["local_fused_streaming"]:
         print(f"local stage streaming ({item['mode']}, {item['rows']} rows, slice {item['widths'][0]} -> "
               f"{item['widths'][1]}): {item['GBps']} GB/s ({item['pct_of_copy']} % of copy bandwidth)")
