@@ -357,35 +357,34 @@ def summarize(per_rank: list[list[dict]], tp: int, ag_label: str) -> tuple[list[
     return table, extras
 
 
-def torch_max_speedups(merged: dict[tuple, dict]) -> list[dict]:
-    """Per shape with the greedy local stage and ``torch.max`` alone both graphed: how many
-    times faster the fused call is (issue 3's target: >= 2x at 1-8 rows). Empty on CPU."""
+def _greedy_pairs(merged: dict[tuple, dict], partner: str) -> list[tuple[tuple, dict, dict]]:
+    """``(key, local_fused row, partner row)`` per shape where the greedy local stage and the
+    ``partner`` variant were both graphed with positive times, by rows then width."""
     out = []
     for key, fused in sorted(merged.items(), key=lambda kv: (kv[0][2], kv[0][3])):
         if key[:2] != ("local_fused", "graph") or key[4] != "greedy":
             continue
-        base = merged.get(("local_torch_max", "graph", key[2], key[3], "greedy"))
-        if base is None or fused["us"] <= 0 or base["us"] <= 0:
-            continue
-        out.append(dict(rows=key[2], width=key[3], greedy_us=fused["us"], torch_max_us=base["us"],
-                        speedup=round(base["us"] / fused["us"], 2)))
+        other = merged.get((partner, "graph", key[2], key[3], "greedy"))
+        if other is not None and fused["us"] > 0 and other["us"] > 0:
+            out.append((key, fused, other))
     return out
+
+
+def torch_max_speedups(merged: dict[tuple, dict]) -> list[dict]:
+    """Per shape with the greedy local stage and ``torch.max`` alone both graphed: how many
+    times faster the fused call is (issue 3's target: >= 2x at 1-8 rows). Empty on CPU."""
+    return [dict(rows=key[2], width=key[3], greedy_us=fused["us"], torch_max_us=base["us"],
+                 speedup=round(base["us"] / fused["us"], 2))
+            for key, fused, base in _greedy_pairs(merged, "local_torch_max")]
 
 
 def greedy_costs(merged: dict[tuple, dict]) -> list[dict]:
     """Per shape with the greedy local stage and the read-only floor both graphed: their µs
     and share of copy bandwidth per call, and the call as a multiple of the floor."""
-    out = []
-    for key, fused in sorted(merged.items(), key=lambda kv: (kv[0][2], kv[0][3])):
-        if key[:2] != ("local_fused", "graph") or key[4] != "greedy":
-            continue
-        floor = merged.get(("local_read_floor", "graph", key[2], key[3], "greedy"))
-        if floor is None or fused["us"] <= 0 or floor["us"] <= 0:
-            continue
-        out.append(dict(rows=key[2], width=key[3], greedy_us=fused["us"], floor_us=floor["us"],
-                        greedy_pct=fused.get("hbm_pct"), floor_pct=floor.get("hbm_pct"),
-                        greedy_vs_floor=round(fused["us"] / floor["us"], 2)))
-    return out
+    return [dict(rows=key[2], width=key[3], greedy_us=fused["us"], floor_us=floor["us"],
+                 greedy_pct=fused.get("hbm_pct"), floor_pct=floor.get("hbm_pct"),
+                 greedy_vs_floor=round(fused["us"] / floor["us"], 2))
+            for key, fused, floor in _greedy_pairs(merged, "local_read_floor")]
 
 
 def gumbel_costs(merged: dict[tuple, dict]) -> list[dict]:

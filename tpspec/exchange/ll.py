@@ -234,8 +234,7 @@ def fused_kernel_name(dtype: torch.dtype, chunk: int, sampled: bool) -> str:
     6.0 -> 5.5 us); the same barrier inside the tile loop cost registers, so blocks of
     several tiles keep the plain kernel. Both give the same keys."""
     name = _DTYPE_KERNELS[dtype][0]
-    elem_bytes = torch.empty((), dtype=dtype).element_size()
-    return name + "_one_tile" if sampled and chunk <= sampled_tile_columns(elem_bytes) else name
+    return name + "_one_tile" if sampled and chunk <= sampled_tile_columns(dtype.itemsize) else name
 
 
 def _p(value: int) -> np.uint64:
@@ -331,6 +330,7 @@ class LLKeyExchange(KeyExchange):
         self._gumbel_table = K.gumbel_bound_table(self.device)  # the sampled rows' pruning bounds
         self._module = cuda_module.load_module(index)
         self._kernels = {name: self._module.get_function(name) for name in cuda_module.KERNEL_NAMES}
+        self._exchange_kernel = exchange_keys_kernel_name(self.world_size)  # max_keys / argmax_tokens
 
     @staticmethod
     def _try(fn: Any) -> str | None:
@@ -437,7 +437,7 @@ class LLKeyExchange(KeyExchange):
         null = _p(0)
         args = (np.int32(0), _p(keys.data_ptr()), null, np.int32(0), null, np.int32(0), np.int64(0),
                 np.int32(rows), _p(out.data_ptr()), np.int32(0), *self._exchange_args(channel))
-        self._launch(exchange_keys_kernel_name(self.world_size), 1, 8 * rows, args)
+        self._launch(self._exchange_kernel, 1, 8 * rows, args)
         return out
 
     def argmax_tokens(
@@ -463,7 +463,7 @@ class LLKeyExchange(KeyExchange):
         args = (np.int32(1), _p(0), _p(local_max.data_ptr()), np.int32(_DTYPE_KERNELS[local_max.dtype][1]),
                 _p(local_argmax.data_ptr()), np.int32(local_argmax.dtype == torch.int64), np.int64(vocab_offset),
                 np.int32(rows), _p(out.data_ptr()), np.int32(1), *self._exchange_args(channel))
-        self._launch(exchange_keys_kernel_name(self.world_size), 1, 8 * rows, args)
+        self._launch(self._exchange_kernel, 1, 8 * rows, args)
         return out
 
     def argmax_logits(
