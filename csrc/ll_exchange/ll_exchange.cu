@@ -1066,24 +1066,21 @@ __device__ __forceinline__ u64 scalar_span(const typename Elem<DTYPE>::raw* row_
     return best;
 }
 
+// Max of a 64-bit value over the warp: the high words' max, then the low words' max among
+// the lanes holding it (two redux instructions instead of five dependent shuffle rounds).
+__device__ __forceinline__ u64 warp_max_u64(u64 v) {  // every lane of the warp must call
+    const u32 high = warp_max_u32((u32)(v >> 32));
+    const u32 low = warp_max_u32((u32)(v >> 32) == high ? (u32)v : 0u);
+    return ((u64)high << 32) | (u64)low;
+}
+
 __device__ __forceinline__ u64 block_max(u64 v) {
     __shared__ u64 s_warp[LL_THREADS / 32];
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-        u64 o = __shfl_xor_sync(0xffffffffu, v, off);
-        v = o > v ? o : v;
-    }
+    v = warp_max_u64(v);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     if (lane == 0) s_warp[warp] = v;
     __syncthreads();
-    if (warp == 0) {
-        v = lane < (int)(blockDim.x >> 5) ? s_warp[lane] : 0ull;
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) {
-            u64 o = __shfl_xor_sync(0xffffffffu, v, off);
-            v = o > v ? o : v;
-        }
-    }
+    if (warp == 0) v = warp_max_u64(lane < (int)(blockDim.x >> 5) ? s_warp[lane] : 0ull);
     return v;  // valid in thread 0
 }
 
