@@ -1,8 +1,8 @@
 """Quick bit-exactness check of the fused LL kernel on one GPU, in one process (~20 s).
 
-Compares ``LLKeyExchange.max_logits_keys`` with the CPU-exact ``keys.local_row_keys`` on 135
+Compares ``LLKeyExchange.max_logits_keys`` with the CPU-exact ``keys.local_row_keys`` on 150
 cases: fp32, bf16 and fp16; 1 to 3000 rows (grids of one block per row up to several blocks
-per row, and more blocks than one wave); slices of 8 to 64K columns at vocab offsets that
+per row, and more blocks than one wave); slices of 8 to 128K columns at vocab offsets that
 are multiples of 4 (and a vocab that cuts the last slice short); random, LM-like, adversarial
 (NaN, +-inf, ties, all -inf rows, greedy rows mixed in) and low-temperature sampled rows with
 per-row seeds and offsets, and all-greedy calls (no temperature). Meant for iterating on
@@ -28,7 +28,7 @@ def main() -> int:
     gen = torch.Generator().manual_seed(11)
     bad = total = 0
     shapes = ((1, 16384), (8, 65536), (256, 16384), (64, 1000), (3, 4099), (256, 65536), (5, 8), (1024, 520),
-              (3000, 64))
+              (3000, 64), (1, 131072))
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for rows, width in shapes:
             for kind in ("randn", "lm", "adv", "lowt", "greedy"):

@@ -1119,6 +1119,49 @@ __device__ bool gather_block_lines(u64 lines, int blocks, u32 epoch, u64 timeout
     return true;
 }
 
+// Block 0 of the fused kernel when rows <= warps and chunks <= 2 * 32 (small batches): warp
+// `row` polls its row's block lines, up to two per lane in flight, and reduces them with
+// warp_max_u64 straight into s_keys[row]: no shared-memory round trip and no barrier
+// between the gather and the reduction. `own` is block 0's key (valid in thread 0).
+// Returns false in a thread whose wait ran past timeout_ns.
+__device__ bool gather_row_maxima(u64 lines, int rows, int chunks, u32 epoch, u64 timeout_ns, u64 own,
+                                  u64* s_keys) {
+    const int row = (int)threadIdx.x >> 5, lane = (int)threadIdx.x & 31;
+    if (row >= rows) return true;  // uniform over the warp
+    u32 pending = 0u;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        const int c = lane + 32 * j;
+        if (c < chunks && row * chunks + c > 0) pending |= 1u << j;
+    }
+    u64 best = threadIdx.x == 0 ? own : 0ull;
+    bool complete = true;
+    WaitClock clock;
+    while (pending) {
+        uint4 v[2];
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            if ((pending >> j) & 1u) v[j] = load_line(lines + 16ull * (u64)(row * chunks + lane + 32 * j));
+        }
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            if (((pending >> j) & 1u) && v[j].y == epoch && v[j].w == epoch) {
+                const u64 key = ((u64)v[j].z << 32) | (u64)v[j].x;
+                best = key > best ? key : best;
+                pending &= ~(1u << j);
+            }
+        }
+        if (!pending) break;
+        if (clock.expired(timeout_ns)) {
+            complete = false;
+            break;
+        }
+    }
+    best = warp_max_u64(best);
+    if (lane == 0) s_keys[row] = best;
+    return complete;
+}
+
 // s_keys[row] = max over the row's chunks of s_parts[row * chunks + chunk] (chunks > 1):
 // g = 2^lg lanes per row (the smallest power of two >= chunks, at most a warp), striding
 // its chunks, then a shuffle max. Shifts only: this runs once per call, in block 0, on
@@ -1247,13 +1290,18 @@ __device__ void argmax_logits_impl(const void* logits, i64 row_stride, int rows,
         return;
     }
 
-    // Block 0: every block's key (one line each), the row maxima, the exchange.
-    u64* s_parts = chunks > 1 ? s_keys + rows : s_keys;
-    if (threadIdx.x == 0) s_parts[0] = best;
-    const bool complete = gather_block_lines(lines, rows * chunks, start.epoch, timeout_ns, s_parts);
-    if (!complete) s_local_failed = 1u;
-    __syncthreads();
-    if (chunks > 1) reduce_chunk_parts(s_parts, rows, chunks, s_keys);
+    // Block 0: every block's key (one line each), the row maxima, the exchange (whose first
+    // barrier publishes s_keys and s_local_failed to the whole block).
+    if (rows <= LL_THREADS / 32 && chunks <= 64) {  // uniform
+        if (!gather_row_maxima(lines, rows, chunks, start.epoch, timeout_ns, best, s_keys)) s_local_failed = 1u;
+    } else {
+        u64* s_parts = chunks > 1 ? s_keys + rows : s_keys;
+        if (threadIdx.x == 0) s_parts[0] = best;
+        const bool complete = gather_block_lines(lines, rows * chunks, start.epoch, timeout_ns, s_parts);
+        if (!complete) s_local_failed = 1u;
+        __syncthreads();
+        if (chunks > 1) reduce_chunk_parts(s_parts, rows, chunks, s_keys);
+    }
     exchange_rows<4>(x, start, s_keys, rows, out, want_tokens, step_counter, advance_step);
 }
 
