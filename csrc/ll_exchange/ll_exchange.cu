@@ -1084,8 +1084,9 @@ __device__ __forceinline__ u64 block_max(u64 v) {
     return v;  // valid in thread 0
 }
 
-// Block 0 of the fused kernel: every other block's line of this call into s_parts[block]
-// (block 0's own key is put there by the caller). A thread keeps up to 4 lines in flight
+// Block 0 of the fused kernel, for batches gather_row_maxima (below) does not take: every
+// other block's line of this call into s_parts[block] (block 0's own key is put there by
+// the caller), for reduce_chunk_parts. A thread keeps up to 4 lines in flight
 // until each carries this call's epoch. Returns false in a thread whose wait ran past
 // timeout_ns.
 __device__ bool gather_block_lines(u64 lines, int blocks, u32 epoch, u64 timeout_ns, u64* s_parts) {
