@@ -1066,6 +1066,57 @@ __device__ __forceinline__ u64 scalar_span(const typename Elem<DTYPE>::raw* row_
     return best;
 }
 
+// The four values of the quad of columns at p (a multiple of 4 columns from a 16-byte
+// aligned row start) as float32 bits, in one read-only load.
+template <int DTYPE>
+__device__ __forceinline__ void load_quad(const typename Elem<DTYPE>::raw* p, u32 (&v)[4]) {
+    if (DTYPE == 0) {
+        const uint4 q = load_pack(p);
+        v[0] = q.x;
+        v[1] = q.y;
+        v[2] = q.z;
+        v[3] = q.w;
+    } else {
+        uint2 q;
+        asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(q.x), "=r"(q.y) : "l"(p));
+        v[0] = Elem<DTYPE>::bits((u16)(q.x & 0xffffu));
+        v[1] = Elem<DTYPE>::bits((u16)(q.x >> 16));
+        v[2] = Elem<DTYPE>::bits((u16)(q.y & 0xffffu));
+        v[3] = Elem<DTYPE>::bits((u16)(q.y >> 16));
+    }
+}
+
+// EXACT_SPAN_MAX_COLUMNS: the largest chunk whose sampled blocks score every column exactly
+// (exact_quad_span) instead of pruning (sampled_span): one quad a thread at 256 threads.
+#ifndef EXACT_SPAN_MAX_COLUMNS
+#define EXACT_SPAN_MAX_COLUMNS 1024
+#endif
+
+// Sampled columns [begin, quad_end) a quad per thread (begin and column0 multiples of 4,
+// 16-byte aligned rows): the quad's Philox block, then the exact portable key of each of
+// its columns. No bound table, no pruning passes, no barrier: in a small chunk the pruned
+// path's two passes and survivors' barrier take longer than four exact scores that run
+// side by side. The max is the same either way: the max of the exact keys.
+template <int DTYPE>
+__device__ u64 exact_quad_span(const typename Elem<DTYPE>::raw* row_ptr, int begin, int quad_end, u32 column0,
+                               const RowNoise& noise) {
+    u64 best = 0ull;
+    for (int col = begin + 4 * (int)threadIdx.x; col < quad_end; col += 4 * (int)blockDim.x) {
+        u32 v[4];
+        load_quad<DTYPE>(row_ptr + col, v);
+        const u32 column = column0 + (u32)col;
+        const Words4 w = philox4x32_10(column >> 2, 0u, noise.off_lo, noise.off_hi, noise.seed_lo, noise.seed_hi);
+        const u32 words[4] = {w.w0, w.w1, w.w2, w.w3};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const u32 score = gumbel_score_bits(canonical_bits(v[k]), noise.temperature, words[k]);
+            const u64 key = make_ukey(score, column + (u32)k);
+            best = key > best ? key : best;
+        }
+    }
+    return best;
+}
+
 // Max of a 64-bit value over the warp: the high words' max, then the low words' max among
 // the lanes holding it (two redux instructions instead of five dependent shuffle rounds).
 __device__ __forceinline__ u64 warp_max_u64(u64 v) {  // every lane of the warp must call
@@ -1259,7 +1310,14 @@ __device__ void argmax_logits_impl(const void* logits, i64 row_stride, int rows,
     }
     const bool sampled = temperature && f_ge(t, threshold);
     u64 best;
-    if (sampled) {
+    const bool exact_quads = ONE_TILE && chunk <= EXACT_SPAN_MAX_COLUMNS && aligned && (column0 & 3u) == 0u;
+    if (sampled && exact_quads) {  // uniform over the block
+        RowNoise noise = {t, (u32)seed, (u32)(seed >> 32), (u32)offset, (u32)(offset >> 32)};
+        const int quad_end = begin + max(0, (end - begin) / 4) * 4;
+        best = exact_quad_span<DTYPE>(row_ptr, begin, quad_end, column0, noise);
+        u64 tail = scalar_span<DTYPE>(row_ptr, quad_end, end, column0, true, noise);
+        best = tail > best ? tail : best;
+    } else if (sampled) {
         RowNoise noise = {t, (u32)seed, (u32)(seed >> 32), (u32)offset, (u32)(offset >> 32)};
 #pragma unroll
         for (int k = 0; k < TABLE_PER_THREAD; ++k) {
