@@ -1086,11 +1086,10 @@ __device__ __forceinline__ void load_quad(const typename Elem<DTYPE>::raw* p, u3
     }
 }
 
-// EXACT_SPAN_MAX_COLUMNS: the largest chunk whose sampled blocks score every column exactly
-// (exact_quad_span) instead of pruning (sampled_span): one quad a thread at 256 threads.
-#ifndef EXACT_SPAN_MAX_COLUMNS
+// The largest chunk whose sampled blocks score every column exactly (exact_quad_span)
+// instead of pruning (sampled_span): one quad a thread at 256 threads. (At two quads a
+// thread the pruned path is faster: docs/gpu-results.md, session 12.)
 #define EXACT_SPAN_MAX_COLUMNS 1024
-#endif
 
 // Sampled columns [begin, quad_end) a quad per thread (begin and column0 multiples of 4,
 // 16-byte aligned rows): the quad's Philox block, then the exact portable key of each of
