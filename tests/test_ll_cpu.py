@@ -111,6 +111,9 @@ def test_fused_kernel_name_takes_the_one_tile_twin_only_when_every_chunk_fits_a_
         assert L.fused_kernel_name(dtype, tile, sampled=True) == plain + "_one_tile"
         assert L.fused_kernel_name(dtype, tile + 32 * 16 // elem, sampled=True) == plain  # two tiles
         assert plain + "_one_tile" in cuda_module.KERNEL_NAMES
+    # The exact-score path lives only in the twins: every chunk it takes must pick a twin.
+    exact_max = int(re.search(r"^#define EXACT_SPAN_MAX_COLUMNS (\d+)", source, re.M).group(1))
+    assert exact_max <= min(L.sampled_tile_columns(e) for e in (2, 4))
     # The bench's bf16 shapes on the H200 (132 SMs): small batches fit a tile per block.
     names = {(rows, cols): L.fused_kernel_name(torch.bfloat16, L.plan_chunks(rows, cols, 2, 132, True)[0], True)
              for rows in (1, 8, 64, 256) for cols in (16384, 65536)}

@@ -1170,11 +1170,13 @@ __device__ bool gather_block_lines(u64 lines, int blocks, u32 epoch, u64 timeout
     return true;
 }
 
-// Block 0 of the fused kernel when rows <= warps and chunks <= 2 * 32 (small batches): warp
-// `row` polls its row's block lines, up to two per lane in flight, and reduces them with
-// warp_max_u64 straight into s_keys[row]: no shared-memory round trip and no barrier
-// between the gather and the reduction. `own` is block 0's key (valid in thread 0).
-// Returns false in a thread whose wait ran past timeout_ns.
+#define ROW_GATHER_MAX_CHUNKS 64  // gather_row_maxima: 32 lanes x 2 lines
+
+// Block 0 of the fused kernel when rows <= warps and chunks <= ROW_GATHER_MAX_CHUNKS
+// (small batches): warp `row` polls its row's block lines, up to two per lane in flight,
+// and reduces them with warp_max_u64 straight into s_keys[row]: no shared-memory round
+// trip and no barrier between the gather and the reduction. `own` is block 0's key (valid
+// in thread 0). Returns false in a thread whose wait ran past timeout_ns.
 __device__ bool gather_row_maxima(u64 lines, int rows, int chunks, u32 epoch, u64 timeout_ns, u64 own,
                                   u64* s_keys) {
     const int row = (int)threadIdx.x >> 5, lane = (int)threadIdx.x & 31;
@@ -1350,7 +1352,7 @@ __device__ void argmax_logits_impl(const void* logits, i64 row_stride, int rows,
 
     // Block 0: every block's key (one line each), the row maxima, the exchange (whose first
     // barrier publishes s_keys and s_local_failed to the whole block).
-    if (rows <= LL_THREADS / 32 && chunks <= 64) {  // uniform
+    if (rows <= LL_THREADS / 32 && chunks <= ROW_GATHER_MAX_CHUNKS) {  // uniform
         if (!gather_row_maxima(lines, rows, chunks, start.epoch, timeout_ns, best, s_keys)) s_local_failed = 1u;
     } else {
         u64* s_parts = chunks > 1 ? s_keys + rows : s_keys;
