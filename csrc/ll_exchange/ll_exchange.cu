@@ -253,29 +253,45 @@ __device__ __forceinline__ float unit_from_word(u32 h) {
     return f_mul(f_from_u64(2ull * (u64)h + 1ull), fbits(TWO_POW_M33_BITS));
 }
 
-// keys.exponential_from_words: E = -ln(1 - U) ~ Exp(1).
+// keys.exponential_from_words: E = -ln(1 - U) ~ Exp(1), with no branch. Both of the
+// reference's branches are 2 atanh(s) by the same Horner steps, the series one two terms
+// longer: U < 1/2 takes s = U / (2 - U); U >= 1/2 takes s = (m - 1) / (m + 1) from the
+// complement c = m * 2^e (portable_log's reduction) and adds e ln 2. Picking the operands
+// per lane runs one rounding, one division and one series per column where a warp with
+// both kinds of lanes ran both branches. Every operation is the reference's, in its
+// order (starting the shorter series at the constant 1/9 gives z * 1/9 exactly as
+// portable_log's first step), so the bits are the reference's.
 __device__ __forceinline__ float exponential_from_word(u32 h) {
-    if (h < 0x80000000u) {
-        float u = unit_from_word(h);
-        float s = f_div(u, f_sub(2.0f, u));
-        float z = f_mul(s, s);
-        float p = f_mul(z, fbits(INV13_BITS));
-        p = f_add(p, fbits(INV11_BITS));
-        p = f_mul(p, z);
-        p = f_add(p, fbits(INV9_BITS));
-        p = f_mul(p, z);
-        p = f_add(p, fbits(INV7_BITS));
-        p = f_mul(p, z);
-        p = f_add(p, fbits(INV5_BITS));
-        p = f_mul(p, z);
-        p = f_add(p, fbits(INV3_BITS));
-        p = f_mul(p, z);
-        p = f_add(p, 1.0f);
-        float series = f_mul(s, p);
-        return f_add(series, series);
-    }
-    float complement = unit_from_word(0xffffffffu - h);
-    return fbits(__float_as_uint(portable_log(complement)) ^ 0x80000000u);  // -ln, sign flip: exact
+    const bool series_branch = h < 0x80000000u;
+    const float v = unit_from_word(series_branch ? h : 0xffffffffu - h);  // U, or the complement
+    const u32 bits = __float_as_uint(v);
+    const u32 mantissa_bits = (bits & 0x007fffffu) | 0x3f800000u;
+    const int big = mantissa_bits > SQRT2_BITS ? 1 : 0;
+    float m = fbits(mantissa_bits);
+    if (big) m = f_mul(m, 0.5f);
+    const float e = f_from_i32((int)((bits >> 23) & 0xffu) - 127 + big);
+    const float numerator = series_branch ? v : f_sub(m, 1.0f);
+    const float denominator = series_branch ? f_sub(2.0f, v) : f_add(m, 1.0f);
+    const float s = f_div(numerator, denominator);
+    const float z = f_mul(s, s);
+    float p = f_mul(z, fbits(INV13_BITS));
+    p = f_add(p, fbits(INV11_BITS));
+    p = f_mul(p, z);
+    p = f_add(p, fbits(INV9_BITS));
+    p = series_branch ? p : fbits(INV9_BITS);
+    p = f_mul(p, z);
+    p = f_add(p, fbits(INV7_BITS));
+    p = f_mul(p, z);
+    p = f_add(p, fbits(INV5_BITS));
+    p = f_mul(p, z);
+    p = f_add(p, fbits(INV3_BITS));
+    p = f_mul(p, z);
+    p = f_add(p, 1.0f);
+    float t = f_mul(s, p);
+    t = f_add(t, t);
+    const float low = f_add(f_mul(e, fbits(LN2_LO_BITS)), t);
+    const float log_complement = f_add(f_mul(e, fbits(LN2_HI_BITS)), low);
+    return series_branch ? t : fbits(__float_as_uint(log_complement) ^ 0x80000000u);  // -ln, sign flip: exact
 }
 
 // Canonical bits of the Gumbel score x / T - ln(E) of one column (x: canonical logit).
@@ -1295,6 +1311,7 @@ __device__ void argmax_logits_impl(const void* logits, i64 row_stride, int rows,
     u64 seed = unseeded_seed, offset = 0ull;
     const int TABLE_PER_THREAD = (GUMBEL_TABLE_SIZE + 4 + LL_THREADS - 1) / LL_THREADS;
     float table_part[TABLE_PER_THREAD];
+    const bool exact_quads = ONE_TILE && chunk <= EXACT_SPAN_MAX_COLUMNS && aligned && (column0 & 3u) == 0u;
     if (temperature) {  // uniform: the call has sampled rows
         t = temperature[row];
         if (seeds) {
@@ -1303,15 +1320,16 @@ __device__ void argmax_logits_impl(const void* logits, i64 row_stride, int rows,
         } else {
             offset = ((u64)(*(volatile i64*)step_counter) << 32) + (u64)row;
         }
+        if (!exact_quads) {  // uniform: only the pruned path reads the bound table
 #pragma unroll
-        for (int k = 0; k < TABLE_PER_THREAD; ++k) {
-            const int i = (int)threadIdx.x + k * LL_THREADS;
-            table_part[k] = i < GUMBEL_TABLE_SIZE + 4 ? gumbel_table[i] : 0.0f;
+            for (int k = 0; k < TABLE_PER_THREAD; ++k) {
+                const int i = (int)threadIdx.x + k * LL_THREADS;
+                table_part[k] = i < GUMBEL_TABLE_SIZE + 4 ? gumbel_table[i] : 0.0f;
+            }
         }
     }
     const bool sampled = temperature && f_ge(t, threshold);
     u64 best;
-    const bool exact_quads = ONE_TILE && chunk <= EXACT_SPAN_MAX_COLUMNS && aligned && (column0 & 3u) == 0u;
     if (sampled && exact_quads) {  // uniform over the block
         RowNoise noise = {t, (u32)seed, (u32)(seed >> 32), (u32)offset, (u32)(offset >> 32)};
         const int quad_end = begin + max(0, (end - begin) / 4) * 4;
