@@ -221,16 +221,26 @@ __device__ __forceinline__ u32 pick_word(const Words4& w, u32 k) {
 
 // ----------------------------------------------------------------- portable arithmetic
 
-// keys.portable_log: positive, finite, normal float32 x.
-__device__ __forceinline__ float portable_log(float x) {
+// x = m * 2^e with m in [sqrt(1/2), sqrt(2)] (positive, finite, normal x): portable_log's
+// reduction, exact.
+struct LogReduction {
+    float m;
+    float e;
+};
+__device__ __forceinline__ LogReduction log_reduction(float x) {
     u32 bits = __float_as_uint(x);
     int exponent = (int)((bits >> 23) & 0xffu) - 127;
     u32 mantissa_bits = (bits & 0x007fffffu) | 0x3f800000u;
     int big = mantissa_bits > SQRT2_BITS ? 1 : 0;
     float m = fbits(mantissa_bits);
     if (big) m = f_mul(m, 0.5f);
-    float e = f_from_i32(exponent + big);
-    float s = f_div(f_sub(m, 1.0f), f_add(m, 1.0f));
+    return {m, f_from_i32(exponent + big)};
+}
+
+// keys.portable_log: positive, finite, normal float32 x.
+__device__ __forceinline__ float portable_log(float x) {
+    const LogReduction r = log_reduction(x);
+    float s = f_div(f_sub(r.m, 1.0f), f_add(r.m, 1.0f));
     float z = f_mul(s, s);
     float p = f_mul(z, fbits(INV9_BITS));
     p = f_add(p, fbits(INV7_BITS));
@@ -242,9 +252,9 @@ __device__ __forceinline__ float portable_log(float x) {
     p = f_add(p, 1.0f);
     float t = f_mul(s, p);
     t = f_add(t, t);
-    float low = f_mul(e, fbits(LN2_LO_BITS));
+    float low = f_mul(r.e, fbits(LN2_LO_BITS));
     low = f_add(low, t);
-    float high = f_mul(e, fbits(LN2_HI_BITS));
+    float high = f_mul(r.e, fbits(LN2_HI_BITS));
     return f_add(high, low);
 }
 
@@ -264,14 +274,9 @@ __device__ __forceinline__ float unit_from_word(u32 h) {
 __device__ __forceinline__ float exponential_from_word(u32 h) {
     const bool series_branch = h < 0x80000000u;
     const float v = unit_from_word(series_branch ? h : 0xffffffffu - h);  // U, or the complement
-    const u32 bits = __float_as_uint(v);
-    const u32 mantissa_bits = (bits & 0x007fffffu) | 0x3f800000u;
-    const int big = mantissa_bits > SQRT2_BITS ? 1 : 0;
-    float m = fbits(mantissa_bits);
-    if (big) m = f_mul(m, 0.5f);
-    const float e = f_from_i32((int)((bits >> 23) & 0xffu) - 127 + big);
-    const float numerator = series_branch ? v : f_sub(m, 1.0f);
-    const float denominator = series_branch ? f_sub(2.0f, v) : f_add(m, 1.0f);
+    const LogReduction r = log_reduction(v);  // of the complement; unused on the series branch
+    const float numerator = series_branch ? v : f_sub(r.m, 1.0f);
+    const float denominator = series_branch ? f_sub(2.0f, v) : f_add(r.m, 1.0f);
     const float s = f_div(numerator, denominator);
     const float z = f_mul(s, s);
     float p = f_mul(z, fbits(INV13_BITS));
@@ -289,8 +294,8 @@ __device__ __forceinline__ float exponential_from_word(u32 h) {
     p = f_add(p, 1.0f);
     float t = f_mul(s, p);
     t = f_add(t, t);
-    const float low = f_add(f_mul(e, fbits(LN2_LO_BITS)), t);
-    const float log_complement = f_add(f_mul(e, fbits(LN2_HI_BITS)), low);
+    const float low = f_add(f_mul(r.e, fbits(LN2_LO_BITS)), t);  // portable_log's last steps
+    const float log_complement = f_add(f_mul(r.e, fbits(LN2_HI_BITS)), low);
     return series_branch ? t : fbits(__float_as_uint(log_complement) ^ 0x80000000u);  // -ln, sign flip: exact
 }
 
