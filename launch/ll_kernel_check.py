@@ -5,7 +5,8 @@ cases: fp32, bf16 and fp16; 1 to 3000 rows (grids of one block per row up to sev
 per row, and more blocks than one wave); slices of 8 to 128K columns at vocab offsets that
 are multiples of 4 (and a vocab that cuts the last slice short); random, LM-like, adversarial
 (NaN, +-inf, ties, all -inf rows, greedy rows mixed in) and low-temperature sampled rows with
-per-row seeds and offsets, and all-greedy calls (no temperature). Meant for iterating on
+per-row seeds and offsets, and all-greedy calls (no temperature). Sampled calls take the plain
+kernels, their ``_one_tile`` twins and (1 x 16K, 3 x 4099, 5 x 8) their ``_columns`` twins. Meant for iterating on
 the kernel: point ``TPSPEC_LL_SOURCE_DIR`` at a modified copy of ``csrc/ll_exchange`` and
 run this before timing it with ``tpspec bench exchange``. The GPU tests
 (``tests/test_ll_gpu.py``) remain the full check across ranks.

@@ -100,6 +100,20 @@ def test_plan_chunks_covers_rows_with_aligned_chunks(sampled, elem):
     assert L.plan_chunks(256, 65536, 2, 132, False) == (65536, 1)
 
 
+def test_plan_chunks_splits_small_sampled_calls_a_column_a_thread_at_one_block_an_sm():
+    # At most one block an SM and a row's blocks within block 0's quick gather: a column a thread.
+    assert L.plan_chunks(1, 16384, 2, 132, True) == (L.COLUMN_CHUNK, 64)
+    assert L.plan_chunks(2, 16384, 4, 132, True) == (L.COLUMN_CHUNK, 64)
+    assert L.plan_chunks(5, 8, 2, 132, True) == (L.COLUMN_CHUNK, 1)
+    # Beyond that the usual split: more blocks than SMs (0.8 us slower at 8 x 16K on the H200), or too many a row.
+    assert L.plan_chunks(3, 16384, 2, 132, True) == (1024, 16)
+    assert L.plan_chunks(8, 16384, 2, 132, True) == (1024, 16)
+    assert L.plan_chunks(1, 16384 + 256, 2, 132, True)[0] > L.COLUMN_CHUNK
+    assert L.plan_chunks(1, 16384, 2, 32, True)[0] > L.COLUMN_CHUNK  # a GPU with fewer SMs
+    # Greedy calls never take it.
+    assert L.plan_chunks(1, 16384, 2, 132, False) == (1024, 16)
+
+
 def test_fused_kernel_name_takes_the_one_tile_twin_only_when_every_chunk_fits_a_tile():
     source = cuda_module.kernel_source()
     assert f"#define SAMPLED_PACKS {L.SAMPLED_PACKS}" in source
@@ -118,7 +132,22 @@ def test_fused_kernel_name_takes_the_one_tile_twin_only_when_every_chunk_fits_a_
     names = {(rows, cols): L.fused_kernel_name(torch.bfloat16, L.plan_chunks(rows, cols, 2, 132, True)[0], True)
              for rows in (1, 8, 64, 256) for cols in (16384, 65536)}
     assert {k for k, v in names.items() if v.endswith("_one_tile")} == {
-        (1, 16384), (1, 65536), (8, 16384), (8, 65536), (64, 16384)}
+        (1, 65536), (8, 16384), (8, 65536), (64, 16384)}
+    assert {k for k, v in names.items() if v.endswith("_columns")} == {(1, 16384)}
+
+
+def test_fused_kernel_name_takes_the_columns_twin_for_chunks_of_a_column_a_thread():
+    source = cuda_module.kernel_source()
+    assert L.COLUMN_CHUNK == cuda_module.THREADS_PER_BLOCK
+    assert f"#define ROW_GATHER_MAX_CHUNKS {L.ROW_GATHER_MAX_CHUNKS} " in source
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        plain = L.fused_kernel_name(dtype, 1024, sampled=False)
+        for chunk in (8, 128, L.COLUMN_CHUNK):
+            assert L.fused_kernel_name(dtype, chunk, sampled=True) == plain + "_columns"
+            assert L.fused_kernel_name(dtype, chunk, sampled=False) == plain
+        assert L.fused_kernel_name(dtype, L.COLUMN_CHUNK + 128, sampled=True) == plain + "_one_tile"
+        assert plain + "_columns" in cuda_module.KERNEL_NAMES
+        assert re.search(rf"^LL_ARGMAX_LOGITS_KERNEL\({plain}_columns, \d, false, true\)", source, re.M)
 
 
 def test_exchange_keys_kernel_polls_as_many_peer_lines_as_the_world_needs():

@@ -1278,7 +1278,7 @@ __device__ void reduce_chunk_parts(const u64* s_parts, int rows, int chunks, u64
 //   gumbel_table: keys.gumbel_bound_table() (GUMBEL_TABLE_SIZE + 4 floats).
 //   lines: the channel's block lines (line_count >= rows * chunks lines of 16 bytes).
 //   Dynamic shared memory: 8 * rows bytes, plus 8 * rows * chunks when chunks > 1.
-template <int DTYPE, bool ONE_TILE>
+template <int DTYPE, bool ONE_TILE, bool COLUMNS>
 __device__ void argmax_logits_impl(const void* logits, i64 row_stride, int rows, int cols, u32 column0, int chunk,
                                    int chunks, int aligned, const float* temperature, float threshold,
                                    const i64* seeds, const i64* offsets, i64* step_counter, u64 unseeded_seed,
@@ -1325,7 +1325,7 @@ __device__ void argmax_logits_impl(const void* logits, i64 row_stride, int rows,
         } else {
             offset = ((u64)(*(volatile i64*)step_counter) << 32) + (u64)row;
         }
-        if (!exact_quads) {  // uniform: only the pruned path reads the bound table
+        if (!exact_quads && !COLUMNS) {  // uniform: only the pruned path reads the bound table
 #pragma unroll
             for (int k = 0; k < TABLE_PER_THREAD; ++k) {
                 const int i = (int)threadIdx.x + k * LL_THREADS;
@@ -1335,7 +1335,14 @@ __device__ void argmax_logits_impl(const void* logits, i64 row_stride, int rows,
     }
     const bool sampled = temperature && f_ge(t, threshold);
     u64 best;
-    if (sampled && exact_quads) {  // uniform over the block
+    if (COLUMNS && sampled) {  // uniform over the block
+        // The _columns kernels (chunks of at most a column a thread): each column on its own
+        // thread, its quad's Philox block and its word, one exact score. A thread's chain then
+        // holds one score, not the four of a quad (session 13 timed this path inside the
+        // _one_tile kernels: 1 x 16K Gumbel 3.6 -> 3.2 us on the H200).
+        RowNoise noise = {t, (u32)seed, (u32)(seed >> 32), (u32)offset, (u32)(offset >> 32)};
+        best = scalar_span<DTYPE>(row_ptr, begin, end, column0, true, noise);
+    } else if (sampled && exact_quads) {  // uniform over the block
         RowNoise noise = {t, (u32)seed, (u32)(seed >> 32), (u32)offset, (u32)(offset >> 32)};
         const int quad_end = begin + max(0, (end - begin) / 4) * 4;
         best = exact_quad_span<DTYPE>(row_ptr, begin, quad_end, column0, noise);
@@ -1388,26 +1395,31 @@ __device__ void argmax_logits_impl(const void* logits, i64 row_stride, int rows,
     exchange_rows<4>(x, start, s_keys, rows, out, want_tokens, step_counter, advance_step);
 }
 
-#define LL_ARGMAX_LOGITS_KERNEL(NAME, DTYPE, ONE)                                                                      \
+#define LL_ARGMAX_LOGITS_KERNEL(NAME, DTYPE, ONE, COLUMNS)                                                             \
     extern "C" __global__ void __launch_bounds__(LL_THREADS)                                                           \
         NAME(const void* logits, i64 row_stride, int rows, int cols, u32 column0, int chunk, int chunks,               \
              int aligned, const float* temperature, float threshold, const i64* seeds, const i64* offsets,             \
              i64* step_counter, u64 unseeded_seed, int advance_step, i64* out, int want_tokens,                        \
              const float* gumbel_table, u64 ctrl, u64 lines, int line_count, const u64* peer_slots,                    \
              u64 host_error, int rank, int world, int max_rows, u64 timeout_ns) {                                      \
-        argmax_logits_impl<DTYPE, ONE>(logits, row_stride, rows, cols, column0, chunk, chunks, aligned,                \
-                                       temperature, threshold, seeds, offsets, step_counter, unseeded_seed,            \
-                                       advance_step, out, want_tokens, gumbel_table, ctrl, lines, line_count,          \
-                                       peer_slots, host_error, rank, world, max_rows, timeout_ns);                     \
+        argmax_logits_impl<DTYPE, ONE, COLUMNS>(logits, row_stride, rows, cols, column0, chunk, chunks, aligned,       \
+                                                temperature, threshold, seeds, offsets, step_counter, unseeded_seed,   \
+                                                advance_step, out, want_tokens, gumbel_table, ctrl, lines, line_count, \
+                                                peer_slots, host_error, rank, world, max_rows, timeout_ns);            \
     }
 
-LL_ARGMAX_LOGITS_KERNEL(ll_argmax_logits_f32, 0, false)
-LL_ARGMAX_LOGITS_KERNEL(ll_argmax_logits_bf16, 1, false)
-LL_ARGMAX_LOGITS_KERNEL(ll_argmax_logits_f16, 2, false)
+LL_ARGMAX_LOGITS_KERNEL(ll_argmax_logits_f32, 0, false, false)
+LL_ARGMAX_LOGITS_KERNEL(ll_argmax_logits_bf16, 1, false, false)
+LL_ARGMAX_LOGITS_KERNEL(ll_argmax_logits_f16, 2, false, false)
 // Calls with sampled rows whose every chunk fits one tile (tpspec/exchange/ll.py picks them).
-LL_ARGMAX_LOGITS_KERNEL(ll_argmax_logits_f32_one_tile, 0, true)
-LL_ARGMAX_LOGITS_KERNEL(ll_argmax_logits_bf16_one_tile, 1, true)
-LL_ARGMAX_LOGITS_KERNEL(ll_argmax_logits_f16_one_tile, 2, true)
+LL_ARGMAX_LOGITS_KERNEL(ll_argmax_logits_f32_one_tile, 0, true, false)
+LL_ARGMAX_LOGITS_KERNEL(ll_argmax_logits_bf16_one_tile, 1, true, false)
+LL_ARGMAX_LOGITS_KERNEL(ll_argmax_logits_f16_one_tile, 2, true, false)
+// Calls with sampled rows whose chunks hold at most a column a thread (ll.py picks them).
+// Kernels of their own, so the _one_tile kernels' code stays as measured.
+LL_ARGMAX_LOGITS_KERNEL(ll_argmax_logits_f32_columns, 0, false, true)
+LL_ARGMAX_LOGITS_KERNEL(ll_argmax_logits_bf16_columns, 1, false, true)
+LL_ARGMAX_LOGITS_KERNEL(ll_argmax_logits_f16_columns, 2, false, true)
 
 // ------------------------------------------------- benchmark reference (not an exchange)
 

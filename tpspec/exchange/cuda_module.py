@@ -23,6 +23,7 @@ SOURCE_FILE = "ll_exchange.cu"
 KERNEL_NAMES = ("ll_exchange_keys_1", "ll_exchange_keys_4", "ll_exchange_keys_8",
                 "ll_argmax_logits_f32", "ll_argmax_logits_bf16", "ll_argmax_logits_f16",
                 "ll_argmax_logits_f32_one_tile", "ll_argmax_logits_bf16_one_tile", "ll_argmax_logits_f16_one_tile",
+                "ll_argmax_logits_f32_columns", "ll_argmax_logits_bf16_columns", "ll_argmax_logits_f16_columns",
                 "ll_philox_floor_bf16", "ll_read_floor_bf16")  # the last two: benchmark references (bench exchange)
 THREADS_PER_BLOCK = 256  # LL_THREADS in the source
 MAX_WORLD = 64  # LL_MAX_WORLD: missing-rank masks are 64-bit

@@ -171,6 +171,9 @@ class BufferLayout:
 
 GREEDY_BLOCKS_PER_SM = 2
 SAMPLED_BLOCKS_PER_SM = 4
+MIN_CHUNK = 1024
+COLUMN_CHUNK = cuda_module.THREADS_PER_BLOCK  # a column a thread: the _columns kernels
+ROW_GATHER_MAX_CHUNKS = 64  # ROW_GATHER_MAX_CHUNKS in the source: block 0's quick gather of small batches
 
 
 def plan_chunks(rows: int, cols: int, elem_bytes: int, num_sms: int, sampled: bool) -> tuple[int, int]:
@@ -180,7 +183,11 @@ def plan_chunks(rows: int, cols: int, elem_bytes: int, num_sms: int, sampled: bo
     (compute-bound, they need more warps to hide Philox latency), rounding the blocks per
     row down so a second, mostly idle wave never starts. So ``rows * chunks`` never exceeds
     ``max_grid_blocks(rows, num_sms)``. Small batches still spread each row over many
-    blocks (at least 1024 columns each). On the H200 this beat rounding up
+    blocks (at least 1024 columns each). Sampled calls small enough to take a block of
+    ``COLUMN_CHUNK`` columns per SM or fewer (at most ``ROW_GATHER_MAX_CHUNKS`` a row) get
+    exactly that: the ``_columns`` kernels then score a column a thread, one score on each
+    thread's chain of dependent steps (H200, session 13: 1 x 16K Gumbel 3.6 -> 3.2 us; with
+    four blocks an SM, 8 x 16K, the same split was 0.8 us slower). On the H200 this beat rounding up
     (greedy 256 x 64K bf16: 14.6 -> 12.1 us; 64 x 64K: 8.8 -> 6.2 us; Gumbel 256 x 64K:
     43.5 -> 40.7 us). Chunks are multiples of a warp's 16-byte loads, so vector loads stay
     aligned and quads stay Philox blocks.
@@ -189,7 +196,11 @@ def plan_chunks(rows: int, cols: int, elem_bytes: int, num_sms: int, sampled: bo
     blocks_per_sm = SAMPLED_BLOCKS_PER_SM if sampled else GREEDY_BLOCKS_PER_SM
     per_row = max(1, (blocks_per_sm * max(1, num_sms)) // max(1, rows))
     chunk = -(-max(cols, 1) // per_row)
-    chunk = max(chunk, 1024)
+    column_chunks = -(-max(cols, 1) // COLUMN_CHUNK)
+    if sampled and column_chunks <= ROW_GATHER_MAX_CHUNKS and rows * column_chunks <= max(1, num_sms):
+        chunk = COLUMN_CHUNK
+    else:
+        chunk = max(chunk, MIN_CHUNK)
     quantum = 32 * vec
     chunk = -(-chunk // quantum) * quantum
     chunks = max(1, -(-cols // chunk))
@@ -228,14 +239,19 @@ def sampled_tile_columns(elem_bytes: int) -> int:
 
 
 def fused_kernel_name(dtype: torch.dtype, chunk: int, sampled: bool) -> str:
-    """The fused kernel of a call: its dtype's, or that kernel's ``_one_tile`` twin when the
-    call has sampled rows and every chunk fits one tile. The twin's sampled blocks take the
+    """The fused kernel of a call: its dtype's; for a call with sampled rows, its ``_columns``
+    twin when chunks hold at most a column a thread (``COLUMN_CHUNK``), else its ``_one_tile``
+    twin when every chunk fits one tile. The ``_one_tile`` twin's sampled blocks take the
     block's bound before listing columns (a barrier between passes; H200: 1 x 64K Gumbel
     6.0 -> 5.5 us), or, when chunks are at most 1024 columns (a quad a thread), score
     every column exactly with no pruning (1 x 64K: 5.2 -> 4.1 us). The barrier inside the
-    tile loop cost registers, so blocks of several tiles keep the plain kernel. All give
-    the same keys."""
+    tile loop cost registers, so blocks of several tiles keep the plain kernel. The
+    ``_columns`` twin scores a column a thread; it is a kernel of its own so that the
+    others' code stays as measured (a one-line change inside ``_one_tile`` cost 8 x 64K
+    0.15 us). All give the same keys."""
     name = _DTYPE_KERNELS[dtype][0]
+    if sampled and chunk <= COLUMN_CHUNK:
+        return name + "_columns"
     return name + "_one_tile" if sampled and chunk <= sampled_tile_columns(dtype.itemsize) else name
 
 
