@@ -100,6 +100,35 @@ def test_plan_chunks_covers_rows_with_aligned_chunks(sampled, elem):
     assert L.plan_chunks(256, 65536, 2, 132, False) == (65536, 1)
 
 
+def test_greedy_plans_give_each_block_whole_groups_and_no_more_blocks_than_needed():
+    # GREEDY_GROUP_BYTES is what greedy_span loads together: 256 threads x 4 packs of 16 bytes.
+    source = cuda_module.kernel_source()
+    assert "const int UNROLL = 4;  // packs a group" in source
+    assert L.GREEDY_GROUP_BYTES == cuda_module.THREADS_PER_BLOCK * 4 * 16
+    for elem in (4, 2):
+        for rows in (1, 2, 3, 8, 16, 64, 100, 256):
+            for cols in (1000, 16384, 32000, 65536, 128256):
+                chunk, chunks = L.plan_chunks(rows, cols, elem, 132, False)
+                # A block reads at most a pack a thread, or whole groups (the row's last chunk aside).
+                assert chunk * elem <= L.PACK_BYTES_PER_BLOCK or chunk * elem % L.GREEDY_GROUP_BYTES == 0
+                assert rows * chunks <= max(rows, L.greedy_blocks(rows * cols * elem, 132))
+    # Block counts: a block a group while that fits an SM each (at least half the SMs), then one
+    # an SM up to two groups a block, then two an SM.
+    assert L.greedy_blocks(32 * 1024, 132) == 66
+    assert L.greedy_blocks(132 * L.GREEDY_GROUP_BYTES, 132) == 132
+    assert L.greedy_blocks(4 * 1024 * 1024, 132) == 132
+    assert L.greedy_blocks(8 * 1024 * 1024, 132) == 264
+    # The plans timed on the H200 (session 14), bf16.
+    assert L.plan_chunks(1, 16384, 2, 132, False) == (1024, 16)
+    assert L.plan_chunks(8, 16384, 2, 132, False) == (2048, 8)
+    assert L.plan_chunks(16, 16384, 2, 132, False) == (8192, 2)
+    assert L.plan_chunks(4, 65536, 2, 132, False) == (8192, 8)
+    assert L.plan_chunks(8, 65536, 2, 132, False) == (8192, 8)
+    assert L.plan_chunks(64, 16384, 2, 132, False) == (8192, 2)
+    assert L.plan_chunks(128, 16384, 2, 132, False) == (16384, 1)
+    assert L.plan_chunks(64, 65536, 2, 132, False) == (16384, 4)
+
+
 def test_plan_chunks_splits_small_sampled_calls_a_column_a_thread_at_one_block_an_sm():
     # At most one block an SM and a row's blocks within block 0's quick gather: a column a thread.
     assert L.plan_chunks(1, 16384, 2, 132, True) == (L.COLUMN_CHUNK, 64)

@@ -174,37 +174,67 @@ SAMPLED_BLOCKS_PER_SM = 4
 MIN_CHUNK = 1024
 COLUMN_CHUNK = cuda_module.THREADS_PER_BLOCK  # a column a thread: the _columns kernels
 ROW_GATHER_MAX_CHUNKS = 64  # ROW_GATHER_MAX_CHUNKS in the source: block 0's quick gather of small batches
+GREEDY_GROUP_BYTES = 16 * 1024  # greedy_span in the source: 256 threads x 4 packs of 16 bytes, loaded together
+PACK_BYTES_PER_BLOCK = 16 * cuda_module.THREADS_PER_BLOCK  # a 16-byte pack a thread
 
 
 def plan_chunks(rows: int, cols: int, elem_bytes: int, num_sms: int, sampled: bool) -> tuple[int, int]:
     """Split each row of the fused kernel over blocks: ``(chunk columns, chunks per row)``.
 
-    Aims at one wave of blocks in total: 2 per SM for greedy rows, 4 for sampled ones
-    (compute-bound, they need more warps to hide Philox latency), rounding the blocks per
-    row down so a second, mostly idle wave never starts. So ``rows * chunks`` never exceeds
-    ``max_grid_blocks(rows, num_sms)``. Small batches still spread each row over many
-    blocks (at least 1024 columns each). Sampled calls small enough to take a block of
-    ``COLUMN_CHUNK`` columns per SM or fewer (at most ``ROW_GATHER_MAX_CHUNKS`` a row) get
-    exactly that: the ``_columns`` kernels then score a column a thread, one score on each
-    thread's chain of dependent steps (H200, session 13: 1 x 16K Gumbel 3.6 -> 3.2 us; with
-    four blocks an SM, 8 x 16K, the same split was 0.8 us slower). On the H200 this beat rounding up
-    (greedy 256 x 64K bf16: 14.6 -> 12.1 us; 64 x 64K: 8.8 -> 6.2 us; Gumbel 256 x 64K:
-    43.5 -> 40.7 us). Chunks are multiples of a warp's 16-byte loads, so vector loads stay
-    aligned and quads stay Philox blocks.
+    At most one wave of blocks: ``greedy_blocks`` for greedy calls (at most 2 an SM), 4 an
+    SM for sampled ones (compute-bound, they need more warps to hide Philox latency),
+    rounding the blocks per row down so a second, mostly idle wave never starts. So
+    ``rows * chunks`` never exceeds ``max_grid_blocks(rows, num_sms)``. On the H200 rounding
+    down beat rounding up (greedy 256 x 64K bf16: 14.6 -> 12.1 us; Gumbel 256 x 64K: 43.5 ->
+    40.7 us). Small batches still spread each row over many blocks (at least 1024 columns
+    each). A greedy chunk of more than a pack a thread is whole groups of ``greedy_span``'s
+    loads (``GREEDY_GROUP_BYTES``); the packs short of a group are loaded one after another.
+    Sampled calls small enough to take a block of ``COLUMN_CHUNK`` columns per SM or fewer
+    (at most ``ROW_GATHER_MAX_CHUNKS`` a row) get exactly that: the ``_columns`` kernels then
+    score a column a thread, one score on each thread's chain of dependent steps (H200,
+    session 14: Gumbel 1 x 16K 3.6 -> 3.0 us, 2 x 16K 3.8-4.0 -> 3.3; with four blocks an
+    SM, 8 x 16K, the same split was 0.8 us slower in session 13). Chunks are multiples of a
+    warp's 16-byte loads, so vector loads stay aligned and quads stay Philox blocks.
     """
     vec = 16 // elem_bytes
-    blocks_per_sm = SAMPLED_BLOCKS_PER_SM if sampled else GREEDY_BLOCKS_PER_SM
-    per_row = max(1, (blocks_per_sm * max(1, num_sms)) // max(1, rows))
+    sms = max(1, num_sms)
+    blocks = (SAMPLED_BLOCKS_PER_SM if sampled else GREEDY_BLOCKS_PER_SM) * sms
+    if not sampled:
+        blocks = min(blocks, greedy_blocks(rows * max(cols, 1) * elem_bytes, sms))
+    per_row = max(1, blocks // max(1, rows))
     chunk = -(-max(cols, 1) // per_row)
     column_chunks = -(-max(cols, 1) // COLUMN_CHUNK)
-    if sampled and column_chunks <= ROW_GATHER_MAX_CHUNKS and rows * column_chunks <= max(1, num_sms):
+    if sampled and column_chunks <= ROW_GATHER_MAX_CHUNKS and rows * column_chunks <= sms:
         chunk = COLUMN_CHUNK
     else:
         chunk = max(chunk, MIN_CHUNK)
     quantum = 32 * vec
+    if not sampled and chunk * elem_bytes > PACK_BYTES_PER_BLOCK:
+        # Whole groups: a thread's last packs short of a group are loaded one after another.
+        quantum = GREEDY_GROUP_BYTES // elem_bytes
     chunk = -(-chunk // quantum) * quantum
     chunks = max(1, -(-cols // chunk))
     return chunk, chunks
+
+
+def greedy_blocks(nbytes: int, num_sms: int) -> int:
+    """Blocks for a greedy call reading ``nbytes`` of logits on ``num_sms`` SMs.
+
+    A greedy block loads a group (``GREEDY_GROUP_BYTES``) in one go, so a block per group is
+    enough while that fits one block an SM (at least half the SMs, so small calls still
+    read from many SMs); one block an SM until blocks would read more than two groups each;
+    then two an SM, whose extra warps keep HBM busy. Every block beyond that only adds its
+    own start and hand-off. H200, session 14 (greedy, TP=1, us): 8 x 64K 3.55-3.77 ->
+    3.25-3.28, 16 x 16K 3.62-3.80 -> 3.15-3.31, 64 x 16K 4.37-4.44 -> 3.88-3.98, 128 x 16K
+    4.76-4.85 -> 4.49-4.58; calls of 8 MiB and more keep two blocks an SM (one: 64 x 64K
+    5.7 -> 6.2).
+    """
+    groups = -(-nbytes // GREEDY_GROUP_BYTES)
+    if groups <= num_sms:
+        return max(num_sms // 2, groups)
+    if nbytes <= 2 * GREEDY_GROUP_BYTES * num_sms:
+        return num_sms
+    return GREEDY_BLOCKS_PER_SM * num_sms
 
 
 DEFAULT_DYNAMIC_SHARED_LIMIT = 48 * 1024  # what a launch may ask for without opting in
