@@ -174,8 +174,8 @@ SAMPLED_BLOCKS_PER_SM = 4
 MIN_CHUNK = 1024
 COLUMN_CHUNK = cuda_module.THREADS_PER_BLOCK  # a column a thread: the _columns kernels
 ROW_GATHER_MAX_CHUNKS = 64  # ROW_GATHER_MAX_CHUNKS in the source: block 0's quick gather of small batches
-GREEDY_GROUP_BYTES = 16 * 1024  # greedy_span in the source: 256 threads x 4 packs of 16 bytes, loaded together
 PACK_BYTES_PER_BLOCK = 16 * cuda_module.THREADS_PER_BLOCK  # a 16-byte pack a thread
+GREEDY_GROUP_BYTES = 4 * PACK_BYTES_PER_BLOCK  # greedy_span in the source: UNROLL = 4 packs a thread, loaded together
 
 
 def plan_chunks(rows: int, cols: int, elem_bytes: int, num_sms: int, sampled: bool) -> tuple[int, int]:
@@ -198,9 +198,7 @@ def plan_chunks(rows: int, cols: int, elem_bytes: int, num_sms: int, sampled: bo
     """
     vec = 16 // elem_bytes
     sms = max(1, num_sms)
-    blocks = (SAMPLED_BLOCKS_PER_SM if sampled else GREEDY_BLOCKS_PER_SM) * sms
-    if not sampled:
-        blocks = min(blocks, greedy_blocks(rows * max(cols, 1) * elem_bytes, sms))
+    blocks = SAMPLED_BLOCKS_PER_SM * sms if sampled else greedy_blocks(rows * max(cols, 1) * elem_bytes, sms)
     per_row = max(1, blocks // max(1, rows))
     chunk = -(-max(cols, 1) // per_row)
     column_chunks = -(-max(cols, 1) // COLUMN_CHUNK)
