@@ -11,25 +11,49 @@ the kernel: point ``TPSPEC_LL_SOURCE_DIR`` at a modified copy of ``csrc/ll_excha
 run this before timing it with ``tpspec bench exchange``. The GPU tests
 (``tests/test_ll_gpu.py``) remain the full check across ranks.
 
-Usage: python3 launch/ll_kernel_check.py   (exit code 1 when any case differs)
+Usage: python3 launch/ll_kernel_check.py [--shapes 3x16384,8x16384]   (exit code 1 when any case differs)
+``--shapes`` replaces the ten shapes (rows x width, comma-separated), to check a change of plan at
+the shapes it touches; the plan and the sampled bf16 kernel each shape gets are printed.
 """
+import argparse
 import sys
 
 import torch
 
 from tpspec import keys as K
-from tpspec.exchange.ll import LLKeyExchange
+from tpspec.exchange.ll import LLKeyExchange, fused_kernel_name, plan_chunks
+
+
+SHAPES = ((1, 16384), (8, 65536), (256, 16384), (64, 1000), (3, 4099), (256, 65536), (5, 8), (1024, 520),
+          (3000, 64), (1, 131072))
+
+
+def parse_shapes(text: str) -> tuple[tuple[int, int], ...]:
+    """``"3x16384,8x65536"`` -> ``((3, 16384), (8, 65536))``."""
+    try:
+        shapes = tuple((int(r), int(w)) for r, w in (item.lower().split("x") for item in text.split(",")))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"shapes must look like 3x16384,8x65536, got {text!r}") from None
+    if not shapes or any(r < 1 or w < 1 for r, w in shapes):
+        raise argparse.ArgumentTypeError(f"rows and widths must be positive, got {text!r}")
+    return shapes
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", type=parse_shapes, default=SHAPES, help="rows x width list, e.g. 3x16384,8x65536")
+    shapes = parser.parse_args().shapes
     if not torch.cuda.is_available():
         print("ll_kernel_check: needs a CUDA device", file=sys.stderr)
         return 2
     ll = LLKeyExchange(None, max_rows=4096, num_channels=1)
     gen = torch.Generator().manual_seed(11)
     bad = total = 0
-    shapes = ((1, 16384), (8, 65536), (256, 16384), (64, 1000), (3, 4099), (256, 65536), (5, 8), (1024, 520),
-              (3000, 64), (1, 131072))
+    if shapes != SHAPES:
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        for rows, width in shapes:
+            plan = plan_chunks(rows, width, 2, sms, True)
+            print(f"{rows} x {width}: sampled bf16 plan {plan}, kernel {fused_kernel_name(torch.bfloat16, plan[0], True)}")
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for rows, width in shapes:
             for kind in ("randn", "lm", "adv", "lowt", "greedy"):
