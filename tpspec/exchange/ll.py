@@ -173,6 +173,7 @@ GREEDY_BLOCKS_PER_SM = 2
 SAMPLED_BLOCKS_PER_SM = 4
 MIN_CHUNK = 1024
 COLUMN_CHUNK = cuda_module.THREADS_PER_BLOCK  # a column a thread: the _columns kernels
+COLUMNS_MAX_CHUNK = 2 * COLUMN_CHUNK  # the _columns kernels' largest planned chunk: two columns a thread
 ROW_GATHER_MAX_CHUNKS = 64  # ROW_GATHER_MAX_CHUNKS in the source: block 0's quick gather of small batches
 PACK_BYTES_PER_BLOCK = 16 * cuda_module.THREADS_PER_BLOCK  # a 16-byte pack a thread
 GREEDY_GROUP_BYTES = 4 * PACK_BYTES_PER_BLOCK  # greedy_span in the source: UNROLL = 4 packs a thread, loaded together
@@ -193,19 +194,19 @@ def plan_chunks(rows: int, cols: int, elem_bytes: int, num_sms: int, sampled: bo
     (at most ``ROW_GATHER_MAX_CHUNKS`` a row) get exactly that: the ``_columns`` kernels then
     score a column a thread, one score on each thread's chain of dependent steps (H200,
     session 14: Gumbel 1 x 16K 3.6 -> 3.0 us, 2 x 16K 3.8-4.0 -> 3.3; with four blocks an
-    SM, 8 x 16K, the same split was 0.8 us slower in session 13). Chunks are multiples of a
-    warp's 16-byte loads, so vector loads stay aligned and quads stay Philox blocks.
+    SM, 8 x 16K, the same split was 0.8 us slower in session 13). Failing that, chunks of
+    ``COLUMNS_MAX_CHUNK`` (two columns a thread) under the same two limits (session 15,
+    Gumbel us: 3 x 16K 3.83-3.92 -> 3.57-3.79, 4 x 16K 3.92-4.00 -> 3.67-3.82, 1 x 32K
+    3.73-3.74 -> 3.30-3.42, 2 x 32K 3.98-4.02 -> 3.71-3.86; at two blocks an SM, 8 x 16K,
+    4.15 -> 4.32, and past the quick gather, 1 x 64K, 3.59 -> 3.92). Chunks are multiples of
+    a warp's 16-byte loads, so vector loads stay aligned and quads stay Philox blocks.
     """
     vec = 16 // elem_bytes
     sms = max(1, num_sms)
     blocks = SAMPLED_BLOCKS_PER_SM * sms if sampled else greedy_blocks(rows * max(cols, 1) * elem_bytes, sms)
     per_row = max(1, blocks // max(1, rows))
-    chunk = -(-max(cols, 1) // per_row)
-    column_chunks = -(-max(cols, 1) // COLUMN_CHUNK)
-    if sampled and column_chunks <= ROW_GATHER_MAX_CHUNKS and rows * column_chunks <= sms:
-        chunk = COLUMN_CHUNK
-    else:
-        chunk = max(chunk, MIN_CHUNK)
+    columns_chunk = columns_kernel_chunk(rows, cols, sms) if sampled else 0
+    chunk = columns_chunk or max(-(-max(cols, 1) // per_row), MIN_CHUNK)
     quantum = 32 * vec
     if not sampled and chunk * elem_bytes > PACK_BYTES_PER_BLOCK:
         # Whole groups: a thread's last packs short of a group are loaded one after another.
@@ -213,6 +214,16 @@ def plan_chunks(rows: int, cols: int, elem_bytes: int, num_sms: int, sampled: bo
     chunk = -(-chunk // quantum) * quantum
     chunks = max(1, -(-cols // chunk))
     return chunk, chunks
+
+
+def columns_kernel_chunk(rows: int, cols: int, num_sms: int) -> int:
+    """The chunk of a sampled call for the ``_columns`` kernels (a column a thread, else two),
+    or 0 when neither fits at most a block an SM and ``ROW_GATHER_MAX_CHUNKS`` a row."""
+    for chunk in (COLUMN_CHUNK, COLUMNS_MAX_CHUNK):
+        chunks = -(-max(cols, 1) // chunk)
+        if chunks <= ROW_GATHER_MAX_CHUNKS and rows * chunks <= num_sms:
+            return chunk
+    return 0
 
 
 def greedy_blocks(nbytes: int, num_sms: int) -> int:
@@ -268,17 +279,17 @@ def sampled_tile_columns(elem_bytes: int) -> int:
 
 def fused_kernel_name(dtype: torch.dtype, chunk: int, sampled: bool) -> str:
     """The fused kernel of a call: its dtype's; for a call with sampled rows, its ``_columns``
-    twin when chunks hold at most a column a thread (``COLUMN_CHUNK``), else its ``_one_tile``
+    twin when chunks hold at most two columns a thread (``COLUMNS_MAX_CHUNK``), else its ``_one_tile``
     twin when every chunk fits one tile. The ``_one_tile`` twin's sampled blocks take the
     block's bound before listing columns (a barrier between passes; H200: 1 x 64K Gumbel
     6.0 -> 5.5 us), or, when chunks are at most 1024 columns (a quad a thread), score
     every column exactly with no pruning (1 x 64K: 5.2 -> 4.1 us). The barrier inside the
     tile loop cost registers, so blocks of several tiles keep the plain kernel. The
-    ``_columns`` twin scores a column a thread; it is a kernel of its own so that the
+    ``_columns`` twin scores a column at a time on each thread; it is a kernel of its own so that the
     others' code stays as measured (a one-line change inside ``_one_tile`` cost 8 x 64K
     0.15 us). All give the same keys."""
     name = _DTYPE_KERNELS[dtype][0]
-    if sampled and chunk <= COLUMN_CHUNK:
+    if sampled and chunk <= COLUMNS_MAX_CHUNK:
         return name + "_columns"
     return name + "_one_tile" if sampled and chunk <= sampled_tile_columns(dtype.itemsize) else name
 
