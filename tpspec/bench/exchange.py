@@ -23,9 +23,10 @@ width, bf16) and mode (greedy, Gumbel) it times:
 * ``ag_keys``        torch.max + pack + all-gather of keys (the fallback exchange);
 * ``ag_logits``      all-gather of the full logits slice + argmax (what vLLM/SGLang do).
 
-``graph`` rows replay a CUDA graph of ``--calls-per-graph`` calls; ``eager`` rows call
-from Python. On one GPU the all-gather baselines run over gloo (NCCL refuses two ranks
-on one GPU), which says nothing about NCCL on real GPUs: they are labelled so.
+``graph`` rows replay a CUDA graph of ``--calls-per-graph`` calls ``--replays`` times and
+report the median replay, per call; ``eager`` rows call from Python (median of 3 rounds).
+On one GPU the all-gather baselines run over gloo (NCCL refuses two ranks on one GPU),
+which says nothing about NCCL on real GPUs: they are labelled so.
 ``--device cpu --quick`` runs the all-gather variants on CPU ranks (gloo), tiny sizes.
 """
 
@@ -50,8 +51,9 @@ QUICK_WIDTHS = (1024, 4096)
 
 # --------------------------------------------------------------------------- timing
 
-def _time_graph(fn: Callable[[], Any], calls: int, replays: int, barrier: Callable[[], None]) -> float:
-    """µs per call of ``fn`` captured ``calls`` times in one CUDA graph, replayed ``replays`` times."""
+def _graph_replays_us(fn: Callable[[], Any], calls: int, replays: int, barrier: Callable[[], None]) -> list[float]:
+    """µs per call of ``fn`` captured ``calls`` times in one CUDA graph, for each of
+    ``replays`` back-to-back replays (each timed by its own pair of events)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -64,14 +66,25 @@ def _time_graph(fn: Callable[[], Any], calls: int, replays: int, barrier: Callab
     graph.replay()
     torch.cuda.synchronize()
     barrier()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(replays + 1)]
+    marks[0].record()
+    for mark in marks[1:]:
         graph.replay()
-    end.record()
-    end.synchronize()
+        mark.record()
+    marks[-1].synchronize()
     del graph
-    return start.elapsed_time(end) * 1000.0 / (calls * replays)
+    return [a.elapsed_time(b) * 1000.0 / calls for a, b in zip(marks, marks[1:])]
+
+
+def _time_graph(fn: Callable[[], Any], calls: int, replays: int, barrier: Callable[[], None]) -> float:
+    """µs per call of ``fn`` under a CUDA graph: the median replay of ``_graph_replays_us``.
+
+    The median, not the mean over all replays: rank processes leave the CPU barrier at
+    different times, and the calls of a rank that starts its replays late wait for it,
+    as do the others' first calls. The replays after the ranks fall in step do not carry
+    that wait; the mean over a short window does (the bare exchanges also record it as
+    ``us_mean``)."""
+    return statistics.median(_graph_replays_us(fn, calls, replays, barrier))
 
 
 def _time_eager(fn: Callable[[], Any], iters: int, barrier: Callable[[], None], device: torch.device) -> float:
@@ -219,11 +232,11 @@ def _bench_worker(rank: int, world_size: int, cfg: dict) -> list[dict]:
         local_max = torch.randn(rows, generator=gen).to(device=device, dtype=dtype)
         local_arg = torch.randint(0, 1000, (rows,), generator=gen).to(device)
         if on_cuda:
-            record("ll_max_keys", "graph", rows, 0, "-",
-                   _time_graph(lambda: ll.max_keys(keys, channel=1), cfg["calls"], cfg["replays"], barrier))
-            record("ll_argmax_tokens", "graph", rows, 0, "-",
-                   _time_graph(lambda: ll.argmax_tokens(local_max, local_arg, 0, channel=1), cfg["calls"],
-                               cfg["replays"], barrier))
+            for variant, call in (("ll_max_keys", lambda: ll.max_keys(keys, channel=1)),
+                                  ("ll_argmax_tokens", lambda: ll.argmax_tokens(local_max, local_arg, 0, channel=1))):
+                per_replay = _graph_replays_us(call, cfg["calls"], cfg["replays"], barrier)
+                record(variant, "graph", rows, 0, "-", statistics.median(per_replay),
+                       us_mean=statistics.fmean(per_replay))
             record("ll_max_keys", "eager", rows, 0, "-", _time_eager(lambda: ll.max_keys(keys), cfg["iters"],
                                                                      barrier, device))
         record("ag_max_keys", "eager", rows, 0, "-",
@@ -354,6 +367,7 @@ def summarize(per_rank: list[list[dict]], tp: int, ag_label: str) -> tuple[list[
     extras["gumbel_vs_greedy"] = gumbel_costs(merged)
     extras["greedy_vs_read_floor"] = greedy_costs(merged)
     extras["greedy_vs_torch_max"] = torch_max_speedups(merged)
+    extras["exchange_mean_vs_median"] = exchange_means(per_rank)
     return table, extras
 
 
@@ -368,6 +382,27 @@ def _greedy_pairs(merged: dict[tuple, dict], partner: str) -> list[tuple[tuple, 
         if other is not None and fused["us"] > 0 and other["us"] > 0:
             out.append((key, fused, other))
     return out
+
+
+LATE_START_RATIO = 1.2  # a bare exchange whose mean replay is this far above its median
+
+
+def exchange_means(per_rank: list[list[dict]]) -> list[dict]:
+    """Per graphed bare exchange (``ll_max_keys`` / ``ll_argmax_tokens``) and row count: the
+    slowest rank's median replay (what the table shows) beside the largest mean over all
+    replays of any rank, and ``late_start`` when the mean is ``LATE_START_RATIO`` times the
+    median or more: a rank began its replays late and the others' first calls waited."""
+    medians: dict[tuple, float] = {}
+    means: dict[tuple, float] = {}
+    for rank_rows in per_rank:
+        for r in rank_rows:
+            if "us_mean" in r:
+                key = (r["variant"], r["rows"])
+                medians[key] = max(medians.get(key, 0.0), r["us"])
+                means[key] = max(means.get(key, 0.0), r["us_mean"])
+    return [dict(variant=k[0], rows=k[1], median_us=round(medians[k], 3), mean_us=round(means[k], 3),
+                 late_start=means[k] >= LATE_START_RATIO * medians[k])
+            for k in sorted(medians, key=lambda k: (k[1], k[0]))]
 
 
 def torch_max_speedups(merged: dict[tuple, dict]) -> list[dict]:
@@ -520,4 +555,8 @@ def run(args: argparse.Namespace) -> int:
     for item in extras["local_fused_streaming"]:
         print(f"local stage streaming ({item['mode']}, {item['rows']} rows, slice {item['widths'][0]} -> "
               f"{item['widths'][1]}): {item['GBps']} GB/s ({item['pct_of_copy']} % of copy bandwidth)")
+    for item in extras["exchange_mean_vs_median"]:
+        if item["late_start"]:
+            print(f"note: {item['variant']} at {item['rows']} rows: mean replay {item['mean_us']:.2f} us against the "
+                  f"median {item['median_us']:.2f} us shown (a rank started its replays late)")
     return 0
