@@ -66,16 +66,16 @@ def test_torch_max_speedups_compare_the_greedy_call_with_torch_max_of_the_same_s
     assert torch_max_speedups({}) == []
 
 
-def test_exchange_means_flag_a_late_start_from_the_slowest_ranks():
+def test_exchange_means_flag_an_uneven_exchange_from_the_slowest_ranks():
     def row(rank_us, rank_mean, variant="ll_argmax_tokens", rows=1):
         return dict(variant=variant, how="graph", rows=rows, width=0, mode="-", us=rank_us, us_mean=rank_mean)
 
     per_rank = [
         [row(2.3, 2.4), row(2.2, 2.3, "ll_max_keys"), row(2.5, 2.6, rows=8), dict(variant="local_fused", us=3.0)],
-        [row(2.4, 7.5), row(2.1, 2.2, "ll_max_keys"), row(2.6, 2.7, rows=8)],  # rank 1 waited at 1 row
+        [row(2.4, 7.5), row(2.1, 2.2, "ll_max_keys"), row(2.6, 2.7, rows=8)],  # a window of rank 1 waited at 1 row
     ]
     means = exchange_means(per_rank)
-    assert [(m["variant"], m["rows"], m["median_us"], m["mean_us"], m["late_start"]) for m in means] == [
+    assert [(m["variant"], m["rows"], m["median_us"], m["mean_us"], m["uneven"]) for m in means] == [
         ("ll_argmax_tokens", 1, 2.4, 7.5, True), ("ll_max_keys", 1, 2.2, 2.3, False),
         ("ll_argmax_tokens", 8, 2.6, 2.7, False)]
     assert exchange_means([[dict(variant="ag_keys", us=5.0)]]) == []

@@ -23,8 +23,8 @@ width, bf16) and mode (greedy, Gumbel) it times:
 * ``ag_keys``        torch.max + pack + all-gather of keys (the fallback exchange);
 * ``ag_logits``      all-gather of the full logits slice + argmax (what vLLM/SGLang do).
 
-``graph`` rows replay a CUDA graph of ``--calls-per-graph`` calls ``--replays`` times and
-report the median replay, per call; ``eager`` rows call from Python (median of 3 rounds).
+``graph`` rows replay a CUDA graph of ``--calls-per-graph`` calls ``--replays`` times, after
+warm-up replays, and report the median of five stretches, per call; ``eager`` rows call from Python (median of 3 rounds).
 On one GPU the all-gather baselines run over gloo (NCCL refuses two ranks on one GPU),
 which says nothing about NCCL on real GPUs: they are labelled so.
 ``--device cpu --quick`` runs the all-gather variants on CPU ranks (gloo), tiny sizes.
@@ -51,9 +51,19 @@ QUICK_WIDTHS = (1024, 4096)
 
 # --------------------------------------------------------------------------- timing
 
-def _graph_replays_us(fn: Callable[[], Any], calls: int, replays: int, barrier: Callable[[], None]) -> list[float]:
-    """µs per call of ``fn`` captured ``calls`` times in one CUDA graph, for each of
-    ``replays`` back-to-back replays (each timed by its own pair of events)."""
+GRAPH_WARMUP_REPLAYS = 2  # untimed replays queued ahead of the timed ones
+GRAPH_WINDOWS = 5  # timed stretches of back-to-back replays
+
+
+def _graph_windows_us(fn: Callable[[], Any], calls: int, replays: int, barrier: Callable[[], None]) -> list[float]:
+    """µs per call of ``fn`` captured ``calls`` times in one CUDA graph, for each of (up to)
+    ``GRAPH_WINDOWS`` stretches that together replay it ``replays`` times back to back.
+
+    Rank processes leave the CPU barrier at different times. The warm-up replays, queued
+    with the timed ones, take that up: the ranks that start first wait inside them for the
+    last, and every rank's timed replays then start in step. A window is a whole stretch,
+    not one replay: an event between every two replays slowed each call under MPS (H200,
+    session 15: +0.35-0.4 us at TP=4, +0.65-0.7 at TP=8, against windows of 10 replays)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -66,25 +76,26 @@ def _graph_replays_us(fn: Callable[[], Any], calls: int, replays: int, barrier: 
     graph.replay()
     torch.cuda.synchronize()
     barrier()
-    marks = [torch.cuda.Event(enable_timing=True) for _ in range(replays + 1)]
-    marks[0].record()
-    for mark in marks[1:]:
+    for _ in range(GRAPH_WARMUP_REPLAYS):
         graph.replay()
+    windows = max(1, min(GRAPH_WINDOWS, replays))
+    sizes = [replays // windows + (1 if i < replays % windows else 0) for i in range(windows)]
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(windows + 1)]
+    marks[0].record()
+    for size, mark in zip(sizes, marks[1:]):
+        for _ in range(size):
+            graph.replay()
         mark.record()
     marks[-1].synchronize()
     del graph
-    return [a.elapsed_time(b) * 1000.0 / calls for a, b in zip(marks, marks[1:])]
+    return [a.elapsed_time(b) * 1000.0 / (calls * size) for a, b, size in zip(marks, marks[1:], sizes)]
 
 
 def _time_graph(fn: Callable[[], Any], calls: int, replays: int, barrier: Callable[[], None]) -> float:
-    """µs per call of ``fn`` under a CUDA graph: the median replay of ``_graph_replays_us``.
-
-    The median, not the mean over all replays: rank processes leave the CPU barrier at
-    different times, and the calls of a rank that starts its replays late wait for it,
-    as do the others' first calls. The replays after the ranks fall in step do not carry
-    that wait; the mean over a short window does (the bare exchanges also record it as
-    ``us_mean``)."""
-    return statistics.median(_graph_replays_us(fn, calls, replays, barrier))
+    """µs per call of ``fn`` under a CUDA graph: the median window of ``_graph_windows_us``
+    (a rank that stalls while queueing its replays slows one window, not the figure; the
+    bare exchanges also record the mean as ``us_mean``)."""
+    return statistics.median(_graph_windows_us(fn, calls, replays, barrier))
 
 
 def _time_eager(fn: Callable[[], Any], iters: int, barrier: Callable[[], None], device: torch.device) -> float:
@@ -234,9 +245,9 @@ def _bench_worker(rank: int, world_size: int, cfg: dict) -> list[dict]:
         if on_cuda:
             for variant, call in (("ll_max_keys", lambda: ll.max_keys(keys, channel=1)),
                                   ("ll_argmax_tokens", lambda: ll.argmax_tokens(local_max, local_arg, 0, channel=1))):
-                per_replay = _graph_replays_us(call, cfg["calls"], cfg["replays"], barrier)
-                record(variant, "graph", rows, 0, "-", statistics.median(per_replay),
-                       us_mean=statistics.fmean(per_replay))
+                per_window = _graph_windows_us(call, cfg["calls"], cfg["replays"], barrier)
+                record(variant, "graph", rows, 0, "-", statistics.median(per_window),
+                       us_mean=statistics.fmean(per_window))
             record("ll_max_keys", "eager", rows, 0, "-", _time_eager(lambda: ll.max_keys(keys), cfg["iters"],
                                                                      barrier, device))
         record("ag_max_keys", "eager", rows, 0, "-",
@@ -384,14 +395,14 @@ def _greedy_pairs(merged: dict[tuple, dict], partner: str) -> list[tuple[tuple, 
     return out
 
 
-LATE_START_RATIO = 1.2  # a bare exchange whose mean replay is this far above its median
+UNEVEN_RATIO = 1.2  # a bare exchange whose mean window is this far above its median
 
 
 def exchange_means(per_rank: list[list[dict]]) -> list[dict]:
     """Per graphed bare exchange (``ll_max_keys`` / ``ll_argmax_tokens``) and row count: the
-    slowest rank's median replay (what the table shows) beside the largest mean over all
-    replays of any rank, and ``late_start`` when the mean is ``LATE_START_RATIO`` times the
-    median or more: a rank began its replays late and the others' first calls waited."""
+    slowest rank's median window (what the table shows) beside the largest mean over the
+    windows of any rank, and ``uneven`` when the mean is ``UNEVEN_RATIO`` times the median or
+    more: some window was slowed (a rank stalled, and the others' calls waited for it)."""
     medians: dict[tuple, float] = {}
     means: dict[tuple, float] = {}
     for rank_rows in per_rank:
@@ -401,7 +412,7 @@ def exchange_means(per_rank: list[list[dict]]) -> list[dict]:
                 medians[key] = max(medians.get(key, 0.0), r["us"])
                 means[key] = max(means.get(key, 0.0), r["us_mean"])
     return [dict(variant=k[0], rows=k[1], median_us=round(medians[k], 3), mean_us=round(means[k], 3),
-                 late_start=means[k] >= LATE_START_RATIO * medians[k])
+                 uneven=means[k] >= UNEVEN_RATIO * medians[k])
             for k in sorted(medians, key=lambda k: (k[1], k[0]))]
 
 
@@ -556,7 +567,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"local stage streaming ({item['mode']}, {item['rows']} rows, slice {item['widths'][0]} -> "
               f"{item['widths'][1]}): {item['GBps']} GB/s ({item['pct_of_copy']} % of copy bandwidth)")
     for item in extras["exchange_mean_vs_median"]:
-        if item["late_start"]:
-            print(f"note: {item['variant']} at {item['rows']} rows: mean replay {item['mean_us']:.2f} us against the "
-                  f"median {item['median_us']:.2f} us shown (a rank started its replays late)")
+        if item["uneven"]:
+            print(f"note: {item['variant']} at {item['rows']} rows: mean window {item['mean_us']:.2f} us against the "
+                  f"median {item['median_us']:.2f} us shown (some window was slowed: a rank stalled)")
     return 0
