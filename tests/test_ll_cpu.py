@@ -130,30 +130,33 @@ def test_greedy_plans_give_each_block_whole_groups_and_no_more_blocks_than_neede
 
 
 def test_plan_chunks_splits_small_sampled_calls_a_column_a_thread_at_one_block_an_sm():
-    # At most one block an SM and a row's blocks within block 0's quick gather: a column a thread.
+    # At most one block an SM and a row's blocks within the _columns kernels' quick gather: a column a thread.
     assert L.plan_chunks(1, 16384, 2, 132, True) == (L.COLUMN_CHUNK, 64)
     assert L.plan_chunks(2, 16384, 4, 132, True) == (L.COLUMN_CHUNK, 64)
     assert L.plan_chunks(5, 8, 2, 132, True) == (L.COLUMN_CHUNK, 1)
+    assert L.plan_chunks(1, 32768, 2, 132, True) == (L.COLUMN_CHUNK, 128)
+    assert L.plan_chunks(1, 16384 + 256, 2, 132, True) == (L.COLUMN_CHUNK, 65)
     # Failing that, two columns a thread under the same limits (timed on the H200, session 15).
     assert L.COLUMNS_MAX_CHUNK == 2 * L.COLUMN_CHUNK
     assert L.plan_chunks(3, 16384, 2, 132, True) == (L.COLUMNS_MAX_CHUNK, 32)
     assert L.plan_chunks(4, 16384, 2, 132, True) == (L.COLUMNS_MAX_CHUNK, 32)
-    assert L.plan_chunks(1, 16384 + 256, 2, 132, True) == (L.COLUMNS_MAX_CHUNK, 33)  # 65 a row is past the gather
     assert L.plan_chunks(2, 32768, 2, 132, True) == (L.COLUMNS_MAX_CHUNK, 64)
+    assert L.plan_chunks(1, 65536, 2, 132, True) == (L.COLUMNS_MAX_CHUNK, 128)
     assert L.plan_chunks(1, 16384, 2, 32, True) == (L.COLUMNS_MAX_CHUNK, 32)  # a GPU with fewer SMs
     # Beyond that the usual split: more blocks than SMs (8 x 16K: 0.8 us slower at a column a
-    # thread, session 13; 0.17 us at two, session 15), or too many a row (1 x 64K: 0.3 us slower).
+    # thread, session 13; 0.17 us at two, session 15), or more chunks a row than the gather takes.
     assert L.plan_chunks(5, 16384, 2, 132, True) == (1024, 16)
     assert L.plan_chunks(8, 16384, 2, 132, True) == (1024, 16)
     assert L.plan_chunks(3, 32768, 2, 132, True) == (1024, 32)
-    assert L.plan_chunks(1, 65536, 2, 132, True) == (1024, 64)
+    assert L.plan_chunks(2, 65536, 2, 132, True) == (1024, 64)
+    assert L.plan_chunks(1, 131072, 2, 132, True) == (1024, 128)
     assert L.plan_chunks(1, 16384, 2, 16, True) == (1024, 16)
     for rows in range(1, 40):
         for cols in (8, 1000, 4099, 16384, 20000, 32768, 65536, 131072):
             for sms in (16, 78, 132):
                 chunk, chunks = L.plan_chunks(rows, cols, 2, sms, True)
                 if chunk <= L.COLUMNS_MAX_CHUNK:  # the _columns kernels' two limits hold
-                    assert rows * chunks <= sms and chunks <= L.ROW_GATHER_MAX_CHUNKS
+                    assert rows * chunks <= sms and chunks <= L.COLUMNS_GATHER_MAX_CHUNKS
     # Greedy calls never take it.
     assert L.plan_chunks(1, 16384, 2, 132, False) == (1024, 16)
     assert L.plan_chunks(4, 16384, 2, 132, False)[0] > L.COLUMNS_MAX_CHUNK
@@ -176,15 +179,18 @@ def test_fused_kernel_name_takes_the_one_tile_twin_only_when_every_chunk_fits_a_
     # The bench's bf16 shapes on the H200 (132 SMs): small batches fit a tile per block.
     names = {(rows, cols): L.fused_kernel_name(torch.bfloat16, L.plan_chunks(rows, cols, 2, 132, True)[0], True)
              for rows in (1, 8, 64, 256) for cols in (16384, 65536)}
-    assert {k for k, v in names.items() if v.endswith("_one_tile")} == {
-        (1, 65536), (8, 16384), (8, 65536), (64, 16384)}
-    assert {k for k, v in names.items() if v.endswith("_columns")} == {(1, 16384)}
+    assert {k for k, v in names.items() if v.endswith("_one_tile")} == {(8, 16384), (8, 65536), (64, 16384)}
+    assert {k for k, v in names.items() if v.endswith("_columns")} == {(1, 16384), (1, 65536)}
 
 
 def test_fused_kernel_name_takes_the_columns_twin_for_chunks_of_one_or_two_columns_a_thread():
     source = cuda_module.kernel_source()
     assert L.COLUMN_CHUNK == cuda_module.THREADS_PER_BLOCK
     assert f"#define ROW_GATHER_MAX_CHUNKS {L.ROW_GATHER_MAX_CHUNKS} " in source
+    assert f"#define COLUMNS_GATHER_MAX_CHUNKS {L.COLUMNS_GATHER_MAX_CHUNKS} " in source
+    # The _columns kernels gather 4 lines a lane (32 x 4 = 128 chunks), the others 2 (64).
+    assert "gather_row_maxima<COLUMNS ? 4 : 2>" in source
+    assert L.COLUMNS_GATHER_MAX_CHUNKS == 32 * 4 and L.ROW_GATHER_MAX_CHUNKS == 32 * 2
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         plain = L.fused_kernel_name(dtype, 1024, sampled=False)
         for chunk in (8, 128, L.COLUMN_CHUNK, L.COLUMNS_MAX_CHUNK):

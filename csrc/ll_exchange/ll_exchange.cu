@@ -1191,20 +1191,23 @@ __device__ bool gather_block_lines(u64 lines, int blocks, u32 epoch, u64 timeout
     return true;
 }
 
-#define ROW_GATHER_MAX_CHUNKS 64  // gather_row_maxima: 32 lanes x 2 lines
+#define ROW_GATHER_MAX_CHUNKS 64  // gather_row_maxima<2>: 32 lanes x 2 lines
+#define COLUMNS_GATHER_MAX_CHUNKS 128  // gather_row_maxima<4>, the _columns kernels': 32 lanes x 4 lines
 
-// Block 0 of the fused kernel when rows <= warps and chunks <= ROW_GATHER_MAX_CHUNKS
-// (small batches): warp `row` polls its row's block lines, up to two per lane in flight,
+// Block 0 of the fused kernel when rows <= warps and chunks <= 32 * LINES (small batches:
+// ROW_GATHER_MAX_CHUNKS, or COLUMNS_GATHER_MAX_CHUNKS in the _columns kernels, whose rows
+// span more blocks): warp `row` polls its row's block lines, up to LINES per lane in flight,
 // and reduces them with warp_max_u64 straight into s_keys[row]: no shared-memory round
 // trip and no barrier between the gather and the reduction. `own` is block 0's key (valid
 // in thread 0). Returns false in a thread whose wait ran past timeout_ns.
+template <int LINES>
 __device__ bool gather_row_maxima(u64 lines, int rows, int chunks, u32 epoch, u64 timeout_ns, u64 own,
                                   u64* s_keys) {
     const int row = (int)threadIdx.x >> 5, lane = (int)threadIdx.x & 31;
     if (row >= rows) return true;  // uniform over the warp
     u32 pending = 0u;
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
+    for (int j = 0; j < LINES; ++j) {
         const int c = lane + 32 * j;
         if (c < chunks && row * chunks + c > 0) pending |= 1u << j;
     }
@@ -1212,13 +1215,13 @@ __device__ bool gather_row_maxima(u64 lines, int rows, int chunks, u32 epoch, u6
     bool complete = true;
     WaitClock clock;
     while (pending) {
-        uint4 v[2];
+        uint4 v[LINES];
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
+        for (int j = 0; j < LINES; ++j) {
             if ((pending >> j) & 1u) v[j] = load_line(lines + 16ull * (u64)(row * chunks + lane + 32 * j));
         }
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
+        for (int j = 0; j < LINES; ++j) {
             if (((pending >> j) & 1u) && v[j].y == epoch && v[j].w == epoch) {
                 const u64 key = ((u64)v[j].z << 32) | (u64)v[j].x;
                 best = key > best ? key : best;
@@ -1382,8 +1385,10 @@ __device__ void argmax_logits_impl(const void* logits, i64 row_stride, int rows,
 
     // Block 0: every block's key (one line each), the row maxima, the exchange (whose first
     // barrier publishes s_keys and s_local_failed to the whole block).
-    if (rows <= LL_THREADS / 32 && chunks <= ROW_GATHER_MAX_CHUNKS) {  // uniform
-        if (!gather_row_maxima(lines, rows, chunks, start.epoch, timeout_ns, best, s_keys)) s_local_failed = 1u;
+    if (rows <= LL_THREADS / 32 && chunks <= (COLUMNS ? COLUMNS_GATHER_MAX_CHUNKS : ROW_GATHER_MAX_CHUNKS)) {  // uniform
+        if (!gather_row_maxima<COLUMNS ? 4 : 2>(lines, rows, chunks, start.epoch, timeout_ns, best, s_keys)) {
+            s_local_failed = 1u;
+        }
     } else {
         u64* s_parts = chunks > 1 ? s_keys + rows : s_keys;
         if (threadIdx.x == 0) s_parts[0] = best;

@@ -175,6 +175,7 @@ MIN_CHUNK = 1024
 COLUMN_CHUNK = cuda_module.THREADS_PER_BLOCK  # a column a thread: the _columns kernels
 COLUMNS_MAX_CHUNK = 2 * COLUMN_CHUNK  # the _columns kernels' largest planned chunk: two columns a thread
 ROW_GATHER_MAX_CHUNKS = 64  # ROW_GATHER_MAX_CHUNKS in the source: block 0's quick gather of small batches
+COLUMNS_GATHER_MAX_CHUNKS = 128  # COLUMNS_GATHER_MAX_CHUNKS in the source: the same in the _columns kernels
 PACK_BYTES_PER_BLOCK = 16 * cuda_module.THREADS_PER_BLOCK  # a 16-byte pack a thread
 GREEDY_GROUP_BYTES = 4 * PACK_BYTES_PER_BLOCK  # greedy_span in the source: UNROLL = 4 packs a thread, loaded together
 
@@ -191,15 +192,13 @@ def plan_chunks(rows: int, cols: int, elem_bytes: int, num_sms: int, sampled: bo
     each). A greedy chunk of more than a pack a thread is whole groups of ``greedy_span``'s
     loads (``GREEDY_GROUP_BYTES``); the packs short of a group are loaded one after another.
     Sampled calls small enough to take a block of ``COLUMN_CHUNK`` columns per SM or fewer
-    (at most ``ROW_GATHER_MAX_CHUNKS`` a row) get exactly that: the ``_columns`` kernels then
-    score a column a thread, one score on each thread's chain of dependent steps (H200,
-    session 14: Gumbel 1 x 16K 3.6 -> 3.0 us, 2 x 16K 3.8-4.0 -> 3.3; with four blocks an
-    SM, 8 x 16K, the same split was 0.8 us slower in session 13). Failing that, chunks of
-    ``COLUMNS_MAX_CHUNK`` (two columns a thread) under the same two limits (session 15,
-    Gumbel us: 3 x 16K 3.83-3.92 -> 3.57-3.79, 4 x 16K 3.92-4.00 -> 3.67-3.82, 1 x 32K
-    3.73-3.74 -> 3.30-3.42, 2 x 32K 3.98-4.02 -> 3.71-3.86; at two blocks an SM, 8 x 16K,
-    4.15 -> 4.32, and past the quick gather, 1 x 64K, 3.59 -> 3.92). Chunks are multiples of
-    a warp's 16-byte loads, so vector loads stay aligned and quads stay Philox blocks.
+    (and at most ``COLUMNS_GATHER_MAX_CHUNKS`` a row) get exactly that: the ``_columns``
+    kernels then score a column a thread, one score on each thread's chain of dependent
+    steps (H200, session 14: Gumbel 1 x 16K 3.6 -> 3.0 us, 2 x 16K 3.8-4.0 -> 3.3; with four
+    blocks an SM, 8 x 16K, the same split was 0.8 us slower in session 13). Failing that,
+    chunks of ``COLUMNS_MAX_CHUNK`` (two columns a thread) under the same two limits. See
+    ``columns_kernel_chunk`` for what each step gained. Chunks are multiples of a warp's
+    16-byte loads, so vector loads stay aligned and quads stay Philox blocks.
     """
     vec = 16 // elem_bytes
     sms = max(1, num_sms)
@@ -218,10 +217,18 @@ def plan_chunks(rows: int, cols: int, elem_bytes: int, num_sms: int, sampled: bo
 
 def columns_kernel_chunk(rows: int, cols: int, num_sms: int) -> int:
     """The chunk of a sampled call for the ``_columns`` kernels (a column a thread, else two),
-    or 0 when neither fits at most a block an SM and ``ROW_GATHER_MAX_CHUNKS`` a row."""
+    or 0 when neither fits at most a block an SM and ``COLUMNS_GATHER_MAX_CHUNKS`` a row.
+
+    The limits, H200 Gumbel (us): past one block an SM, 8 x 16K at two columns a thread
+    took 4.32 against 4.15 with the usual quad a thread (session 15), and at a column a
+    thread 0.8 slower (session 13). Two columns a thread: 3 x 16K 3.83-3.92 -> 3.57-3.79,
+    4 x 16K 3.92-4.00 -> 3.67-3.82, 2 x 32K 3.98-4.02 -> 3.71-3.86 (session 15). The
+    _columns kernels' quick gather of up to 128 chunks a row (a plain gather of a row's 128
+    lines made 1 x 64K 3.59 -> 3.92): 1 x 32K 3.41 -> 3.15 (a column a thread instead of
+    two), 1 x 64K 3.78 -> 3.60, at a cost of 3.02 -> 3.07 at 1 x 16K (session 15)."""
     for chunk in (COLUMN_CHUNK, COLUMNS_MAX_CHUNK):
         chunks = -(-max(cols, 1) // chunk)
-        if chunks <= ROW_GATHER_MAX_CHUNKS and rows * chunks <= num_sms:
+        if chunks <= COLUMNS_GATHER_MAX_CHUNKS and rows * chunks <= num_sms:
             return chunk
     return 0
 
