@@ -24,9 +24,9 @@ width, bf16) and mode (greedy, Gumbel) it times:
 * ``ag_logits``      all-gather of the full logits slice + argmax (what vLLM/SGLang do).
 
 ``graph`` rows replay a CUDA graph of ``--calls-per-graph`` calls ``--replays`` times, after
-warm-up replays, and report the median of five stretches, per call; ``eager`` rows call from Python (median of 3 rounds).
-On one GPU the all-gather baselines run over gloo (NCCL refuses two ranks on one GPU),
-which says nothing about NCCL on real GPUs: they are labelled so.
+warm-up replays, and report the median of five windows, per call; ``eager`` rows call from
+Python (median of 3 rounds). On one GPU the all-gather baselines run over gloo (NCCL refuses
+two ranks on one GPU), which says nothing about NCCL on real GPUs: they are labelled so.
 ``--device cpu --quick`` runs the all-gather variants on CPU ranks (gloo), tiny sizes.
 """
 
