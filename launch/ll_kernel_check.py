@@ -53,7 +53,8 @@ def main() -> int:
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         for rows, width in shapes:
             plan = plan_chunks(rows, width, 2, sms, True)
-            print(f"{rows} x {width}: sampled bf16 plan {plan}, kernel {fused_kernel_name(torch.bfloat16, plan[0], True)}")
+            kernel = fused_kernel_name(torch.bfloat16, plan[0], True)
+            print(f"{rows} x {width}: sampled bf16 plan {plan}, kernel {kernel}")
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for rows, width in shapes:
             for kind in ("randn", "lm", "adv", "lowt", "greedy"):

@@ -1385,7 +1385,8 @@ __device__ void argmax_logits_impl(const void* logits, i64 row_stride, int rows,
 
     // Block 0: every block's key (one line each), the row maxima, the exchange (whose first
     // barrier publishes s_keys and s_local_failed to the whole block).
-    if (rows <= LL_THREADS / 32 && chunks <= (COLUMNS ? COLUMNS_GATHER_MAX_CHUNKS : ROW_GATHER_MAX_CHUNKS)) {  // uniform
+    if (rows <= LL_THREADS / 32 &&
+        chunks <= (COLUMNS ? COLUMNS_GATHER_MAX_CHUNKS : ROW_GATHER_MAX_CHUNKS)) {  // uniform
         if (!gather_row_maxima<COLUMNS ? 4 : 2>(lines, rows, chunks, start.epoch, timeout_ns, best, s_keys)) {
             s_local_failed = 1u;
         }

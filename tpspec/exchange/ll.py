@@ -286,15 +286,15 @@ def sampled_tile_columns(elem_bytes: int) -> int:
 
 def fused_kernel_name(dtype: torch.dtype, chunk: int, sampled: bool) -> str:
     """The fused kernel of a call: its dtype's; for a call with sampled rows, its ``_columns``
-    twin when chunks hold at most two columns a thread (``COLUMNS_MAX_CHUNK``), else its ``_one_tile``
-    twin when every chunk fits one tile. The ``_one_tile`` twin's sampled blocks take the
-    block's bound before listing columns (a barrier between passes; H200: 1 x 64K Gumbel
-    6.0 -> 5.5 us), or, when chunks are at most 1024 columns (a quad a thread), score
-    every column exactly with no pruning (1 x 64K: 5.2 -> 4.1 us). The barrier inside the
-    tile loop cost registers, so blocks of several tiles keep the plain kernel. The
-    ``_columns`` twin scores a column at a time on each thread; it is a kernel of its own so that the
-    others' code stays as measured (a one-line change inside ``_one_tile`` cost 8 x 64K
-    0.15 us). All give the same keys."""
+    twin when chunks hold at most two columns a thread (``COLUMNS_MAX_CHUNK``), else its
+    ``_one_tile`` twin when every chunk fits one tile. The ``_one_tile`` twin's sampled
+    blocks take the block's bound before listing columns (a barrier between passes; H200:
+    1 x 64K Gumbel 6.0 -> 5.5 us), or, when chunks are at most 1024 columns (a quad a
+    thread), score every column exactly with no pruning (1 x 64K: 5.2 -> 4.1 us). The
+    barrier inside the tile loop cost registers, so blocks of several tiles keep the plain
+    kernel. The ``_columns`` twin scores a column at a time on each thread; it is a kernel of
+    its own so that the others' code stays as measured (a one-line change inside
+    ``_one_tile`` cost 8 x 64K 0.15 us). All give the same keys."""
     name = _DTYPE_KERNELS[dtype][0]
     if sampled and chunk <= COLUMNS_MAX_CHUNK:
         return name + "_columns"
