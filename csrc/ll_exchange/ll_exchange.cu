@@ -1339,9 +1339,9 @@ __device__ void argmax_logits_impl(const void* logits, i64 row_stride, int rows,
     const bool sampled = temperature && f_ge(t, threshold);
     u64 best;
     if (COLUMNS && sampled) {  // uniform over the block
-        // The _columns kernels (chunks of at most a column a thread): each column on its own
-        // thread, its quad's Philox block and its word, one exact score. A thread's chain then
-        // holds one score, not the four of a quad (session 13 timed this path inside the
+        // The _columns kernels (chunks of one or two columns a thread): each column with its
+        // quad's Philox block and its word, one exact score. A thread's chain then holds one or
+        // two scores, not the four of a quad (session 13 timed one a thread inside the
         // _one_tile kernels: 1 x 16K Gumbel 3.6 -> 3.2 us on the H200).
         RowNoise noise = {t, (u32)seed, (u32)(seed >> 32), (u32)offset, (u32)(offset >> 32)};
         best = scalar_span<DTYPE>(row_ptr, begin, end, column0, true, noise);
