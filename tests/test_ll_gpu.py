@@ -402,6 +402,48 @@ def test_ll_stress_back_to_back_calls():
     assert run_ranks(_stress_worker, 4, backend="gloo", timeout_s=600) == [0, 0, 0, 0]
 
 
+# --------------------------------------------------------------------------- one wave or more
+
+def _more_than_one_wave_worker(rank, world):
+    """Fused calls whose grid does not fit the GPU at once: every block asks for 130 KiB of
+    shared memory it does not use, so one block fits an SM and a 512-block grid runs in
+    several waves, while the other rank's blocks compete for the same SMs. With the collector
+    in block 0, later blocks did not start while it waited, and the call timed out."""
+    from tpspec.exchange import ll as ll_module
+
+    group, ll, ag = _exchanges(rank, max_rows=64, timeout_s=5.0)
+    for kernel in ll._kernels.values():
+        kernel.max_dynamic_shared_size_bytes = 200 * 1024
+    padded = ll_module.fused_shared_bytes
+    ll_module.fused_shared_bytes = lambda rows, chunks: padded(rows, chunks) + 130 * 1024
+    sms = torch.cuda.get_device_properties(ll.device).multi_processor_count
+    gen = torch.Generator().manual_seed(31)
+    bad = 0
+    try:
+        for rows, width, sampled in ((8, 65536, True), (64, 16384, True), (256, 65536, False)):
+            chunk, chunks = ll_module.plan_chunks(rows, width, 2, sms, sampled)
+            assert rows * chunks > sms, "the case must need more than one wave at one block an SM"
+            full = (torch.randn(rows, width * world, generator=gen) * 3).to(torch.bfloat16)
+            local = full[:, rank * width:(rank + 1) * width].contiguous().to(ll.device)
+            kw = {}
+            if sampled:
+                kw = dict(temperature=torch.full((rows,), 0.8, device=ll.device),
+                          seeds=torch.arange(rows, device=ll.device), offsets=torch.zeros(rows, dtype=torch.int64,
+                                                                                       device=ll.device))
+            got = ll.argmax_logits(local, rank * width, **kw)
+            want = ag.argmax_logits(local, rank * width, **kw)
+            bad += int((got != want).sum())
+        ll.check()
+    finally:
+        ll_module.fused_shared_bytes = padded
+    ll.close()
+    return bad
+
+
+def test_ll_fused_call_larger_than_one_wave():
+    assert run_ranks(_more_than_one_wave_worker, 2, backend="gloo", timeout_s=300) == [0, 0]
+
+
 # --------------------------------------------------------------------------- timeout
 
 def _timeout_worker(rank, world):

@@ -1291,10 +1291,18 @@ __device__ void argmax_logits_impl(const void* logits, i64 row_stride, int rows,
     typedef typename Elem<DTYPE>::raw raw;
     __shared__ float s_table[GUMBEL_TABLE_SIZE + 4];
     ChannelCtrl* ctrl = (ChannelCtrl*)ctrl_ptr;
-    const bool collector = blockIdx.x == 0;
+    // Work item 0 (the collector: row 0's first chunk, block 0 in the comments) runs in the
+    // grid's last block, item b in block b - 1. Blocks start in index order, so by the time
+    // the collector waits, every block it waits for has started, and none of them waits for
+    // anything. Run as block 0, a collector that held its SM while the grid was larger than
+    // what fits the GPU at once (another kernel beside it, or more registers or shared memory
+    // per block) kept later blocks from starting until it timed out (docs/gpu-results.md,
+    // session 16).
+    const int work = blockIdx.x + 1 == gridDim.x ? 0 : (int)blockIdx.x + 1;
+    const bool collector = work == 0;
 
-    const int row = blockIdx.x / chunks;
-    const int chunk_index = blockIdx.x - row * chunks;
+    const int row = work / chunks;
+    const int chunk_index = work - row * chunks;
     const int begin = chunk_index * chunk;
     const int end = min(cols, begin + chunk);
     const raw* row_ptr = (const raw*)logits + (i64)row * row_stride;
@@ -1378,7 +1386,7 @@ __device__ void argmax_logits_impl(const void* logits, i64 row_stride, int rows,
 
     if (!collector) {
         if (threadIdx.x == 0) {
-            store_line(lines + 16ull * blockIdx.x, (u32)best, start.epoch, (u32)(best >> 32), start.epoch);
+            store_line(lines + 16ull * (u64)work, (u32)best, start.epoch, (u32)(best >> 32), start.epoch);
         }
         return;
     }
