@@ -39,13 +39,15 @@
 //   memory, writes -1 for the affected rows, and every later call on that channel fails
 //   fast. The host turns the record into a clear error.
 //
-// Inside one rank, the fused kernel's blocks hand their row maxima to block 0 the same
-// way: each block writes one {key_lo, epoch, key_hi, epoch} line of the channel's block
-// lines; block 0, after its own columns, polls them (bounded by the same timeout) and runs
-// the exchange. No fence, no ticket atomic, no re-read of a scratch max: a block's result
-// reaches block 0 in one store and one poll. Block lines are rewritten only by the next
-// kernel on the channel, so clearing all of them in the call of epoch 0xFFFFFFFF (after
-// block 0 has read this call's) keeps a stale one from matching after the wrap.
+// Inside one rank, the fused kernel's blocks hand their row maxima to one block, the
+// collector, the same way: each other block writes one {key_lo, epoch, key_hi, epoch} line
+// of the channel's block lines; the collector, after its own columns, polls them (bounded
+// by the same timeout) and runs the exchange. No fence, no ticket atomic, no re-read of a
+// scratch max: a block's result reaches the collector in one store and one poll. The
+// collector is the grid's last block, so every block it waits for has started before it
+// (see argmax_logits_impl). Block lines are rewritten only by the next kernel on the
+// channel, so clearing all of them in the call of epoch 0xFFFFFFFF (after the collector
+// has read this call's) keeps a stale one from matching after the wrap.
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -443,7 +445,7 @@ __device__ void exchange_rows(const Exchange& x, const ExchangeStart& start, con
                               i64* out, int want_tokens, i64* step_counter, int advance_step) {
     const u32 epoch = start.epoch;
     // Nothing of this kernel reads the epoch or the step counter again (every block of the
-    // fused kernel has read both before its line reached block 0; if a line never came, this
+    // fused kernel has read both before its line reached the collector; if a line never came, this
     // call fails and so does every later one on the channel), and the next kernel on the
     // channel starts after this one ends: writing them first takes them off the tail.
     if (threadIdx.x == 0) {
@@ -1155,9 +1157,9 @@ __device__ __forceinline__ u64 block_max(u64 v) {
     return v;  // valid in thread 0
 }
 
-// Block 0 of the fused kernel, for batches gather_row_maxima (below) does not take: every
-// other block's line of this call into s_parts[block] (block 0's own key is put there by
-// the caller), for reduce_chunk_parts. A thread keeps up to 4 lines in flight
+// The fused kernel's collector, for batches gather_row_maxima (below) does not take: every
+// other work item's line of this call into s_parts[item] (the collector's own key, item 0,
+// is put there by the caller), for reduce_chunk_parts. A thread keeps up to 4 lines in flight
 // until each carries this call's epoch. Returns false in a thread whose wait ran past
 // timeout_ns.
 __device__ bool gather_block_lines(u64 lines, int blocks, u32 epoch, u64 timeout_ns, u64* s_parts) {
@@ -1194,11 +1196,11 @@ __device__ bool gather_block_lines(u64 lines, int blocks, u32 epoch, u64 timeout
 #define ROW_GATHER_MAX_CHUNKS 64  // gather_row_maxima<2>: 32 lanes x 2 lines
 #define COLUMNS_GATHER_MAX_CHUNKS 128  // gather_row_maxima<4>, the _columns kernels': 32 lanes x 4 lines
 
-// Block 0 of the fused kernel when rows <= warps and chunks <= 32 * LINES (small batches:
+// The fused kernel's collector when rows <= warps and chunks <= 32 * LINES (small batches:
 // ROW_GATHER_MAX_CHUNKS, or COLUMNS_GATHER_MAX_CHUNKS in the _columns kernels, whose rows
 // span more blocks): warp `row` polls its row's block lines, up to LINES per lane in flight,
 // and reduces them with warp_max_u64 straight into s_keys[row]: no shared-memory round
-// trip and no barrier between the gather and the reduction. `own` is block 0's key (valid
+// trip and no barrier between the gather and the reduction. `own` is the collector's key (valid
 // in thread 0). Returns false in a thread whose wait ran past timeout_ns.
 template <int LINES>
 __device__ bool gather_row_maxima(u64 lines, int rows, int chunks, u32 epoch, u64 timeout_ns, u64 own,
@@ -1241,7 +1243,7 @@ __device__ bool gather_row_maxima(u64 lines, int rows, int chunks, u32 epoch, u6
 
 // s_keys[row] = max over the row's chunks of s_parts[row * chunks + chunk] (chunks > 1):
 // g = 2^lg lanes per row (the smallest power of two >= chunks, at most a warp), striding
-// its chunks, then a shuffle max. Shifts only: this runs once per call, in block 0, on
+// its chunks, then a shuffle max. Shifts only: this runs once per call, in the collector, on
 // the path from the last block's key to the exchange.
 __device__ void reduce_chunk_parts(const u64* s_parts, int rows, int chunks, u64* s_keys) {
     const int lg = chunks >= 32 ? 5 : 32 - __clz(chunks - 1);
@@ -1268,15 +1270,16 @@ __device__ void reduce_chunk_parts(const u64* s_parts, int rows, int chunks, u64
     }
 }
 
-// grid = rows * chunks blocks; block b reduces columns [chunk * (b % chunks), ...) of row
-// b / chunks. Every block but 0 writes its key to its block line (see the protocol above);
-// block 0 gathers them, reduces each row over its chunks, runs the exchange and writes
-// out[row]: the token (want_tokens) or the winning signed key.
+// grid = rows * chunks blocks, one work item each; item w reduces columns
+// [chunk * (w % chunks), ...) of row w / chunks. Item 0, the collector, runs in the last
+// block, item w > 0 in block w - 1. Every item but 0 writes its key to its block line w (see
+// the protocol above); the collector gathers them, reduces each row over its chunks, runs
+// the exchange and writes out[row]: the token (want_tokens) or the winning signed key.
 //   logits: [rows, *] with row stride `row_stride` (elements), `cols` real columns
 //           (columns at or past the true vocab size are excluded by the host).
 //   temperature: float32 [rows] or null (all greedy); rows with T >= threshold sample.
 //   seeds/offsets: int64 [rows] or null (then seed = unseeded_seed, offset =
-//           (*step_counter << 32) + row; *step_counter += 1 once block 0 holds every
+//           (*step_counter << 32) + row; *step_counter += 1 once the collector holds every
 //           block's line, so after all blocks read it, when advance_step).
 //   gumbel_table: keys.gumbel_bound_table() (GUMBEL_TABLE_SIZE + 4 floats).
 //   lines: the channel's block lines (line_count >= rows * chunks lines of 16 bytes).
@@ -1291,13 +1294,12 @@ __device__ void argmax_logits_impl(const void* logits, i64 row_stride, int rows,
     typedef typename Elem<DTYPE>::raw raw;
     __shared__ float s_table[GUMBEL_TABLE_SIZE + 4];
     ChannelCtrl* ctrl = (ChannelCtrl*)ctrl_ptr;
-    // Work item 0 (the collector: row 0's first chunk, block 0 in the comments) runs in the
-    // grid's last block, item b in block b - 1. Blocks start in index order, so by the time
-    // the collector waits, every block it waits for has started, and none of them waits for
-    // anything. Run as block 0, a collector that held its SM while the grid was larger than
-    // what fits the GPU at once (another kernel beside it, or more registers or shared memory
-    // per block) kept later blocks from starting until it timed out (docs/gpu-results.md,
-    // session 16).
+    // Work item 0 (the collector: row 0's first chunk) runs in the grid's last block, item w
+    // in block w - 1. Blocks start in index order, so by the time the collector waits, every
+    // block it waits for has started, and none of them waits for anything. Run as block 0, a
+    // collector that held its SM while the grid was larger than what fits the GPU at once
+    // (another kernel beside it, or more registers or shared memory per block) kept later
+    // blocks from starting until it timed out (docs/gpu-results.md, session 16).
     const int work = blockIdx.x + 1 == gridDim.x ? 0 : (int)blockIdx.x + 1;
     const bool collector = work == 0;
 
@@ -1310,7 +1312,7 @@ __device__ void argmax_logits_impl(const void* logits, i64 row_stride, int rows,
     // 16-byte packs over [begin, vec_end) when the rows allow (begin is a multiple of VEC).
     const int vec_end = aligned ? begin + max(0, (end - begin) / VEC) * VEC : begin;
 
-    // The epoch (and, in block 0, what the exchange needs) is loaded up front, beside the
+    // The epoch (and, in the collector, what the exchange needs) is loaded up front, beside the
     // row's inputs: off the path from the last block's key to the exchange.
     Exchange x = {ctrl, lines, line_count, peer_slots, (HostError*)host_error, rank, world, max_rows, timeout_ns};
     ExchangeStart start;
@@ -1391,7 +1393,7 @@ __device__ void argmax_logits_impl(const void* logits, i64 row_stride, int rows,
         return;
     }
 
-    // Block 0: every block's key (one line each), the row maxima, the exchange (whose first
+    // The collector: every item's key (one line each), the row maxima, the exchange (whose first
     // barrier publishes s_keys and s_local_failed to the whole block).
     if (rows <= LL_THREADS / 32 &&
         chunks <= (COLUMNS ? COLUMNS_GATHER_MAX_CHUNKS : ROW_GATHER_MAX_CHUNKS)) {  // uniform

@@ -3,8 +3,8 @@
 Each rank ``cudaMalloc``s one buffer (control blocks, the LL slots and the fused
 kernel's block lines of every channel), shares it by CUDA IPC handle over the process
 group once (any backend: gloo is enough), and opens its peers' handles. One kernel launch
-per call reduces the rank's keys (the fused kernel's blocks hand theirs to block 0 through
-the block lines), writes them into every rank's slots with 16-byte
+per call reduces the rank's keys (the fused kernel's blocks hand theirs to one of them, the
+collector, through the block lines), writes them into every rank's slots with 16-byte
 ``{key_lo, epoch, key_hi, epoch}`` stores, waits for every rank's lines (bounded by
 ``timeout_s``), reduces and writes the result. See ``csrc/ll_exchange/ll_exchange.cu``.
 
@@ -174,7 +174,7 @@ SAMPLED_BLOCKS_PER_SM = 4
 MIN_CHUNK = 1024
 COLUMN_CHUNK = cuda_module.THREADS_PER_BLOCK  # a column a thread: the _columns kernels
 COLUMNS_MAX_CHUNK = 2 * COLUMN_CHUNK  # the _columns kernels' largest planned chunk: two columns a thread
-ROW_GATHER_MAX_CHUNKS = 64  # ROW_GATHER_MAX_CHUNKS in the source: block 0's quick gather of small batches
+ROW_GATHER_MAX_CHUNKS = 64  # ROW_GATHER_MAX_CHUNKS in the source: the collector's quick gather of small batches
 COLUMNS_GATHER_MAX_CHUNKS = 128  # COLUMNS_GATHER_MAX_CHUNKS in the source: the same in the _columns kernels
 PACK_BYTES_PER_BLOCK = 16 * cuda_module.THREADS_PER_BLOCK  # a 16-byte pack a thread
 GREEDY_GROUP_BYTES = 4 * PACK_BYTES_PER_BLOCK  # greedy_span in the source: UNROLL = 4 packs a thread, loaded together
@@ -183,7 +183,8 @@ GREEDY_GROUP_BYTES = 4 * PACK_BYTES_PER_BLOCK  # greedy_span in the source: UNRO
 def plan_chunks(rows: int, cols: int, elem_bytes: int, num_sms: int, sampled: bool) -> tuple[int, int]:
     """Split each row of the fused kernel over blocks: ``(chunk columns, chunks per row)``.
 
-    At most one wave of blocks: ``greedy_blocks`` for greedy calls (at most 2 an SM), 4 an
+    At most one wave of blocks (for speed: correctness does not need the grid to fit the GPU
+    at once, since the kernel's collector is its last block): ``greedy_blocks`` for greedy calls (at most 2 an SM), 4 an
     SM for sampled ones (compute-bound, they need more warps to hide Philox latency),
     rounding the blocks per row down so a second, mostly idle wave never starts. So
     ``rows * chunks`` never exceeds ``max_grid_blocks(rows, num_sms)``. On the H200 rounding
@@ -257,8 +258,8 @@ DEFAULT_DYNAMIC_SHARED_LIMIT = 48 * 1024  # what a launch may ask for without op
 
 
 def fused_shared_bytes(rows: int, chunks: int) -> int:
-    """Dynamic shared memory of a fused launch: a key per row, and in block 0 a key per
-    block when rows span several blocks (see argmax_logits_impl in the source)."""
+    """Dynamic shared memory of a fused launch: a key per row, and in the collector a key
+    per block when rows span several blocks (see argmax_logits_impl in the source)."""
     return 8 * rows * (1 + chunks if chunks > 1 else 1)
 
 
