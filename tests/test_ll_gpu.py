@@ -428,8 +428,8 @@ def _more_than_one_wave_worker(rank, world):
             kw = {}
             if sampled:
                 kw = dict(temperature=torch.full((rows,), 0.8, device=ll.device),
-                          seeds=torch.arange(rows, device=ll.device), offsets=torch.zeros(rows, dtype=torch.int64,
-                                                                                       device=ll.device))
+                          seeds=torch.arange(rows, device=ll.device),
+                          offsets=torch.zeros(rows, dtype=torch.int64, device=ll.device))
             got = ll.argmax_logits(local, rank * width, **kw)
             want = ag.argmax_logits(local, rank * width, **kw)
             bad += int((got != want).sum())

@@ -174,7 +174,7 @@ SAMPLED_BLOCKS_PER_SM = 4
 MIN_CHUNK = 1024
 COLUMN_CHUNK = cuda_module.THREADS_PER_BLOCK  # a column a thread: the _columns kernels
 COLUMNS_MAX_CHUNK = 2 * COLUMN_CHUNK  # the _columns kernels' largest planned chunk: two columns a thread
-ROW_GATHER_MAX_CHUNKS = 64  # ROW_GATHER_MAX_CHUNKS in the source: the collector's quick gather of small batches
+ROW_GATHER_MAX_CHUNKS = 64  # ROW_GATHER_MAX_CHUNKS in the source: the collector's quick gather (small batches)
 COLUMNS_GATHER_MAX_CHUNKS = 128  # COLUMNS_GATHER_MAX_CHUNKS in the source: the same in the _columns kernels
 PACK_BYTES_PER_BLOCK = 16 * cuda_module.THREADS_PER_BLOCK  # a 16-byte pack a thread
 GREEDY_GROUP_BYTES = 4 * PACK_BYTES_PER_BLOCK  # greedy_span in the source: UNROLL = 4 packs a thread, loaded together
@@ -183,10 +183,10 @@ GREEDY_GROUP_BYTES = 4 * PACK_BYTES_PER_BLOCK  # greedy_span in the source: UNRO
 def plan_chunks(rows: int, cols: int, elem_bytes: int, num_sms: int, sampled: bool) -> tuple[int, int]:
     """Split each row of the fused kernel over blocks: ``(chunk columns, chunks per row)``.
 
-    At most one wave of blocks (for speed: correctness does not need the grid to fit the GPU
-    at once, since the kernel's collector is its last block): ``greedy_blocks`` for greedy calls (at most 2 an SM), 4 an
+    At most one wave of blocks: ``greedy_blocks`` for greedy calls (at most 2 an SM), 4 an
     SM for sampled ones (compute-bound, they need more warps to hide Philox latency),
-    rounding the blocks per row down so a second, mostly idle wave never starts. So
+    rounding the blocks per row down so a second, mostly idle wave never starts (for speed:
+    the kernel's collector is its last block, so a grid need not fit the GPU at once). So
     ``rows * chunks`` never exceeds ``max_grid_blocks(rows, num_sms)``. On the H200 rounding
     down beat rounding up (greedy 256 x 64K bf16: 14.6 -> 12.1 us; Gumbel 256 x 64K: 43.5 ->
     40.7 us). Small batches still spread each row over many blocks (at least 1024 columns
