@@ -408,7 +408,8 @@ def _more_than_one_wave_worker(rank, world):
     """Fused calls whose grid does not fit the GPU at once: every block asks for 130 KiB of
     shared memory it does not use, so one block fits an SM and a 512-block grid runs in
     several waves, while the other rank's blocks compete for the same SMs. With the collector
-    in block 0, later blocks did not start while it waited, and the call timed out."""
+    in block 0, later blocks did not start while it waited, and the call timed out. (The
+    padding assumes an SM of 228 KiB of shared memory, as on the H100 and H200.)"""
     from tpspec.exchange import ll as ll_module
 
     group, ll, ag = _exchanges(rank, max_rows=64, timeout_s=5.0)
