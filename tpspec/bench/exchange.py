@@ -93,8 +93,8 @@ def _graph_windows_us(fn: Callable[[], Any], calls: int, replays: int, barrier: 
 
 def _time_graph(fn: Callable[[], Any], calls: int, replays: int, barrier: Callable[[], None]) -> float:
     """µs per call of ``fn`` under a CUDA graph: the median window of ``_graph_windows_us``
-    (a rank that stalls while queueing its replays slows one window, not the figure; the
-    bare exchanges also record the mean as ``us_mean``)."""
+    (a rank that stalls while queueing its replays slows one window, not the figure). The
+    bare exchanges call ``_graph_windows_us`` themselves to keep the windows' mean too."""
     return statistics.median(_graph_windows_us(fn, calls, replays, barrier))
 
 
