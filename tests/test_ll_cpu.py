@@ -100,6 +100,22 @@ def test_plan_chunks_covers_rows_with_aligned_chunks(sampled, elem):
     assert L.plan_chunks(256, 65536, 2, 132, False) == (65536, 1)
 
 
+def test_ranks_sharing_a_gpu_plan_for_their_share_of_its_sms():
+    # One GPU a rank: the whole GPU each.
+    assert [L.sms_per_rank(132, ["a", "b", "c", "d"], r) for r in range(4)] == [132] * 4
+    # Eight ranks on one GPU (the one-GPU benchmarks): 16 SMs each, so their grids fit together.
+    assert {L.sms_per_rank(132, ["a"] * 8, r) for r in range(8)} == {16}
+    # Uneven placement: each rank divides by the ranks on its own GPU.
+    devices = ["a", "a", "a", "b"]
+    assert [L.sms_per_rank(132, devices, r) for r in range(4)] == [44, 44, 44, 132]
+    assert L.sms_per_rank(4, ["a"] * 8, 0) == 1  # never 0
+    # Eight ranks' planned grids on one GPU fit it in one wave, greedy and sampled.
+    share = L.sms_per_rank(132, ["a"] * 8, 0)
+    for rows, cols, sampled in ((1, 16384, True), (8, 16384, True), (64, 16384, False), (256, 16384, True)):
+        chunks = L.plan_chunks(rows, cols, 2, share, sampled)[1]
+        assert 8 * rows * chunks <= max(8 * rows, (4 if sampled else 2) * 132)
+
+
 def test_greedy_plans_give_each_block_whole_groups_and_no_more_blocks_than_needed():
     # GREEDY_GROUP_BYTES is what greedy_span loads together: 256 threads x 4 packs of 16 bytes.
     source = cuda_module.kernel_source()

@@ -418,11 +418,12 @@ def _more_than_one_wave_worker(rank, world):
     padded = ll_module.fused_shared_bytes
     ll_module.fused_shared_bytes = lambda rows, chunks: padded(rows, chunks) + 130 * 1024
     sms = torch.cuda.get_device_properties(ll.device).multi_processor_count
+    assert ll.plan_sms == sms // world  # every rank on this one GPU plans for its share
     gen = torch.Generator().manual_seed(31)
     bad = 0
     try:
         for rows, width, sampled in ((8, 65536, True), (64, 16384, True), (256, 65536, False)):
-            chunk, chunks = ll_module.plan_chunks(rows, width, 2, sms, sampled)
+            chunk, chunks = ll_module.plan_chunks(rows, width, 2, ll.plan_sms, sampled)
             assert rows * chunks > sms, "the case must need more than one wave at one block an SM"
             full = (torch.randn(rows, width * world, generator=gen) * 3).to(torch.bfloat16)
             local = full[:, rank * width:(rank + 1) * width].contiguous().to(ll.device)

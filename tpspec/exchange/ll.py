@@ -113,6 +113,18 @@ def validate_ll_arguments(max_rows: Any, num_channels: Any, world_size: int) -> 
         raise ValueError(f"the LL exchange serves 1 to {cuda_module.MAX_WORLD} ranks, the group has {world_size}")
 
 
+def sms_per_rank(num_sms: int, devices: list[str], rank: int) -> int:
+    """SMs a rank plans its fused grids for: its GPU's ``num_sms`` shared among the ranks
+    whose ``devices`` entry (one per rank of the group, e.g. a PCI bus id) equals its own.
+
+    With one GPU a rank (a deployment) every rank plans for the whole GPU. Ranks that share a
+    GPU (the one-GPU benchmarks and tests) would otherwise each plan a whole-GPU grid, and
+    their grids, launched together, would run as several waves; each plans for its share
+    instead. Only the grid depends on it, never a key, so ranks may differ."""
+    sharing = sum(1 for device in devices if device == devices[rank])
+    return max(1, num_sms // max(1, sharing))
+
+
 def max_grid_blocks(max_rows: int, num_sms: int) -> int:
     """The most blocks a fused call of up to ``max_rows`` rows launches (see :func:`plan_chunks`)."""
     return max(max_rows, SAMPLED_BLOCKS_PER_SM * max(1, num_sms))
@@ -343,6 +355,7 @@ class LLKeyExchange(KeyExchange):
         self.MAX_ROWS = max_rows
         self.NUM_CHANNELS = num_channels
         self._num_sms = int(torch.cuda.get_device_properties(device).multi_processor_count)
+        self.plan_sms = self._num_sms  # set by _setup (sms_per_rank); block lines are sized for the whole GPU
         self.layout = BufferLayout(world_size, max_rows, num_channels, max_grid_blocks(max_rows, self._num_sms))
         self._closed = False
         self._base = 0
@@ -377,15 +390,17 @@ class LLKeyExchange(KeyExchange):
         self._gather_ok(error)
         if self.rank != 0:
             error = self._try(lambda: cuda_module.load_module(index))
-        handle = None
+        handle, bus_id = None, None
         if error is None:
             error = self._try(self._allocate)
             if error is None:
                 handle = self._cupy.cuda.runtime.ipcGetMemHandle(self._base)
-        payloads = self._gather_ok(error, (socket.gethostname(), handle))
-        hosts = sorted({host for host, _ in payloads})
+                bus_id = self._cupy.cuda.runtime.deviceGetPCIBusId(index)
+        payloads = self._gather_ok(error, (socket.gethostname(), handle, bus_id))
+        hosts = sorted({host for host, _, _ in payloads})
         if len(hosts) > 1:
             raise RuntimeError(f"LL exchange needs every rank on one node, the group spans {hosts}")
+        self.plan_sms = sms_per_rank(self._num_sms, [bus for _, _, bus in payloads], self.rank)
         bases = [0] * self.world_size
         bases[self.rank] = self._base  # a process cannot open its own handle
         error = self._try(lambda: self._open_peers(payloads, bases))
@@ -423,7 +438,7 @@ class LLKeyExchange(KeyExchange):
     def _open_peers(self, payloads: list[Any], bases: list[int]) -> None:
         rt = self._cupy.cuda.runtime
         with self._cupy.cuda.Device(self.device.index):
-            for r, (_, handle) in enumerate(payloads):
+            for r, (_, handle, _) in enumerate(payloads):  # (host, IPC handle, PCI bus id)
                 if r == self.rank:
                     continue
                 ptr = rt.ipcOpenMemHandle(handle, _CUDA_IPC_LAZY_PEER_ACCESS)
@@ -595,7 +610,7 @@ class LLKeyExchange(KeyExchange):
         real_width = width if vocab_size is None else max(0, min(width, vocab_size - vocab_offset))
         elem = logits.element_size()
         aligned = logits.data_ptr() % 16 == 0 and (logits.stride(0) * elem) % 16 == 0
-        chunk, chunks = plan_chunks(rows, real_width, elem, self._num_sms, temperature is not None)
+        chunk, chunks = plan_chunks(rows, real_width, elem, self.plan_sms, temperature is not None)
         name = fused_kernel_name(logits.dtype, chunk, temperature is not None)
         if rows * chunks > self.layout.max_blocks:  # plan_chunks promises otherwise
             raise RuntimeError(f"fused call of {rows * chunks} blocks exceeds the {self.layout.max_blocks} block lines")
