@@ -168,7 +168,7 @@ def philox_floor_call(ll: Any, cycle: Any, rows: int, width: int) -> Callable[[]
 
     from ..exchange.ll import plan_chunks
 
-    chunk, chunks = plan_chunks(rows, width, 2, ll._num_sms, sampled=True)
+    chunk, chunks = plan_chunks(rows, width, 2, ll.plan_sms, sampled=True)
     out = torch.zeros(rows, dtype=torch.int32, device=ll.device)
 
     def call() -> None:
@@ -188,7 +188,7 @@ def read_floor_call(ll: Any, cycle: Any, rows: int, width: int) -> Callable[[], 
 
     from ..exchange.ll import plan_chunks
 
-    chunk, chunks = plan_chunks(rows, width, 2, ll._num_sms, sampled=False)
+    chunk, chunks = plan_chunks(rows, width, 2, ll.plan_sms, sampled=False)
     out = torch.zeros(rows * chunks, dtype=torch.int64, device=ll.device)
 
     def call() -> None:

@@ -330,6 +330,9 @@ class LLKeyExchange(KeyExchange):
     (rows <= ``max_rows``). Calls on one channel must be stream-ordered; different
     channels may overlap. Raises ``RuntimeError`` on every rank when any rank cannot
     set up (no cupy, compile error, IPC failure, ranks on several nodes).
+
+    ``plan_sms``: the SMs this rank plans its fused grids for (:func:`sms_per_rank`: the
+    GPU's, shared among the group's ranks on the same GPU).
     """
 
     def __init__(
@@ -355,7 +358,7 @@ class LLKeyExchange(KeyExchange):
         self.MAX_ROWS = max_rows
         self.NUM_CHANNELS = num_channels
         self._num_sms = int(torch.cuda.get_device_properties(device).multi_processor_count)
-        self.plan_sms = self._num_sms  # set by _setup (sms_per_rank); block lines are sized for the whole GPU
+        self.plan_sms = self._num_sms  # _setup divides it among ranks on this GPU; block lines fit the whole GPU
         self.layout = BufferLayout(world_size, max_rows, num_channels, max_grid_blocks(max_rows, self._num_sms))
         self._closed = False
         self._base = 0
