@@ -115,7 +115,7 @@ def validate_ll_arguments(max_rows: Any, num_channels: Any, world_size: int) -> 
 
 def sms_per_rank(num_sms: int, devices: list[str], rank: int) -> int:
     """SMs a rank plans its fused grids for: its GPU's ``num_sms`` shared among the ranks
-    whose ``devices`` entry (one per rank of the group, e.g. a PCI bus id) equals its own.
+    whose ``devices`` entry (one per rank of the group: its GPU's UUID) equals its own.
 
     With one GPU a rank (a deployment) every rank plans for the whole GPU. Ranks that share a
     GPU (the one-GPU benchmarks and tests) would otherwise each plan a whole-GPU grid, and
@@ -393,17 +393,18 @@ class LLKeyExchange(KeyExchange):
         self._gather_ok(error)
         if self.rank != 0:
             error = self._try(lambda: cuda_module.load_module(index))
-        handle, bus_id = None, None
+        handle = None
         if error is None:
             error = self._try(self._allocate)
             if error is None:
                 handle = self._cupy.cuda.runtime.ipcGetMemHandle(self._base)
-                bus_id = self._cupy.cuda.runtime.deviceGetPCIBusId(index)
-        payloads = self._gather_ok(error, (socket.gethostname(), handle, bus_id))
+        # The GPU's UUID (a MIG instance has its own) tells which ranks share this GPU.
+        gpu = str(torch.cuda.get_device_properties(self.device).uuid)
+        payloads = self._gather_ok(error, (socket.gethostname(), handle, gpu))
         hosts = sorted({host for host, _, _ in payloads})
         if len(hosts) > 1:
             raise RuntimeError(f"LL exchange needs every rank on one node, the group spans {hosts}")
-        self.plan_sms = sms_per_rank(self._num_sms, [bus for _, _, bus in payloads], self.rank)
+        self.plan_sms = sms_per_rank(self._num_sms, [uuid for _, _, uuid in payloads], self.rank)
         bases = [0] * self.world_size
         bases[self.rank] = self._base  # a process cannot open its own handle
         error = self._try(lambda: self._open_peers(payloads, bases))
@@ -441,7 +442,7 @@ class LLKeyExchange(KeyExchange):
     def _open_peers(self, payloads: list[Any], bases: list[int]) -> None:
         rt = self._cupy.cuda.runtime
         with self._cupy.cuda.Device(self.device.index):
-            for r, (_, handle, _) in enumerate(payloads):  # (host, IPC handle, PCI bus id)
+            for r, (_, handle, _) in enumerate(payloads):  # (host, IPC handle, GPU UUID)
                 if r == self.rank:
                     continue
                 ptr = rt.ipcOpenMemHandle(handle, _CUDA_IPC_LAZY_PEER_ACCESS)
