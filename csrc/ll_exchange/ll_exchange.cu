@@ -1089,53 +1089,99 @@ __device__ __forceinline__ u64 scalar_span(const typename Elem<DTYPE>::raw* row_
     return best;
 }
 
-// The four values of the quad of columns at p (a multiple of 4 columns from a 16-byte
-// aligned row start) as float32 bits, in one read-only load.
+// The largest chunk of the _one_tile kernels' pruned quads (pruned_quads), in quads a thread
+// at 256 threads; larger chunks take sampled_span. Four quads a thread took 96-109 registers
+// and were no faster on the H200 (session 19).
+#define PRUNED_QUADS_MAX 2
+
+// The quad of columns at p (a multiple of 4 columns from a 16-byte aligned row start) as
+// loaded, in one read-only load: four float32 words, or four 16-bit values in x and y.
 template <int DTYPE>
-__device__ __forceinline__ void load_quad(const typename Elem<DTYPE>::raw* p, u32 (&v)[4]) {
-    if (DTYPE == 0) {
-        const uint4 q = load_pack(p);
-        v[0] = q.x;
-        v[1] = q.y;
-        v[2] = q.z;
-        v[3] = q.w;
-    } else {
-        uint2 q;
-        asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(q.x), "=r"(q.y) : "l"(p));
-        v[0] = Elem<DTYPE>::bits((u16)(q.x & 0xffffu));
-        v[1] = Elem<DTYPE>::bits((u16)(q.x >> 16));
-        v[2] = Elem<DTYPE>::bits((u16)(q.y & 0xffffu));
-        v[3] = Elem<DTYPE>::bits((u16)(q.y >> 16));
-    }
+__device__ __forceinline__ uint4 load_quad(const typename Elem<DTYPE>::raw* p) {
+    if (DTYPE == 0) return load_pack(p);
+    uint4 q = make_uint4(0u, 0u, 0u, 0u);
+    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(q.x), "=r"(q.y) : "l"(p));
+    return q;
 }
 
-// The largest chunk whose sampled blocks score every column exactly (exact_quad_span)
-// instead of pruning (sampled_span): one quad a thread at 256 threads. (At two quads a
-// thread the pruned path is faster: docs/gpu-results.md, session 12.)
-#define EXACT_SPAN_MAX_COLUMNS 1024
-
-// Sampled columns [begin, quad_end) a quad per thread (begin and column0 multiples of 4,
-// 16-byte aligned rows): the quad's Philox block, then the exact portable key of each of
-// its columns. No bound table, no pruning passes, no barrier: in a small chunk the pruned
-// path's two passes and survivors' barrier take longer than four exact scores that run
-// side by side. The max is the same either way: the max of the exact keys.
+// Value k (0-3) of a loaded quad as float32 bits (widened, not canonicalized).
 template <int DTYPE>
-__device__ u64 exact_quad_span(const typename Elem<DTYPE>::raw* row_ptr, int begin, int quad_end, u32 column0,
-                               const RowNoise& noise) {
-    u64 best = 0ull;
-    for (int col = begin + 4 * (int)threadIdx.x; col < quad_end; col += 4 * (int)blockDim.x) {
-        u32 v[4];
-        load_quad<DTYPE>(row_ptr + col, v);
+__device__ __forceinline__ u32 quad_bits(const uint4& q, int k) {
+    if (DTYPE == 0) return k == 0 ? q.x : (k == 1 ? q.y : (k == 2 ? q.z : q.w));
+    const u32 word = k < 2 ? q.x : q.y;
+    return Elem<DTYPE>::bits((typename Elem<DTYPE>::raw)((k & 1) ? word >> 16 : word & 0xffffu));
+}
+
+// Sampled columns [begin, quad_end) of a block, QPT (1 or 2) quads a thread: thread i's quad j
+// starts at column begin + 4 * (i + j * blockDim.x) (begin and column0 multiples of 4, 16-byte
+// aligned rows). Pruned within each warp, with no barrier and no shared list: every quad gets
+// its Philox block and every column its estimate A = t + G[bucket(h)] (as in sampled_span);
+// the warp's bound `low` is its largest A - W(A), a lower bound of its best exact score; only
+// columns with A + W(A) >= low can be the warp's best, and only they get the exact portable
+// score, one after another in the lanes that hold them. On random rows about one column a
+// warp passes (the table's bound is that tight), so a warp runs about one exact score where
+// scoring every column ran four or eight a lane (H200, session 19: Gumbel 8 x 64K 6.46 ->
+// 5.97 us, 32 x 16K 7.4 -> 6.6). Columns with a NaN or huge t pass without raising low;
+// -inf columns reach -inf, so they pass only when low is -inf (every column of the warp
+// -inf). The result, the max of the passing columns' exact keys, is the max of all of them.
+template <int DTYPE, int QPT>
+__device__ u64 pruned_quads(const typename Elem<DTYPE>::raw* row_ptr, int begin, int quad_end, u32 column0,
+                            const RowNoise& noise, const float* s_table) {
+    const float c0 = s_table[GUMBEL_TABLE_SIZE];
+    const float inv_t = 1.0f / noise.temperature;  // estimates only: any rounding is in the error bound
+    const PhiloxKeys keys = philox_keys(noise.seed_lo, noise.seed_hi);  // two quads share the schedule
+    uint4 quad[QPT];
+    Words4 words[QPT];
+    float reach[QPT][4];
+    float low = -__int_as_float(0x7f800000);
+#pragma unroll
+    for (int j = 0; j < QPT; ++j) {
+        const int col = begin + 4 * ((int)threadIdx.x + j * (int)blockDim.x);
+        quad[j] = col < quad_end ? load_quad<DTYPE>(row_ptr + col) : make_uint4(0u, 0u, 0u, 0u);
+    }
+#pragma unroll
+    for (int j = 0; j < QPT; ++j) {
+        const int col = begin + 4 * ((int)threadIdx.x + j * (int)blockDim.x);
         const u32 column = column0 + (u32)col;
-        const Words4 w = philox4x32_10(column >> 2, 0u, noise.off_lo, noise.off_hi, noise.seed_lo, noise.seed_hi);
-        const u32 words[4] = {w.w0, w.w1, w.w2, w.w3};
+        words[j] = QPT == 1
+                       ? philox4x32_10(column >> 2, 0u, noise.off_lo, noise.off_hi, noise.seed_lo, noise.seed_hi)
+                       : philox4x32_10(column >> 2, 0u, noise.off_lo, noise.off_hi, keys);
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
-            const u32 score = gumbel_score_bits(canonical_bits(v[k]), noise.temperature, words[k]);
-            const u64 key = make_ukey(score, column + (u32)k);
-            best = key > best ? key : best;
+            const float t = fbits(quad_bits<DTYPE>(quad[j], k)) * inv_t;
+            const bool special = !(t <= HUGE_ESTIMATE);  // NaN or huge: scored exactly
+            const float estimate = column_estimate(t, pick_word(words[j], (u32)k), s_table);
+            reach[j][k] = special ? __int_as_float(0x7f800000) : upper_bound(estimate, c0);
+            if (col < quad_end && !special) low = fmaxf(low, lower_bound(estimate, c0));
         }
     }
+    low = from_ordered_int(warp_max_i32(ordered_int(low)));
+    u32 passing = 0u;  // bit 4 * j + k: column k of quad j
+#pragma unroll
+    for (int j = 0; j < QPT; ++j) {
+        const int col = begin + 4 * ((int)threadIdx.x + j * (int)blockDim.x);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            if (col < quad_end && !(reach[j][k] < low)) passing |= 1u << (4 * j + k);
+        }
+    }
+    u64 best = 0ull;
+    while (passing) {
+        const int bit = __ffs(passing) - 1;
+        passing &= passing - 1u;
+        const int j = bit >> 2;
+        const u32 k = (u32)(bit & 3);
+        const uint4 q = (QPT > 1 && j == 1) ? quad[QPT - 1] : quad[0];  // selects, not a local array
+        const Words4 w = (QPT > 1 && j == 1) ? words[QPT - 1] : words[0];
+        u32 bits = quad_bits<DTYPE>(q, 0);
+        bits = k == 1u ? quad_bits<DTYPE>(q, 1) : bits;
+        bits = k == 2u ? quad_bits<DTYPE>(q, 2) : bits;
+        bits = k == 3u ? quad_bits<DTYPE>(q, 3) : bits;
+        const u32 column = column0 + (u32)(begin + 4 * ((int)threadIdx.x + j * (int)blockDim.x)) + k;
+        const u64 key = make_ukey(gumbel_score_bits(canonical_bits(bits), noise.temperature, pick_word(w, k)), column);
+        best = key > best ? key : best;
+    }
+    __syncwarp();  // reconverge before the block's maximum
     return best;
 }
 
@@ -1329,7 +1375,8 @@ __device__ void argmax_logits_impl(const void* logits, i64 row_stride, int rows,
     u64 seed = unseeded_seed, offset = 0ull;
     const int TABLE_PER_THREAD = (GUMBEL_TABLE_SIZE + 4 + LL_THREADS - 1) / LL_THREADS;
     float table_part[TABLE_PER_THREAD];
-    const bool exact_quads = ONE_TILE && chunk <= EXACT_SPAN_MAX_COLUMNS && aligned && (column0 & 3u) == 0u;
+    const bool pruned_quad_chunk =
+        ONE_TILE && chunk <= 4 * PRUNED_QUADS_MAX * LL_THREADS && aligned && (column0 & 3u) == 0u;
     if (temperature) {  // uniform: the call has sampled rows
         t = temperature[row];
         if (seeds) {
@@ -1338,7 +1385,7 @@ __device__ void argmax_logits_impl(const void* logits, i64 row_stride, int rows,
         } else {
             offset = ((u64)(*(volatile i64*)step_counter) << 32) + (u64)row;
         }
-        if (!exact_quads && !COLUMNS) {  // uniform: only the pruned path reads the bound table
+        if (!COLUMNS) {  // uniform: the _columns kernels score every column exactly
 #pragma unroll
             for (int k = 0; k < TABLE_PER_THREAD; ++k) {
                 const int i = (int)threadIdx.x + k * LL_THREADS;
@@ -1355,12 +1402,6 @@ __device__ void argmax_logits_impl(const void* logits, i64 row_stride, int rows,
         // _one_tile kernels: 1 x 16K Gumbel 3.6 -> 3.2 us on the H200).
         RowNoise noise = {t, (u32)seed, (u32)(seed >> 32), (u32)offset, (u32)(offset >> 32)};
         best = scalar_span<DTYPE>(row_ptr, begin, end, column0, true, noise);
-    } else if (sampled && exact_quads) {  // uniform over the block
-        RowNoise noise = {t, (u32)seed, (u32)(seed >> 32), (u32)offset, (u32)(offset >> 32)};
-        const int quad_end = begin + max(0, (end - begin) / 4) * 4;
-        best = exact_quad_span<DTYPE>(row_ptr, begin, quad_end, column0, noise);
-        u64 tail = scalar_span<DTYPE>(row_ptr, quad_end, end, column0, true, noise);
-        best = tail > best ? tail : best;
     } else if (sampled) {
         RowNoise noise = {t, (u32)seed, (u32)(seed >> 32), (u32)offset, (u32)(offset >> 32)};
 #pragma unroll
@@ -1373,11 +1414,19 @@ __device__ void argmax_logits_impl(const void* logits, i64 row_stride, int rows,
             s_survivor_count = 0;
         }
         __syncthreads();
-        // Pruned packs need quads aligned with Philox blocks; otherwise every column is scored.
-        const int packed_end = (column0 & 3u) == 0u ? vec_end : begin;
-        best = sampled_span<DTYPE, ONE_TILE>(row_ptr, begin, packed_end, column0, noise, s_table);
-        u64 tail = scalar_span<DTYPE>(row_ptr, packed_end, end, column0, true, noise);
-        best = tail > best ? tail : best;
+        if (pruned_quad_chunk) {  // uniform over the block
+            const int quad_end = begin + max(0, (end - begin) / 4) * 4;
+            best = chunk <= 4 * LL_THREADS ? pruned_quads<DTYPE, 1>(row_ptr, begin, quad_end, column0, noise, s_table)
+                                           : pruned_quads<DTYPE, 2>(row_ptr, begin, quad_end, column0, noise, s_table);
+            const u64 tail = scalar_span<DTYPE>(row_ptr, quad_end, end, column0, true, noise);
+            best = tail > best ? tail : best;
+        } else {
+            // Pruned packs need quads aligned with Philox blocks; otherwise every column is scored.
+            const int packed_end = (column0 & 3u) == 0u ? vec_end : begin;
+            best = sampled_span<DTYPE, ONE_TILE>(row_ptr, begin, packed_end, column0, noise, s_table);
+            const u64 tail = scalar_span<DTYPE>(row_ptr, packed_end, end, column0, true, noise);
+            best = tail > best ? tail : best;
+        }
     } else {
         RowNoise none = {1.0f, 0u, 0u, 0u, 0u};
         best = greedy_span<DTYPE>(row_ptr, begin, vec_end, column0);
@@ -1442,8 +1491,8 @@ LL_ARGMAX_LOGITS_KERNEL(ll_argmax_logits_f16_columns, 2, false, true)
 // The floor of a sampled row under SPEC §2's noise, for tpspec bench exchange: read a bf16
 // [rows, cols] slice (cols a multiple of 8, rows 16-byte aligned) the way the fused kernel
 // does (grid = rows * chunks, the same tiles and prefetch) and compute the Philox block of
-// every column, folding the words into out[row] so nothing is optimised away. No scores,
-// no pruning, no exchange.
+// every column, folding the words into out[block * warps + warp] so nothing is optimised
+// away. No scores, no pruning, no exchange.
 extern "C" __global__ void __launch_bounds__(LL_THREADS)
     ll_philox_floor_bf16(const u16* logits, i64 row_stride, int cols, int chunk, int chunks, u32 seed, u32* out) {
     const int VEC = 8, K = SAMPLED_PACKS;
@@ -1476,8 +1525,10 @@ extern "C" __global__ void __launch_bounds__(LL_THREADS)
             }
         }
     }
+    // One plain store a warp, each to its own word: atomics of every warp onto its row's word
+    // cost the launch ~0.6 us per 1024 of them on the H200 (session 19), which no fused call pays.
     acc = warp_max_u32(acc);
-    if ((threadIdx.x & 31u) == 0u) atomicMax(out + row, acc);
+    if ((threadIdx.x & 31u) == 0u) out[blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)] = acc;
 }
 
 // A reference for tpspec bench exchange: one launch with the fused kernel's greedy grid

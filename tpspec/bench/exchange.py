@@ -166,10 +166,11 @@ def philox_floor_call(ll: Any, cycle: Any, rows: int, width: int) -> Callable[[]
     (``--logits randn``), no exact sampled kernel can beat this floor."""
     import numpy as np
 
+    from ..exchange.cuda_module import THREADS_PER_BLOCK
     from ..exchange.ll import plan_chunks
 
     chunk, chunks = plan_chunks(rows, width, 2, ll.plan_sms, sampled=True)
-    out = torch.zeros(rows, dtype=torch.int32, device=ll.device)
+    out = torch.zeros(rows * chunks * (THREADS_PER_BLOCK // 32), dtype=torch.int32, device=ll.device)
 
     def call() -> None:
         x = next(cycle)
