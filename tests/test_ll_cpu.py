@@ -100,6 +100,26 @@ def test_plan_chunks_covers_rows_with_aligned_chunks(sampled, elem):
     assert L.plan_chunks(256, 65536, 2, 132, False) == (65536, 1)
 
 
+def test_sampled_calls_plan_two_blocks_an_sm_unless_four_make_chunks_fit_one_tile():
+    tile = L.sampled_tile_columns(2)  # 4096 bf16 columns
+    # Two an SM (264 blocks on 132 SMs) wherever that keeps the kernel, or neither count fits a tile.
+    assert L.plan_chunks(8, 65536, 2, 132, True) == (2048, 32)  # 4 an SM would be 1024 x 64
+    assert L.plan_chunks(32, 16384, 2, 132, True) == (2048, 8)
+    assert L.plan_chunks(64, 16384, 2, 132, True) == (tile, 4)
+    assert L.plan_chunks(256, 16384, 2, 132, True) == (16384, 1)  # 4 an SM: 8192, two tiles too
+    assert L.plan_chunks(256, 65536, 2, 132, True) == (65536, 1)
+    # Four an SM where only they fit one tile (the _one_tile kernels beat the plain one there).
+    assert L.plan_chunks(128, 16384, 2, 132, True) == (tile, 4)
+    assert L.plan_chunks(32, 65536, 2, 132, True) == (tile, 16)
+    for rows in (1, 3, 8, 16, 32, 64, 100, 128, 256):
+        for cols in (1000, 16384, 32768, 65536):
+            for elem in (2, 4):
+                chunk, chunks = L.plan_chunks(rows, cols, elem, 132, True)
+                two = L._split_rows(rows, cols, elem, 2 * 132, 132, True)
+                assert (chunk, chunks) == two or (two[0] > L.sampled_tile_columns(elem)
+                                                  and chunk <= L.sampled_tile_columns(elem))
+
+
 def test_ranks_sharing_a_gpu_plan_for_their_share_of_its_sms():
     # One GPU a rank: the whole GPU each.
     assert [L.sms_per_rank(132, ["a", "b", "c", "d"], r) for r in range(4)] == [132] * 4
@@ -189,9 +209,9 @@ def test_fused_kernel_name_takes_the_one_tile_twin_only_when_every_chunk_fits_a_
         assert L.fused_kernel_name(dtype, tile, sampled=True) == plain + "_one_tile"
         assert L.fused_kernel_name(dtype, tile + 32 * 16 // elem, sampled=True) == plain  # two tiles
         assert plain + "_one_tile" in cuda_module.KERNEL_NAMES
-    # The exact-score path lives only in the twins: every chunk it takes must pick a twin.
-    exact_max = int(re.search(r"^#define EXACT_SPAN_MAX_COLUMNS (\d+)", source, re.M).group(1))
-    assert exact_max <= min(L.sampled_tile_columns(e) for e in (2, 4))
+    # The pruned quads live only in the twins: every chunk they take must pick a twin.
+    quads_max = int(re.search(r"^#define PRUNED_QUADS_MAX (\d+)", source, re.M).group(1))
+    assert 4 * quads_max * cuda_module.THREADS_PER_BLOCK <= min(L.sampled_tile_columns(e) for e in (2, 4))
     # The bench's bf16 shapes on the H200 (132 SMs): small batches fit a tile per block.
     names = {(rows, cols): L.fused_kernel_name(torch.bfloat16, L.plan_chunks(rows, cols, 2, 132, True)[0], True)
              for rows in (1, 8, 64, 256) for cols in (16384, 65536)}

@@ -182,7 +182,8 @@ class BufferLayout:
 
 
 GREEDY_BLOCKS_PER_SM = 2
-SAMPLED_BLOCKS_PER_SM = 4
+SAMPLED_BLOCKS_PER_SM = 4  # the most a sampled call plans (see plan_chunks)
+SAMPLED_BLOCKS_PER_SM_FIRST = 2  # what it plans unless 4 make its chunks fit one tile
 MIN_CHUNK = 1024
 COLUMN_CHUNK = cuda_module.THREADS_PER_BLOCK  # a column a thread: the _columns kernels
 COLUMNS_MAX_CHUNK = 2 * COLUMN_CHUNK  # the _columns kernels' largest planned chunk: two columns a thread
@@ -195,15 +196,20 @@ GREEDY_GROUP_BYTES = 4 * PACK_BYTES_PER_BLOCK  # greedy_span in the source: UNRO
 def plan_chunks(rows: int, cols: int, elem_bytes: int, num_sms: int, sampled: bool) -> tuple[int, int]:
     """Split each row of the fused kernel over blocks: ``(chunk columns, chunks per row)``.
 
-    At most one wave of blocks: ``greedy_blocks`` for greedy calls (at most 2 an SM), 4 an
-    SM for sampled ones (compute-bound, they need more warps to hide Philox latency),
-    rounding the blocks per row down so a second, mostly idle wave never starts (for speed:
-    the kernel's collector is its last block, so a grid need not fit the GPU at once). So
-    ``rows * chunks`` never exceeds ``max_grid_blocks(rows, num_sms)``. On the H200 rounding
-    down beat rounding up (greedy 256 x 64K bf16: 14.6 -> 12.1 us; Gumbel 256 x 64K: 43.5 ->
-    40.7 us). Small batches still spread each row over many blocks (at least 1024 columns
-    each). A greedy chunk of more than a pack a thread is whole groups of ``greedy_span``'s
-    loads (``GREEDY_GROUP_BYTES``); the packs short of a group are loaded one after another.
+    At most one wave of blocks: ``greedy_blocks`` for greedy calls (at most 2 an SM);
+    sampled ones ``SAMPLED_BLOCKS_PER_SM_FIRST`` (2) an SM, or ``SAMPLED_BLOCKS_PER_SM`` (4)
+    when those make every chunk fit one tile (``sampled_tile_columns``: the ``_one_tile``
+    kernels) and 2 do not. Fewer, larger sampled blocks won wherever the kernel stays the
+    same (H200, session 19, Gumbel us: 8 x 64K 6.0 -> 5.0, 32 x 16K 6.3 -> 5.4, 64 x 16K 7.5
+    -> 6.9, 256 x 16K 14.6 -> 13.8); where 2 an SM would trade the ``_one_tile`` kernel for
+    the plain one it lost (128 x 16K 9.6 -> 9.9, 32 x 64K 9.8 -> 10.0). Blocks per row are
+    rounded down so a second, mostly idle wave never starts (for speed: the kernel's
+    collector is its last block, so a grid need not fit the GPU at once). So ``rows *
+    chunks`` never exceeds ``max_grid_blocks(rows, num_sms)``. On the H200 rounding down
+    beat rounding up (greedy 256 x 64K bf16: 14.6 -> 12.1 us; Gumbel 256 x 64K: 43.5 -> 40.7
+    us). Small batches still spread each row over many blocks (at least 1024 columns each).
+    A greedy chunk of more than a pack a thread is whole groups of ``greedy_span``'s loads
+    (``GREEDY_GROUP_BYTES``); the packs short of a group are loaded one after another.
     Sampled calls small enough to take a block of ``COLUMN_CHUNK`` columns per SM or fewer
     (and at most ``COLUMNS_GATHER_MAX_CHUNKS`` a row) get exactly that: the ``_columns``
     kernels then score a column a thread, one score on each thread's chain of dependent
@@ -213,9 +219,21 @@ def plan_chunks(rows: int, cols: int, elem_bytes: int, num_sms: int, sampled: bo
     ``columns_kernel_chunk`` for what each step gained. Chunks are multiples of a warp's
     16-byte loads, so vector loads stay aligned and quads stay Philox blocks.
     """
-    vec = 16 // elem_bytes
     sms = max(1, num_sms)
-    blocks = SAMPLED_BLOCKS_PER_SM * sms if sampled else greedy_blocks(rows * max(cols, 1) * elem_bytes, sms)
+    if not sampled:
+        return _split_rows(rows, cols, elem_bytes, greedy_blocks(rows * max(cols, 1) * elem_bytes, sms), sms, False)
+    plan = _split_rows(rows, cols, elem_bytes, SAMPLED_BLOCKS_PER_SM_FIRST * sms, sms, True)
+    tile = sampled_tile_columns(elem_bytes)
+    if plan[0] > tile:
+        more = _split_rows(rows, cols, elem_bytes, SAMPLED_BLOCKS_PER_SM * sms, sms, True)
+        if more[0] <= tile:
+            return more
+    return plan
+
+
+def _split_rows(rows: int, cols: int, elem_bytes: int, blocks: int, sms: int, sampled: bool) -> tuple[int, int]:
+    """``plan_chunks``'s split for a budget of ``blocks`` blocks."""
+    vec = 16 // elem_bytes
     per_row = max(1, blocks // max(1, rows))
     columns_chunk = columns_kernel_chunk(rows, cols, sms) if sampled else 0
     chunk = columns_chunk or max(-(-max(cols, 1) // per_row), MIN_CHUNK)
@@ -302,8 +320,9 @@ def fused_kernel_name(dtype: torch.dtype, chunk: int, sampled: bool) -> str:
     twin when chunks hold at most two columns a thread (``COLUMNS_MAX_CHUNK``), else its
     ``_one_tile`` twin when every chunk fits one tile. The ``_one_tile`` twin's sampled
     blocks take the block's bound before listing columns (a barrier between passes; H200:
-    1 x 64K Gumbel 6.0 -> 5.5 us), or, when chunks are at most 1024 columns (a quad a
-    thread), score every column exactly with no pruning (1 x 64K: 5.2 -> 4.1 us). The
+    1 x 64K Gumbel 6.0 -> 5.5 us), or, when chunks are at most 2048 columns (one or two
+    quads a thread: ``PRUNED_QUADS_MAX`` in the source), prune within each warp with no barrier and no
+    list (session 19: 64 x 16K 9.4 -> 7.3 us, 8 x 64K 6.5 -> 6.0 at the same grid). The
     barrier inside the tile loop cost registers, so blocks of several tiles keep the plain
     kernel. The ``_columns`` twin scores a column at a time on each thread; it is a kernel of
     its own so that the others' code stays as measured (a one-line change inside
