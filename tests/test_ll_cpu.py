@@ -120,6 +120,17 @@ def test_sampled_calls_plan_two_blocks_an_sm_unless_four_make_chunks_fit_one_til
                                                   and chunk <= L.sampled_tile_columns(elem))
 
 
+def test_the_gpu_wave_test_cases_still_need_more_than_one_wave():
+    # test_ll_gpu's wave test asserts this at run time on the GPU; a change of plan that broke it
+    # (session 19: 8 x 64K sampled fell to 128 blocks) should fail here, in CI, first.
+    from test_ll_gpu import WAVE_CASES
+
+    share = L.sms_per_rank(132, ["h200"] * 2, 0)
+    for rows, width, sampled in WAVE_CASES:
+        chunk, chunks = L.plan_chunks(rows, width, 2, share, sampled)
+        assert rows * chunks > 132, (rows, width, sampled, chunk, chunks)
+
+
 def test_ranks_sharing_a_gpu_plan_for_their_share_of_its_sms():
     # One GPU a rank: the whole GPU each.
     assert [L.sms_per_rank(132, ["a", "b", "c", "d"], r) for r in range(4)] == [132] * 4

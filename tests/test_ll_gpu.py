@@ -404,6 +404,11 @@ def test_ll_stress_back_to_back_calls():
 
 # --------------------------------------------------------------------------- one wave or more
 
+# (rows, width, sampled): each needs more than one wave at one block an SM when two ranks share
+# an H200 (66 SMs each); test_ll_cpu checks that on any machine, since plan_chunks decides it.
+WAVE_CASES = ((16, 65536, True), (64, 16384, True), (256, 65536, False))
+
+
 def _more_than_one_wave_worker(rank, world):
     """Fused calls whose grid does not fit the GPU at once: every block asks for 130 KiB of
     shared memory it does not use, so one block fits an SM and a 512-block grid runs in
@@ -422,7 +427,7 @@ def _more_than_one_wave_worker(rank, world):
     gen = torch.Generator().manual_seed(31)
     bad = 0
     try:
-        for rows, width, sampled in ((8, 65536, True), (64, 16384, True), (256, 65536, False)):
+        for rows, width, sampled in WAVE_CASES:
             chunk, chunks = ll_module.plan_chunks(rows, width, 2, ll.plan_sms, sampled)
             assert rows * chunks > sms, "the case must need more than one wave at one block an SM"
             full = (torch.randn(rows, width * world, generator=gen) * 3).to(torch.bfloat16)
