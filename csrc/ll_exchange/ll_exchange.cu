@@ -1129,7 +1129,10 @@ __device__ u64 pruned_quads(const typename Elem<DTYPE>::raw* row_ptr, int begin,
                             const RowNoise& noise, const float* s_table) {
     const float c0 = s_table[GUMBEL_TABLE_SIZE];
     const float inv_t = 1.0f / noise.temperature;  // estimates only: any rounding is in the error bound
-    const PhiloxKeys keys = philox_keys(noise.seed_lo, noise.seed_hi);  // two quads share the schedule
+    // Two quads share one key schedule; one quad derives its keys inside its rounds (the
+    // schedule's moves are volatile, so an unused one would still run).
+    PhiloxKeys keys;
+    if constexpr (QPT > 1) keys = philox_keys(noise.seed_lo, noise.seed_hi);
     uint4 quad[QPT];
     Words4 words[QPT];
     float reach[QPT][4];
@@ -1143,9 +1146,11 @@ __device__ u64 pruned_quads(const typename Elem<DTYPE>::raw* row_ptr, int begin,
     for (int j = 0; j < QPT; ++j) {
         const int col = begin + 4 * ((int)threadIdx.x + j * (int)blockDim.x);
         const u32 column = column0 + (u32)col;
-        words[j] = QPT == 1
-                       ? philox4x32_10(column >> 2, 0u, noise.off_lo, noise.off_hi, noise.seed_lo, noise.seed_hi)
-                       : philox4x32_10(column >> 2, 0u, noise.off_lo, noise.off_hi, keys);
+        if constexpr (QPT == 1) {
+            words[j] = philox4x32_10(column >> 2, 0u, noise.off_lo, noise.off_hi, noise.seed_lo, noise.seed_hi);
+        } else {
+            words[j] = philox4x32_10(column >> 2, 0u, noise.off_lo, noise.off_hi, keys);
+        }
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
             const float t = fbits(quad_bits<DTYPE>(quad[j], k)) * inv_t;
