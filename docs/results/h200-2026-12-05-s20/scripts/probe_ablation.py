@@ -1,0 +1,39 @@
+"""Session 20 probe (prepared on CPU, for the next device session): one rank, the fused Gumbel
+call under a CUDA graph (the bench's timer, inputs and cold-logits rotation) at each shape, with
+whatever source TPSPEC_LL_SOURCE_DIR names (the ablations give wrong tokens: timing only).
+With --floors, also the greedy call, the read-only launch and the reads + Philox floor kernel;
+with --lm, the bench's lm rows instead of randn (columns far below the top can skip their noise).
+Usage: PYTHONPATH=$REPO probe_ablation.py LABEL 8x16384,8x65536 [--floors] [--lm]"""
+import itertools, os, sys
+import torch, torch.distributed as dist
+import tpspec.exchange.ll as L
+from tpspec.bench.exchange import bench_logits, philox_floor_call, read_floor_call, _time_graph, cold_copies
+
+label = sys.argv[1]
+shapes = [tuple(int(v) for v in s.split("x")) for s in sys.argv[2].split(",")]
+floors = "--floors" in sys.argv[3:]
+kind = "lm" if "--lm" in sys.argv[3:] else "randn"
+os.environ.setdefault("MASTER_ADDR", "127.0.0.1"); os.environ.setdefault("MASTER_PORT", "29617")
+dist.init_process_group("gloo", rank=0, world_size=1)
+torch.cuda.set_device(0)
+ll = L.LLKeyExchange(dist.group.WORLD, max_rows=256, num_channels=1)
+gen = torch.Generator().manual_seed(5)
+nop = lambda: None
+print("label rows width plan kernel gumbel_us" + (" greedy_us read_floor_us philox_floor_us" if floors else ""))
+for rows, width in shapes:
+    logits = bench_logits(rows, width, kind, gen).to("cuda", torch.bfloat16)
+    pool = [logits] + [logits.clone() for _ in range(cold_copies(logits, 20) - 1)]
+    cycle = itertools.cycle(pool)
+    kw = dict(temperature=torch.full((rows,), 0.8, device="cuda"),
+              seeds=torch.arange(rows, device="cuda") + 7, offsets=torch.arange(rows, device="cuda") * 32)
+    plan = L.plan_chunks(rows, width, 2, ll.plan_sms, True)
+    kern = L.fused_kernel_name(torch.bfloat16, plan[0], True)
+    g = _time_graph(lambda: ll.argmax_logits(next(cycle), 0, vocab_size=width, **kw), 20, 50, nop)
+    line = f"{label}{'-lm' if kind == 'lm' else ''} {rows} {width} {plan[0]}x{plan[1]} {kern} {g:.2f}"
+    if floors:
+        gr = _time_graph(lambda: ll.argmax_logits(next(cycle), 0, vocab_size=width), 20, 50, nop)
+        rf = _time_graph(read_floor_call(ll, cycle, rows, width), 20, 50, nop)
+        pf = _time_graph(philox_floor_call(ll, cycle, rows, width), 20, 50, nop)
+        line += f" {gr:.2f} {rf:.2f} {pf:.2f}"
+    print(line, flush=True)
+ll.close(); dist.destroy_process_group()
