@@ -6,7 +6,8 @@
 # part 2: ablations a1-a4 against HEAD (wrong tokens, timing only): where the Gumbel call's time over the floor goes
 # part 3: pre2 (candidate: a sampled chunk's first logits load beside the row's inputs): check, then against HEAD
 # part 4: ps and psn (candidate: pruned quads tile after tile for every larger chunk): checks, then against HEAD
-# part 5: HEAD, ps and psn on the bench's lm rows (HEAD's sampled_span skips noise there; ps has no skip rule)
+# part 5: HEAD, ps and psn on the bench's lm rows (HEAD's sampled_span skips noise there; ps has no skip rule);
+#         ps and psn with every sampled call at two blocks an SM (--b2: ps needs no one-tile chunks)
 # Each part is under 4 minutes. Results go to $OUT/pPART, tarred (the device returns few loose files).
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
 REPO=$PWD; HERE=$REPO/docs/results/h200-2026-12-05-s20; R=$OUT/p$1; mkdir -p /tmp/mps /tmp/mpslog $R
@@ -42,7 +43,7 @@ case $1 in
      probe head; probe pre2; probe head; probe pre2 ;;
   4) XS=32x32768,64x16384,128x16384,256x16384,64x65536,3x65536,200x20000
      check ps $XS; check psn $XS; probe head; probe ps; probe psn ;;
-  5) probe head --lm; probe ps --lm; probe psn --lm; probe ps; probe head ;;
+  5) probe head --lm; probe ps --lm; probe psn --lm; probe ps --b2; probe psn --b2; probe head ;;
 esac
 cat $R/probe-*.txt 2>/dev/null | grep -v "^label" | sort -k2,2n -k3,3n -s
 date -u >> $R/date.txt; rm -rf $REPO/tmp_gpu
