@@ -10,11 +10,12 @@
 #         ps and psn with every sampled call at two blocks an SM (--b2: ps needs no one-tile chunks)
 # part 6: the reads + Philox floor fed by TMA bulk copies (tma patch, scripts/probe_floor.py): does the floor add
 #         its reads and its Philox because a thread keeps only one tile in flight? (checks its words first)
+# part 7: pst (candidate: ps with 16-bit tiles streamed into shared memory by TMA, 4 tiles ahead): checks, timing
 # Each part is under 4 minutes. Results go to $OUT/pPART, tarred (the device returns few loose files).
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
 REPO=$PWD; HERE=$REPO/docs/results/h200-2026-12-05-s20; R=$OUT/p$1; mkdir -p /tmp/mps /tmp/mpslog $R
 date -u > $R/date.txt; T0=$(date +%s)
-for v in a1 a2 a3 a4 s19 pre2 ps psn tma; do
+for v in a1 a2 a3 a4 s19 pre2 ps psn tma pst; do
   mkdir -p $REPO/tmp_gpu/src/$v
   patch -s -o $REPO/tmp_gpu/src/$v/ll_exchange.cu csrc/ll_exchange/ll_exchange.cu < $HERE/patches/$v.diff
 done
@@ -49,6 +50,8 @@ case $1 in
   6) s=$(date +%s); TPSPEC_LL_SOURCE_DIR=$(src_of tma) PYTHONPATH=$REPO timeout 150 python3 $HERE/scripts/probe_floor.py \
        1x65536,8x65536,32x16384,64x16384,64x65536,128x65536,256x16384,256x65536 > $R/floor-tma.txt 2>&1
      echo "floor tma rc=$? $(( $(date +%s) - s )) s"; cat $R/floor-tma.txt | grep -v Warning ;;
+  7) check pst 32x32768,64x16384,128x16384,256x16384,64x65536,3x65536,200x20000
+     probe head; probe pst; probe ps; probe pst ;;
 esac
 cat $R/probe-*.txt 2>/dev/null | grep -v "^label" | sort -k2,2n -k3,3n -s
 date -u >> $R/date.txt; rm -rf $REPO/tmp_gpu
