@@ -17,7 +17,8 @@ REPO=$PWD; HERE=$REPO/docs/results/h200-2026-12-05-s20; R=$OUT/p$1; mkdir -p /tm
 date -u > $R/date.txt; T0=$(date +%s)
 for v in a1 a2 a3 a4 s19 pre2 ps psn tma pst; do
   mkdir -p $REPO/tmp_gpu/src/$v
-  patch -s -o $REPO/tmp_gpu/src/$v/ll_exchange.cu csrc/ll_exchange/ll_exchange.cu < $HERE/patches/$v.diff
+  python3 $HERE/scripts/apply_patch.py csrc/ll_exchange/ll_exchange.cu $HERE/patches/$v.diff \
+    $REPO/tmp_gpu/src/$v/ll_exchange.cu || echo "patch $v FAILED"
 done
 md5sum csrc/ll_exchange/ll_exchange.cu tmp_gpu/src/*/ll_exchange.cu tpspec/exchange/ll.py tpspec/bench/exchange.py >> $R/date.txt
 SHAPES=1x16384,1x65536,8x16384,8x32768,8x65536,32x16384,32x32768,64x16384,128x16384,256x16384,256x65536
