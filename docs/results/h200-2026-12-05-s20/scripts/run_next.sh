@@ -11,11 +11,12 @@
 # part 6: the reads + Philox floor fed by TMA bulk copies (tma patch, scripts/probe_floor.py): does the floor add
 #         its reads and its Philox because a thread keeps only one tile in flight? (checks its words first)
 # part 7: pst (candidate: ps with 16-bit tiles streamed into shared memory by TMA, 4 tiles ahead): checks, timing
+# part 8: psns (candidate: psn with sampled_span's skip rule): checks, then on lm and randn rows against HEAD
 # Each part is under 4 minutes. Results go to $OUT/pPART, tarred (the device returns few loose files).
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
 REPO=$PWD; HERE=$REPO/docs/results/h200-2026-12-05-s20; R=$OUT/p$1; mkdir -p /tmp/mps /tmp/mpslog $R
 date -u > $R/date.txt; T0=$(date +%s)
-for v in a1 a2 a3 a4 s19 pre2 ps psn tma pst; do
+for v in a1 a2 a3 a4 s19 pre2 ps psn tma pst psns; do
   mkdir -p $REPO/tmp_gpu/src/$v
   python3 $HERE/scripts/apply_patch.py csrc/ll_exchange/ll_exchange.cu $HERE/patches/$v.diff \
     $REPO/tmp_gpu/src/$v/ll_exchange.cu || echo "patch $v FAILED"
@@ -53,6 +54,8 @@ case $1 in
      echo "floor tma rc=$? $(( $(date +%s) - s )) s"; cat $R/floor-tma.txt | grep -v Warning ;;
   7) check pst 32x32768,64x16384,128x16384,256x16384,64x65536,3x65536,200x20000
      probe head; probe pst; probe ps; probe pst ;;
+  8) check psns 32x32768,64x16384,128x16384,256x16384,64x65536,3x65536,200x20000
+     probe head --lm; probe psns --lm; probe psns; probe head ;;
 esac
 cat $R/probe-*.txt 2>/dev/null | grep -v "^label" | sort -k2,2n -k3,3n -s
 date -u >> $R/date.txt; rm -rf $REPO/tmp_gpu
