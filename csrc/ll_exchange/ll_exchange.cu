@@ -1120,10 +1120,10 @@ __device__ __forceinline__ u32 quad_bits(const uint4& q, int k) {
 // columns with A + W(A) >= low can be the warp's best, and only they get the exact portable
 // score, one after another in the lanes that hold them. On random rows about one column a
 // warp passes (the table's bound is that tight), so a warp runs about one exact score where
-// scoring every column ran four a lane (H200, session 19: Gumbel 8 x 64K 6.46 -> 5.97 us,
-// 32 x 16K 7.4 -> 6.6 at one quad a thread; 64 x 16K 9.4 -> 7.3 at two, against sampled_span). Columns with a NaN or huge t pass without raising low;
-// -inf columns reach -inf, so they pass only when low is -inf (every column of the warp
-// -inf). The result, the max of the passing columns' exact keys, is the max of all of them.
+// scoring every column ran four a lane (H200, session 19: Gumbel 8 x 64K 6.46 -> 5.97 us, 32 x 16K 7.4 ->
+// 6.6 at one quad a thread; 64 x 16K 9.4 -> 7.3 at two, against sampled_span). Columns with a NaN or huge t
+// pass without raising low; -inf columns reach -inf, so they pass only when low is -inf (every column of
+// the warp -inf). The result, the max of the passing columns' exact keys, is the max of all of them.
 template <int DTYPE, int QPT>
 __device__ u64 pruned_quads(const typename Elem<DTYPE>::raw* row_ptr, int begin, int quad_end, u32 column0,
                             const RowNoise& noise, const float* s_table) {
