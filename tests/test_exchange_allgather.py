@@ -177,7 +177,6 @@ def test_different_offsets_and_seeds_give_different_draws():
         (dict(temperature=torch.ones(3, 1)), "1-D"),
         (dict(temperature=torch.ones(3, dtype=torch.int64)), "floating"),
         (dict(vocab_offset=-1), "vocab_offset=-1 is out of range"),
-        (dict(vocab_offset=10, vocab_size=10), "out of range for vocab_size=10"),
         (dict(vocab_offset=1.0), "vocab_offset must be an int"),
         (dict(temperature=torch.ones(3), seeds=torch.zeros(3, dtype=torch.int64)), "seeds and offsets together"),
         (dict(temperature=torch.ones(3), seeds=torch.zeros(3, dtype=torch.int32),
@@ -204,6 +203,34 @@ def test_argmax_tokens_and_max_keys_validation():
         ex.argmax_tokens(torch.zeros(3), torch.zeros(3), 0)
     with pytest.raises(ValueError, match="keys must be int64"):
         ex.max_keys(torch.zeros(3, dtype=torch.int32))
+    # Every call checks its channel, as the LL exchange does, whether it uses slots or not.
+    with pytest.raises(ValueError, match="channel=2 is out of range"):
+        ex.max_keys(torch.zeros(3, dtype=torch.int64), channel=2)
+    with pytest.raises(ValueError, match="channel=True is out of range"):
+        ex.argmax_tokens(torch.zeros(3), torch.zeros(3, dtype=torch.int64), 0, channel=True)
+    wide = AllGatherKeyExchange(num_channels=4)
+    assert wide.max_keys(torch.zeros(3, dtype=torch.int64), channel=3).tolist() == [0, 0, 0]
+    with pytest.raises(ValueError, match="num_channels"):
+        AllGatherKeyExchange(num_channels=0)
+
+
+def _padding_rank_worker(rank: int, world: int) -> list:
+    # A split whose last rank holds only padding (offset >= vocab_size) is valid: that rank
+    # offers no candidate and every rank still gets the full-logits token.
+    ex = AllGatherKeyExchange()
+    local = torch.tensor([[0.0, 1.0], [2.0, -1.0]]) if rank == 0 else torch.full((2, 2), 9.0)
+    greedy = ex.argmax_logits(local, 2 * rank, vocab_size=2)
+    sampled = ex.argmax_logits(local, 2 * rank, vocab_size=2, temperature=torch.ones(2),
+                               seeds=torch.tensor([3, 4]), offsets=torch.tensor([0, 0]))
+    return [greedy.tolist(), sampled.tolist()]
+
+
+def test_a_rank_holding_only_padding_offers_no_candidate():
+    results = run_ranks(_padding_rank_worker, 2)
+    assert results[0] == results[1]
+    greedy, sampled = results[0]
+    assert greedy == [1, 0]
+    assert all(0 <= t < 2 for t in sampled)
 
 
 def test_head_rejects_bad_splits_and_shapes():

@@ -15,6 +15,7 @@ import torch
 from tpspec import keys as K
 from tpspec.exchange import AllGatherKeyExchange, cuda_module, make_key_exchange
 from tpspec.exchange import ll as L
+from tpspec.exchange.base import KeyExchange
 from tpspec.exchange.factory import ll_decision, local_ll_blocker
 from tpspec.testing import run_ranks
 
@@ -316,9 +317,12 @@ def test_ll_argument_validation(monkeypatch):
     with pytest.raises(ValueError, match="ranks"):
         L.validate_ll_arguments(8, 2, 65)
     L.validate_ll_arguments(4096, 16, 64)
-    for bad in (0, -1.0, float("inf"), float("nan"), "3"):
+    for bad in (0, -1.0, float("inf"), float("nan"), "3", 1e-4, 1e7):
         with pytest.raises(ValueError, match="timeout"):
             L.resolve_timeout_s(bad)
+    assert L.resolve_timeout_s(L.MIN_TIMEOUT_S) == L.MIN_TIMEOUT_S
+    assert L.resolve_timeout_s(L.MAX_TIMEOUT_S) == L.MAX_TIMEOUT_S
+    assert int(L.MAX_TIMEOUT_S * 1e9) < 2**63  # the kernel's wait budget fits its uint64 argument
     monkeypatch.setenv(L.TIMEOUT_ENV, "2.5")
     assert L.resolve_timeout_s(None) == 2.5
     assert L.resolve_timeout_s(1) == 1.0
@@ -355,6 +359,36 @@ def test_factory_single_process_on_cpu():
         make_key_exchange(None, prefer="fast")
     with pytest.raises(ValueError, match="unknown option"):
         make_key_exchange(None, max_row=4)
+    # LL options are checked whatever the choice, and the fallback keeps the channel count.
+    with pytest.raises(ValueError, match="max_rows"):
+        make_key_exchange(None, max_rows=0)
+    with pytest.raises(ValueError, match="timeout_s"):
+        make_key_exchange(None, prefer="allgather", timeout_s=-1)
+    wide = make_key_exchange(None, num_channels=4)
+    assert isinstance(wide, AllGatherKeyExchange) and wide.NUM_CHANNELS == 4
+    assert wide.max_keys(torch.zeros(2, dtype=torch.int64), channel=3).tolist() == [0, 0]
+
+
+def _closed_ll_shell() -> L.LLKeyExchange:
+    """A closed LLKeyExchange with no GPU state, for the host logic that runs before any launch."""
+    ll = object.__new__(L.LLKeyExchange)
+    KeyExchange.__init__(ll, None, 0, 1, torch.device("cpu"))
+    ll.MAX_ROWS, ll.timeout_s, ll._closed = 4, 1.0, True
+    ll._fallback = AllGatherKeyExchange()
+    return ll
+
+
+def test_a_closed_ll_exchange_refuses_calls_above_max_rows_too():
+    # Rows above max_rows go to the all-gather fallback, but only after the closed and
+    # timed-out checks: a dead exchange must not serve some calls and refuse others.
+    ll = _closed_ll_shell()
+    for rows in (2, 8):
+        with pytest.raises(RuntimeError, match="closed"):
+            ll.max_keys(torch.zeros(rows, dtype=torch.int64))
+        with pytest.raises(RuntimeError, match="closed"):
+            ll.argmax_tokens(torch.zeros(rows), torch.zeros(rows, dtype=torch.int64), 0)
+        with pytest.raises(RuntimeError, match="closed"):
+            ll.argmax_logits(torch.zeros(rows, 3), 0)
 
 
 def _factory_worker(rank, world_size):

@@ -16,18 +16,24 @@ class AllGatherKeyExchange(KeyExchange):
     Works with NCCL and gloo, and with no process group at all (a single rank: the
     local keys are the answer). ``group=None`` means the default group.
     ``device``: where keys live (default: the current CUDA device for NCCL, else CPU).
+    ``num_channels``: the channels calls may name (they share one ordered collective
+    stream here; the count only keeps bad channels rejected as on the LL exchange).
     """
 
-    def __init__(self, group: Any = None, *, device: str | torch.device | None = None) -> None:
+    def __init__(
+        self, group: Any = None, *, device: str | torch.device | None = None, num_channels: int = 2
+    ) -> None:
         backend = D.group_backend(group)
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-        super().__init__(group, D.group_rank(group), D.group_size(group), torch.device(device))
+        super().__init__(group, D.group_rank(group), D.group_size(group), torch.device(device),
+                         num_channels=num_channels)
 
     def max_keys(self, keys: torch.Tensor, *, channel: int = 0) -> torch.Tensor:
         self._check_rows_vector("keys", keys, None)
         if keys.dtype != torch.int64:
             raise ValueError(f"keys must be int64, got {keys.dtype}")
+        self.check_channel(channel)
         if self.world_size == 1:
             return keys.clone()
         gathered = torch.empty(self.world_size * keys.shape[0], dtype=torch.int64, device=keys.device)

@@ -42,7 +42,12 @@ class KeyExchange(ABC):
     MAX_ROWS: int = 2**31 - 1
     NUM_CHANNELS: int = 2
 
-    def __init__(self, group: Any, rank: int, world_size: int, device: torch.device) -> None:
+    def __init__(
+        self, group: Any, rank: int, world_size: int, device: torch.device, *, num_channels: int = 2
+    ) -> None:
+        if isinstance(num_channels, bool) or not isinstance(num_channels, int) or num_channels < 1:
+            raise ValueError(f"num_channels must be a positive int, got {num_channels!r}")
+        self.NUM_CHANNELS = num_channels
         self.group = group
         self.rank = rank
         self.world_size = world_size
@@ -64,12 +69,15 @@ class KeyExchange(ABC):
 
         ``local_max``: ``[R]`` float32/bf16/fp16; ``local_argmax``: ``[R]`` int (column
         inside the rank's slice). Returns ``[R]`` int64 global columns, equal on every rank.
+        The columns are data, so they are not range-checked (that would cost a device
+        sync): ``vocab_offset + local_argmax`` must lie in ``[0, 2**32 - 1)``.
         """
         self._check_rows_vector("local_max", local_max, None)
         self._check_rows_vector("local_argmax", local_argmax, local_max.shape[0])
         if local_argmax.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"local_argmax must be int32 or int64, got {local_argmax.dtype}")
-        self._check_offset(vocab_offset, None)
+        self._check_offset(vocab_offset)
+        self.check_channel(channel)
         keys = K.pack_keys(local_max, local_argmax.to(torch.int64) + vocab_offset)
         return K.unpack_indices(self.max_keys(keys, channel=channel))
 
@@ -154,13 +162,20 @@ class KeyExchange(ABC):
         if _concrete_device(t.device) != self.device:
             raise ValueError(f"{name} is on {t.device}, the exchange works on {self.device}")
 
-    def _check_offset(self, vocab_offset: Any, vocab_size: int | None) -> None:
+    def _check_offset(self, vocab_offset: Any) -> None:
+        # No check against vocab_size: a rank whose slice is all padding (offset >= vocab
+        # size) is valid and offers no candidate; rejecting it on that rank alone would
+        # leave its peers waiting in the collective.
         if isinstance(vocab_offset, bool) or not isinstance(vocab_offset, int):
             raise ValueError(f"vocab_offset must be an int, got {type(vocab_offset).__name__}")
         if vocab_offset < 0 or vocab_offset >= 2**32:
             raise ValueError(f"vocab_offset={vocab_offset} is out of range [0, 2**32)")
-        if vocab_size is not None and vocab_offset >= vocab_size:
-            raise ValueError(f"vocab_offset={vocab_offset} is out of range for vocab_size={vocab_size}")
+
+    def check_channel(self, channel: Any) -> None:
+        """Raise ``ValueError`` unless ``channel`` is an int in ``[0, NUM_CHANNELS)``; every
+        backend rejects the same channels, used or not."""
+        if isinstance(channel, bool) or not isinstance(channel, int) or not 0 <= channel < self.NUM_CHANNELS:
+            raise ValueError(f"channel={channel!r} is out of range [0, {self.NUM_CHANNELS})")
 
     def validate_logits_call(
         self,
@@ -183,11 +198,10 @@ class KeyExchange(ABC):
             raise ValueError(f"logits are on {logits.device}, the exchange works on {self.device}")
         if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1):
             raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
-        self._check_offset(vocab_offset, vocab_size)
+        self._check_offset(vocab_offset)
         if vocab_offset + logits.shape[1] > 2**32:
             raise ValueError("global columns must stay below 2**32")
-        if not isinstance(channel, int) or not 0 <= channel < self.NUM_CHANNELS:
-            raise ValueError(f"channel={channel!r} is out of range [0, {self.NUM_CHANNELS})")
+        self.check_channel(channel)
         rows = logits.shape[0]
         if (seeds is None) != (offsets is None):
             raise ValueError("pass seeds and offsets together, or neither")

@@ -71,23 +71,30 @@ def make_key_exchange(group: Any = None, prefer: str = "auto", **kwargs: Any) ->
     if unknown:
         raise ValueError(f"unknown option(s) {unknown}; known: device, {', '.join(_LL_OPTIONS)}")
     device = _exchange_device(group, kwargs.get("device"))
+    # Check the LL options here, whatever the choice: an option the LL exchange rejects is
+    # rejected on every machine, and code that uses channel 3 on LL works on the fallback.
+    from . import ll
+
+    num_channels = kwargs.get("num_channels", 2)
+    ll.validate_ll_arguments(kwargs.get("max_rows", ll.DEFAULT_MAX_ROWS), num_channels, 1)
+    if "timeout_s" in kwargs:
+        ll.resolve_timeout_s(kwargs["timeout_s"])
     if prefer == "allgather":
-        return AllGatherKeyExchange(group, device=device)
+        return AllGatherKeyExchange(group, device=device, num_channels=num_channels)
     reports = D.all_gather_object((socket.gethostname(), local_ll_blocker(device)), group)
     reason = ll_decision(reports)
     if reason is not None:
         if prefer == "ll":
             raise RuntimeError(f"the LL exchange is not available: {reason}")
-        return AllGatherKeyExchange(group, device=device)
-    from .ll import LLKeyExchange
+        return AllGatherKeyExchange(group, device=device, num_channels=num_channels)
 
     options = {k: kwargs[k] for k in _LL_OPTIONS if k in kwargs}
     try:
-        return LLKeyExchange(group, device=device, **options)
+        return ll.LLKeyExchange(group, device=device, **options)
     except ValueError:
         raise
     except RuntimeError as exc:  # raised on every rank alike (set-up errors are gathered)
         if prefer == "ll":
             raise
         warnings.warn(f"LL key exchange unavailable, using the all-gather exchange: {exc}", RuntimeWarning)
-        return AllGatherKeyExchange(group, device=device)
+        return AllGatherKeyExchange(group, device=device, num_channels=num_channels)

@@ -39,6 +39,8 @@ DEFAULT_MAX_ROWS = 1024
 MAX_MAX_ROWS = 4096  # the kernels keep one key per row in shared memory (32 KiB)
 MAX_CHANNELS = 16
 DEFAULT_TIMEOUT_S = 30.0
+MIN_TIMEOUT_S = 1e-3  # below a scheduling hiccup every wait would give up
+MAX_TIMEOUT_S = 1e6  # ~11.6 days; far inside the kernel's uint64 nanosecond count
 TIMEOUT_ENV = "TPSPEC_LL_TIMEOUT_S"
 
 CTRL_BYTES = 64  # ChannelCtrl in the source
@@ -86,7 +88,8 @@ def format_timeout_error(rank: int, channel: int, epoch: int, missing_mask: int,
 
 
 def resolve_timeout_s(timeout_s: float | None) -> float:
-    """``timeout_s``, else ``$TPSPEC_LL_TIMEOUT_S``, else 30 s; must be positive and finite."""
+    """``timeout_s``, else ``$TPSPEC_LL_TIMEOUT_S``, else 30 s; must lie in
+    ``[MIN_TIMEOUT_S, MAX_TIMEOUT_S]`` (the kernel counts it in uint64 nanoseconds)."""
     if timeout_s is None:
         env = os.environ.get(TIMEOUT_ENV)
         if env:
@@ -98,8 +101,8 @@ def resolve_timeout_s(timeout_s: float | None) -> float:
             timeout_s = DEFAULT_TIMEOUT_S
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
         raise ValueError(f"timeout_s must be a number, got {type(timeout_s).__name__}")
-    if not math.isfinite(timeout_s) or timeout_s <= 0:
-        raise ValueError(f"timeout_s must be positive and finite, got {timeout_s}")
+    if not math.isfinite(timeout_s) or not MIN_TIMEOUT_S <= timeout_s <= MAX_TIMEOUT_S:
+        raise ValueError(f"timeout_s must lie in [{MIN_TIMEOUT_S}, {MAX_TIMEOUT_S:g}] seconds, got {timeout_s}")
     return float(timeout_s)
 
 
@@ -373,9 +376,8 @@ class LLKeyExchange(KeyExchange):
             raise ValueError(f"the LL exchange works on a CUDA device, got {device}")
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        super().__init__(group, D.group_rank(group), world_size, device)
+        super().__init__(group, D.group_rank(group), world_size, device, num_channels=num_channels)
         self.MAX_ROWS = max_rows
-        self.NUM_CHANNELS = num_channels
         self._num_sms = int(torch.cuda.get_device_properties(device).multi_processor_count)
         self.plan_sms = self._num_sms  # _setup divides it among ranks on this GPU; block lines fit the whole GPU
         self.layout = BufferLayout(world_size, max_rows, num_channels, max_grid_blocks(max_rows, self._num_sms))
@@ -391,7 +393,7 @@ class LLKeyExchange(KeyExchange):
             self._release(barrier=False)
             self._closed = True
             raise
-        self._fallback = AllGatherKeyExchange(group, device=device)
+        self._fallback = AllGatherKeyExchange(group, device=device, num_channels=num_channels)
 
     # ------------------------------------------------------------------ set-up
     def _gather_ok(self, error: str | None, payload: Any = None) -> list[Any]:
@@ -412,27 +414,38 @@ class LLKeyExchange(KeyExchange):
         self._gather_ok(error)
         if self.rank != 0:
             error = self._try(lambda: cuda_module.load_module(index))
-        handle = None
+        # Every step that can fail runs inside _try and is reported through _gather_ok, so a
+        # failure on one rank raises on all of them instead of leaving peers in a collective.
+        handle: list[Any] = [None]
         if error is None:
-            error = self._try(self._allocate)
-            if error is None:
-                handle = self._cupy.cuda.runtime.ipcGetMemHandle(self._base)
+            error = self._try(lambda: self._allocate(handle))
         # The GPU's UUID (a MIG instance has its own) tells which ranks share this GPU.
         gpu = str(torch.cuda.get_device_properties(self.device).uuid)
-        payloads = self._gather_ok(error, (socket.gethostname(), handle, gpu))
+        payloads = self._gather_ok(error, (socket.gethostname(), handle[0], gpu))
         hosts = sorted({host for host, _, _ in payloads})
         if len(hosts) > 1:
             raise RuntimeError(f"LL exchange needs every rank on one node, the group spans {hosts}")
         self.plan_sms = sms_per_rank(self._num_sms, [uuid for _, _, uuid in payloads], self.rank)
+        error = self._try(lambda: self._open_peers(payloads))
+        self._gather_ok(error)
+
+    def _open_peers(self, payloads: list[Any]) -> None:
+        """Open the peers' buffers, build the slot table and load the kernels."""
         bases = [0] * self.world_size
         bases[self.rank] = self._base  # a process cannot open its own handle
-        error = self._try(lambda: self._open_peers(payloads, bases))
-        self._gather_ok(error)
-        table = [self.layout.slots(bases[r], ch) for ch in range(self.NUM_CHANNELS) for r in range(self.world_size)]
-        self._peer_slots = torch.tensor(table, dtype=torch.int64, device=self.device)
-        self._gumbel_table = K.gumbel_bound_table(self.device)  # the sampled rows' pruning bounds
-        self._module = cuda_module.load_module(index)
-        self._kernels = {name: self._module.get_function(name) for name in cuda_module.KERNEL_NAMES}
+        rt = self._cupy.cuda.runtime
+        with self._cupy.cuda.Device(self.device.index):
+            for r, (_, handle, _) in enumerate(payloads):  # (host, IPC handle, GPU UUID)
+                if r == self.rank:
+                    continue
+                ptr = rt.ipcOpenMemHandle(handle, _CUDA_IPC_LAZY_PEER_ACCESS)
+                self._opened.append(ptr)
+                bases[r] = ptr
+            table = [self.layout.slots(bases[r], ch) for ch in range(self.NUM_CHANNELS) for r in range(self.world_size)]
+            self._peer_slots = torch.tensor(table, dtype=torch.int64, device=self.device)
+            self._gumbel_table = K.gumbel_bound_table(self.device)  # the sampled rows' pruning bounds
+            self._module = cuda_module.load_module(self.device.index)
+            self._kernels = {name: self._module.get_function(name) for name in cuda_module.KERNEL_NAMES}
         self._exchange_kernel = exchange_keys_kernel_name(self.world_size)  # max_keys / argmax_tokens
 
     @staticmethod
@@ -443,7 +456,8 @@ class LLKeyExchange(KeyExchange):
         except Exception as exc:  # noqa: BLE001 - reported to every rank
             return f"{type(exc).__name__}: {exc}"
 
-    def _allocate(self) -> None:
+    def _allocate(self, handle: list[Any]) -> None:
+        """Allocate and zero this rank's buffer and error words; ``handle[0]`` = its IPC handle."""
         import cupy
 
         self._cupy = cupy
@@ -457,16 +471,7 @@ class LLKeyExchange(KeyExchange):
             self._host_error = rt.hostAlloc(HOST_ERROR_BYTES * self.NUM_CHANNELS, _CUDA_HOST_ALLOC_PORTABLE_MAPPED)
             ctypes.memset(self._host_error, 0, HOST_ERROR_BYTES * self.NUM_CHANNELS)
             rt.deviceSynchronize()
-
-    def _open_peers(self, payloads: list[Any], bases: list[int]) -> None:
-        rt = self._cupy.cuda.runtime
-        with self._cupy.cuda.Device(self.device.index):
-            for r, (_, handle, _) in enumerate(payloads):  # (host, IPC handle, GPU UUID)
-                if r == self.rank:
-                    continue
-                ptr = rt.ipcOpenMemHandle(handle, _CUDA_IPC_LAZY_PEER_ACCESS)
-                self._opened.append(ptr)
-                bases[r] = ptr
+            handle[0] = rt.ipcGetMemHandle(self._base)
 
     # ----------------------------------------------------------------- errors
     def _error_record(self, channel: int) -> tuple[int, int, int]:
@@ -496,10 +501,6 @@ class LLKeyExchange(KeyExchange):
             torch.cuda.current_stream(self.device).synchronize()
         self._raise_if_failed()
 
-    def _check_channel(self, channel: Any) -> None:
-        if isinstance(channel, bool) or not isinstance(channel, int) or not 0 <= channel < self.NUM_CHANNELS:
-            raise ValueError(f"channel={channel!r} is out of range [0, {self.NUM_CHANNELS})")
-
     # ----------------------------------------------------------------- launch
     def _exchange_args(self, channel: int) -> tuple:
         return (
@@ -521,18 +522,22 @@ class LLKeyExchange(KeyExchange):
         if stream is None:
             stream = self._cupy.cuda.ExternalStream(stream_ptr, self.device.index)
             self._streams[stream_ptr] = stream
-        self._kernels[name]((blocks,), (cuda_module.THREADS_PER_BLOCK,), args, shared_mem=shared_bytes, stream=stream)
+        # The kernels live in this device's context: launch there even when the caller's
+        # current device is another one (a no-op in the usual one-device-per-process case).
+        with torch.cuda.device(self.device.index):
+            self._kernels[name]((blocks,), (cuda_module.THREADS_PER_BLOCK,), args, shared_mem=shared_bytes,
+                                stream=stream)
 
     # ------------------------------------------------------------------ calls
     def max_keys(self, keys: torch.Tensor, *, channel: int = 0) -> torch.Tensor:
         self._check_rows_vector("keys", keys, None)
         if keys.dtype != torch.int64:
             raise ValueError(f"keys must be int64, got {keys.dtype}")
-        self._check_channel(channel)
+        self.check_channel(channel)
+        self._raise_if_failed()  # before the fallback too: a closed or poisoned exchange serves no call
         rows = keys.shape[0]
         if rows > self.MAX_ROWS:
             return self._fallback.max_keys(keys, channel=channel)
-        self._raise_if_failed()
         if rows == 0:
             return keys.clone()
         keys = keys.contiguous()
@@ -550,14 +555,14 @@ class LLKeyExchange(KeyExchange):
         self._check_rows_vector("local_argmax", local_argmax, local_max.shape[0])
         if local_argmax.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"local_argmax must be int32 or int64, got {local_argmax.dtype}")
-        self._check_offset(vocab_offset, None)
+        self._check_offset(vocab_offset)
         if local_max.dtype not in K.SUPPORTED_VALUE_DTYPES:
             raise ValueError(f"values must be float32, bfloat16 or float16, got {local_max.dtype}")
-        self._check_channel(channel)
+        self.check_channel(channel)
+        self._raise_if_failed()
         rows = local_max.shape[0]
         if rows > self.MAX_ROWS:
             return super().argmax_tokens(local_max, local_argmax, vocab_offset, channel=channel)
-        self._raise_if_failed()
         if rows == 0:
             return torch.empty(0, dtype=torch.int64, device=self.device)
         local_max = local_max.contiguous()
@@ -617,13 +622,13 @@ class LLKeyExchange(KeyExchange):
         want_tokens: bool,
     ) -> torch.Tensor:
         self.validate_logits_call(logits, vocab_offset, vocab_size, temperature, seeds, offsets, channel)
+        self._raise_if_failed()
         rows, width = logits.shape
         unseeded = temperature is not None and seeds is None
         if rows > self.MAX_ROWS:  # the all-gather path (max_keys hands these rows over), same results
             best = self._max_local_keys(logits, vocab_offset, vocab_size, temperature, seeds, offsets,
                                         greedy_threshold, channel)
             return K.unpack_indices(best) if want_tokens else best
-        self._raise_if_failed()
         if rows == 0:
             if unseeded:
                 self.step_counter.add_(1)  # the all-gather path advances it for every such call
