@@ -38,3 +38,20 @@ def test_bench_step_rejects_bad_arguments(tmp_path):
         main(["bench", "step", "--device", "cpu", "--quick", "--modes", "beam", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="positive"):
         main(["bench", "step", "--device", "cpu", "--quick", "--batch", "0", "--out", str(tmp_path)])
+
+
+def test_tokens_equal_compares_both_paths_on_every_rank():
+    import torch
+
+    def records(gather_out, sharded_out):
+        base = {"batch": 1, "mode": "greedy", "rows": 3, "forward_ms": 1.0, "select_ms": 1.0}
+        return [dict(base, path="sharded", first_output=sharded_out), dict(base, path="gather", first_output=gather_out)]
+
+    same = torch.tensor([5, -1, -1, 5, 6, 7])
+    _, equal = step.summarize([records(same, same), records(same, same)], draft_len=2)
+    assert equal == {"B=1 greedy": True}
+    other_rank = torch.tensor([5, -1, -1, 5, 6, 8])  # rank 1 disagrees on one row's target token
+    _, equal = step.summarize([records(same, same), records(other_rank, other_rank)], draft_len=2)
+    assert equal == {"B=1 greedy": False}
+    _, equal = step.summarize([records(same, other_rank), records(same, same)], draft_len=2)
+    assert equal == {"B=1 greedy": False}

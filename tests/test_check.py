@@ -90,3 +90,15 @@ def test_bad_tp_is_a_clear_error():
 def test_unknown_skip_key_is_a_clear_error():
     with pytest.raises(SystemExit, match="unknown --skip"):
         main(["check", "--tp", "2", "--device", "cpu", "--skip", "nonsense"])
+
+
+def test_tp1_skips_the_rows_that_would_compare_a_run_with_itself(tmp_path, capsys):
+    out = tmp_path / "check.json"
+    code = main(["check", "--tp", "1", "--launcher", "mp", "--device", "cpu", "--quick", "--skip",
+                 "rejection_exact,gumbel_exact", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    rows = {r["key"]: r for r in json.loads(out.read_text())["results"]}
+    for key in ("ranks_agree", "generate_tp"):
+        assert rows[key]["status"] == C.SKIP and "--tp 2" in rows[key]["detail"], rows[key]
+    assert rows["greedy_argmax"]["status"] == C.PASS

@@ -9,6 +9,7 @@ import torch
 
 from tpspec import check as C
 from tpspec.cli import main
+from tpspec.exchange import cuda_module
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -21,4 +22,10 @@ def test_check_tp2_cuda_quick_passes(tmp_path, capsys):
     rows = {r["key"]: r for r in json.loads(out.read_text())["results"]}
     for key in ("cuda_graph", "cpu_gpu_bits"):
         assert rows[key]["status"] == C.PASS, rows[key]
-    assert rows["ll_equals_allgather"]["status"] in (C.PASS, C.SKIP), rows["ll_equals_allgather"]
+    if cuda_module.cupy_or_none() is None:  # no cupy: the LL rows may only skip, and say why
+        assert rows["ll_equals_allgather"]["status"] == C.SKIP, rows["ll_equals_allgather"]
+        assert "cupy" in rows["ll_equals_allgather"]["detail"]
+    else:  # with cupy the kernel must run: a compile or set-up failure is a FAIL, never a SKIP
+        assert rows["ll_equals_allgather"]["status"] == C.PASS, rows["ll_equals_allgather"]
+        assert "LL kernel keys (0 of" in rows["cpu_gpu_bits"]["detail"], rows["cpu_gpu_bits"]
+        assert rows["cuda_graph"]["detail"].startswith("LLKeyExchange"), rows["cuda_graph"]

@@ -69,3 +69,24 @@ def test_worker_error_reaches_the_driver(ckpt, tmp_path):
     (bad / "model.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(WorkerError, match="raised"):
         LLM(str(bad), tp_size=2, init_timeout_s=60.0)
+
+
+def _disagreeing_ranks_worker(rank: int, world_size: int) -> str:
+    from tpspec import distributed as D
+    from tpspec.runtime.engine import Engine, SequenceResult
+
+    engine = object.__new__(Engine)  # only the end-of-generate check, on a real gloo group
+    engine.group = D.tp_group()
+    engine._check_ranks_agree([SequenceResult([1, 2, 3], "length", None)])  # equal: passes
+    try:
+        engine._check_ranks_agree([SequenceResult([1, 2, 3 + rank], "length", None)])
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_ranks_that_generate_different_tokens_raise_on_every_rank():
+    from tpspec.testing import run_ranks
+
+    for message in run_ranks(_disagreeing_ranks_worker, 2, timeout_s=60):
+        assert "ranks disagree on the generated tokens" in message

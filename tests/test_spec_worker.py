@@ -93,11 +93,14 @@ def test_draft_selection():
     assert greedy.probs is None and torch.equal(greedy.tokens, lg.local.argmax(dim=1))
     sampled = select_draft_tokens(lg, meta, 0, sample=True)
     again = select_draft_tokens(lg, meta, 0, sample=True)
-    other_step = [select_draft_tokens(lg, meta, 1, sample=True).tokens[0] for _ in range(1)]
     assert torch.equal(sampled.tokens, again.tokens)  # the draft step's stream, reproducible
     assert torch.allclose(sampled.probs.sum(dim=1), torch.ones(2), atol=1e-6)
     assert sampled.probs[0, sampled.tokens[0]] > 0 and sampled.tokens[1] == lg.local[1].argmax()
-    assert meta.draft_offsets(0)[0] != meta.draft_offsets(1)[0] and other_step
+    # Each draft step draws from its own stream: over 8 steps the sampled request's draws
+    # change (a selection that ignored `step` would repeat step 0's token 8 times).
+    meta8 = SpecMetadata(4, 8).prepare(requests, draft_len=8)
+    per_step = [int(select_draft_tokens(lg, meta8, step, sample=True).tokens[0]) for step in range(8)]
+    assert len(set(per_step)) > 1, per_step
     with pytest.raises(ValueError, match="rows"):
         select_draft_tokens(logits(3, 64, 5), meta, 0)
 

@@ -107,6 +107,9 @@ class PerturbedExchange(KeyExchange):
     def argmax_logits(self, logits, vocab_offset, **kwargs):  # type: ignore[override]
         return self._perturb(self.inner.argmax_logits(logits, vocab_offset, **kwargs))
 
+    def max_logits_keys(self, logits, vocab_offset, **kwargs):  # the LL exchange's keys-only call
+        return self._perturb(self.inner.max_logits_keys(logits, vocab_offset, **kwargs))
+
     def close(self) -> None:
         self.inner.close()
 
@@ -163,6 +166,21 @@ class SuiteContext:
     def allgather_exchange(self) -> KeyExchange:
         return self.wrap(AllGatherKeyExchange(self.group, device=self.device))
 
+    def ll_exchange(self) -> tuple[KeyExchange | None, str | None]:
+        """``(the LL exchange, None)``, or ``(None, why)`` when the group lacks what it needs
+        (CUDA, cupy, one node). Collective. A set-up or compile failure raises: a broken
+        kernel fails the check that asked for it, never skips it."""
+        if self.device.type != "cuda":
+            return None, f"the LL exchange needs CUDA (device={self.device.type})"
+        require_module("tpspec.exchange.ll")
+        from .exchange.factory import ll_unavailable_reason
+        from .exchange.ll import LLKeyExchange
+
+        reason = ll_unavailable_reason(self.group, self.device)
+        if reason is not None:
+            return None, f"LL exchange unavailable here: {reason}"
+        return self.wrap(LLKeyExchange(self.group, device=self.device)), None
+
     def generator(self, salt: int) -> torch.Generator:
         """A CPU generator seeded from the suite seed and ``salt``: the same data on every rank."""
         return torch.Generator().manual_seed((self.seed * 1_000_003 + salt) % 2**63)
@@ -205,13 +223,24 @@ def emulated_tokens(
 ) -> torch.Tensor:
     """The tokens a TP=``tp`` group would pick from ``full`` (``[R, V]``), computed in one
     process: every shard's row keys (padding included), then the max over shards."""
+    return K.unpack_indices(emulated_keys(full, tp, temperature, seeds, offsets))
+
+
+def emulated_keys(
+    full: torch.Tensor,
+    tp: int,
+    temperature: torch.Tensor | None = None,
+    seeds: torch.Tensor | None = None,
+    offsets: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The winning keys (``[R]`` int64) of a TP=``tp`` group, computed in one process."""
     vocab = full.shape[1]
     best = None
     for r in range(tp):
         local, offset = shard_slice(full, tp, r)
         keys = K.local_row_keys(local, offset, vocab_size=vocab, temperature=temperature, seeds=seeds, offsets=offsets)
         best = keys if best is None else torch.maximum(best, keys)
-    return K.unpack_indices(best)
+    return best
 
 
 def splittable_tp_sizes(vocab: int, sizes: tuple[int, ...]) -> list[int]:
@@ -555,15 +584,9 @@ def check_seeded_streams(ctx: SuiteContext) -> CheckResult:
 
 def check_ll_equals_allgather(ctx: SuiteContext) -> CheckResult:
     """§8.2: the LL exchange and the all-gather exchange pick identical tokens (GPU only)."""
-    if ctx.device.type != "cuda":
-        raise Skip("the LL exchange needs CUDA (device=cpu)")
-    require_module("tpspec.exchange.ll")
-    from .exchange.factory import make_key_exchange
-
-    try:
-        ll = ctx.wrap(make_key_exchange(ctx.group, prefer="ll", device=ctx.device))
-    except RuntimeError as exc:
-        raise Skip(f"LL exchange unavailable here: {exc}") from None
+    ll, why = ctx.ll_exchange()
+    if ll is None:
+        raise Skip(why)
     ag = ctx.allgather_exchange()
     rows = mism = 0
     details = []
@@ -626,10 +649,27 @@ def check_cpu_gpu_bits(ctx: SuiteContext) -> CheckResult:
     rows += 2 * num_rows + cpu_scores.numel()
     sharded = VocabShardedLogits(local.to(ctx.device), offset, vocab, ex)
     tokens = ctx.record(sharded.sample(temps.to(ctx.device), seeds.to(ctx.device), offsets.to(ctx.device)))
-    mism += _mismatches(tokens, emulated_tokens(full, ctx.world_size, temps, seeds, offsets))
+    reference = emulated_keys(full, ctx.world_size, temps, seeds, offsets)
+    mism += _mismatches(tokens, K.unpack_indices(reference))
     rows += num_rows
+    # The kernel itself: the LL exchange's winning keys (score bits and column) for the
+    # same rows, against the CPU reference.
+    ll, why = ctx.ll_exchange()
+    if ll is None:
+        kernel = f"LL kernel not run ({why})"
+    else:
+        try:
+            ll_keys = ll.max_logits_keys(local.to(ctx.device), offset, vocab_size=vocab, temperature=temps.to(ctx.device),
+                                         seeds=seeds.to(ctx.device), offsets=offsets.to(ctx.device))
+            ctx.record(K.unpack_indices(ll_keys))
+            kernel_bad = _mismatches(ll_keys, reference)
+        finally:
+            ll.close()
+        mism += kernel_bad
+        rows += num_rows
+        kernel = f"LL kernel keys ({kernel_bad} of {num_rows} differ)"
     return CheckResult("cpu_gpu_bits", PASS if mism == 0 else FAIL, rows, mism,
-                       detail=f"row keys, {cpu_scores.numel()} Gumbel scores ({score_bad} differ), tokens")
+                       detail=f"row keys, {cpu_scores.numel()} Gumbel scores ({score_bad} differ), tokens, {kernel}")
 
 
 def check_cuda_graph(ctx: SuiteContext) -> CheckResult:
@@ -637,19 +677,11 @@ def check_cuda_graph(ctx: SuiteContext) -> CheckResult:
     including unseeded rows whose step counter advances inside the graph (GPU only)."""
     if ctx.device.type != "cuda":
         raise Skip("CUDA graphs need CUDA (device=cpu)")
-    exchange = None
-    if importlib.util.find_spec("tpspec.exchange.ll") is not None:
-        from .exchange.factory import make_key_exchange
-
-        try:
-            exchange = make_key_exchange(ctx.group, prefer="ll", device=ctx.device)
-        except RuntimeError:
-            exchange = None
-    if exchange is None:
+    ex, why = ctx.ll_exchange()  # a broken LL set-up fails this check rather than falling back
+    if ex is None:
         if D.group_backend(ctx.group) not in (None, "nccl"):
-            raise Skip("no capturable exchange: LL unavailable and the group is not NCCL")
-        exchange = AllGatherKeyExchange(ctx.group, device=ctx.device)
-    ex = ctx.wrap(exchange)
+            raise Skip(f"no capturable exchange: the group is not NCCL and {why}")
+        ex = ctx.allgather_exchange()
     gen = ctx.generator(50_000)
     num_rows, vocab, steps = 64, 4099, 4
     full = torch.randn(num_rows, vocab, generator=gen) * 2.0
@@ -687,11 +719,13 @@ def check_cuda_graph(ctx: SuiteContext) -> CheckResult:
     for t in replayed:
         ctx.record(t)
     return CheckResult("cuda_graph", PASS if mism == 0 else FAIL, steps * 3 * num_rows, mism,
-                       detail=f"{type(exchange).__name__}: greedy, seeded, unseeded x {steps} replays")
+                       detail=f"{type(getattr(ex, 'inner', ex)).__name__}: greedy, seeded, unseeded x {steps} replays")
 
 
 def check_ranks_agree(ctx: SuiteContext) -> CheckResult:
     """§8.1: every token any check selected on this rank equals rank 0's (collective)."""
+    if ctx.world_size == 1:
+        raise Skip("one rank: nothing to agree with (run with --tp 2 or more)")
     mine = torch.cat(ctx.ledger) if ctx.ledger else torch.zeros(0, dtype=torch.int64)
     everyone = D.all_gather_object(mine.numpy(), ctx.group)
     ref = torch.from_numpy(everyone[0])
@@ -833,6 +867,8 @@ def driver_checks(tp: int, device: str, *, quick: bool, seed: int, launcher: str
 
     def generate_tp() -> CheckResult:
         require_module("tpspec.runtime")
+        if tp == 1:
+            raise Skip("TP=1 is the reference itself (run with --tp 2 or more)")
         _require_tiny_split(tp)
         if launcher != "torchrun" and device == "cuda" and torch.cuda.device_count() < tp:
             raise Skip(f"the runtime's {launcher} launcher needs one GPU per rank ({torch.cuda.device_count()} < {tp})")

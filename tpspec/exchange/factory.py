@@ -55,6 +55,15 @@ def ll_decision(reports: list[tuple[str, str | None]]) -> str | None:
     return None
 
 
+def ll_unavailable_reason(group: Any, device: torch.device) -> str | None:
+    """Why the group cannot use the LL exchange on ``device`` for lack of something
+    (CUDA, cupy, the kernel source, one node), or ``None``. Collective over ``group``;
+    every rank gets the same answer. A set-up that then fails is not covered: that is a
+    fault, which ``LLKeyExchange`` raises on every rank."""
+    reports = D.all_gather_object((socket.gethostname(), local_ll_blocker(device)), group)
+    return ll_decision(reports)
+
+
 def make_key_exchange(group: Any = None, prefer: str = "auto", **kwargs: Any) -> KeyExchange:
     """Build the group's key exchange. Collective over ``group``.
 
@@ -81,8 +90,7 @@ def make_key_exchange(group: Any = None, prefer: str = "auto", **kwargs: Any) ->
         ll.resolve_timeout_s(kwargs["timeout_s"])
     if prefer == "allgather":
         return AllGatherKeyExchange(group, device=device, num_channels=num_channels)
-    reports = D.all_gather_object((socket.gethostname(), local_ll_blocker(device)), group)
-    reason = ll_decision(reports)
+    reason = ll_unavailable_reason(group, device)
     if reason is not None:
         if prefer == "ll":
             raise RuntimeError(f"the LL exchange is not available: {reason}")
