@@ -87,6 +87,9 @@ def test_speculative_greedy_equals_plain_greedy(ckpt, baseline, tp, adp):
             assert st.num_generated_tokens == MAX_NEW
             assert len(st.accepted_drafts_per_step) == st.num_steps - 1  # the context step drafts nothing
             assert st.num_accepted_drafts == sum(st.accepted_drafts_per_step)
+            # Stats count emitted tokens: one from the context step, 1 + accepted from each
+            # generation step, the last step's overshoot past max_new_tokens excluded.
+            assert 1 + sum(1 + a for a in st.accepted_drafts_per_step) == st.num_generated_tokens
         accepted_any[method] = stats.num_accepted_drafts
     # The drafters do propose tokens the target keeps (otherwise the test proves little).
     assert accepted_any["ngram"] > 0 and accepted_any["draft_model"] > 0
@@ -172,6 +175,8 @@ def test_bad_requests_rejected_without_disturbing_others(llm_tp2, baseline):
         llm_tp2.generate([PROMPTS[0]], max_new_tokens=0)
     with pytest.raises(ValueError, match="stop token"):
         llm_tp2.generate([PROMPTS[0]], stop_token_ids=[-1])
+    with pytest.raises(ValueError, match="stop_token_ids must be a list"):
+        llm_tp2.generate([PROMPTS[0]], stop_token_ids=5)
     # The LLM is still healthy and deterministic after the rejected calls.
     outs = llm_tp2.generate(PROMPTS[:2], max_new_tokens=MAX_NEW)
     assert [o.token_ids for o in outs] == baseline[:2]
@@ -190,6 +195,21 @@ def test_bad_configs_raise_clear_errors(ckpt, tmp_path):
         SpeculativeConfig("draft_model", 4)
     with pytest.raises(ValueError, match="acceptance"):
         SpeculativeConfig("ngram", 4, acceptance="lenient")
+    with pytest.raises(ValueError, match=r"bad speculative config .*known keys: method"):
+        LLM(ckpt[0], speculative={"method": "ngram", "k": 4})
+    with pytest.raises(ValueError, match="exchange='ll' needs device='cuda'"):
+        LLM(ckpt[0], device="cpu", exchange="ll")
+    # A config.json without weights: a ValueError in the driver, before any worker starts.
+    import shutil
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(f"{ckpt[0]}/config.json", bare / "config.json")
+    with pytest.raises(ValueError, match="no safetensors weights"):
+        LLM(str(bare))
+    (bare / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"\.bin checkpoints are not supported"):
+        LLM(str(bare))
 
 
 def test_text_prompts_use_the_tokenizer(llm_tp2):

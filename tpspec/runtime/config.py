@@ -97,7 +97,10 @@ class RequestStats:
     """How one request was generated.
 
     ``num_steps``: engine steps that emitted tokens for it (the context step included).
-    ``accepted_drafts_per_step``: accepted draft tokens of each generation step.
+    ``accepted_drafts_per_step``: accepted draft tokens of each generation step: the
+    tokens it emitted beyond the one every step emits. A step cut short by the request's
+    end (``max_new_tokens``, ``max_seq_len``, a stop token) counts only what it emitted,
+    so ``1 + mean accepted drafts`` is exactly the generated tokens per generation step.
     """
 
     num_prompt_tokens: int = 0

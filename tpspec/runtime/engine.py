@@ -399,14 +399,18 @@ class Engine:
         was_context = seq.num_generated == 0  # a request's first tokens always come from its context step
         st = seq.stats
         st.num_steps += 1
-        if not was_context:
-            st.num_draft_tokens += self.num_draft
-            st.num_accepted_drafts += len(toks) - 1
-            st.accepted_drafts_per_step.append(len(toks) - 1)
+        emitted = 0
         for t in toks:
             seq.tokens.append(int(t))
+            emitted += 1
             if self._check_done(seq):
                 break
+        if not was_context:
+            # Count what the step emitted, not what it verified: tokens cut off by the
+            # request's end (length, max_seq_len, a stop token) were never generated.
+            st.num_draft_tokens += self.num_draft
+            st.num_accepted_drafts += emitted - 1
+            st.accepted_drafts_per_step.append(emitted - 1)
         st.num_generated_tokens = seq.num_generated
         seq.target_cached = len(seq.tokens) - 1
         seq.draft_cached = min(seq.draft_cached, len(seq.tokens) - 1)

@@ -14,6 +14,7 @@ the requests on the launcher's ranks and turns rank 0's results into
 from __future__ import annotations
 
 import dataclasses
+import glob
 import itertools
 import os
 import sys
@@ -81,6 +82,13 @@ def resolve_model(model: str | os.PathLike, kind: str = "target") -> str:
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"model {path!r} is not a Hugging Face model directory (no config.json); "
                          f"pass a checkpoint directory or 'tiny'")
+    from ..model.loader import INDEX_FILE
+
+    # Checked here so the user gets a ValueError, not a worker's traceback.
+    if not os.path.isfile(os.path.join(path, INDEX_FILE)) and not glob.glob(os.path.join(path, "*.safetensors")):
+        found = sorted(os.path.basename(p) for p in glob.glob(os.path.join(path, "*.bin")))
+        hint = f" (found {found}: PyTorch .bin checkpoints are not supported)" if found else ""
+        raise ValueError(f"model {path!r} has no safetensors weights{hint}")
     return path
 
 
@@ -199,13 +207,19 @@ class LLM:
         _check_positive("tp_size", tp_size)
         _check_positive("max_batch_size", max_batch_size)
         if isinstance(speculative, dict):
-            speculative = SpeculativeConfig(**speculative)
+            try:
+                speculative = SpeculativeConfig(**speculative)
+            except TypeError as exc:  # an unknown key
+                known = ", ".join(f.name for f in dataclasses.fields(SpeculativeConfig))
+                raise ValueError(f"bad speculative config {speculative!r}: {exc} (known keys: {known})") from None
         if speculative is not None and not isinstance(speculative, SpeculativeConfig):
             raise ValueError(f"speculative must be a SpeculativeConfig, a dict or None, got {type(speculative).__name__}")
         device = _resolve_device(device)
         dtype = _resolve_dtype(dtype, device)
         if exchange not in ("auto", "ll", "allgather"):
             raise ValueError(f"exchange must be 'auto', 'll' or 'allgather', got {exchange!r}")
+        if exchange == "ll" and device != "cuda":
+            raise ValueError(f"exchange='ll' needs device='cuda' (CUDA IPC), got device={device!r}")
 
         self.model_path = resolve_model(model)
         self.model_config = ModelConfig.from_pretrained(self.model_path)
@@ -413,6 +427,8 @@ class LLM:
 
     def _stop_ids(self, stop_token_ids: Any, ignore_eos: bool) -> tuple[int, ...]:
         stops = [] if ignore_eos else list(self.model_config.eos_token_ids)
+        if stop_token_ids is not None and not isinstance(stop_token_ids, (list, tuple, set, frozenset)):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {type(stop_token_ids).__name__}")
         for t in stop_token_ids or ():
             if not _is_int(t) or not 0 <= t < self.vocab_size:
                 raise ValueError(f"stop token id {t!r} is outside [0, {self.vocab_size})")
