@@ -130,6 +130,24 @@ def test_seeded_sampling_same_across_tp_and_batch(ckpt, llm_tp2):
     assert twins[0].token_ids != twins[1].token_ids
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_sampled_rejection_speculation_same_across_tp(ckpt, method):
+    """Lossless speculation on sampled rows (rejection acceptance, seeded top-k / top-p
+    requests and an unseeded one) emits the same tokens at TP = 1 and TP = 2: the draws,
+    acceptance uniforms and residual draws come from each request's own stream."""
+    spec = _spec(method, "rejection", ckpt[1])
+    params = [SamplingParams(temperature=0.8, seed=7), SamplingParams(temperature=1.0, top_k=20, seed=8),
+              SamplingParams(temperature=0.6, top_p=0.9, seed=9), SamplingParams(temperature=0.9, seed=10)]
+    runs = {}
+    for tp in (1, 2):
+        with LLM(ckpt[0], tp_size=tp, speculative=spec, max_batch_size=4) as llm:
+            outs = llm.generate(PROMPTS[:4], params, max_new_tokens=MAX_NEW)
+            runs[tp] = ([o.token_ids for o in outs], llm.last_stats.num_accepted_drafts)
+    assert runs[1][0] == runs[2][0], f"{method}: sampled speculation differs between TP=1 and TP=2"
+    assert runs[1][1] == runs[2][1]
+    assert runs[2][1] > 0, "no draft was ever accepted: the test would not exercise acceptance"
+
+
 def test_stop_rules_and_per_prompt_budgets(llm_tp2, baseline):
     """Stop tokens end a request (the stop token is kept); per-prompt max_new_tokens;
     outputs stay in prompt order."""
