@@ -134,6 +134,30 @@ def test_filtered_probs_greedy_rows_are_one_hot_and_rows_sum_to_one():
     assert torch.allclose(probs.sum(dim=1), torch.ones(2), atol=1e-6)
 
 
+def test_rows_with_nan_or_inf_logits_are_point_masses_on_the_draws_column():
+    """A sampled row with a NaN or +inf logit (or only -inf) has no softmax; its draw is
+    the key argmax, so filtered_probs (rejection sampling's target law) is one-hot there,
+    whatever the filters (min-p on NaN probabilities, a top-p of float32's smallest)."""
+    inf, nan = float("inf"), float("nan")
+    x = torch.tensor([
+        [0.0, 1.0, inf, 2.0, inf],  # the first +inf
+        [nan, 1.0, inf, 2.0, nan],  # the first NaN, above +inf
+        [-inf, -inf, -inf, -inf, -inf],  # nothing but -inf: column 0
+        [0.0, 5.0, 1.0, 2.0, 3.0],  # finite, with a top-p that is float32's smallest
+    ])
+    rows = x.shape[0]
+    t = torch.ones(rows)
+    top_p = torch.tensor([1.0, 1.0, 1.0, 1.2e-38])
+    min_p = torch.tensor([0.0, 0.5, 0.5, 0.0])
+    expected = [2, 0, 0, 1]
+    probs = filtered_probs(x, t, None, top_p, min_p)
+    assert probs.argmax(dim=1).tolist() == expected and torch.equal(probs.sum(dim=1), torch.ones(rows))
+    for seed in range(5):  # the draws agree, seed after seed
+        seeds = torch.full((rows,), seed, dtype=torch.int64)
+        drawn = sample_from_logits(x, t, seeds, torch.zeros(rows, dtype=torch.int64), None, top_p, min_p)
+        assert drawn.tolist() == expected
+
+
 def test_bad_inputs():
     x = torch.randn(3, 5)
     z = torch.zeros(3, dtype=torch.int64)

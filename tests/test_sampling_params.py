@@ -20,12 +20,14 @@ def test_exported_from_package():
         ({"temperature": -0.1}, "temperature"),
         ({"temperature": float("nan")}, "temperature"),
         ({"temperature": float("inf")}, "temperature"),
+        ({"temperature": 1e39}, "temperature"),  # finite as a double, inf as the kernels' float32
         ({"temperature": "1.0"}, "temperature"),
         ({"top_k": -1}, "top_k"),
         ({"top_k": 2.0}, "top_k"),
         ({"top_k": True}, "top_k"),
         ({"top_k": 2**31}, "top_k"),
         ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1e-46}, "top_p"),  # positive as a double, 0 as float32
         ({"top_p": 1.5}, "top_p"),
         ({"top_p": -0.2}, "top_p"),
         ({"min_p": -0.01}, "min_p"),

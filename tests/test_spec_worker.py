@@ -114,3 +114,20 @@ def test_worker_errors():
         SpecWorker(forced=None).step(lg, torch.zeros(1, 3, dtype=torch.int64), meta)
     with pytest.raises(ValueError, match="draft_tokens is None"):
         SpecWorker(forced=None).step(lg, None, meta)
+
+
+def test_rejection_and_strict_agree_on_rows_with_inf_or_nan_logits():
+    # Such a row's target draw is a point mass on its first NaN (else first +inf) column:
+    # rejection must accept a draft there and emit that column, as strict acceptance does.
+    for bad in (float("inf"), float("nan")):
+        x = torch.zeros(2, 8)
+        x[:, 5] = bad
+        requests = [("r", 0, SamplingParams(temperature=1.0, seed=1), False)]
+        for draft in (3, 5):
+            got = {}
+            for mode in ("strict", "rejection"):
+                meta = SpecMetadata(2, 1).prepare(requests, draft_len=1)
+                out = SpecWorker(mode, forced=None).step(VocabShardedLogits(x.clone(), 0, 8, EX),
+                                                         torch.tensor([[draft]]), meta)
+                got[mode] = out.accepted_tokens.tolist()
+            assert got["strict"] == got["rejection"] == ([[5, -1]] if draft == 3 else [[5, 5]]), (bad, draft, got)

@@ -120,7 +120,10 @@ def keep_mask(
         probs = torch.softmax(scaled, dim=1)
         p_max = probs.max(dim=1, keepdim=True).values
         keep &= probs >= min_p.reshape(-1, 1) * p_max
-    return keep
+    # Every filter keeps a row's top column (key order). Say so explicitly: float32 edge
+    # cases (a top_p that rounds to 0, NaN probabilities under min-p) must never leave a
+    # row with nothing to draw.
+    return keep.scatter_(1, key_argmax(x).reshape(-1, 1), True)
 
 
 def filtered_logits(
@@ -145,8 +148,10 @@ def filtered_probs(
     """The distribution each row is sampled from: ``[R, V]`` float32, rows sum to 1.
 
     Sampled rows: ``softmax(filtered_logits / T)``; greedy rows: one-hot at the argmax.
-    This is exactly the law of :func:`sample_from_logits` (what rejection sampling needs
-    as the target distribution).
+    Sampled rows with a NaN or ``+inf`` logit (or nothing but ``-inf``) have no softmax;
+    their draw is a point mass on the key argmax (the first NaN, else the first ``+inf``,
+    else column 0), so they are one-hot there too. This is exactly the law of
+    :func:`sample_from_logits` (what rejection sampling needs as the target distribution).
     """
     _check_logits(logits)
     rows = logits.shape[0]
@@ -154,9 +159,10 @@ def filtered_probs(
     greedy = greedy_rows(t)
     safe_t = torch.where(greedy, torch.ones_like(t), t)
     probs = torch.softmax(filtered_logits(logits, safe_t, top_k, top_p, min_p) / safe_t.reshape(-1, 1), dim=1)
-    if bool(greedy.any()):
+    point_mass = greedy | torch.isnan(probs).any(dim=1)
+    if bool(point_mass.any()):
         one_hot = torch.zeros_like(probs).scatter_(1, key_argmax(logits).reshape(-1, 1), 1.0)
-        probs = torch.where(greedy.reshape(-1, 1), one_hot, probs)
+        probs = torch.where(point_mass.reshape(-1, 1), one_hot, probs)
     return probs
 
 

@@ -26,6 +26,8 @@ GREEDY_SENTINEL_TEMPERATURE = 1e-6
 """Normalized temperature of greedy requests: below the greedy threshold (1e-5)."""
 
 SEED_RANGE = (0, 2**64)
+FLOAT32_MAX = 3.4028234663852886e38  # temperatures above it become inf in the kernels' float32
+FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32: a top_p below it would round to 0
 """User seeds are integers in ``[0, 2**64)``; they are used as a 64-bit Philox key."""
 
 assert GREEDY_SENTINEL_TEMPERATURE < GREEDY_TEMPERATURE_THRESHOLD
@@ -64,16 +66,18 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         t = self.temperature
-        if t is not None and (not _is_real(t) or not math.isfinite(t) or t < 0):
-            raise ValueError(f"SamplingParams.temperature must be None or a finite number >= 0, got {t!r}")
+        # Values are checked as the float32 the kernels will hold, not only as Python floats.
+        if t is not None and (not _is_real(t) or not math.isfinite(t) or t < 0 or t > FLOAT32_MAX):
+            raise ValueError(f"SamplingParams.temperature must be None or a finite float32 >= 0, got {t!r}")
         k = self.top_k
         if k is not None and (not _is_int(k) or k < 0):
             raise ValueError(f"SamplingParams.top_k must be None or an int >= 0 (0 disables it), got {k!r}")
         if k is not None and k > TOP_K_DISABLED:
             raise ValueError(f"SamplingParams.top_k={k} exceeds INT32_MAX")
         p = self.top_p
-        if p is not None and (not _is_real(p) or not (0.0 < p <= 1.0)):
-            raise ValueError(f"SamplingParams.top_p must be None or in (0, 1], got {p!r}")
+        if p is not None and (not _is_real(p) or not (FLOAT32_TINY <= p <= 1.0)):
+            raise ValueError(f"SamplingParams.top_p must be None or in (0, 1] (at least {FLOAT32_TINY:g} "
+                             f"as float32), got {p!r}")
         m = self.min_p
         if m is not None and (not _is_real(m) or not (0.0 <= m <= 1.0)):
             raise ValueError(f"SamplingParams.min_p must be None or in [0, 1], got {m!r}")
