@@ -131,3 +131,14 @@ def test_rejection_and_strict_agree_on_rows_with_inf_or_nan_logits():
                                                          torch.tensor([[draft]]), meta)
                 got[mode] = out.accepted_tokens.tolist()
             assert got["strict"] == got["rejection"] == ([[5, -1]] if draft == 3 else [[5, 5]]), (bad, draft, got)
+
+
+def test_padding_requests_verify_no_drafts_in_either_acceptance_mode():
+    # A padding request (slot -1, drafts -1) in a batch of generation requests only:
+    # rejection must skip its drafts as strict acceptance does, with or without contexts.
+    requests = [("r", 0, SamplingParams(temperature=1.0, seed=3), False), ("pad", -1, None, False)]
+    for mode in ("strict", "rejection"):
+        meta = SpecMetadata(4, 2).prepare(requests, draft_len=2)
+        lg = logits(meta.num_rows, 16, 0)
+        out = SpecWorker(mode, forced=None).step(lg, torch.tensor([[1, 2], [-1, -1]]), meta)
+        assert out.num_accepted[1] == 1 and out.accepted_tokens[1, 1:].tolist() == [-1, -1], mode

@@ -91,6 +91,13 @@ class SpecWorker:
         rejection sampling, or None: the drafts are treated as deterministic (one-hot q),
         which is still lossless. ``is_warmup``: eager CUDA-graph warm-up (no forced
         acceptance, its counter does not advance). Collective over the logits' group.
+
+        Arguments are checked on each rank before the first collective. Under attention
+        DP each rank's batch is its own, so a rank whose drafts have the wrong shape
+        raises alone while its peers wait in the collective until the process group's
+        timeout: the engine checks batches through its shared step plan first, and a
+        direct caller under attention DP should do the same (an extra collective per step
+        here would slow every correct step).
         """
         batch, num_drafts = meta.num_requests, meta.draft_len
         device = target_logits.local.device
@@ -111,7 +118,8 @@ class SpecWorker:
             probs = filtered_probs(full, rs.temperature, rs.top_k, rs.top_p, rs.min_p)
             accepted, num = rejection_sample(
                 draft_probs, drafts, probs[row_index], meta.request_seeds, meta.acceptance_offsets(),
-                draft_lens=lens if meta.num_contexts else None,
+                # Only rows with fewer drafts need lengths (without them flashinfer may serve).
+                draft_lens=None if meta.every_request_has_full_drafts else lens,
                 needs_reproducible_streams=meta.any_seeded,
             )
             if meta.num_contexts or use_forced:
