@@ -235,7 +235,10 @@ def sample_from_logits(
         )
     safe_t = torch.where(greedy, torch.ones_like(t), t)
     if fi_ok:
-        sampled = _flashinfer_sample(fs, logits, safe_t, top_k, top_p, seeds, offsets)
+        # flashinfer takes one stream for the batch: a sampled row's, never a greedy (or
+        # padding) row's, whose offset is a constant and would repeat draws step after step.
+        first = int(torch.nonzero(~greedy)[0])
+        sampled = _flashinfer_sample(fs, logits, safe_t, top_k, top_p, int(seeds[first]), int(offsets[first]))
     else:
         masked = filtered_logits(logits, safe_t, top_k, top_p, min_p)
         columns = torch.arange(vocab, dtype=torch.int64, device=device)
@@ -249,16 +252,13 @@ def _flashinfer_sample(
     temperature: torch.Tensor,
     top_k: torch.Tensor | None,
     top_p: torch.Tensor | None,
-    seeds: torch.Tensor,
-    offsets: torch.Tensor,
+    seed: int,
+    offset: int,
 ) -> torch.Tensor:
     rows, vocab = logits.shape
     scaled = logits.to(torch.float32) / temperature.reshape(-1, 1)
     k = torch.full((rows,), vocab, dtype=torch.int32, device=logits.device) if top_k is None else top_k
     k = k.clamp(max=min(vocab, TOP_K_DISABLED)).to(torch.int32)
     p = torch.ones(rows, dtype=torch.float32, device=logits.device) if top_p is None else top_p.to(torch.float32)
-    # flashinfer reads one seed/offset for the whole batch: take the first row's stream.
-    tokens = fs.top_k_top_p_sampling_from_logits(
-        scaled, k, p, deterministic=True, seed=int(seeds[0]), offset=int(offsets[0])
-    )
+    tokens = fs.top_k_top_p_sampling_from_logits(scaled, k, p, deterministic=True, seed=seed, offset=offset)
     return tokens.to(torch.int64)
