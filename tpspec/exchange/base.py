@@ -99,7 +99,9 @@ class KeyExchange(ABC):
         global argmax; other rows a Gumbel-max draw from softmax(logits / T) with noise
         keyed by ``(seeds, offsets, global column)`` — or, without ``seeds``, by this
         exchange's step counter (advanced once per such call, on the device). Columns at
-        or past ``vocab_size`` are never chosen. Returns ``[R]`` int64, equal on every rank.
+        or past ``vocab_size`` are never chosen; a rank whose slice lies wholly past it (or
+        has no columns) offers no candidate. Returns ``[R]`` int64, equal on every rank;
+        if no rank offers a candidate (every slice empty) the token is ``2**32 - 1``.
         """
         self.validate_logits_call(logits, vocab_offset, vocab_size, temperature, seeds, offsets, channel)
         return K.unpack_indices(self._max_local_keys(logits, vocab_offset, vocab_size, temperature, seeds, offsets,
