@@ -186,7 +186,8 @@ def run(args: argparse.Namespace) -> int:
         return 0  # rank 0 writes the report
     meta = {"command": "tpspec bench generate", **{k: v for k, v in cfg.items()}, "draft_len": args.draft_len,
             "rates": rates, "quick": args.quick, "drafter": "ngram",
-            "note": "greedy, EOS ignored; accepted_per_step is measured (forced: min(rate, draft_len) expected). "
+            "note": "greedy, EOS ignored; accepted_per_step is measured over emitted tokens (forced: min(rate, "
+                    "draft_len) expected, less on each request's last step, which the token budget cuts). "
                     "On CPU only ratios are meaningful."}
     report.write_report(args.out, "generate", columns=COLUMNS, rows=rows, meta=meta, plot=_plot(rows))
     return 0
