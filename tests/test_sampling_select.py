@@ -9,7 +9,7 @@ import torch
 from tpspec import SamplingParams, VocabShardedLogits
 from tpspec.exchange import AllGatherKeyExchange
 from tpspec.sampling import RowSampling, select_tokens
-from tpspec.spec import SpecMetadata, SpecWorker
+from tpspec.spec import SpecMetadata, SpecWorker, select_draft_tokens
 from tpspec.vocab_parallel import vocab_shard_bounds
 
 VOCAB = 1001  # uneven: the last shard is padded at TP = 2, 4
@@ -66,13 +66,22 @@ def tp_worker(rank: int, world: int, group=None) -> dict:
             step_meta = SpecMetadata(8, D).prepare(requests, draft_len=D)
             res = SpecWorker(mode, forced=None).step(logits, drafts, step_meta)
             out[name][mode] = (res.accepted_tokens, res.num_accepted, res.next_input_tokens)
+        # Sampled drafting on a sharded draft head (D draft steps, each from its own
+        # stream), then rejection against the target with those draft distributions.
+        draft_meta = SpecMetadata(8, D).prepare(requests, draft_len=D)
+        picks = [select_draft_tokens(sharded(logits_for(f"{name}-draft{j}", meta.num_requests), world, rank, ex),
+                                     draft_meta, j, sample=True) for j in range(D)]
+        sampled_drafts = torch.stack([p.tokens for p in picks], dim=1)
+        q = torch.stack([p.probs for p in picks], dim=1) if picks[0].probs is not None else None
+        res = SpecWorker("rejection", forced=None).step(logits, sampled_drafts, draft_meta, draft_probs=q)
+        out[name]["sampled_drafts"] = (sampled_drafts, q, res.accepted_tokens, res.num_accepted)
     return out
 
 
 def check_against(reference: dict, results: list[dict]) -> None:
     for rank_result in results:
         for name in BATCHES:
-            for key in ("flags", "tokens", "strict", "rejection"):
+            for key in ("flags", "tokens", "strict", "rejection", "sampled_drafts"):
                 got, want = rank_result[name][key], reference[name][key]
                 if isinstance(want, tuple):
                     assert len(got) == len(want), (name, key)
