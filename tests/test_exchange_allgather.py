@@ -9,7 +9,7 @@ import pytest
 import torch
 from scipy import stats
 
-from tpspec import AllGatherKeyExchange, Mapping, VocabParallelHead
+from tpspec import AllGatherKeyExchange, Mapping, VocabParallelHead, VocabShardedLogits
 from tpspec import keys as K
 from tpspec.testing import run_ranks
 from tpspec.vocab_parallel import vocab_shard_bounds
@@ -92,6 +92,14 @@ def rank_worker(rank: int, world: int) -> dict:
     out["head_argmax"] = logits.argmax()
     out["head_gather"] = logits.gather()
     out["head_sample"] = logits.sample(0.7, torch.arange(5), torch.zeros(5, dtype=torch.int64))
+    # A batch of no rows gathers to [0, vocab]; a mapping naming another rank is refused.
+    out["gather_empty"] = tuple(VocabShardedLogits(torch.zeros(0, head.shard_width), head.vocab_offset, 999,
+                                                   ex).gather().shape)
+    try:
+        VocabParallelHead(16, 999, Mapping(world, (rank + 1) % world), ex)
+        out["wrong_rank"] = "no error"
+    except ValueError as exc:
+        out["wrong_rank"] = str(exc)
     return out
 
 
@@ -119,6 +127,8 @@ def reference(world_results: list[dict]) -> None:
         tp1 = ex1.argmax_logits(full, 0, vocab_size=999, temperature=torch.full((5,), 0.7),
                                 seeds=torch.arange(5), offsets=torch.zeros(5, dtype=torch.int64))
         assert torch.equal(rank_out["head_sample"], tp1)
+        assert rank_out["gather_empty"] == (0, 999)
+        assert "but this process is rank" in rank_out["wrong_rank"]
     first = world_results[0]["unseeded"]
     assert not all(torch.equal(first[0], d) for d in first[1:]), "unseeded draws did not change between calls"
 
@@ -241,6 +251,21 @@ def test_head_rejects_bad_splits_and_shapes():
         head(torch.zeros(2, 7))
     with pytest.raises(ValueError, match=r"must be \[10, 8\]"):
         head.load_full_weight(torch.zeros(9, 8))
+    with pytest.raises(ValueError, match="hidden is torch.float64 on cpu, the head is torch.float32"):
+        head(torch.zeros(2, 8, dtype=torch.float64))
+    for bad in (dict(hidden_size=10.0), dict(hidden_size=-1), dict(vocab_size=True)):
+        with pytest.raises(ValueError, match="must be a positive int"):
+            VocabParallelHead(**{"hidden_size": 8, "vocab_size": 10, **bad})
+    with pytest.raises(ValueError, match="dtype must be float32, bfloat16 or float16"):
+        VocabParallelHead(8, 10, dtype=torch.float64)
+    # A bad bias is refused before anything is copied: the head keeps its old weights.
+    biased = VocabParallelHead(4, 10, bias=True)
+    biased.load_full_weight(torch.ones(10, 4), torch.full((10,), 5.0))
+    with pytest.raises(ValueError, match=r"bias must be \[10\]"):
+        biased.load_full_weight(torch.full((10, 4), 2.0), torch.randn(3))
+    assert biased.weight[0].tolist() == [1.0] * 4 and biased.bias.tolist() == [5.0] * 10
+    with pytest.raises(ValueError, match="built with bias=False"):
+        head.load_full_weight(torch.zeros(10, 8), torch.zeros(10))
 
 
 def test_sample_rejects_non_finite_temperatures():

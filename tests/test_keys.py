@@ -84,6 +84,9 @@ def test_pack_unpack_roundtrip_and_order():
     assert bool(((sv[1:] > sv[:-1]) | ((sv[1:] == sv[:-1]) & (si[1:] < si[:-1]))).all())
     # The unsigned form is what the kernel's atomic max sees: top bit of the key flipped.
     assert int(K.pack_keys(torch.tensor([-0.0]), 0)) == int(K.pack_keys(torch.tensor([0.0]), 0))
+    for bad in (-1, 2**32, 1.0, True):
+        with pytest.raises(ValueError, match=r"index must be an int in \[0, 2\*\*32\)"):
+            K.pack_keys(torch.tensor([1.0]), bad)
     assert int(K.pack_keys(torch.tensor([float("-inf")]), 2**32 - 1)) > K.EMPTY_KEY
 
 

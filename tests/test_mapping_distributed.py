@@ -111,6 +111,28 @@ def dying_worker(rank, world):
     return rank
 
 
+def quietly_exiting_worker(rank, world):
+    if rank == 1:
+        os._exit(0)  # a clean exit code, but no result
+    return rank
+
+
+class _ParentCannotLoad:
+    def __reduce__(self):
+        return (_refuse_to_load, ())
+
+
+def _refuse_to_load():
+    raise RuntimeError("cannot load in parent")
+
+
+def unloadable_result_worker(rank, world):
+    import multiprocessing
+
+    # Loads fine in the rank, fails to load in the parent (where this is the main process).
+    return _ParentCannotLoad() if multiprocessing.parent_process() is not None else rank
+
+
 def hanging_worker(rank, world):
     if rank == 1:
         time.sleep(600)
@@ -126,6 +148,18 @@ def test_run_ranks_reports_the_failing_rank_with_traceback():
 def test_run_ranks_reports_a_dead_rank():
     with pytest.raises(RankError, match="rank 0 died with exit code 3"):
         run_ranks(dying_worker, 2, timeout_s=60)
+
+
+def test_run_ranks_reports_a_rank_that_exits_without_a_result_at_once():
+    start = time.monotonic()
+    with pytest.raises(RankError, match="rank 1 died with exit code 0 before returning a result"):
+        run_ranks(quietly_exiting_worker, 2, timeout_s=120)
+    assert time.monotonic() - start < 60  # not after the whole timeout
+
+
+def test_run_ranks_reports_a_result_the_parent_cannot_load():
+    with pytest.raises(RankError, match="could not be unpickled in the parent.*cannot load in parent"):
+        run_ranks(unloadable_result_worker, 2, timeout_s=60)
 
 
 def test_run_ranks_times_out_instead_of_hanging():

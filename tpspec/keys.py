@@ -71,10 +71,13 @@ def pack_keys(values: torch.Tensor, indices: torch.Tensor | int) -> torch.Tensor
     (int tensor broadcastable to ``values`` or a Python int), each below ``2**32``.
     Returns an int64 tensor of the broadcast shape. ``torch.max`` over the keys of a
     row picks what ``torch.argmax`` picks on the row: the largest value, the first NaN,
-    ties to the lowest index, ``-0.0 == +0.0``.
+    ties to the lowest index, ``-0.0 == +0.0``. A Python int index out of range raises
+    ``ValueError``; tensor indices are data and are not checked (no device sync).
     """
     high = ordered_high_bits(canonical_float32(values))
     if not isinstance(indices, torch.Tensor):
+        if isinstance(indices, bool) or not isinstance(indices, int) or not 0 <= indices < 2**32:
+            raise ValueError(f"index must be an int in [0, 2**32), got {indices!r}")
         indices = torch.full((), indices, dtype=torch.int64, device=high.device)
     low = MASK32 - indices.to(torch.int64)
     return (high << 32) | low

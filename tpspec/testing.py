@@ -126,16 +126,22 @@ def run_ranks(
                 payload = results.get(timeout=min(remaining, 0.5))
             except queue.Empty:
                 for rank, proc in enumerate(procs):
-                    if rank not in outputs and not proc.is_alive() and proc.exitcode not in (0, None):
-                        # Give a crashed rank's queued result a moment to arrive first.
+                    if rank not in outputs and not proc.is_alive() and proc.exitcode is not None:
+                        # Give an exited rank's queued result a moment to arrive first; a rank
+                        # that exits (even with code 0) and leaves none has died.
                         try:
                             payload = results.get(timeout=1.0)
                         except queue.Empty:
-                            raise RankError(f"rank {rank} died with exit code {proc.exitcode}", rank) from None
+                            raise RankError(f"rank {rank} died with exit code {proc.exitcode} before returning "
+                                            "a result", rank) from None
                         break
                 else:
                     continue
-            status, rank, value = pickle.loads(payload)
+            try:
+                status, rank, value = pickle.loads(payload)
+            except Exception as exc:  # noqa: BLE001 - e.g. a result type the parent cannot import
+                raise RankError(f"a rank's result could not be unpickled in the parent: {type(exc).__name__}: "
+                                f"{exc}") from None
             if status == "error":
                 raise RankError(f"rank {rank} raised", rank, value)
             outputs[rank] = value

@@ -116,8 +116,8 @@ class VocabShardedLogits:
         local = self.local.detach().contiguous()  # selection is not differentiable
         out = torch.empty(world * local.numel(), dtype=local.dtype, device=local.device)
         D.all_gather_into(out, local.reshape(-1), self.exchange.group)
-        full = out.view(world, self.num_rows, self.shard_width).permute(1, 0, 2).reshape(self.num_rows, -1)
-        return full[:, : self.vocab_size]
+        full = out.view(world, self.num_rows, self.shard_width).permute(1, 0, 2)
+        return full.reshape(self.num_rows, world * self.shard_width)[:, : self.vocab_size]  # no -1: rows may be 0
 
     def select_tokens(self, spec_metadata: Any) -> torch.Tensor:
         """Tokens for every row under a step's sampling parameters (see ``tpspec.sampling.select``)."""
@@ -146,6 +146,11 @@ class VocabParallelHead(nn.Module):
         bias: bool = False,
     ) -> None:
         super().__init__()
+        for name, value in (("hidden_size", hidden_size), ("vocab_size", vocab_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16 (what the exchange selects from), got {dtype}")
         mapping = mapping or Mapping()
         self.mapping = mapping
         self.hidden_size = hidden_size
@@ -157,6 +162,9 @@ class VocabParallelHead(nn.Module):
             exchange = AllGatherKeyExchange(D.tp_group(), device=device) if sharded else LocalKeyExchange(device or "cpu")
         if exchange.world_size != tp_size:
             raise ValueError(f"the exchange spans {exchange.world_size} ranks but the head is split over {tp_size}")
+        if exchange.rank != tp_rank:  # else this rank would load another rank's slice: wrong tokens, silently
+            raise ValueError(f"the mapping says TP rank {tp_rank} but this process is rank {exchange.rank} of the "
+                             f"exchange's group")
         self.exchange = exchange
         # Inference weights: no autograd.
         self.weight = nn.Parameter(torch.zeros(self.shard_width, hidden_size, dtype=dtype, device=device), requires_grad=False)
@@ -171,14 +179,22 @@ class VocabParallelHead(nn.Module):
             raise ValueError(
                 f"full LM-head weight must be [{self.vocab_size}, {self.hidden_size}], got {tuple(full_weight.shape)}"
             )
+        if full_bias is not None and tuple(full_bias.shape) != (self.vocab_size,):
+            raise ValueError(f"full LM-head bias must be [{self.vocab_size}], got {tuple(full_bias.shape)}")
         self.load_shard(full_weight[self.vocab_offset : self.vocab_offset + self.real_width],
                         None if full_bias is None else full_bias[self.vocab_offset : self.vocab_offset + self.real_width])
 
     @torch.no_grad()
     def load_shard(self, weight_rows: torch.Tensor, bias_rows: torch.Tensor | None = None) -> None:
-        """Copy this rank's ``[real_width, hidden_size]`` rows (padding stays zero)."""
+        """Copy this rank's ``[real_width, hidden_size]`` rows, and ``[real_width]`` bias rows
+        when the head has a bias (padding stays zero). Checks everything before copying."""
         if tuple(weight_rows.shape) != (self.real_width, self.hidden_size):
             raise ValueError(f"shard must be [{self.real_width}, {self.hidden_size}], got {tuple(weight_rows.shape)}")
+        if bias_rows is not None:
+            if self.bias is None:
+                raise ValueError("a bias was given but the head was built with bias=False")
+            if tuple(bias_rows.shape) != (self.real_width,):
+                raise ValueError(f"bias shard must be [{self.real_width}], got {tuple(bias_rows.shape)}")
         self.weight.zero_()
         self.weight[: self.real_width].copy_(weight_rows)
         if self.bias is not None and bias_rows is not None:
@@ -186,7 +202,11 @@ class VocabParallelHead(nn.Module):
             self.bias[: self.real_width].copy_(bias_rows)
 
     def forward(self, hidden: torch.Tensor) -> VocabShardedLogits:
+        """``hidden [R, hidden_size]`` (the head's dtype and device) -> this rank's logits slice."""
         if hidden.dim() != 2 or hidden.shape[1] != self.hidden_size:
             raise ValueError(f"hidden must be [rows, {self.hidden_size}], got shape {tuple(hidden.shape)}")
+        if hidden.dtype != self.weight.dtype or hidden.device != self.weight.device:
+            raise ValueError(f"hidden is {hidden.dtype} on {hidden.device}, the head is {self.weight.dtype} on "
+                             f"{self.weight.device}")
         local = torch.nn.functional.linear(hidden, self.weight, self.bias)
         return VocabShardedLogits(local, self.vocab_offset, self.vocab_size, self.exchange)
