@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv (if missing) and install tpspec with its test dependencies.
-# CPU machines get the CPU torch wheel; a machine whose venv already has torch keeps it.
+# Torch comes from the pip index (set PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu for the
+# small CPU build); a venv that already has torch keeps it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

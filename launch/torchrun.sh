@@ -11,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 NPROC=${NPROC:-2}
-export NCCL_NVLS_ENABLE=0  # never NVLink multicast (see GUIDE.md)
+export NCCL_NVLS_ENABLE=0  # never NVLink multicast (NVLS): the LL exchange and NCCL here do without it
 if [ "${NNODES:-1}" -gt 1 ]; then
     exec "$PY" -m torch.distributed.run --nnodes "$NNODES" --node-rank "${NODE_RANK:?set NODE_RANK}" \
         --master-addr "${MASTER_ADDR:?set MASTER_ADDR}" --master-port "${MASTER_PORT:-29500}" \

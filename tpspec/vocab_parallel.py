@@ -121,7 +121,7 @@ class VocabShardedLogits:
 
     def select_tokens(self, spec_metadata: Any) -> torch.Tensor:
         """Tokens for every row under a step's sampling parameters (see ``tpspec.sampling.select``)."""
-        from .sampling.select import select_tokens  # sampling sits above this layer
+        from .sampling.select import select_tokens  # sampling sits below this layer: import at call time
 
         return select_tokens(self, spec_metadata)
 
