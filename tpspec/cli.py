@@ -14,7 +14,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("tpspec.runtime.generate_cli", "generate text with a TP model (default: tiny model, TP=2, CPU)"),
     "bench": ("tpspec.bench", "benchmarks: exchange, step, generate"),
-    "check": ("tpspec.check", "the determinism suite (SPEC §8): pass/fail table"),
+    "check": ("tpspec.check", "the determinism suite (docs/determinism.md): pass/fail table"),
     "make-tiny-model": ("tpspec.model.tiny", "write a small random Llama checkpoint in HF format"),
 }
 
