@@ -297,3 +297,5 @@ def test_replicated_head_under_attention_dp_picks_locally():
     head.load_full_weight(weight)
     hidden = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
     assert torch.equal(head(hidden).argmax(), torch.argmax(hidden @ weight.T, dim=1))
+    with pytest.raises(ValueError, match="channel=5 is out of range"):
+        head.exchange.max_keys(torch.zeros(2, dtype=torch.int64), channel=5)  # as every exchange does

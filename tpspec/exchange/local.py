@@ -21,4 +21,5 @@ class LocalKeyExchange(KeyExchange):
         self._check_rows_vector("keys", keys, None)
         if keys.dtype != torch.int64:
             raise ValueError(f"keys must be int64, got {keys.dtype}")
+        self.check_channel(channel)
         return keys.clone()
