@@ -45,7 +45,8 @@ def test_tokens_equal_compares_both_paths_on_every_rank():
 
     def records(gather_out, sharded_out):
         base = {"batch": 1, "mode": "greedy", "rows": 3, "forward_ms": 1.0, "select_ms": 1.0}
-        return [dict(base, path="sharded", first_output=sharded_out), dict(base, path="gather", first_output=gather_out)]
+        return [dict(base, path="sharded", first_output=sharded_out),
+                dict(base, path="gather", first_output=gather_out)]
 
     same = torch.tensor([5, -1, -1, 5, 6, 7])
     _, equal = step.summarize([records(same, same), records(same, same)], draft_len=2)

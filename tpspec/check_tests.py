@@ -659,8 +659,9 @@ def check_cpu_gpu_bits(ctx: SuiteContext) -> CheckResult:
         kernel = f"LL kernel not run ({why})"
     else:
         try:
-            ll_keys = ll.max_logits_keys(local.to(ctx.device), offset, vocab_size=vocab, temperature=temps.to(ctx.device),
-                                         seeds=seeds.to(ctx.device), offsets=offsets.to(ctx.device))
+            ll_keys = ll.max_logits_keys(local.to(ctx.device), offset, vocab_size=vocab,
+                                         temperature=temps.to(ctx.device), seeds=seeds.to(ctx.device),
+                                         offsets=offsets.to(ctx.device))
             ctx.record(K.unpack_indices(ll_keys))
             kernel_bad = _mismatches(ll_keys, reference)
         finally:

@@ -15,10 +15,10 @@ acceptance, two ways:
                gather the logits do).
 
 Both give the same tokens bit for bit, on every rank (checked: ``tokens_equal`` compares
-the accepted tokens and every row's target token of both paths on all ranks). Per (batch, mode, path)
-the table reports the medians over ``--iters`` steps of the forward, the selection and
-their sum, and the share of the step spent selecting tokens (slowest rank). On CPU only
-the ratios mean something; absolute times are meaningful on GPUs.
+the accepted tokens and every row's target token of both paths on all ranks). Per
+(batch, mode, path) the table reports the medians over ``--iters`` steps of the forward,
+the selection and their sum, and the share of the step spent selecting tokens (slowest
+rank). On CPU only the ratios mean something; absolute times are meaningful on GPUs.
 """
 
 from __future__ import annotations

@@ -26,9 +26,10 @@ GREEDY_SENTINEL_TEMPERATURE = 1e-6
 """Normalized temperature of greedy requests: below the greedy threshold (1e-5)."""
 
 SEED_RANGE = (0, 2**64)
+"""User seeds are integers in ``[0, 2**64)``; they are used as a 64-bit Philox key."""
+
 FLOAT32_MAX = 3.4028234663852886e38  # temperatures above it become inf in the kernels' float32
 FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32: a top_p below it would round to 0
-"""User seeds are integers in ``[0, 2**64)``; they are used as a 64-bit Philox key."""
 
 assert GREEDY_SENTINEL_TEMPERATURE < GREEDY_TEMPERATURE_THRESHOLD
 
