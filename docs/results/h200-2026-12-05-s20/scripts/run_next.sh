@@ -12,6 +12,8 @@
 #         its reads and its Philox because a thread keeps only one tile in flight? (checks its words first)
 # part 7: pst (candidate: ps with 16-bit tiles streamed into shared memory by TMA, 4 tiles ahead): checks, timing
 # part 8: psns (candidate: psn with sampled_span's skip rule): checks, then on lm and randn rows against HEAD
+# part 9 (added in session 21, whose host-code changes no GPU has run yet): the other GPU tests: tpspec check on
+#         CUDA (with cupy its LL rows must now PASS, the kernel's keys in §8.7), the model and the runtime's graphs
 # Each part is under 4 minutes. Results go to $OUT/pPART, tarred (the device returns few loose files).
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
 REPO=$PWD; HERE=$REPO/docs/results/h200-2026-12-05-s20; R=$OUT/p$1; mkdir -p /tmp/mps /tmp/mpslog $R
@@ -54,6 +56,9 @@ case $1 in
      echo "floor tma rc=$? $(( $(date +%s) - s )) s"; cat $R/floor-tma.txt | grep -v Warning ;;
   7) check pst 32x32768,64x16384,128x16384,256x16384,64x65536,3x65536,200x20000
      probe head; probe pst; probe ps; probe pst ;;
+  9) s=$(date +%s); timeout 230 python3 -m pytest -v -p no:cacheprovider tests/test_check_gpu.py tests/test_model_gpu.py \
+       tests/test_runtime_gpu.py > $R/gpu-tests.txt 2>&1
+     echo "gpu tests rc=$? $(( $(date +%s) - s )) s: $(tail -1 $R/gpu-tests.txt)" ;;
   8) check psns 32x32768,64x16384,128x16384,256x16384,64x65536,3x65536,200x20000
      probe head --lm; probe psns --lm; probe psns; probe head ;;
 esac
