@@ -68,13 +68,16 @@ def tp_group_worker(rank, world):
     mapping = Mapping(world, rank, 2)
     value = torch.tensor([float(rank + 1)])
     D.all_reduce_(value, "sum", D.tp_group())
-    return mapping.tp_group_ranks, value.item(), D.group_size(D.tp_group())
+    # With no rank/world_size (and no torchrun environment) the existing group is reused.
+    again = D.init_distributed(tp_size=2)
+    return mapping.tp_group_ranks, value.item(), D.group_size(D.tp_group()), (again.rank, again.world_size)
 
 
 def test_tp_groups_reduce_within_their_group():
     results = run_ranks(tp_group_worker, 4, tp_size=2)
     assert [r[1] for r in results] == [3.0, 3.0, 7.0, 7.0]
     assert all(r[2] == 2 for r in results)
+    assert [r[3] for r in results] == [(rank, 4) for rank in range(4)]
 
 
 def test_torchrun_environment_bootstrap(tmp_path):

@@ -68,9 +68,10 @@ def init_distributed(
 ) -> Mapping:
     """Join (or create) the job's process group and return this rank's :class:`Mapping`.
 
-    Explicit ``rank``/``world_size`` win over torchrun's environment; with neither, the
-    process runs alone (world size 1, no process group is created). An already
-    initialized default group is reused. On CUDA the rank's device is set to
+    Explicit ``rank``/``world_size`` win over torchrun's environment; with neither, an
+    already initialized default group is reused as it is, and otherwise the process runs
+    alone (world size 1, no process group is created). Explicit or torchrun values must
+    match an existing group. On CUDA the rank's device is set to
     ``LOCAL_RANK`` (or ``rank % device_count``) before the group is created.
     Raises ``ValueError`` for inconsistent arguments.
     """
@@ -81,7 +82,10 @@ def init_distributed(
         if (rank is None) != (world_size is None):
             raise ValueError("torchrun environment is incomplete: RANK and WORLD_SIZE must both be set")
     if rank is None:
-        rank, world_size = 0, 1
+        if dist.is_available() and dist.is_initialized():  # reuse the existing group as it is
+            rank, world_size = dist.get_rank(), dist.get_world_size()
+        else:
+            rank, world_size = 0, 1
     mapping = Mapping(world_size, rank, tp_size, enable_attention_dp, enable_lm_head_tp_in_adp)
 
     initialized = dist.is_available() and dist.is_initialized()
