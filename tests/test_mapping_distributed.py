@@ -36,6 +36,8 @@ def test_mapping_layout():
         (dict(world_size=0), "world_size must be a positive int"),
         (dict(world_size=2, tp_size=0), "tp_size must be a positive int"),
         (dict(world_size=2, enable_lm_head_tp_in_adp=True), "needs enable_attention_dp"),
+        (dict(world_size=2, rank=True), "rank=True is out of range"),
+        (dict(world_size=2, enable_attention_dp="no"), "enable_attention_dp must be a bool"),
     ],
 )
 def test_mapping_rejects_bad_combinations(kwargs, match):

@@ -215,6 +215,8 @@ def test_bad_configs_raise_clear_errors(ckpt, tmp_path):
         SpeculativeConfig("ngram", 4, acceptance="lenient")
     with pytest.raises(ValueError, match=r"bad speculative config .*known keys: method"):
         LLM(ckpt[0], speculative={"method": "ngram", "k": 4})
+    with pytest.raises(ValueError, match="attention_dp must be a bool"):
+        LLM(ckpt[0], attention_dp="yes")
     with pytest.raises(ValueError, match="exchange='ll' needs device='cuda'"):
         LLM(ckpt[0], device="cpu", exchange="ll")
     # A config.json without weights: a ValueError in the driver, before any worker starts.

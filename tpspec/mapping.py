@@ -33,8 +33,11 @@ class Mapping:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Mapping.{name} must be a positive int, got {value!r}")
-        if not isinstance(self.rank, int) or not 0 <= self.rank < self.world_size:
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or not 0 <= self.rank < self.world_size:
             raise ValueError(f"Mapping.rank={self.rank!r} is out of range for world_size={self.world_size}")
+        for name in ("enable_attention_dp", "enable_lm_head_tp_in_adp"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Mapping.{name} must be a bool, got {getattr(self, name)!r}")
         if self.world_size % self.tp_size != 0:
             raise ValueError(
                 f"Mapping.tp_size={self.tp_size} does not divide world_size={self.world_size}"

@@ -206,6 +206,9 @@ class LLM:
             tp_size = int(os.environ.get("WORLD_SIZE", "1")) if launcher == "torchrun" else 1
         _check_positive("tp_size", tp_size)
         _check_positive("max_batch_size", max_batch_size)
+        for name, flag in (("attention_dp", attention_dp), ("use_cuda_graphs", use_cuda_graphs)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be a bool, got {flag!r}")
         if isinstance(speculative, dict):
             try:
                 speculative = SpeculativeConfig(**speculative)
