@@ -133,6 +133,11 @@ class KeyExchange(ABC):
         )
         return self.max_keys(local, channel=channel)
 
+    def check(self, *, sync: bool = True) -> None:
+        """Raise if an earlier call failed after it returned (the LL exchange's kernels
+        record a peer timeout on the device, e.g. inside a CUDA-graph replay). Here every
+        failure already raised in its call: a no-op."""
+
     def close(self) -> None:
         """Release resources (idempotent)."""
 

@@ -112,7 +112,11 @@ class GenerationGraphs:
                 return self._emitted(gen, out[0], out[1])
         self._load(graph, host)
         graph.graph.replay()
-        return self._emitted(gen, graph.accepted, graph.num_accepted)
+        emitted = self._emitted(gen, graph.accepted, graph.num_accepted)  # synchronizes with the replay
+        # A replay calls no Python: a peer timeout inside it is only recorded on the device
+        # (its rows read -1). Raise it now, before those tokens reach a request.
+        eng.exchange.check(sync=False)
+        return emitted
 
     # ------------------------------------------------------------------ helpers
     def _host_batch(self, gen: list["_Seq"], drafts: list[list[int]], free: list[int]) -> Any:
