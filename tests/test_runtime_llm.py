@@ -215,6 +215,10 @@ def test_bad_configs_raise_clear_errors(ckpt, tmp_path):
         SpeculativeConfig("ngram", 4, acceptance="lenient")
     with pytest.raises(ValueError, match=r"bad speculative config .*known keys: method"):
         LLM(ckpt[0], speculative={"method": "ngram", "k": 4})
+    from tpspec.runtime.config import EngineConfig
+
+    with pytest.raises(ValueError, match="max_num_tokens=8 cannot hold"):  # the engine's own config checks it too
+        EngineConfig(ckpt[0], 1, "cpu", "float32", speculative=SpeculativeConfig("ngram", 4), max_num_tokens=8)
     with pytest.raises(ValueError, match="attention_dp must be a bool"):
         LLM(ckpt[0], attention_dp="yes")
     with pytest.raises(ValueError, match="exchange='ll' needs device='cuda'"):

@@ -75,6 +75,14 @@ class EngineConfig:
     exchange: str = "auto"
     progress_interval_s: float = 0.25
 
+    def __post_init__(self) -> None:
+        # LLM checks this for its users; the engine relies on it (a generation step of a full
+        # batch must fit, else padding rows of a graphed step could take a prefilling slot).
+        step = self.max_batch_size * (self.num_draft_tokens + 1)
+        if self.max_num_tokens < step:
+            raise ValueError(f"max_num_tokens={self.max_num_tokens} cannot hold a full generation step: "
+                             f"max_batch_size * (num_draft_tokens + 1) = {step}")
+
     @property
     def num_draft_tokens(self) -> int:
         return 0 if self.speculative is None else self.speculative.num_draft_tokens
