@@ -258,6 +258,12 @@ def test_head_rejects_bad_splits_and_shapes():
             VocabParallelHead(**{"hidden_size": 8, "vocab_size": 10, **bad})
     with pytest.raises(ValueError, match="dtype must be float32, bfloat16 or float16"):
         VocabParallelHead(8, 10, dtype=torch.float64)
+    for bad, match in ((dict(vocab_size=-1), "vocab_size must be an int >= 1"),
+                       (dict(vocab_offset=2.0), "vocab_offset must be an int >= 0"),
+                       (dict(exchange=None), "exchange must be a KeyExchange")):
+        with pytest.raises(ValueError, match=match):
+            VocabShardedLogits(**{"local": torch.zeros(2, 5), "vocab_offset": 0, "vocab_size": 5,
+                                  "exchange": head.exchange, **bad})
     # A bad bias is refused before anything is copied: the head keeps its old weights.
     biased = VocabParallelHead(4, 10, bias=True)
     biased.load_full_weight(torch.ones(10, 4), torch.full((10,), 5.0))

@@ -44,8 +44,13 @@ class VocabShardedLogits:
     """
 
     def __init__(self, local: torch.Tensor, vocab_offset: int, vocab_size: int, exchange: KeyExchange) -> None:
-        if local.dim() != 2:
-            raise ValueError(f"logits slice must be 2-D [rows, shard], got shape {tuple(local.shape)}")
+        if not isinstance(local, torch.Tensor) or local.dim() != 2:
+            raise ValueError(f"logits slice must be a 2-D [rows, shard] tensor, got {getattr(local, 'shape', local)!r}")
+        for name, value, low in (("vocab_offset", vocab_offset, 0), ("vocab_size", vocab_size, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        if not isinstance(exchange, KeyExchange):
+            raise ValueError(f"exchange must be a KeyExchange, got {type(exchange).__name__}")
         self.local = local
         self.vocab_offset = vocab_offset
         self.vocab_size = vocab_size
@@ -112,7 +117,7 @@ class VocabShardedLogits:
         """The full ``[R, vocab_size]`` logits on every rank (one all-gather), padding removed."""
         world = self.exchange.world_size
         if world == 1:
-            return self.local[:, : self.vocab_size]
+            return self.local.detach()[:, : self.vocab_size]  # as the all-gather's copy: no autograd
         local = self.local.detach().contiguous()  # selection is not differentiable
         out = torch.empty(world * local.numel(), dtype=local.dtype, device=local.device)
         D.all_gather_into(out, local.reshape(-1), self.exchange.group)
