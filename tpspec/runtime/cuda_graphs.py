@@ -115,7 +115,8 @@ class GenerationGraphs:
         emitted = self._emitted(gen, graph.accepted, graph.num_accepted)  # synchronizes with the replay
         # A replay calls no Python: a peer timeout inside it is only recorded on the device
         # (its rows read -1). Raise it now, before those tokens reach a request.
-        eng.exchange.check(sync=False)
+        if eng.exchange is not None:  # None: the LM head is not vocabulary-sharded, nothing exchanged
+            eng.exchange.check(sync=False)
         return emitted
 
     # ------------------------------------------------------------------ helpers
