@@ -116,14 +116,17 @@ def keep_mask(
             nucleus = (before < top_p.reshape(-1, 1)) | (top_p >= 1.0).reshape(-1, 1)
             keep_sorted &= nucleus
         keep = torch.zeros_like(keep).scatter_(1, order, keep_sorted)
-    if min_p is not None and bool((min_p > 0).any()):
+    use_min_p = min_p is not None and bool((min_p > 0).any())
+    if use_min_p:
         probs = torch.softmax(scaled, dim=1)
         p_max = probs.max(dim=1, keepdim=True).values
         keep &= probs >= min_p.reshape(-1, 1) * p_max
-    # Every filter keeps a row's top column (key order). Say so explicitly: float32 edge
-    # cases (a top_p that rounds to 0, NaN probabilities under min-p) must never leave a
-    # row with nothing to draw.
-    return keep.scatter_(1, key_argmax(x).reshape(-1, 1), True)
+    if use_k or use_p or use_min_p:
+        # Every filter keeps a row's top column (key order). Say so explicitly: float32 edge
+        # cases (a top_p that rounds to 0, NaN probabilities under min-p) must never leave a
+        # row with nothing to draw. Without filters every column is kept already.
+        keep.scatter_(1, key_argmax(x).reshape(-1, 1), True)
+    return keep
 
 
 def filtered_logits(
