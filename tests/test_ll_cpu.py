@@ -425,3 +425,32 @@ def test_mps_daemon_reports_when_binary_missing(monkeypatch, tmp_path):
     daemon = B.MPSDaemon()
     assert "not on PATH" in daemon.start()
     daemon.stop()  # nothing was started: a no-op
+
+
+def _fake_mps_control(tmp_path, exit_code):
+    """A stand-in for nvidia-cuda-mps-control (a unit test of MPSDaemon's logic only): it
+    records its stdin and exits with ``exit_code``, as the real client does when it reaches
+    the daemon (0) or not (non-zero)."""
+    binary = tmp_path / "nvidia-cuda-mps-control"
+    binary.write_text(f"#!/bin/sh\ncat >> {tmp_path / 'asked'}\nexit {exit_code}\n")
+    binary.chmod(0o755)
+    return str(binary)
+
+
+@pytest.mark.parametrize("exit_code, running", [(0, True), (1, False)])
+def test_mps_daemon_asks_the_daemon_instead_of_trusting_a_stale_pipe(monkeypatch, tmp_path, exit_code, running):
+    from tpspec import testing as B
+
+    binary = _fake_mps_control(tmp_path, exit_code)
+    monkeypatch.setattr(B.shutil, "which", lambda name: binary if name == "nvidia-cuda-mps-control" else None)
+    monkeypatch.delenv(B.MPS_PIPE_ENV, raising=False)
+    monkeypatch.delenv(B.MPS_LOG_ENV, raising=False)
+    daemon = B.MPSDaemon(pipe_dir=str(tmp_path / "pipe"), log_dir=str(tmp_path / "log"))
+    assert not daemon.running()  # no pipe: nothing is asked
+    assert not (tmp_path / "asked").exists()
+    (tmp_path / "pipe").mkdir()
+    (tmp_path / "pipe" / "control").write_text("")  # a pipe file, live or left behind
+    assert daemon.running() is running
+    assert (tmp_path / "asked").read_text() == "get_server_list\n"
+    monkeypatch.setattr(B.shutil, "which", lambda name: None)
+    assert daemon.running()  # no client to ask: the pipe decides, as before

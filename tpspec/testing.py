@@ -177,7 +177,22 @@ class MPSDaemon:
         self.started = False
 
     def running(self) -> bool:
-        return os.path.exists(os.path.join(self.pipe_dir, "control"))
+        """Whether an MPS control daemon answers on ``pipe_dir``. A control pipe left by a
+        daemon that died is not enough: the client is asked for the server list, and only
+        exit status 0 (it reached the daemon) counts. Without the client binary the pipe
+        alone decides (nothing else can be asked)."""
+        if not os.path.exists(os.path.join(self.pipe_dir, "control")):
+            return False
+        binary = shutil.which("nvidia-cuda-mps-control")
+        if binary is None:
+            return True
+        env = dict(os.environ, **{MPS_PIPE_ENV: self.pipe_dir, MPS_LOG_ENV: self.log_dir})
+        try:
+            result = subprocess.run([binary], input="get_server_list\n", capture_output=True, text=True,
+                                    timeout=10, env=env)
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+        return result.returncode == 0
 
     def start(self) -> str | None:
         os.environ[MPS_PIPE_ENV] = self.pipe_dir
