@@ -77,3 +77,73 @@ def test_graphs_are_off_when_tp_collectives_cannot_be_captured():
     for plain, dp in run_ranks(_graph_reason_worker, 2, timeout_s=60):
         assert plain is not None and "gloo" in plain
         assert dp is not None and "attention DP" in dp
+
+
+class _FakeCuda:
+    """Stand-ins for the torch.cuda calls of GenerationGraphs._capture (a unit test of its
+    fallback logic on CPU; the GPU test above runs the real ones)."""
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    class CUDAGraph:
+        pass
+
+    @staticmethod
+    def stream(s):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def current_stream():
+        return _FakeCuda.Stream()
+
+    @staticmethod
+    def graph(g, pool=None):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("fails_in", ["warmup", "capture", None])
+def test_capture_failure_goes_eager_on_every_rank_but_a_warmup_failure_raises(monkeypatch, fails_in):
+    """A capture only records, so a rank whose capture failed can still meet its peers in the
+    flag's all-reduce (every rank then runs the key eagerly). The warm-up runs collectives:
+    a rank failing there must not go on to that all-reduce; its error is raised instead."""
+    from types import SimpleNamespace
+
+    from tpspec.runtime import cuda_graphs as G
+
+    for name in ("Stream", "CUDAGraph", "stream", "current_stream", "graph"):
+        monkeypatch.setattr(G.torch.cuda, name, getattr(_FakeCuda, name))
+    monkeypatch.setattr(G.torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(G.torch.cuda, "graph_pool_handle", lambda: "fresh pool")
+    monkeypatch.setattr(G, "_on_device", lambda batch, dev: batch)
+    reduced = []
+    monkeypatch.setattr(G.D, "all_reduce_", lambda t, op, group: reduced.append((int(t.item()), op)))
+    graphs = G.GenerationGraphs.__new__(G.GenerationGraphs)
+    graphs.engine = SimpleNamespace(device=torch.device("cpu"), group=None)
+    graphs.graphs, graphs.failed, graphs.pool = {}, set(), "pool"
+    graphs._attn_meta = lambda batch: "meta"
+
+    def forward_and_select(batch, meta, drafts, is_warmup):
+        if (fails_in == "warmup" and is_warmup) or (fails_in == "capture" and not is_warmup):
+            raise RuntimeError("out of memory")
+        return torch.zeros(2), torch.ones(2)
+
+    graphs._forward_and_select = forward_and_select
+    batch = SimpleNamespace(token_ids="ids", positions="pos")
+    key = (2, True, False, False)
+    if fails_in == "warmup":
+        with pytest.raises(RuntimeError, match="out of memory"):
+            graphs._capture(key, (batch, None))
+        assert reduced == [] and not graphs.failed and not graphs.graphs
+    elif fails_in == "capture":
+        with pytest.warns(RuntimeWarning, match="running it eagerly"):
+            assert graphs._capture(key, (batch, None)) is None
+        assert reduced == [(0, "min")] and graphs.failed == {key} and graphs.pool == "fresh pool"
+    else:
+        g = graphs._capture(key, (batch, None))
+        assert reduced == [(1, "min")] and graphs.graphs == {key: g} and g.tokens == "ids"

@@ -15,7 +15,8 @@ owner before anything reads them) and slot -1 in the metadata (greedy, no stream
 
 Every rank takes the same decisions: whether a step is graphed depends only on the
 batch (replicated) and a capture failure on any rank disables that graph on all ranks
-(one all-reduce at capture time), so the ranks never split between graph and eager.
+(one all-reduce at capture time), so the ranks never split between graph and eager. A
+failure in the eager warm-up before a capture is an error of the step, raised as such.
 """
 
 from __future__ import annotations
@@ -195,13 +196,17 @@ class GenerationGraphs:
         static_drafts = None if drafts is None else drafts.to(dev)
         ok = True
         graph = None
-        try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # eager warm-up (allocations, lazy inits), no forced acceptance
-                for _ in range(WARMUP_RUNS):
-                    self._forward_and_select(static_batch, static_meta, static_drafts, True)
-            torch.cuda.current_stream().wait_stream(side)
+        # The warm-up runs the step eagerly, collectives included, so it stays outside the
+        # fallback below: a rank that failed here and went on to the flag's all-reduce would
+        # meet its peers inside the step's own collectives. Its error goes up instead, as an
+        # eager step's would (the launcher then stops every worker).
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # eager warm-up (allocations, lazy inits), no forced acceptance
+            for _ in range(WARMUP_RUNS):
+                self._forward_and_select(static_batch, static_meta, static_drafts, True)
+        torch.cuda.current_stream().wait_stream(side)
+        try:  # a capture only records: a rank failing here has run no collective its peers wait in
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 accepted, num = self._forward_and_select(static_batch, static_meta, static_drafts, False)
