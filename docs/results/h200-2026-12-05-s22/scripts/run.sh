@@ -13,7 +13,7 @@ probe() {  # label [flags]: one process, its own NVRTC build
   local s=$(date +%s) py=$REPO src=$REPO/csrc/ll_exchange
   [ $1 = base ] && py=$REPO/gpu_batch/base && src=$REPO/gpu_batch/base/csrc/ll_exchange
   [ $1 = thr ] && src=$REPO/gpu_batch/thr
-  TPSPEC_LL_SOURCE_DIR=$src PYTHONPATH=$py timeout 100 python3 gpu_batch/probe.py $1 $SHAPES $2 $3 \
+  TPSPEC_LL_SOURCE_DIR=$src PYTHONPATH=$py timeout 100 python3 docs/results/h200-2026-12-05-s22/scripts/probe.py $1 $SHAPES $2 $3 \
     > $R/probe-$1$2$3-$(date +%s%N).txt 2>&1
   echo "== probe $1 $2 $3 rc=$? $(( $(date +%s) - s )) s"
 }
