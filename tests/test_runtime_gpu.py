@@ -1,6 +1,9 @@
-"""GPU only: CUDA-graph generation steps give the tokens of eager steps (SPEC §8.6)."""
+"""CUDA-graph generation steps give the tokens of eager steps (SPEC §8.6): GPU tests, and CPU
+tests of the logic around the graphs (step inputs, when graphs are off, the capture fallback)."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -92,8 +95,6 @@ class _FakeCuda:
 
     @staticmethod
     def stream(s):
-        import contextlib
-
         return contextlib.nullcontext()
 
     @staticmethod
@@ -102,8 +103,6 @@ class _FakeCuda:
 
     @staticmethod
     def graph(g, pool=None):
-        import contextlib
-
         return contextlib.nullcontext()
 
 

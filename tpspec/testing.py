@@ -159,6 +159,7 @@ def run_ranks(
 
 MPS_PIPE_ENV = "CUDA_MPS_PIPE_DIRECTORY"
 MPS_LOG_ENV = "CUDA_MPS_LOG_DIRECTORY"
+MPS_CONTROL = "nvidia-cuda-mps-control"  # the control daemon and its client are one binary
 
 
 class MPSDaemon:
@@ -176,6 +177,13 @@ class MPSDaemon:
         self.log_dir = os.environ.get(MPS_LOG_ENV) or log_dir
         self.started = False
 
+    def _control(self, *args: str, command: str | None = None, timeout: float) -> subprocess.CompletedProcess:
+        """Run the MPS control client on this object's pipe and log directories (the caller
+        has checked that the binary is on PATH; OSError and TimeoutExpired propagate)."""
+        env = dict(os.environ, **{MPS_PIPE_ENV: self.pipe_dir, MPS_LOG_ENV: self.log_dir})
+        return subprocess.run([shutil.which(MPS_CONTROL) or MPS_CONTROL, *args], input=command,
+                              capture_output=True, text=True, timeout=timeout, env=env)
+
     def running(self) -> bool:
         """Whether an MPS control daemon answers on ``pipe_dir``. A control pipe left by a
         daemon that died is not enough: the client is asked for the server list, and only
@@ -183,33 +191,28 @@ class MPSDaemon:
         alone decides (nothing else can be asked)."""
         if not os.path.exists(os.path.join(self.pipe_dir, "control")):
             return False
-        binary = shutil.which("nvidia-cuda-mps-control")
-        if binary is None:
+        if shutil.which(MPS_CONTROL) is None:
             return True
-        env = dict(os.environ, **{MPS_PIPE_ENV: self.pipe_dir, MPS_LOG_ENV: self.log_dir})
         try:
-            result = subprocess.run([binary], input="get_server_list\n", capture_output=True, text=True,
-                                    timeout=10, env=env)
+            return self._control(command="get_server_list\n", timeout=10).returncode == 0
         except (OSError, subprocess.TimeoutExpired):
             return False
-        return result.returncode == 0
 
     def start(self) -> str | None:
         os.environ[MPS_PIPE_ENV] = self.pipe_dir
         os.environ[MPS_LOG_ENV] = self.log_dir
         if self.running():
             return None
-        binary = shutil.which("nvidia-cuda-mps-control")
-        if binary is None:
-            return "nvidia-cuda-mps-control is not on PATH"
+        if shutil.which(MPS_CONTROL) is None:
+            return f"{MPS_CONTROL} is not on PATH"
         os.makedirs(self.pipe_dir, exist_ok=True)
         os.makedirs(self.log_dir, exist_ok=True)
         try:
-            result = subprocess.run([binary, "-d"], capture_output=True, text=True, timeout=30)
+            result = self._control("-d", timeout=30)
         except (OSError, subprocess.TimeoutExpired) as exc:
-            return f"nvidia-cuda-mps-control -d failed: {exc}"
+            return f"{MPS_CONTROL} -d failed: {exc}"
         if result.returncode != 0:
-            return f"nvidia-cuda-mps-control -d exited {result.returncode}: {result.stderr.strip()}"
+            return f"{MPS_CONTROL} -d exited {result.returncode}: {result.stderr.strip()}"
         for _ in range(50):
             if self.running():
                 self.started = True
@@ -220,9 +223,8 @@ class MPSDaemon:
     def stop(self) -> None:
         if not self.started:
             return
-        binary = shutil.which("nvidia-cuda-mps-control")
-        if binary:
-            subprocess.run([binary], input="quit\n", text=True, capture_output=True, timeout=30)
+        if shutil.which(MPS_CONTROL):
+            self._control(command="quit\n", timeout=30)
         self.started = False
 
 
