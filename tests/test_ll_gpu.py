@@ -1,7 +1,7 @@
 """LL exchange on a GPU: N rank processes sharing one GPU (CUDA IPC between processes,
 gloo for bootstrap and for the all-gather reference, MPS so the ranks run concurrently).
 
-Checks (SPEC §8): LL tokens == all-gather tokens == the CPU reference (and torch.argmax
+Checks: LL tokens == all-gather tokens == the CPU reference (and torch.argmax
 for greedy rows), winning keys bit-equal to the CPU reference, ranks agree; CUDA-graph
 replays over two channels; a long back-to-back stress; the timeout error; the epoch cycle
 (the calls at the end of the 32-bit cycle clear every line left, so none matches after the wrap).

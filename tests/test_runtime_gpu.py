@@ -1,4 +1,4 @@
-"""CUDA-graph generation steps give the tokens of eager steps (SPEC §8.6): GPU tests, and CPU
+"""CUDA-graph generation steps give the tokens of eager steps: GPU tests, and CPU
 tests of the logic around the graphs (step inputs, when graphs are off, the capture fallback)."""
 
 from __future__ import annotations

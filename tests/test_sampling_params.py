@@ -1,4 +1,4 @@
-"""SamplingParams: validation errors and the normalization of SPEC §5."""
+"""SamplingParams: validation errors and their normalization (docs/determinism.md)."""
 
 import dataclasses
 

@@ -9,7 +9,7 @@ import torch
 from tpspec import SamplingParams, VocabShardedLogits
 from tpspec.exchange import AllGatherKeyExchange
 from tpspec.sampling import RowSampling, select_tokens
-from tpspec.spec import SpecMetadata, SpecWorker, select_draft_tokens
+from tpspec.speculative import SpecMetadata, SpecWorker, select_draft_tokens
 from tpspec.vocab_parallel import vocab_shard_bounds
 
 VOCAB = 1001  # uneven: the last shard is padded at TP = 2, 4

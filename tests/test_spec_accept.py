@@ -6,7 +6,7 @@ import pytest
 import torch
 from scipy import stats
 
-from tpspec.spec import DraftProbsStore, accept_from_targets, rejection_sample, strict_accept
+from tpspec.speculative import DraftProbsStore, accept_from_targets, rejection_sample, strict_accept
 
 V = 6
 P = torch.tensor([

@@ -1,11 +1,11 @@
-"""Forced acceptance (SPEC §7): env parsing, fractional rates converge, cap at the draft
+"""Forced acceptance: env parsing, fractional rates converge, cap at the draft
 length, context requests emit one token, warm-up skips (multi-rank: test_spec_ranks.py)."""
 
 import pytest
 import torch
 
-from tpspec.spec import FORCE_ENV, ForcedAcceptance, read_forced_rate
-from tpspec.spec.forced import POOL_SIZE
+from tpspec.speculative import FORCE_ENV, ForcedAcceptance, read_forced_rate
+from tpspec.speculative.forced import POOL_SIZE
 
 
 def test_env_parsing():

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from tpspec import Mapping, SamplingParams, VocabShardedLogits
 from tpspec.exchange import AllGatherKeyExchange
-from tpspec.spec import ForcedAcceptance, SpecMetadata, SpecWorker
+from tpspec.speculative import ForcedAcceptance, SpecMetadata, SpecWorker
 from tpspec.testing import run_ranks
 
 from test_sampling_select import check_against, logits_for, sharded, tp_worker

@@ -1,4 +1,4 @@
-"""SpecMetadata and the per-request Philox streams of SPEC §6: seeded requests reproduce
+"""SpecMetadata and the per-request Philox streams: seeded requests reproduce
 across batch compositions, positions and slot histories; unseeded requests never share a
 stream; parameter buffers are rewritten only when the batch changes; bad input raises."""
 
@@ -8,7 +8,7 @@ import torch
 from tpspec import SamplingParams, VocabShardedLogits
 from tpspec.exchange import AllGatherKeyExchange
 from tpspec.sampling import SLOT_SPAN, UNSEEDED_OFFSET_BASE, UNSEEDED_SEED, WindowLayout
-from tpspec.spec import SpecMetadata
+from tpspec.speculative import SpecMetadata
 
 D = 2
 VOCAB = 300

@@ -8,7 +8,7 @@ from scipy import stats
 from tpspec import SamplingParams, VocabShardedLogits
 from tpspec.exchange import AllGatherKeyExchange
 from tpspec.sampling import filtered_probs
-from tpspec.spec import FORCE_ENV, SpecMetadata, SpecWorker, select_draft_tokens, strict_accept
+from tpspec.speculative import FORCE_ENV, SpecMetadata, SpecWorker, select_draft_tokens, strict_accept
 
 EX = AllGatherKeyExchange()
 

@@ -114,7 +114,7 @@ def combine(a: CheckResult, b: CheckResult) -> CheckResult:
 
 
 def order_results(results: list[CheckResult]) -> list[CheckResult]:
-    """Table order of SPEC §8, one row per property (several results of one property are
+    """Table order of the determinism contract (docs/determinism.md), one row per property (several results of one property are
     combined); properties nobody reported read SKIP."""
     by_key: dict[str, CheckResult] = {}
     for r in results:

@@ -1,4 +1,4 @@
-"""The properties of SPEC §8 as checks: what ``tpspec check`` runs (see ``tpspec/check.py``
+"""The properties of the determinism contract as checks: what ``tpspec check`` runs (see ``tpspec/check.py``
 for the command, the launchers and the table, and ``docs/determinism.md`` for the contract).
 
 Rank-level checks (``check_*(ctx) -> CheckResult``) run on every rank of a process group,
@@ -423,7 +423,7 @@ def check_gumbel_exact(ctx: SuiteContext) -> CheckResult:
     gen = ctx.generator(20_000)
     logits = torch.randn(vocab, generator=gen) * 1.5
     seeds = torch.full((samples,), ctx.seed, dtype=torch.int64)
-    offsets = torch.arange(samples, dtype=torch.int64) * 32  # one 32-wide window per draw (SPEC §6)
+    offsets = torch.arange(samples, dtype=torch.int64) * 32  # one 32-wide window per draw
     p_values, tvs = [], []
     for temp in (1.0, 0.6):
         full = logits.expand(samples, vocab).contiguous().to(ctx.device)
@@ -454,9 +454,9 @@ def check_rejection_exact(ctx: SuiteContext) -> CheckResult:
     rejection acceptance on vocab-sharded target logits; each emitted position follows the
     target distribution of that position (chi-square p > 0.001), for drafts drawn from a
     draft distribution q and for deterministic drafts (one-hot q)."""
-    require_module("tpspec.spec")
+    require_module("tpspec.speculative")
     from .sampling.params import SamplingParams
-    from .spec import SpecMetadata, SpecWorker
+    from .speculative import SpecMetadata, SpecWorker
 
     ex = ctx.allgather_exchange()
     vocab, num_drafts = small_vocab(ctx.world_size), 2
@@ -521,9 +521,9 @@ def check_seeded_streams(ctx: SuiteContext) -> CheckResult:
     ``select_tokens`` under ``SpecMetadata`` streams, are the same alone in slot 0, in a
     mixed batch at another position in a slot used before, in a batch that takes the
     full-logit path (a top-k neighbour), and at TP=1; a different seed changes them."""
-    require_module("tpspec.spec")
+    require_module("tpspec.speculative")
     from .sampling.params import SamplingParams
-    from .spec import SpecMetadata
+    from .speculative import SpecMetadata
 
     vocab, draft_len, steps = 1000, 3, 5
     x_params = SamplingParams(temperature=0.9, seed=123456789)

@@ -1,4 +1,4 @@
-"""64-bit selection keys and counter-based Gumbel noise (SPEC §2).
+"""64-bit selection keys and counter-based Gumbel noise.
 
 A *key* packs one candidate (value, global column) of a row into an int64 whose
 signed order is the candidate order, so ``max`` over keys picks the winner on any

@@ -1,4 +1,4 @@
-"""The vocabulary-sharded LM head and the logits it produces (SPEC §4)."""
+"""The vocabulary-sharded LM head and the logits it produces."""
 
 from __future__ import annotations
 

@@ -11,10 +11,10 @@ width, bf16) and mode (greedy, Gumbel) it times:
                      stage, with its effective HBM bandwidth;
 * ``local_torch``    torch.max + pack (greedy) / keys.local_row_keys (Gumbel): the
                      local stage of the all-gather path;
-* ``local_torch_max`` (greedy) ``torch.max(x, dim=-1)`` alone, the baseline GUIDE.md
-                     quotes for the fused kernel (no key packing);
+* ``local_torch_max`` (greedy) ``torch.max(x, dim=-1)`` alone, the baseline the figures
+                     quote for the fused kernel (no key packing);
 * ``local_philox_floor`` (Gumbel) the fused kernel's reads plus the Philox block of
-                     every column and nothing else: the floor SPEC §2's noise sets
+                     every column and nothing else: the floor the noise sets
                      when no column can be ruled out before its noise;
 * ``local_read_floor`` (greedy) one launch with the greedy grid that reads the slice
                      with the greedy rows' loop and stores a max per block, with no
@@ -162,7 +162,7 @@ def bench_logits(rows: int, width: int, kind: str, gen: torch.Generator) -> torc
 def philox_floor_call(ll: Any, cycle: Any, rows: int, width: int) -> Callable[[], None]:
     """One launch of the source's ``ll_philox_floor_bf16`` over the next bf16 logits of
     ``cycle``: the fused kernel's reads plus the Philox block of every column, nothing
-    else. SPEC §2 fixes that noise, so where no column can be ruled out before its noise
+    else. The contract fixes that noise, so where no column can be ruled out before its noise
     (``--logits randn``), no exact sampled kernel can beat this floor."""
     import numpy as np
 

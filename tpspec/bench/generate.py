@@ -7,7 +7,7 @@ prompts (random token ids, greedy, EOS ignored so every request generates
 * ``no-spec``      plain decoding, one token per request per step;
 * ``forced=a``     n-gram speculation with ``--draft-len K`` drafts whose acceptance is
                    forced to ``a`` drafts per step (``TPSPEC_FORCE_NUM_ACCEPTED_TOKENS``,
-                   SPEC §7), for ``a`` in ``--rates`` (default 0, 1.5, 3): the cost of
+                   see docs/determinism.md), for ``a`` in ``--rates`` (default 0, 1.5, 3): the cost of
                    verifying K drafts, and the speed-up each acceptance rate buys.
 
 Launchers: ``mp`` starts ``--tp`` local rank processes that each run the engine

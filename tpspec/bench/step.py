@@ -83,7 +83,7 @@ def _gather_select(logits: Any, meta: Any, drafts: torch.Tensor, greedy: bool) -
     """The baseline: all-gather the full logits, pick on them, accept strictly. Returns the
     accepted tokens ``[B, D+1]`` flattened, then the target token of every row ``[R]``."""
     from ..sampling.ops import greedy_tokens, sample_from_logits
-    from ..spec import accept_from_targets
+    from ..speculative import accept_from_targets
 
     full = logits.gather()
     if greedy:
@@ -111,7 +111,7 @@ def _step_worker(rank: int, world_size: int, cfg: dict) -> list[dict]:
     from ..model import ForwardBatch, load_model
     from ..runtime.engine import resolve_dtype
     from ..sampling.params import SamplingParams
-    from ..spec import SpecMetadata, SpecWorker
+    from ..speculative import SpecMetadata, SpecWorker
 
     if cfg["device"] == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())

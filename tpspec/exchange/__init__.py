@@ -1,4 +1,4 @@
-"""Cross-rank key exchanges (SPEC §3).
+"""Cross-rank key exchanges.
 
 ``LLKeyExchange`` (CUDA IPC peer memory) is imported lazily: it needs CUDA and cupy
 only when built.

@@ -1,4 +1,4 @@
-"""``LLKeyExchange``: the cross-rank key max through CUDA IPC peer memory (SPEC §3).
+"""``LLKeyExchange``: the cross-rank key max through CUDA IPC peer memory.
 
 Each rank ``cudaMalloc``s one buffer (control blocks, the LL slots and the fused
 kernel's block lines of every channel), shares it by CUDA IPC handle over the process

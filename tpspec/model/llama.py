@@ -74,7 +74,7 @@ class StackedRowsLogits(VocabShardedLogits):
     this rank's rows too (stacked internally). ``local`` is the stacked ``[total, shard]``
     slice and ``stacked`` the plain :class:`VocabShardedLogits` over all rows.
     ``select_tokens`` (inherited) works through these methods; like them it needs every rank
-    of the group to take the same path (SPEC §5: AND the all-greedy flag across the group).
+    of the group to take the same path (AND the all-greedy flag across the group).
     """
 
     def __init__(self, stacked: VocabShardedLogits, rows: VarlenRows) -> None:

@@ -162,7 +162,7 @@ class GenerationGraphs:
         checks (a device sync would break the capture): select each row's token, accept the
         drafts that match, forced acceptance when the benchmark asks for it."""
         from ..sampling.select import select_tokens
-        from ..spec import accept_from_targets
+        from ..speculative import accept_from_targets
 
         eng = self.engine
         meta = eng.meta

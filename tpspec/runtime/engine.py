@@ -107,7 +107,7 @@ class Engine:
         from ..exchange import make_key_exchange
         from ..model.drafters import DraftModel, NgramDrafter
         from ..model.loader import load_model
-        from ..spec import SpecMetadata, SpecWorker
+        from ..speculative import SpecMetadata, SpecWorker
 
         self.config = config
         self.mapping = mapping
@@ -186,7 +186,7 @@ class Engine:
         return results
 
     def _check_ranks_agree(self, results: list[SequenceResult]) -> None:
-        """One small collective per call: every rank must hold the same tokens (SPEC §8.1)."""
+        """One small collective per call: every rank must hold the same tokens."""
         if D.group_size(self.group) == 1:
             return
         digest = hashlib.sha256(repr([r.token_ids for r in results]).encode()).hexdigest()

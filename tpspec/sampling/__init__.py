@@ -3,8 +3,8 @@
 Public names:
 
 * :class:`SamplingParams` (``params``): per-request ``temperature, top_k, top_p,
-  min_p, seed``, validated and normalized (SPEC §5).
-* ``streams``: the window layout of SPEC §6 (:class:`WindowLayout`,
+  min_p, seed``, validated and normalized.
+* ``streams``: the window layout (:class:`WindowLayout`,
   :class:`StreamAllocator`) and :func:`uniforms` from a request's stream.
 * ``ops``: :func:`sample_from_logits`, :func:`filtered_probs`, :func:`greedy_tokens`
   on full logits (torch reference; flashinfer when installed and allowed).

@@ -1,4 +1,4 @@
-"""Sampling on full logits rows: greedy, temperature, top-k, top-p, min-p (SPEC §5).
+"""Sampling on full logits rows: greedy, temperature, top-k, top-p, min-p.
 
 The torch reference here runs on CPU and GPU and **defines** behaviour:
 
@@ -19,7 +19,7 @@ The torch reference here runs on CPU and GPU and **defines** behaviour:
 flashinfer (``top_k_top_p_sampling_from_logits``) is used instead for the sampled
 rows when it is installed, the logits are on CUDA, no row needs min-p, and the caller
 says no row needs a reproducible per-request stream: its kernels read only
-``seed[0]``/``offset[0]`` (GUIDE.md). ``TPSPEC_DISABLE_FLASHINFER=1`` turns it off.
+``seed[0]``/``offset[0]``. ``TPSPEC_DISABLE_FLASHINFER=1`` turns it off.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Per-request sampling parameters and their normalization (SPEC §5).
+"""Per-request sampling parameters and their normalization.
 
 A request says how its tokens are drawn with ``SamplingParams(temperature, top_k,
 top_p, min_p, seed)``, every field optional. The parameters are validated when the

@@ -1,4 +1,4 @@
-"""Token selection on vocab-sharded logits under a step's sampling parameters (SPEC §5).
+"""Token selection on vocab-sharded logits under a step's sampling parameters.
 
 ``select_tokens(sharded_logits, spec_metadata)`` picks one token per logits row and
 returns the same ``[R]`` int64 tensor on every rank of the exchange's group. The path
@@ -62,7 +62,7 @@ def _row_sampling(spec_metadata: Any) -> RowSampling:
 def select_tokens(sharded_logits: Any, spec_metadata: Any, *, channel: int = 1) -> torch.Tensor:
     """Tokens for every row of ``sharded_logits`` (a ``VocabShardedLogits``): ``[R]`` int64.
 
-    ``spec_metadata``: a prepared ``tpspec.spec.SpecMetadata`` (or a :class:`RowSampling`)
+    ``spec_metadata``: a prepared ``tpspec.speculative.SpecMetadata`` (or a :class:`RowSampling`)
     whose rows match the logits rows. Collective over the logits' exchange group;
     every rank returns the same tokens. Raises ``ValueError`` when the row counts differ.
     """

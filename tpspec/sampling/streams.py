@@ -1,4 +1,4 @@
-"""Per-request Philox streams (SPEC §6): which ``(seed, offset)`` every random draw uses.
+"""Per-request Philox streams: which ``(seed, offset)`` every random draw uses.
 
 A draw is keyed by a 64-bit seed and a 64-bit offset (plus the global column, see
 ``tpspec.keys``). Each step a request gets a *window* of offsets: one *slot* of

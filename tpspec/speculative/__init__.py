@@ -1,0 +1,70 @@
+"""Speculative decoding core: step metadata, per-request streams, acceptance.
+
+The interface the runtime codes against::
+
+    from tpspec.sampling import SamplingParams
+    from tpspec.speculative import SpecMetadata, SpecWorker, strict_accept, rejection_sample
+
+    meta = SpecMetadata(max_num_requests, max_draft_len, device=device, mapping=mapping, group=None)
+    # once per step, on every rank of the TP group, before the forward:
+    meta.prepare(requests=[(request_id, slot_id, sampling_params, is_context), ...], draft_len=D)
+    #   rows: requests in this order; context request -> 1 logits row, generation -> D+1 rows
+    #   (its last accepted token, then its D drafts); slot_id -1 = padding request (greedy).
+    #   Fills stable device buffers (params refilled only when the batch changes), gives
+    #   each request its Philox window (seeded: per-slot counter, reset when a new request
+    #   takes the slot; unseeded: seed 42 + one shared counter from offset 2**62), and the
+    #   flags meta.is_all_greedy / meta.temperature_only (ANDed over the TP group under
+    #   attention DP: one tiny all-reduce in prepare, so prepare is collective there).
+
+    worker = SpecWorker(acceptance="strict")   # or "rejection"
+    out = worker.step(target_logits,           # VocabShardedLogits, meta.num_rows rows
+                      draft_tokens,            # LongTensor [B, D] in the target vocab (context rows ignored; None if D == 0)
+                      meta,
+                      draft_probs=None,        # [B, D, V] for rejection sampling; None = drafts are
+                                               # deterministic (one-hot q): still lossless
+                      is_warmup=False)         # True during eager CUDA-graph warm-up
+    out.accepted_tokens    # [B, D+1] int64, padded with -1
+    out.num_accepted       # [B] int64 in [1, D+1] (context requests: 1)
+    out.next_input_tokens  # [B] int64: each request's last emitted token, the next step's first input
+    out.target_tokens      # [R] int64 per-row target tokens when computed (strict/forced), else None
+
+Every rank gets the same tensors. Lower-level pieces:
+
+* ``strict_accept(target_tokens [rows], draft_tokens, num_contexts, batch_size)`` (contexts
+  first) and ``accept_from_targets(target [B, D+1], drafts [B, D], draft_lens)``;
+* ``rejection_sample(draft_probs|None, draft_token_ids, target_probs, seeds, offsets, draft_lens=None)``
+  with ``offsets = meta.acceptance_offsets()`` and ``seeds = meta.request_seeds``;
+* ``ForcedAcceptance`` (``TPSPEC_FORCE_NUM_ACCEPTED_TOKENS``), used by ``SpecWorker``;
+* ``select_draft_tokens(draft_logits, meta, step, sample=False)`` (draft channel 0) and
+  ``DraftProbsStore`` (draft distributions per KV slot, draft-to-target vocab map);
+* ``meta.draft_offsets(step)``, ``meta.row_sampling()``, ``meta.request_sampling(offsets)``.
+
+Not covered yet: attention DP with LM-head TP (rows of all ranks stacked into one
+sharded head) — ``prepare`` describes only this rank's rows, so ``select_tokens`` raises
+on the row-count mismatch instead of picking wrong tokens.
+"""
+
+from .accept import PAD_TOKEN, accept_from_targets, rejection_sample, strict_accept
+from .draft import DRAFT_CHANNEL, DraftProbsStore, DraftSelection, select_draft_tokens
+from .forced import FORCE_ENV, ForcedAcceptance, read_forced_rate
+from .metadata import RequestEntry, SpecMetadata
+from .worker import TARGET_CHANNEL, SpecStepOutput, SpecWorker
+
+__all__ = [
+    "DRAFT_CHANNEL",
+    "FORCE_ENV",
+    "PAD_TOKEN",
+    "TARGET_CHANNEL",
+    "DraftProbsStore",
+    "DraftSelection",
+    "ForcedAcceptance",
+    "RequestEntry",
+    "SpecMetadata",
+    "SpecStepOutput",
+    "SpecWorker",
+    "accept_from_targets",
+    "read_forced_rate",
+    "rejection_sample",
+    "select_draft_tokens",
+    "strict_accept",
+]

@@ -1,0 +1,360 @@
+"""Per-step batch state of one-model speculative decoding.
+
+``SpecMetadata.prepare(requests, draft_len)`` runs once per step, before the forward.
+It scans the requests' sampling parameters (only when the batch changed), fills
+stable device buffers (per request and per logits row), hands every request its
+Philox window and computes the batch flags
+that choose code paths: ``is_all_greedy`` and ``temperature_only``. Under attention
+DP every rank of a TP group holds different requests, so the flags are ANDed across
+the group (one small all-reduce per step) before any path that runs a collective is
+chosen; without attention DP every rank sees the same batch and no collective runs.
+
+Row layout: requests in the given order; a context request owns 1 logits row, a
+generation request ``draft_len + 1`` rows (its last accepted token then its drafts).
+A ``slot_id`` of -1 marks a padding request (greedy, no stream).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Hashable, Sequence
+
+import torch
+
+from .. import distributed as D
+from ..mapping import Mapping
+from ..sampling.params import GREEDY, SamplingParams
+from ..sampling.select import RowSampling
+from ..sampling.streams import (
+    ACCEPT_RESIDUAL_SUBSTREAM,
+    ACCEPT_UNIFORM_SUBSTREAM,
+    SLOT_SPAN,
+    StreamAllocator,
+    WindowLayout,
+)
+
+
+@dataclass(frozen=True)
+class RequestEntry:
+    """One request of a step, as ``prepare`` sees it."""
+
+    request_id: Hashable
+    slot_id: int
+    params: SamplingParams
+    is_context: bool
+
+
+class SpecMetadata:
+    """Batch state for one step. Build once, ``prepare`` every step.
+
+    ``max_num_requests``: most requests a step may hold; ``max_draft_len``: most
+    draft tokens a generation request carries; ``device``: where the buffers live;
+    ``mapping``: this rank's :class:`Mapping` (attention DP turns on the group sync and
+    gives each rank its own unseeded sub-stream); ``group``: the group the flags are
+    ANDed over (default: the TP group under attention DP, none otherwise);
+    ``max_num_slots``: KV slots (default ``max_num_requests``).
+
+    Tensors (views of stable buffers, valid until the next ``prepare``):
+    ``request_*`` ``[B]`` and ``row_*`` ``[R]``; see the properties below.
+    """
+
+    def __init__(
+        self,
+        max_num_requests: int,
+        max_draft_len: int,
+        *,
+        device: str | torch.device = "cpu",
+        mapping: Mapping | None = None,
+        group: Any = None,
+        max_num_slots: int | None = None,
+    ) -> None:
+        if not isinstance(max_num_requests, int) or max_num_requests < 1:
+            raise ValueError(f"max_num_requests must be a positive int, got {max_num_requests!r}")
+        self.layout = WindowLayout(max_draft_len)
+        self.max_num_requests = max_num_requests
+        self.max_draft_len = max_draft_len
+        self.max_num_rows = max_num_requests * (max_draft_len + 1)
+        self.device = torch.device(device)
+        self.mapping = mapping or Mapping()
+        adp = self.mapping.enable_attention_dp
+        self.group = group if group is not None else (D.tp_group() if adp else None)
+        self.sync_flags = adp or group is not None
+        num_slots = max_num_slots if max_num_slots is not None else max_num_requests
+        self.streams = StreamAllocator(num_slots, self.layout, partition=self.mapping.tp_rank if adp else 0)
+
+        B, R, dev = max_num_requests, self.max_num_rows, self.device
+        f32, i64 = torch.float32, torch.int64
+        # Per request.
+        self._req_temperature = torch.zeros(B, dtype=f32, device=dev)
+        self._req_top_k = torch.zeros(B, dtype=i64, device=dev)
+        self._req_top_p = torch.ones(B, dtype=f32, device=dev)
+        self._req_min_p = torch.zeros(B, dtype=f32, device=dev)
+        self._req_slot = torch.zeros(B, dtype=i64, device=dev)
+        self._req_is_context = torch.zeros(B, dtype=torch.bool, device=dev)
+        self._req_row_start = torch.zeros(B, dtype=i64, device=dev)
+        self._req_draft_len = torch.zeros(B, dtype=i64, device=dev)
+        self._req_seed = torch.zeros(B, dtype=i64, device=dev)
+        self._req_window = torch.zeros(B, dtype=i64, device=dev)
+        self._req_row_index = torch.zeros(B, max_draft_len + 1, dtype=i64, device=dev)
+        # Per row.
+        self._row_temperature = torch.zeros(R, dtype=f32, device=dev)
+        self._row_top_k = torch.zeros(R, dtype=i64, device=dev)
+        self._row_top_p = torch.ones(R, dtype=f32, device=dev)
+        self._row_min_p = torch.zeros(R, dtype=f32, device=dev)
+        self._row_request = torch.zeros(R, dtype=i64, device=dev)
+        self._row_position = torch.zeros(R, dtype=i64, device=dev)
+        self._row_seed = torch.zeros(R, dtype=i64, device=dev)
+        self._row_offset = torch.zeros(R, dtype=i64, device=dev)
+
+        self.entries: list[RequestEntry] = []
+        self.draft_len = 0
+        self.num_rows = 0
+        self.local_is_all_greedy = True
+        self.local_temperature_only = True
+        self.local_any_seeded = False
+        self.is_all_greedy = True
+        self.temperature_only = True
+        self.any_seeded = False
+        self.param_refills = 0  # how often the parameter buffers were rewritten (tests, metrics)
+        self._param_key: tuple | None = None
+        self._prepared = False
+
+    # ------------------------------------------------------------------ per step
+    def prepare(self, requests: Sequence[tuple], draft_len: int) -> "SpecMetadata":
+        """Set up one step. ``requests``: ``(request_id, slot_id, sampling_params, is_context)``
+        (``sampling_params`` None = greedy; ``slot_id`` -1 = padding). ``draft_len``: drafts per
+        generation request this step (``0 .. max_draft_len``).
+
+        Advances the request streams (call exactly once per step, on every rank of the
+        group, in the same order). Under attention DP this is collective over the group.
+        Raises ``ValueError`` for bad input (nothing is changed then); under attention DP
+        the ranks still meet in the flag sync, so a bad batch on one rank makes every rank
+        raise (the others a ``RuntimeError``, their streams not advanced either) instead of
+        leaving them waiting.
+        """
+        error: Exception | None = None
+        try:
+            self._prepare_local(requests, draft_len)
+        except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks heard of it
+            error = exc
+        group_ok = self._sync_flags(ok=error is None)
+        if error is not None:
+            raise error
+        if not group_ok:
+            raise RuntimeError("SpecMetadata.prepare failed on another rank of the group (bad requests there)")
+        self._fill_streams()  # only once every rank is good: a failed step advances no stream
+        self._prepared = True
+        return self
+
+    def _prepare_local(self, requests: Sequence[tuple], draft_len: int) -> None:
+        if isinstance(draft_len, bool) or not isinstance(draft_len, int) or not 0 <= draft_len <= self.max_draft_len:
+            raise ValueError(f"draft_len={draft_len!r} is out of range [0, {self.max_draft_len}]")
+        if len(requests) > self.max_num_requests:
+            raise ValueError(f"{len(requests)} requests exceed max_num_requests={self.max_num_requests}")
+        entries = [self._entry(r) for r in requests]
+        key = (draft_len, tuple(entries))
+        if key != self._param_key:
+            self._fill_params(entries, draft_len)
+            self._param_key = key
+
+    def _entry(self, request: Any) -> RequestEntry:
+        if not isinstance(request, (tuple, list)) or len(request) != 4:
+            raise ValueError(f"each request must be (request_id, slot_id, sampling_params, is_context), got {request!r}")
+        request_id, slot_id, params, is_context = request
+        if params is None:
+            params = GREEDY
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"request {request_id!r}: sampling_params must be SamplingParams or None, got {type(params).__name__}")
+        if isinstance(slot_id, bool) or not isinstance(slot_id, int):
+            raise ValueError(f"request {request_id!r}: slot_id must be an int, got {slot_id!r}")
+        if slot_id == -1:
+            params = GREEDY  # padding requests never sample
+        return RequestEntry(request_id, slot_id, params, bool(is_context))
+
+    def _fill_params(self, entries: list[RequestEntry], draft_len: int) -> None:
+        rows = [1 if e.is_context else draft_len + 1 for e in entries]
+        num_rows = sum(rows)
+        slots = [e.slot_id for e in entries if e.slot_id != -1]
+        if len(set(slots)) != len(slots):
+            raise ValueError("two requests of one step share a slot_id")
+        for e in entries:
+            if e.slot_id != -1 and not 0 <= e.slot_id < self.streams.num_slots:
+                raise ValueError(f"slot_id={e.slot_id} of request {e.request_id!r} is out of range [0, {self.streams.num_slots})")
+        self.entries = entries
+        self.draft_len = draft_len
+        self.num_rows = num_rows
+        B = len(entries)
+        norm = [e.params.normalized() for e in entries]
+        starts, start = [], 0
+        for n in rows:
+            starts.append(start)
+            start += n
+        row_req = [b for b, n in enumerate(rows) for _ in range(n)]
+        row_pos = [i for n in rows for i in range(n)]
+        dev = self.device
+
+        def put(buf: torch.Tensor, values: list, dtype: torch.dtype) -> None:
+            if values:
+                buf[: len(values)].copy_(torch.tensor(values, dtype=dtype), non_blocking=False)
+
+        f32, i64 = torch.float32, torch.int64
+        put(self._req_temperature, [n[0] for n in norm], f32)
+        put(self._req_top_k, [n[1] for n in norm], i64)
+        put(self._req_top_p, [n[2] for n in norm], f32)
+        put(self._req_min_p, [n[3] for n in norm], f32)
+        put(self._req_slot, [e.slot_id for e in entries], i64)
+        put(self._req_is_context, [e.is_context for e in entries], torch.bool)
+        put(self._req_row_start, starts, i64)
+        # Padding requests verify nothing: they emit one (ignored) token.
+        put(self._req_draft_len, [0 if e.is_context or e.slot_id == -1 else draft_len for e in entries], i64)
+        put(self._row_temperature, [norm[b][0] for b in row_req], f32)
+        put(self._row_top_k, [norm[b][1] for b in row_req], i64)
+        put(self._row_top_p, [norm[b][2] for b in row_req], f32)
+        put(self._row_min_p, [norm[b][3] for b in row_req], f32)
+        put(self._row_request, row_req, i64)
+        put(self._row_position, row_pos, i64)
+        if B:
+            # Row of position i of request b (context requests repeat their one row).
+            positions = torch.arange(self.max_draft_len + 1, dtype=i64).reshape(1, -1)
+            limit = torch.tensor([n - 1 for n in rows], dtype=i64).reshape(-1, 1)
+            index = torch.tensor(starts, dtype=i64).reshape(-1, 1) + torch.minimum(positions, limit)
+            self._req_row_index[:B].copy_(index.to(dev))
+        self.local_is_all_greedy = all(e.params.is_greedy for e in entries)
+        self.local_temperature_only = all(e.params.is_temperature_only for e in entries)
+        self.local_any_seeded = any(e.params.is_seeded and not e.params.is_greedy for e in entries)
+        self.param_refills += 1
+
+    def _fill_streams(self) -> None:
+        windows = self.streams.begin_step([(e.request_id, e.slot_id, e.params.seed_int64) for e in self.entries])
+        if not windows:
+            return
+        seeds = torch.tensor([w[0] for w in windows], dtype=torch.int64)
+        bases = torch.tensor([w[1] for w in windows], dtype=torch.int64)
+        B, R = len(windows), self.num_rows
+        self._req_seed[:B].copy_(seeds.to(self.device))
+        self._req_window[:B].copy_(bases.to(self.device))
+        row_req = self._row_request[:R]
+        self._row_seed[:R].copy_(self._req_seed[:B][row_req])
+        # Target row i of a request sits at slot i of its window.
+        self._row_offset[:R].copy_(self._req_window[:B][row_req] + self._row_position[:R] * SLOT_SPAN)
+
+    def _sync_flags(self, ok: bool = True) -> bool:
+        """Set the batch flags (ANDed over the group when syncing); returns whether every
+        rank of the group prepared its batch (``ok``). Flags are left alone when one did not."""
+        flags = [self.local_is_all_greedy, self.local_temperature_only, not self.local_any_seeded, ok]
+        if self.sync_flags and D.group_size(self.group) > 1:
+            # Every rank must take the same path: AND the flags (min over 0/1) across the group.
+            device = self.device if D.group_backend(self.group) == "nccl" else torch.device("cpu")
+            t = torch.tensor([int(f) for f in flags], dtype=torch.int64, device=device)
+            D.all_reduce_(t, op="min", group=self.group)
+            flags = [bool(v) for v in t.tolist()]
+        all_ok = flags.pop()
+        if all_ok:
+            self.is_all_greedy, self.temperature_only, none_seeded = flags
+            self.any_seeded = not none_seeded
+        return all_ok
+
+    # ------------------------------------------------------------------ views
+    def _check_prepared(self) -> None:
+        if not self._prepared:
+            raise RuntimeError("SpecMetadata.prepare() has not been called yet")
+
+    @property
+    def is_all_greedy_sample(self) -> bool:
+        """Alias of :attr:`is_all_greedy` (group-synchronized under attention DP)."""
+        return self.is_all_greedy
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.entries)
+
+    @property
+    def num_contexts(self) -> int:
+        return sum(e.is_context for e in self.entries)
+
+    @property
+    def num_generations(self) -> int:
+        return self.num_requests - self.num_contexts
+
+    @property
+    def every_request_has_full_drafts(self) -> bool:
+        """True when every request verifies ``draft_len`` drafts: no context and no
+        padding request (both verify none). A host fact of this rank's batch."""
+        return not any(e.is_context or e.slot_id == -1 for e in self.entries)
+
+    @property
+    def contexts_first(self) -> bool:
+        """True when every context request comes before every generation request."""
+        flags = [e.is_context for e in self.entries]
+        return flags == sorted(flags, reverse=True)
+
+    @property
+    def slot_ids(self) -> torch.Tensor:
+        """``[B]`` int64 KV slots (-1 = padding)."""
+        return self._req_slot[: self.num_requests]
+
+    @property
+    def is_context(self) -> torch.Tensor:
+        """``[B]`` bool."""
+        return self._req_is_context[: self.num_requests]
+
+    @property
+    def request_draft_len(self) -> torch.Tensor:
+        """``[B]`` int64: ``draft_len`` for generation requests, 0 for context requests."""
+        return self._req_draft_len[: self.num_requests]
+
+    @property
+    def request_row_start(self) -> torch.Tensor:
+        """``[B]`` int64: first logits row of each request."""
+        return self._req_row_start[: self.num_requests]
+
+    @property
+    def request_row_index(self) -> torch.Tensor:
+        """``[B, draft_len + 1]`` int64: logits row of position i of request b (context
+        requests repeat their single row)."""
+        return self._req_row_index[: self.num_requests, : self.draft_len + 1]
+
+    @property
+    def request_seeds(self) -> torch.Tensor:
+        """``[B]`` int64 Philox seeds of this step."""
+        return self._req_seed[: self.num_requests]
+
+    @property
+    def request_windows(self) -> torch.Tensor:
+        """``[B]`` int64 first offset of each request's window this step."""
+        return self._req_window[: self.num_requests]
+
+    def request_sampling(self, offsets: torch.Tensor) -> RowSampling:
+        """Per-request sampling tensors (``[B]``) drawing from ``offsets`` (e.g. a draft step's)."""
+        self._check_prepared()
+        B = self.num_requests
+        return RowSampling(
+            self._req_temperature[:B], self._req_top_k[:B], self._req_top_p[:B], self._req_min_p[:B],
+            self._req_seed[:B], offsets, self.is_all_greedy, self.temperature_only, self.any_seeded,
+        )
+
+    def row_sampling(self) -> RowSampling:
+        """Per-row sampling tensors (``[R]``) of the target logits rows and the synced flags."""
+        self._check_prepared()
+        R = self.num_rows
+        return RowSampling(
+            self._row_temperature[:R], self._row_top_k[:R], self._row_top_p[:R], self._row_min_p[:R],
+            self._row_seed[:R], self._row_offset[:R], self.is_all_greedy, self.temperature_only, self.any_seeded,
+        )
+
+    def draft_offsets(self, step: int) -> torch.Tensor:
+        """``[B]`` int64 offsets of draft step ``step`` (0-based) of every request."""
+        self._check_prepared()
+        return self.request_windows + self.layout.draft_step(step)
+
+    def acceptance_offsets(self, substream: int = ACCEPT_UNIFORM_SUBSTREAM) -> torch.Tensor:
+        """``[B]`` int64 offsets of the acceptance kernel's slot (``substream`` 0: uniforms,
+        1: residual/bonus draw; the acceptance functions add the sub-stream themselves)."""
+        self._check_prepared()
+        if substream not in (ACCEPT_UNIFORM_SUBSTREAM, ACCEPT_RESIDUAL_SUBSTREAM):
+            raise ValueError(f"substream must be 0 or 1, got {substream}")
+        return self.request_windows + (self.layout.acceptance + substream)
+
+    def release_slot(self, slot_id: int) -> None:
+        """Tell the streams a request left ``slot_id`` (optional: a new owner resets it anyway)."""
+        self.streams.release(slot_id)

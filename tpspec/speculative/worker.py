@@ -1,0 +1,154 @@
+"""``SpecWorker``: one speculative step from target logits to accepted tokens.
+
+``step`` selects the target's tokens, verifies the drafts (strict acceptance or
+rejection sampling), applies forced acceptance when the benchmark env var asks for
+it, and returns what the request emits and what the next step feeds. Every path is
+chosen from flags that are equal on every rank (``SpecMetadata`` syncs them under
+attention DP), so every rank runs the same collectives and returns the same tensors.
+
+Host syncs: strict acceptance of an all-greedy or temperature-only batch (and forced
+acceptance) adds none of its own, so it can sit inside a CUDA graph with the exchange.
+The full-logit fallback and rejection sampling check values on the host (eager only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..sampling.ops import filtered_probs, sample_from_logits
+from ..sampling.select import select_tokens
+from .accept import PAD_TOKEN, accept_from_targets, rejection_sample
+from .forced import ForcedAcceptance
+from .metadata import SpecMetadata
+
+TARGET_CHANNEL = 1
+
+
+@dataclass
+class SpecStepOutput:
+    """What one step produced, the same on every rank.
+
+    ``accepted_tokens``: ``[B, D+1]`` int64, the tokens each request emits this step
+    (accepted drafts, then the target's token), padded with -1.
+    ``num_accepted``: ``[B]`` int64 in ``[1, D+1]`` (context requests: 1).
+    ``next_input_tokens``: ``[B]`` int64, each request's last emitted token: the first
+    input of its next step (followed by that step's drafts).
+    ``target_tokens``: ``[R]`` int64 the target's token per logits row when the path
+    computed it (strict acceptance, forced acceptance), else None.
+    """
+
+    accepted_tokens: torch.Tensor
+    num_accepted: torch.Tensor
+    next_input_tokens: torch.Tensor
+    target_tokens: torch.Tensor | None = None
+
+
+class SpecWorker:
+    """Ties selection and verification together for one step.
+
+    ``acceptance``: ``"strict"`` (drafts accepted while they equal the target's own
+    choice, greedy or sampled per row) or ``"rejection"`` (lossless rejection sampling
+    against the full target distributions; an all-greedy batch takes the strict path,
+    which gives the same tokens without gathering the logits).
+    ``forced``: a :class:`ForcedAcceptance`, None, or ``"env"`` (read
+    ``TPSPEC_FORCE_NUM_ACCEPTED_TOKENS`` at the first step).
+    """
+
+    def __init__(self, acceptance: str = "strict", *, forced: ForcedAcceptance | str | None = "env",
+                 channel: int = TARGET_CHANNEL) -> None:
+        if acceptance not in ("strict", "rejection"):
+            raise ValueError(f"acceptance must be 'strict' or 'rejection', got {acceptance!r}")
+        if not (forced is None or forced == "env" or isinstance(forced, ForcedAcceptance)):
+            raise ValueError(f"forced must be a ForcedAcceptance, None or 'env', got {forced!r}")
+        self.acceptance = acceptance
+        self.channel = channel
+        self._forced_spec = forced
+        self._forced: ForcedAcceptance | None = forced if isinstance(forced, ForcedAcceptance) else None
+        self._forced_ready = forced != "env"
+
+    def forced_acceptance(self, device: torch.device) -> ForcedAcceptance | None:
+        if not self._forced_ready:
+            self._forced = ForcedAcceptance.from_env(device=device)
+            self._forced_ready = True
+        return self._forced
+
+    def step(
+        self,
+        target_logits: Any,
+        draft_tokens: torch.Tensor | None,
+        meta: SpecMetadata,
+        draft_probs: torch.Tensor | None = None,
+        *,
+        is_warmup: bool = False,
+    ) -> SpecStepOutput:
+        """One step. ``target_logits``: ``VocabShardedLogits`` with ``meta.num_rows`` rows
+        (context request: 1 row; generation request: ``D+1`` rows, D = ``meta.draft_len``).
+        ``draft_tokens``: ``[B, D]`` int in the target vocab (rows of context requests
+        ignored; None when D == 0). ``draft_probs``: ``[B, D, V]`` draft distributions for
+        rejection sampling, or None: the drafts are treated as deterministic (one-hot q),
+        which is still lossless. ``is_warmup``: eager CUDA-graph warm-up (no forced
+        acceptance, its counter does not advance). Collective over the logits' group.
+
+        Arguments are checked on each rank before the first collective. Under attention
+        DP each rank's batch is its own, so a rank whose drafts have the wrong shape
+        raises alone while its peers wait in the collective until the process group's
+        timeout: the engine checks batches through its shared step plan first, and a
+        direct caller under attention DP should do the same (an extra collective per step
+        here would slow every correct step).
+        """
+        batch, num_drafts = meta.num_requests, meta.draft_len
+        device = target_logits.local.device
+        drafts = self._check_drafts(draft_tokens, batch, num_drafts, device)
+        lens = meta.request_draft_len.to(device)
+        row_index = meta.request_row_index.to(device)
+        forced = self.forced_acceptance(device)
+        use_forced = forced is not None and not is_warmup
+
+        row_tokens: torch.Tensor | None = None
+        if self.acceptance == "strict" or meta.is_all_greedy:
+            row_tokens = select_tokens(target_logits, meta, channel=self.channel)
+            # Lengths come from the metadata: no value check, so this path has no host sync.
+            accepted, num = accept_from_targets(row_tokens[row_index], drafts, lens, check_values=False)
+        else:
+            full = target_logits.gather()
+            rs = meta.row_sampling()
+            probs = filtered_probs(full, rs.temperature, rs.top_k, rs.top_p, rs.min_p)
+            accepted, num = rejection_sample(
+                draft_probs, drafts, probs[row_index], meta.request_seeds, meta.acceptance_offsets(),
+                # Only rows with fewer drafts need lengths (without them flashinfer may serve).
+                draft_lens=None if meta.every_request_has_full_drafts else lens,
+                needs_reproducible_streams=meta.any_seeded,
+            )
+            if meta.num_contexts or use_forced:
+                # Context requests (and forced acceptance) take the target's own per-row
+                # draw, the token strict acceptance would emit for them too.
+                row_tokens = sample_from_logits(
+                    full, rs.temperature, rs.seeds, rs.offsets, rs.top_k, rs.top_p, rs.min_p,
+                    needs_reproducible_streams=meta.any_seeded,
+                )
+                ctx = meta.is_context.to(device).reshape(-1, 1)
+                ctx_accepted = torch.full_like(accepted, PAD_TOKEN)
+                ctx_accepted[:, 0] = row_tokens[row_index[:, 0]]
+                accepted = torch.where(ctx, ctx_accepted, accepted)
+                num = torch.where(ctx.reshape(-1), torch.ones_like(num), num)
+        if use_forced:
+            forced_out = forced.apply(row_tokens[row_index], drafts, lens, meta.slot_ids.to(device))
+            if forced_out is not None:
+                accepted, num = forced_out
+        next_input = accepted.gather(1, (num - 1).reshape(-1, 1)).reshape(-1)
+        return SpecStepOutput(accepted, num, next_input, row_tokens)
+
+    @staticmethod
+    def _check_drafts(draft_tokens: torch.Tensor | None, batch: int, num_drafts: int, device: torch.device) -> torch.Tensor:
+        if draft_tokens is None:
+            if num_drafts:
+                raise ValueError(f"draft_tokens is None but the step has draft_len={num_drafts}")
+            return torch.zeros(batch, 0, dtype=torch.int64, device=device)
+        if not isinstance(draft_tokens, torch.Tensor) or tuple(draft_tokens.shape) != (batch, num_drafts):
+            raise ValueError(f"draft_tokens must be [B={batch}, D={num_drafts}], got {getattr(draft_tokens, 'shape', draft_tokens)}")
+        if draft_tokens.is_floating_point():
+            raise ValueError(f"draft_tokens must be integer token ids, got {draft_tokens.dtype}")
+        return draft_tokens.to(device=device, dtype=torch.int64)
