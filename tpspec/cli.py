@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("tpspec.bench", "benchmarks: exchange, step, generate"),
     "check": ("tpspec.check", "the determinism suite (docs/determinism.md): pass/fail table"),
     "make-tiny-model": ("tpspec.model.tiny", "write a small random Llama checkpoint in HF format"),
+    "convert-eagle3": ("tpspec.model.eagle3", "turn a pytorch_model.bin EAGLE-3 head into safetensors"),
 }
 
 

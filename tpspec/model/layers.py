@@ -245,10 +245,13 @@ class Attention(nn.Module):
     ``forward(x [N, hidden], cos, sin, meta, cache) -> [N, hidden]``: projects q/k/v,
     rotates q/k, writes the new K/V into the cache at ``meta.tok_slot, meta.tok_cache_idx``,
     attends each token causally to its slot's cache, and projects back (summed over the group).
+    ``prefix`` (default ``model.layers.{layer}.self_attn``) names the checkpoint tensors;
+    ``in_features`` (default ``hidden_size``) is the width q/k/v read.
     """
 
     def __init__(self, cfg: ModelConfig, layer: int, tp_size: int, tp_rank: int, group: Any,
-                 *, dtype: torch.dtype, device: Any) -> None:
+                 *, dtype: torch.dtype, device: Any, prefix: str | None = None,
+                 in_features: int | None = None) -> None:
         super().__init__()
         split = split_heads(cfg, tp_size, tp_rank)
         hd = cfg.head_dim
@@ -256,9 +259,9 @@ class Attention(nn.Module):
         self.num_heads = split.q_heads
         self.num_kv_heads = split.kv_heads
         self.scale = hd**-0.5
-        prefix = f"model.layers.{layer}.self_attn"
+        prefix = prefix or f"model.layers.{layer}.self_attn"
         self.qkv = ColumnParallelLinear(
-            cfg.hidden_size,
+            in_features or cfg.hidden_size,
             [
                 (f"{prefix}.q_proj", cfg.num_heads * hd, split.q_start * hd, split.q_heads * hd),
                 (f"{prefix}.k_proj", cfg.num_kv_heads * hd, split.kv_start * hd, split.kv_heads * hd),
@@ -312,14 +315,15 @@ class MLP(nn.Module):
     """SwiGLU feed-forward, ``down(silu(gate(x)) * up(x))``, intermediate features split over the group.
 
     ``forward(x, reduce=None)``: ``reduce`` replaces the all-reduce of the down projection.
+    ``prefix`` (default ``model.layers.{layer}.mlp``) names the checkpoint tensors.
     """
 
     def __init__(self, cfg: ModelConfig, layer: int, tp_size: int, tp_rank: int, group: Any,
-                 *, dtype: torch.dtype, device: Any) -> None:
+                 *, dtype: torch.dtype, device: Any, prefix: str | None = None) -> None:
         super().__init__()
         inter = cfg.intermediate_size
         start, length = split_evenly("intermediate_size", inter, tp_size, tp_rank)
-        prefix = f"model.layers.{layer}.mlp"
+        prefix = prefix or f"model.layers.{layer}.mlp"
         self.gate_up = ColumnParallelLinear(
             cfg.hidden_size,
             [(f"{prefix}.gate_proj", inter, start, length), (f"{prefix}.up_proj", inter, start, length)],

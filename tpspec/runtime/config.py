@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from ..sampling.params import SamplingParams
 
-SPEC_METHODS = ("ngram", "draft_model")
+SPEC_METHODS = ("ngram", "draft_model", "eagle3")
 ACCEPTANCE_MODES = ("strict", "rejection")
 LAUNCHERS = ("mp", "torchrun", "ray")
 
@@ -22,9 +22,11 @@ def _positive_int(name: str, value: object) -> int:
 class SpeculativeConfig:
     """How draft tokens are proposed and verified (familiar to vLLM users on purpose).
 
-    ``method``: ``"ngram"`` (prompt lookup on the request's own tokens, no model) or
+    ``method``: ``"ngram"`` (prompt lookup on the request's own tokens, no model),
     ``"draft_model"`` (a smaller checkpoint of the same family at ``draft_model``, TP-sharded
-    like the target). ``num_draft_tokens``: K drafts verified per generation step.
+    like the target) or ``"eagle3"`` (an EAGLE-3 head at ``draft_model`` that drafts from the
+    target's hidden states; see :mod:`tpspec.model.eagle3`). ``num_draft_tokens``: K drafts
+    verified per generation step.
     ``acceptance``: ``"strict"`` (a draft is kept while it equals the target's own choice)
     or ``"rejection"`` (Leviathan et al. rejection sampling; lossless for sampled requests).
     ``max_ngram``/``min_ngram``: the n-gram lengths prompt lookup tries (longest first).
@@ -46,10 +48,10 @@ class SpeculativeConfig:
             raise ValueError(
                 f"SpeculativeConfig.acceptance must be one of {ACCEPTANCE_MODES}, got {self.acceptance!r}"
             )
-        if self.method == "draft_model" and not self.draft_model:
-            raise ValueError("SpeculativeConfig(method='draft_model') needs draft_model=PATH (or 'tiny')")
+        if self.method in ("draft_model", "eagle3") and not self.draft_model:
+            raise ValueError(f"SpeculativeConfig(method={self.method!r}) needs draft_model=PATH (or 'tiny')")
         if self.method == "ngram" and self.draft_model:
-            raise ValueError("SpeculativeConfig.draft_model is only used with method='draft_model'")
+            raise ValueError("SpeculativeConfig.draft_model is only used with method='draft_model' or 'eagle3'")
         _positive_int("SpeculativeConfig.max_ngram", self.max_ngram)
         _positive_int("SpeculativeConfig.min_ngram", self.min_ngram)
         if self.min_ngram > self.max_ngram:

@@ -61,6 +61,9 @@ class _Seq:
     slot: int = -1
     target_cached: int = 0
     draft_cached: int = 0
+    # EAGLE-3: the target's captured hidden states of positions [draft_cached, len(tokens) - 1),
+    # not yet read by the head (row blocks in position order).
+    pending_hidden: list[torch.Tensor] = field(default_factory=list)
     finished: bool = False
     finish_reason: str = ""
     stats: RequestStats = field(default_factory=RequestStats)
@@ -106,6 +109,7 @@ class Engine:
     def __init__(self, config: EngineConfig, mapping: Mapping, device: torch.device | str | None = None) -> None:
         from ..exchange import make_key_exchange
         from ..model.drafters import DraftModel, NgramDrafter
+        from ..model.eagle3 import Eagle3Drafter
         from ..model.loader import load_model
         from ..speculative import SpecMetadata, SpecWorker
 
@@ -133,9 +137,14 @@ class Engine:
 
         self.ngram = None
         self.draft_model = None
+        self.eagle3 = None
         if spec is not None and spec.method == "ngram":
             self.ngram = NgramDrafter(num_draft_tokens=spec.num_draft_tokens, max_ngram=spec.max_ngram,
                                       min_ngram=spec.min_ngram)
+        elif spec is not None and spec.method == "eagle3":
+            # Turns on the target's capture of the hidden states the head reads.
+            self.eagle3 = Eagle3Drafter(config.draft_model_path, self.model)
+            self.eagle3.allocate_kv_cache(self.num_slots, self.cache_len)
         elif spec is not None:
             self.draft_model = DraftModel(config.draft_model_path, mapping, device=self.device, dtype=self.dtype,
                                           exchange=self.exchange, target_config=self.model.config)
@@ -265,15 +274,20 @@ class Engine:
             query_lens.append(len(chunk))
             rows.extend(range(first + len(chunk) - logit_rows, first + len(chunk)))
 
+        in_batch: list[tuple[_Seq | None, bool]] = []  # per query_lens entry: (sequence or None = dummy, is gen)
         for seq, n in plan.final_ctx:
             add(seq.slot, seq.target_cached, seq.tokens[seq.target_cached:seq.target_cached + n], 1)
+            in_batch.append((seq, False))
         if use_dummy:
             add(self.scratch_slot, 0, [0], 1)
+            in_batch.append((None, False))
         for seq, n in plan.partial_ctx:
             add(seq.slot, seq.target_cached, seq.tokens[seq.target_cached:seq.target_cached + n], 0)
+            in_batch.append((seq, False))
         for seq, d in zip(plan.gen, drafts):
             last = len(seq.tokens) - 1
             add(seq.slot, last, [seq.tokens[-1]] + d, k + 1)
+            in_batch.append((seq, True))
 
         emitted: dict[int, list[int]] = {}
         if tokens:  # under attention DP there is always at least the dummy row
@@ -291,10 +305,25 @@ class Engine:
                 emitted = self._verify(plan, batch, drafts, use_dummy)
             else:  # only partial context chunks: fill the cache, no token is due
                 self.model(batch)
+            if self.eagle3 is not None:
+                self._keep_hidden_states(in_batch, query_lens, emitted)
         if dp:
             emitted = self._all_gather_emitted(emitted, seqs)
         for idx, toks in emitted.items():
             self._commit(seqs[idx], toks)
+
+    def _keep_hidden_states(self, in_batch: list[tuple[_Seq | None, bool]], query_lens: list[int],
+                            emitted: dict[int, list[int]]) -> None:
+        """EAGLE-3: queue the target hidden states of this step's tokens that are now part of their
+        sequence (a context chunk: all of them; a generation request that emits n tokens: its last
+        committed token and the n - 1 accepted drafts) for the head's next catch-up forward."""
+        captured = self.model.aux_hidden_states
+        start = 0
+        for (seq, is_gen), n in zip(in_batch, query_lens):
+            if seq is not None:
+                keep = len(emitted[seq.index]) if is_gen else n
+                seq.pending_hidden.append(captured[start:start + keep])
+            start += n
 
     def _propose(self, plan: _Plan, *, always_run_model: bool) -> list[list[int]]:
         """K draft tokens for every generation request of ``plan`` (empty lists without
@@ -311,6 +340,8 @@ class Engine:
             return out
         if not plan.gen and not always_run_model:
             return []
+        if self.eagle3 is not None:
+            return self._draft_with_eagle3(plan.gen)
         return self._draft_with_model(plan.gen)
 
     def _draft_with_model(self, gen: list[_Seq]) -> list[list[int]]:
@@ -346,6 +377,48 @@ class Engine:
         table = torch.stack(drafts, dim=1).cpu().tolist() if gen else []
         for s in gen:  # the cache now holds the committed tokens plus drafts 1..K-1
             s.draft_cached = len(s.tokens) + k - 1
+        return [[int(t) for t in row] for row in table]
+
+    def _draft_with_eagle3(self, gen: list[_Seq]) -> list[list[int]]:
+        """Greedy drafts from the EAGLE-3 head. Draft position ``i`` reads the target's hidden states
+        at ``i`` and token ``i + 1``: one catch-up forward over the positions whose hidden states
+        arrived since the last drafting (the last row gives the first draft), then K - 1 one-token
+        forwards, each reading the previous row's output instead of target hidden states."""
+        from ..model.batch import ForwardBatch
+
+        k = self.num_draft
+        dev = self.device
+        head = self.eagle3
+        width = 3 * head.config.hidden_size
+        if gen:
+            starts = [s.draft_cached for s in gen]
+            ends = [len(s.tokens) - 1 for s in gen]  # positions [start, end) have target hidden states
+            toks = [t for s, st, e in zip(gen, starts, ends) for t in s.tokens[st + 1:e + 1]]
+            hidden = torch.cat([h for s in gen for h in s.pending_hidden])
+            slots = [s.slot for s in gen]
+        else:  # attention DP, nothing here: a dummy row keeps the collectives paired
+            starts, ends, toks, slots = [0], [1], [0], [self.scratch_slot]
+            hidden = torch.zeros(1, width, dtype=head.dtype, device=dev)
+        lens = [e - st for st, e in zip(starts, ends)]
+        if hidden.shape[0] != sum(lens):
+            raise RuntimeError(f"EAGLE-3 bookkeeping: {hidden.shape[0]} hidden rows for {sum(lens)} draft positions")
+        pos = [p for st, e in zip(starts, ends) for p in range(st, e)]
+        last_rows = torch.tensor(list(_cumsum(lens)), dtype=torch.int64, device=dev) - 1
+        batch = ForwardBatch(token_ids=torch.tensor(toks, dtype=torch.int64, device=dev),
+                             positions=torch.tensor(pos, dtype=torch.int64, device=dev),
+                             slot_ids=slots, cache_lens=starts, query_lens=lens, logits_rows=last_rows)
+        cur, out = head.greedy_drafts(batch, hidden)
+        drafts = [cur]
+        for j in range(1, k):
+            at = [e + j - 1 for e in ends]
+            batch = ForwardBatch(token_ids=cur, positions=torch.tensor(at, dtype=torch.int64, device=dev),
+                                 slot_ids=slots, cache_lens=at, query_lens=[1] * len(slots), logits_rows=None)
+            cur, out = head.greedy_drafts(batch, out)
+            drafts.append(cur)
+        table = torch.stack(drafts, dim=1).cpu().tolist() if gen else []
+        for s, e in zip(gen, ends):  # chained positions [e, e + K - 1) are overwritten next time
+            s.draft_cached = e
+            s.pending_hidden = []
         return [[int(t) for t in row] for row in table]
 
     def _verify(self, plan: _Plan, batch, drafts: list[list[int]], use_dummy: bool) -> dict[int, list[int]]:

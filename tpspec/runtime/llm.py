@@ -37,26 +37,29 @@ def cache_dir() -> str:
 
 
 def tiny_model_path(kind: str = "target") -> str:
-    """Path of the tiny random Llama (``kind="target"``) or its smaller draft
-    (``kind="draft"``), created on first use from a fixed seed (deterministic; no download).
+    """Path of the tiny random Llama (``kind="target"``), its smaller draft (``kind="draft"``)
+    or a random EAGLE-3 head for it (``kind="eagle3"``), created on first use from a fixed seed (deterministic; no download).
     Safe when several processes create it at once (write to a temp dir, then rename)."""
     import hashlib
 
     from ..model import tiny
     from ..model.tiny import make_tiny_checkpoint
 
-    if kind not in ("target", "draft"):
-        raise ValueError(f"kind must be 'target' or 'draft', got {kind!r}")
+    if kind not in ("target", "draft", "eagle3"):
+        raise ValueError(f"kind must be 'target', 'draft' or 'eagle3', got {kind!r}")
     # Keyed by the generator's source: a changed tiny model never reuses a stale cache.
     with open(tiny.__file__, "rb") as f:
         digest = hashlib.sha256(f.read()).hexdigest()[:12]
-    name = f"tiny-{digest}" if kind == "target" else f"tiny-draft-{digest}"
+    name = {"target": "tiny", "draft": "tiny-draft", "eagle3": "tiny-eagle3"}[kind] + f"-{digest}"
     path = os.path.join(cache_dir(), name)
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
     os.makedirs(cache_dir(), exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}"
-    make_tiny_checkpoint(tmp, **_tiny_kwargs(kind))
+    if kind == "eagle3":
+        tiny.make_tiny_eagle3_head(tmp, tiny_model_path("target"))
+    else:
+        make_tiny_checkpoint(tmp, **_tiny_kwargs(kind))
     try:
         os.rename(tmp, path)
     except OSError:  # another process won the race: keep its copy
@@ -87,7 +90,10 @@ def resolve_model(model: str | os.PathLike, kind: str = "target") -> str:
     # Checked here so the user gets a ValueError, not a worker's traceback.
     if not os.path.isfile(os.path.join(path, INDEX_FILE)) and not glob.glob(os.path.join(path, "*.safetensors")):
         found = sorted(os.path.basename(p) for p in glob.glob(os.path.join(path, "*.bin")))
-        hint = f" (found {found}: PyTorch .bin checkpoints are not supported)" if found else ""
+        hint = f" (found {found}: PyTorch .bin checkpoints are not supported" if found else ""
+        if found and kind == "eagle3":
+            hint += "; `tpspec convert-eagle3 IN OUT` converts an EAGLE-3 head"
+        hint += ")" if found else ""
         raise ValueError(f"model {path!r} has no safetensors weights{hint}")
     return path
 
@@ -235,6 +241,11 @@ class LLM:
                 raise ValueError(f"the draft model's vocab_size {draft_cfg.vocab_size} differs from the target's "
                                  f"{self.model_config.vocab_size}")
             _check_layout(draft_cfg, tp_size, attention_dp, draft_path)
+        elif speculative is not None and speculative.method == "eagle3":
+            from ..model.eagle3 import Eagle3Config
+
+            draft_path = resolve_model(speculative.draft_model, kind="eagle3")
+            Eagle3Config.from_pretrained(draft_path, self.model_config)  # CheckpointError before any worker
         k = speculative.num_draft_tokens if speculative is not None else 0
         if max_seq_len is None:
             max_seq_len = min(self.model_config.max_position_embeddings, 2048)
