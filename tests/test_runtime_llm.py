@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from tpspec import LLM, SamplingParams, SpeculativeConfig
-from tpspec.model.tiny import make_tiny_checkpoint
+from tpspec.model.tiny import make_tiny_checkpoint, make_tiny_eagle3_head
 
 MAX_NEW = 24
 # Six prompts for a batch of four: slots are reused. The long one is chunked when the token
@@ -38,7 +38,8 @@ def ckpt(tmp_path_factory):
     root = tmp_path_factory.mktemp("runtime_models")
     target = make_tiny_checkpoint(root / "tiny", seed=0)
     draft = make_tiny_checkpoint(root / "tiny-draft", seed=0, draft=True)
-    return str(target), str(draft)
+    head = make_tiny_eagle3_head(root / "tiny-eagle3", target)
+    return str(target), str(draft), str(head)
 
 
 @pytest.fixture(scope="module")
@@ -57,16 +58,16 @@ def llm_tp2(ckpt):
         yield llm
 
 
-def _spec(method: str, acceptance: str, draft: str) -> SpeculativeConfig | None:
+def _spec(method: str, acceptance: str, ckpt: tuple[str, str, str]) -> SpeculativeConfig | None:
     if method == "none":
         return None
     k = 4 if method == "ngram" else 3
-    return SpeculativeConfig(method=method, num_draft_tokens=k, acceptance=acceptance,
-                             draft_model=draft if method == "draft_model" else None)
+    draft = {"draft_model": ckpt[1], "eagle3": ckpt[2]}.get(method)
+    return SpeculativeConfig(method=method, num_draft_tokens=k, acceptance=acceptance, draft_model=draft)
 
 
 SPECS = [("none", "strict"), ("ngram", "strict"), ("ngram", "rejection"), ("draft_model", "strict"),
-         ("draft_model", "rejection")]
+         ("draft_model", "rejection"), ("eagle3", "strict")]
 
 
 @pytest.mark.parametrize("tp,adp", [(1, False), (2, False), (2, True)], ids=["tp1", "tp2", "tp2-adp"])
@@ -75,7 +76,7 @@ def test_speculative_greedy_equals_plain_greedy(ckpt, baseline, tp, adp):
     token budget (chunked context of the 40-token prompt) and slot reuse (6 prompts, 4 slots)."""
     accepted_any = {}
     for method, acceptance in SPECS:
-        spec = _spec(method, acceptance, ckpt[1])
+        spec = _spec(method, acceptance, ckpt)
         with LLM(ckpt[0], tp_size=tp, attention_dp=adp, speculative=spec, max_batch_size=4,
                  max_num_tokens=24) as llm:
             outs = llm.generate(PROMPTS, max_new_tokens=MAX_NEW)
@@ -93,6 +94,15 @@ def test_speculative_greedy_equals_plain_greedy(ckpt, baseline, tp, adp):
         accepted_any[method] = stats.num_accepted_drafts
     # The drafters do propose tokens the target keeps (otherwise the test proves little).
     assert accepted_any["ngram"] > 0 and accepted_any["draft_model"] > 0
+
+
+@pytest.mark.parametrize("method,adp", [("draft_model", False), ("eagle3", False), ("eagle3", True)],
+                         ids=["draft_model", "eagle3", "eagle3-adp"])
+def test_speculative_greedy_equals_plain_greedy_at_tp4(ckpt, baseline, method, adp):
+    """The model drafters at TP = 4 (the tiny model's 2 KV heads replicated), kept small: two prompts."""
+    with LLM(ckpt[0], tp_size=4, attention_dp=adp, speculative=_spec(method, "strict", ckpt), max_batch_size=2) as llm:
+        outs = llm.generate(PROMPTS[:2], max_new_tokens=MAX_NEW)
+    assert [o.token_ids for o in outs] == baseline[:2]
 
 
 @pytest.mark.parametrize("adp", [False, True], ids=["tp2", "tp2-adp"])
@@ -135,7 +145,7 @@ def test_sampled_rejection_speculation_same_across_tp(ckpt, method):
     """Lossless speculation on sampled rows (rejection acceptance, seeded top-k / top-p
     requests and an unseeded one) emits the same tokens at TP = 1 and TP = 2: the draws,
     acceptance uniforms and residual draws come from each request's own stream."""
-    spec = _spec(method, "rejection", ckpt[1])
+    spec = _spec(method, "rejection", ckpt)
     params = [SamplingParams(temperature=0.8, seed=7), SamplingParams(temperature=1.0, top_k=20, seed=8),
               SamplingParams(temperature=0.6, top_p=0.9, seed=9), SamplingParams(temperature=0.9, seed=10)]
     runs = {}
@@ -213,6 +223,12 @@ def test_bad_configs_raise_clear_errors(ckpt, tmp_path):
         SpeculativeConfig("draft_model", 4)
     with pytest.raises(ValueError, match="acceptance"):
         SpeculativeConfig("ngram", 4, acceptance="lenient")
+    with pytest.raises(ValueError, match="method='eagle3'.*draft_model"):
+        SpeculativeConfig("eagle3", 4)
+    from tpspec.model import CheckpointError
+
+    with pytest.raises(CheckpointError, match="eagle_aux_hidden_state_layer_ids"):  # no EAGLE-3 head: in the driver
+        LLM(ckpt[0], speculative=SpeculativeConfig("eagle3", 3, draft_model=ckpt[1]))
     with pytest.raises(ValueError, match=r"bad speculative config .*known keys: method"):
         LLM(ckpt[0], speculative={"method": "ngram", "k": 4})
     from tpspec.runtime.config import EngineConfig
