@@ -34,10 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu", help="default: cpu")
     parser.add_argument("--dtype", default="auto", help="auto (bf16 on cuda, fp32 on cpu), float32, bfloat16, float16")
     parser.add_argument("--attention-dp", action="store_true", help="attention data-parallel over the TP group")
-    parser.add_argument("--spec", choices=("ngram", "draft_model", "none"), default="ngram",
+    parser.add_argument("--spec", choices=("ngram", "draft_model", "eagle3", "none"), default="ngram",
                         help="speculative decoding method (default: ngram)")
-    parser.add_argument("--draft-model", default=None, help="draft checkpoint for --spec draft_model "
-                                                            "(default: the tiny draft when --model tiny)")
+    parser.add_argument("--draft-model", default=None, help="draft checkpoint (--spec draft_model) or EAGLE-3 head "
+                                                            "(--spec eagle3); default: the tiny one when --model tiny")
     parser.add_argument("--draft-tokens", type=int, default=4, help="draft tokens per step (default 4)")
     parser.add_argument("--acceptance", choices=("strict", "rejection"), default="strict")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -105,9 +105,9 @@ def run(args: argparse.Namespace) -> int:
         spec = None
         if args.spec != "none":
             draft = args.draft_model
-            if args.spec == "draft_model" and draft is None:
+            if args.spec in ("draft_model", "eagle3") and draft is None:
                 if args.model != "tiny":
-                    raise ValueError("--spec draft_model needs --draft-model DIR (the tiny draft only fits --model tiny)")
+                    raise ValueError(f"--spec {args.spec} needs --draft-model DIR (the tiny one only fits --model tiny)")
                 draft = "tiny"
             spec = SpeculativeConfig(method=args.spec, num_draft_tokens=args.draft_tokens, draft_model=draft,
                                      acceptance=args.acceptance)
