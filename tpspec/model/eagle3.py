@@ -49,11 +49,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..exchange.base import Channel
 from ..mapping import Mapping
 from ..vocab_parallel import VocabParallelHead, VocabShardedLogits
 from .batch import AttentionMetadata, ForwardBatch
 from .config import ModelConfig
-from .drafters import DRAFT_CHANNEL
 from .layers import MLP, Attention, KVCache, RMSNorm, RotaryEmbedding, RowParallelLinear, ShardSpec, \
     split_evenly, split_heads
 from .llama import StackedRowsLogits, TPLlamaForCausalLM, plan_step
@@ -259,7 +259,7 @@ class Eagle3Drafter(nn.Module):
         """Run ``batch`` and return the greedy draft of every logits row as a target id (``[M]`` int64, the
         same on every rank of the TP group, picked on the draft channel) and the rows' outputs ``[M, H]``."""
         logits, out = self(batch, hidden)
-        return self.to_target_ids(logits.argmax(channel=DRAFT_CHANNEL)), out
+        return self.to_target_ids(logits.argmax(channel=Channel.DRAFT)), out
 
     def shard_plan(self) -> list[tuple[str, nn.Parameter, list[ShardSpec]]]:
         """Every parameter with the checkpoint slices that fill it: ``(name, param, specs)``."""
