@@ -99,9 +99,11 @@ def reference(ckpt):
 
 
 # ------------------------------------------------------------------ the sharded drafter
-def _draft_prompts(rank: int, world: int, target_dir: str, head_dir: str, prompts: list[list[int]], k: int):
-    """Prefill every prompt through the target, then draft ``k`` tokens per prompt with the head."""
-    model = load_model(target_dir, Mapping(world, rank))
+def _draft_prompts(rank: int, world: int, target_dir: str, head_dir: str, prompts: list[list[int]], k: int,
+                   adp: bool = False):
+    """Prefill every prompt through the target, then draft ``k`` tokens per prompt with the head (under
+    attention DP every rank runs the same prompts as its own batch, the head split over the stacked rows)."""
+    model = load_model(target_dir, Mapping(world, rank, enable_attention_dp=adp, enable_lm_head_tp_in_adp=adp))
     head = Eagle3Drafter(head_dir, model)
     model.allocate_kv_cache(len(prompts), 64)
     head.allocate_kv_cache(len(prompts), 64)
@@ -123,14 +125,28 @@ def _draft_prompts(rank: int, world: int, target_dir: str, head_dir: str, prompt
     return torch.stack(drafts, 1).tolist()
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_sharded_drafter_equals_plain_torch_reference(ckpt, reference, tp):
-    got = run_ranks(_draft_prompts, tp, *ckpt, PROMPTS, K, timeout_s=120)
+@pytest.mark.parametrize("tp,adp", [(1, False), (2, False), (2, True)], ids=["tp1", "tp2", "tp2-adp-head-tp"])
+def test_sharded_drafter_equals_plain_torch_reference(ckpt, reference, tp, adp):
+    got = run_ranks(_draft_prompts, tp, *ckpt, PROMPTS, K, adp, timeout_s=120)
     want = [reference.drafts(p, K) for p in PROMPTS]
     assert all(r == want for r in got), f"tp={tp}: sharded {got[0]} != reference {want}"
     # The drafts are target ids from the draft vocabulary (the map was applied).
     t2d = load_file(os.path.join(ckpt[1], "model.safetensors"))["t2d"]
     assert all(bool(t2d[t]) for row in want for t in row)
+
+
+def test_draft_vocabulary_in_one_target_shard(ckpt, tmp_path):
+    """A draft vocabulary of target ids 0..130 only: at TP 2 rank 1 holds no head row at all."""
+    tensors = load_file(os.path.join(ckpt[1], "model.safetensors"))
+    vd = 131
+    t2d = torch.zeros(512, dtype=torch.bool)
+    t2d[:vd] = True
+    head = _broken_head(ckpt[1], tmp_path / "low", config={"draft_vocab_size": vd}, replace={
+        "d2t": torch.zeros(vd, dtype=torch.int64), "t2d": t2d,
+        "lm_head.weight": tensors["lm_head.weight"][:vd].contiguous()})
+    want = [ReferenceEagle3(ckpt[0], head).drafts(p, K) for p in PROMPTS]
+    got = run_ranks(_draft_prompts, 2, ckpt[0], head, PROMPTS, K, timeout_s=120)
+    assert got == [want, want] and all(t < vd for row in want for t in row)
 
 
 def _engine_drafts(rank: int, world: int, target_dir: str, head_dir: str, adp: bool):

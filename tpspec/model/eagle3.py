@@ -28,10 +28,13 @@ The token embedding is the target's. Draft row ``i`` pairs the target's hidden s
 With ``norm_before_residual`` in the config the residual is ``hidden_norm(x)`` instead of ``x``.
 
 Sharding follows the target: q/k/v and gate/up are column-parallel, o/down and ``fc`` row-parallel
-(``fc`` is whole on every rank under attention DP, where attention runs per rank), and the head is
-split over the draft vocabulary like the target's over its own. Because ``d2t`` maps draft ids to
-strictly increasing target ids, the draft argmax over draft columns, taken through the key exchange,
-maps to the target id the full-vocabulary argmax of the draft's scores would give.
+(``fc`` is whole on every rank under attention DP, where attention runs per rank). The head is split
+over the draft vocabulary along the target's vocabulary shards (:class:`DraftVocabHead`): because
+``d2t`` maps draft ids to strictly increasing target ids, the draft ids whose target ids fall in a
+rank's target shard form one contiguous range, and that rank holds exactly those rows. Its logits are
+laid out like the target's (its target columns, ``-inf`` at ids the draft vocabulary lacks), so every
+selection on shards (greedy through the key exchange, sampling) picks target ids directly, and a
+draft's scores sit on the same rank as the target's scores of the same token.
 
 ``tpspec convert-eagle3 IN OUT`` turns a ``pytorch_model.bin`` head into this layout in safetensors
 (read with ``torch.load(weights_only=True)``, never a full unpickle).
@@ -49,9 +52,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..exchange.base import Channel
+from ..exchange.base import Channel, KeyExchange
 from ..mapping import Mapping
-from ..vocab_parallel import VocabParallelHead, VocabShardedLogits
+from ..vocab_parallel import VocabShardedLogits, vocab_shard_bounds
 from .batch import AttentionMetadata, ForwardBatch
 from .config import ModelConfig
 from .layers import MLP, Attention, KVCache, RMSNorm, RotaryEmbedding, RowParallelLinear, ShardSpec, \
@@ -136,13 +139,48 @@ class Eagle3Config:
                    bool(raw.get("norm_before_residual", False)))
 
 
+class DraftVocabHead(nn.Module):
+    """An LM head over a reduced draft vocabulary, split along the target's vocabulary shards.
+
+    ``target_ids``: ``[draft_vocab]`` strictly increasing target ids of the draft ids. This rank holds
+    the rows of the draft ids whose target ids lie in its target shard (all of them when the target's
+    head is not sharded), a contiguous range ``[draft_start, draft_start + num_rows)`` that may be
+    empty. ``forward(hidden [R, H]) -> VocabShardedLogits``: ``[R, target shard width]`` in the target's
+    layout, the draft scores at their target columns and ``-inf`` elsewhere; collective picks return
+    target ids.
+    """
+
+    def __init__(self, name: str, hidden_size: int, target_ids: torch.Tensor, target_vocab_size: int,
+                 mapping: Mapping, exchange: KeyExchange, *, dtype: torch.dtype, device: Any) -> None:
+        super().__init__()
+        sharded = mapping.lm_head_is_sharded
+        tp, rank = (mapping.tp_size, mapping.tp_rank) if sharded else (1, 0)
+        self.vocab_offset, self.shard_width, real = vocab_shard_bounds(target_vocab_size, tp, rank)
+        self.vocab_size = target_vocab_size
+        self.exchange = exchange
+        ids = target_ids.to(torch.int64).cpu()
+        lo = int(torch.searchsorted(ids, self.vocab_offset))
+        hi = int(torch.searchsorted(ids, self.vocab_offset + real))
+        self.draft_start, self.num_rows = lo, hi - lo
+        self.register_buffer("columns", (ids[lo:hi] - self.vocab_offset).to(device), persistent=False)
+        self.weight = nn.Parameter(torch.zeros(hi - lo, hidden_size, dtype=dtype, device=device), requires_grad=False)
+        self.plan = {"weight": [ShardSpec(name, (ids.numel(), hidden_size), 0, lo, hi - lo)] if hi > lo else []}
+
+    def forward(self, hidden: torch.Tensor) -> VocabShardedLogits:
+        local = torch.full((hidden.shape[0], self.shard_width), float("-inf"), dtype=hidden.dtype,
+                           device=hidden.device)
+        local[:, self.columns] = torch.nn.functional.linear(hidden, self.weight)
+        return VocabShardedLogits(local, self.vocab_offset, self.vocab_size, self.exchange)
+
+
 class Eagle3Drafter(nn.Module):
     """An EAGLE-3 head loaded for this rank, drafting for ``target`` (whose token embedding it uses).
 
     ``forward(batch, hidden) -> (logits, out)``: ``hidden`` is ``[N, 3H]`` target hidden states
     (``target.aux_hidden_states`` rows, one per new token of ``batch``) or ``[N, H]`` outputs of the
-    previous chained step; the result is the draft-vocabulary :class:`VocabShardedLogits` of
-    ``batch.logits_rows`` and the ``[M, H]`` layer outputs of those rows (the next step's hidden).
+    previous chained step; the result is the draft's :class:`VocabShardedLogits` of ``batch.logits_rows``
+    in the target's vocabulary layout (see :class:`DraftVocabHead`: picks are target ids) and the
+    ``[M, H]`` layer outputs of those rows (the next step's hidden).
     Collective over the TP group like the target's forward (the same batch on every rank under plain
     TP; each rank's own, possibly a one-row dummy, under attention DP). Its KV cache is its own:
     :meth:`allocate_kv_cache`. The constructor reads this rank's slices of the checkpoint and turns
@@ -184,14 +222,12 @@ class Eagle3Drafter(nn.Module):
         self.mlp = MLP(layer, 0, mapping.tp_size, mapping.tp_rank, self.group, prefix="midlayer.mlp", **kw)
         self.norm = RMSNorm("norm.weight", hidden, layer.rms_norm_eps, **kw)
         self.rotary = RotaryEmbedding(layer, device=self.device)
-        self.lm_head = VocabParallelHead(hidden, cfg.draft_vocab_size, mapping, target.exchange, **kw)
-        self.lm_head.weight.requires_grad_(False)
-        self.lm_head.plan = {"weight": [ShardSpec("lm_head.weight", (cfg.draft_vocab_size, hidden), 0,
-                                                  self.lm_head.vocab_offset, self.lm_head.real_width)]}
-        self.load_stats = load_weights(self, path)
         with CheckpointReader(path) as reader:
-            self.draft_to_target = check_draft_vocab_map(reader, cfg.draft_vocab_size, cfg.target_vocab_size) \
-                .to(self.device)
+            d2t = check_draft_vocab_map(reader, cfg.draft_vocab_size, cfg.target_vocab_size)
+        self.draft_to_target = d2t.to(self.device)
+        self.lm_head = DraftVocabHead("lm_head.weight", hidden, torch.arange(cfg.draft_vocab_size) + d2t,
+                                      cfg.target_vocab_size, mapping, target.exchange, **kw)
+        self.load_stats = load_weights(self, path)
         target.capture_aux_hidden_states(cfg.aux_layer_ids)
         self.cache: KVCache | None = None
         self.num_slots = self.max_seq_len = 0
@@ -250,16 +286,11 @@ class Eagle3Drafter(nn.Module):
             return StackedRowsLogits(self.lm_head(layout.head_rows.gather(normed_out)), layout.head_rows), out
         return self.lm_head(normed_out), out
 
-    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary ids ``[M]`` -> target ids ``[M]`` int64 (``id + d2t[id]``)."""
-        ids = draft_ids.to(device=self.device, dtype=torch.int64)
-        return ids + self.draft_to_target.index_select(0, ids)
-
     def greedy_drafts(self, batch: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Run ``batch`` and return the greedy draft of every logits row as a target id (``[M]`` int64, the
         same on every rank of the TP group, picked on the draft channel) and the rows' outputs ``[M, H]``."""
         logits, out = self(batch, hidden)
-        return self.to_target_ids(logits.argmax(channel=Channel.DRAFT)), out
+        return logits.argmax(channel=Channel.DRAFT), out
 
     def shard_plan(self) -> list[tuple[str, nn.Parameter, list[ShardSpec]]]:
         """Every parameter with the checkpoint slices that fill it: ``(name, param, specs)``."""
