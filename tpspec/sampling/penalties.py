@@ -176,9 +176,9 @@ def apply_penalties(
     # Separate tensor operations: each rounds once (no fused multiply-add), on any device.
     repeated = torch.where(x > 0, x / r, x * r)
     x = torch.where(in_output | prompt_seen, repeated, x)
-    x = x - f * out_counts.to(torch.float32)
-    x = x - p * in_output.to(torch.float32)
-    return x
+    # Only columns seen in the output change (x - 0 could turn -0.0 into +0.0 elsewhere).
+    counted = (x - f * out_counts.to(torch.float32)) - p
+    return torch.where(in_output, counted, x)
 
 
 @dataclass
