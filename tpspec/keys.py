@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Protocol
 
 import torch
 
@@ -293,9 +293,12 @@ def gumbel_noise(seeds: torch.Tensor, offsets: torch.Tensor, columns: torch.Tens
 
 # ------------------------------------------------------------------ sampling rows
 
-PenaltyStep = Callable[[torch.Tensor, int], torch.Tensor]
-"""``(logits slice [R, C], vocab_offset) -> penalised slice [R, C]``: what a rank applies to its
-own columns before any selection (see :attr:`SamplingRows.penalties`)."""
+class PenaltyStep(Protocol):
+    """What :attr:`SamplingRows.penalties` holds (``tpspec.sampling.penalties.RowPenalties``):
+    ``apply(logits slice [R, C], vocab_offset) -> penalised slice [R, C]``, applied by each rank
+    to its own columns before any selection."""
+
+    def apply(self, local_logits: torch.Tensor, vocab_offset: int) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -311,9 +314,9 @@ class SamplingRows:
     * ``top_k`` (``[R]`` int64; ``>= vocab`` or INT32_MAX = off), ``top_p`` (``[R]`` float32;
       1 = off), ``min_p`` (``[R]`` float32; 0 = off): the filters, None = off for every row.
       The exchanges draw unfiltered rows only; ``tpspec.sampling.select`` applies filters.
-    * ``penalties``: None, or the step's penalty hook (:data:`PenaltyStep`) that
+    * ``penalties``: None, or the step's penalties (a :class:`PenaltyStep`) that
       ``tpspec.sampling.select.select_tokens`` applies to each rank's raw logits slice
-      before the draw.
+      before the draw (the exchanges never apply them).
     * ``is_all_greedy`` / ``any_seeded``: batch facts that choose code paths; they must be
       equal on every rank of the group (``SpecMetadata`` syncs them under attention DP), and
       so must be which filters are None.
@@ -341,8 +344,8 @@ class SamplingRows:
 
     @property
     def temperature_only(self) -> bool:
-        """True when no row has a filter or a penalty: a plain Gumbel-max (or greedy) draw."""
-        return not self.has_filters and self.penalties is None
+        """True when no row has a filter: a plain Gumbel-max (or greedy) draw of the (penalised) logits."""
+        return not self.has_filters
 
 
 # ------------------------------------------------------------- local row reduction

@@ -12,6 +12,9 @@ across the TP group under attention DP), so every rank runs the same collectives
 3. otherwise: gather the full logits (one all-gather) and sample them with
    :func:`tpspec.sampling.ops.sample_from_logits`, whose Gumbel noise is the same as
    the sharded path's, so temperature-only rows get the same token either way.
+
+Rows with repetition / presence / frequency penalties are first penalised on each rank's
+slice, locally (:mod:`tpspec.sampling.penalties`), then take the same paths.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 from ..exchange.base import Channel
 from ..keys import SamplingRows
 from .ops import sample_from_logits
+from .penalties import RowPenalties, penalized_logits
 
 
 def _sampling_rows(spec_metadata: Any) -> SamplingRows:
@@ -40,7 +44,8 @@ def select_tokens(sharded_logits: Any, spec_metadata: Any, *, channel: int = Cha
     """Tokens for every row of ``sharded_logits`` (a ``VocabShardedLogits``): ``[R]`` int64.
 
     ``spec_metadata``: a prepared ``tpspec.speculative.SpecMetadata`` (or a ``keys.SamplingRows``)
-    whose rows match the logits rows. Collective over the logits' exchange group;
+    whose rows match the logits rows. Penalties (``SamplingRows.penalties``) are applied to
+    each rank's slice first (``tpspec.sampling.penalties``). Collective over the logits' exchange group;
     every rank returns the same tokens. Raises ``ValueError`` when the row counts differ.
     """
     rs = _sampling_rows(spec_metadata)
@@ -48,6 +53,7 @@ def select_tokens(sharded_logits: Any, spec_metadata: Any, *, channel: int = Cha
         raise ValueError(
             f"the logits have {sharded_logits.num_rows} rows but the sampling metadata describes {rs.num_rows}"
         )
+    sharded_logits = penalized_logits(sharded_logits, rs.penalties)
     if rs.is_all_greedy:
         return sharded_logits.argmax(channel=channel)
     if rs.temperature_only:
