@@ -139,7 +139,10 @@ class RequestOutput:
     ``token_ids``: the generated ids only (a stop/EOS token that ended the request is
     included). ``text``: their decoding when the checkpoint has a tokenizer, else None.
     ``finish_reason``: ``"stop"`` (EOS or a stop token) or ``"length"`` (max_new_tokens
-    or max_seq_len reached). ``stats``: :class:`RequestStats`.
+    or max_seq_len reached). ``stats``: :class:`RequestStats`. ``logprobs``: when the request
+    asked (``SamplingParams(logprobs=N)``), one ``{token id: logprob}`` per generated token:
+    the token's own and its row's N most likely tokens' (log-softmax of the raw logits,
+    before penalties and temperature); else None.
     """
 
     request_id: int
@@ -149,6 +152,7 @@ class RequestOutput:
     stats: RequestStats
     text: str | None = None
     prompt: str | None = None
+    logprobs: list[dict[int, float]] | None = None
 
     def __repr__(self) -> str:
         text = "" if self.text is None else f", text={self.text!r}"

@@ -321,6 +321,8 @@ class LLM:
         n = len(token_lists)
         params = self._sampling_list(sampling_params, n)
         budgets = self._budget_list(max_new_tokens, n)
+        if self.config.attention_dp and any(p.has_penalties or p.logprobs is not None for p in params):
+            raise ValueError("penalties and logprobs are not supported with attention DP")
         stops = self._stop_ids(stop_token_ids, ignore_eos)
         requests = [
             Request(request_id=next(self._ids), prompt=tuple(toks), sampling=sp, max_new_tokens=mx,
@@ -341,7 +343,7 @@ class LLM:
                 out_text = self.tokenizer.decode(res.token_ids, skip_special_tokens=True)
             outputs.append(RequestOutput(request_id=req.request_id, prompt_token_ids=list(req.prompt),
                                          token_ids=list(res.token_ids), finish_reason=res.finish_reason,
-                                         stats=res.stats, text=out_text, prompt=text))
+                                         stats=res.stats, text=out_text, prompt=text, logprobs=res.logprobs))
         self.last_stats = GenerateStats(
             num_requests=n,
             num_prompt_tokens=sum(len(r.prompt) for r in requests),
