@@ -114,7 +114,7 @@ class Engine:
         from ..model.drafters import DraftModel, NgramDrafter
         from ..model.eagle3 import Eagle3Drafter
         from ..model.loader import load_model
-        from ..speculative import SpecMetadata, SpecWorker
+        from ..speculative import DraftLogitsStore, SpecMetadata, SpecWorker
 
         self.config = config
         self.mapping = mapping
@@ -161,6 +161,13 @@ class Engine:
         self.meta = SpecMetadata(config.max_batch_size + 1, self.num_draft, device=self.device,
                                  mapping=mapping, max_num_slots=config.max_batch_size, occurrences=self.occurrences)
         self.worker = SpecWorker(acceptance=spec.acceptance if spec is not None else "strict")
+        # Rejection sampling with a model drafter: sampled requests draft with their own
+        # temperature on the shards, and the draft logits wait per slot for verification.
+        self.draft_store = None
+        if self.worker.acceptance == "rejection" and (self.draft_model is not None or self.eagle3 is not None):
+            self.draft_store = DraftLogitsStore(self.num_slots, self.num_draft, head.shard_width, device=self.device)
+        self._prepared = False  # meta prepared for the current step (before drafting)
+        self._drafts_sampled = False  # this step's drafts were sampled (their logits are in draft_store)
         self.graphs = None
         if self.device.type == "cuda" and config.use_cuda_graphs:
             from .cuda_graphs import GenerationGraphs
@@ -262,6 +269,13 @@ class Engine:
         dp = self.dp_size > 1
         k = self.num_draft
         use_dummy = dp and not plan.emitting  # this rank has no row, others may: keep collectives paired
+        self._prepared = self._drafts_sampled = False
+        if self.draft_store is not None and (dp or any(not s.req.sampling.is_greedy for s in plan.gen)):
+            # Sampled drafts read this step's streams: prepare before drafting. (The same
+            # decision on every rank: plain TP ranks hold the same plan; under attention DP
+            # every rank prepares, a collective.) Such steps are never graphed.
+            self.meta.prepare(requests=self._requests(plan, use_dummy), draft_len=k)
+            self._prepared = True
         drafts = self._propose(plan, always_run_model=dp)
         if self.graphs is not None and plan.gen and not plan.final_ctx and not plan.partial_ctx:
             graphed = self.graphs.run(plan.gen, drafts)  # None: not graphed, nothing changed
@@ -374,7 +388,7 @@ class Engine:
         batch = ForwardBatch(token_ids=torch.tensor(toks, dtype=torch.int64, device=dev),
                              positions=torch.tensor(pos, dtype=torch.int64, device=dev),
                              slot_ids=slots, cache_lens=starts, query_lens=lens, logits_rows=last_rows)
-        cur = self.draft_model(batch).argmax(channel=Channel.DRAFT)
+        cur = self._pick_drafts(self.draft_model(batch), 0, slots)
         drafts = [cur]
         ends = [st + n for st, n in zip(starts, lens)]
         for j in range(1, k):
@@ -382,7 +396,7 @@ class Engine:
                                  positions=torch.tensor([e + j - 1 for e in ends], dtype=torch.int64, device=dev),
                                  slot_ids=slots, cache_lens=[e + j - 1 for e in ends], query_lens=[1] * len(slots),
                                  logits_rows=None)
-            cur = self.draft_model(batch).argmax(channel=Channel.DRAFT)
+            cur = self._pick_drafts(self.draft_model(batch), j, slots)
             drafts.append(cur)
         table = torch.stack(drafts, dim=1).cpu().tolist() if gen else []
         for s in gen:  # the cache now holds the committed tokens plus drafts 1..K-1
@@ -417,13 +431,15 @@ class Engine:
         batch = ForwardBatch(token_ids=torch.tensor(toks, dtype=torch.int64, device=dev),
                              positions=torch.tensor(pos, dtype=torch.int64, device=dev),
                              slot_ids=slots, cache_lens=starts, query_lens=lens, logits_rows=last_rows)
-        cur, out = head.greedy_drafts(batch, hidden)
+        logits, out = head(batch, hidden)
+        cur = self._pick_drafts(logits, 0, slots)
         drafts = [cur]
         for j in range(1, k):
             at = [e + j - 1 for e in ends]
             batch = ForwardBatch(token_ids=cur, positions=torch.tensor(at, dtype=torch.int64, device=dev),
                                  slot_ids=slots, cache_lens=at, query_lens=[1] * len(slots), logits_rows=None)
-            cur, out = head.greedy_drafts(batch, out)
+            logits, out = head(batch, out)
+            cur = self._pick_drafts(logits, j, slots)
             drafts.append(cur)
         table = torch.stack(drafts, dim=1).cpu().tolist() if gen else []
         for s, e in zip(gen, ends):  # chained positions [e, e + K - 1) are overwritten next time
@@ -434,11 +450,9 @@ class Engine:
     def _verify(self, plan: _Plan, batch, drafts: list[list[int]], use_dummy: bool) -> dict[int, list[int]]:
         """Target forward, token selection and acceptance. Returns ``{seq index: tokens}``."""
         k = self.num_draft
-        reqs = [RequestEntry(s.req.request_id, s.slot, s.req.sampling, True) for s, _ in plan.final_ctx]
-        if use_dummy:
-            reqs.append(RequestEntry(_DUMMY_REQUEST_ID, -1, None, True))  # padding: greedy, no stream
-        reqs += [RequestEntry(s.req.request_id, s.slot, s.req.sampling, False) for s in plan.gen]
-        self.meta.prepare(requests=reqs, draft_len=k)
+        reqs = self._requests(plan, use_dummy)
+        if not self._prepared:
+            self.meta.prepare(requests=reqs, draft_len=k)
         logits = self.model(batch)
         draft_table = None
         if k:
@@ -446,7 +460,8 @@ class Engine:
             if plan.gen:
                 first_gen = len(reqs) - len(plan.gen)
                 draft_table[first_gen:] = torch.tensor(drafts, dtype=torch.int64, device=self.device)
-        out = self.worker.step(logits, draft_table, self.meta)
+        draft_logits = self.draft_store.read(self.meta.slot_ids, k) if self._drafts_sampled else None
+        out = self.worker.step(logits, draft_table, self.meta, draft_logits=draft_logits)
         emitting = [s for s, _ in plan.final_ctx] + ([None] if use_dummy else []) + plan.gen
         if any(s is not None and s.logprobs is not None for s in emitting):
             self._step_logprobs(logits, out, emitting)
@@ -458,6 +473,29 @@ class Engine:
                 continue
             result[seq.index] = [int(t) for t in row[: int(n)]]
         return result
+
+    @staticmethod
+    def _requests(plan: _Plan, use_dummy: bool) -> list[RequestEntry]:
+        """The step's requests in logits-row order: final context chunks, the dummy, generation."""
+        reqs = [RequestEntry(s.req.request_id, s.slot, s.req.sampling, True) for s, _ in plan.final_ctx]
+        if use_dummy:
+            reqs.append(RequestEntry(_DUMMY_REQUEST_ID, -1, None, True))  # padding: greedy, no stream
+        return reqs + [RequestEntry(s.req.request_id, s.slot, s.req.sampling, False) for s in plan.gen]
+
+    def _pick_drafts(self, logits, step: int, slots: list[int]) -> torch.Tensor:
+        """Draft step ``step``'s tokens from the drafter's ``logits`` (rows: this rank's generation
+        requests, or its one dummy row): sampled on the shards when the step prepared its streams
+        first and the batch is temperature-only (the logits then wait in ``draft_store``), else greedy."""
+        from ..speculative import select_draft_tokens
+
+        if not self._prepared:
+            return logits.argmax(channel=Channel.DRAFT)
+        # The drafted rows are the step's last requests: its generation requests, or the dummy.
+        sel = select_draft_tokens(logits, self.meta, step, sample=True, first_request=self.meta.num_requests - len(slots))
+        if sel.logits is not None:
+            self.draft_store.write([s if s != self.scratch_slot else -1 for s in slots], step, sel.logits)
+            self._drafts_sampled = True
+        return sel.tokens
 
     def _step_logprobs(self, logits, out, emitting: list[_Seq | None]) -> None:
         """Sets ``step_logprobs`` of the requests asking for logprobs: for each emitted token

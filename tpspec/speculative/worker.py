@@ -6,6 +6,11 @@ it, and returns what the request emits and what the next step feeds. Every path 
 chosen from flags that are equal on every rank (``SpecMetadata`` syncs them under
 attention DP), so every rank runs the same collectives and returns the same tensors.
 
+Rejection sampling of a temperature-only batch runs on the shards
+(:mod:`tpspec.speculative.rejection`): no ``[rows, vocab]`` tensor crosses between ranks.
+Batches with top-k / top-p / min-p rows, and the stacked rows of attention DP with a
+sharded head, gather the target rows first; ``SpecWorker.stats`` counts the rows each way.
+
 Host syncs: strict acceptance of an all-greedy or temperature-only batch (and forced
 acceptance) adds none of its own, so it can sit inside a CUDA graph with the exchange.
 The full-logit fallback and rejection sampling check values on the host (eager only).
@@ -13,6 +18,7 @@ The full-logit fallback and rejection sampling check values on the host (eager o
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +31,7 @@ from ..sampling.select import select_tokens
 from .accept import PAD_TOKEN, accept_from_targets, rejection_sample
 from .forced import ForcedAcceptance
 from .metadata import SpecMetadata
+from .rejection import RejectionStats, sharded_rejection_sample
 
 
 @dataclass
@@ -51,8 +58,9 @@ class SpecWorker:
 
     ``acceptance``: ``"strict"`` (drafts accepted while they equal the target's own
     choice, greedy or sampled per row) or ``"rejection"`` (lossless rejection sampling
-    against the full target distributions; an all-greedy batch takes the strict path,
-    which gives the same tokens without gathering the logits).
+    against the target distributions, on the shards for temperature-only batches; an
+    all-greedy batch takes the strict path, which gives the same tokens). ``stats``: a
+    :class:`RejectionStats` of the target rows rejection sampling verified each way.
     ``forced``: a :class:`ForcedAcceptance`, None, or ``"env"`` (read
     ``TPSPEC_FORCE_NUM_ACCEPTED_TOKENS`` at the first step).
     """
@@ -68,6 +76,7 @@ class SpecWorker:
         self._forced_spec = forced
         self._forced: ForcedAcceptance | None = forced if isinstance(forced, ForcedAcceptance) else None
         self._forced_ready = forced != "env"
+        self.stats = RejectionStats()
 
     def forced_acceptance(self, device: torch.device) -> ForcedAcceptance | None:
         if not self._forced_ready:
@@ -82,15 +91,19 @@ class SpecWorker:
         meta: SpecMetadata,
         draft_probs: torch.Tensor | None = None,
         *,
+        draft_logits: torch.Tensor | None = None,
         is_warmup: bool = False,
     ) -> SpecStepOutput:
         """One step. ``target_logits``: ``VocabShardedLogits`` with ``meta.num_rows`` rows
         (context request: 1 row; generation request: ``D+1`` rows, D = ``meta.draft_len``).
         ``draft_tokens``: ``[B, D]`` int in the target vocab (rows of context requests
         ignored; None when D == 0). Penalised requests are penalised from ``meta``'s
-        occurrence counts and the drafts preceding each row before anything is chosen. ``draft_probs``: ``[B, D, V]`` draft distributions for
-        rejection sampling, or None: the drafts are treated as deterministic (one-hot q),
-        which is still lossless. ``is_warmup``: eager CUDA-graph warm-up (no forced
+        occurrence counts and the drafts preceding each row before anything is chosen.
+        ``draft_logits``: ``[B, D, shard]`` this rank's columns of the draft logits the drafts
+        were sampled from at each request's temperature (``tpspec.speculative.draft``), for
+        rejection sampling on the shards of a temperature-only batch; ``draft_probs``:
+        ``[B, D, V]`` full draft distributions for the gathered path. Neither: the drafts are
+        treated as deterministic (one-hot q), which is still lossless. ``is_warmup``: eager CUDA-graph warm-up (no forced
         acceptance, its counter does not advance). Collective over the logits' group.
 
         Arguments are checked on each rank before the first collective. Under attention
@@ -114,7 +127,27 @@ class SpecWorker:
             row_tokens = select_tokens(target_logits, rs, channel=self.channel)
             # Lengths come from the metadata: no value check, so this path has no host sync.
             accepted, num = accept_from_targets(row_tokens[row_index], drafts, lens, check_values=False)
+        elif meta.temperature_only and draft_probs is None and target_logits.local.shape[0] == meta.num_rows:
+            # (A slice holding more rows than the step's are attention DP's stacked rows: gathered below.)
+            logits = penalized_logits(target_logits, rs.penalties)
+            temperature = meta.request_sampling(meta.acceptance_offsets()).temperature
+            accepted, num = sharded_rejection_sample(
+                logits, row_index, temperature, drafts, lens, meta.request_seeds, meta.acceptance_offsets(),
+                draft_logits, channel=self.channel)
+            self.stats.rows_sharded += meta.num_rows
+            if meta.num_contexts or use_forced:
+                # Context requests (and forced acceptance) take the target's own per-row draw,
+                # the token strict acceptance would emit for them too.
+                row_tokens = select_tokens(logits, dataclasses.replace(rs, penalties=None), channel=self.channel)
+                ctx = meta.is_context.to(device)
+                accepted = torch.where(ctx.reshape(-1, 1), torch.full_like(accepted, PAD_TOKEN), accepted)
+                accepted[:, 0] = torch.where(ctx, row_tokens[row_index[:, 0]], accepted[:, 0])
+                num = torch.where(ctx, torch.ones_like(num), num)
         else:
+            if draft_logits is not None:
+                raise ValueError("draft_logits are verified on shards only: a batch with filters (or stacked rows) "
+                                 "needs full draft_probs or greedy drafts")
+            self.stats.rows_gathered += meta.num_rows
             full = penalized_logits(target_logits, rs.penalties).gather()
             probs = filtered_probs(full, rs.temperature, rs.top_k, rs.top_p, rs.min_p)
             accepted, num = rejection_sample(

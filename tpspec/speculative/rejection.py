@@ -1,0 +1,188 @@
+"""Rejection sampling on vocabulary shards (Leviathan et al. 2023): lossless, and no
+``[rows, vocab]`` tensor crosses between ranks.
+
+Each rank holds its columns of the target rows ``p_0 .. p_D`` of every request and of the
+draft rows ``q_0 .. q_{D-1}`` the drafts were drawn from (in the target's column layout).
+With the masses of ``docs/determinism.md`` (``s = logit / T``, ``P_i = floor(exp(s_i - m) *
+2**40)`` in the portable arithmetic, ``m`` the row max from one key exchange), every rank
+learns, in one exact int64 sum over the group, each row's total ``Z`` and the masses
+``P(x_j)``, ``Q(x_j)`` of each draft from the rank that owns its column. Then on every rank
+alike:
+
+* draft ``j`` is accepted when ``u_j * Q(x_j) * Z_p < P(x_j) * Z_q`` (products of the exact
+  integers in float64; ``u_j`` the request's acceptance uniform ``j``), i.e. with probability
+  ``min(1, p(x)/q(x))``;
+* at the first rejection ``n`` the token is drawn from ``max(0, p_n - q_n)``, after all drafts
+  from ``p_D`` (``q = 0``), by an exponential race: each rank scores its columns
+  ``r_i / E_i`` (``r_i = P_i / Z_p - Q_i / Z_q`` in float64, ``E_i`` the Philox exponential of
+  the request's residual stream and the global column) and one key exchange takes the max.
+  Should rounding leave no residual mass anywhere, the race runs on ``p_n``.
+
+A greedy request (temperature below the greedy threshold) has one-hot ``p`` at the row's
+argmax; drafts given without their distribution (greedy drafting, n-gram) have one-hot ``q``
+at the draft. So strict greedy verification is the special case of the same code. Three
+collectives in all: one key exchange of row maxima, one int64 sum, one key exchange of the
+draws. Every decision reads only what every rank holds alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..exchange.base import Channel
+from ..keys import (
+    EMPTY_KEY,
+    GREEDY_TEMPERATURE_THRESHOLD,
+    MASS_BITS,
+    canonical_float32,
+    column_masses,
+    exponential_from_words,
+    pack_keys,
+    philox_words,
+    unpack_keys,
+)
+from ..sampling.ops import scaled_scores
+from ..sampling.streams import ACCEPT_RESIDUAL_SUBSTREAM, ACCEPT_UNIFORM_SUBSTREAM, uniforms
+from ..vocab_parallel import VocabShardedLogits
+from .accept import PAD_TOKEN
+
+ONE_HOT_MASS = 1 << MASS_BITS
+
+
+@dataclass
+class RejectionStats:
+    """Target rows verified by rejection sampling, accumulated: ``rows_sharded`` on shards,
+    ``rows_gathered`` after gathering their full logits (filters, penalties, stacked rows)."""
+
+    rows_sharded: int = 0
+    rows_gathered: int = 0
+
+
+def _keys(values: torch.Tensor, columns: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Row-best keys of float32 ``values`` ``[N, W]`` at global ``columns`` ``[W]``; columns outside
+    ``keep`` (``[N, W]`` or ``[W]`` bool) never win (``EMPTY_KEY`` for a row with none)."""
+    keys = pack_keys(canonical_float32(values), columns.reshape(1, -1))
+    keys = torch.where(keep, keys, torch.full_like(keys, EMPTY_KEY))
+    if keys.shape[1] == 0:
+        return torch.full((keys.shape[0],), EMPTY_KEY, dtype=torch.int64, device=keys.device)
+    return keys.max(dim=1).values
+
+
+def _local_mass_at(masses: torch.Tensor, tokens: torch.Tensor, offset: int) -> torch.Tensor:
+    """``masses [N, W]`` at global column ``tokens [N]`` when this rank holds it, else 0."""
+    width = masses.shape[1]
+    inside = (tokens >= offset) & (tokens < offset + width)
+    at = torch.where(inside, tokens - offset, torch.zeros_like(tokens)).reshape(-1, 1)
+    picked = masses.gather(1, at).reshape(-1) if width else torch.zeros_like(tokens)
+    return torch.where(inside, picked, torch.zeros_like(picked))
+
+
+def sharded_rejection_sample(
+    target: VocabShardedLogits,
+    row_index: torch.Tensor,
+    temperature: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    draft_lens: torch.Tensor,
+    seeds: torch.Tensor,
+    offsets: torch.Tensor,
+    draft_logits: torch.Tensor | None = None,
+    *,
+    channel: int = Channel.TARGET,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verify every request's drafts on the shards of ``target`` (see the module docstring).
+
+    ``target``: a plain :class:`VocabShardedLogits` (this rank's ``[R, W]`` slice);
+    ``row_index``: ``[B, D+1]`` int64 rows of each request's positions; ``temperature``: ``[B]``
+    (the request's; below the greedy threshold = greedy); ``draft_tokens``: ``[B, D]`` target ids;
+    ``draft_lens``: ``[B]`` drafts that count (0 for a context request: one token from ``p_0``);
+    ``seeds``/``offsets``: ``[B]`` int64, the request's acceptance stream (uniforms at
+    ``offset + 0``, the residual race at ``offset + 1``); ``draft_logits``: ``[B, D, W]`` this
+    rank's columns of the draft logits each sampled draft was drawn from at the request's
+    temperature, or None (every draft one-hot). Greedy requests' drafts are one-hot.
+
+    Returns ``(accepted_tokens [B, D+1] int64 padded with -1, num_accepted [B] int64)``, the same
+    on every rank, and the same at every TP size for the same logits. Collective over the group.
+    """
+    exchange = target.exchange
+    local = target.local
+    device = local.device
+    batch, num_drafts = draft_tokens.shape
+    width, offset = target.shard_width, target.vocab_offset
+    columns = torch.arange(offset, offset + width, dtype=torch.int64, device=device)
+    real = (columns < target.vocab_size).reshape(1, -1)
+    t = temperature.to(device=device, dtype=torch.float32)
+    greedy = t < GREEDY_TEMPERATURE_THRESHOLD
+    drafts = draft_tokens.to(device=device, dtype=torch.int64)
+    lens = draft_lens.to(device=device, dtype=torch.int64)
+    seeds = seeds.to(device=device, dtype=torch.int64)
+    offsets = offsets.to(device=device, dtype=torch.int64)
+
+    # Scores of every p row, then of every sampled q row; padding columns at -inf.
+    p_rows = batch * (num_drafts + 1)
+    scores = [scaled_scores(local.index_select(0, row_index.to(device).reshape(-1)),
+                            t.repeat_interleave(num_drafts + 1))]
+    sampled_q = draft_logits is not None and num_drafts > 0
+    if sampled_q:
+        scores.append(scaled_scores(draft_logits.to(device).reshape(-1, width), t.repeat_interleave(num_drafts)))
+    scores = torch.cat(scores)
+    scores = torch.where(real, scores, torch.full_like(scores, float("-inf")))
+    # (1) Each row's max score and its column.
+    best = exchange.max_keys(_keys(scores, columns, real.expand_as(scores)), channel=channel)
+    row_max, row_arg = unpack_keys(best)
+    masses = torch.where(real, column_masses(scores, row_max), torch.zeros((), dtype=torch.int64, device=device))
+    one_hot_row = ~torch.isfinite(row_max)
+    one_hot_row[:p_rows] |= greedy.repeat_interleave(num_drafts + 1)
+    if sampled_q:
+        one_hot_row[p_rows:] |= greedy.repeat_interleave(num_drafts)
+    at_arg = (columns.reshape(1, -1) == row_arg.reshape(-1, 1)).to(torch.int64) * ONE_HOT_MASS
+    if sampled_q:  # a one-hot q row sits at its draft (greedy drafts are the draft row's argmax)
+        at_arg[p_rows:] = (columns.reshape(1, -1) == drafts.reshape(-1, 1)).to(torch.int64) * ONE_HOT_MASS
+    masses = torch.where(one_hot_row.reshape(-1, 1), at_arg, masses)
+    p_mass = masses[:p_rows].view(batch, num_drafts + 1, width)
+    if sampled_q:
+        q_mass = masses[p_rows:].view(batch, num_drafts, width)
+    else:
+        q_mass = (columns.reshape(1, 1, -1) == drafts.unsqueeze(2)).to(torch.int64) * ONE_HOT_MASS
+
+    # (2) One exact int64 sum: row totals and the masses at each draft.
+    flat_drafts = drafts.reshape(-1)
+    sums = exchange.sum_rows(torch.cat([
+        p_mass.sum(dim=2).reshape(-1), q_mass.sum(dim=2).reshape(-1),
+        _local_mass_at(p_mass[:, :num_drafts].reshape(-1, width), flat_drafts, offset),
+        _local_mass_at(q_mass.reshape(-1, width), flat_drafts, offset),
+    ]), channel=channel)
+    z_p, z_q, p_x, q_x = torch.split(sums, [p_rows, batch * num_drafts, batch * num_drafts, batch * num_drafts])
+    z_p, z_q = z_p.view(batch, num_drafts + 1), z_q.view(batch, num_drafts)
+    p_x, q_x = p_x.view(batch, num_drafts), q_x.view(batch, num_drafts)
+
+    positions = torch.arange(num_drafts + 1, dtype=torch.int64, device=device)
+    counted = positions[:num_drafts].reshape(1, -1) < lens.reshape(-1, 1)
+    u = uniforms(seeds, offsets + ACCEPT_UNIFORM_SUBSTREAM, positions[:num_drafts])
+    accept = (u * q_x.to(torch.float64) * z_p[:, :num_drafts].to(torch.float64)
+              < p_x.to(torch.float64) * z_q.to(torch.float64)) & counted
+    n = torch.cumprod(accept.to(torch.int64), dim=1).sum(dim=1)
+
+    # (3) The final token: the residual race at row n (q = 0 after the last draft), p_n as backup.
+    rows = torch.arange(batch, device=device)
+    p_n = p_mass[rows, n].to(torch.float64) / z_p[rows, n].to(torch.float64).reshape(-1, 1)
+    rejected = (n < lens).reshape(-1, 1)
+    if num_drafts:
+        at = n.clamp(max=num_drafts - 1)
+        q_n = q_mass[rows, at].to(torch.float64) / z_q[rows, at].to(torch.float64).reshape(-1, 1)
+        q_n = torch.where(rejected, q_n, torch.zeros_like(q_n))
+    else:
+        q_n = torch.zeros_like(p_n)
+    residual = (p_n - q_n).clamp(min=0.0)
+    race = exponential_from_words(philox_words(seeds, offsets + ACCEPT_RESIDUAL_SUBSTREAM, columns)).to(torch.float64)
+    keys = torch.cat([_keys((residual / race).to(torch.float32), columns, real & (residual > 0)),
+                      _keys((p_n / race).to(torch.float32), columns, real & (p_n > 0))])
+    won = exchange.max_keys(keys, channel=channel)
+    _, won_columns = unpack_keys(won)
+    final = torch.where(won[:batch] == EMPTY_KEY, won_columns[batch:], won_columns[:batch])
+
+    padded = torch.cat([drafts, torch.full((batch, 1), PAD_TOKEN, dtype=torch.int64, device=device)], dim=1)
+    accepted = torch.where(positions.reshape(1, -1) < n.reshape(-1, 1), padded, PAD_TOKEN)
+    accepted = accepted.scatter(1, n.reshape(-1, 1), final.reshape(-1, 1))
+    return accepted, n + 1
