@@ -1,0 +1,148 @@
+"""Rejection sampling on vocabulary shards: the same tokens at TP 1, 2 and 4; greedy requests
+verify strictly; q == p accepts every draft; the first token follows p exactly (chi-square);
+the engine's sampled drafts (draft model and EAGLE-3) are verified without gathering a row."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy import stats
+
+from tpspec import VocabShardedLogits
+from tpspec import distributed as D
+from tpspec.exchange import AllGatherKeyExchange
+from tpspec.exchange.local import LocalKeyExchange
+from tpspec.speculative import accept_from_targets, sharded_rejection_sample
+from tpspec.testing import run_ranks
+from tpspec.vocab_parallel import vocab_shard_bounds
+
+V, K = 50, 3  # 50 columns: uneven shards at TP 4 (13, 13, 13, 11)
+
+
+def make_case(num_requests: int, seed: int, *, draft_equals_target: bool = False) -> dict:
+    """Target rows, draft logits, drafts drawn from them, one greedy and one context request."""
+    gen = torch.Generator().manual_seed(seed)
+    target = torch.randn(num_requests * (K + 1), V, generator=gen) * 1.5
+    draft = torch.randn(num_requests, K, V, generator=gen) * 1.5 + target.view(num_requests, K + 1, V)[:, :K] * 0.5
+    if draft_equals_target:
+        draft = target.view(num_requests, K + 1, V)[:, :K].clone()
+    temperature = torch.full((num_requests,), 0.9)
+    temperature[0] = 0.0  # a greedy request
+    probs = torch.softmax(draft / temperature.clamp(min=1e-3).reshape(-1, 1, 1), dim=-1)
+    drafts = torch.multinomial(probs.reshape(-1, V), 1, generator=gen).view(num_requests, K)
+    drafts[0] = draft[0].argmax(dim=-1)
+    lens = torch.full((num_requests,), K, dtype=torch.int64)
+    lens[1] = 0  # a context request: one token from p_0
+    return {"target": target, "draft": draft, "temperature": temperature, "drafts": drafts, "lens": lens,
+            "seeds": torch.arange(num_requests, dtype=torch.int64) + 1000 * seed,
+            "offsets": torch.full((num_requests,), 7 * 32, dtype=torch.int64),
+            "row_index": torch.arange(num_requests * (K + 1)).view(num_requests, K + 1)}
+
+
+def shard(full: torch.Tensor, world: int, rank: int) -> tuple[torch.Tensor, int]:
+    offset, width, real = vocab_shard_bounds(V, world, rank)
+    local = torch.full(full.shape[:-1] + (width,), 40.0)  # padding columns must never count
+    local[..., :real] = full[..., offset:offset + real]
+    return local, offset
+
+
+def verify(case: dict, world: int, rank: int, exchange) -> tuple[torch.Tensor, torch.Tensor]:
+    target, offset = shard(case["target"], world, rank)
+    draft, _ = shard(case["draft"], world, rank)
+    logits = VocabShardedLogits(target, offset, V, exchange)
+    return sharded_rejection_sample(logits, case["row_index"], case["temperature"], case["drafts"], case["lens"],
+                                    case["seeds"], case["offsets"], draft)
+
+
+def _ranks_worker(rank: int, world: int, case: dict) -> dict:
+    pair = D.tp_group()  # run_ranks(tp_size=2): ranks {0, 1} and {2, 3}
+    return {"tp4": verify(case, 4, rank, AllGatherKeyExchange(None)),
+            "tp2": verify(case, 2, rank % 2, AllGatherKeyExchange(pair))}
+
+
+def test_same_tokens_at_tp_1_2_4_and_greedy_is_strict():
+    case = make_case(24, seed=1)
+    ref = verify(case, 1, 0, LocalKeyExchange("cpu"))
+    for result in run_ranks(_ranks_worker, 4, case, tp_size=2, timeout_s=120):
+        for name in ("tp4", "tp2"):
+            assert torch.equal(result[name][0], ref[0]) and torch.equal(result[name][1], ref[1]), name
+    accepted, num = ref
+    # The greedy request: strict verification against the target's argmax.
+    argmax = case["target"].view(24, K + 1, V)[0].argmax(dim=-1)
+    want, want_num = accept_from_targets(argmax.view(1, -1), case["drafts"][:1])
+    assert torch.equal(accepted[0], want[0]) and int(num[0]) == int(want_num[0])
+    assert int(num[1]) == 1 and bool((accepted[1, 1:] == -1).all())  # the context request
+    assert 0 < int((num[2:] - 1).sum()) < 22 * K  # some drafts kept, some rejected
+
+
+def test_draft_equal_to_target_accepts_everything():
+    case = make_case(32, seed=2, draft_equals_target=True)
+    accepted, num = verify(case, 1, 0, LocalKeyExchange("cpu"))
+    sampled = torch.arange(32) >= 2
+    assert bool((num[sampled] == K + 1).all())
+    assert torch.equal(accepted[sampled, :K], case["drafts"][sampled])
+
+
+def test_first_token_follows_the_target_distribution():
+    """Over 6000 requests (one row of p_0 and q for all, drafts drawn from q), the first emitted
+    token is distributed as softmax(p_0 / T): accepted drafts and residual draws together."""
+    n = 6000
+    case = make_case(n, seed=3)
+    p0 = case["target"].view(n, K + 1, V)[:, 0]
+    case["target"].view(n, K + 1, V)[:] = case["target"].view(n, K + 1, V)[:1]  # every request: request 0's rows
+    case["draft"][:] = case["draft"][:1]
+    case["temperature"][:] = 0.9
+    case["lens"][:] = K
+    gen = torch.Generator().manual_seed(4)
+    q = torch.softmax(case["draft"][0] / 0.9, dim=-1)
+    case["drafts"] = torch.stack([torch.multinomial(q[j], n, replacement=True, generator=gen) for j in range(K)], 1)
+    accepted, num = verify(case, 1, 0, LocalKeyExchange("cpu"))
+    expected = torch.softmax(p0[0].double() / 0.9, dim=-1) * n
+    observed = torch.bincount(accepted[:, 0], minlength=V).double()
+    keep = expected >= 5
+    obs = torch.cat([observed[keep], observed[~keep].sum().reshape(1)])
+    exp = torch.cat([expected[keep], expected[~keep].sum().reshape(1)])
+    assert stats.chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue > 1e-3
+    rejected_first = int((num == 1).sum())
+    assert 0.1 * n < rejected_first < 0.9 * n  # both the acceptance and the residual draws contribute
+
+
+# ------------------------------------------------------------------ the engine
+def _engine_stats(rank: int, world: int, target_dir: str, draft_dir: str, method: str):
+    from tpspec.mapping import Mapping
+    from tpspec.runtime.config import EngineConfig, Request, SpeculativeConfig
+    from tpspec.runtime.engine import Engine
+    from tpspec.sampling.params import SamplingParams
+
+    spec = SpeculativeConfig(method, num_draft_tokens=3, draft_model=draft_dir, acceptance="rejection")
+    cfg = EngineConfig(model_path=target_dir, tp_size=world, device="cpu", dtype="float32", speculative=spec,
+                       draft_model_path=draft_dir, max_batch_size=4, max_seq_len=64, max_num_tokens=32)
+    engine = Engine(cfg, Mapping(world, rank))
+    params = [SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=1.2, seed=2), SamplingParams()]
+    reqs = [Request(i, tuple(p), params[i], 12) for i, p in enumerate([[5, 6, 7, 8], [9, 10, 11], [3, 4]])]
+    results = engine.generate(reqs)
+    stored = engine.draft_store.buffer.abs().sum().item()
+    return [r.token_ids for r in results], engine.worker.stats, stored, sum(r.stats.num_accepted_drafts
+                                                                              for r in results)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from tpspec.model.tiny import make_tiny_checkpoint, make_tiny_eagle3_head
+
+    root = tmp_path_factory.mktemp("rejection")
+    target = make_tiny_checkpoint(root / "tiny", seed=0)
+    return str(target), str(make_tiny_checkpoint(root / "draft", seed=0, draft=True)), \
+        str(make_tiny_eagle3_head(root / "head", target))
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle3"])
+def test_engine_verifies_sampled_drafts_without_gathering(ckpt, method):
+    draft = ckpt[1] if method == "draft_model" else ckpt[2]
+    results = run_ranks(_engine_stats, 2, ckpt[0], draft, method, timeout_s=180)
+    assert results[0][0] == results[1][0]
+    tokens, worker_stats, stored, accepted = results[0]
+    assert worker_stats.rows_sharded > 0 and worker_stats.rows_gathered == 0
+    assert stored > 0  # the sampled drafts' logits were kept for verification
+    if method == "draft_model":
+        assert accepted > 0  # the draft model's sampled drafts are often kept
