@@ -258,3 +258,44 @@ def test_text_prompts_use_the_tokenizer(llm_tp2):
     out = llm_tp2.generate("Hello, world!", max_new_tokens=8)[0]
     assert out.prompt == "Hello, world!" and out.text is not None and len(out.token_ids) == 8
     assert out.prompt_token_ids == llm_tp2.tokenizer.encode("Hello, world!")
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle3"])
+def test_sampled_drafts_on_shards_same_across_tp(ckpt, method):
+    """Temperature-only sampled requests: the drafter samples its drafts with each request's own
+    temperature and draft streams, and rejection sampling verifies them on the shards; the tokens
+    are the same at TP = 1, 2 and 4 (a greedy request in the batch keeps plain greedy tokens)."""
+    spec = _spec(method, "rejection", ckpt)
+    params = [SamplingParams(temperature=0.8, seed=7), SamplingParams(temperature=1.1, seed=8), SamplingParams()]
+    runs = {}
+    for tp in (1, 2, 4):
+        with LLM(ckpt[0], tp_size=tp, speculative=spec, max_batch_size=3) as llm:
+            outs = llm.generate(PROMPTS[:3], params, max_new_tokens=12)
+            runs[tp] = [o.token_ids for o in outs]
+    assert runs[1] == runs[2] == runs[4], f"{method}: sampled drafts + rejection differ across TP sizes"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["draft_model", "eagle3"])
+def test_speculative_sampling_is_lossless(ckpt, method):
+    """The first three generated tokens of 1200 seeded requests, with sampled drafts and rejection
+    sampling on shards, follow the law of plain sampling (two-sample chi-square per position)."""
+    from scipy import stats
+
+    prompt, n, temperature = [5, 6, 7, 8, 9], 1200, 1.3
+    params = [SamplingParams(temperature=temperature, seed=s) for s in range(n)]
+    draws = {}
+    for name, spec in (("plain", None), ("spec", _spec(method, "rejection", ckpt))):
+        with LLM(ckpt[0], tp_size=2, speculative=spec, max_batch_size=64, max_num_tokens=512) as llm:
+            outs = llm.generate([prompt] * n, params, max_new_tokens=3, ignore_eos=True)
+            draws[name] = [o.token_ids for o in outs]
+    for pos in range(3):
+        plain = [t[pos] for t in draws["plain"]]
+        spec = [t[pos] for t in draws["spec"]]
+        common = sorted(set(plain) | set(spec))
+        table = [[plain.count(t) for t in common], [spec.count(t) for t in common]]
+        frequent = [i for i in range(len(common)) if table[0][i] + table[1][i] >= 10]
+        rare = [i for i in range(len(common)) if i not in frequent]
+        rows = [[r[i] for i in frequent] + [sum(r[i] for i in rare)] for r in table]
+        pvalue = stats.chi2_contingency(rows)[1]
+        assert pvalue > 1e-3, f"{method}, token {pos}: p = {pvalue:.2g}"
