@@ -7,7 +7,7 @@ reduces its slice to one 64-bit key per row and the ranks exchange keys.
 from .exchange import AllGatherKeyExchange, KeyExchange, make_key_exchange
 from .keys import GREEDY_TEMPERATURE_THRESHOLD, pack_keys, unpack_keys
 from .mapping import Mapping
-from .runtime import LLM, RequestOutput, SpeculativeConfig
+from .runtime import LLM, CompletionOutput, RequestOutput, SpeculativeConfig
 from .sampling import SamplingParams
 from .vocab_parallel import VocabParallelHead, VocabShardedLogits
 
@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 __all__ = [
     "GREEDY_TEMPERATURE_THRESHOLD",
     "AllGatherKeyExchange",
+    "CompletionOutput",
     "KeyExchange",
     "LLM",
     "Mapping",

@@ -33,7 +33,7 @@ from ..sampling.params import SamplingParams
 if TYPE_CHECKING:  # pragma: no cover
     from .engine import Engine, _Seq
 
-_PAD = SamplingParams()
+_PAD = SamplingParams(temperature=0.0)
 WARMUP_RUNS = 2
 
 
