@@ -62,3 +62,14 @@ def test_torchrun_launcher_matches_mp(tmp_path):
         with LLM("tiny", tensor_parallel_size=2, speculative_config=SpeculativeConfig("ngram", 4)) as llm:
             ref = llm.generate(DEFAULT_PROMPTS[:3], SamplingParams(temperature=0.8, seed=5, max_tokens=16))
     assert got == [o.outputs[0].token_ids for o in ref]
+
+
+def test_help_and_version_do_not_import_torch():
+    code = ("import sys\nfrom tpspec.cli import main\nfor argv in (['--help'], ['--version']):\n"
+            "    try:\n        main(argv)\n    except SystemExit as e:\n        assert e.code == 0, e.code\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    import tpspec
+
+    assert f"tpspec {tpspec.__version__}" in proc.stdout and "serve" in proc.stdout
