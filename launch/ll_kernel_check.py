@@ -13,7 +13,7 @@ run this before timing it with ``tpspec bench exchange``. The GPU tests
 
 Usage: python3 launch/ll_kernel_check.py [--shapes 3x16384,8x16384]   (exit code 1 when any case differs)
 ``--shapes`` replaces the ten shapes (rows x width, comma-separated), to check a change of plan at
-the shapes it touches; the plan and the sampled bf16 kernel each shape gets are printed.
+the shapes it touches; the bf16 plan (``tpspec.exchange.ll_plan.plan``) of each shape is printed.
 """
 import argparse
 import sys
@@ -21,7 +21,8 @@ import sys
 import torch
 
 from tpspec import keys as K
-from tpspec.exchange.ll import LLKeyExchange, fused_kernel_name, plan_chunks
+from tpspec.exchange.ll import LLKeyExchange
+from tpspec.exchange.ll_plan import plan
 
 
 SHAPES = ((1, 16384), (8, 65536), (256, 16384), (64, 1000), (3, 4099), (256, 65536), (5, 8), (1024, 520),
@@ -49,12 +50,11 @@ def main() -> int:
     ll = LLKeyExchange(None, max_rows=4096, num_channels=1)
     gen = torch.Generator().manual_seed(11)
     bad = total = 0
+    covered: set[str] = set()  # the kernels the plans of the cases picked
     if shapes != SHAPES:
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
         for rows, width in shapes:
-            plan = plan_chunks(rows, width, 2, sms, True)
-            kernel = fused_kernel_name(torch.bfloat16, plan[0], True)
-            print(f"{rows} x {width}: sampled bf16 plan {plan}, kernel {kernel}")
+            for mode in ("sampled", "greedy"):
+                print(f"{rows} x {width} {mode} bf16: {plan(rows, width, 'bfloat16', mode, ll.plan_sms)}")
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for rows, width in shapes:
             for kind in ("randn", "lm", "adv", "lowt", "greedy"):
@@ -78,9 +78,11 @@ def main() -> int:
                 logits = x.to(dtype).cuda()
                 vocab_offset = 4 * int(torch.randint(0, 1000, (1,), generator=gen))
                 vocab = vocab_offset + width - (3 if kind == "adv" else 0)
-                kw = dict(vocab_size=vocab, temperature=t.cuda(), seeds=seeds.cuda(), offsets=offsets.cuda())
+                kw = dict(vocab_size=vocab, rows=K.SamplingRows(t.cuda(), seeds.cuda(), offsets.cuda()))
                 if kind == "greedy":
                     kw = dict(vocab_size=vocab)
+                mode = "greedy" if kind == "greedy" else "sampled"
+                covered.add(plan(rows, vocab - vocab_offset, dtype, mode, ll.plan_sms).kernel)
                 got = ll.max_logits_keys(logits, vocab_offset, **kw)
                 want = K.local_row_keys(logits, vocab_offset, **kw)
                 total += 1
@@ -89,6 +91,7 @@ def main() -> int:
                     print("MISMATCH", dtype, rows, width, kind, int((got != want).sum()))
     ll.check()
     ll.close()
+    print(f"kernels: {', '.join(sorted(covered))}")
     print(f"check: {total - bad}/{total} cases bit-exact")
     return 1 if bad else 0
 
