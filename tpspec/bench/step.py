@@ -149,7 +149,7 @@ def _step_worker(rank: int, world_size: int, cfg: dict) -> list[dict]:
         drafts = torch.randint(3, vocab, (batch, draft_len), generator=gen).to(device)
         for mode in cfg["modes"]:
             greedy = mode == "greedy"
-            params = [SamplingParams() if greedy else SamplingParams(temperature=0.8, seed=1000 + i)
+            params = [SamplingParams(temperature=0.0) if greedy else SamplingParams(temperature=0.8, seed=1000 + i)
                       for i in range(batch)]
             requests = [RequestEntry(i, i, params[i], False) for i in range(batch)]
             for path in PATHS:

@@ -133,8 +133,8 @@ class Engine:
         self.ngram = None
         self.draft_model = None
         if spec is not None and spec.method == "ngram":
-            self.ngram = NgramDrafter(num_draft_tokens=spec.num_draft_tokens, max_ngram=spec.max_ngram,
-                                      min_ngram=spec.min_ngram)
+            self.ngram = NgramDrafter(num_draft_tokens=spec.num_speculative_tokens,
+                                      max_ngram=spec.prompt_lookup_max, min_ngram=spec.prompt_lookup_min)
         elif spec is not None:
             self.draft_model = DraftModel(config.draft_model_path, mapping, device=self.device, dtype=self.dtype,
                                           exchange=self.exchange, target_config=self.model.config)
@@ -144,11 +144,23 @@ class Engine:
         self.meta = SpecMetadata(config.max_batch_size + 1, self.num_draft, device=self.device,
                                  mapping=mapping, max_num_slots=config.max_batch_size)
         self.worker = SpecWorker(acceptance=spec.acceptance if spec is not None else "strict")
+        self._check_memory()
         self.graphs = None
         if self.device.type == "cuda" and config.use_cuda_graphs:
             from .cuda_graphs import GenerationGraphs
 
             self.graphs = GenerationGraphs.maybe_create(self)
+
+    def _check_memory(self) -> None:
+        """On CUDA, weights + KV cache must fit in ``gpu_memory_utilization`` of the device."""
+        if self.device.type != "cuda":
+            return
+        used = torch.cuda.memory_allocated(self.device)
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        if used > self.config.gpu_memory_utilization * total:
+            raise ValueError(f"weights and KV cache take {used / 2**30:.1f} GiB, more than gpu_memory_utilization="
+                             f"{self.config.gpu_memory_utilization} of {total / 2**30:.1f} GiB; lower "
+                             f"max_model_len or max_num_seqs")
 
     # ------------------------------------------------------------------ public
     @torch.inference_mode()
@@ -417,7 +429,7 @@ class Engine:
     def _check_done(self, seq: _Seq) -> bool:
         if seq.finished:
             return True
-        if seq.num_generated > 0 and seq.tokens[-1] in seq.req.stop_token_ids:
+        if seq.num_generated > seq.req.sampling.min_tokens and seq.tokens[-1] in seq.req.stop_token_ids:
             seq.finished, seq.finish_reason = True, "stop"
         elif seq.num_generated >= seq.req.max_new_tokens or len(seq.tokens) >= self.config.max_seq_len:
             seq.finished, seq.finish_reason = True, "length"
