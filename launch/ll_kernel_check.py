@@ -78,7 +78,7 @@ def main() -> int:
                 logits = x.to(dtype).cuda()
                 vocab_offset = 4 * int(torch.randint(0, 1000, (1,), generator=gen))
                 vocab = vocab_offset + width - (3 if kind == "adv" else 0)
-                kw = dict(vocab_size=vocab, temperature=t.cuda(), seeds=seeds.cuda(), offsets=offsets.cuda())
+                kw = dict(vocab_size=vocab, rows=K.SamplingRows(t.cuda(), seeds.cuda(), offsets.cuda()))
                 if kind == "greedy":
                     kw = dict(vocab_size=vocab)
                 got = ll.max_logits_keys(logits, vocab_offset, **kw)

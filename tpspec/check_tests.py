@@ -31,7 +31,7 @@ import torch
 from . import distributed as D
 from . import keys as K
 from .exchange.allgather import AllGatherKeyExchange
-from .exchange.base import KeyExchange
+from .exchange.base import Channel, KeyExchange
 from .vocab_parallel import VocabShardedLogits, vocab_shard_bounds
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
@@ -98,10 +98,10 @@ class PerturbedExchange(KeyExchange):
         out[0] ^= 1
         return out
 
-    def max_keys(self, keys: torch.Tensor, *, channel: int = 0) -> torch.Tensor:
+    def max_keys(self, keys: torch.Tensor, *, channel: int = Channel.DRAFT) -> torch.Tensor:
         return self._perturb(self.inner.max_keys(keys, channel=channel))
 
-    def argmax_tokens(self, local_max, local_argmax, vocab_offset, *, channel=0):  # type: ignore[override]
+    def argmax_tokens(self, local_max, local_argmax, vocab_offset, *, channel=Channel.DRAFT):  # type: ignore[override]
         return self._perturb(self.inner.argmax_tokens(local_max, local_argmax, vocab_offset, channel=channel))
 
     def argmax_logits(self, logits, vocab_offset, **kwargs):  # type: ignore[override]
@@ -238,7 +238,8 @@ def emulated_keys(
     best = None
     for r in range(tp):
         local, offset = shard_slice(full, tp, r)
-        keys = K.local_row_keys(local, offset, vocab_size=vocab, temperature=temperature, seeds=seeds, offsets=offsets)
+        rows = None if temperature is None else K.SamplingRows(temperature, seeds, offsets)
+        keys = K.local_row_keys(local, offset, vocab_size=vocab, rows=rows)
         best = keys if best is None else torch.maximum(best, keys)
     return best
 
@@ -601,20 +602,19 @@ def check_ll_equals_allgather(ctx: SuiteContext) -> CheckResult:
                 local, offset = shard_slice(full.to(ctx.device), ctx.world_size, ctx.rank)
                 temps = torch.tensor([0.0, 0.8, 1.0, 1.3]).repeat(num_rows)[:num_rows].to(ctx.device)
                 seeds, offsets = (t.to(ctx.device) for t in random_streams(gen, num_rows))
-                for channel in (0, 1):
+                sampling = K.SamplingRows(temps, seeds, offsets)
+                for channel in Channel:
                     pairs = [
                         (ll.argmax_logits(local, offset, vocab_size=vocab, channel=channel),
                          ag.argmax_logits(local, offset, vocab_size=vocab, channel=channel), "greedy"),
-                        (ll.argmax_logits(local, offset, vocab_size=vocab, temperature=temps, seeds=seeds,
-                                          offsets=offsets, channel=channel),
-                         ag.argmax_logits(local, offset, vocab_size=vocab, temperature=temps, seeds=seeds,
-                                          offsets=offsets, channel=channel), "seeded"),
+                        (ll.argmax_logits(local, offset, vocab_size=vocab, rows=sampling, channel=channel),
+                         ag.argmax_logits(local, offset, vocab_size=vocab, rows=sampling, channel=channel), "seeded"),
                     ]
                     for a, b, name in pairs:
                         ctx.record(a)
                         bad = _mismatches(a, b)
                         if bad:
-                            details.append(f"{name} R={num_rows} V={vocab} ch={channel}: {bad}")
+                            details.append(f"{name} R={num_rows} V={vocab} ch={int(channel)}: {bad}")
                         mism += bad
                         rows += num_rows
     finally:
@@ -636,9 +636,9 @@ def check_cpu_gpu_bits(ctx: SuiteContext) -> CheckResult:
     temps = torch.tensor([0.0, 0.5, 1.0, 2.0]).repeat(num_rows // 4)
     seeds, offsets = random_streams(gen, num_rows)
     local, offset = shard_slice(full, ctx.world_size, ctx.rank)
-    cpu_keys = K.local_row_keys(local, offset, vocab_size=vocab, temperature=temps, seeds=seeds, offsets=offsets)
-    gpu_keys = K.local_row_keys(local.to(ctx.device), offset, vocab_size=vocab, temperature=temps.to(ctx.device),
-                                seeds=seeds.to(ctx.device), offsets=offsets.to(ctx.device))
+    cpu_keys = K.local_row_keys(local, offset, vocab_size=vocab, rows=K.SamplingRows(temps, seeds, offsets))
+    device_rows = K.SamplingRows(temps.to(ctx.device), seeds.to(ctx.device), offsets.to(ctx.device))
+    gpu_keys = K.local_row_keys(local.to(ctx.device), offset, vocab_size=vocab, rows=device_rows)
     mism += _mismatches(cpu_keys, gpu_keys)
     cols = torch.arange(offset, offset + min(local.shape[1], vocab - offset))
     cpu_scores = K.gumbel_scores(local[:, : cols.numel()], cols, torch.ones(num_rows), seeds, offsets)
@@ -659,9 +659,7 @@ def check_cpu_gpu_bits(ctx: SuiteContext) -> CheckResult:
         kernel = f"LL kernel not run ({why})"
     else:
         try:
-            ll_keys = ll.max_logits_keys(local.to(ctx.device), offset, vocab_size=vocab,
-                                         temperature=temps.to(ctx.device), seeds=seeds.to(ctx.device),
-                                         offsets=offsets.to(ctx.device))
+            ll_keys = ll.max_logits_keys(local.to(ctx.device), offset, vocab_size=vocab, rows=device_rows)
             ctx.record(K.unpack_indices(ll_keys))
             kernel_bad = _mismatches(ll_keys, reference)
         finally:
@@ -691,10 +689,11 @@ def check_cuda_graph(ctx: SuiteContext) -> CheckResult:
     seeds, offsets = (t.to(ctx.device) for t in random_streams(gen, num_rows))
 
     def step() -> torch.Tensor:
-        greedy = ex.argmax_logits(local, offset, vocab_size=vocab, channel=1)
-        seeded = ex.argmax_logits(local, offset, vocab_size=vocab, temperature=temps, seeds=seeds, offsets=offsets,
-                                  channel=1)
-        unseeded = ex.argmax_logits(local, offset, vocab_size=vocab, temperature=temps, channel=1)
+        greedy = ex.argmax_logits(local, offset, vocab_size=vocab, channel=Channel.TARGET)
+        seeded = ex.argmax_logits(local, offset, vocab_size=vocab, rows=K.SamplingRows(temps, seeds, offsets),
+                                  channel=Channel.TARGET)
+        unseeded = ex.argmax_logits(local, offset, vocab_size=vocab, rows=K.SamplingRows(temps),
+                                    channel=Channel.TARGET)
         return torch.stack([greedy, seeded, unseeded])
 
     try:

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -289,6 +291,63 @@ def gumbel_noise(seeds: torch.Tensor, offsets: torch.Tensor, columns: torch.Tens
     return -portable_log(exponential_from_words(philox_words(seeds, offsets, columns)))
 
 
+# ------------------------------------------------------------------ sampling rows
+
+class PenaltyStep(Protocol):
+    """What :attr:`SamplingRows.penalties` holds (``tpspec.sampling.penalties.RowPenalties``):
+    ``apply(logits slice [R, C], vocab_offset) -> penalised slice [R, C]``, applied by each rank
+    to its own columns before any selection."""
+
+    def apply(self, local_logits: torch.Tensor, vocab_offset: int) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class SamplingRows:
+    """How each row of one selection is drawn: per-row ``[R]`` tensors on the logits' device.
+
+    The one object every layer passes (keys, exchanges, the sharded logits, selection):
+
+    * ``temperature``: ``[R]`` float; rows below ``greedy_threshold`` take the argmax
+      (no noise, no division), the others a Gumbel-max draw from ``softmax(logits / T)``.
+    * ``seeds`` / ``offsets``: ``[R]`` int64 Philox streams (any 64-bit pattern), or both
+      None: the exchange's step counter then seeds the rows.
+    * ``top_k`` (``[R]`` int64; ``>= vocab`` or INT32_MAX = off), ``top_p`` (``[R]`` float32;
+      1 = off), ``min_p`` (``[R]`` float32; 0 = off): the filters, None = off for every row.
+      The exchanges draw unfiltered rows only; ``tpspec.sampling.select`` applies filters.
+    * ``penalties``: None, or the step's penalties (a :class:`PenaltyStep`) that
+      ``tpspec.sampling.select.select_tokens`` applies to each rank's raw logits slice
+      before the draw (the exchanges never apply them).
+    * ``is_all_greedy`` / ``any_seeded``: batch facts that choose code paths; they must be
+      equal on every rank of the group (``SpecMetadata`` syncs them under attention DP), and
+      so must be which filters are None.
+    """
+
+    temperature: torch.Tensor
+    seeds: torch.Tensor | None = None
+    offsets: torch.Tensor | None = None
+    greedy_threshold: float = GREEDY_TEMPERATURE_THRESHOLD
+    top_k: torch.Tensor | None = None
+    top_p: torch.Tensor | None = None
+    min_p: torch.Tensor | None = None
+    penalties: PenaltyStep | None = None
+    is_all_greedy: bool = False
+    any_seeded: bool = True
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.temperature.shape[0])
+
+    @property
+    def has_filters(self) -> bool:
+        """True when some row may carry a top-k, top-p or min-p filter."""
+        return self.top_k is not None or self.top_p is not None or self.min_p is not None
+
+    @property
+    def temperature_only(self) -> bool:
+        """True when no row has a filter: a plain Gumbel-max (or greedy) draw of the (penalised) logits."""
+        return not self.has_filters
+
+
 # ------------------------------------------------------------- local row reduction
 
 def local_row_keys(
@@ -296,18 +355,16 @@ def local_row_keys(
     vocab_offset: int,
     *,
     vocab_size: int | None = None,
-    temperature: torch.Tensor | None = None,
-    seeds: torch.Tensor | None = None,
-    offsets: torch.Tensor | None = None,
-    greedy_threshold: float = GREEDY_TEMPERATURE_THRESHOLD,
+    rows: SamplingRows | None = None,
 ) -> torch.Tensor:
     """Reduce a rank's ``[R, C]`` logits slice to one winning key per row (``[R]`` int64).
 
     Column ``c`` of the slice is global column ``vocab_offset + c``; columns at or past
     ``vocab_size`` are never chosen (a row with no real column gets :data:`EMPTY_KEY`).
-    Rows with ``temperature < greedy_threshold`` (or no ``temperature``) rank the
-    logits themselves; other rows rank Gumbel scores from ``(seeds, offsets)``.
-    Inputs are assumed validated (see ``tpspec.exchange.base``).
+    Without ``rows`` every row ranks the logits themselves; with ``rows``, rows whose
+    temperature is below ``rows.greedy_threshold`` do, the others rank Gumbel scores from
+    ``(rows.seeds, rows.offsets)`` (which must be given here). Filters and penalties of
+    ``rows`` are not applied. Inputs are assumed validated (see ``tpspec.exchange.base``).
     """
     num_rows, width = logits.shape
     device = logits.device
@@ -319,10 +376,11 @@ def local_row_keys(
     logits = logits[:, :real_width]
     columns = torch.arange(vocab_offset, vocab_offset + real_width, dtype=torch.int64, device=device)
     values = canonical_float32(logits)
-    if temperature is not None:
-        sampled = temperature.to(torch.float32) >= greedy_threshold
-        safe_t = torch.where(sampled, temperature.to(torch.float32), torch.ones_like(temperature, dtype=torch.float32))
-        scores = gumbel_scores(logits, columns, safe_t, seeds, offsets,
+    if rows is not None:
+        temperature = rows.temperature.to(torch.float32)
+        sampled = temperature >= rows.greedy_threshold
+        safe_t = torch.where(sampled, temperature, torch.ones_like(temperature))
+        scores = gumbel_scores(logits, columns, safe_t, rows.seeds, rows.offsets,
                                column_range=(vocab_offset, vocab_offset + real_width - 1))
         values = torch.where(sampled.reshape(-1, 1), canonical_float32(scores), values)
     keys = pack_keys(values, columns.reshape(1, -1))

@@ -10,8 +10,9 @@ from torch import nn
 
 from . import distributed as D
 from .exchange.allgather import AllGatherKeyExchange
-from .exchange.base import KeyExchange
+from .exchange.base import Channel, KeyExchange
 from .exchange.local import LocalKeyExchange
+from .keys import SamplingRows
 from .mapping import Mapping
 
 
@@ -64,7 +65,7 @@ class VocabShardedLogits:
     def shard_width(self) -> int:
         return self.local.shape[1]
 
-    def argmax(self, *, channel: int = 1) -> torch.Tensor:
+    def argmax(self, *, channel: int = Channel.TARGET) -> torch.Tensor:
         """Greedy tokens: ``[R]`` int64 == ``torch.argmax`` of the full logits rows."""
         return self.exchange.argmax_logits(self.local, self.vocab_offset, vocab_size=self.vocab_size, channel=channel)
 
@@ -74,7 +75,7 @@ class VocabShardedLogits:
         seeds: torch.Tensor | None = None,
         offsets: torch.Tensor | None = None,
         *,
-        channel: int = 1,
+        channel: int = Channel.TARGET,
         check_values: bool = True,
     ) -> torch.Tensor:
         """Gumbel-max draws from softmax(logits / T) per row: ``[R]`` int64.
@@ -103,15 +104,9 @@ class VocabShardedLogits:
         ):
             # Every rank holds the same temperatures, so every rank raises here (no collective has started).
             raise ValueError(f"temperature has NaN or infinite values: {temperature.tolist()[:8]}")
-        return self.exchange.argmax_logits(
-            self.local,
-            self.vocab_offset,
-            vocab_size=self.vocab_size,
-            temperature=temperature,
-            seeds=seeds,
-            offsets=offsets,
-            channel=channel,
-        )
+        rows = SamplingRows(temperature, seeds, offsets)
+        return self.exchange.argmax_logits(self.local, self.vocab_offset, vocab_size=self.vocab_size, rows=rows,
+                                           channel=channel)
 
     def gather(self) -> torch.Tensor:
         """The full ``[R, vocab_size]`` logits on every rank (one all-gather), padding removed."""

@@ -204,7 +204,7 @@ def read_floor_call(ll: Any, cycle: Any, rows: int, width: int) -> Callable[[], 
 def _bench_worker(rank: int, world_size: int, cfg: dict) -> list[dict]:
     from .. import distributed as D
     from .. import keys as K
-    from ..exchange import AllGatherKeyExchange
+    from ..exchange import AllGatherKeyExchange, Channel
 
     group = D.tp_group()
     on_cuda = cfg["device"] == "cuda"
@@ -244,8 +244,8 @@ def _bench_worker(rank: int, world_size: int, cfg: dict) -> list[dict]:
         local_max = torch.randn(rows, generator=gen).to(device=device, dtype=dtype)
         local_arg = torch.randint(0, 1000, (rows,), generator=gen).to(device)
         if on_cuda:
-            for variant, call in (("ll_max_keys", lambda: ll.max_keys(keys, channel=1)),
-                                  ("ll_argmax_tokens", lambda: ll.argmax_tokens(local_max, local_arg, 0, channel=1))):
+            for variant, call in (("ll_max_keys", lambda: ll.max_keys(keys, channel=Channel.TARGET)),
+                                  ("ll_argmax_tokens", lambda: ll.argmax_tokens(local_max, local_arg, 0, channel=Channel.TARGET))):
                 per_window = _graph_windows_us(call, cfg["calls"], cfg["replays"], barrier)
                 record(variant, "graph", rows, 0, "-", statistics.median(per_window),
                        us_mean=statistics.fmean(per_window))
@@ -264,9 +264,9 @@ def _bench_worker(rank: int, world_size: int, cfg: dict) -> list[dict]:
             for mode in ("greedy", "gumbel"):
                 kw: dict[str, Any] = {}
                 if mode == "gumbel":
-                    kw = dict(temperature=torch.full((rows,), 0.8, device=device),
-                              seeds=torch.arange(rows, device=device) + 7,
-                              offsets=torch.arange(rows, device=device) * 32)
+                    kw = dict(rows=K.SamplingRows(torch.full((rows,), 0.8, device=device),
+                                                  torch.arange(rows, device=device) + 7,
+                                                  torch.arange(rows, device=device) * 32))
 
                 def torch_local() -> torch.Tensor:
                     x = next(cycle)
@@ -291,7 +291,7 @@ def _bench_worker(rank: int, world_size: int, cfg: dict) -> list[dict]:
                     return full.float().argmax(dim=-1)
 
                 if on_cuda:
-                    us = _time_graph(lambda: ll.argmax_logits(next(cycle), offset, vocab_size=vocab, channel=0, **kw),
+                    us = _time_graph(lambda: ll.argmax_logits(next(cycle), offset, vocab_size=vocab, channel=Channel.DRAFT, **kw),
                                      cfg["calls"], cfg["replays"], barrier)
                     record("ll_fused", "graph", rows, width, mode, us)
                     us = _time_eager(lambda: ll.argmax_logits(next(cycle), offset, vocab_size=vocab, **kw),

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from .. import distributed as D
-from .base import KeyExchange
+from .base import Channel, KeyExchange
 
 
 class AllGatherKeyExchange(KeyExchange):
@@ -29,7 +29,7 @@ class AllGatherKeyExchange(KeyExchange):
         super().__init__(group, D.group_rank(group), D.group_size(group), torch.device(device),
                          num_channels=num_channels)
 
-    def max_keys(self, keys: torch.Tensor, *, channel: int = 0) -> torch.Tensor:
+    def max_keys(self, keys: torch.Tensor, *, channel: int = Channel.DRAFT) -> torch.Tensor:
         self._check_rows_vector("keys", keys, None)
         if keys.dtype != torch.int64:
             raise ValueError(f"keys must be int64, got {keys.dtype}")

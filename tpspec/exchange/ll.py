@@ -33,7 +33,7 @@ from .. import distributed as D
 from .. import keys as K
 from . import cuda_module
 from .allgather import AllGatherKeyExchange
-from .base import UNSEEDED_STREAM_SEED, KeyExchange
+from .base import UNSEEDED_STREAM_SEED, Channel, KeyExchange
 
 DEFAULT_MAX_ROWS = 1024
 MAX_MAX_ROWS = 4096  # the kernels keep one key per row in shared memory (32 KiB)
@@ -344,7 +344,7 @@ class LLKeyExchange(KeyExchange):
     """Peer-memory exchange for the ranks of ``group`` on one node (collective constructor).
 
     ``max_rows``: rows a call may have on the LL path (more go through an all-gather);
-    ``num_channels``: independent slot sets (0 = draft, 1 = target, ...); ``timeout_s``:
+    ``num_channels``: independent slot sets (``Channel.DRAFT``, ``Channel.TARGET``, ...); ``timeout_s``:
     how long a kernel waits for a peer before it gives up (default 30 s or
     ``$TPSPEC_LL_TIMEOUT_S``); ``device``: the CUDA device (default: the current one).
 
@@ -529,7 +529,7 @@ class LLKeyExchange(KeyExchange):
                                 stream=stream)
 
     # ------------------------------------------------------------------ calls
-    def max_keys(self, keys: torch.Tensor, *, channel: int = 0) -> torch.Tensor:
+    def max_keys(self, keys: torch.Tensor, *, channel: int = Channel.DRAFT) -> torch.Tensor:
         self._check_rows_vector("keys", keys, None)
         if keys.dtype != torch.int64:
             raise ValueError(f"keys must be int64, got {keys.dtype}")
@@ -549,7 +549,7 @@ class LLKeyExchange(KeyExchange):
         return out
 
     def argmax_tokens(
-        self, local_max: torch.Tensor, local_argmax: torch.Tensor, vocab_offset: int, *, channel: int = 0
+        self, local_max: torch.Tensor, local_argmax: torch.Tensor, vocab_offset: int, *, channel: int = Channel.DRAFT
     ) -> torch.Tensor:
         self._check_rows_vector("local_max", local_max, None)
         self._check_rows_vector("local_argmax", local_argmax, local_max.shape[0])
@@ -580,15 +580,11 @@ class LLKeyExchange(KeyExchange):
         vocab_offset: int,
         *,
         vocab_size: int | None = None,
-        temperature: torch.Tensor | None = None,
-        seeds: torch.Tensor | None = None,
-        offsets: torch.Tensor | None = None,
-        greedy_threshold: float = K.GREEDY_TEMPERATURE_THRESHOLD,
-        channel: int = 0,
+        rows: K.SamplingRows | None = None,
+        channel: int = Channel.DRAFT,
     ) -> torch.Tensor:
         """See :meth:`KeyExchange.argmax_logits`; one kernel launch when rows <= ``max_rows``."""
-        return self._fused(logits, vocab_offset, vocab_size, temperature, seeds, offsets, greedy_threshold,
-                           channel, want_tokens=True)
+        return self._fused(logits, vocab_offset, vocab_size, rows, channel, want_tokens=True)
 
     def max_logits_keys(
         self,
@@ -596,38 +592,34 @@ class LLKeyExchange(KeyExchange):
         vocab_offset: int,
         *,
         vocab_size: int | None = None,
-        temperature: torch.Tensor | None = None,
-        seeds: torch.Tensor | None = None,
-        offsets: torch.Tensor | None = None,
-        greedy_threshold: float = K.GREEDY_TEMPERATURE_THRESHOLD,
-        channel: int = 0,
+        rows: K.SamplingRows | None = None,
+        channel: int = Channel.DRAFT,
     ) -> torch.Tensor:
         """Like :meth:`argmax_logits` but returns the winning keys (``[R]`` int64, equal on every
         rank): ``max over ranks of keys.local_row_keys(...)``, bit for bit. Unpack with
         ``keys.unpack_keys`` for the winning score and column. Same step-counter rules."""
-        return self._fused(logits, vocab_offset, vocab_size, temperature, seeds, offsets, greedy_threshold,
-                           channel, want_tokens=False)
+        return self._fused(logits, vocab_offset, vocab_size, rows, channel, want_tokens=False)
 
     def _fused(
         self,
         logits: torch.Tensor,
         vocab_offset: int,
         vocab_size: int | None,
-        temperature: torch.Tensor | None,
-        seeds: torch.Tensor | None,
-        offsets: torch.Tensor | None,
-        greedy_threshold: float,
+        sampling: K.SamplingRows | None,
         channel: int,
         *,
         want_tokens: bool,
     ) -> torch.Tensor:
-        self.validate_logits_call(logits, vocab_offset, vocab_size, temperature, seeds, offsets, channel)
+        self.validate_logits_call(logits, vocab_offset, vocab_size, sampling, channel)
+        temperature = None if sampling is None else sampling.temperature
+        seeds = None if sampling is None else sampling.seeds
+        offsets = None if sampling is None else sampling.offsets
+        greedy_threshold = K.GREEDY_TEMPERATURE_THRESHOLD if sampling is None else sampling.greedy_threshold
         self._raise_if_failed()
         rows, width = logits.shape
         unseeded = temperature is not None and seeds is None
         if rows > self.MAX_ROWS:  # the all-gather path (max_keys hands these rows over), same results
-            best = self._max_local_keys(logits, vocab_offset, vocab_size, temperature, seeds, offsets,
-                                        greedy_threshold, channel)
+            best = self._max_local_keys(logits, vocab_offset, vocab_size, sampling, channel)
             return K.unpack_indices(best) if want_tokens else best
         if rows == 0:
             if unseeded:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import KeyExchange
+from .base import Channel, KeyExchange
 
 
 class LocalKeyExchange(KeyExchange):
@@ -17,7 +17,7 @@ class LocalKeyExchange(KeyExchange):
     def __init__(self, device: str | torch.device = "cpu") -> None:
         super().__init__(None, 0, 1, torch.device(device))
 
-    def max_keys(self, keys: torch.Tensor, *, channel: int = 0) -> torch.Tensor:
+    def max_keys(self, keys: torch.Tensor, *, channel: int = Channel.DRAFT) -> torch.Tensor:
         self._check_rows_vector("keys", keys, None)
         if keys.dtype != torch.int64:
             raise ValueError(f"keys must be int64, got {keys.dtype}")

@@ -24,17 +24,13 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from .. import distributed as D
-from ..sampling.params import SamplingParams
+from ..speculative.metadata import RequestEntry
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .engine import Engine, _Seq
-
-_PAD = SamplingParams()
 WARMUP_RUNS = 2
 
 
@@ -60,7 +56,7 @@ class _Graph:
 class GenerationGraphs:
     """Captured generation steps of one :class:`~tpspec.runtime.engine.Engine`."""
 
-    def __init__(self, engine: "Engine") -> None:
+    def __init__(self, engine: Any) -> None:
         self.engine = engine
         self.buckets = bucket_sizes(engine.config.max_batch_size)
         self.graphs: dict[tuple, _Graph] = {}
@@ -68,7 +64,7 @@ class GenerationGraphs:
         self.pool = torch.cuda.graph_pool_handle()
 
     @classmethod
-    def maybe_create(cls, engine: "Engine") -> "GenerationGraphs | None":
+    def maybe_create(cls, engine: Any) -> "GenerationGraphs | None":
         """Graphs for ``engine`` when they apply (see :func:`graphs_unavailable_reason`), else
         None (eager steps; rank 0 warns once with the reason)."""
         reason = graphs_unavailable_reason(engine)
@@ -82,7 +78,7 @@ class GenerationGraphs:
         self.graphs.clear()
 
     # ------------------------------------------------------------------ per step
-    def run(self, gen: list["_Seq"], drafts: list[list[int]]) -> dict[int, list[int]] | None:
+    def run(self, gen: list[Any], drafts: list[list[int]]) -> dict[int, list[int]] | None:
         """Run a pure generation step through a graph; ``{seq index: emitted tokens}``, or
         None when this step is not graphed (the caller runs it eagerly; no state changed)."""
         b = len(gen)
@@ -104,8 +100,8 @@ class GenerationGraphs:
         k = eng.num_draft
         used = {s.slot for s in gen}
         free = [slot for slot in range(eng.num_slots) if slot not in used][: padded - b]
-        reqs = [(s.req.request_id, s.slot, s.req.sampling, False) for s in gen]
-        reqs += [(-1 - i, -1, _PAD, False) for i in range(padded - b)]
+        reqs = [RequestEntry(s.req.request_id, s.slot, s.req.sampling, False) for s in gen]
+        reqs += [RequestEntry(-1 - i, -1) for i in range(padded - b)]
         eng.meta.prepare(requests=reqs, draft_len=k)
         host = self._host_batch(gen, drafts, free)
         graph = self.graphs.get(key)
@@ -124,7 +120,7 @@ class GenerationGraphs:
         return emitted
 
     # ------------------------------------------------------------------ helpers
-    def _host_batch(self, gen: list["_Seq"], drafts: list[list[int]], free: list[int]) -> Any:
+    def _host_batch(self, gen: list[Any], drafts: list[list[int]], free: list[int]) -> Any:
         from ..model.batch import ForwardBatch
 
         k = self.engine.num_draft
@@ -161,28 +157,12 @@ class GenerationGraphs:
 
     def _forward_and_select(self, batch: Any, attn_meta: Any, drafts: torch.Tensor | None,
                             is_warmup: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Target forward + the strict path of ``SpecWorker.step`` without its host-side value
-        checks (a device sync would break the capture): select each row's token, accept the
-        drafts that match, forced acceptance when the benchmark asks for it."""
-        from ..sampling.select import select_tokens
-        from ..speculative import accept_from_targets
-
+        """Target forward, then ``SpecWorker.step`` (its strict path: no host sync, so it can
+        be captured): each row's token, the drafts that match, forced acceptance when the
+        benchmark asks for it."""
         eng = self.engine
-        meta = eng.meta
-        dev = eng.device
-        logits = eng.model(batch, attn_meta)
-        row_tokens = select_tokens(logits, meta, channel=eng.worker.channel)
-        targets = row_tokens[meta.request_row_index]
-        if drafts is None:
-            drafts = torch.zeros(targets.shape[0], 0, dtype=torch.int64, device=dev)
-        lens = meta.request_draft_len
-        accepted, num = accept_from_targets(targets, drafts, lens, check_values=False)
-        forced = eng.worker.forced_acceptance(dev)
-        if forced is not None and not is_warmup:
-            out = forced.apply(targets, drafts, lens, meta.slot_ids)
-            if out is not None:
-                accepted, num = out
-        return accepted, num
+        out = eng.worker.step(eng.model(batch, attn_meta), drafts, eng.meta, is_warmup=is_warmup)
+        return out.accepted_tokens, out.num_accepted
 
     def _eager(self, host: Any) -> tuple[torch.Tensor, torch.Tensor]:
         batch, drafts = host
@@ -240,13 +220,13 @@ class GenerationGraphs:
         g.attn_meta.copy_(self._attn_meta(batch))
 
     @staticmethod
-    def _emitted(gen: list["_Seq"], accepted: torch.Tensor, num: torch.Tensor) -> dict[int, list[int]]:
+    def _emitted(gen: list[Any], accepted: torch.Tensor, num: torch.Tensor) -> dict[int, list[int]]:
         acc = accepted[: len(gen)].cpu().tolist()
         counts = num[: len(gen)].cpu().tolist()
         return {s.index: [int(t) for t in row[: int(n)]] for s, row, n in zip(gen, acc, counts)}
 
 
-def graphs_unavailable_reason(engine: "Engine") -> str | None:
+def graphs_unavailable_reason(engine: Any) -> str | None:
     """Why generation steps of ``engine`` cannot be graphed, or None when they can.
 
     The decision depends only on the configuration, so every rank takes the same one.
@@ -262,7 +242,7 @@ def graphs_unavailable_reason(engine: "Engine") -> str | None:
     return None
 
 
-def eng_strict(engine: "Engine") -> bool:
+def eng_strict(engine: Any) -> bool:
     return engine.worker.acceptance == "strict"
 
 

@@ -29,17 +29,16 @@ from typing import Callable
 import torch
 
 from .. import distributed as D
+from ..exchange.base import Channel
 from ..mapping import Mapping
-from ..sampling.params import SamplingParams
+from ..speculative.metadata import RequestEntry
 from ..sampling.penalties import OccurrenceCounts
 from .config import EngineConfig, Request, RequestStats
 
-DRAFT_CHANNEL = 0  # exchange channel of draft picks (the target's picks use 1)
 
 ProgressFn = Callable[[int, int], None]
 """``on_progress(steps_done, tokens_generated_so_far)``."""
 
-_DUMMY_PARAMS = SamplingParams()
 _DUMMY_REQUEST_ID = -1
 
 
@@ -344,7 +343,7 @@ class Engine:
         batch = ForwardBatch(token_ids=torch.tensor(toks, dtype=torch.int64, device=dev),
                              positions=torch.tensor(pos, dtype=torch.int64, device=dev),
                              slot_ids=slots, cache_lens=starts, query_lens=lens, logits_rows=last_rows)
-        cur = self.draft_model(batch).argmax(channel=DRAFT_CHANNEL)
+        cur = self.draft_model(batch).argmax(channel=Channel.DRAFT)
         drafts = [cur]
         ends = [st + n for st, n in zip(starts, lens)]
         for j in range(1, k):
@@ -352,7 +351,7 @@ class Engine:
                                  positions=torch.tensor([e + j - 1 for e in ends], dtype=torch.int64, device=dev),
                                  slot_ids=slots, cache_lens=[e + j - 1 for e in ends], query_lens=[1] * len(slots),
                                  logits_rows=None)
-            cur = self.draft_model(batch).argmax(channel=DRAFT_CHANNEL)
+            cur = self.draft_model(batch).argmax(channel=Channel.DRAFT)
             drafts.append(cur)
         table = torch.stack(drafts, dim=1).cpu().tolist() if gen else []
         for s in gen:  # the cache now holds the committed tokens plus drafts 1..K-1
@@ -362,10 +361,10 @@ class Engine:
     def _verify(self, plan: _Plan, batch, drafts: list[list[int]], use_dummy: bool) -> dict[int, list[int]]:
         """Target forward, token selection and acceptance. Returns ``{seq index: tokens}``."""
         k = self.num_draft
-        reqs = [(s.req.request_id, s.slot, s.req.sampling, True) for s, _ in plan.final_ctx]
+        reqs = [RequestEntry(s.req.request_id, s.slot, s.req.sampling, True) for s, _ in plan.final_ctx]
         if use_dummy:
-            reqs.append((_DUMMY_REQUEST_ID, -1, _DUMMY_PARAMS, True))
-        reqs += [(s.req.request_id, s.slot, s.req.sampling, False) for s in plan.gen]
+            reqs.append(RequestEntry(_DUMMY_REQUEST_ID, -1, None, True))  # padding: greedy, no stream
+        reqs += [RequestEntry(s.req.request_id, s.slot, s.req.sampling, False) for s in plan.gen]
         self.meta.prepare(requests=reqs, draft_len=k)
         logits = self.model(batch)
         draft_table = None

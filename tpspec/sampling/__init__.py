@@ -9,12 +9,13 @@ Public names:
 * ``ops``: :func:`sample_from_logits`, :func:`filtered_probs`, :func:`greedy_tokens`
   on full logits (torch reference; flashinfer when installed and allowed).
 * ``select``: :func:`select_tokens` on ``VocabShardedLogits`` (imported lazily by
-  ``VocabShardedLogits.select_tokens``) and :class:`RowSampling`.
+  ``VocabShardedLogits.select_tokens``); the rows it draws are a ``keys.SamplingRows``.
 """
 
 from .ops import filtered_logits, filtered_probs, greedy_tokens, keep_mask, sample_from_logits
 from .params import GREEDY_SENTINEL_TEMPERATURE, TOP_K_DISABLED, SamplingParams
-from .select import RowSampling, select_tokens
+from ..keys import SamplingRows
+from .select import select_tokens
 from .streams import SLOT_SPAN, UNSEEDED_OFFSET_BASE, UNSEEDED_SEED, StreamAllocator, WindowLayout, uniforms
 
 __all__ = [
@@ -23,8 +24,8 @@ __all__ = [
     "TOP_K_DISABLED",
     "UNSEEDED_OFFSET_BASE",
     "UNSEEDED_SEED",
-    "RowSampling",
     "SamplingParams",
+    "SamplingRows",
     "StreamAllocator",
     "WindowLayout",
     "filtered_logits",

@@ -19,60 +19,36 @@ slice, locally (:mod:`tpspec.sampling.penalties`), then take the same paths.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ..exchange.base import Channel
+from ..keys import SamplingRows
 from .ops import sample_from_logits
 from .penalties import RowPenalties, penalized_logits
 
 
-@dataclass
-class RowSampling:
-    """Per-row sampling tensors of one step (``[R]`` each) plus the batch flags.
-
-    ``is_all_greedy`` and ``temperature_only`` must be equal on every rank of the TP
-    group (they choose a code path that runs collectives); ``any_seeded`` says whether
-    some row needs its own reproducible stream (then flashinfer is not used).
-    """
-
-    temperature: torch.Tensor  # float32
-    top_k: torch.Tensor  # int64, INT32_MAX = off
-    top_p: torch.Tensor  # float32, 1 = off
-    min_p: torch.Tensor  # float32, 0 = off
-    seeds: torch.Tensor  # int64
-    offsets: torch.Tensor  # int64
-    is_all_greedy: bool
-    temperature_only: bool
-    any_seeded: bool = True
-    penalties: RowPenalties | None = None  # None: no row of the step is penalised
-
-    @property
-    def num_rows(self) -> int:
-        return int(self.temperature.shape[0])
-
-
-def _row_sampling(spec_metadata: Any) -> RowSampling:
-    if isinstance(spec_metadata, RowSampling):
+def _sampling_rows(spec_metadata: Any) -> SamplingRows:
+    if isinstance(spec_metadata, SamplingRows):
         return spec_metadata
     getter = getattr(spec_metadata, "row_sampling", None)
     if getter is None:
         raise ValueError(
-            f"select_tokens needs a SpecMetadata (with row_sampling()) or a RowSampling, got {type(spec_metadata).__name__}"
+            f"select_tokens needs a SpecMetadata (with row_sampling()) or a SamplingRows, got {type(spec_metadata).__name__}"
         )
     return getter()
 
 
-def select_tokens(sharded_logits: Any, spec_metadata: Any, *, channel: int = 1) -> torch.Tensor:
+def select_tokens(sharded_logits: Any, spec_metadata: Any, *, channel: int = Channel.TARGET) -> torch.Tensor:
     """Tokens for every row of ``sharded_logits`` (a ``VocabShardedLogits``): ``[R]`` int64.
 
-    ``spec_metadata``: a prepared ``tpspec.speculative.SpecMetadata`` (or a :class:`RowSampling`)
-    whose rows match the logits rows. Penalties (``RowSampling.penalties``) are applied to
+    ``spec_metadata``: a prepared ``tpspec.speculative.SpecMetadata`` (or a ``keys.SamplingRows``)
+    whose rows match the logits rows. Penalties (``SamplingRows.penalties``) are applied to
     each rank's slice first (``tpspec.sampling.penalties``). Collective over the logits' exchange group;
     every rank returns the same tokens. Raises ``ValueError`` when the row counts differ.
     """
-    rs = _row_sampling(spec_metadata)
+    rs = _sampling_rows(spec_metadata)
     if rs.num_rows != sharded_logits.num_rows:
         raise ValueError(
             f"the logits have {sharded_logits.num_rows} rows but the sampling metadata describes {rs.num_rows}"

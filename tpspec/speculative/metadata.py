@@ -16,6 +16,7 @@ A ``slot_id`` of -1 marks a padding request (greedy, no stream).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Hashable, Sequence
 
@@ -24,8 +25,8 @@ import torch
 from .. import distributed as D
 from ..mapping import Mapping
 from ..sampling.params import GREEDY, SamplingParams
+from ..keys import SamplingRows
 from ..sampling.penalties import OccurrenceCounts, RowPenalties, preceding_drafts
-from ..sampling.select import RowSampling
 from ..sampling.streams import (
     ACCEPT_RESIDUAL_SUBSTREAM,
     ACCEPT_UNIFORM_SUBSTREAM,
@@ -37,12 +38,30 @@ from ..sampling.streams import (
 
 @dataclass(frozen=True)
 class RequestEntry:
-    """One request of a step, as ``prepare`` sees it."""
+    """One request of a step, as ``prepare`` takes it.
+
+    ``slot_id``: its KV slot, or -1 for a padding request (always greedy, no stream);
+    ``params``: its :class:`SamplingParams` (None = greedy); ``is_context``: a context
+    request owns one logits row, a generation request ``draft_len + 1``. Checked and
+    normalized when built (raises ``ValueError`` naming the request).
+    """
 
     request_id: Hashable
     slot_id: int
-    params: SamplingParams
-    is_context: bool
+    params: SamplingParams | None = None
+    is_context: bool = False
+
+    def __post_init__(self) -> None:
+        params = GREEDY if self.params is None else self.params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"request {self.request_id!r}: sampling_params must be SamplingParams or None, got "
+                             f"{type(params).__name__}")
+        if isinstance(self.slot_id, bool) or not isinstance(self.slot_id, int):
+            raise ValueError(f"request {self.request_id!r}: slot_id must be an int, got {self.slot_id!r}")
+        if self.slot_id == -1:
+            params = GREEDY  # padding requests never sample
+        object.__setattr__(self, "params", params)
+        object.__setattr__(self, "is_context", bool(self.is_context))
 
 
 class SpecMetadata:
@@ -131,8 +150,8 @@ class SpecMetadata:
 
     # ------------------------------------------------------------------ per step
     def prepare(self, requests: Sequence[tuple], draft_len: int) -> "SpecMetadata":
-        """Set up one step. ``requests``: ``(request_id, slot_id, sampling_params, is_context)``
-        (``sampling_params`` None = greedy; ``slot_id`` -1 = padding). ``draft_len``: drafts per
+        """Set up one step. ``requests``: :class:`RequestEntry` objects (a tuple of the four
+        fields is taken as one). ``draft_len``: drafts per
         generation request this step (``0 .. max_draft_len``).
 
         Advances the request streams (call exactly once per step, on every rank of the
@@ -167,19 +186,14 @@ class SpecMetadata:
             self._fill_params(entries, draft_len)
             self._param_key = key
 
-    def _entry(self, request: Any) -> RequestEntry:
+    @staticmethod
+    def _entry(request: Any) -> RequestEntry:
+        if isinstance(request, RequestEntry):
+            return request
         if not isinstance(request, (tuple, list)) or len(request) != 4:
-            raise ValueError(f"each request must be (request_id, slot_id, sampling_params, is_context), got {request!r}")
-        request_id, slot_id, params, is_context = request
-        if params is None:
-            params = GREEDY
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"request {request_id!r}: sampling_params must be SamplingParams or None, got {type(params).__name__}")
-        if isinstance(slot_id, bool) or not isinstance(slot_id, int):
-            raise ValueError(f"request {request_id!r}: slot_id must be an int, got {slot_id!r}")
-        if slot_id == -1:
-            params = GREEDY  # padding requests never sample
-        return RequestEntry(request_id, slot_id, params, bool(is_context))
+            raise ValueError(f"each request must be a RequestEntry (or its fields request_id, slot_id, "
+                             f"sampling_params, is_context as a tuple), got {request!r}")
+        return RequestEntry(*request)
 
     def _fill_params(self, entries: list[RequestEntry], draft_len: int) -> None:
         rows = [1 if e.is_context else draft_len + 1 for e in entries]
@@ -342,29 +356,38 @@ class SpecMetadata:
         """``[B]`` int64 first offset of each request's window this step."""
         return self._req_window[: self.num_requests]
 
-    def request_sampling(self, offsets: torch.Tensor) -> RowSampling:
-        """Per-request sampling tensors (``[B]``) drawing from ``offsets`` (e.g. a draft step's)."""
-        self._check_prepared()
-        B = self.num_requests
-        return RowSampling(
-            self._req_temperature[:B], self._req_top_k[:B], self._req_top_p[:B], self._req_min_p[:B],
-            self._req_seed[:B], offsets, self.is_all_greedy, self.temperature_only, self.any_seeded,
+    def _sampling_rows(self, n: int, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                       min_p: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor) -> SamplingRows:
+        # Filters are None exactly when the synced temperature-only flag says so: which path
+        # select_tokens takes then depends only on facts equal on every rank.
+        filtered = not self.temperature_only
+        return SamplingRows(
+            temperature[:n], seeds[:n], offsets,
+            top_k=top_k[:n] if filtered else None, top_p=top_p[:n] if filtered else None,
+            min_p=min_p[:n] if filtered else None, is_all_greedy=self.is_all_greedy, any_seeded=self.any_seeded,
         )
 
-    def row_sampling(self, draft_tokens: torch.Tensor | None = None) -> RowSampling:
-        """Per-row sampling tensors (``[R]``) of the target logits rows and the synced flags.
+    def request_sampling(self, offsets: torch.Tensor) -> SamplingRows:
+        """Per-request sampling rows (``[B]``) drawing from ``offsets`` (e.g. a draft step's)."""
+        self._check_prepared()
+        B = self.num_requests
+        return self._sampling_rows(B, self._req_temperature, self._req_top_k, self._req_top_p, self._req_min_p,
+                                   self._req_seed, offsets)
+
+    def row_sampling(self, draft_tokens: torch.Tensor | None = None) -> SamplingRows:
+        """Per-row sampling rows (``[R]``) of the target logits rows, with the synced flags.
 
         ``draft_tokens``: the step's ``[B, D]`` drafts; a step with penalised generation
         requests needs them (row j of a request counts drafts 0..j-1 as output), and its
-        :class:`RowSampling` carries :class:`~tpspec.sampling.penalties.RowPenalties`.
+        rows carry :class:`~tpspec.sampling.penalties.RowPenalties`.
         """
         self._check_prepared()
         R = self.num_rows
-        return RowSampling(
-            self._row_temperature[:R], self._row_top_k[:R], self._row_top_p[:R], self._row_min_p[:R],
-            self._row_seed[:R], self._row_offset[:R], self.is_all_greedy, self.temperature_only, self.any_seeded,
-            penalties=self.row_penalties(draft_tokens) if self.local_any_penalties else None,
-        )
+        rows = self._sampling_rows(R, self._row_temperature, self._row_top_k, self._row_top_p, self._row_min_p,
+                                   self._row_seed, self._row_offset[:R])
+        if self.local_any_penalties:
+            rows = dataclasses.replace(rows, penalties=self.row_penalties(draft_tokens))
+        return rows
 
     def row_penalties(self, draft_tokens: torch.Tensor | None) -> RowPenalties:
         """The penalty inputs of the target logits rows (see :meth:`row_sampling`)."""

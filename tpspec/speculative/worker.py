@@ -18,14 +18,13 @@ from typing import Any
 
 import torch
 
+from ..exchange.base import Channel
 from ..sampling.ops import filtered_probs, sample_from_logits
 from ..sampling.penalties import penalized_logits
 from ..sampling.select import select_tokens
 from .accept import PAD_TOKEN, accept_from_targets, rejection_sample
 from .forced import ForcedAcceptance
 from .metadata import SpecMetadata
-
-TARGET_CHANNEL = 1
 
 
 @dataclass
@@ -59,7 +58,7 @@ class SpecWorker:
     """
 
     def __init__(self, acceptance: str = "strict", *, forced: ForcedAcceptance | str | None = "env",
-                 channel: int = TARGET_CHANNEL) -> None:
+                 channel: int = Channel.TARGET) -> None:
         if acceptance not in ("strict", "rejection"):
             raise ValueError(f"acceptance must be 'strict' or 'rejection', got {acceptance!r}")
         if not (forced is None or forced == "env" or isinstance(forced, ForcedAcceptance)):
