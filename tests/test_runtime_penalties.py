@@ -127,3 +127,13 @@ def test_attention_dp_refuses_penalties_and_logprobs(ckpt):
             with pytest.raises(ValueError, match="attention DP"):
                 llm.generate([PROMPTS[0]], params, max_new_tokens=4)
         assert len(llm.generate([PROMPTS[0]], max_new_tokens=4)[0].token_ids) == 4  # still usable
+
+
+@pytest.mark.parametrize("flag, value, field", [("--presence-penalty", "3", "presence_penalty"),
+                                                ("--repetition-penalty", "0", "repetition_penalty"),
+                                                ("--logprobs", "21", "logprobs")])
+def test_bad_cli_values_exit_cleanly(capsys, flag, value, field):
+    from tpspec.cli import main
+
+    assert main(["generate", flag, value]) == 2  # rejected before any worker starts
+    assert field in capsys.readouterr().err

@@ -45,6 +45,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--min-p", type=float, default=None)
     parser.add_argument("--seed", type=int, default=None, help="per-request seed (reproducible sampling)")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="> 0; 1 = off (default)")
+    parser.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2]; 0 = off (default)")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2]; 0 = off (default)")
+    parser.add_argument("--logprobs", type=int, default=None,
+                        help="N in [0, 20]: report each token's logprob and the top N (in --json output)")
     parser.add_argument("--prompt", action="append", default=None,
                         help="a prompt (repeatable); text, or token ids like '1,2,3' for models without a tokenizer")
     parser.add_argument("--num-prompts", type=int, default=None,
@@ -112,7 +117,9 @@ def run(args: argparse.Namespace) -> int:
             spec = SpeculativeConfig(method=args.spec, num_draft_tokens=args.draft_tokens, draft_model=draft,
                                      acceptance=args.acceptance)
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                                seed=args.seed)
+                                seed=args.seed, repetition_penalty=args.repetition_penalty,
+                                presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                                logprobs=args.logprobs)
         use_tqdm = {"auto": None, "on": True, "off": False}[args.progress]
         with LLM(args.model, tp_size=tp, launcher=launcher, device=args.device, dtype=args.dtype,
                  attention_dp=args.attention_dp, speculative=spec, max_batch_size=args.max_batch_size,
@@ -138,7 +145,8 @@ def run(args: argparse.Namespace) -> int:
             "config": desc,
             "outputs": [{"prompt": o.prompt, "prompt_token_ids": o.prompt_token_ids, "token_ids": o.token_ids,
                          "text": o.text, "finish_reason": o.finish_reason, "steps": o.stats.num_steps,
-                         "accepted_drafts_per_step": o.stats.accepted_drafts_per_step} for o in outputs],
+                         "accepted_drafts_per_step": o.stats.accepted_drafts_per_step,
+                         **({"logprobs": o.logprobs} if o.logprobs is not None else {})} for o in outputs],
             "summary": {"requests": stats.num_requests, "generated_tokens": stats.num_generated_tokens,
                         "wall_s": stats.wall_s, "tokens_per_s": stats.tokens_per_s,
                         "mean_tokens_per_step": stats.mean_tokens_per_step,
