@@ -387,32 +387,15 @@ class Engine:
         return result
 
     def _step_logprobs(self, logits, out, emitting: list[_Seq | None]) -> None:
-        """Sets ``step_logprobs`` of the requests asking for logprobs: for each emitted token
-        ``{token: logprob}`` plus its row's top-N, from the raw logits (before penalties)."""
-        from ..sampling.logprobs import gathered_logprobs
-        from ..vocab_parallel import VocabShardedLogits
+        """Sets ``step_logprobs`` of the requests asking for logprobs (from the raw logits)."""
+        from ..sampling.logprobs import emitted_logprobs
 
         asking = [b for b, s in enumerate(emitting) if s is not None and s.logprobs is not None]
-        top_n = max(emitting[b].req.sampling.logprobs for b in asking)
-        dev = logits.local.device
-        pick = torch.tensor(asking, dtype=torch.int64, device=dev)
-        rows = self.meta.request_row_index.to(dev)[pick].reshape(-1)  # every position, emitted or not
-        tokens = out.accepted_tokens.to(dev)[pick].reshape(-1).clamp(min=0)  # padding: any column
-        picked = VocabShardedLogits(logits.local[rows], logits.vocab_offset, logits.vocab_size, logits.exchange)
-        token_lp, top_ids, top_lp = gathered_logprobs(picked, tokens, top_n=top_n)
-        width = self.meta.draft_len + 1
-        token_lp = token_lp.reshape(len(asking), width).tolist()
-        tokens_host = tokens.reshape(len(asking), width).tolist()
-        top_ids = top_ids.reshape(len(asking), width, -1).tolist()
-        top_lp = top_lp.reshape(len(asking), width, -1).tolist()
-        num = out.num_accepted.cpu().tolist()
-        for i, b in enumerate(asking):
-            seq = emitting[b]
-            n = seq.req.sampling.logprobs
-            seq.step_logprobs = [
-                {**dict(zip(top_ids[i][j][:n], top_lp[i][j][:n])), tokens_host[i][j]: token_lp[i][j]}
-                for j in range(int(num[b]))
-            ]
+        pick = torch.tensor(asking, dtype=torch.int64)
+        found = emitted_logprobs(logits, self.meta.request_row_index.cpu()[pick], out.accepted_tokens.cpu()[pick],
+                                 out.num_accepted.cpu()[pick], [emitting[b].req.sampling.logprobs for b in asking])
+        for b, step in zip(asking, found):
+            emitting[b].step_logprobs = step
 
     def _all_gather_emitted(self, emitted: dict[int, list[int]], seqs: list[_Seq]) -> dict[int, list[int]]:
         """Attention DP: every rank learns every rank's emitted tokens (one all-gather of a
