@@ -152,15 +152,17 @@ def load_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     exchange: KeyExchange | None = None,
+    attention_backend: str = "auto",
 ) -> TPLlamaForCausalLM:
     """Build the model of the checkpoint at ``path`` for this rank and load its shard.
 
     Collective over the TP group when the LM head is sharded and no ``exchange`` is given
     (the exchange is created then). The result has ``load_stats`` (a :class:`LoadStats`)
-    and ``path``; call ``allocate_kv_cache`` before the first forward.
+    and ``path``; call ``allocate_kv_cache(num_pages, page_size)`` before the first forward.
     """
     config = ModelConfig.from_pretrained(path)
-    model = TPLlamaForCausalLM(config, mapping, device=device, dtype=dtype, exchange=exchange)
+    model = TPLlamaForCausalLM(config, mapping, device=device, dtype=dtype, exchange=exchange,
+                               attention_backend=attention_backend)
     model.load_stats = load_weights(model, path)
     model.path = os.fspath(path)
     return model

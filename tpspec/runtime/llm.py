@@ -170,10 +170,18 @@ class LLM:
     ``speculative``: a :class:`SpeculativeConfig` (or a dict of its fields) or None.
     ``max_batch_size``: requests running at once (per rank under attention DP).
     ``max_seq_len``: prompt + generated tokens of a request (default: the model's
-    ``max_position_embeddings``, at most 2048). ``max_num_tokens``: tokens one step feeds
+    ``max_position_embeddings``). ``max_num_tokens``: tokens one step feeds
     (context chunks fill what generation leaves). ``use_cuda_graphs``: capture generation
     steps on GPU (eager when False). ``init_timeout_s`` / ``step_timeout_s``: how long the
     driver waits for start-up / for the next step before it raises.
+
+    KV cache (paged): ``page_size`` tokens a page (default 16); ``kv_cache_bytes``: bytes of
+    pages per rank (any device); ``gpu_memory_utilization``: on CUDA, the share of the GPU the
+    engine may use (default 0.9), weights and a profiled step first, the rest to pages; on
+    CPU without ``kv_cache_bytes``, pages for ``max_batch_size`` requests of ``max_seq_len``.
+    Requests wait (in order) for pages; one that could never fit raises ``ValueError``.
+    ``attention_backend``: ``"auto"`` (FlashInfer on CUDA when installed, else torch),
+    ``"torch"`` or ``"flashinfer"``.
 
     Use as a context manager or call :meth:`shutdown`.
     """
@@ -196,6 +204,10 @@ class LLM:
         init_timeout_s: float = 300.0,
         step_timeout_s: float = 120.0,
         ray_init_kwargs: dict | None = None,
+        page_size: int = 16,
+        kv_cache_bytes: int | None = None,
+        gpu_memory_utilization: float | None = None,
+        attention_backend: str = "auto",
     ) -> None:
         from ..model.config import ModelConfig
 
@@ -237,7 +249,7 @@ class LLM:
             _check_layout(draft_cfg, tp_size, attention_dp, draft_path)
         k = speculative.num_draft_tokens if speculative is not None else 0
         if max_seq_len is None:
-            max_seq_len = min(self.model_config.max_position_embeddings, 2048)
+            max_seq_len = self.model_config.max_position_embeddings
         _check_positive("max_seq_len", max_seq_len)
         if max_seq_len < 2:
             raise ValueError("max_seq_len must be >= 2 (one prompt token and one generated token)")
@@ -252,8 +264,11 @@ class LLM:
             model_path=self.model_path, tp_size=tp_size, device=device, dtype=dtype, attention_dp=attention_dp,
             speculative=speculative, draft_model_path=draft_path, max_batch_size=max_batch_size,
             max_seq_len=max_seq_len, max_num_tokens=max_num_tokens, use_cuda_graphs=use_cuda_graphs,
-            exchange=exchange,
+            exchange=exchange, page_size=page_size, kv_cache_bytes=kv_cache_bytes,
+            gpu_memory_utilization=gpu_memory_utilization, attention_backend=attention_backend,
         )
+        if kv_cache_bytes is not None:
+            _check_kv_fits(self.config, [self.model_config] + ([draft_cfg] if draft_path else []))
         self.launcher = launcher
         self.tokenizer = load_tokenizer(self.model_path)
         self.last_stats: GenerateStats | None = None
@@ -503,6 +518,27 @@ def _check_layout(config: Any, tp_size: int, attention_dp: bool, path: str) -> N
             check_split(config, Mapping(tp_size, rank, tp_size, attention_dp))
         except ValueError as exc:
             raise ValueError(f"{path} cannot run at tp_size={tp_size}: {exc}") from None
+
+
+def _check_kv_fits(config: EngineConfig, model_configs: list[Any]) -> None:
+    """With ``kv_cache_bytes``, the page count is known here: a request of ``max_seq_len``
+    tokens must fit it (``ValueError`` before any worker starts)."""
+    from ..mapping import Mapping
+    from ..model.batch import pages_needed
+    from ..model.kv_cache import page_bytes
+    from ..model.layers import split_heads
+    from .kv_sizing import scratch_pages
+
+    mapping = Mapping(config.tp_size, 0, config.tp_size, config.attention_dp)
+    per_page = sum(page_bytes(c.num_layers, config.page_size,
+                              split_heads(c, mapping.attention_tp_size, 0).kv_heads, c.head_dim,
+                              getattr(torch, config.dtype)) for c in model_configs)
+    pages = config.kv_cache_bytes // per_page - scratch_pages(config)
+    need = pages_needed(config.max_seq_len - 1 + config.num_draft_tokens, config.page_size)
+    if need > pages:
+        raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} holds {max(pages, 0)} KV pages of {config.page_size} "
+                         f"tokens ({per_page} bytes each) per rank; a request of max_seq_len={config.max_seq_len} "
+                         f"needs {need}: raise kv_cache_bytes or lower max_seq_len")
 
 
 def _resolve_device(device: str) -> str:
