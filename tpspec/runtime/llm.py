@@ -74,10 +74,16 @@ def _tiny_kwargs(kind: str) -> dict[str, Any]:
 
 
 def resolve_model(model: str | os.PathLike, kind: str = "target") -> str:
-    """``"tiny"`` -> the cached tiny checkpoint; anything else must be a Hugging Face model
-    directory (``config.json`` + safetensors). Raises ``ValueError`` otherwise."""
+    """``"tiny"`` -> the cached tiny checkpoint; ``"shape:NAME[:LAYERS]"`` -> a real model shape
+    with random weights (:mod:`tpspec.model.shapes`, no checkpoint); anything else must be a
+    Hugging Face model directory (``config.json`` + safetensors). Raises ``ValueError`` otherwise."""
+    from ..model.shapes import config_from_path, is_shape_path
+
     if str(model) == TINY:
         return tiny_model_path(kind)
+    if is_shape_path(model):
+        config_from_path(model)  # a bad name raises here
+        return model
     path = os.fspath(model)
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"model {path!r} is not a Hugging Face model directory (no config.json); "
@@ -209,7 +215,7 @@ class LLM:
         gpu_memory_utilization: float | None = None,
         attention_backend: str = "auto",
     ) -> None:
-        from ..model.config import ModelConfig
+        from ..model.shapes import config_from_path, is_shape_path
 
         self._executor: Executor | None = None
         if launcher not in LAUNCHERS:
@@ -237,12 +243,12 @@ class LLM:
             raise ValueError(f"exchange='ll' needs device='cuda' (CUDA IPC), got device={device!r}")
 
         self.model_path = resolve_model(model)
-        self.model_config = ModelConfig.from_pretrained(self.model_path)
+        self.model_config = config_from_path(self.model_path)
         _check_layout(self.model_config, tp_size, attention_dp, self.model_path)
         draft_path = None
         if speculative is not None and speculative.method == "draft_model":
             draft_path = resolve_model(speculative.draft_model, kind="draft")
-            draft_cfg = ModelConfig.from_pretrained(draft_path)
+            draft_cfg = config_from_path(draft_path)
             if draft_cfg.vocab_size != self.model_config.vocab_size:
                 raise ValueError(f"the draft model's vocab_size {draft_cfg.vocab_size} differs from the target's "
                                  f"{self.model_config.vocab_size}")
@@ -270,7 +276,7 @@ class LLM:
         if kv_cache_bytes is not None:
             _check_kv_fits(self.config, [self.model_config] + ([draft_cfg] if draft_path else []))
         self.launcher = launcher
-        self.tokenizer = load_tokenizer(self.model_path)
+        self.tokenizer = None if is_shape_path(self.model_path) else load_tokenizer(self.model_path)
         self.last_stats: GenerateStats | None = None
         self._ids = itertools.count()
         timeouts: dict[str, Any] = {}
