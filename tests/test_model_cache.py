@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_helpers import (allocate_slots, all_logits_stepwise, greedy_generate, make_batch, mixed_reference, mixed_scenario,
-                           speculative_greedy)
+from model_helpers import (allocate_slots, all_logits_stepwise, greedy_generate, make_batch, mixed_reference,
+                           mixed_scenario, speculative_greedy)
 from tpspec.model import DraftModel, ForwardBatch, NgramDrafter, load_model, make_tiny_checkpoint
 
 

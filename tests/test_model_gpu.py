@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_helpers import PAGES_PER_SLOT, allocate_slots, greedy_generate, make_batch, mixed_reference, mixed_scenario
+from model_helpers import (PAGES_PER_SLOT, allocate_slots, greedy_generate, make_batch, mixed_reference,
+                           mixed_scenario)
 from tpspec.mapping import Mapping
 from tpspec.model import load_model, make_tiny_checkpoint
 from tpspec.testing import run_ranks

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_helpers import allocate_slots, greedy_generate, make_batch, mixed_reference, mixed_scenario, speculative_greedy
+from model_helpers import (allocate_slots, greedy_generate, make_batch, mixed_reference, mixed_scenario,
+                           speculative_greedy)
 from tpspec import distributed as D
 from tpspec.mapping import Mapping
 from tpspec.model.comm import VarlenRows

@@ -54,7 +54,7 @@ def choose_attention_backend(device: torch.device | str, head_dim: int, prefer: 
 
 
 def make_attention_backend(name: str, *, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                           dtype: torch.dtype, device: torch.device) -> "TorchPagedAttention | FlashInferPagedAttention":
+                           dtype: torch.dtype, device: torch.device) -> Any:
     """The backend object one model's layers share (all layers have the same heads)."""
     cls = FlashInferPagedAttention if name == "flashinfer" else TorchPagedAttention
     return cls(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale, dtype=dtype,

@@ -126,7 +126,8 @@ class AttentionMetadata:
     ``(tok_seq[t], tok_qi[t])`` of the padded ``[B, q_max]`` layout; ``mask[b, 0, i, j]`` allows
     key ``j`` (of the ``kv_pages * page_size`` gathered rows) iff ``j <= cache_lens[b] + i``.
     ``qo_indptr``/``kv_indptr``/``kv_indices``/``kv_last_page_len`` are the same pages in the
-    compressed-row form paged attention kernels take (int32, on ``device``).
+    compressed-row form paged attention kernels take (int32; ``kv_indices`` on ``device``, the
+    three small ones on the host, where kernels plan from them).
     """
 
     num_tokens: int
@@ -208,10 +209,10 @@ class AttentionMetadata:
             tok_qi=tok_qi.to(device),
             page_table=table.to(device),
             mask=mask[:, None],
-            qo_indptr=qo_indptr.to(device),
-            kv_indptr=kv_indptr.to(device),
+            qo_indptr=qo_indptr,
+            kv_indptr=kv_indptr,
             kv_indices=kv_indices.to(device),
-            kv_last_page_len=last.to(device),
+            kv_last_page_len=last,
             kv_lens=list(kv_lens),
             query_lens=list(batch.query_lens),
         )

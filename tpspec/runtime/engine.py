@@ -192,7 +192,8 @@ class Engine:
         exchange = type(self.exchange).__name__ if self.exchange is not None else "none (LM head not sharded)"
         why = f"exchange={cfg.exchange!r}"
         if self.exchange is not None and cfg.exchange == "auto":
-            why = "auto: one node, CUDA and cupy" if "LL" in exchange else "auto: LL exchange needs CUDA + cupy on one node"
+            why = ("auto: one node, CUDA and cupy" if "LL" in exchange
+                   else "auto: the LL exchange needs CUDA and cupy on one node")
         graphs = "off" if self.graphs is None else "on (captured per batch bucket on first use)"
         kv = self.kv
         return (f"engine ready: model {cfg.model_path} ({self.model.config.architecture}, "
