@@ -52,5 +52,5 @@ def test_bench_generate_eagle3_forced(tmp_path):
     generated = report["meta"]["max_new_tokens"] - 1
     steps = -(-generated // 4)
     assert rows["forced=3"]["accepted_per_step"] == round((generated - steps) / steps, 3)
-    with pytest.raises(SystemExit, match="--spec eagle3 needs --draft-model"):
+    with pytest.raises(SystemExit, match="--spec eagle3 needs --draft-model DIR"):
         main(["bench", "generate", "--device", "cpu", "--quick", "--spec", "eagle3", "--model", str(tmp_path)])

@@ -105,9 +105,9 @@ def _draft_prompts(rank: int, world: int, target_dir: str, head_dir: str, prompt
     attention DP every rank runs the same prompts as its own batch, the head split over the stacked rows)."""
     model = load_model(target_dir, Mapping(world, rank, enable_attention_dp=adp, enable_lm_head_tp_in_adp=adp))
     head = Eagle3Drafter(head_dir, model)
-    model.allocate_kv_cache(len(prompts), 64)
-    head.allocate_kv_cache(len(prompts), 64)
-    slots = list(range(len(prompts)))
+    model.allocate_kv_cache(8 * len(prompts), 8)  # the target and the head share the block tables
+    head.allocate_kv_cache(8 * len(prompts), 8)
+    slots = [list(range(8 * i, 8 * i + 8)) for i in range(len(prompts))]
     model(ForwardBatch(torch.tensor([t for p in prompts for t in p]),
                       torch.tensor([i for p in prompts for i in range(len(p))]),
                       slots, [0] * len(prompts), [len(p) for p in prompts]))
@@ -155,7 +155,7 @@ def _engine_drafts(rank: int, world: int, target_dir: str, head_dir: str, adp: b
     from tpspec.runtime.engine import Engine
     from tpspec.sampling.params import SamplingParams
 
-    spec = SpeculativeConfig("eagle3", num_draft_tokens=3, draft_model=head_dir)
+    spec = SpeculativeConfig("eagle3", num_speculative_tokens=3, model=head_dir)
     cfg = EngineConfig(model_path=target_dir, tp_size=world, device="cpu", dtype="float32", attention_dp=adp,
                        speculative=spec, draft_model_path=head_dir, max_batch_size=2, max_seq_len=64,
                        max_num_tokens=16)
@@ -169,7 +169,7 @@ def _engine_drafts(rank: int, world: int, target_dir: str, head_dir: str, adp: b
         return drafts
 
     engine._draft_with_eagle3 = spy
-    reqs = [Request(i, tuple(p), SamplingParams(), 10) for i, p in enumerate(PROMPTS)]
+    reqs = [Request(i, tuple(p), SamplingParams(temperature=0.0), 10) for i, p in enumerate(PROMPTS)]
     results = engine.generate(reqs)
     return trace, [r.token_ids for r in results], [r.stats.accepted_drafts_per_step for r in results]
 

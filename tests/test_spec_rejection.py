@@ -114,11 +114,12 @@ def _engine_stats(rank: int, world: int, target_dir: str, draft_dir: str, method
     from tpspec.runtime.engine import Engine
     from tpspec.sampling.params import SamplingParams
 
-    spec = SpeculativeConfig(method, num_draft_tokens=3, draft_model=draft_dir, acceptance="rejection")
+    spec = SpeculativeConfig(method, num_speculative_tokens=3, model=draft_dir, acceptance="rejection")
     cfg = EngineConfig(model_path=target_dir, tp_size=world, device="cpu", dtype="float32", speculative=spec,
                        draft_model_path=draft_dir, max_batch_size=4, max_seq_len=64, max_num_tokens=32)
     engine = Engine(cfg, Mapping(world, rank))
-    params = [SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=1.2, seed=2), SamplingParams()]
+    params = [SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=1.2, seed=2),
+              SamplingParams(temperature=0.0)]
     reqs = [Request(i, tuple(p), params[i], 12) for i, p in enumerate([[5, 6, 7, 8], [9, 10, 11], [3, 4]])]
     results = engine.generate(reqs)
     stored = engine.draft_store.buffer.abs().sum().item()

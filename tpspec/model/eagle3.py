@@ -55,10 +55,12 @@ from torch import nn
 from ..exchange.base import Channel, KeyExchange
 from ..mapping import Mapping
 from ..vocab_parallel import VocabShardedLogits, vocab_shard_bounds
+from .attention import choose_attention_backend, make_attention_backend
 from .batch import AttentionMetadata, ForwardBatch
 from .config import ModelConfig
-from .layers import MLP, Attention, KVCache, RMSNorm, RotaryEmbedding, RowParallelLinear, ShardSpec, \
-    split_evenly, split_heads
+from .kv_cache import KVPages, page_bytes
+from .layers import MLP, Attention, RMSNorm, RotaryEmbedding, RowParallelLinear, ShardSpec, split_evenly, \
+    split_heads
 from .llama import StackedRowsLogits, TPLlamaForCausalLM, plan_step
 from .loader import CheckpointError, CheckpointReader, check_draft_vocab_map, load_weights
 
@@ -182,16 +184,18 @@ class Eagle3Drafter(nn.Module):
     in the target's vocabulary layout (see :class:`DraftVocabHead`: picks are target ids) and the
     ``[M, H]`` layer outputs of those rows (the next step's hidden).
     Collective over the TP group like the target's forward (the same batch on every rank under plain
-    TP; each rank's own, possibly a one-row dummy, under attention DP). Its KV cache is its own:
-    :meth:`allocate_kv_cache`. The constructor reads this rank's slices of the checkpoint and turns
-    on the target's capture of the hidden states the head needs
-    (:meth:`TPLlamaForCausalLM.capture_aux_hidden_states`).
+    TP; each rank's own, possibly a one-row dummy, under attention DP). Its KV cache is paged like the
+    target's (:meth:`allocate_kv_cache`, :meth:`page_bytes`): an engine gives it the same number of
+    pages and the requests' block tables, draft position ``i`` being target position ``i``. The
+    constructor reads this rank's slices of the checkpoint and turns on the target's capture of the
+    hidden states the head needs (:meth:`TPLlamaForCausalLM.capture_aux_hidden_states`).
 
     Raises :class:`CheckpointError` naming a missing or misshapen tensor, a bad ``d2t``/``t2d`` or a
     config that does not fit the target; ``ValueError`` when the head cannot be split over the TP group.
     """
 
-    def __init__(self, path: str | os.PathLike, target: TPLlamaForCausalLM, *, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, path: str | os.PathLike, target: TPLlamaForCausalLM, *, dtype: torch.dtype | None = None,
+                 attention_backend: str = "auto") -> None:
         super().__init__()
         self.path = os.fspath(path)
         self.config = cfg = Eagle3Config.from_pretrained(path, target.config)
@@ -222,6 +226,10 @@ class Eagle3Drafter(nn.Module):
         self.mlp = MLP(layer, 0, mapping.tp_size, mapping.tp_rank, self.group, prefix="midlayer.mlp", **kw)
         self.norm = RMSNorm("norm.weight", hidden, layer.rms_norm_eps, **kw)
         self.rotary = RotaryEmbedding(layer, device=self.device)
+        self.attention = make_attention_backend(
+            choose_attention_backend(self.device, layer.head_dim, attention_backend),
+            num_heads=self.self_attn.num_heads, num_kv_heads=self.self_attn.num_kv_heads, head_dim=layer.head_dim,
+            scale=layer.head_dim**-0.5, dtype=self.dtype, device=self.device)
         with CheckpointReader(path) as reader:
             d2t = check_draft_vocab_map(reader, cfg.draft_vocab_size, cfg.target_vocab_size)
         self.draft_to_target = d2t.to(self.device)
@@ -229,32 +237,39 @@ class Eagle3Drafter(nn.Module):
                                       cfg.target_vocab_size, mapping, target.exchange, **kw)
         self.load_stats = load_weights(self, path)
         target.capture_aux_hidden_states(cfg.aux_layer_ids)
-        self.cache: KVCache | None = None
-        self.num_slots = self.max_seq_len = 0
+        self.pages: KVPages | None = None
+        self.num_pages = self.page_size = 0
 
     # ------------------------------------------------------------------ cache
-    def allocate_kv_cache(self, num_slots: int, max_seq_len: int) -> None:
-        """(Re)allocate the head's fixed-slot cache: ``k``/``v`` ``[num_slots, max_seq_len, kv_heads_per_rank,
+    def page_bytes(self, page_size: int) -> int:
+        """Bytes one KV page of ``page_size`` tokens takes on this rank (one layer)."""
+        return page_bytes(1, page_size, self.self_attn.num_kv_heads, self.config.layer.head_dim, self.dtype)
+
+    def allocate_kv_cache(self, num_pages: int, page_size: int) -> None:
+        """(Re)allocate the head's paged cache: ``k``/``v`` ``[num_pages, page_size, kv_heads_per_rank,
         head_dim]`` (zeros). Draft position ``i`` is the target position whose hidden states it read."""
-        for name, value in (("num_slots", num_slots), ("max_seq_len", max_seq_len)):
+        for name, value in (("num_pages", num_pages), ("page_size", page_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        self.cache = None
-        self.cache = KVCache(num_slots, max_seq_len, self.self_attn.num_kv_heads, self.config.layer.head_dim,
+        self.pages = None
+        self.pages = KVPages(num_pages, page_size, self.self_attn.num_kv_heads, self.config.layer.head_dim,
                              dtype=self.dtype, device=self.device)
-        self.num_slots, self.max_seq_len = num_slots, max_seq_len
+        self.num_pages, self.page_size = num_pages, page_size
+
+    def build_metadata(self, batch: ForwardBatch, kv_pages: int | None = None) -> AttentionMetadata:
+        """The attention metadata of ``batch`` for the head's pages."""
+        return AttentionMetadata.build(batch, self.device, self.page_size, kv_pages)
 
     def _check_batch(self, batch: ForwardBatch) -> None:
         if not isinstance(batch, ForwardBatch):
             raise ValueError(f"expected a ForwardBatch, got {type(batch).__name__}")
-        if self.cache is None:
-            raise RuntimeError("call allocate_kv_cache(num_slots, max_seq_len) before the first forward")
-        for slot, cached, new in zip(batch.slot_ids, batch.cache_lens, batch.query_lens):
-            if slot >= self.num_slots:
-                raise ValueError(f"slot {slot} is out of range: the draft cache has {self.num_slots} slots")
-            if cached + new > self.max_seq_len:
-                raise ValueError(f"slot {slot}: cache_len {cached} + query_len {new} exceeds the draft cache's "
-                                 f"max_seq_len {self.max_seq_len}")
+        if self.pages is None:
+            raise RuntimeError("call allocate_kv_cache(num_pages, page_size) before the first forward")
+        for i, (table, cached, new) in enumerate(zip(batch.block_tables, batch.cache_lens, batch.query_lens)):
+            need = -(-(cached + new) // self.page_size)
+            if len(table) < need or any(p >= self.num_pages for p in table[:need]):
+                raise ValueError(f"sequence {i}: cache_len {cached} + query_len {new} needs {need} pages in "
+                                 f"[0, {self.num_pages}) of the draft cache, its block table is {table[:need]}")
         batch.check_token_range(self.config.target_vocab_size)
 
     # ------------------------------------------------------------------ forward
@@ -262,8 +277,9 @@ class Eagle3Drafter(nn.Module):
     def forward(self, batch: ForwardBatch, hidden: torch.Tensor,
                 attn_meta: AttentionMetadata | None = None) -> tuple[VocabShardedLogits, torch.Tensor]:
         h = self.config.hidden_size
-        layout = plan_step(batch, attn_meta, check=self._check_batch, attention_dp=self.attention_dp,
-                           head_sharded=self.mapping.lm_head_is_sharded, group=self.group, device=self.device)
+        layout = plan_step(batch, attn_meta, check=self._check_batch, build=self.build_metadata,
+                           attention_dp=self.attention_dp, head_sharded=self.mapping.lm_head_is_sharded,
+                           group=self.group, device=self.device)
         if hidden.dim() != 2 or hidden.shape[0] != batch.num_tokens or hidden.shape[1] not in (h, 3 * h):
             raise ValueError(f"hidden must be [{batch.num_tokens}, {3 * h}] (target) or [{batch.num_tokens}, {h}] "
                              f"(chained), got {tuple(hidden.shape)}")
@@ -274,7 +290,8 @@ class Eagle3Drafter(nn.Module):
         normed = self.hidden_norm(hidden)
         residual = normed if self.config.norm_before_residual else hidden
         cos, sin = self.rotary(batch.positions.to(self.device), self.dtype)
-        x = residual + self.self_attn(torch.cat([embeds, normed], dim=-1), cos, sin, layout.meta, self.cache)
+        attend = self.attention.bind(layout.meta)
+        x = residual + self.self_attn(torch.cat([embeds, normed], dim=-1), cos, sin, layout.meta, self.pages, attend)
         y = self.post_attention_layernorm(x)
         if layout.dp_rows is None:
             x = x + self.mlp(y)
