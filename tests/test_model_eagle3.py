@@ -266,3 +266,16 @@ def test_convert_from_pytorch_bin(ckpt, tmp_path):
     torch.save({"fc.weight": tensors["fc.weight"], "obj": Mapping()}, src / "pytorch_model.bin")
     with pytest.raises(CheckpointError, match="plain tensors"):
         convert_eagle3_checkpoint(src, tmp_path / "st2")
+
+
+def test_head_is_a_paged_model_the_engine_can_size(ckpt):
+    """The KV sizing profiles every paged model with one large step: the head takes it too."""
+    from types import SimpleNamespace
+
+    from tpspec.runtime.kv_sizing import _profile_step
+
+    model = load_model(ckpt[0])
+    head = Eagle3Drafter(ckpt[1], model)
+    assert head.page_bytes(16) * model.config.num_layers == model.page_bytes(16)  # one layer of the same shape
+    _profile_step(head, SimpleNamespace(max_num_tokens=40, page_size=16, max_batch_size=2, num_draft_tokens=3))
+    assert head.caches and head.num_pages == 3

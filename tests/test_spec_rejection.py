@@ -108,16 +108,17 @@ def test_first_token_follows_the_target_distribution():
 
 
 # ------------------------------------------------------------------ the engine
-def _engine_stats(rank: int, world: int, target_dir: str, draft_dir: str, method: str):
+def _engine_stats(rank: int, world: int, target_dir: str, draft_dir: str, method: str, adp: bool):
     from tpspec.mapping import Mapping
     from tpspec.runtime.config import EngineConfig, Request, SpeculativeConfig
     from tpspec.runtime.engine import Engine
     from tpspec.sampling.params import SamplingParams
 
     spec = SpeculativeConfig(method, num_speculative_tokens=3, model=draft_dir, acceptance="rejection")
-    cfg = EngineConfig(model_path=target_dir, tp_size=world, device="cpu", dtype="float32", speculative=spec,
-                       draft_model_path=draft_dir, max_batch_size=4, max_seq_len=64, max_num_tokens=32)
-    engine = Engine(cfg, Mapping(world, rank))
+    cfg = EngineConfig(model_path=target_dir, tp_size=world, device="cpu", dtype="float32", attention_dp=adp,
+                       speculative=spec, draft_model_path=draft_dir, max_batch_size=4, max_seq_len=64,
+                       max_num_tokens=32)
+    engine = Engine(cfg, Mapping(world, rank, enable_attention_dp=adp))
     params = [SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=1.2, seed=2),
               SamplingParams(temperature=0.0)]
     reqs = [Request(i, tuple(p), params[i], 12) for i, p in enumerate([[5, 6, 7, 8], [9, 10, 11], [3, 4]])]
@@ -137,10 +138,11 @@ def ckpt(tmp_path_factory):
         str(make_tiny_eagle3_head(root / "head", target))
 
 
-@pytest.mark.parametrize("method", ["draft_model", "eagle3"])
-def test_engine_verifies_sampled_drafts_without_gathering(ckpt, method):
+@pytest.mark.parametrize("method,adp", [("draft_model", False), ("eagle3", False), ("eagle3", True)],
+                         ids=["draft_model", "eagle3", "eagle3-adp"])
+def test_engine_verifies_sampled_drafts_without_gathering(ckpt, method, adp):
     draft = ckpt[1] if method == "draft_model" else ckpt[2]
-    results = run_ranks(_engine_stats, 2, ckpt[0], draft, method, timeout_s=180)
+    results = run_ranks(_engine_stats, 2, ckpt[0], draft, method, adp, timeout_s=180)
     assert results[0][0] == results[1][0]
     tokens, worker_stats, stored, accepted = results[0]
     assert worker_stats.rows_sharded > 0 and worker_stats.rows_gathered == 0

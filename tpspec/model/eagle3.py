@@ -237,7 +237,8 @@ class Eagle3Drafter(nn.Module):
                                       cfg.target_vocab_size, mapping, target.exchange, **kw)
         self.load_stats = load_weights(self, path)
         target.capture_aux_hidden_states(cfg.aux_layer_ids)
-        self.pages: KVPages | None = None
+        self.aux_hidden_width = NUM_AUX_HIDDEN_STATES * hidden  # what a catch-up forward reads a token
+        self.caches: list[KVPages] = []  # one layer's pages (a list, like the target's)
         self.num_pages = self.page_size = 0
 
     # ------------------------------------------------------------------ cache
@@ -251,9 +252,9 @@ class Eagle3Drafter(nn.Module):
         for name, value in (("num_pages", num_pages), ("page_size", page_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        self.pages = None
-        self.pages = KVPages(num_pages, page_size, self.self_attn.num_kv_heads, self.config.layer.head_dim,
-                             dtype=self.dtype, device=self.device)
+        self.caches = []  # free the old pages before allocating the new ones
+        self.caches = [KVPages(num_pages, page_size, self.self_attn.num_kv_heads, self.config.layer.head_dim,
+                               dtype=self.dtype, device=self.device)]
         self.num_pages, self.page_size = num_pages, page_size
 
     def build_metadata(self, batch: ForwardBatch, kv_pages: int | None = None) -> AttentionMetadata:
@@ -263,7 +264,7 @@ class Eagle3Drafter(nn.Module):
     def _check_batch(self, batch: ForwardBatch) -> None:
         if not isinstance(batch, ForwardBatch):
             raise ValueError(f"expected a ForwardBatch, got {type(batch).__name__}")
-        if self.pages is None:
+        if not self.caches:
             raise RuntimeError("call allocate_kv_cache(num_pages, page_size) before the first forward")
         for i, (table, cached, new) in enumerate(zip(batch.block_tables, batch.cache_lens, batch.query_lens)):
             need = -(-(cached + new) // self.page_size)
@@ -291,7 +292,7 @@ class Eagle3Drafter(nn.Module):
         residual = normed if self.config.norm_before_residual else hidden
         cos, sin = self.rotary(batch.positions.to(self.device), self.dtype)
         attend = self.attention.bind(layout.meta)
-        x = residual + self.self_attn(torch.cat([embeds, normed], dim=-1), cos, sin, layout.meta, self.pages, attend)
+        x = residual + self.self_attn(torch.cat([embeds, normed], dim=-1), cos, sin, layout.meta, self.caches[0], attend)
         y = self.post_attention_layernorm(x)
         if layout.dp_rows is None:
             x = x + self.mlp(y)

@@ -485,7 +485,7 @@ class Engine:
         k = self.num_draft
         dev = self.device
         head = self.eagle3
-        width = 3 * head.config.hidden_size
+        width = head.aux_hidden_width
         if gen:
             starts = [s.draft_cached for s in gen]
             ends = [len(s.tokens) - 1 for s in gen]  # positions [start, end) have target hidden states
