@@ -26,6 +26,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ..log import get_logger
 from ..sampling.params import SamplingParams
 from .config import (LAUNCHERS, CompletionOutput, EngineConfig, Request, RequestMetrics, RequestOutput, RequestStats,
                      SpeculativeConfig)
@@ -177,7 +178,8 @@ class LLM:
     waits for start-up / for the next step before it raises), ``ray_init_kwargs``.
 
     KV cache (paged): ``page_size`` tokens a page (default 16); ``kv_cache_bytes``: bytes of
-    pages per rank (any device; overrides ``gpu_memory_utilization``); on CPU without it,
+    pages per rank (any device; ``gpu_memory_utilization`` then has no effect, nor on CPU: a
+    warning says so); on CPU without it,
     pages for ``max_num_seqs`` requests of ``max_model_len``. Requests wait (in order) for
     pages; one that could never fit raises ``ValueError``. ``attention_backend``: ``"auto"``
     (FlashInfer on CUDA when installed, else torch), ``"torch"`` or ``"flashinfer"``.
@@ -269,11 +271,17 @@ class LLM:
             raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} cannot hold a full generation step: "
                              f"max_num_seqs * (num_speculative_tokens + 1) = {max_num_seqs * (k + 1)}")
 
+        memory_share = gpu_memory_utilization
+        if memory_share is not None and (device != "cuda" or kv_cache_bytes is not None):
+            # vLLM scripts pass it everywhere; it sizes nothing without a GPU or beside kv_cache_bytes.
+            why = "kv_cache_bytes sizes the cache" if kv_cache_bytes is not None else f"device={device!r}"
+            get_logger(__name__).warning("gpu_memory_utilization=%s has no effect (%s)", memory_share, why)
+            memory_share = None
         self.config = EngineConfig(
             model_path=self.model_path, tp_size=tp_size, device=device, dtype=dtype, attention_dp=attention_dp,
             speculative=spec, draft_model_path=draft_path, max_batch_size=max_num_seqs,
             max_seq_len=max_model_len, max_num_tokens=max_num_batched_tokens, use_cuda_graphs=not enforce_eager,
-            exchange=exchange, gpu_memory_utilization=gpu_memory_utilization, page_size=page_size,
+            exchange=exchange, gpu_memory_utilization=memory_share, page_size=page_size,
             kv_cache_bytes=kv_cache_bytes, attention_backend=attention_backend,
         )
         if kv_cache_bytes is not None:
