@@ -129,13 +129,13 @@ def test_bad_sizes_raise_before_workers(ckpt):
         (dict(kv_cache_bytes=-5), "kv_cache_bytes must be a positive int"),
         (dict(gpu_memory_utilization=0.5), "gpu_memory_utilization needs device='cuda'"),
         (dict(kv_cache_bytes=1000), "kv_cache_bytes=1000 holds 0 KV pages"),
-        (dict(kv_cache_bytes=64 * 1024, max_seq_len=4096), "max_seq_len=4096 needs 256"),
+        (dict(kv_cache_bytes=64 * 1024, max_model_len=4096), "4096 needs 256"),
         (dict(attention_backend="magic"), "attention_backend must be"),
         (dict(attention_backend="flashinfer"), "attention_backend='flashinfer' needs CUDA"),
     ]
     for kwargs, message in cases[:-1]:
         with pytest.raises(ValueError, match=message):
-            LLM(ckpt[0], tp_size=2, device="cpu", **kwargs)  # raises in the driver: no worker starts
+            LLM(ckpt[0], tensor_parallel_size=2, device="cpu", **kwargs)  # raises in the driver: no worker starts
     with pytest.raises(ValueError, match="gpu_memory_utilization must be a number in \\(0, 1\\]"):
         EngineConfig(ckpt[0], 1, "cuda", "float32", gpu_memory_utilization=1.5)
     with pytest.raises(ValueError, match=cases[-1][1]):
@@ -145,11 +145,12 @@ def test_bad_sizes_raise_before_workers(ckpt):
 @pytest.mark.parametrize("attention_dp", [False, True], ids=["tp2", "tp2-adp"])
 def test_page_pressure_tp2_equals_tp1(ckpt, attention_dp, monkeypatch):
     monkeypatch.setenv("TPSPEC_NUM_THREADS", "1")
-    with LLM(ckpt[0], tp_size=1, max_batch_size=6, page_size=PAGE) as llm:
-        ref = [o.token_ids for o in llm.generate(PROMPTS, max_new_tokens=MAX_NEW)]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+    with LLM(ckpt[0], tensor_parallel_size=1, max_num_seqs=6, page_size=PAGE) as llm:
+        ref = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
     # 40 pages of 4 tokens over both attention-DP ranks' own pools, or one plain-TP pool.
     per_page = 2 * 2 * PAGE * (1 if not attention_dp else 2) * 16 * 4
-    with LLM(ckpt[0], tp_size=2, attention_dp=attention_dp, max_batch_size=6, max_seq_len=96, page_size=PAGE,
-             speculative=SpeculativeConfig("ngram", 3), kv_cache_bytes=40 * per_page) as llm:
+    with LLM(ckpt[0], tensor_parallel_size=2, attention_dp=attention_dp, max_num_seqs=6, max_model_len=96,
+             page_size=PAGE, speculative_config=SpeculativeConfig("ngram", 3), kv_cache_bytes=40 * per_page) as llm:
         for _ in range(2):
-            assert [o.token_ids for o in llm.generate(PROMPTS, max_new_tokens=MAX_NEW)] == ref
+            assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == ref

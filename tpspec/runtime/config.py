@@ -95,7 +95,6 @@ class EngineConfig:
     max_seq_len: int = 512
     max_num_tokens: int = 512
     use_cuda_graphs: bool = True
-    gpu_memory_utilization: float = 0.9
     exchange: str = "auto"
     progress_interval_s: float = 0.25
     page_size: int = 16

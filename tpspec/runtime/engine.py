@@ -39,7 +39,6 @@ from .. import distributed as D
 from ..exchange.base import Channel
 from ..mapping import Mapping
 from ..log import get_logger
-from ..sampling.params import SamplingParams
 from ..sampling.penalties import OccurrenceCounts
 from ..speculative.metadata import RequestEntry
 from .config import EngineConfig, Request, RequestStats

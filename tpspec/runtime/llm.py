@@ -158,7 +158,7 @@ class LLM:
     seed get one derived from it and their order, so a script reproduces its samples.
     ``max_model_len``: prompt + generated tokens of a request (default: the model's
     ``max_position_embeddings``). ``gpu_memory_utilization``: on CUDA, the share of the GPU
-    the engine may use (default 0.9): weights and a profiled step first, the rest to KV pages.
+    the engine may use (None = 0.9): weights and a profiled step first, the rest to KV pages.
     ``speculative_config``: a dict (vLLM's keys: ``method``, ``num_speculative_tokens``,
     ``model``, ``prompt_lookup_max``, ``prompt_lookup_min``; tpspec adds ``acceptance``) or a
     :class:`SpeculativeConfig`, or None. ``generation_config``: ``"auto"`` applies the
@@ -194,7 +194,7 @@ class LLM:
         dtype: str | torch.dtype = "auto",
         seed: int | None = None,
         max_model_len: int | None = None,
-        gpu_memory_utilization: float = 0.9,
+        gpu_memory_utilization: float | None = None,
         speculative_config: SpeculativeConfig | dict | None = None,
         generation_config: str = "auto",
         max_num_seqs: int = 8,
@@ -227,9 +227,10 @@ class LLM:
                 raise ValueError(f"{name} must be a bool, got {flag!r}")
         if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**64):
             raise ValueError(f"seed must be None or an int in [0, 2**64), got {seed!r}")
-        if (not isinstance(gpu_memory_utilization, (int, float)) or isinstance(gpu_memory_utilization, bool)
+        if gpu_memory_utilization is not None and (
+                not isinstance(gpu_memory_utilization, (int, float)) or isinstance(gpu_memory_utilization, bool)
                 or not 0 < gpu_memory_utilization <= 1):
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+            raise ValueError(f"gpu_memory_utilization must be None or in (0, 1], got {gpu_memory_utilization!r}")
         if isinstance(speculative_config, dict):
             speculative_config = SpeculativeConfig.from_dict(speculative_config)
         if speculative_config is not None and not isinstance(speculative_config, SpeculativeConfig):
@@ -272,7 +273,7 @@ class LLM:
             model_path=self.model_path, tp_size=tp_size, device=device, dtype=dtype, attention_dp=attention_dp,
             speculative=spec, draft_model_path=draft_path, max_batch_size=max_num_seqs,
             max_seq_len=max_model_len, max_num_tokens=max_num_batched_tokens, use_cuda_graphs=not enforce_eager,
-            exchange=exchange, gpu_memory_utilization=float(gpu_memory_utilization), page_size=page_size,
+            exchange=exchange, gpu_memory_utilization=gpu_memory_utilization, page_size=page_size,
             kv_cache_bytes=kv_cache_bytes, attention_backend=attention_backend,
         )
         if kv_cache_bytes is not None:
