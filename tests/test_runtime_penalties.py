@@ -59,13 +59,14 @@ def spec_tp2(ckpt):
 @pytest.fixture(scope="module")
 def reference_model(ckpt):
     model = load_model(ckpt, device="cpu", dtype=torch.float32)
-    model.allocate_kv_cache(1, 64)
+    model.allocate_kv_cache(4, 16)  # one sequence of up to 64 tokens, pages 0..3
     return model
 
 
 def full_row(model, tokens: list[int]) -> np.ndarray:
+    """The full logits row after ``tokens``, recomputed from scratch (the plainest reference)."""
     n = len(tokens)
-    batch = ForwardBatch(torch.tensor(tokens), torch.arange(n), [0], [0], [n], torch.tensor([n - 1]))
+    batch = ForwardBatch(torch.tensor(tokens), torch.arange(n), [[0, 1, 2, 3]], [0], [n], torch.tensor([n - 1]))
     return model(batch).gather()[0].numpy()
 
 
@@ -112,7 +113,8 @@ def test_counts_restart_when_a_slot_changes_owner(spec_tp2):
 
 def test_logprobs_of_raw_logits(plain, spec_tp2, reference_model):
     out = plain[0]
-    assert plain[1].logprobs is None and plain[2].logprobs is None
+    assert plain[1].logprobs is None and plain[2].logprobs is None and plain[1].cumulative_logprob is None
+    assert out.cumulative_logprob == pytest.approx(sum(e[t] for e, t in zip(out.logprobs, out.token_ids)), abs=1e-9)
     assert len(out.logprobs) == len(out.token_ids) == MAX_NEW
     prompt = PROMPTS[0]
     for j, (tok, entry) in enumerate(zip(out.token_ids, out.logprobs)):

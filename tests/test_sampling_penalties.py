@@ -26,11 +26,11 @@ PROMPTS = {0: [3, 3, 20, 36], 1: [1, 2, 18, 19, 30], 2: [0, 36, 5], 3: [7]}
 OUTPUTS = {1: [[4, 4, 18, -1], [30, 31, 4, 4]], 2: [[12, 13, 36, -1]], 3: [[8, 9, -1, -1]]}
 BATCHES = {
     # Greedy and temperature rows: the sharded exchange paths.
-    "sharded": [("c", 0, SamplingParams(**PEN), True),
+    "sharded": [("c", 0, SamplingParams(temperature=0.0, **PEN), True),
                 ("g", 1, SamplingParams(temperature=0.9, seed=5, **PEN), False),
                 ("n", 3, SamplingParams(temperature=1.1, seed=6), False),
-                ("h", 2, SamplingParams(**PEN2), False)],
-    # A top-k row sends the batch through the gathered rows.
+                ("h", 2, SamplingParams(temperature=0.0, **PEN2), False)],
+    # A top-k row: the batch takes the filtered path.
     "gathered": [("c", 0, SamplingParams(temperature=0.8, seed=1, **PEN2), True),
                  ("g", 1, SamplingParams(temperature=1.0, top_k=4, seed=5, **PEN), False),
                  ("n", 3, SamplingParams(temperature=1.1, seed=6), False)],
