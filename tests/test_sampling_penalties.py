@@ -202,6 +202,8 @@ def test_counts_restart_with_the_slot_owner():
     assert torch.equal(used.prompt_seen[1], fresh.prompt_seen[1])
     assert used.prompt_seen[1].nonzero().reshape(-1).tolist() == [2]  # only 12 is in columns [10, 18)
     assert used.output_counts[0].tolist() == [0, 0, 1, 1, 0, 0, 0, 0]  # other slots keep theirs
+    used.add(torch.tensor([-1, 7]), torch.tensor([[12, 13], [14, 15]]))  # no slot: counted nowhere
+    assert used._tables()[0][:, :8].sum() == 2 and used._tables()[0][3, :8].sum() == 0  # the sink row: zero
 
 
 def test_neutral_rows_keep_their_bits():
