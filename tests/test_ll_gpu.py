@@ -402,7 +402,7 @@ def test_ll_stress_back_to_back_calls():
 # --------------------------------------------------------------------------- one wave or more
 
 # (rows, width, sampled): each needs more than one wave at one block an SM when two ranks share
-# an H200 (66 SMs each); test_ll_cpu checks that on any machine, since plan_chunks decides it.
+# an H200 (66 SMs each); test_ll_cpu checks that on any machine, since ll_plan.plan decides it.
 WAVE_CASES = ((16, 65536, True), (64, 16384, True), (256, 65536, False))
 
 
@@ -412,21 +412,21 @@ def _more_than_one_wave_worker(rank, world):
     several waves, while the other rank's blocks compete for the same SMs. With the collector
     in block 0, later blocks did not start while it waited, and the call timed out. (The
     padding assumes an SM of 228 KiB of shared memory, as on the H100 and H200.)"""
-    from tpspec.exchange import ll as ll_module
+    from tpspec.exchange import ll_plan
 
     group, ll, ag = _exchanges(rank, max_rows=64, timeout_s=5.0)
     for kernel in ll._kernels.values():
         kernel.max_dynamic_shared_size_bytes = 200 * 1024
-    padded = ll_module.fused_shared_bytes
-    ll_module.fused_shared_bytes = lambda rows, chunks: padded(rows, chunks) + 130 * 1024
+    padded = ll_plan.fused_shared_bytes
+    ll_plan.fused_shared_bytes = lambda rows, chunks: padded(rows, chunks) + 130 * 1024
     sms = torch.cuda.get_device_properties(ll.device).multi_processor_count
     assert ll.plan_sms == sms // world  # every rank on this one GPU plans for its share
     gen = torch.Generator().manual_seed(31)
     bad = 0
     try:
         for rows, width, sampled in WAVE_CASES:
-            chunk, chunks = ll_module.plan_chunks(rows, width, 2, ll.plan_sms, sampled)
-            assert rows * chunks > sms, "the case must need more than one wave at one block an SM"
+            launch = ll_plan.plan(rows, width, "bfloat16", "sampled" if sampled else "greedy", ll.plan_sms)
+            assert launch.blocks > sms, "the case must need more than one wave at one block an SM"
             full = (torch.randn(rows, width * world, generator=gen) * 3).to(torch.bfloat16)
             local = full[:, rank * width:(rank + 1) * width].contiguous().to(ll.device)
             kw = {}
@@ -439,7 +439,7 @@ def _more_than_one_wave_worker(rank, world):
             bad += int((got != want).sum())
         ll.check()
     finally:
-        ll_module.fused_shared_bytes = padded
+        ll_plan.fused_shared_bytes = padded
     ll.close()
     return bad
 

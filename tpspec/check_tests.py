@@ -947,13 +947,16 @@ def _generate(tp: int, launcher: str, device: str, *, max_new_tokens: int, seed:
     from .runtime import LLM, SpeculativeConfig
     from .sampling.params import SamplingParams
 
-    params = [SamplingParams(), SamplingParams(temperature=0.8, seed=seed), SamplingParams(temperature=1.0, top_k=20,
-              seed=seed + 1), SamplingParams(temperature=0.7, seed=seed + 2), SamplingParams(temperature=1.3)]
-    with LLM("tiny", tp_size=tp, launcher=launcher, device=device, dtype="float32", max_batch_size=3,
-             speculative=SpeculativeConfig("ngram", num_draft_tokens=3), use_cuda_graphs=use_cuda_graphs) as llm:
-        outputs = llm.generate(GENERATE_PROMPTS, params, max_new_tokens=max_new_tokens, ignore_eos=True,
-                               use_tqdm=False)
-    return [list(o.token_ids) for o in outputs]
+    common = dict(max_tokens=max_new_tokens, ignore_eos=True)
+    params = [SamplingParams(temperature=0.0, **common), SamplingParams(temperature=0.8, seed=seed, **common),
+              SamplingParams(temperature=1.0, top_k=20, seed=seed + 1, **common),
+              SamplingParams(temperature=0.7, seed=seed + 2, **common), SamplingParams(temperature=1.3, **common)]
+    backend = {"torchrun": "external_launcher"}.get(launcher, launcher)
+    with LLM("tiny", tensor_parallel_size=tp, distributed_executor_backend=backend, device=device, dtype="float32",
+             max_num_seqs=3, speculative_config=SpeculativeConfig("ngram", num_speculative_tokens=3),
+             enforce_eager=not use_cuda_graphs) as llm:
+        outputs = llm.generate(GENERATE_PROMPTS, params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
 
 
 def _compare_generations(key: str, got: list[list[int]], ref: list[list[int]], label: str) -> CheckResult:
