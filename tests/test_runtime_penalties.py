@@ -1,8 +1,9 @@
 """Penalties and logprobs through the runtime on CPU: greedy penalised generation equals a
 step-by-step full-row reference; strict speculative decoding (n-gram drafts at TP = 2)
-equals plain decoding at TP = 1 with penalties on; a request alone equals the same
-request after another penalised request used its slot; logprobs match float64
-``log_softmax`` of the raw logits; attention DP refuses them with a clear error."""
+equals plain decoding at TP = 1 with penalties on, and so does rejection acceptance (the
+same tokens at TP = 1 and 2); a request alone equals the same request after another
+penalised request used its slot; logprobs match float64 ``log_softmax`` of the raw logits;
+attention DP refuses them with a clear error; bad CLI values exit cleanly."""
 
 from __future__ import annotations
 
@@ -102,6 +103,18 @@ def test_strict_speculative_equals_plain_with_penalties(plain, spec_tp2):
     with LLM(spec_tp2.model_path, tensor_parallel_size=1, max_num_seqs=2,
              speculative_config=SpeculativeConfig("ngram", num_speculative_tokens=3)) as llm:
         assert completions(llm.generate(PROMPTS[1], PARAMS[1]))[0].token_ids == spec[1].token_ids
+
+
+def test_rejection_sampling_with_penalties_same_at_tp_1_and_2(ckpt, plain):
+    """Rejection acceptance verifies against the penalised target distributions: greedy
+    requests give plain decoding's tokens, and every request the same tokens at TP = 1 and 2."""
+    spec = SpeculativeConfig("ngram", num_speculative_tokens=3, acceptance="rejection")
+    tokens = []
+    for tp in (1, 2):
+        with LLM(ckpt, tensor_parallel_size=tp, max_num_seqs=2, speculative_config=spec) as llm:
+            tokens.append([c.token_ids for c in completions(llm.generate(PROMPTS, PARAMS))])
+    assert tokens[0] == tokens[1]
+    assert [tokens[0][i] for i in (0, 2, 3)] == [plain[i].token_ids for i in (0, 2, 3)]
 
 
 def test_counts_restart_when_a_slot_changes_owner(spec_tp2):
