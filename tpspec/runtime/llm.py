@@ -586,11 +586,13 @@ class _Sample:
 
     def output(self, stats: RequestStats, logprobs: list[dict[int, float]] | None = None) -> CompletionOutput:
         """The sample as it stands; ``logprobs`` (one dict per engine token) is cut to the kept tokens."""
+        cumulative = None
         if logprobs is not None:
             logprobs = logprobs[:len(self.token_ids)]
+            cumulative = sum(entry[t] for entry, t in zip(logprobs, self.token_ids))
         return CompletionOutput(index=self.index, text=self.text, token_ids=list(self.token_ids),
-                                logprobs=logprobs, finish_reason=self.finish_reason, stop_reason=self.stop_reason,
-                                stats=stats)
+                                cumulative_logprob=cumulative, logprobs=logprobs, finish_reason=self.finish_reason,
+                                stop_reason=self.stop_reason, stats=stats)
 
 
 def _mix_seed(seed: int, index: int) -> int:

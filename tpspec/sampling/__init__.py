@@ -12,11 +12,11 @@ Public names:
   ``VocabShardedLogits.select_tokens``); the rows it draws are a ``keys.SamplingRows``.
 * ``penalties``: :class:`OccurrenceCounts` (a rank's per-slot counts of its columns),
   :func:`apply_penalties` (repetition / presence / frequency on a slice or a full row).
-* ``logprobs``: :func:`gathered_logprobs` (raw log-softmax of chosen tokens and the top N).
+* ``logprobs``: :func:`emitted_logprobs` (what a request with ``logprobs=N`` reports per token).
 """
 
 from .ops import filtered_logits, filtered_probs, greedy_tokens, keep_mask, sample_from_logits
-from .logprobs import gathered_logprobs
+from .logprobs import emitted_logprobs
 from .params import GREEDY_SENTINEL_TEMPERATURE, TOP_K_DISABLED, SamplingParams
 from .penalties import OccurrenceCounts, apply_penalties
 from ..keys import SamplingRows
@@ -36,8 +36,8 @@ __all__ = [
     "WindowLayout",
     "apply_penalties",
     "filtered_logits",
+    "emitted_logprobs",
     "filtered_probs",
-    "gathered_logprobs",
     "greedy_tokens",
     "keep_mask",
     "sample_from_logits",

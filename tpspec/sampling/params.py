@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..keys import GREEDY_TEMPERATURE_THRESHOLD
+from ..vocab_parallel import MAX_TOP_LOGPROBS
 
 TOP_K_DISABLED = 2**31 - 1
 """Normalized top-k of a request that does not filter by rank (INT32_MAX)."""
@@ -47,8 +48,8 @@ def _is_real(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-MAX_LOGPROBS = 20
-"""The most top-N logprobs a request may ask for."""
+MAX_LOGPROBS = MAX_TOP_LOGPROBS
+"""The most top-N logprobs a request may ask for (what ``VocabShardedLogits.logprobs`` returns)."""
 
 
 def _real_in(name: str, value: object, low: float, high: float, what: str) -> float:

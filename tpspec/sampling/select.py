@@ -261,7 +261,8 @@ def _filtered_tokens(logits: VocabShardedLogits, rows: _Rows, channel: int, coun
     local = logits.local.detach()[rows.index]
     scores, keys = _local_keys(logits, local, rows.temperature)
     k_max = int(torch.where(rows.k_on, rows.top_k, torch.zeros_like(rows.top_k)).max())
-    ranked, floor = _candidates(ex, keys, max(count, k_max), channel)
+    count = max(count, k_max)  # top-k is exact only when every rank sends at least k
+    ranked, floor = _candidates(ex, keys, count, channel)
     best, _ = unpack_keys(ranked[:, 0])
     # Z of the top-p rows without top-k: the exact sum of every rank's masses.
     needs_total = rows.p_on & ~rows.k_on
