@@ -28,7 +28,7 @@ def ckpt(tmp_path_factory):
 
 
 def _requests(prompts, first_id=0):
-    return [Request(first_id + i, tuple(p), SamplingParams(), MAX_NEW) for i, p in enumerate(prompts)]
+    return [Request(first_id + i, tuple(p), SamplingParams(temperature=0.0), MAX_NEW) for i, p in enumerate(prompts)]
 
 
 def _engine(ckpt, *, kv_pages=None, spec=None, max_batch_size=6, max_seq_len=96):
@@ -49,7 +49,7 @@ def _run(engine, prompts, first_id=0):
 
 
 @pytest.mark.parametrize("spec", [None, SpeculativeConfig("ngram", 3), SpeculativeConfig("draft_model", 2,
-                                                                                          draft_model="x")],
+                                                                                          model="x")],
                          ids=["plain", "ngram", "draft_model"])
 def test_page_pressure_admits_in_order_never_preempts_never_leaks(ckpt, spec):
     roomy = _engine(ckpt, spec=spec)
