@@ -65,7 +65,7 @@ def reference_model(ckpt):
 
 def full_row(model, tokens: list[int]) -> np.ndarray:
     n = len(tokens)
-    batch = ForwardBatch(torch.tensor(tokens), torch.arange(n), [0], [0], [n], torch.tensor([n - 1]))
+    batch = ForwardBatch(torch.tensor(tokens), torch.arange(n), [[0]], [0], [n], torch.tensor([n - 1]))
     return model(batch).gather()[0].numpy()
 
 
