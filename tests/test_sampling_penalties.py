@@ -249,6 +249,9 @@ def test_logprobs_match_float64_log_softmax():
     assert torch.allclose(top.double(), want.gather(1, ids), atol=1e-5, rtol=0)
     assert torch.allclose(top.double(), want.topk(4, dim=1).values, atol=1e-5, rtol=0)  # the best four, in order
     assert ids[2].tolist() == [0, 1, 2, 3] and ids[3].tolist() == [0, 1, 2, 3]  # ties: lower ids first
+    assert sharded(full, 1, 0, AllGatherKeyExchange(None)).logprobs(tokens)[1].shape == (6, 0)
+    with pytest.raises(ValueError, match="top_n"):
+        sharded(full, 1, 0, AllGatherKeyExchange(None)).logprobs(tokens, top_n=21)
 
 
 @pytest.mark.parametrize("field, value", [

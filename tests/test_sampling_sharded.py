@@ -249,3 +249,22 @@ def test_filtered_draws_follow_the_exact_truncated_distribution(case):
     assert 3 <= live.sum() < vocab, "the case must truncate the row"
     _, pvalue = stats.chisquare(counts[live], expected[live] * n)
     assert pvalue > 1e-3, (counts, expected * n)
+
+
+def test_gather_rows_and_sum_rows_contract():
+    from tpspec.exchange import cuda_module, ll_plan
+
+    values = torch.arange(6, dtype=torch.int64).reshape(2, 3)
+    for ex in (LocalKeyExchange(), AllGatherKeyExchange()):  # a group of one: the values themselves
+        assert torch.equal(ex.gather_rows(values), values)
+        assert torch.equal(ex.sum_rows(values[:, 0]), values[:, 0])
+        with pytest.raises(ValueError, match="int64"):
+            ex.gather_rows(values.float())
+        with pytest.raises(ValueError, match="2-D"):
+            ex.gather_rows(values[:, 0])
+        with pytest.raises(ValueError, match="1-D"):
+            ex.sum_rows(values)
+        with pytest.raises(ValueError, match="channel"):
+            ex.sum_rows(values[:, 0], channel=7)
+    for world in range(1, 9):  # the LL exchange has a gather kernel for every world size
+        assert ll_plan.gather_rows_kernel(world) in cuda_module.KERNEL_NAMES

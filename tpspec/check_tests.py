@@ -651,7 +651,7 @@ def check_seeded_streams(ctx: SuiteContext) -> CheckResult:
     """§8.4 (batch, slot history, TP size): a seeded request's tokens, chosen by
     ``select_tokens`` under ``SpecMetadata`` streams, are the same alone in slot 0, in a
     mixed batch at another position in a slot used before, in a batch that takes the
-    full-logit path (a top-k neighbour), and at TP=1; a different seed changes them."""
+    filtered path (a top-k neighbour), and at TP=1; a different seed changes them."""
     require_module("tpspec.speculative")
     from .sampling.params import SamplingParams
     from .speculative import SpecMetadata
@@ -693,7 +693,7 @@ def check_seeded_streams(ctx: SuiteContext) -> CheckResult:
     alone = run(ex, ctx.world_size, ctx.rank, 0, 0, [])
     scenarios = {
         "mixed batch, slot 2 after 3 steps of another request": run(ex, ctx.world_size, ctx.rank, 2, 3, mixed),
-        "full-logit path (top-k neighbour), slot 5": run(ex, ctx.world_size, ctx.rank, 5, 1, filtered),
+        "filtered path (top-k neighbour), slot 5": run(ex, ctx.world_size, ctx.rank, 5, 1, filtered),
         "TP=1": run(single, 1, 0, 0, 0, []),
     }
     rows = mism = 0
@@ -710,7 +710,7 @@ def check_seeded_streams(ctx: SuiteContext) -> CheckResult:
         mism += 1
     return CheckResult("seeded_streams", PASS if mism == 0 else FAIL, rows, mism,
                        detail=_join(details) or f"{steps} steps x D={draft_len}: alone vs mixed batch / slot "
-                       "history / full-logit path / TP=1")
+                       "history / filtered path / TP=1")
 
 
 def check_ll_equals_allgather(ctx: SuiteContext) -> CheckResult:
@@ -942,7 +942,7 @@ GENERATE_PROMPTS = [
 def _generate(tp: int, launcher: str, device: str, *, max_new_tokens: int, seed: int,
               use_cuda_graphs: bool = True) -> list[list[int]]:
     """Token ids of the tiny model on ``GENERATE_PROMPTS`` (greedy, seeded temperature, seeded
-    top-k: the full-logit path), n-gram speculation with 3 drafts, 3 slots for 5 requests (so
+    top-k: the candidate path), n-gram speculation with 3 drafts, 3 slots for 5 requests (so
     slots are reused), float32 so that TP sizes see the same logits."""
     from .runtime import LLM, SpeculativeConfig
     from .sampling.params import SamplingParams

@@ -98,7 +98,7 @@ class GenerationGraphs:
         all_greedy = all(p.is_greedy for p in params)
         temperature_only = all(p.is_temperature_only for p in params)
         if not (all_greedy or (temperature_only and eng_strict(self.engine))):
-            return None  # rejection sampling / full-logit filters: eager (they sync with the host)
+            return None  # rejection sampling / filtered rows: eager (they sync with the host)
         if any(p.has_penalties or p.logprobs is not None for p in params):
             return None  # penalties read the step's drafts, logprobs the raw logits: eager
         eng = self.engine

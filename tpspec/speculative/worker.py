@@ -8,7 +8,7 @@ attention DP), so every rank runs the same collectives and returns the same tens
 
 Host syncs: strict acceptance of an all-greedy or temperature-only batch (and forced
 acceptance) adds none of its own, so it can sit inside a CUDA graph with the exchange.
-The full-logit fallback and rejection sampling check values on the host (eager only).
+Filtered rows (their candidates) and rejection sampling read values on the host (eager only).
 """
 
 from __future__ import annotations
