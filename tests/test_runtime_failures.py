@@ -27,9 +27,9 @@ def _after_first_progress(llm: LLM, action) -> threading.Event:
     """Run ``action(pids)`` once rank 0 has reported its first step (the run is under way)."""
     started = threading.Event()
     executor = llm._executor  # noqa: SLF001 - test hook: watch the executor's progress callback
-    original_run = executor.run
+    original_call = executor.call
 
-    def run(requests, on_progress=None):
+    def call(fn, *args, on_progress=None, timeout_s=None):
         def hook(steps, tokens):
             if not started.is_set():
                 started.set()
@@ -37,13 +37,14 @@ def _after_first_progress(llm: LLM, action) -> threading.Event:
             if on_progress is not None:
                 on_progress(steps, tokens)
 
-        return original_run(requests, hook)
+        return original_call(fn, *args, on_progress=hook, timeout_s=timeout_s)
 
-    executor.run = run
+    executor.call = call
     return started
 
 
-@pytest.mark.parametrize("sig,expect", [(signal.SIGKILL, "died"), (signal.SIGSTOP, "no step finished")],
+@pytest.mark.parametrize("sig,expect", [(signal.SIGKILL, "rank 1 died"),
+                                        (signal.SIGSTOP, r"did not finish within 3 s .*rank 1 holds the others up")],
                          ids=["killed", "hung"])
 def test_broken_worker_raises(ckpt, sig, expect):
     with LLM(ckpt, tp_size=2, max_seq_len=2048, step_timeout_s=3.0) as llm:

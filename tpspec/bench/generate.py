@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import number_list, report
+from . import bench_device, number_list, report
 
 FORCE_ENV = "TPSPEC_FORCE_NUM_ACCEPTED_TOKENS"
 DEFAULT_RATES = (0.0, 1.5, 3.0)
@@ -146,9 +146,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("tpspec bench generate: --device cuda but no CUDA device is visible")
+    device = bench_device(args.device, "tpspec bench generate")
     if args.draft_len < 1:
         raise SystemExit("tpspec bench generate: --draft-len must be >= 1")
     rates = number_list(args.rates, DEFAULT_RATES, option="tpspec bench generate: --rates", kind=float, minimum=0)

@@ -22,6 +22,7 @@ from .. import distributed as D
 from ..exchange.base import KeyExchange
 from ..exchange.factory import make_key_exchange
 from ..mapping import Mapping
+from ..validation import check_int
 from ..vocab_parallel import VocabParallelHead, VocabShardedLogits, vocab_shard_bounds
 from .batch import AttentionMetadata, ForwardBatch
 from .comm import LocalKeyExchange, VarlenRows, exchange_counts
@@ -85,11 +86,6 @@ class StackedRowsLogits(VocabShardedLogits):
     @property
     def num_rows(self) -> int:
         return self.rows.local
-
-    @property
-    def row_start(self) -> int:
-        """Index of this rank's first row in the stacked rows."""
-        return self.rows.start
 
     def argmax(self, *, channel: int = 1) -> torch.Tensor:
         return self.rows.take_local(self.stacked.argmax(channel=channel))
@@ -188,9 +184,8 @@ class TPLlamaForCausalLM(nn.Module):
     def allocate_kv_cache(self, num_slots: int, max_seq_len: int) -> None:
         """(Re)allocate the fixed-slot cache: per layer ``k``/``v`` of shape
         ``[num_slots, max_seq_len, kv_heads_per_rank, head_dim]`` (zeros, model dtype)."""
-        for name, value in (("num_slots", num_slots), ("max_seq_len", max_seq_len)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_int("num_slots", num_slots, low=1)
+        check_int("max_seq_len", max_seq_len, low=1)
         self.caches = []  # free the old cache before allocating the new one
         self.caches = [
             KVCache(num_slots, max_seq_len, self.num_kv_heads_per_rank, self.config.head_dim,

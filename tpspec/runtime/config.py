@@ -6,16 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..sampling.params import SamplingParams
+from ..validation import check_bool, check_int
 
 SPEC_METHODS = ("ngram", "draft_model")
 ACCEPTANCE_MODES = ("strict", "rejection")
 LAUNCHERS = ("mp", "torchrun", "ray")
-
-
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -41,7 +36,7 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
             raise ValueError(f"SpeculativeConfig.method must be one of {SPEC_METHODS}, got {self.method!r}")
-        _positive_int("SpeculativeConfig.num_draft_tokens", self.num_draft_tokens)
+        check_int("SpeculativeConfig.num_draft_tokens", self.num_draft_tokens, low=1)
         if self.acceptance not in ACCEPTANCE_MODES:
             raise ValueError(
                 f"SpeculativeConfig.acceptance must be one of {ACCEPTANCE_MODES}, got {self.acceptance!r}"
@@ -50,8 +45,8 @@ class SpeculativeConfig:
             raise ValueError("SpeculativeConfig(method='draft_model') needs draft_model=PATH (or 'tiny')")
         if self.method == "ngram" and self.draft_model:
             raise ValueError("SpeculativeConfig.draft_model is only used with method='draft_model'")
-        _positive_int("SpeculativeConfig.max_ngram", self.max_ngram)
-        _positive_int("SpeculativeConfig.min_ngram", self.min_ngram)
+        check_int("SpeculativeConfig.max_ngram", self.max_ngram, low=1)
+        check_int("SpeculativeConfig.min_ngram", self.min_ngram, low=1)
         if self.min_ngram > self.max_ngram:
             raise ValueError(f"SpeculativeConfig.min_ngram={self.min_ngram} exceeds max_ngram={self.max_ngram}")
 
@@ -76,8 +71,13 @@ class EngineConfig:
     progress_interval_s: float = 0.25
 
     def __post_init__(self) -> None:
-        # LLM checks this for its users; the engine relies on it (a generation step of a full
-        # batch must fit, else padding rows of a graphed step could take a prefilling slot).
+        for name in ("tp_size", "max_batch_size", "max_num_tokens"):
+            check_int(name, getattr(self, name), low=1)
+        check_int("max_seq_len", self.max_seq_len, low=2)  # one prompt token and one generated token
+        check_bool("attention_dp", self.attention_dp)
+        check_bool("use_cuda_graphs", self.use_cuda_graphs)
+        # The engine relies on this: a generation step of a full batch must fit, else
+        # padding rows of a graphed step could take a prefilling slot.
         step = self.max_batch_size * (self.num_draft_tokens + 1)
         if self.max_num_tokens < step:
             raise ValueError(f"max_num_tokens={self.max_num_tokens} cannot hold a full generation step: "
@@ -86,6 +86,15 @@ class EngineConfig:
     @property
     def num_draft_tokens(self) -> int:
         return 0 if self.speculative is None else self.speculative.num_draft_tokens
+
+    def check_prompt_len(self, num_tokens: int, what: str = "prompt") -> None:
+        """``ValueError`` naming ``what`` unless a prompt of ``num_tokens`` leaves room to
+        generate (shorter than ``max_seq_len``) and is not empty."""
+        if num_tokens < 1:
+            raise ValueError(f"{what} is empty")
+        if num_tokens >= self.max_seq_len:
+            raise ValueError(f"{what} has {num_tokens} tokens; max_seq_len={self.max_seq_len} leaves no room to "
+                             f"generate (prompts must be shorter than max_seq_len)")
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ import torch
 from .. import distributed as D
 from ..mapping import Mapping
 from ..sampling.params import SamplingParams
+from ..validation import torch_dtype
 from .config import EngineConfig, Request, RequestStats
 
 DRAFT_CHANNEL = 0  # exchange channel of draft picks (the target's picks use 1)
@@ -89,14 +90,6 @@ class _Plan:
         return [s for s, _ in self.final_ctx] + self.gen
 
 
-def resolve_dtype(name: str) -> torch.dtype:
-    """``"float32"``/``"bfloat16"``/``"float16"`` -> torch dtype (ValueError otherwise)."""
-    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if name not in table:
-        raise ValueError(f"dtype must be one of {sorted(table)}, got {name!r}")
-    return table[name]
-
-
 class Engine:
     """One rank's engine. Build it on every rank of the TP group after the process group
     exists (collective: loads the sharded weights); then call :meth:`generate` on every rank
@@ -112,7 +105,7 @@ class Engine:
         self.config = config
         self.mapping = mapping
         self.device = torch.device(device if device is not None else config.device)
-        self.dtype = resolve_dtype(config.dtype)
+        self.dtype = torch_dtype(config.dtype)
         self.group = D.tp_group()
         self.dp_size = mapping.tp_size if mapping.enable_attention_dp else 1
         self.dp_rank = mapping.tp_rank if mapping.enable_attention_dp else 0
@@ -203,13 +196,7 @@ class Engine:
 
     # ------------------------------------------------------------------ scheduling
     def _new_seq(self, req: Request, index: int, owner: int) -> _Seq:
-        if not req.prompt:
-            raise ValueError(f"request {req.request_id}: empty prompt")
-        if len(req.prompt) >= self.config.max_seq_len:
-            raise ValueError(
-                f"request {req.request_id}: prompt of {len(req.prompt)} tokens leaves no room to generate "
-                f"(max_seq_len={self.config.max_seq_len})"
-            )
+        self.config.check_prompt_len(len(req.prompt), f"request {req.request_id}'s prompt")
         seq = _Seq(req=req, index=index, owner=owner, tokens=list(req.prompt), num_prompt=len(req.prompt))
         seq.stats.num_prompt_tokens = len(req.prompt)
         return seq

@@ -18,6 +18,7 @@ import glob
 import itertools
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -25,8 +26,10 @@ from typing import Any, Sequence
 import torch
 
 from ..sampling.params import SamplingParams
+from ..validation import check_bool, check_int, is_int, resolve_device, resolve_dtype
 from .config import LAUNCHERS, EngineConfig, Request, RequestOutput, SpeculativeConfig
-from .launchers import Executor, make_executor
+from .engine import Engine, SequenceResult
+from .launchers import Executor, GroupSpec, RankContext, make_executor
 
 TINY = "tiny"
 
@@ -175,7 +178,9 @@ class LLM:
     steps on GPU (eager when False). ``init_timeout_s`` / ``step_timeout_s``: how long the
     driver waits for start-up / for the next step before it raises.
 
-    Use as a context manager or call :meth:`shutdown`.
+    Use as a context manager or call :meth:`shutdown`. One ``LLM`` may be shared between
+    threads: its calls run one at a time, in the order they take its lock, and each caller
+    gets its own outputs.
     """
 
     def __init__(
@@ -200,15 +205,15 @@ class LLM:
         from ..model.config import ModelConfig
 
         self._executor: Executor | None = None
+        self._lock = threading.Lock()
         if launcher not in LAUNCHERS:
             raise ValueError(f"launcher must be one of {LAUNCHERS}, got {launcher!r}")
         if tp_size is None:
             tp_size = int(os.environ.get("WORLD_SIZE", "1")) if launcher == "torchrun" else 1
-        _check_positive("tp_size", tp_size)
-        _check_positive("max_batch_size", max_batch_size)
-        for name, flag in (("attention_dp", attention_dp), ("use_cuda_graphs", use_cuda_graphs)):
-            if not isinstance(flag, bool):
-                raise ValueError(f"{name} must be a bool, got {flag!r}")
+        tp_size = check_int("tp_size", tp_size, low=1)
+        max_batch_size = check_int("max_batch_size", max_batch_size, low=1)
+        check_bool("attention_dp", attention_dp)
+        check_bool("use_cuda_graphs", use_cuda_graphs)
         if isinstance(speculative, dict):
             try:
                 speculative = SpeculativeConfig(**speculative)
@@ -217,8 +222,8 @@ class LLM:
                 raise ValueError(f"bad speculative config {speculative!r}: {exc} (known keys: {known})") from None
         if speculative is not None and not isinstance(speculative, SpeculativeConfig):
             raise ValueError(f"speculative must be a SpeculativeConfig, a dict or None, got {type(speculative).__name__}")
-        device = _resolve_device(device)
-        dtype = _resolve_dtype(dtype, device)
+        device = resolve_device(device)
+        dtype = resolve_dtype(dtype, device)
         if exchange not in ("auto", "ll", "allgather"):
             raise ValueError(f"exchange must be 'auto', 'll' or 'allgather', got {exchange!r}")
         if exchange == "ll" and device != "cuda":
@@ -238,15 +243,8 @@ class LLM:
         k = speculative.num_draft_tokens if speculative is not None else 0
         if max_seq_len is None:
             max_seq_len = min(self.model_config.max_position_embeddings, 2048)
-        _check_positive("max_seq_len", max_seq_len)
-        if max_seq_len < 2:
-            raise ValueError("max_seq_len must be >= 2 (one prompt token and one generated token)")
         if max_num_tokens is None:
             max_num_tokens = max(512, max_batch_size * (k + 1))
-        _check_positive("max_num_tokens", max_num_tokens)
-        if max_num_tokens < max_batch_size * (k + 1):
-            raise ValueError(f"max_num_tokens={max_num_tokens} cannot hold a full generation step: "
-                             f"max_batch_size * (num_draft_tokens + 1) = {max_batch_size * (k + 1)}")
 
         self.config = EngineConfig(
             model_path=self.model_path, tp_size=tp_size, device=device, dtype=dtype, attention_dp=attention_dp,
@@ -258,14 +256,18 @@ class LLM:
         self.tokenizer = load_tokenizer(self.model_path)
         self.last_stats: GenerateStats | None = None
         self._ids = itertools.count()
-        timeouts: dict[str, Any] = {}
+        options: dict[str, Any] = {}
         if launcher != "torchrun":
-            timeouts = {"init_timeout_s": init_timeout_s, "step_timeout_s": step_timeout_s}
+            options = {"init_timeout_s": init_timeout_s, "timeout_s": step_timeout_s}
         if launcher == "ray" and ray_init_kwargs:
-            timeouts["ray_init_kwargs"] = ray_init_kwargs
-        executor = make_executor(launcher, self.config, **timeouts)
+            options["ray_init_kwargs"] = ray_init_kwargs
+        spec = GroupSpec(world_size=tp_size, device=device, tp_size=tp_size, attention_dp=attention_dp)
+        executor = make_executor(launcher, spec, **options)
         try:
             executor.start()
+            if getattr(executor, "num_nodes", 1) > 1:  # the LL exchange is one node only
+                self.config = dataclasses.replace(self.config, exchange="allgather")
+            executor.call(_start_engine, self.config, timeout_s=init_timeout_s)
         except BaseException:
             executor.shutdown()
             raise
@@ -304,6 +306,12 @@ class LLM:
         LLM stays usable), and :class:`~tpspec.runtime.launchers.WorkerError` when a worker
         dies or hangs (the LLM is unusable afterwards).
         """
+        with self._lock:
+            return self._generate(prompts, sampling_params, max_new_tokens, stop_token_ids=stop_token_ids,
+                                  ignore_eos=ignore_eos, use_tqdm=use_tqdm)
+
+    def _generate(self, prompts: Any, sampling_params: Any, max_new_tokens: Any, *, stop_token_ids: Any,
+                  ignore_eos: bool, use_tqdm: bool | None) -> list[RequestOutput]:
         if self._executor is None:
             raise RuntimeError("this LLM is shut down")
         texts, token_lists = self._prompts(prompts)
@@ -319,7 +327,10 @@ class LLM:
         bar = _ProgressBar(sum(budgets), use_tqdm, enabled=self.rank == 0)
         start = time.perf_counter()
         try:
-            results = self._executor.run(requests, bar.update) if requests else []
+            results: list[SequenceResult] = []
+            if requests:
+                per_rank = self._executor.call(_generate_on_rank, requests, on_progress=bar.update)
+                results = per_rank[self.rank]
         finally:
             bar.close()
         wall = time.perf_counter() - start
@@ -343,8 +354,9 @@ class LLM:
         return outputs
 
     def shutdown(self) -> None:
-        """End the workers (idempotent)."""
-        executor, self._executor = self._executor, None
+        """End the workers (idempotent; waits for a call another thread is running)."""
+        with self._lock:
+            executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown()
 
@@ -363,7 +375,7 @@ class LLM:
     # ------------------------------------------------------------------ validation
     def _prompts(self, prompts: Any) -> tuple[list[str | None], list[list[int]]]:
         if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
-                                        and all(_is_int(t) for t in prompts)):
+                                        and all(is_int(t) for t in prompts)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
             raise ValueError(f"prompts must be a string, a token-id list, or a list of those; got "
@@ -380,7 +392,7 @@ class LLM:
             elif isinstance(p, torch.Tensor) and p.dim() == 1 and not p.is_floating_point():
                 toks = [int(t) for t in p.tolist()]
                 texts.append(None)
-            elif isinstance(p, (list, tuple)) and all(_is_int(t) for t in p):
+            elif isinstance(p, (list, tuple)) and all(is_int(t) for t in p):
                 toks = [int(t) for t in p]
                 texts.append(None)
             else:
@@ -390,9 +402,7 @@ class LLM:
             bad = [t for t in toks if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"prompt {i} has token ids outside [0, {self.vocab_size}): {bad[:5]}")
-            if len(toks) >= self.config.max_seq_len:
-                raise ValueError(f"prompt {i} has {len(toks)} tokens; max_seq_len={self.config.max_seq_len} "
-                                 f"leaves no room to generate (prompts must be shorter than max_seq_len)")
+            self.config.check_prompt_len(len(toks), f"prompt {i}")
             token_lists.append(toks)
         return texts, token_lists
 
@@ -424,7 +434,7 @@ class LLM:
         if len(values) != n:
             raise ValueError(f"got {len(values)} max_new_tokens for {n} prompts")
         for v in values:
-            if not _is_int(v) or v < 1:
+            if not is_int(v) or v < 1:
                 raise ValueError(f"max_new_tokens must be a positive int, got {v!r}")
         return [int(v) for v in values]
 
@@ -433,7 +443,7 @@ class LLM:
         if stop_token_ids is not None and not isinstance(stop_token_ids, (list, tuple, set, frozenset)):
             raise ValueError(f"stop_token_ids must be a list of token ids, got {type(stop_token_ids).__name__}")
         for t in stop_token_ids or ():
-            if not _is_int(t) or not 0 <= t < self.vocab_size:
+            if not is_int(t) or not 0 <= t < self.vocab_size:
                 raise ValueError(f"stop token id {t!r} is outside [0, {self.vocab_size})")
             stops.append(int(t))
         return tuple(sorted(set(stops)))
@@ -484,15 +494,6 @@ def _params_from_dict(values: dict, name: str = "sampling_params") -> SamplingPa
     return SamplingParams(**values)
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_positive(name: str, value: object) -> None:
-    if not _is_int(value) or value < 1:  # type: ignore[operator]
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-
-
 def _check_layout(config: Any, tp_size: int, attention_dp: bool, path: str) -> None:
     """The model splits over ``tp_size`` ranks (checked here, before any worker starts)."""
     from ..mapping import Mapping
@@ -505,23 +506,11 @@ def _check_layout(config: Any, tp_size: int, attention_dp: bool, path: str) -> N
             raise ValueError(f"{path} cannot run at tp_size={tp_size}: {exc}") from None
 
 
-def _resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' but no CUDA device is available")
-    return device
+def _start_engine(ctx: RankContext, config: EngineConfig) -> None:
+    """On every rank: build the rank's engine (loads its shard of the weights)."""
+    ctx.state["engine"] = Engine(config, ctx.mapping, ctx.device)
 
 
-def _resolve_dtype(dtype: str | torch.dtype, device: str) -> str:
-    if isinstance(dtype, torch.dtype):
-        dtype = str(dtype).replace("torch.", "")
-    if dtype == "auto":
-        return "bfloat16" if device == "cuda" else "float32"
-    aliases = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
-    dtype = aliases.get(dtype, dtype)
-    if dtype not in ("float32", "bfloat16", "float16"):
-        raise ValueError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {dtype!r}")
-    return dtype
+def _generate_on_rank(ctx: RankContext, requests: list[Request]) -> list[SequenceResult]:
+    """On every rank: run the requests; every rank returns the same results."""
+    return ctx.state["engine"].generate(requests, ctx.report)

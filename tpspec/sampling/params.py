@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 
 from ..keys import GREEDY_TEMPERATURE_THRESHOLD
+from ..validation import is_int, is_real
 
 TOP_K_DISABLED = 2**31 - 1
 """Normalized top-k of a request that does not filter by rank (INT32_MAX)."""
@@ -32,14 +33,6 @@ FLOAT32_MAX = 3.4028234663852886e38  # temperatures above it become inf in the k
 FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32: a top_p below it would round to 0
 
 assert GREEDY_SENTINEL_TEMPERATURE < GREEDY_TEMPERATURE_THRESHOLD
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_real(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -68,23 +61,28 @@ class SamplingParams:
     def __post_init__(self) -> None:
         t = self.temperature
         # Values are checked as the float32 the kernels will hold, not only as Python floats.
-        if t is not None and (not _is_real(t) or not math.isfinite(t) or t < 0 or t > FLOAT32_MAX):
+        if t is not None and (not is_real(t) or not math.isfinite(t) or t < 0 or t > FLOAT32_MAX):
             raise ValueError(f"SamplingParams.temperature must be None or a finite float32 >= 0, got {t!r}")
         k = self.top_k
-        if k is not None and (not _is_int(k) or k < 0):
+        if k is not None and (not is_int(k) or k < 0):
             raise ValueError(f"SamplingParams.top_k must be None or an int >= 0 (0 disables it), got {k!r}")
         if k is not None and k > TOP_K_DISABLED:
             raise ValueError(f"SamplingParams.top_k={k} exceeds INT32_MAX")
         p = self.top_p
-        if p is not None and (not _is_real(p) or not (FLOAT32_TINY <= p <= 1.0)):
+        if p is not None and (not is_real(p) or not (FLOAT32_TINY <= p <= 1.0)):
             raise ValueError(f"SamplingParams.top_p must be None or in (0, 1] (at least {FLOAT32_TINY:g} "
                              f"as float32), got {p!r}")
         m = self.min_p
-        if m is not None and (not _is_real(m) or not (0.0 <= m <= 1.0)):
+        if m is not None and (not is_real(m) or not (0.0 <= m <= 1.0)):
             raise ValueError(f"SamplingParams.min_p must be None or in [0, 1], got {m!r}")
         s = self.seed
-        if s is not None and (not _is_int(s) or not SEED_RANGE[0] <= s < SEED_RANGE[1]):
+        if s is not None and (not is_int(s) or not SEED_RANGE[0] <= s < SEED_RANGE[1]):
             raise ValueError(f"SamplingParams.seed must be None or an int in [0, 2**64), got {s!r}")
+        # numpy scalars are accepted and stored as Python numbers (exact, hashable alike).
+        for name, kind in (("temperature", float), ("top_k", int), ("top_p", float), ("min_p", float), ("seed", int)):
+            value = getattr(self, name)
+            if value is not None and type(value) is not kind:
+                object.__setattr__(self, name, kind(value))
 
     # -- normalization ---------------------------------------------------------------
     @property
