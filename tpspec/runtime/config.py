@@ -69,6 +69,7 @@ class EngineConfig:
     use_cuda_graphs: bool = True
     exchange: str = "auto"
     progress_interval_s: float = 0.25
+    forced_acceptance_rate: float | None = None  # benchmarks only: TPSPEC_FORCE_NUM_ACCEPTED_TOKENS, read by LLM
 
     def __post_init__(self) -> None:
         for name in ("tp_size", "max_batch_size", "max_num_tokens"):

@@ -22,6 +22,7 @@ drafts, and "rewinding" rejected drafts is just not counting them.
 from __future__ import annotations
 
 import hashlib
+import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -31,6 +32,7 @@ import torch
 from .. import distributed as D
 from ..mapping import Mapping
 from ..sampling.params import SamplingParams
+from ..speculative.forced import FORCE_ENV, ForcedAcceptanceWarning
 from ..validation import torch_dtype
 from .config import EngineConfig, Request, RequestStats
 
@@ -100,7 +102,7 @@ class Engine:
         from ..exchange import make_key_exchange
         from ..model.drafters import DraftModel, NgramDrafter
         from ..model.loader import load_model
-        from ..speculative import SpecMetadata, SpecWorker
+        from ..speculative import ForcedAcceptance, SpecMetadata, SpecWorker
 
         self.config = config
         self.mapping = mapping
@@ -137,7 +139,12 @@ class Engine:
         # One request more than the batch: the dummy row (slot -1 = padding for the streams).
         self.meta = SpecMetadata(config.max_batch_size + 1, self.num_draft, device=self.device,
                                  mapping=mapping, max_num_slots=config.max_batch_size)
-        self.worker = SpecWorker(acceptance=spec.acceptance if spec is not None else "strict")
+        # Forced acceptance (a benchmark knob) comes from the config, so every rank has the same.
+        forced = None
+        if config.forced_acceptance_rate is not None and self.num_draft:
+            forced = ForcedAcceptance(config.forced_acceptance_rate, device=self.device)
+        self.worker = SpecWorker(acceptance=spec.acceptance if spec is not None else "strict", forced=forced)
+        self._forced_warning_due = forced is not None
         self.graphs = None
         if self.device.type == "cuda" and config.use_cuda_graphs:
             from .cuda_graphs import GenerationGraphs
@@ -151,6 +158,11 @@ class Engine:
         the same list. Returns one :class:`SequenceResult` per request, in order, identical on
         every rank (attention DP included)."""
         seqs = [self._new_seq(req, i, i % self.dp_size) for i, req in enumerate(requests)]
+        if self._forced_warning_due:  # on every rank's first step
+            self._forced_warning_due = False
+            warnings.warn(f"rank {self.mapping.rank}: {FORCE_ENV}={self.config.forced_acceptance_rate:g} forces how many "
+                          "drafts each step accepts (a benchmark knob): the generated tokens are not the model's",
+                          ForcedAcceptanceWarning, stacklevel=2)
         waiting = deque(s for s in seqs if s.owner == self.dp_rank)
         running: list[_Seq] = []
         free_slots = list(range(self.config.max_batch_size))

@@ -20,12 +20,16 @@ import os
 import sys
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
+from ..model.loader import verify_checkpoint
 from ..sampling.params import SamplingParams
+from ..speculative.forced import read_forced_rate
 from ..validation import check_bool, check_int, is_int, resolve_device, resolve_dtype
 from .config import LAUNCHERS, EngineConfig, Request, RequestOutput, SpeculativeConfig
 from .engine import Engine, SequenceResult
@@ -139,6 +143,7 @@ class GenerateStats:
     num_generation_steps: int  # summed over requests
     num_draft_tokens: int
     num_accepted_drafts: int
+    forced_acceptance_rate: float | None = None  # set: acceptance counts were forced (a benchmark knob)
 
     @property
     def tokens_per_s(self) -> float:
@@ -188,7 +193,7 @@ class LLM:
         model: str | os.PathLike = TINY,
         *,
         tp_size: int | None = None,
-        launcher: str = "mp",
+        launcher: str | None = None,
         device: str = "auto",
         dtype: str = "auto",
         attention_dp: bool = False,
@@ -206,6 +211,8 @@ class LLM:
 
         self._executor: Executor | None = None
         self._lock = threading.Lock()
+        if launcher is None:
+            launcher = "torchrun" if under_torchrun() else "mp"
         if launcher not in LAUNCHERS:
             raise ValueError(f"launcher must be one of {LAUNCHERS}, got {launcher!r}")
         if tp_size is None:
@@ -230,11 +237,13 @@ class LLM:
             raise ValueError(f"exchange='ll' needs device='cuda' (CUDA IPC), got device={device!r}")
 
         self.model_path = resolve_model(model)
+        verify_checkpoint(self.model_path)  # a corrupt or truncated file: a ValueError here, not in a worker
         self.model_config = ModelConfig.from_pretrained(self.model_path)
         _check_layout(self.model_config, tp_size, attention_dp, self.model_path)
         draft_path = None
         if speculative is not None and speculative.method == "draft_model":
             draft_path = resolve_model(speculative.draft_model, kind="draft")
+            verify_checkpoint(draft_path)
             draft_cfg = ModelConfig.from_pretrained(draft_path)
             if draft_cfg.vocab_size != self.model_config.vocab_size:
                 raise ValueError(f"the draft model's vocab_size {draft_cfg.vocab_size} differs from the target's "
@@ -243,6 +252,10 @@ class LLM:
         k = speculative.num_draft_tokens if speculative is not None else 0
         if max_seq_len is None:
             max_seq_len = min(self.model_config.max_position_embeddings, 2048)
+        max_seq_len = check_int("max_seq_len", max_seq_len, low=2)
+        if max_seq_len > self.model_config.max_position_embeddings:
+            raise ValueError(f"max_seq_len={max_seq_len} exceeds the model's max_position_embeddings="
+                             f"{self.model_config.max_position_embeddings} (positions past it were never trained)")
         if max_num_tokens is None:
             max_num_tokens = max(512, max_batch_size * (k + 1))
 
@@ -250,7 +263,7 @@ class LLM:
             model_path=self.model_path, tp_size=tp_size, device=device, dtype=dtype, attention_dp=attention_dp,
             speculative=speculative, draft_model_path=draft_path, max_batch_size=max_batch_size,
             max_seq_len=max_seq_len, max_num_tokens=max_num_tokens, use_cuda_graphs=use_cuda_graphs,
-            exchange=exchange,
+            exchange=exchange, forced_acceptance_rate=read_forced_rate() if speculative is not None else None,
         )
         self.launcher = launcher
         self.tokenizer = load_tokenizer(self.model_path)
@@ -261,6 +274,9 @@ class LLM:
             options = {"init_timeout_s": init_timeout_s, "timeout_s": step_timeout_s}
         if launcher == "ray" and ray_init_kwargs:
             options["ray_init_kwargs"] = ray_init_kwargs
+        if launcher == "torchrun" and not under_torchrun() and tp_size > 1:
+            raise ValueError(f"launcher='torchrun' with tp_size={tp_size} needs a process started by torchrun "
+                             f"(RANK and WORLD_SIZE are not set); use launcher='mp' to start local ranks")
         spec = GroupSpec(world_size=tp_size, device=device, tp_size=tp_size, attention_dp=attention_dp)
         executor = make_executor(launcher, spec, **options)
         try:
@@ -331,6 +347,10 @@ class LLM:
             if requests:
                 per_rank = self._executor.call(_generate_on_rank, requests, on_progress=bar.update)
                 results = per_rank[self.rank]
+        except KeyboardInterrupt:
+            warnings.warn("generate was interrupted: the ranks were stopped mid-step, so this LLM cannot generate "
+                          "again (calls raise WorkerError); create a new LLM", RuntimeWarning, stacklevel=3)
+            raise
         finally:
             bar.close()
         wall = time.perf_counter() - start
@@ -350,6 +370,7 @@ class LLM:
             num_generation_steps=sum(len(o.stats.accepted_drafts_per_step) for o in outputs),
             num_draft_tokens=sum(o.stats.num_draft_tokens for o in outputs),
             num_accepted_drafts=sum(o.stats.num_accepted_drafts for o in outputs),
+            forced_acceptance_rate=self.config.forced_acceptance_rate,
         )
         return outputs
 
@@ -377,6 +398,8 @@ class LLM:
         if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
                                         and all(is_int(t) for t in prompts)):
             prompts = [prompts]
+        elif isinstance(prompts, (torch.Tensor, np.ndarray)) and prompts.ndim == 1:
+            prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
             raise ValueError(f"prompts must be a string, a token-id list, or a list of those; got "
                              f"{type(prompts).__name__}")
@@ -389,7 +412,7 @@ class LLM:
                                      f"pass token-id lists")
                 toks = list(self.tokenizer.encode(p))
                 texts.append(p)
-            elif isinstance(p, torch.Tensor) and p.dim() == 1 and not p.is_floating_point():
+            elif isinstance(p, (torch.Tensor, np.ndarray)) and p.ndim == 1 and _integer_array(p):
                 toks = [int(t) for t in p.tolist()]
                 texts.append(None)
             elif isinstance(p, (list, tuple)) and all(is_int(t) for t in p):
@@ -504,6 +527,17 @@ def _check_layout(config: Any, tp_size: int, attention_dp: bool, path: str) -> N
             check_split(config, Mapping(tp_size, rank, tp_size, attention_dp))
         except ValueError as exc:
             raise ValueError(f"{path} cannot run at tp_size={tp_size}: {exc}") from None
+
+
+def under_torchrun() -> bool:
+    """Whether this process is a rank that torchrun started (``RANK`` and ``WORLD_SIZE`` set)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _integer_array(values: torch.Tensor | np.ndarray) -> bool:
+    if isinstance(values, torch.Tensor):
+        return not values.is_floating_point() and not values.is_complex() and values.dtype != torch.bool
+    return values.dtype.kind in "iu"
 
 
 def _start_engine(ctx: RankContext, config: EngineConfig) -> None:

@@ -29,6 +29,10 @@ COUNTER_STRIDE = 6007
 SLOT_STRIDE = 1009
 
 
+class ForcedAcceptanceWarning(UserWarning):
+    """Forced acceptance is active outside a benchmark: the tokens are not the model's."""
+
+
 def read_forced_rate(environ: dict | None = None) -> float | None:
     """The forced acceptance rate from the environment, or None when unset/empty.
 
