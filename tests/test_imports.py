@@ -100,8 +100,14 @@ def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_no_import_cycles():
+    """No cycle, but for the ones an upward import the doc names closes (that import is
+    left out of the graph)."""
     modules = _modules()
-    cycle = _find_cycle({name: _imports(name, path, modules) for name, path in modules.items()})
+    _, allowed = _layers()
+    graph = {name: {dep for dep in _imports(name, path, modules)
+                    if (_path_of(name, modules), _path_of(dep, modules)) not in allowed}
+             for name, path in modules.items()}
+    cycle = _find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
 

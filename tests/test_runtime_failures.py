@@ -9,11 +9,11 @@ import threading
 
 import pytest
 
-from tpspec import LLM
+from tpspec import LLM, SamplingParams
 from tpspec.model.tiny import make_tiny_checkpoint
 from tpspec.runtime import WorkerError
 
-LONG = dict(max_new_tokens=2000)  # far longer than the time it takes to break a worker
+LONG = SamplingParams(temperature=0, max_tokens=2000)  # far longer than the time it takes to break a worker
 
 
 @pytest.fixture(scope="module")
@@ -47,14 +47,14 @@ def _after_first_progress(llm: LLM, action) -> threading.Event:
                                         (signal.SIGSTOP, r"did not finish within 3 s .*rank 1 holds the others up")],
                          ids=["killed", "hung"])
 def test_broken_worker_raises(ckpt, sig, expect):
-    with LLM(ckpt, tp_size=2, max_seq_len=2048, step_timeout_s=3.0) as llm:
+    with LLM(ckpt, tensor_parallel_size=2, max_model_len=2048, step_timeout_s=3.0) as llm:
         pids = llm._executor.pids  # noqa: SLF001
         started = _after_first_progress(llm, lambda p: os.kill(p[1], sig))
         with pytest.raises(WorkerError, match=expect):
-            llm.generate([[5, 6, 7]], **LONG)
+            llm.generate([[5, 6, 7]], LONG)
         assert started.is_set()
         with pytest.raises(WorkerError, match="workers are gone"):
-            llm.generate([[5, 6, 7]], max_new_tokens=4)
+            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4))
     # Every worker was reaped (a stopped one too).
     for pid in pids:
         with pytest.raises(ProcessLookupError):
@@ -62,14 +62,32 @@ def test_broken_worker_raises(ckpt, sig, expect):
 
 
 def test_worker_error_reaches_the_driver(ckpt, tmp_path):
-    """A rank that raises at start-up (here: a corrupt weight file) reports its traceback."""
+    """A rank that raises at start-up reports its traceback; here the load finds a NaN
+    weight, which only the rank reading it can see, and names the tensor."""
     import shutil
 
-    bad = tmp_path / "bad"
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "nan"
     shutil.copytree(ckpt, bad)
-    (bad / "model.safetensors").write_bytes(b"not a safetensors file")
-    with pytest.raises(WorkerError, match="raised"):
-        LLM(str(bad), tp_size=2, init_timeout_s=60.0)
+    tensors = load_file(bad / "model.safetensors")
+    tensors["model.norm.weight"][3] = float("nan")
+    save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(WorkerError, match="raised") as info:
+        LLM(str(bad), tensor_parallel_size=2, init_timeout_s=60.0)
+    assert "'model.norm.weight'" in str(info.value) and "NaN or infinite" in str(info.value)
+
+
+def test_corrupt_checkpoint_is_refused_before_any_worker_starts(ckpt, tmp_path):
+    import shutil
+
+    for name, damage in (("garbage", lambda data: b"not a safetensors file"), ("truncated", lambda data: data[:-1000])):
+        bad = tmp_path / name
+        shutil.copytree(ckpt, bad)
+        data = (bad / "model.safetensors").read_bytes()
+        (bad / "model.safetensors").write_bytes(damage(data))
+        with pytest.raises(ValueError, match=r"cannot read safetensors file .*model\.safetensors"):
+            LLM(str(bad), tensor_parallel_size=2, init_timeout_s=60.0)
 
 
 def _disagreeing_ranks_worker(rank: int, world_size: int) -> str:

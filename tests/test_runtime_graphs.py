@@ -11,8 +11,13 @@ from tpspec.model.tiny import make_tiny_checkpoint
 from tpspec.runtime.cuda_graphs import capture_or_fall_back
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [100, 200, 300], [42] * 12, [7, 8], [9]]
-PARAMS = [SamplingParams(), SamplingParams(temperature=0.8, seed=3), SamplingParams(), SamplingParams(),
-          SamplingParams(temperature=1.0, seed=4)]
+PARAMS = [SamplingParams(temperature=0.0, max_tokens=24), SamplingParams(temperature=0.8, seed=3, max_tokens=24),
+          SamplingParams(temperature=0.0, max_tokens=24), SamplingParams(temperature=0.0, max_tokens=24),
+          SamplingParams(temperature=1.0, seed=4, max_tokens=24)]
+
+
+def _tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
 
 
 def test_graph_step_inputs_on_cpu(tmp_path):
@@ -23,8 +28,9 @@ def test_graph_step_inputs_on_cpu(tmp_path):
 
     path = make_tiny_checkpoint(tmp_path / "tiny", seed=0)
     spec = SpeculativeConfig("ngram", 4)
-    with LLM(path, launcher="torchrun", tp_size=1, device="cpu", speculative=spec, max_batch_size=8) as llm:
-        ref = [o.token_ids for o in llm.generate(PROMPTS, PARAMS, max_new_tokens=24)]
+    with LLM(path, distributed_executor_backend="external_launcher", tensor_parallel_size=1, device="cpu",
+             speculative_config=spec, max_num_seqs=8) as llm:
+        ref = _tokens(llm.generate(PROMPTS, PARAMS))
         engine = llm._executor.ctx.state["engine"]  # noqa: SLF001
         graphs = GenerationGraphs.__new__(GenerationGraphs)  # no CUDA here: never capture, run the padded step
         graphs.engine, graphs.buckets, graphs.graphs, graphs.failed = engine, [8], {}, set()
@@ -32,7 +38,7 @@ def test_graph_step_inputs_on_cpu(tmp_path):
         eager, calls = graphs._eager, []
         graphs._eager = lambda host: calls.append(1) or eager(host)
         engine.graphs = graphs
-        got = [o.token_ids for o in llm.generate(PROMPTS, PARAMS, max_new_tokens=24)]
+        got = _tokens(llm.generate(PROMPTS, PARAMS))
         engine.graphs = None
     assert calls, "no step took the padded graph path"
     assert got == ref

@@ -94,12 +94,17 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def resolve_dtype(dtype: str | torch.dtype, device: str) -> str:
-    """The dtype name the ranks use: ``"auto"`` -> ``"bfloat16"`` on cuda, ``"float32"`` on
-    cpu; aliases (``bf16``, ``fp16``, ``half``, ``fp32``, torch dtypes) to their names.
-    ``ValueError`` for anything else."""
+def resolve_dtype(dtype: str | torch.dtype, device: str, *, checkpoint_dtype: str | None = None) -> str:
+    """The dtype name the ranks use: ``"auto"`` -> ``checkpoint_dtype`` when given (a
+    checkpoint's own), else ``"bfloat16"`` on cuda and ``"float32"`` on cpu; aliases
+    (``bf16``, ``fp16``, ``half``, ``fp32``, torch dtypes) to their names. ``ValueError``
+    for anything else."""
     if isinstance(dtype, torch.dtype):
         dtype = str(dtype).replace("torch.", "")
+    if dtype == "auto" and checkpoint_dtype is not None:
+        if checkpoint_dtype not in DTYPES:
+            raise ValueError(f"the checkpoint's torch_dtype {checkpoint_dtype!r} is not supported; pass dtype=")
+        return checkpoint_dtype
     if dtype == "auto":
         return "bfloat16" if device == "cuda" else "float32"
     name = _DTYPE_ALIASES.get(dtype, dtype)

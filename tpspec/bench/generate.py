@@ -17,6 +17,10 @@ actor per rank and hands the env var to them through Ray's ``runtime_env``. Each
 configuration builds a fresh ``LLM``, makes one warm-up call, then the timed ``generate``.
 The table reports tokens/s, measured accepted drafts per step (a check that forcing took
 effect) and the speed-up over ``no-spec``. On CPU only the ratios mean something.
+
+``--model-shape llama-3-8b | llama-3-70b | qwen2.5-7b`` runs a real model shape with random
+weights built on each rank instead of a checkpoint (``--num-layers`` / ``--vocab-size``
+shrink it for quick checks).
 """
 
 from __future__ import annotations
@@ -53,16 +57,20 @@ def measure(cfg: dict) -> dict:
     forced acceptance rate from this process's environment and hands it to every rank.
     """
     from ..runtime import LLM, SpeculativeConfig
+    from ..sampling.params import SamplingParams
 
-    spec = SpeculativeConfig("ngram", num_draft_tokens=cfg["draft_len"]) if cfg["draft_len"] else None
-    with LLM(cfg["model"], tp_size=cfg["tp"], launcher=cfg["launcher"], device=cfg["device"], dtype=cfg["dtype"],
-             speculative=spec, max_batch_size=cfg["max_batch_size"], use_cuda_graphs=cfg["use_cuda_graphs"]) as llm:
+    spec = SpeculativeConfig("ngram", num_speculative_tokens=cfg["draft_len"]) if cfg["draft_len"] else None
+    backend = {"torchrun": "external_launcher"}.get(cfg["launcher"], cfg["launcher"])
+    with LLM(cfg["model"], tensor_parallel_size=cfg["tp"], distributed_executor_backend=backend, device=cfg["device"],
+             dtype=cfg["dtype"], speculative_config=spec, max_num_seqs=cfg["max_batch_size"],
+             enforce_eager=not cfg["use_cuda_graphs"]) as llm:
         prompts = _prompts(cfg["num_prompts"], cfg["prompt_len"], llm.vocab_size)
         # Warm up on the timed batch itself (its CUDA-graph bucket, first-use costs of its shapes),
         # so the timed call measures steady-state steps.
-        llm.generate(prompts, max_new_tokens=min(WARMUP_TOKENS, cfg["max_new_tokens"]), ignore_eos=True,
-                     use_tqdm=False)
-        llm.generate(prompts, max_new_tokens=cfg["max_new_tokens"], ignore_eos=True, use_tqdm=False)
+        warmup = SamplingParams(temperature=0.0, max_tokens=min(WARMUP_TOKENS, cfg["max_new_tokens"]), ignore_eos=True)
+        llm.generate(prompts, warmup, use_tqdm=False)
+        timed = SamplingParams(temperature=0.0, max_tokens=cfg["max_new_tokens"], ignore_eos=True)
+        llm.generate(prompts, timed, use_tqdm=False)
         stats = llm.last_stats
         rank = llm.rank
     assert stats is not None
@@ -142,6 +150,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-cuda-graphs", action="store_true", help="eager generation steps on GPU")
     parser.add_argument("--quick", action="store_true", help="small sizes, seconds per configuration on CPU")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds before the run is abandoned")
+    add_shape_arguments(parser)
+
+
+def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..model.shapes import MODEL_SHAPES
+
+    parser.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default=None,
+                        help="a real model shape with random weights built on each rank (instead of --model)")
+    parser.add_argument("--num-layers", type=int, default=None, help="with --model-shape: fewer layers")
+    parser.add_argument("--vocab-size", type=int, default=None, help="with --model-shape: another vocabulary size")
+
+
+def model_argument(args: argparse.Namespace) -> str:
+    """``--model``, or the ``shape:`` path of ``--model-shape`` (``SystemExit`` on a bad mix)."""
+    from ..model.shapes import shape_path
+
+    if args.model_shape is None:
+        if args.num_layers is not None or args.vocab_size is not None:
+            raise SystemExit("tpspec bench generate: --num-layers / --vocab-size need --model-shape")
+        return args.model
+    if args.model != "tiny":
+        raise SystemExit("tpspec bench generate: give --model or --model-shape, not both")
+    try:
+        return shape_path(args.model_shape, args.num_layers, args.vocab_size)
+    except ValueError as exc:
+        raise SystemExit(f"tpspec bench generate: {exc}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -154,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("tpspec bench generate: --tp must be >= 1")
     num_prompts = args.num_prompts or (2 if args.quick else 8)
     cfg = {
-        "model": args.model, "tp": tp, "launcher": args.launcher, "device": device, "dtype": args.dtype,
+        "model": model_argument(args), "tp": tp, "launcher": args.launcher, "device": device, "dtype": args.dtype,
         "num_prompts": num_prompts, "prompt_len": args.prompt_len or (8 if args.quick else 64),
         "max_new_tokens": args.max_new_tokens or (12 if args.quick else 128),
         "max_batch_size": args.max_batch_size or num_prompts, "use_cuda_graphs": not args.no_cuda_graphs,

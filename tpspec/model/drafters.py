@@ -4,7 +4,7 @@
   of the history's last n tokens and propose what followed it. No model, no device.
 * :class:`DraftModel` — a smaller checkpoint of the same family and vocabulary, TP-sharded
   like the target. Its vocab-sharded head yields greedy drafts through the key exchange's
-  draft channel: ``draft(batch).argmax(channel=DRAFT_CHANNEL)``.
+  draft channel: ``draft(batch).argmax(channel=Channel.DRAFT)``.
 """
 
 from __future__ import annotations
@@ -19,10 +19,6 @@ from ..mapping import Mapping
 from .config import ModelConfig
 from .llama import TPLlamaForCausalLM
 from .loader import load_weights
-
-DRAFT_CHANNEL = 0
-"""Exchange channel of draft-token picks (the target's picks use channel 1)."""
-
 
 class NgramDrafter:
     """Prompt-lookup drafting: for ``n`` from ``max_ngram`` down to ``min_ngram``, match the
@@ -64,7 +60,7 @@ class DraftModel(TPLlamaForCausalLM):
 
     ``target_config``: when given, the draft's vocabulary must match it (``ValueError``
     otherwise). Pass the target's ``exchange`` to share it; picks of draft tokens use
-    channel :data:`DRAFT_CHANNEL`.
+    channel ``Channel.DRAFT``.
     """
 
     def __init__(
@@ -76,6 +72,7 @@ class DraftModel(TPLlamaForCausalLM):
         dtype: torch.dtype = torch.float32,
         exchange: KeyExchange | None = None,
         target_config: ModelConfig | None = None,
+        attention_backend: str = "auto",
     ) -> None:
         config = ModelConfig.from_pretrained(path)
         if target_config is not None and config.vocab_size != target_config.vocab_size:
@@ -83,7 +80,8 @@ class DraftModel(TPLlamaForCausalLM):
                 f"draft model {os.fspath(path)!r} has vocab_size={config.vocab_size}, "
                 f"the target has {target_config.vocab_size}: a draft must share the target's vocabulary"
             )
-        super().__init__(config, mapping, device=device, dtype=dtype, exchange=exchange)
+        super().__init__(config, mapping, device=device, dtype=dtype, exchange=exchange,
+                         attention_backend=attention_backend)
         self.load_stats = load_weights(self, path)
         self.path = os.fspath(path)
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import dataclasses
 import os
 import pickle
 import queue
@@ -208,8 +207,8 @@ class InProcessExecutor(Executor):
         if mapping.world_size != self.spec.world_size:
             if self._owns_group:
                 D.destroy_distributed()
-            raise ValueError(f"launcher='torchrun' runs one TP group: WORLD_SIZE={mapping.world_size} must equal "
-                             f"tp_size={self.spec.world_size}")
+            raise ValueError(f"an in-process rank runs one TP group: WORLD_SIZE={mapping.world_size} must equal "
+                             f"tensor_parallel_size={self.spec.world_size}")
         self.local_rank = mapping.rank
         device = torch.device("cuda", torch.cuda.current_device()) if self.spec.device == "cuda" else \
             torch.device("cpu")
@@ -602,7 +601,7 @@ class _RayRank:
 class RayExecutor(Executor):
     """One actor per rank in a placement group of ``{"GPU": 1}`` bundles (``{"CPU": 1}`` on
     CPU). Joins the Ray cluster that ``RAY_ADDRESS`` or ``ray_init_kwargs["address"]`` names;
-    otherwise starts a local Ray bound to 127.0.0.1 and stops it at shutdown."""
+    otherwise starts a local Ray of its own and stops it at shutdown."""
 
     def __init__(self, spec: GroupSpec, *, init_timeout_s: float = 300.0, timeout_s: float = 120.0,
                  placement_timeout_s: float = 60.0, ray_init_kwargs: dict | None = None) -> None:
@@ -786,22 +785,23 @@ class RayExecutor(Executor):
 
 def ray_init_arguments(ray_init_kwargs: dict | None = None) -> dict:
     """``ray.init`` arguments: join the cluster that ``RAY_ADDRESS`` or an explicit
-    ``address`` names; otherwise start a new local Ray bound to 127.0.0.1 (never the
-    cluster a ``ray start`` on this host left recorded), without dashboard."""
+    ``address`` names; otherwise start a new local Ray (never the cluster a ``ray start``
+    on this host left recorded), without dashboard. Ray itself picks the address its
+    services listen on: it turns a loopback node address into the host's own."""
     kwargs = dict(ray_init_kwargs or {})
     if os.environ.get("RAY_ADDRESS") or "address" in kwargs:
         return kwargs
-    return {"address": "local", "_node_ip_address": "127.0.0.1", "include_dashboard": False,
-            "log_to_driver": False, **kwargs}
+    return {"address": "local", "include_dashboard": False, "log_to_driver": False, **kwargs}
 
 
 def make_executor(launcher: str, spec: GroupSpec, **options: Any) -> Executor:
-    """``"mp"`` -> :class:`MPExecutor`, ``"ray"`` -> :class:`RayExecutor`, ``"torchrun"`` ->
-    :class:`InProcessExecutor` (which takes no options)."""
+    """``"mp"`` -> :class:`MPExecutor`, ``"ray"`` -> :class:`RayExecutor`,
+    ``"external_launcher"`` (torchrun started this process) -> :class:`InProcessExecutor`
+    (which takes no options)."""
     if launcher == "mp":
         return MPExecutor(spec, **options)
     if launcher == "ray":
         return RayExecutor(spec, **options)
-    if launcher == "torchrun":
+    if launcher == "external_launcher":
         return InProcessExecutor(spec)
     raise ValueError(f"launcher must be one of {LAUNCHERS}, got {launcher!r}")
