@@ -65,7 +65,7 @@ class EngineConfig:
     per rank, all paged models together. Else on CUDA ``gpu_memory_utilization`` (default
     0.9): the share of the GPU the engine may use (split between ranks sharing a GPU); what
     weights and a profiled step leave goes to pages. Else (CPU): pages for ``max_batch_size``
-    requests of ``max_seq_len`` tokens. ``attention_backend``: ``"auto"`` (FlashInfer on CUDA
+    requests of ``max_seq_len`` tokens, at most 4 GiB. ``attention_backend``: ``"auto"`` (FlashInfer on CUDA
     when installed), ``"torch"`` or ``"flashinfer"``.
     """
 

@@ -184,7 +184,8 @@ class LLM:
     KV cache (paged): ``page_size`` tokens a page (default 16); ``kv_cache_bytes``: bytes of
     pages per rank (any device); ``gpu_memory_utilization``: on CUDA, the share of the GPU the
     engine may use (default 0.9), weights and a profiled step first, the rest to pages; on
-    CPU without ``kv_cache_bytes``, pages for ``max_batch_size`` requests of ``max_seq_len``.
+    CPU without ``kv_cache_bytes``, pages for ``max_batch_size`` requests of ``max_seq_len``
+    (at most 4 GiB).
     Requests wait (in order) for pages; one that could never fit raises ``ValueError``.
     ``attention_backend``: ``"auto"`` (FlashInfer on CUDA when installed, else torch),
     ``"torch"`` or ``"flashinfer"``.
