@@ -69,7 +69,7 @@ def rank_worker(rank: int, world: int) -> dict:
                 out["greedy"][(vocab, rows, str(dtype))] = ex.argmax_logits(local, offset, vocab_size=vocab)
                 t, s, o = streams(rows, vocab)
                 out["gumbel"][(vocab, rows, str(dtype))] = ex.argmax_logits(
-                    local, offset, vocab_size=vocab, temperature=t, seeds=s, offsets=o
+                    local, offset, vocab_size=vocab, rows=K.SamplingRows(t, s, o)
                 )
     # argmax_tokens from per-rank (max, argmax): ties across ranks go to the lowest global index.
     full = full_logits(5, 40, 999, torch.float32)
@@ -81,7 +81,7 @@ def rank_worker(rank: int, world: int) -> dict:
     flat = torch.zeros(8, 999)
     local, offset = shard(flat, world, rank)
     temp = torch.ones(8)
-    out["unseeded"] = [ex.argmax_logits(local, offset, vocab_size=999, temperature=temp) for _ in range(3)]
+    out["unseeded"] = [ex.argmax_logits(local, offset, vocab_size=999, rows=K.SamplingRows(temp)) for _ in range(3)]
     # The head: full weight split by rank, forward -> sharded logits.
     gen = torch.Generator().manual_seed(9)
     weight = torch.randn(999, 16, generator=gen)
@@ -112,7 +112,7 @@ def reference(world_results: list[dict]) -> None:
             full = full_logits(vocab * 31 + rows, rows, vocab, getattr(torch, dtype.split(".")[1]))
             assert torch.equal(tokens, torch.argmax(full, dim=1)), f"greedy mismatch at {key}"
             t, s, o = streams(rows, vocab)
-            tp1 = ex1.argmax_logits(full, 0, vocab_size=vocab, temperature=t, seeds=s, offsets=o)
+            tp1 = ex1.argmax_logits(full, 0, vocab_size=vocab, rows=K.SamplingRows(t, s, o))
             assert torch.equal(rank_out["gumbel"][key], tp1), f"Gumbel draw differs from TP=1 at {key}"
         full = full_logits(5, 40, 999, torch.float32)
         assert torch.equal(rank_out["argmax_tokens"], torch.argmax(full, dim=1))
@@ -124,8 +124,8 @@ def reference(world_results: list[dict]) -> None:
         full = hidden @ weight.T
         assert torch.equal(rank_out["head_argmax"], torch.argmax(full, dim=1))
         torch.testing.assert_close(rank_out["head_gather"], full, rtol=1e-5, atol=1e-5)
-        tp1 = ex1.argmax_logits(full, 0, vocab_size=999, temperature=torch.full((5,), 0.7),
-                                seeds=torch.arange(5), offsets=torch.zeros(5, dtype=torch.int64))
+        tp1 = ex1.argmax_logits(full, 0, vocab_size=999, rows=K.SamplingRows(
+            torch.full((5,), 0.7), torch.arange(5), torch.zeros(5, dtype=torch.int64)))
         assert torch.equal(rank_out["head_sample"], tp1)
         assert rank_out["gather_empty"] == (0, 999)
         assert "but this process is rank" in rank_out["wrong_rank"]
@@ -144,7 +144,7 @@ def test_tp1_without_process_group_and_padding_never_wins():
     assert ex.argmax_logits(logits, 0, vocab_size=2).tolist() == [1]
     t = torch.tensor([1.0])
     for off in range(50):
-        tok = ex.argmax_logits(logits, 0, vocab_size=2, temperature=t, seeds=torch.tensor([3]), offsets=torch.tensor([off]))
+        tok = ex.argmax_logits(logits, 0, vocab_size=2, rows=K.SamplingRows(t, torch.tensor([3]), torch.tensor([off])))
         assert int(tok) < 2
 
 
@@ -155,26 +155,26 @@ def test_gumbel_draw_is_exact_chi_square():
     temperature = 0.8
     n = 200_000
     rows = logits.expand(n, -1)
-    tokens = ex.argmax_logits(rows, 0, temperature=torch.full((n,), temperature),
-                              seeds=torch.full((n,), 1234, dtype=torch.int64), offsets=torch.arange(n))
+    tokens = ex.argmax_logits(rows, 0, rows=K.SamplingRows(torch.full((n,), temperature),
+                                                      torch.full((n,), 1234, dtype=torch.int64), torch.arange(n)))
     counts = torch.bincount(tokens, minlength=10).double()
     expected = torch.softmax(logits.double() / temperature, 0) * n
     assert float(expected.min()) >= 5
     p = stats.chisquare(counts.numpy(), expected.numpy()).pvalue
     assert p > 1e-3, f"chi-square p={p}"
     # The sharded draw of the same rows is the same draw (TP invariance at the key level).
-    left = K.local_row_keys(rows[:1000, :4], 0, temperature=torch.full((1000,), temperature),
-                            seeds=torch.full((1000,), 1234), offsets=torch.arange(1000))
-    right = K.local_row_keys(rows[:1000, 4:], 4, temperature=torch.full((1000,), temperature),
-                             seeds=torch.full((1000,), 1234), offsets=torch.arange(1000))
+    left = K.local_row_keys(rows[:1000, :4], 0, rows=K.SamplingRows(torch.full((1000,), temperature),
+                                                                  torch.full((1000,), 1234), torch.arange(1000)))
+    right = K.local_row_keys(rows[:1000, 4:], 4, rows=K.SamplingRows(torch.full((1000,), temperature),
+                                                                   torch.full((1000,), 1234), torch.arange(1000)))
     assert torch.equal(K.unpack_indices(torch.maximum(left, right)), tokens[:1000])
 
 
 def test_different_offsets_and_seeds_give_different_draws():
     ex = AllGatherKeyExchange()
     rows = torch.zeros(1, 1000)
-    draws = {int(ex.argmax_logits(rows, 0, temperature=torch.ones(1), seeds=torch.tensor([s]),
-                                  offsets=torch.tensor([o]))) for s in range(5) for o in range(5)}
+    draws = {int(ex.argmax_logits(rows, 0, rows=K.SamplingRows(torch.ones(1), torch.tensor([s]),
+                                                               torch.tensor([o])))) for s in range(5) for o in range(5)}
     assert len(draws) > 20
 
 
@@ -183,15 +183,15 @@ def test_different_offsets_and_seeds_give_different_draws():
     [
         (dict(logits=torch.zeros(3, 4, dtype=torch.int32)), "float32, bfloat16 or float16"),
         (dict(logits=torch.zeros(4)), "2-D"),
-        (dict(temperature=torch.ones(2)), "temperature has 2 rows but the logits have 3"),
-        (dict(temperature=torch.ones(3, 1)), "1-D"),
-        (dict(temperature=torch.ones(3, dtype=torch.int64)), "floating"),
+        (dict(rows=K.SamplingRows(torch.ones(2))), "temperature has 2 rows but the logits have 3"),
+        (dict(rows=K.SamplingRows(torch.ones(3, 1))), "1-D"),
+        (dict(rows=K.SamplingRows(torch.ones(3, dtype=torch.int64))), "floating"),
         (dict(vocab_offset=-1), "vocab_offset=-1 is out of range"),
         (dict(vocab_offset=1.0), "vocab_offset must be an int"),
-        (dict(temperature=torch.ones(3), seeds=torch.zeros(3, dtype=torch.int64)), "seeds and offsets together"),
-        (dict(temperature=torch.ones(3), seeds=torch.zeros(3, dtype=torch.int32),
-              offsets=torch.zeros(3, dtype=torch.int32)), "seeds must be int64"),
-        (dict(seeds=torch.zeros(3, dtype=torch.int64), offsets=torch.zeros(3, dtype=torch.int64)), "without temperature"),
+        (dict(rows=K.SamplingRows(torch.ones(3), torch.zeros(3, dtype=torch.int64))), "seeds and offsets together"),
+        (dict(rows=K.SamplingRows(torch.ones(3), torch.zeros(3, dtype=torch.int32), torch.zeros(3, dtype=torch.int32))),
+         "seeds must be int64"),
+        (dict(rows=torch.ones(3)), "rows must be a SamplingRows"),
         (dict(channel=5), "channel=5 is out of range"),
     ],
 )
@@ -230,8 +230,8 @@ def _padding_rank_worker(rank: int, world: int) -> list:
     ex = AllGatherKeyExchange()
     local = torch.tensor([[0.0, 1.0], [2.0, -1.0]]) if rank == 0 else torch.full((2, 2), 9.0)
     greedy = ex.argmax_logits(local, 2 * rank, vocab_size=2)
-    sampled = ex.argmax_logits(local, 2 * rank, vocab_size=2, temperature=torch.ones(2),
-                               seeds=torch.tensor([3, 4]), offsets=torch.tensor([0, 0]))
+    sampled = ex.argmax_logits(local, 2 * rank, vocab_size=2,
+                               rows=K.SamplingRows(torch.ones(2), torch.tensor([3, 4]), torch.tensor([0, 0])))
     return [greedy.tolist(), sampled.tolist()]
 
 

@@ -177,7 +177,7 @@ def test_local_row_keys_greedy_threshold_and_padding():
     assert K.unpack_indices(keys).tolist() == [11, 10]
     temp = torch.tensor([1e-6, 0.0])
     seeds = torch.tensor([1, 2]); offsets = torch.tensor([0, 0])
-    keys_t = K.local_row_keys(logits, 10, vocab_size=13, temperature=temp, seeds=seeds, offsets=offsets)
+    keys_t = K.local_row_keys(logits, 10, vocab_size=13, rows=K.SamplingRows(temp, seeds, offsets))
     assert torch.equal(keys_t, keys)  # below threshold -> greedy, bit for bit
     empty = K.local_row_keys(logits, 20, vocab_size=13)
     assert (empty == K.EMPTY_KEY).all()

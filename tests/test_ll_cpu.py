@@ -1,10 +1,10 @@
-"""What the CI (no GPU) can check of the LL exchange: the kernel source compiles for sm_90
-with the flags NVRTC gets, its constants match the torch reference, and the host-side
-logic (layout, chunking, errors, factory fallback) behaves."""
+"""What the CI (no GPU) can check of the LL exchange: the kernel sources compile for sm_90
+with the flags NVRTC gets, the shared constants match the torch reference, every plan is
+valid for the kernels it names, and the host-side logic (layout, errors, factory fallback)
+behaves."""
 
 from __future__ import annotations
 
-import re
 import shutil
 import subprocess
 
@@ -15,6 +15,7 @@ import torch
 from tpspec import keys as K
 from tpspec.exchange import AllGatherKeyExchange, cuda_module, make_key_exchange
 from tpspec.exchange import ll as L
+from tpspec.exchange import ll_plan as P
 from tpspec.exchange.base import KeyExchange
 from tpspec.exchange.factory import ll_decision, local_ll_blocker
 from tpspec.testing import run_ranks
@@ -27,20 +28,37 @@ def _f32_bits(value: float) -> int:
 # ------------------------------------------------------------------ the CUDA source
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
-def test_kernel_source_compiles_for_sm90(tmp_path):
-    out = tmp_path / "ll_exchange.cubin"
-    cmd = cuda_module.nvcc_command(out, arch="sm_90", kind="cubin")
+@pytest.mark.parametrize("name, kernels, absent", [
+    (cuda_module.SOURCE_FILE, cuda_module.KERNEL_NAMES, cuda_module.FLOOR_KERNEL_NAMES),
+    (cuda_module.FLOORS_FILE, cuda_module.FLOOR_KERNEL_NAMES, cuda_module.KERNEL_NAMES),
+])
+def test_kernel_sources_compile_for_sm90(tmp_path, name, kernels, absent):
+    out = tmp_path / "ll.cubin"
+    cmd = cuda_module.nvcc_command(out, arch="sm_90", kind="cubin", name=name)
     result = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
     assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stdout}\n{result.stderr}"
     assert "warning" not in result.stderr.lower(), result.stderr
     blob = out.read_bytes()
-    for name in cuda_module.KERNEL_NAMES:
-        assert name.encode() in blob, f"kernel {name} missing from the cubin"
+    for kernel in kernels:
+        assert kernel.encode() in blob, f"kernel {kernel} missing from the cubin of {name}"
+    for kernel in absent:  # the benchmark references stay out of the exchange's module, and back
+        assert kernel.encode() not in blob, f"kernel {kernel} should not be in {name}"
 
 
-def test_source_constants_match_the_torch_reference():
-    source = cuda_module.kernel_source()
-    defines = {m.group(1): int(m.group(2), 16) for m in re.finditer(r"#define (\w+) 0x([0-9a-fA-F]+)u?", source)}
+def test_nvrtc_text_inlines_every_local_header_once():
+    for name in (cuda_module.SOURCE_FILE, cuda_module.FLOORS_FILE):
+        text = cuda_module.kernel_source(name)
+        assert "#include" not in text  # NVRTC gets one self-contained text
+        lines = text.splitlines()
+        for header in sorted(cuda_module.source_dir().glob("*.h")):
+            guard = f"#define TPSPEC_{header.name.upper().replace('.', '_')}"
+            assert lines.count(guard) <= 1, (name, header.name)
+        assert lines.count("#define TPSPEC_LL_CONSTANTS_H") == 1
+    assert "ll_argmax_logits_bf16" not in cuda_module.kernel_source(cuda_module.FLOORS_FILE)
+
+
+def test_shared_constants_match_the_torch_reference():
+    c = cuda_module.shared_constants()
     expected = {f"INV{k}_BITS": _f32_bits(v) for k, v in K._INV_ODD.items()}
     expected.update(
         LN2_HI_BITS=_f32_bits(K._LN2_HI),
@@ -52,21 +70,36 @@ def test_source_constants_match_the_torch_reference():
         PHILOX_M1=K.PHILOX_M1,
         PHILOX_W0=K.PHILOX_W0,
         PHILOX_W1=K.PHILOX_W1,
+        GUMBEL_TABLE_SIZE=2 * K.GUMBEL_BUCKETS_PER_HALF,
+        GUMBEL_SUB_BITS=K.GUMBEL_BUCKET_SUB_BITS,
+        GUMBEL_ABS_ERROR=K.GUMBEL_BOUND_ABS_ERROR,
+        GUMBEL_REL_ERROR=K.GUMBEL_BOUND_REL_ERROR,
     )
     for name, value in expected.items():
-        assert defines.get(name) == value, f"{name}: source has {defines.get(name)!r}, keys.py {value:#x}"
-    assert f"#define LL_THREADS {cuda_module.THREADS_PER_BLOCK}" in source
-    assert f"#define GUMBEL_TABLE_SIZE {2 * K.GUMBEL_BUCKETS_PER_HALF}" in source
-    assert f"#define GUMBEL_SUB_BITS {K.GUMBEL_BUCKET_SUB_BITS}" in source
-    for name, value in (("GUMBEL_ABS_ERROR", K.GUMBEL_BOUND_ABS_ERROR), ("GUMBEL_REL_ERROR", K.GUMBEL_BOUND_REL_ERROR)):
-        assert float(re.search(rf"#define {name} ([0-9.e+-]+)f", source).group(1)) == value, name
-    assert f"#define LL_MAX_WORLD {cuda_module.MAX_WORLD}" in source
+        assert c.get(name) == value, f"{name}: ll_constants.h has {c.get(name)!r}, keys.py {value!r}"
+    # The float constants are what the kernel reads (float32): the header's decimal must round-trip.
+    for name in ("GUMBEL_ABS_ERROR", "GUMBEL_REL_ERROR"):
+        assert float(np.float32(c[name])) == pytest.approx(c[name], rel=1e-7)
+    kc = P.kernel_constants()
+    assert kc.max_world == 64  # missing-rank masks are 64-bit words
+    assert kc.threads % 32 == 0 and kc.line_bytes == 16
+
+
+def test_parse_constants_reads_only_the_documented_form():
+    text = ("#ifndef G\n#define G\n#define A 12  // a\n#define B 0xFFu\n#define F 1.5e-3f\n"
+            "// #define C 3\n")
+    assert cuda_module.parse_constants(text) == {"A": 12, "B": 255, "F": 1.5e-3}
+    with pytest.raises(ValueError, match="NAME VALUE"):
+        cuda_module.parse_constants("#define M(x) (x + 1)\n")
+    with pytest.raises(ValueError, match="unknown form"):
+        cuda_module.parse_constants("#define D sizeof(int)\n")
 
 
 def test_source_never_uses_multicast_or_fast_math():
-    source = cuda_module.kernel_source()
-    for banned in ("cuMulticast", "multimem", "__expf", "__logf", "__fdividef", "#include"):
-        assert banned not in source, banned
+    for name in (cuda_module.SOURCE_FILE, cuda_module.FLOORS_FILE):
+        source = cuda_module.kernel_source(name)
+        for banned in ("cuMulticast", "multimem", "__expf", "__logf", "__fdividef"):
+            assert banned not in source, banned
     assert "--fmad=false" in cuda_module.compile_options()
     assert "-std=c++17" in cuda_module.compile_options()
 
@@ -76,60 +109,126 @@ def test_source_dir_env_override(tmp_path, monkeypatch):
     assert cuda_module.source_dir() == tmp_path
     with pytest.raises(RuntimeError, match=cuda_module.SOURCE_ENV):
         cuda_module.kernel_source()
-    (tmp_path / cuda_module.SOURCE_FILE).write_text("// empty")
-    assert cuda_module.kernel_source() == "// empty"
+    (tmp_path / cuda_module.SOURCE_FILE).write_text('#include "part.h"\n// kernels\n')
+    with pytest.raises(RuntimeError, match="part.h"):
+        cuda_module.kernel_source()
+    (tmp_path / "part.h").write_text("// part\n")
+    assert cuda_module.kernel_source() == "// part\n// kernels\n"
     with pytest.raises(ValueError, match="kind"):
         cuda_module.nvcc_command(tmp_path / "x", kind="fatbin")
 
 
-# ---------------------------------------------------------------- host-side logic
+# ---------------------------------------------------------------------- the launch plan
 
-@pytest.mark.parametrize("sampled", [False, True])
-@pytest.mark.parametrize("elem", [4, 2])
-def test_plan_chunks_covers_rows_with_aligned_chunks(sampled, elem):
-    for rows in (1, 3, 8, 64, 256, 1024):
-        for cols in (0, 1, 7, 1000, 16384, 32000, 65536, 128256):
-            chunk, chunks = L.plan_chunks(rows, cols, elem, 132, sampled)
-            assert chunk % (32 * 16 // elem) == 0
-            assert chunks >= 1 and chunk * chunks >= cols
-            assert (chunks - 1) * chunk < max(cols, 1)  # no empty trailing chunk
-            # One wave: a second, mostly idle wave of blocks measured slower on the H200.
-            wave = (4 if sampled else 2) * 132
-            assert rows * chunks <= max(wave, rows)
-    # Small batches spread a row over many blocks.
-    assert L.plan_chunks(1, 65536, 2, 132, False)[1] >= 32
-    assert L.plan_chunks(256, 65536, 2, 132, False) == (65536, 1)
+DTYPES = ("float32", "bfloat16", "float16")
+SHAPE_ROWS = (1, 2, 3, 5, 8, 9, 16, 33, 64, 100, 128, 256, 1000, 4096)
+SHAPE_WIDTHS = (0, 1, 7, 8, 255, 256, 257, 513, 1000, 4099, 16384, 20000, 32000, 65536, 128256, 262144)
+SHAPE_SMS = (1, 16, 66, 78, 132, 264)
 
 
-def test_sampled_calls_plan_two_blocks_an_sm_unless_four_make_chunks_fit_one_tile():
-    tile = L.sampled_tile_columns(2)  # 4096 bf16 columns
-    # Two an SM (264 blocks on 132 SMs) wherever that keeps the kernel, or neither count fits a tile.
-    assert L.plan_chunks(8, 65536, 2, 132, True) == (2048, 32)  # 4 an SM would be 1024 x 64
-    assert L.plan_chunks(32, 16384, 2, 132, True) == (2048, 8)
-    assert L.plan_chunks(64, 16384, 2, 132, True) == (tile, 4)
-    assert L.plan_chunks(256, 16384, 2, 132, True) == (16384, 1)  # 4 an SM: 8192, two tiles too
-    assert L.plan_chunks(256, 65536, 2, 132, True) == (65536, 1)
-    # Four an SM where only they fit one tile (the _one_tile kernels beat the plain one there).
-    assert L.plan_chunks(128, 16384, 2, 132, True) == (tile, 4)
-    assert L.plan_chunks(32, 65536, 2, 132, True) == (tile, 16)
-    for rows in (1, 3, 8, 16, 32, 64, 100, 128, 256):
-        for cols in (1000, 16384, 32768, 65536):
-            for elem in (2, 4):
-                chunk, chunks = L.plan_chunks(rows, cols, elem, 132, True)
-                two = L._split_rows(rows, cols, elem, 2 * 132, 132, True)
-                assert (chunk, chunks) == two or (two[0] > L.sampled_tile_columns(elem)
-                                                  and chunk <= L.sampled_tile_columns(elem))
+def _plans():
+    for sms in SHAPE_SMS:
+        for dtype in DTYPES:
+            for mode in P.MODES:
+                for rows in SHAPE_ROWS:
+                    for width in SHAPE_WIDTHS:
+                        yield (rows, width, dtype, mode, sms), P.plan(rows, width, dtype, mode, sms)
+
+
+def test_every_shape_gets_a_valid_plan():
+    c = P.kernel_constants()
+    for (rows, width, dtype, mode, sms), p in _plans():
+        case = (rows, width, dtype, mode, sms, p)
+        elem = P.DTYPE_BYTES[dtype]
+        assert p.kernel in cuda_module.KERNEL_NAMES, case
+        prefix = "ll_argmax_logits_" + {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[dtype]
+        assert p.kernel in (prefix, prefix + "_one_tile", prefix + "_columns"), case
+        assert p.threads == c.threads and p.rows == rows and p.blocks == rows * p.chunks
+        # The chunks cover the row, none of them empty, in whole warps of 16-byte loads.
+        assert p.chunks >= 1 and p.chunk * p.chunks >= width, case
+        assert (p.chunks - 1) * p.chunk < max(width, 1), case
+        assert p.chunk % (32 * 16 // elem) == 0, case
+        # One wave of the budget (a row gets at least a block), and no budget beyond the block lines.
+        assert p.blocks <= max(rows, p.block_budget), case
+        assert p.blocks <= P.max_grid_blocks(rows, sms), case
+        # Shared memory: a key per row, plus a key per block in the collector; no opt-in needed
+        # up to max_rows = MAX_MAX_ROWS.
+        assert p.shared_bytes == 8 * rows * (1 + p.chunks if p.chunks > 1 else 1), case
+        if rows <= L.MAX_MAX_ROWS:
+            assert p.shared_bytes <= P.DEFAULT_DYNAMIC_SHARED_LIMIT, case
+        if p.gather == "row_warps":
+            assert rows <= c.threads // 32
+            assert p.chunks <= (c.columns_gather_max_chunks if p.sampled_route == "columns"
+                                else c.row_gather_max_chunks), case
+        else:
+            assert p.gather == "block_lines"
+        tile = P.sampled_tile_columns(elem)
+        if mode == "greedy":
+            assert p.sampled_route is None and p.per_thread == 0 and not p.kernel.endswith(("_columns", "_one_tile"))
+            assert p.block_budget <= P.GREEDY_BLOCKS_PER_SM * sms
+            # A block reads at most a pack a thread, or whole groups of greedy_span's loads.
+            assert p.chunk * elem <= 16 * c.threads or p.chunk * elem % P.greedy_group_bytes() == 0, case
+        elif p.sampled_route == "columns":
+            assert p.kernel.endswith("_columns") and p.chunk == p.per_thread * c.threads and p.per_thread in (1, 2)
+            assert p.blocks <= sms and p.chunks <= c.columns_gather_max_chunks, case
+        elif p.sampled_route in ("pruned_quads", "one_tile"):
+            assert p.kernel.endswith("_one_tile") and 2 * c.threads < p.chunk <= tile, case
+            quads = 4 * c.threads * p.per_thread
+            if p.sampled_route == "pruned_quads":
+                assert 1 <= p.per_thread <= c.pruned_quads_max and quads - 4 * c.threads < p.chunk <= quads, case
+            else:
+                assert p.chunk > 4 * c.threads * c.pruned_quads_max and p.per_thread == 0, case
+        else:
+            assert p.sampled_route == "tiles" and p.chunk > tile and p.per_thread == 0, case
+            assert not p.kernel.endswith(("_columns", "_one_tile")), case
+        if mode == "sampled" and p.sampled_route != "columns":
+            # Two blocks an SM, or four where only four make every chunk fit one tile.
+            assert p.block_budget in (P.SAMPLED_BLOCKS_PER_SM_FIRST * sms, P.SAMPLED_BLOCKS_PER_SM * sms), case
+            if p.block_budget == P.SAMPLED_BLOCKS_PER_SM * sms:
+                assert p.chunk <= tile, case
+
+
+def test_small_sampled_calls_take_a_column_a_thread_where_one_block_an_sm_holds_them():
+    c = P.kernel_constants()
+    for (rows, width, dtype, mode, sms), p in _plans():
+        if mode != "sampled":
+            continue
+        chunks = -(-max(width, 1) // c.threads)
+        if rows * chunks <= sms and chunks <= c.columns_gather_max_chunks:
+            assert (p.sampled_route, p.per_thread, p.chunk) == ("columns", 1, c.threads), (rows, width, sms, p)
+
+
+def test_every_fused_kernel_of_the_source_is_some_plan_s_choice():
+    # A kernel no plan picks is dead code to compile at every start: the source must not hold one.
+    picked = {p.kernel for _, p in _plans()}
+    fused = {name for name in cuda_module.KERNEL_NAMES if name.startswith("ll_argmax_logits")}
+    assert picked == fused
+    routes = {p.sampled_route for _, p in _plans()}
+    assert routes == {None, "columns", "pruned_quads", "one_tile", "tiles"}
+    assert {p.per_thread for _, p in _plans() if p.sampled_route == "pruned_quads"} == {1, 2}
+    assert {p.gather for _, p in _plans()} == {"row_warps", "block_lines"}
+
+
+def test_plan_rejects_bad_input():
+    for kwargs, field in ((dict(rows=0), "rows"), (dict(rows=True), "rows"), (dict(width=-1), "width"),
+                          (dict(dtype="int8"), "dtype"), (dict(mode="fast"), "mode"), (dict(sms=0), "sms"),
+                          (dict(sms=1.5), "sms")):
+        args = dict(rows=4, width=1000, dtype="bfloat16", mode="greedy", sms=132) | kwargs
+        with pytest.raises(ValueError, match=field):
+            P.plan(**args)
+    # torch dtypes name the same plans as their names.
+    assert P.plan(4, 1000, torch.bfloat16, "sampled", 132) == P.plan(4, 1000, "bfloat16", "sampled", 132)
 
 
 def test_the_gpu_wave_test_cases_still_need_more_than_one_wave():
     # test_ll_gpu's wave test asserts this at run time on the GPU; a change of plan that broke it
-    # (session 19: 8 x 64K sampled fell to 128 blocks) should fail here, in CI, first.
+    # should fail here, in CI, first.
     from test_ll_gpu import WAVE_CASES
 
     share = L.sms_per_rank(132, ["h200"] * 2, 0)
     for rows, width, sampled in WAVE_CASES:
-        chunk, chunks = L.plan_chunks(rows, width, 2, share, sampled)
-        assert rows * chunks > 132, (rows, width, sampled, chunk, chunks)
+        p = P.plan(rows, width, "bfloat16", "sampled" if sampled else "greedy", share)
+        assert p.blocks > 132, (rows, width, sampled, p)
 
 
 def test_ranks_sharing_a_gpu_plan_for_their_share_of_its_sms():
@@ -143,126 +242,28 @@ def test_ranks_sharing_a_gpu_plan_for_their_share_of_its_sms():
     assert L.sms_per_rank(4, ["a"] * 8, 0) == 1  # never 0
     # Eight ranks' planned grids on one GPU fit it in one wave, greedy and sampled.
     share = L.sms_per_rank(132, ["a"] * 8, 0)
-    for rows, cols, sampled in ((1, 16384, True), (8, 16384, True), (64, 16384, False), (256, 16384, True)):
-        chunks = L.plan_chunks(rows, cols, 2, share, sampled)[1]
-        assert 8 * rows * chunks <= max(8 * rows, (4 if sampled else 2) * 132)
-
-
-def test_greedy_plans_give_each_block_whole_groups_and_no_more_blocks_than_needed():
-    # GREEDY_GROUP_BYTES is what greedy_span loads together: 256 threads x 4 packs of 16 bytes.
-    source = cuda_module.kernel_source()
-    assert "const int UNROLL = 4;  // packs a group" in source
-    assert L.GREEDY_GROUP_BYTES == cuda_module.THREADS_PER_BLOCK * 4 * 16
-    for elem in (4, 2):
-        for rows in (1, 2, 3, 8, 16, 64, 100, 256):
-            for cols in (1000, 16384, 32000, 65536, 128256):
-                chunk, chunks = L.plan_chunks(rows, cols, elem, 132, False)
-                # A block reads at most a pack a thread, or whole groups (the row's last chunk aside).
-                assert chunk * elem <= L.PACK_BYTES_PER_BLOCK or chunk * elem % L.GREEDY_GROUP_BYTES == 0
-                assert rows * chunks <= max(rows, L.greedy_blocks(rows * cols * elem, 132))
-    # Block counts: a block a group while that fits an SM each (at least half the SMs), then one
-    # an SM up to two groups a block, then two an SM.
-    assert L.greedy_blocks(32 * 1024, 132) == 66
-    assert L.greedy_blocks(132 * L.GREEDY_GROUP_BYTES, 132) == 132
-    assert L.greedy_blocks(4 * 1024 * 1024, 132) == 132
-    assert L.greedy_blocks(8 * 1024 * 1024, 132) == 264
-    # The plans timed on the H200 (session 14), bf16.
-    assert L.plan_chunks(1, 16384, 2, 132, False) == (1024, 16)
-    assert L.plan_chunks(8, 16384, 2, 132, False) == (2048, 8)
-    assert L.plan_chunks(16, 16384, 2, 132, False) == (8192, 2)
-    assert L.plan_chunks(4, 65536, 2, 132, False) == (8192, 8)
-    assert L.plan_chunks(8, 65536, 2, 132, False) == (8192, 8)
-    assert L.plan_chunks(64, 16384, 2, 132, False) == (8192, 2)
-    assert L.plan_chunks(128, 16384, 2, 132, False) == (16384, 1)
-    assert L.plan_chunks(64, 65536, 2, 132, False) == (16384, 4)
-
-
-def test_plan_chunks_splits_small_sampled_calls_a_column_a_thread_at_one_block_an_sm():
-    # At most one block an SM and a row's blocks within the _columns kernels' quick gather: a column a thread.
-    assert L.plan_chunks(1, 16384, 2, 132, True) == (L.COLUMN_CHUNK, 64)
-    assert L.plan_chunks(2, 16384, 4, 132, True) == (L.COLUMN_CHUNK, 64)
-    assert L.plan_chunks(5, 8, 2, 132, True) == (L.COLUMN_CHUNK, 1)
-    assert L.plan_chunks(1, 32768, 2, 132, True) == (L.COLUMN_CHUNK, 128)
-    assert L.plan_chunks(1, 16384 + 256, 2, 132, True) == (L.COLUMN_CHUNK, 65)
-    # Failing that, two columns a thread under the same limits (timed on the H200, session 15).
-    assert L.COLUMNS_MAX_CHUNK == 2 * L.COLUMN_CHUNK
-    assert L.plan_chunks(3, 16384, 2, 132, True) == (L.COLUMNS_MAX_CHUNK, 32)
-    assert L.plan_chunks(4, 16384, 2, 132, True) == (L.COLUMNS_MAX_CHUNK, 32)
-    assert L.plan_chunks(2, 32768, 2, 132, True) == (L.COLUMNS_MAX_CHUNK, 64)
-    assert L.plan_chunks(1, 65536, 2, 132, True) == (L.COLUMNS_MAX_CHUNK, 128)
-    assert L.plan_chunks(1, 16384, 2, 32, True) == (L.COLUMNS_MAX_CHUNK, 32)  # a GPU with fewer SMs
-    # Beyond that the usual split: more blocks than SMs (8 x 16K: 0.8 us slower at a column a
-    # thread, session 13; 0.17 us at two, session 15), or more chunks a row than the gather takes.
-    assert L.plan_chunks(5, 16384, 2, 132, True) == (1024, 16)
-    assert L.plan_chunks(8, 16384, 2, 132, True) == (1024, 16)
-    assert L.plan_chunks(3, 32768, 2, 132, True) == (1024, 32)
-    assert L.plan_chunks(2, 65536, 2, 132, True) == (1024, 64)
-    assert L.plan_chunks(1, 131072, 2, 132, True) == (1024, 128)
-    assert L.plan_chunks(1, 16384, 2, 16, True) == (1024, 16)
-    for rows in range(1, 40):
-        for cols in (8, 1000, 4099, 16384, 20000, 32768, 65536, 131072):
-            for sms in (16, 78, 132):
-                chunk, chunks = L.plan_chunks(rows, cols, 2, sms, True)
-                if chunk <= L.COLUMNS_MAX_CHUNK:  # the _columns kernels' two limits hold
-                    assert rows * chunks <= sms and chunks <= L.COLUMNS_GATHER_MAX_CHUNKS
-    # Greedy calls never take it.
-    assert L.plan_chunks(1, 16384, 2, 132, False) == (1024, 16)
-    assert L.plan_chunks(4, 16384, 2, 132, False)[0] > L.COLUMNS_MAX_CHUNK
-
-
-def test_fused_kernel_name_takes_the_one_tile_twin_only_when_every_chunk_fits_a_tile():
-    source = cuda_module.kernel_source()
-    assert f"#define SAMPLED_PACKS {L.SAMPLED_PACKS}" in source
-    for dtype, elem in ((torch.bfloat16, 2), (torch.float16, 2), (torch.float32, 4)):
-        tile = L.sampled_tile_columns(elem)
-        assert tile == 256 * (16 // elem) * 2
-        plain = L.fused_kernel_name(dtype, tile, sampled=False)
-        assert plain in cuda_module.KERNEL_NAMES and not plain.endswith("_one_tile")
-        assert L.fused_kernel_name(dtype, tile, sampled=True) == plain + "_one_tile"
-        assert L.fused_kernel_name(dtype, tile + 32 * 16 // elem, sampled=True) == plain  # two tiles
-        assert plain + "_one_tile" in cuda_module.KERNEL_NAMES
-    # The pruned quads live only in the twins: every chunk they take must pick a twin.
-    quads_max = int(re.search(r"^#define PRUNED_QUADS_MAX (\d+)", source, re.M).group(1))
-    assert 4 * quads_max * cuda_module.THREADS_PER_BLOCK <= min(L.sampled_tile_columns(e) for e in (2, 4))
-    # The bench's bf16 shapes on the H200 (132 SMs): small batches fit a tile per block.
-    names = {(rows, cols): L.fused_kernel_name(torch.bfloat16, L.plan_chunks(rows, cols, 2, 132, True)[0], True)
-             for rows in (1, 8, 64, 256) for cols in (16384, 65536)}
-    assert {k for k, v in names.items() if v.endswith("_one_tile")} == {(8, 16384), (8, 65536), (64, 16384)}
-    assert {k for k, v in names.items() if v.endswith("_columns")} == {(1, 16384), (1, 65536)}
-
-
-def test_fused_kernel_name_takes_the_columns_twin_for_chunks_of_one_or_two_columns_a_thread():
-    source = cuda_module.kernel_source()
-    assert L.COLUMN_CHUNK == cuda_module.THREADS_PER_BLOCK
-    assert f"#define ROW_GATHER_MAX_CHUNKS {L.ROW_GATHER_MAX_CHUNKS} " in source
-    assert f"#define COLUMNS_GATHER_MAX_CHUNKS {L.COLUMNS_GATHER_MAX_CHUNKS} " in source
-    # The _columns kernels gather 4 lines a lane (32 x 4 = 128 chunks), the others 2 (64).
-    assert "gather_row_maxima<COLUMNS ? 4 : 2>" in source
-    assert L.COLUMNS_GATHER_MAX_CHUNKS == 32 * 4 and L.ROW_GATHER_MAX_CHUNKS == 32 * 2
-    for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        plain = L.fused_kernel_name(dtype, 1024, sampled=False)
-        for chunk in (8, 128, L.COLUMN_CHUNK, L.COLUMNS_MAX_CHUNK):
-            assert L.fused_kernel_name(dtype, chunk, sampled=True) == plain + "_columns"
-            assert L.fused_kernel_name(dtype, chunk, sampled=False) == plain
-        assert L.fused_kernel_name(dtype, L.COLUMNS_MAX_CHUNK + 128, sampled=True) == plain + "_one_tile"
-        assert plain + "_columns" in cuda_module.KERNEL_NAMES
-        assert re.search(rf"^LL_ARGMAX_LOGITS_KERNEL\({plain}_columns, \d, false, true\)", source, re.M)
+    for rows, cols, mode in ((1, 16384, "sampled"), (8, 16384, "sampled"), (64, 16384, "greedy"),
+                             (256, 16384, "sampled")):
+        p = P.plan(rows, cols, "bfloat16", mode, share)
+        assert 8 * p.blocks <= max(8 * rows, (4 if mode == "sampled" else 2) * 132)
 
 
 def test_exchange_keys_kernel_polls_as_many_peer_lines_as_the_world_needs():
-    source = cuda_module.kernel_source()
-    batches = {name: int(b) for name, b in re.findall(r"^LL_EXCHANGE_KEYS_KERNEL\((\w+), (\d+)\)", source, re.M)}
-    assert set(batches) == {n for n in cuda_module.KERNEL_NAMES if n.startswith("ll_exchange_keys")}
-    picked = {world: batches[L.exchange_keys_kernel_name(world)] for world in range(1, cuda_module.MAX_WORLD + 1)}
-    assert [picked[w] for w in range(1, 10)] == [1, 1, 4, 4, 4, 8, 8, 8, 8]
-    assert all(picked[w] == 8 for w in range(9, cuda_module.MAX_WORLD + 1))
+    batches = [int(P.exchange_keys_kernel(world).rsplit("_", 1)[1]) for world in range(1, P.kernel_constants().max_world + 1)]
+    for world in range(1, P.kernel_constants().max_world + 1):
+        assert P.exchange_keys_kernel(world) in cuda_module.KERNEL_NAMES
+    assert batches[:2] == [1, 1]  # one peer: poll one line
+    assert batches == sorted(batches)  # more peers never poll fewer lines at once
+    assert {n for n in cuda_module.KERNEL_NAMES if n.startswith("ll_exchange_keys")} == {
+        P.exchange_keys_kernel(w) for w in range(1, P.kernel_constants().max_world + 1)}
 
 
 def test_buffer_layout_is_aligned_and_disjoint():
+    ctrl_bytes = P.kernel_constants().ctrl_bytes
     for world, rows, channels, sms in ((1, 1, 1, 132), (2, 1024, 2, 132), (8, 333, 3, 1), (64, 4096, 16, 200)):
-        blocks = L.max_grid_blocks(rows, sms)
+        blocks = P.max_grid_blocks(rows, sms)
         lay = L.BufferLayout(world, rows, channels, blocks)
-        assert lay.slots_offset % 256 == 0 and lay.slots_offset >= L.CTRL_BYTES * channels
+        assert lay.slots_offset % 256 == 0 and lay.slots_offset >= ctrl_bytes * channels
         assert lay.block_lines_offset == lay.slots_offset + channels * 2 * world * rows * 16
         assert lay.block_lines_offset % 16 == 0
         assert lay.total_bytes == lay.block_lines_offset + channels * blocks * 16
@@ -270,27 +271,21 @@ def test_buffer_layout_is_aligned_and_disjoint():
         assert lay.block_lines(1000, channels - 1) + blocks * 16 == 1000 + lay.total_bytes
         # Peers address the slots of each other's buffers with their own layout: the slot
         # offsets must not depend on the GPU (its SM count sizes only the block lines).
-        other = L.BufferLayout(world, rows, channels, L.max_grid_blocks(rows, 2 * sms))
+        other = L.BufferLayout(world, rows, channels, P.max_grid_blocks(rows, 2 * sms))
         assert other.slots(0, channels - 1) == lay.slots(0, channels - 1)
 
 
 def test_every_planned_grid_fits_the_block_lines():
     for sms in (1, 16, 132, 200):
         for max_rows in (1, 64, 1024, 4096):
-            lines = L.max_grid_blocks(max_rows, sms)
+            lines = P.max_grid_blocks(max_rows, sms)
             for rows in sorted({1, 2, 3, max_rows // 2 or 1, max_rows}):
                 for cols in (1, 1000, 16384, 65536, 262144):
-                    for sampled in (False, True):
-                        for elem in (2, 4):
-                            chunk, chunks = L.plan_chunks(rows, cols, elem, sms, sampled)
-                            assert rows * chunks <= lines, (sms, max_rows, rows, cols, sampled)
-                            # The launch asks for no more shared memory than any GPU grants by default.
-                            shared = L.fused_shared_bytes(rows, chunks)
-                            assert 8 * rows <= shared <= L.DEFAULT_DYNAMIC_SHARED_LIMIT
-                            if chunks > 1:
-                                assert shared == 8 * (rows + rows * chunks)
-    assert L.max_grid_blocks(1, 132) == 4 * 132 and L.max_grid_blocks(4096, 132) == 4096
-    assert L.fused_shared_bytes(L.MAX_MAX_ROWS, 1) == 8 * L.MAX_MAX_ROWS
+                    for mode in P.MODES:
+                        for dtype in ("bfloat16", "float32"):
+                            p = P.plan(rows, cols, dtype, mode, sms)
+                            assert p.blocks <= lines, (sms, max_rows, rows, cols, mode)
+                            assert p.shared_bytes <= P.DEFAULT_DYNAMIC_SHARED_LIMIT
 
 
 def test_timeout_error_message_names_channel_epoch_and_ranks():

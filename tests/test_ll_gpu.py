@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tpspec import keys as K
+from tpspec.exchange.base import Channel
 from tpspec.testing import run_ranks
 
 pytestmark = pytest.mark.gpu
@@ -185,14 +186,13 @@ def _correctness_worker(rank, world):
             offsets = torch.randint(0, 2**40, (rows,), generator=gen)
         kw = dict(vocab_size=vocab)
         if temperature is not None:
-            kw["temperature"] = temperature.to(dev)
-        if seeds is not None:
-            kw["seeds"], kw["offsets"] = seeds.to(dev), offsets.to(dev)
+            kw["rows"] = K.SamplingRows(temperature.to(dev), None if seeds is None else seeds.to(dev),
+                                        None if seeds is None else offsets.to(dev))
         ll_step = step
         if mode == "unseeded":
             step += 2
         tok_ll = ll.argmax_logits(local, offset, **kw).cpu()
-        keys_ll = ll.max_logits_keys(local, offset, channel=1, **kw).cpu()
+        keys_ll = ll.max_logits_keys(local, offset, channel=Channel.TARGET, **kw).cpu()
         if rows == 0:
             if mode == "unseeded":
                 ag.step_counter.add_(2)
@@ -209,17 +209,13 @@ def _correctness_worker(rank, world):
             failures.append(f"{name}: max_logits_keys disagrees with argmax_logits")
         digests.append(tok_ll.tolist())
         if rank == 0:  # the CPU reference on the full logits
-            ref_kw = dict(vocab_size=vocab)
-            if temperature is not None:
-                ref_kw["temperature"] = temperature
-                if seeds is not None:
-                    ref_kw["seeds"], ref_kw["offsets"] = seeds, offsets
+            ref_rows = None if temperature is None else K.SamplingRows(temperature, seeds, offsets)
             ref_keys = []
             for s in ((ll_step, ll_step + 1) if mode == "unseeded" else (None, None)):
                 if s is not None:
-                    ref_kw["seeds"] = torch.full((rows,), UNSEEDED_STREAM_SEED, dtype=torch.int64)
-                    ref_kw["offsets"] = (torch.tensor(s, dtype=torch.int64) << 32) + torch.arange(rows)
-                ref_keys.append(K.local_row_keys(full, 0, **ref_kw))
+                    ref_rows = K.SamplingRows(temperature, torch.full((rows,), UNSEEDED_STREAM_SEED, dtype=torch.int64),
+                                              (torch.tensor(s, dtype=torch.int64) << 32) + torch.arange(rows))
+                ref_keys.append(K.local_row_keys(full, 0, vocab_size=vocab, rows=ref_rows))
             if not torch.equal(K.unpack_indices(ref_keys[0]), tok_ll):
                 bad = (K.unpack_indices(ref_keys[0]) != tok_ll).nonzero().flatten().tolist()
                 failures.append(f"{name}: LL tokens differ from the CPU reference at rows {bad[:8]}")
@@ -303,9 +299,10 @@ def _graph_worker(rank, world):
     temperature = torch.ones(rows, device=dev)
 
     def step():
-        target = ll.argmax_logits(static_logits, offset, vocab_size=vocab, channel=1)
-        draft = ll.argmax_logits(flat, offset, vocab_size=vocab, temperature=temperature, channel=0)
-        best = ll.max_keys(static_keys, channel=0)
+        target = ll.argmax_logits(static_logits, offset, vocab_size=vocab, channel=Channel.TARGET)
+        draft = ll.argmax_logits(flat, offset, vocab_size=vocab, rows=K.SamplingRows(temperature),
+                                 channel=Channel.DRAFT)
+        best = ll.max_keys(static_keys, channel=Channel.DRAFT)
         return target, draft, best
 
     side = torch.cuda.Stream()
@@ -346,8 +343,8 @@ def _graph_worker(rank, world):
         for i in list(range(0, REPLAYS, 997)) + [REPLAYS - 1]:
             offsets = (torch.tensor(i + 1, dtype=torch.int64) << 32) + torch.arange(rows)
             seeds = torch.full((rows,), UNSEEDED_STREAM_SEED, dtype=torch.int64)
-            ref = K.unpack_indices(K.local_row_keys(flat_full, 0, vocab_size=vocab, temperature=torch.ones(rows),
-                                                    seeds=seeds, offsets=offsets))
+            ref = K.unpack_indices(K.local_row_keys(flat_full, 0, vocab_size=vocab,
+                                                    rows=K.SamplingRows(torch.ones(rows), seeds, offsets)))
             if not torch.equal(ref, draft_cpu[i]):
                 failures.append(f"replay {i}: draft {draft_cpu[i].tolist()} != CPU reference {ref.tolist()}")
     ll.close()
@@ -405,7 +402,7 @@ def test_ll_stress_back_to_back_calls():
 # --------------------------------------------------------------------------- one wave or more
 
 # (rows, width, sampled): each needs more than one wave at one block an SM when two ranks share
-# an H200 (66 SMs each); test_ll_cpu checks that on any machine, since plan_chunks decides it.
+# an H200 (66 SMs each); test_ll_cpu checks that on any machine, since ll_plan.plan decides it.
 WAVE_CASES = ((16, 65536, True), (64, 16384, True), (256, 65536, False))
 
 
@@ -415,34 +412,34 @@ def _more_than_one_wave_worker(rank, world):
     several waves, while the other rank's blocks compete for the same SMs. With the collector
     in block 0, later blocks did not start while it waited, and the call timed out. (The
     padding assumes an SM of 228 KiB of shared memory, as on the H100 and H200.)"""
-    from tpspec.exchange import ll as ll_module
+    from tpspec.exchange import ll_plan
 
     group, ll, ag = _exchanges(rank, max_rows=64, timeout_s=5.0)
     for kernel in ll._kernels.values():
         kernel.max_dynamic_shared_size_bytes = 200 * 1024
-    padded = ll_module.fused_shared_bytes
-    ll_module.fused_shared_bytes = lambda rows, chunks: padded(rows, chunks) + 130 * 1024
+    padded = ll_plan.fused_shared_bytes
+    ll_plan.fused_shared_bytes = lambda rows, chunks: padded(rows, chunks) + 130 * 1024
     sms = torch.cuda.get_device_properties(ll.device).multi_processor_count
     assert ll.plan_sms == sms // world  # every rank on this one GPU plans for its share
     gen = torch.Generator().manual_seed(31)
     bad = 0
     try:
         for rows, width, sampled in WAVE_CASES:
-            chunk, chunks = ll_module.plan_chunks(rows, width, 2, ll.plan_sms, sampled)
-            assert rows * chunks > sms, "the case must need more than one wave at one block an SM"
+            launch = ll_plan.plan(rows, width, "bfloat16", "sampled" if sampled else "greedy", ll.plan_sms)
+            assert launch.blocks > sms, "the case must need more than one wave at one block an SM"
             full = (torch.randn(rows, width * world, generator=gen) * 3).to(torch.bfloat16)
             local = full[:, rank * width:(rank + 1) * width].contiguous().to(ll.device)
             kw = {}
             if sampled:
-                kw = dict(temperature=torch.full((rows,), 0.8, device=ll.device),
-                          seeds=torch.arange(rows, device=ll.device),
-                          offsets=torch.zeros(rows, dtype=torch.int64, device=ll.device))
+                kw = dict(rows=K.SamplingRows(torch.full((rows,), 0.8, device=ll.device),
+                                              torch.arange(rows, device=ll.device),
+                                              torch.zeros(rows, dtype=torch.int64, device=ll.device)))
             got = ll.argmax_logits(local, rank * width, **kw)
             want = ag.argmax_logits(local, rank * width, **kw)
             bad += int((got != want).sum())
         ll.check()
     finally:
-        ll_module.fused_shared_bytes = padded
+        ll_plan.fused_shared_bytes = padded
     ll.close()
     return bad
 

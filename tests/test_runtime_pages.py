@@ -28,7 +28,7 @@ def ckpt(tmp_path_factory):
 
 
 def _requests(prompts, first_id=0):
-    return [Request(first_id + i, tuple(p), SamplingParams(), MAX_NEW) for i, p in enumerate(prompts)]
+    return [Request(first_id + i, tuple(p), SamplingParams(temperature=0.0), MAX_NEW) for i, p in enumerate(prompts)]
 
 
 def _engine(ckpt, *, kv_pages=None, spec=None, max_batch_size=6, max_seq_len=96):
@@ -49,7 +49,7 @@ def _run(engine, prompts, first_id=0):
 
 
 @pytest.mark.parametrize("spec", [None, SpeculativeConfig("ngram", 3), SpeculativeConfig("draft_model", 2,
-                                                                                          draft_model="x")],
+                                                                                          model="x")],
                          ids=["plain", "ngram", "draft_model"])
 def test_page_pressure_admits_in_order_never_preempts_never_leaks(ckpt, spec):
     roomy = _engine(ckpt, spec=spec)
@@ -129,13 +129,13 @@ def test_bad_sizes_raise_before_workers(ckpt):
         (dict(kv_cache_bytes=-5), "kv_cache_bytes must be a positive int"),
         (dict(gpu_memory_utilization=0.5), "gpu_memory_utilization needs device='cuda'"),
         (dict(kv_cache_bytes=1000), "kv_cache_bytes=1000 holds 0 KV pages"),
-        (dict(kv_cache_bytes=64 * 1024, max_seq_len=4096), "max_seq_len=4096 needs 256"),
+        (dict(kv_cache_bytes=64 * 1024, max_model_len=4096), "4096 needs 256"),
         (dict(attention_backend="magic"), "attention_backend must be"),
         (dict(attention_backend="flashinfer"), "attention_backend='flashinfer' needs CUDA"),
     ]
     for kwargs, message in cases[:-1]:
         with pytest.raises(ValueError, match=message):
-            LLM(ckpt[0], tp_size=2, device="cpu", **kwargs)  # raises in the driver: no worker starts
+            LLM(ckpt[0], tensor_parallel_size=2, device="cpu", **kwargs)  # raises in the driver: no worker starts
     with pytest.raises(ValueError, match="gpu_memory_utilization must be a number in \\(0, 1\\]"):
         EngineConfig(ckpt[0], 1, "cuda", "float32", gpu_memory_utilization=1.5)
     with pytest.raises(ValueError, match=cases[-1][1]):
@@ -145,14 +145,15 @@ def test_bad_sizes_raise_before_workers(ckpt):
 @pytest.mark.parametrize("attention_dp", [False, True], ids=["tp2", "tp2-adp"])
 def test_page_pressure_tp2_equals_tp1(ckpt, attention_dp, monkeypatch):
     monkeypatch.setenv("TPSPEC_NUM_THREADS", "1")
-    with LLM(ckpt[0], tp_size=1, max_batch_size=6, page_size=PAGE) as llm:
-        ref = [o.token_ids for o in llm.generate(PROMPTS, max_new_tokens=MAX_NEW)]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+    with LLM(ckpt[0], tensor_parallel_size=1, max_num_seqs=6, page_size=PAGE) as llm:
+        ref = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
     # 40 pages of 4 tokens over both attention-DP ranks' own pools, or one plain-TP pool.
     per_page = 2 * 2 * PAGE * (1 if not attention_dp else 2) * 16 * 4
-    with LLM(ckpt[0], tp_size=2, attention_dp=attention_dp, max_batch_size=6, max_seq_len=96, page_size=PAGE,
-             speculative=SpeculativeConfig("ngram", 3), kv_cache_bytes=40 * per_page) as llm:
+    with LLM(ckpt[0], tensor_parallel_size=2, attention_dp=attention_dp, max_num_seqs=6, max_model_len=96,
+             page_size=PAGE, speculative_config=SpeculativeConfig("ngram", 3), kv_cache_bytes=40 * per_page) as llm:
         for _ in range(2):
-            assert [o.token_ids for o in llm.generate(PROMPTS, max_new_tokens=MAX_NEW)] == ref
+            assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == ref
 
 
 def test_qwen2_paged_tp2_and_attention_dp_equal_transformers(tmp_path, monkeypatch):
@@ -168,7 +169,8 @@ def test_qwen2_paged_tp2_and_attention_dp_equal_transformers(tmp_path, monkeypat
     per_page = 2 * 2 * PAGE * 1 * 16 * 4  # 2 layers, K and V, 1 KV head a rank (2 under attention DP), fp32
     # Worst cases of 5, 4 and 6 pages against 10 pages a pool (attention DP: rank 0 runs prompts 0 and 2).
     for attention_dp in (False, True):
-        with LLM(path, tp_size=2, attention_dp=attention_dp, max_batch_size=3, max_seq_len=32, page_size=PAGE,
-                 kv_cache_bytes=(10 + 1) * per_page * (2 if attention_dp else 1)) as llm:
-            got = [o.token_ids for o in llm.generate(HF_PROMPTS, max_new_tokens=12, ignore_eos=True)]
+        with LLM(path, tensor_parallel_size=2, attention_dp=attention_dp, max_num_seqs=3, max_model_len=32,
+                 page_size=PAGE, kv_cache_bytes=(10 + 1) * per_page * (2 if attention_dp else 1)) as llm:
+            params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+            got = [o.outputs[0].token_ids for o in llm.generate(HF_PROMPTS, params)]
         assert got == want, attention_dp

@@ -117,7 +117,7 @@ def test_temperature_only_rows_equal_sharded_gumbel_bits():
     t[::6] = 0.0
     seeds = torch.randint(-(2**62), 2**62, (rows,), generator=gen)
     offsets = torch.randint(0, 2**40, (rows,), generator=gen)
-    want = K.unpack_indices(K.local_row_keys(x, 0, vocab_size=vocab, temperature=t, seeds=seeds, offsets=offsets))
+    want = K.unpack_indices(K.local_row_keys(x, 0, vocab_size=vocab, rows=K.SamplingRows(t, seeds, offsets)))
     got = sample_from_logits(x, t, seeds, offsets, None, None, None)
     assert torch.equal(got, want)
     # Neutral filters change nothing.

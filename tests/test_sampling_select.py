@@ -3,12 +3,14 @@
 same token for a row drawn on shards or on gathered logits. ``tp_worker`` is also run
 on 2 and 4 gloo ranks by ``test_spec_ranks.py`` (one spawn for all multi-rank checks)."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from tpspec import SamplingParams, VocabShardedLogits
 from tpspec.exchange import AllGatherKeyExchange
-from tpspec.sampling import RowSampling, select_tokens
+from tpspec.sampling import select_tokens
 from tpspec.speculative import SpecMetadata, SpecWorker, select_draft_tokens
 from tpspec.vocab_parallel import vocab_shard_bounds
 
@@ -109,8 +111,8 @@ def test_tp1_paths_and_semantics(tp1):
     meta = SpecMetadata(8, D).prepare(BATCHES["temperature"], draft_len=D)
     full = logits_for("temperature", meta.num_rows)
     rs = meta.row_sampling()
-    fallback = RowSampling(rs.temperature, rs.top_k, rs.top_p, rs.min_p, rs.seeds, rs.offsets,
-                           is_all_greedy=False, temperature_only=False)
+    # A neutral filter (min_p = 0) sends the rows to the gathered path.
+    fallback = dataclasses.replace(rs, min_p=torch.zeros(rs.num_rows))
     on_full = select_tokens(VocabShardedLogits(full, 0, VOCAB, AllGatherKeyExchange()), fallback)
     assert torch.equal(on_full, tp1["temperature"]["tokens"])
 

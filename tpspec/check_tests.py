@@ -31,7 +31,8 @@ import torch
 from . import distributed as D
 from . import keys as K
 from .exchange.allgather import AllGatherKeyExchange
-from .exchange.base import KeyExchange
+from .exchange.base import Channel, KeyExchange
+from .exchange.local import LocalKeyExchange
 from .vocab_parallel import VocabShardedLogits, vocab_shard_bounds
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
@@ -98,10 +99,16 @@ class PerturbedExchange(KeyExchange):
         out[0] ^= 1
         return out
 
-    def max_keys(self, keys: torch.Tensor, *, channel: int = 0) -> torch.Tensor:
+    def max_keys(self, keys: torch.Tensor, *, channel: int = Channel.DRAFT) -> torch.Tensor:
         return self._perturb(self.inner.max_keys(keys, channel=channel))
 
-    def argmax_tokens(self, local_max, local_argmax, vocab_offset, *, channel=0):  # type: ignore[override]
+    def gather_rows(self, values: torch.Tensor, *, channel: int = Channel.DRAFT) -> torch.Tensor:
+        return self.inner.gather_rows(values, channel=channel)
+
+    def sum_rows(self, values: torch.Tensor, *, channel: int = Channel.DRAFT) -> torch.Tensor:
+        return self.inner.sum_rows(values, channel=channel)
+
+    def argmax_tokens(self, local_max, local_argmax, vocab_offset, *, channel=Channel.DRAFT):  # type: ignore[override]
         return self._perturb(self.inner.argmax_tokens(local_max, local_argmax, vocab_offset, channel=channel))
 
     def argmax_logits(self, logits, vocab_offset, **kwargs):  # type: ignore[override]
@@ -112,16 +119,6 @@ class PerturbedExchange(KeyExchange):
 
     def close(self) -> None:
         self.inner.close()
-
-
-class SingleRankExchange(KeyExchange):
-    """The TP=1 reference: a group of one, whose max over ranks is the local keys."""
-
-    def __init__(self, device: torch.device) -> None:
-        super().__init__(None, 0, 1, torch.device(device))
-
-    def max_keys(self, keys: torch.Tensor, *, channel: int = 0) -> torch.Tensor:
-        return keys.clone()
 
 
 @dataclasses.dataclass
@@ -238,7 +235,8 @@ def emulated_keys(
     best = None
     for r in range(tp):
         local, offset = shard_slice(full, tp, r)
-        keys = K.local_row_keys(local, offset, vocab_size=vocab, temperature=temperature, seeds=seeds, offsets=offsets)
+        rows = None if temperature is None else K.SamplingRows(temperature, seeds, offsets)
+        keys = K.local_row_keys(local, offset, vocab_size=vocab, rows=rows)
         best = keys if best is None else torch.maximum(best, keys)
     return best
 
@@ -554,7 +552,7 @@ def check_seeded_streams(ctx: SuiteContext) -> CheckResult:
         return torch.cat(out)
 
     ex = ctx.allgather_exchange()
-    single = SingleRankExchange(ctx.device)
+    single = LocalKeyExchange(ctx.device)
     mixed = [(10, 0, SamplingParams(temperature=0.7, seed=99), False), (11, 1, None, False),
              (12, 4, SamplingParams(temperature=1.2), False)]
     filtered = [(10, 0, SamplingParams(temperature=0.7, seed=99), False),
@@ -601,20 +599,19 @@ def check_ll_equals_allgather(ctx: SuiteContext) -> CheckResult:
                 local, offset = shard_slice(full.to(ctx.device), ctx.world_size, ctx.rank)
                 temps = torch.tensor([0.0, 0.8, 1.0, 1.3]).repeat(num_rows)[:num_rows].to(ctx.device)
                 seeds, offsets = (t.to(ctx.device) for t in random_streams(gen, num_rows))
-                for channel in (0, 1):
+                sampling = K.SamplingRows(temps, seeds, offsets)
+                for channel in Channel:
                     pairs = [
                         (ll.argmax_logits(local, offset, vocab_size=vocab, channel=channel),
                          ag.argmax_logits(local, offset, vocab_size=vocab, channel=channel), "greedy"),
-                        (ll.argmax_logits(local, offset, vocab_size=vocab, temperature=temps, seeds=seeds,
-                                          offsets=offsets, channel=channel),
-                         ag.argmax_logits(local, offset, vocab_size=vocab, temperature=temps, seeds=seeds,
-                                          offsets=offsets, channel=channel), "seeded"),
+                        (ll.argmax_logits(local, offset, vocab_size=vocab, rows=sampling, channel=channel),
+                         ag.argmax_logits(local, offset, vocab_size=vocab, rows=sampling, channel=channel), "seeded"),
                     ]
                     for a, b, name in pairs:
                         ctx.record(a)
                         bad = _mismatches(a, b)
                         if bad:
-                            details.append(f"{name} R={num_rows} V={vocab} ch={channel}: {bad}")
+                            details.append(f"{name} R={num_rows} V={vocab} ch={int(channel)}: {bad}")
                         mism += bad
                         rows += num_rows
     finally:
@@ -636,9 +633,9 @@ def check_cpu_gpu_bits(ctx: SuiteContext) -> CheckResult:
     temps = torch.tensor([0.0, 0.5, 1.0, 2.0]).repeat(num_rows // 4)
     seeds, offsets = random_streams(gen, num_rows)
     local, offset = shard_slice(full, ctx.world_size, ctx.rank)
-    cpu_keys = K.local_row_keys(local, offset, vocab_size=vocab, temperature=temps, seeds=seeds, offsets=offsets)
-    gpu_keys = K.local_row_keys(local.to(ctx.device), offset, vocab_size=vocab, temperature=temps.to(ctx.device),
-                                seeds=seeds.to(ctx.device), offsets=offsets.to(ctx.device))
+    cpu_keys = K.local_row_keys(local, offset, vocab_size=vocab, rows=K.SamplingRows(temps, seeds, offsets))
+    device_rows = K.SamplingRows(temps.to(ctx.device), seeds.to(ctx.device), offsets.to(ctx.device))
+    gpu_keys = K.local_row_keys(local.to(ctx.device), offset, vocab_size=vocab, rows=device_rows)
     mism += _mismatches(cpu_keys, gpu_keys)
     cols = torch.arange(offset, offset + min(local.shape[1], vocab - offset))
     cpu_scores = K.gumbel_scores(local[:, : cols.numel()], cols, torch.ones(num_rows), seeds, offsets)
@@ -659,9 +656,7 @@ def check_cpu_gpu_bits(ctx: SuiteContext) -> CheckResult:
         kernel = f"LL kernel not run ({why})"
     else:
         try:
-            ll_keys = ll.max_logits_keys(local.to(ctx.device), offset, vocab_size=vocab,
-                                         temperature=temps.to(ctx.device), seeds=seeds.to(ctx.device),
-                                         offsets=offsets.to(ctx.device))
+            ll_keys = ll.max_logits_keys(local.to(ctx.device), offset, vocab_size=vocab, rows=device_rows)
             ctx.record(K.unpack_indices(ll_keys))
             kernel_bad = _mismatches(ll_keys, reference)
         finally:
@@ -691,10 +686,11 @@ def check_cuda_graph(ctx: SuiteContext) -> CheckResult:
     seeds, offsets = (t.to(ctx.device) for t in random_streams(gen, num_rows))
 
     def step() -> torch.Tensor:
-        greedy = ex.argmax_logits(local, offset, vocab_size=vocab, channel=1)
-        seeded = ex.argmax_logits(local, offset, vocab_size=vocab, temperature=temps, seeds=seeds, offsets=offsets,
-                                  channel=1)
-        unseeded = ex.argmax_logits(local, offset, vocab_size=vocab, temperature=temps, channel=1)
+        greedy = ex.argmax_logits(local, offset, vocab_size=vocab, channel=Channel.TARGET)
+        seeded = ex.argmax_logits(local, offset, vocab_size=vocab, rows=K.SamplingRows(temps, seeds, offsets),
+                                  channel=Channel.TARGET)
+        unseeded = ex.argmax_logits(local, offset, vocab_size=vocab, rows=K.SamplingRows(temps),
+                                    channel=Channel.TARGET)
         return torch.stack([greedy, seeded, unseeded])
 
     try:
@@ -815,13 +811,16 @@ def _generate(tp: int, launcher: str, device: str, *, max_new_tokens: int, seed:
     from .runtime import LLM, SpeculativeConfig
     from .sampling.params import SamplingParams
 
-    params = [SamplingParams(), SamplingParams(temperature=0.8, seed=seed), SamplingParams(temperature=1.0, top_k=20,
-              seed=seed + 1), SamplingParams(temperature=0.7, seed=seed + 2), SamplingParams(temperature=1.3)]
-    with LLM("tiny", tp_size=tp, launcher=launcher, device=device, dtype="float32", max_batch_size=3,
-             speculative=SpeculativeConfig("ngram", num_draft_tokens=3), use_cuda_graphs=use_cuda_graphs) as llm:
-        outputs = llm.generate(GENERATE_PROMPTS, params, max_new_tokens=max_new_tokens, ignore_eos=True,
-                               use_tqdm=False)
-    return [list(o.token_ids) for o in outputs]
+    common = dict(max_tokens=max_new_tokens, ignore_eos=True)
+    params = [SamplingParams(temperature=0.0, **common), SamplingParams(temperature=0.8, seed=seed, **common),
+              SamplingParams(temperature=1.0, top_k=20, seed=seed + 1, **common),
+              SamplingParams(temperature=0.7, seed=seed + 2, **common), SamplingParams(temperature=1.3, **common)]
+    backend = {"torchrun": "external_launcher"}.get(launcher, launcher)
+    with LLM("tiny", tensor_parallel_size=tp, distributed_executor_backend=backend, device=device, dtype="float32",
+             max_num_seqs=3, speculative_config=SpeculativeConfig("ngram", num_speculative_tokens=3),
+             enforce_eager=not use_cuda_graphs) as llm:
+        outputs = llm.generate(GENERATE_PROMPTS, params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
 
 
 def _compare_generations(key: str, got: list[list[int]], ref: list[list[int]], label: str) -> CheckResult:

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -289,6 +291,173 @@ def gumbel_noise(seeds: torch.Tensor, offsets: torch.Tensor, columns: torch.Tens
     return -portable_log(exponential_from_words(philox_words(seeds, offsets, columns)))
 
 
+# ------------------------------------------------------------ masses (filters)
+
+MASS_BITS = 40
+"""A column's mass is ``floor(exp(s - m) * 2**MASS_BITS)``: the row's best column has exactly
+``2**40``, and a row of up to ``2**22`` columns sums below ``2**63``."""
+TOP_P_BITS = 24
+"""``top_p`` is rounded to ``TOP_P_BITS`` fractional bits before its exact integer product."""
+
+_INV_LN2 = 1.4426950216293335  # 0x3FB8AA3B
+_EXP_COEFFS = (  # 1/7!, 1/6!, ..., 1/2! rounded to float32 (Horner order)
+    0.00019841270113829523,  # 0x39500D01
+    0.0013888889225199819,  # 0x3AB60B61
+    0.008333333767950535,  # 0x3C088889
+    0.0416666679084301,  # 0x3D2AAAAB
+    0.1666666716337204,  # 0x3E2AAAAB
+    0.5,
+)
+_EXP_FLOOR = -64.0  # exp(-64) * 2**40 < 1e-15: every mass below it is 0; keeps 2**k normal
+
+
+def portable_exp(x: torch.Tensor) -> torch.Tensor:
+    """``exp(x)`` of float32 ``x <= 0``, bit-identical on every device (basic IEEE float32
+    operations in a fixed order, no fused multiply-add, no library ``exp``).
+
+    ``x`` is clamped to ``[-64, 0]`` (``-inf`` gives ``exp(-64)``; NaN stays NaN); ``k =
+    floor(x / ln 2 + 1/2)``, ``r = (x - k ln2_hi) - k ln2_lo`` in ``[-0.35, 0.35]``, ``exp(r)`` by
+    its Taylor series to ``r**7`` in Horner form, times ``2**k`` built from its bits. ``exp(0)``
+    is exactly 1. Relative error below 3e-7.
+    """
+    dev = x.device
+    x = torch.clamp(x.to(torch.float32), min=_EXP_FLOOR, max=0.0)
+    k = torch.floor(x * _f32(_INV_LN2, dev) + _f32(0.5, dev))
+    r = x - k * _f32(_LN2_HI, dev)
+    r = r - k * _f32(_LN2_LO, dev)
+    p = torch.full_like(r, _EXP_COEFFS[0])
+    for c in _EXP_COEFFS[1:]:
+        p = p * r
+        p = p + _f32(c, dev)
+    one = _f32(1.0, dev)
+    p = p * r
+    p = p + one
+    p = p * r
+    p = p + one
+    scale = ((k.to(torch.int32) + 127) << 23).view(torch.float32)
+    return p * scale
+
+
+def column_masses(scores: torch.Tensor, max_score: torch.Tensor) -> torch.Tensor:
+    """Int64 masses ``floor(exp(s - m) * 2**40)`` of float32 ``scores`` ``[R, C]`` under each
+    row's finite max score ``max_score`` ``[R]`` (``s - m`` and ``exp`` in the portable
+    arithmetic). A score of ``-inf`` has mass 0; rows whose max is not finite get 0 everywhere
+    (their draw is their best column, see ``docs/determinism.md``).
+    """
+    m = max_score.to(torch.float32).reshape(-1, 1)
+    finite = torch.isfinite(m)
+    d = scores.to(torch.float32) - torch.where(finite, m, torch.zeros_like(m))
+    d = torch.where(finite & ~torch.isnan(d), d, torch.full_like(d, float("-inf")))
+    e = portable_exp(d) * _f32(float(2**MASS_BITS), scores.device)
+    return e.to(torch.int64)
+
+
+def top_p_fixed(top_p: torch.Tensor) -> torch.Tensor:
+    """``round(top_p * 2**24)`` as int64 (``top_p`` float32 in ``[0, 1]``; the product is exact,
+    the rounding is half to even)."""
+    return torch.round(top_p.to(torch.float64) * float(2**TOP_P_BITS)).to(torch.int64)
+
+
+def top_p_target(total: torch.Tensor, top_p_bits: torch.Tensor) -> torch.Tensor:
+    """``ceil(P * Z / 2**24)`` in exact int64 arithmetic: the mass a top-p prefix must reach.
+
+    ``total`` ``Z`` (int64, ``< 2**62``) and ``top_p_bits`` ``P`` (int64 in ``[0, 2**24]``, from
+    :func:`top_p_fixed`); ``Z`` is split at bit 24 so no product exceeds ``2**62``.
+    """
+    shift = TOP_P_BITS
+    high, low = total >> shift, total & ((1 << shift) - 1)
+    return top_p_bits * high + ((top_p_bits * low + ((1 << shift) - 1)) >> shift)
+
+
+def min_p_threshold(min_p: torch.Tensor) -> torch.Tensor:
+    """``floor(min_p * 2**40)`` as int64 (``min_p`` float32 in ``[0, 1]``): the least mass a
+    column keeps under min-p (the best column has ``2**40``)."""
+    return (min_p.to(torch.float32) * _f32(float(2**MASS_BITS), min_p.device)).to(torch.int64)
+
+
+def philox_words_at(seeds: torch.Tensor, offsets: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """The Philox word of each (row, column) for per-row columns: ``columns`` ``[R, K]`` int64
+    global columns (``seeds``/``offsets`` ``[R]``) -> ``[R, K]``, equal to
+    :func:`philox_words` at those columns (one Philox block per element: for a few columns
+    scattered over the vocabulary)."""
+    seeds = seeds.to(torch.int64).reshape(-1, 1)
+    offsets = offsets.to(torch.int64).reshape(-1, 1)
+    columns = columns.to(torch.int64)
+    blocks = columns >> 2
+    words = philox4x32_10(
+        (blocks & MASK32, (blocks >> 32) & MASK32, offsets & MASK32, (offsets >> 32) & MASK32),
+        (seeds & MASK32, (seeds >> 32) & MASK32),
+    )
+    stacked = torch.stack(torch.broadcast_tensors(*words), dim=-1)
+    return stacked.gather(-1, (columns & 3).unsqueeze(-1)).squeeze(-1)
+
+
+def gumbel_scores_at(scores: torch.Tensor, columns: torch.Tensor, seeds: torch.Tensor,
+                     offsets: torch.Tensor) -> torch.Tensor:
+    """Gumbel scores ``s - ln(E)`` of per-row columns: ``scores`` ``[R, K]`` float32 (already
+    divided by T), ``columns`` ``[R, K]`` global columns. Bit for bit what
+    :func:`gumbel_scores` gives at those columns."""
+    log_e = portable_log(exponential_from_words(philox_words_at(seeds, offsets, columns)))
+    return scores.to(torch.float32) - log_e
+
+
+# ------------------------------------------------------------------ sampling rows
+
+class PenaltyStep(Protocol):
+    """What :attr:`SamplingRows.penalties` holds (``tpspec.sampling.penalties.RowPenalties``):
+    ``apply(logits slice [R, C], vocab_offset) -> penalised slice [R, C]``, applied by each rank
+    to its own columns before any selection."""
+
+    def apply(self, local_logits: torch.Tensor, vocab_offset: int) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class SamplingRows:
+    """How each row of one selection is drawn: per-row ``[R]`` tensors on the logits' device.
+
+    The one object every layer passes (keys, exchanges, the sharded logits, selection):
+
+    * ``temperature``: ``[R]`` float; rows below ``greedy_threshold`` take the argmax
+      (no noise, no division), the others a Gumbel-max draw from ``softmax(logits / T)``.
+    * ``seeds`` / ``offsets``: ``[R]`` int64 Philox streams (any 64-bit pattern), or both
+      None: the exchange's step counter then seeds the rows.
+    * ``top_k`` (``[R]`` int64; ``>= vocab`` or INT32_MAX = off), ``top_p`` (``[R]`` float32;
+      1 = off), ``min_p`` (``[R]`` float32; 0 = off): the filters, None = off for every row.
+      The exchanges draw unfiltered rows only; ``tpspec.sampling.select`` applies filters.
+    * ``penalties``: None, or the step's penalties (a :class:`PenaltyStep`) that
+      ``tpspec.sampling.select.select_tokens`` applies to each rank's raw logits slice
+      before the draw (the exchanges never apply them).
+    * ``is_all_greedy`` / ``any_seeded``: batch facts that choose code paths; they must be
+      equal on every rank of the group (``SpecMetadata`` syncs them under attention DP), and
+      so must be which filters are None.
+    """
+
+    temperature: torch.Tensor
+    seeds: torch.Tensor | None = None
+    offsets: torch.Tensor | None = None
+    greedy_threshold: float = GREEDY_TEMPERATURE_THRESHOLD
+    top_k: torch.Tensor | None = None
+    top_p: torch.Tensor | None = None
+    min_p: torch.Tensor | None = None
+    penalties: PenaltyStep | None = None
+    is_all_greedy: bool = False
+    any_seeded: bool = True
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.temperature.shape[0])
+
+    @property
+    def has_filters(self) -> bool:
+        """True when some row may carry a top-k, top-p or min-p filter."""
+        return self.top_k is not None or self.top_p is not None or self.min_p is not None
+
+    @property
+    def temperature_only(self) -> bool:
+        """True when no row has a filter: a plain Gumbel-max (or greedy) draw of the (penalised) logits."""
+        return not self.has_filters
+
+
 # ------------------------------------------------------------- local row reduction
 
 def local_row_keys(
@@ -296,18 +465,16 @@ def local_row_keys(
     vocab_offset: int,
     *,
     vocab_size: int | None = None,
-    temperature: torch.Tensor | None = None,
-    seeds: torch.Tensor | None = None,
-    offsets: torch.Tensor | None = None,
-    greedy_threshold: float = GREEDY_TEMPERATURE_THRESHOLD,
+    rows: SamplingRows | None = None,
 ) -> torch.Tensor:
     """Reduce a rank's ``[R, C]`` logits slice to one winning key per row (``[R]`` int64).
 
     Column ``c`` of the slice is global column ``vocab_offset + c``; columns at or past
     ``vocab_size`` are never chosen (a row with no real column gets :data:`EMPTY_KEY`).
-    Rows with ``temperature < greedy_threshold`` (or no ``temperature``) rank the
-    logits themselves; other rows rank Gumbel scores from ``(seeds, offsets)``.
-    Inputs are assumed validated (see ``tpspec.exchange.base``).
+    Without ``rows`` every row ranks the logits themselves; with ``rows``, rows whose
+    temperature is below ``rows.greedy_threshold`` do, the others rank Gumbel scores from
+    ``(rows.seeds, rows.offsets)`` (which must be given here). Filters and penalties of
+    ``rows`` are not applied. Inputs are assumed validated (see ``tpspec.exchange.base``).
     """
     num_rows, width = logits.shape
     device = logits.device
@@ -319,10 +486,11 @@ def local_row_keys(
     logits = logits[:, :real_width]
     columns = torch.arange(vocab_offset, vocab_offset + real_width, dtype=torch.int64, device=device)
     values = canonical_float32(logits)
-    if temperature is not None:
-        sampled = temperature.to(torch.float32) >= greedy_threshold
-        safe_t = torch.where(sampled, temperature.to(torch.float32), torch.ones_like(temperature, dtype=torch.float32))
-        scores = gumbel_scores(logits, columns, safe_t, seeds, offsets,
+    if rows is not None:
+        temperature = rows.temperature.to(torch.float32)
+        sampled = temperature >= rows.greedy_threshold
+        safe_t = torch.where(sampled, temperature, torch.ones_like(temperature))
+        scores = gumbel_scores(logits, columns, safe_t, rows.seeds, rows.offsets,
                                column_range=(vocab_offset, vocab_offset + real_width - 1))
         values = torch.where(sampled.reshape(-1, 1), canonical_float32(scores), values)
     keys = pack_keys(values, columns.reshape(1, -1))

@@ -62,8 +62,7 @@ def _graph_windows_us(fn: Callable[[], Any], calls: int, replays: int, barrier: 
     Rank processes leave the CPU barrier at different times. The warm-up replays, queued
     with the timed ones, take that up: the ranks that start first wait inside them for the
     last, and every rank's timed replays then start in step. A window is a whole stretch,
-    not one replay: an event between every two replays slowed each call under MPS (H200,
-    session 15: +0.35-0.4 us at TP=4, +0.65-0.7 at TP=8, against windows of 10 replays)."""
+    not one replay: an event between every two replays slows each call under MPS."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -159,6 +158,14 @@ def bench_logits(rows: int, width: int, kind: str, gen: torch.Generator) -> torc
     raise ValueError(f"unknown logits kind {kind!r} (randn or lm)")
 
 
+def _floor_kernel(ll: Any, name: str) -> Any:
+    """Kernel ``name`` of ``ll_floors.cu``, the benchmark references (compiled here only:
+    the exchange never loads them), on the exchange's device."""
+    from ..exchange import cuda_module
+
+    return cuda_module.load_module(ll.device.index, cuda_module.FLOORS_FILE).get_function(name)
+
+
 def philox_floor_call(ll: Any, cycle: Any, rows: int, width: int) -> Callable[[], None]:
     """One launch of the source's ``ll_philox_floor_bf16`` over the next bf16 logits of
     ``cycle``: the fused kernel's reads plus the Philox block of every column, nothing
@@ -166,15 +173,16 @@ def philox_floor_call(ll: Any, cycle: Any, rows: int, width: int) -> Callable[[]
     (``--logits randn``), no exact sampled kernel can beat this floor."""
     import numpy as np
 
-    from ..exchange.cuda_module import THREADS_PER_BLOCK
-    from ..exchange.ll import plan_chunks
+    from ..exchange.ll_plan import plan
 
-    chunk, chunks = plan_chunks(rows, width, 2, ll.plan_sms, sampled=True)
-    out = torch.zeros(rows * chunks * (THREADS_PER_BLOCK // 32), dtype=torch.int32, device=ll.device)
+    launch = plan(rows, width, "bfloat16", "sampled", ll.plan_sms)
+    chunk, chunks = launch.chunk, launch.chunks
+    kernel = _floor_kernel(ll, "ll_philox_floor_bf16")
+    out = torch.zeros(launch.blocks * (launch.threads // 32), dtype=torch.int32, device=ll.device)
 
     def call() -> None:
         x = next(cycle)
-        ll._launch("ll_philox_floor_bf16", rows * chunks, 0,
+        ll._launch(kernel, rows * chunks, 0,
                    (np.uint64(x.data_ptr()), np.int64(x.stride(0)), np.int32(width), np.int32(chunk),
                     np.int32(chunks), np.uint32(7), np.uint64(out.data_ptr())))
 
@@ -187,14 +195,16 @@ def read_floor_call(ll: Any, cycle: Any, rows: int, width: int) -> Callable[[], 
     no hand-off between blocks and no exchange (the launch and reads of a greedy call)."""
     import numpy as np
 
-    from ..exchange.ll import plan_chunks
+    from ..exchange.ll_plan import plan
 
-    chunk, chunks = plan_chunks(rows, width, 2, ll.plan_sms, sampled=False)
-    out = torch.zeros(rows * chunks, dtype=torch.int64, device=ll.device)
+    launch = plan(rows, width, "bfloat16", "greedy", ll.plan_sms)
+    chunk, chunks = launch.chunk, launch.chunks
+    kernel = _floor_kernel(ll, "ll_read_floor_bf16")
+    out = torch.zeros(launch.blocks, dtype=torch.int64, device=ll.device)
 
     def call() -> None:
         x = next(cycle)
-        ll._launch("ll_read_floor_bf16", rows * chunks, 0,
+        ll._launch(kernel, rows * chunks, 0,
                    (np.uint64(x.data_ptr()), np.int64(x.stride(0)), np.int32(width), np.int32(chunk),
                     np.int32(chunks), np.uint64(out.data_ptr())))
 
@@ -204,7 +214,7 @@ def read_floor_call(ll: Any, cycle: Any, rows: int, width: int) -> Callable[[], 
 def _bench_worker(rank: int, world_size: int, cfg: dict) -> list[dict]:
     from .. import distributed as D
     from .. import keys as K
-    from ..exchange import AllGatherKeyExchange
+    from ..exchange import AllGatherKeyExchange, Channel
 
     group = D.tp_group()
     on_cuda = cfg["device"] == "cuda"
@@ -244,8 +254,8 @@ def _bench_worker(rank: int, world_size: int, cfg: dict) -> list[dict]:
         local_max = torch.randn(rows, generator=gen).to(device=device, dtype=dtype)
         local_arg = torch.randint(0, 1000, (rows,), generator=gen).to(device)
         if on_cuda:
-            for variant, call in (("ll_max_keys", lambda: ll.max_keys(keys, channel=1)),
-                                  ("ll_argmax_tokens", lambda: ll.argmax_tokens(local_max, local_arg, 0, channel=1))):
+            for variant, call in (("ll_max_keys", lambda: ll.max_keys(keys, channel=Channel.TARGET)),
+                                  ("ll_argmax_tokens", lambda: ll.argmax_tokens(local_max, local_arg, 0, channel=Channel.TARGET))):
                 per_window = _graph_windows_us(call, cfg["calls"], cfg["replays"], barrier)
                 record(variant, "graph", rows, 0, "-", statistics.median(per_window),
                        us_mean=statistics.fmean(per_window))
@@ -264,9 +274,9 @@ def _bench_worker(rank: int, world_size: int, cfg: dict) -> list[dict]:
             for mode in ("greedy", "gumbel"):
                 kw: dict[str, Any] = {}
                 if mode == "gumbel":
-                    kw = dict(temperature=torch.full((rows,), 0.8, device=device),
-                              seeds=torch.arange(rows, device=device) + 7,
-                              offsets=torch.arange(rows, device=device) * 32)
+                    kw = dict(rows=K.SamplingRows(torch.full((rows,), 0.8, device=device),
+                                                  torch.arange(rows, device=device) + 7,
+                                                  torch.arange(rows, device=device) * 32))
 
                 def torch_local() -> torch.Tensor:
                     x = next(cycle)
@@ -291,7 +301,7 @@ def _bench_worker(rank: int, world_size: int, cfg: dict) -> list[dict]:
                     return full.float().argmax(dim=-1)
 
                 if on_cuda:
-                    us = _time_graph(lambda: ll.argmax_logits(next(cycle), offset, vocab_size=vocab, channel=0, **kw),
+                    us = _time_graph(lambda: ll.argmax_logits(next(cycle), offset, vocab_size=vocab, channel=Channel.DRAFT, **kw),
                                      cfg["calls"], cfg["replays"], barrier)
                     record("ll_fused", "graph", rows, width, mode, us)
                     us = _time_eager(lambda: ll.argmax_logits(next(cycle), offset, vocab_size=vocab, **kw),
@@ -419,7 +429,7 @@ def exchange_means(per_rank: list[list[dict]]) -> list[dict]:
 
 def torch_max_speedups(merged: dict[tuple, dict]) -> list[dict]:
     """Per shape with the greedy local stage and ``torch.max`` alone both graphed: how many
-    times faster the fused call is (issue 3's target: >= 2x at 1-8 rows). Empty on CPU."""
+    times faster the fused call is. Empty on CPU."""
     return [dict(rows=key[2], width=key[3], greedy_us=fused["us"], torch_max_us=base["us"],
                  speedup=round(base["us"] / fused["us"], 2))
             for key, fused, base in _greedy_pairs(merged, "local_torch_max")]

@@ -56,21 +56,24 @@ def measure(cfg: dict) -> dict:
     acceptance rate from the environment like every rank does.
     """
     from ..runtime import LLM, SpeculativeConfig
+    from ..sampling.params import SamplingParams
 
-    spec = SpeculativeConfig("ngram", num_draft_tokens=cfg["draft_len"]) if cfg["draft_len"] else None
+    spec = SpeculativeConfig("ngram", num_speculative_tokens=cfg["draft_len"]) if cfg["draft_len"] else None
     kwargs: dict[str, Any] = {}
     if cfg["launcher"] == "ray" and os.environ.get(FORCE_ENV):
         # Ray workers do not inherit this process's environment: hand it over explicitly.
         kwargs["ray_init_kwargs"] = {"runtime_env": {"env_vars": {FORCE_ENV: os.environ[FORCE_ENV]}}}
-    with LLM(cfg["model"], tp_size=cfg["tp"], launcher=cfg["launcher"], device=cfg["device"], dtype=cfg["dtype"],
-             speculative=spec, max_batch_size=cfg["max_batch_size"], use_cuda_graphs=cfg["use_cuda_graphs"],
-             **kwargs) as llm:
+    backend = {"torchrun": "external_launcher"}.get(cfg["launcher"], cfg["launcher"])
+    with LLM(cfg["model"], tensor_parallel_size=cfg["tp"], distributed_executor_backend=backend, device=cfg["device"],
+             dtype=cfg["dtype"], speculative_config=spec, max_num_seqs=cfg["max_batch_size"],
+             enforce_eager=not cfg["use_cuda_graphs"], **kwargs) as llm:
         prompts = _prompts(cfg["num_prompts"], cfg["prompt_len"], llm.vocab_size)
         # Warm up on the timed batch itself (its CUDA-graph bucket, first-use costs of its shapes),
         # so the timed call measures steady-state steps.
-        llm.generate(prompts, max_new_tokens=min(WARMUP_TOKENS, cfg["max_new_tokens"]), ignore_eos=True,
-                     use_tqdm=False)
-        llm.generate(prompts, max_new_tokens=cfg["max_new_tokens"], ignore_eos=True, use_tqdm=False)
+        warmup = SamplingParams(temperature=0.0, max_tokens=min(WARMUP_TOKENS, cfg["max_new_tokens"]), ignore_eos=True)
+        llm.generate(prompts, warmup, use_tqdm=False)
+        timed = SamplingParams(temperature=0.0, max_tokens=cfg["max_new_tokens"], ignore_eos=True)
+        llm.generate(prompts, timed, use_tqdm=False)
         stats = llm.last_stats
         rank = llm.rank
     assert stats is not None

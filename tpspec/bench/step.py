@@ -124,7 +124,7 @@ def _step_worker(rank: int, world_size: int, cfg: dict) -> list[dict]:
     from ..model import ForwardBatch, load_model
     from ..runtime.engine import resolve_dtype
     from ..sampling.params import SamplingParams
-    from ..speculative import SpecMetadata, SpecWorker
+    from ..speculative import RequestEntry, SpecMetadata, SpecWorker
 
     if cfg["device"] == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -164,9 +164,9 @@ def _step_worker(rank: int, world_size: int, cfg: dict) -> list[dict]:
         drafts = torch.randint(3, vocab, (batch, draft_len), generator=gen).to(device)
         for mode in cfg["modes"]:
             greedy = mode == "greedy"
-            params = [SamplingParams() if greedy else SamplingParams(temperature=0.8, seed=1000 + i)
+            params = [SamplingParams(temperature=0.0) if greedy else SamplingParams(temperature=0.8, seed=1000 + i)
                       for i in range(batch)]
-            requests = [(i, i, params[i], False) for i in range(batch)]
+            requests = [RequestEntry(i, i, params[i], False) for i in range(batch)]
             for path in PATHS:
                 meta = SpecMetadata(batch, draft_len, device=device)
                 forward_ms, select_ms, outputs = [], [], []

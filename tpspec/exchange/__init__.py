@@ -7,11 +7,11 @@ only when built.
 from typing import Any
 
 from .allgather import AllGatherKeyExchange
-from .base import KeyExchange
+from .base import Channel, KeyExchange
 from .factory import make_key_exchange
 from .local import LocalKeyExchange
 
-__all__ = ["KeyExchange", "AllGatherKeyExchange", "LocalKeyExchange", "LLKeyExchange", "LLTimeoutError", "make_key_exchange"]
+__all__ = ["Channel", "KeyExchange", "AllGatherKeyExchange", "LocalKeyExchange", "LLKeyExchange", "LLTimeoutError", "make_key_exchange"]
 
 
 def __getattr__(name: str) -> Any:

@@ -11,12 +11,23 @@ stream.
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 from abc import ABC, abstractmethod
 from typing import Any
 
 import torch
 
 from .. import keys as K
+
+class Channel(enum.IntEnum):
+    """Which exchange slots a call uses: draft picks and the target's picks may be in flight
+    together (a draft model's forward overlapping the target's selection), so they never
+    share slots. An ``int``: exchanges built with more channels accept 2, 3, ... too."""
+
+    DRAFT = 0
+    TARGET = 1
+
 
 UNSEEDED_STREAM_SEED = 0x7470737065630000  # "tpspec\0\0": seed of rows with no stream of their own
 """Rows sampled without ``seeds``: seed = this, offset = ``step << 32 | row``."""
@@ -35,8 +46,8 @@ class KeyExchange(ABC):
     """Cross-rank selection over a process group. Collective: every rank of the group
     must make the same calls, in the same order, with the same row counts.
 
-    ``channel`` keeps exchanges that may be in flight together apart (0 = draft,
-    1 = target); implementations without slots accept and ignore it.
+    ``channel`` keeps exchanges that may be in flight together apart (:class:`Channel`);
+    implementations without slots accept and ignore it.
     """
 
     MAX_ROWS: int = 2**31 - 1
@@ -58,12 +69,25 @@ class KeyExchange(ABC):
 
     # -- the collective primitive --------------------------------------------------
     @abstractmethod
-    def max_keys(self, keys: torch.Tensor, *, channel: int = 0) -> torch.Tensor:
+    def max_keys(self, keys: torch.Tensor, *, channel: int = Channel.DRAFT) -> torch.Tensor:
         """Element-wise max over ranks of ``keys`` (``[R]`` int64). Every rank gets ``[R]`` int64."""
+
+    @abstractmethod
+    def gather_rows(self, values: torch.Tensor, *, channel: int = Channel.DRAFT) -> torch.Tensor:
+        """Per-row gather of int64 arrays: ``values`` ``[R, C]`` int64 on every rank (same R and
+        C everywhere) -> ``[R, world_size * C]`` int64, columns ``[r * C, (r + 1) * C)`` from
+        rank ``r``. Every rank gets the same tensor. The sharded filters send their candidate
+        keys through it."""
+
+    @abstractmethod
+    def sum_rows(self, values: torch.Tensor, *, channel: int = Channel.DRAFT) -> torch.Tensor:
+        """Exact int64 sum over ranks: ``values`` ``[R]`` int64 -> ``[R]`` int64, the same on
+        every rank whatever the rank order (integer addition; the caller keeps the sum below
+        ``2**63``). The sharded filters sum their column masses through it."""
 
     # -- built on it ---------------------------------------------------------------
     def argmax_tokens(
-        self, local_max: torch.Tensor, local_argmax: torch.Tensor, vocab_offset: int, *, channel: int = 0
+        self, local_max: torch.Tensor, local_argmax: torch.Tensor, vocab_offset: int, *, channel: int = Channel.DRAFT
     ) -> torch.Tensor:
         """Global argmax from each rank's per-row max and its local column.
 
@@ -87,50 +111,33 @@ class KeyExchange(ABC):
         vocab_offset: int,
         *,
         vocab_size: int | None = None,
-        temperature: torch.Tensor | None = None,
-        seeds: torch.Tensor | None = None,
-        offsets: torch.Tensor | None = None,
-        greedy_threshold: float = K.GREEDY_TEMPERATURE_THRESHOLD,
-        channel: int = 0,
+        rows: K.SamplingRows | None = None,
+        channel: int = Channel.DRAFT,
     ) -> torch.Tensor:
         """Tokens from a rank's ``[R, C]`` logits slice (global columns ``vocab_offset + c``).
 
-        Greedy rows (no ``temperature``, or ``temperature < greedy_threshold``) take the
+        Greedy rows (no ``rows``, or ``rows.temperature < rows.greedy_threshold``) take the
         global argmax; other rows a Gumbel-max draw from softmax(logits / T) with noise
-        keyed by ``(seeds, offsets, global column)`` — or, without ``seeds``, by this
-        exchange's step counter (advanced once per such call, on the device). Columns at
+        keyed by ``(seeds, offsets, global column)`` — or, without ``rows.seeds``, by this
+        exchange's step counter (advanced once per such call, on the device). Filters and
+        penalties of ``rows`` are not applied here (``tpspec.sampling.select`` does). Columns at
         or past ``vocab_size`` are never chosen; a rank whose slice lies wholly past it (or
         has no columns) offers no candidate. Returns ``[R]`` int64, equal on every rank;
         if no rank offers a candidate (every slice empty) the token is ``2**32 - 1``.
         """
-        self.validate_logits_call(logits, vocab_offset, vocab_size, temperature, seeds, offsets, channel)
-        return K.unpack_indices(self._max_local_keys(logits, vocab_offset, vocab_size, temperature, seeds, offsets,
-                                                     greedy_threshold, channel))
+        self.validate_logits_call(logits, vocab_offset, vocab_size, rows, channel)
+        return K.unpack_indices(self._max_local_keys(logits, vocab_offset, vocab_size, rows, channel))
 
     def _max_local_keys(
-        self,
-        logits: torch.Tensor,
-        vocab_offset: int,
-        vocab_size: int | None,
-        temperature: torch.Tensor | None,
-        seeds: torch.Tensor | None,
-        offsets: torch.Tensor | None,
-        greedy_threshold: float,
+        self, logits: torch.Tensor, vocab_offset: int, vocab_size: int | None, rows: K.SamplingRows | None,
         channel: int,
     ) -> torch.Tensor:
         """The winning keys of a validated ``argmax_logits`` call: ``keys.local_row_keys`` on
         this rank (unseeded rows take this exchange's step counter), then :meth:`max_keys`."""
-        if temperature is not None and seeds is None:
+        if rows is not None and rows.seeds is None:
             seeds, offsets = self.unseeded_streams(logits.shape[0])
-        local = K.local_row_keys(
-            logits,
-            vocab_offset,
-            vocab_size=vocab_size,
-            temperature=temperature,
-            seeds=seeds,
-            offsets=offsets,
-            greedy_threshold=greedy_threshold,
-        )
+            rows = dataclasses.replace(rows, seeds=seeds, offsets=offsets)
+        local = K.local_row_keys(logits, vocab_offset, vocab_size=vocab_size, rows=rows)
         return self.max_keys(local, channel=channel)
 
     def check(self, *, sync: bool = True) -> None:
@@ -169,6 +176,14 @@ class KeyExchange(ABC):
         if _concrete_device(t.device) != self.device:
             raise ValueError(f"{name} is on {t.device}, the exchange works on {self.device}")
 
+    def check_int64_rows(self, name: str, values: Any, dims: int) -> None:
+        """Raise ``ValueError`` unless ``values`` is a ``dims``-D int64 tensor on this exchange's device."""
+        if not isinstance(values, torch.Tensor) or values.dim() != dims or values.dtype != torch.int64:
+            raise ValueError(f"{name} must be a {dims}-D int64 tensor, got "
+                             f"{getattr(values, 'dtype', type(values).__name__)} {tuple(getattr(values, 'shape', ()))}")
+        if _concrete_device(values.device) != self.device:
+            raise ValueError(f"{name} is on {values.device}, the exchange works on {self.device}")
+
     def _check_offset(self, vocab_offset: Any) -> None:
         # No check against vocab_size: a rank whose slice is all padding (offset >= vocab
         # size) is valid and offers no candidate; rejecting it on that rank alone would
@@ -189,9 +204,7 @@ class KeyExchange(ABC):
         logits: Any,
         vocab_offset: Any,
         vocab_size: int | None,
-        temperature: torch.Tensor | None,
-        seeds: torch.Tensor | None,
-        offsets: torch.Tensor | None,
+        rows: K.SamplingRows | None,
         channel: int,
     ) -> None:
         """Check an ``argmax_logits`` call (no side effects). Raises ``ValueError`` naming the problem."""
@@ -209,18 +222,18 @@ class KeyExchange(ABC):
         if vocab_offset + logits.shape[1] > 2**32:
             raise ValueError("global columns must stay below 2**32")
         self.check_channel(channel)
-        rows = logits.shape[0]
-        if (seeds is None) != (offsets is None):
-            raise ValueError("pass seeds and offsets together, or neither")
-        if temperature is None:
-            if seeds is not None:
-                raise ValueError("seeds/offsets were given without temperature")
+        if rows is None:
             return
-        self._check_rows_vector("temperature", temperature, rows)
-        if not temperature.is_floating_point():
-            raise ValueError(f"temperature must be a floating tensor, got {temperature.dtype}")
-        if seeds is not None:
-            for name, t in (("seeds", seeds), ("offsets", offsets)):
-                self._check_rows_vector(name, t, rows)
+        if not isinstance(rows, K.SamplingRows):
+            raise ValueError(f"rows must be a SamplingRows or None, got {type(rows).__name__}")
+        num_rows = logits.shape[0]
+        if (rows.seeds is None) != (rows.offsets is None):
+            raise ValueError("pass seeds and offsets together, or neither")
+        self._check_rows_vector("temperature", rows.temperature, num_rows)
+        if not rows.temperature.is_floating_point():
+            raise ValueError(f"temperature must be a floating tensor, got {rows.temperature.dtype}")
+        if rows.seeds is not None:
+            for name, t in (("seeds", rows.seeds), ("offsets", rows.offsets)):
+                self._check_rows_vector(name, t, num_rows)
                 if t.dtype != torch.int64:
                     raise ValueError(f"{name} must be int64, got {t.dtype}")

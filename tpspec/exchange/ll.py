@@ -6,7 +6,8 @@ group once (any backend: gloo is enough), and opens its peers' handles. One kern
 per call reduces the rank's keys (the fused kernel's blocks hand theirs to one of them, the
 collector, through the block lines), writes them into every rank's slots with 16-byte
 ``{key_lo, epoch, key_hi, epoch}`` stores, waits for every rank's lines (bounded by
-``timeout_s``), reduces and writes the result. See ``csrc/ll_exchange/ll_exchange.cu``.
+``timeout_s``), reduces and writes the result. See ``csrc/ll_exchange/ll_exchange.cu``;
+:func:`~tpspec.exchange.ll_plan.plan` decides the kernel and grid of each fused call.
 
 Results are bit-identical to :class:`~tpspec.exchange.allgather.AllGatherKeyExchange`;
 calls with more than ``max_rows`` rows go through an all-gather over the same group
@@ -32,8 +33,9 @@ import torch
 from .. import distributed as D
 from .. import keys as K
 from . import cuda_module
+from .ll_plan import exchange_keys_kernel, kernel_constants, max_grid_blocks, plan
 from .allgather import AllGatherKeyExchange
-from .base import UNSEEDED_STREAM_SEED, KeyExchange
+from .base import UNSEEDED_STREAM_SEED, Channel, KeyExchange
 
 DEFAULT_MAX_ROWS = 1024
 MAX_MAX_ROWS = 4096  # the kernels keep one key per row in shared memory (32 KiB)
@@ -43,9 +45,6 @@ MIN_TIMEOUT_S = 1e-3  # below a scheduling hiccup every wait would give up
 MAX_TIMEOUT_S = 1e6  # ~11.6 days; far inside the kernel's uint64 nanosecond count
 TIMEOUT_ENV = "TPSPEC_LL_TIMEOUT_S"
 
-CTRL_BYTES = 64  # ChannelCtrl in the source
-SLOT_BYTES = 16  # one LL line
-HOST_ERROR_BYTES = 16  # HostError in the source
 _CUDA_HOST_ALLOC_PORTABLE_MAPPED = 0x1 | 0x2
 _CUDA_IPC_LAZY_PEER_ACCESS = 0x1
 _CUDA_MEMCPY_HOST_TO_DEVICE = 1
@@ -112,8 +111,11 @@ def validate_ll_arguments(max_rows: Any, num_channels: Any, world_size: int) -> 
         raise ValueError(f"max_rows must be an int in [1, {MAX_MAX_ROWS}], got {max_rows!r}")
     if isinstance(num_channels, bool) or not isinstance(num_channels, int) or not 1 <= num_channels <= MAX_CHANNELS:
         raise ValueError(f"num_channels must be an int in [1, {MAX_CHANNELS}], got {num_channels!r}")
-    if not 1 <= world_size <= cuda_module.MAX_WORLD:
-        raise ValueError(f"the LL exchange serves 1 to {cuda_module.MAX_WORLD} ranks, the group has {world_size}")
+    # One rank always fits: the factory checks options before it knows whether the kernel
+    # source (which holds the limit) is there.
+    if world_size < 1 or (world_size > 1 and world_size > kernel_constants().max_world):
+        raise ValueError(f"the LL exchange serves 1 to {kernel_constants().max_world} ranks, "
+                         f"the group has {world_size}")
 
 
 def sms_per_rank(num_sms: int, devices: list[str], rank: int) -> int:
@@ -126,11 +128,6 @@ def sms_per_rank(num_sms: int, devices: list[str], rank: int) -> int:
     instead. Only the grid depends on it, never a key, so ranks may differ."""
     sharing = sum(1 for device in devices if device == devices[rank])
     return max(1, num_sms // max(1, sharing))
-
-
-def max_grid_blocks(max_rows: int, num_sms: int) -> int:
-    """The most blocks a fused call of up to ``max_rows`` rows launches (see :func:`plan_chunks`)."""
-    return max(max_rows, SAMPLED_BLOCKS_PER_SM * max(1, num_sms))
 
 
 @dataclass(frozen=True)
@@ -153,13 +150,13 @@ class BufferLayout:
 
     @property
     def slots_offset(self) -> int:
-        end = CTRL_BYTES * self.num_channels
+        end = kernel_constants().ctrl_bytes * self.num_channels
         return (end + 255) // 256 * 256
 
     @property
     def slot_channel_bytes(self) -> int:
         """Slots of one channel: [parity 2][source rank][row] lines of 16 bytes."""
-        return 2 * self.world_size * self.max_rows * SLOT_BYTES
+        return 2 * self.world_size * self.max_rows * kernel_constants().line_bytes
 
     @property
     def block_lines_offset(self) -> int:
@@ -168,14 +165,14 @@ class BufferLayout:
     @property
     def block_lines_channel_bytes(self) -> int:
         """Block lines of one channel: one 16-byte line per block of a fused call."""
-        return self.max_blocks * SLOT_BYTES
+        return self.max_blocks * kernel_constants().line_bytes
 
     @property
     def total_bytes(self) -> int:
         return self.block_lines_offset + self.num_channels * self.block_lines_channel_bytes
 
     def ctrl(self, base: int, channel: int) -> int:
-        return base + self.ctrl_offset + CTRL_BYTES * channel
+        return base + self.ctrl_offset + kernel_constants().ctrl_bytes * channel
 
     def slots(self, base: int, channel: int) -> int:
         return base + self.slots_offset + self.slot_channel_bytes * channel
@@ -184,156 +181,8 @@ class BufferLayout:
         return base + self.block_lines_offset + self.block_lines_channel_bytes * channel
 
 
-GREEDY_BLOCKS_PER_SM = 2
-SAMPLED_BLOCKS_PER_SM = 4  # the most a sampled call plans (see plan_chunks)
-SAMPLED_BLOCKS_PER_SM_FIRST = 2  # what it plans unless 4 make its chunks fit one tile
-MIN_CHUNK = 1024
-COLUMN_CHUNK = cuda_module.THREADS_PER_BLOCK  # a column a thread: the _columns kernels
-COLUMNS_MAX_CHUNK = 2 * COLUMN_CHUNK  # the _columns kernels' largest planned chunk: two columns a thread
-ROW_GATHER_MAX_CHUNKS = 64  # ROW_GATHER_MAX_CHUNKS in the source: the collector's quick gather (small batches)
-COLUMNS_GATHER_MAX_CHUNKS = 128  # COLUMNS_GATHER_MAX_CHUNKS in the source: the same in the _columns kernels
-PACK_BYTES_PER_BLOCK = 16 * cuda_module.THREADS_PER_BLOCK  # a 16-byte pack a thread
-GREEDY_GROUP_BYTES = 4 * PACK_BYTES_PER_BLOCK  # greedy_span in the source: UNROLL = 4 packs a thread, loaded together
-
-
-def plan_chunks(rows: int, cols: int, elem_bytes: int, num_sms: int, sampled: bool) -> tuple[int, int]:
-    """Split each row of the fused kernel over blocks: ``(chunk columns, chunks per row)``.
-
-    At most one wave of blocks: ``greedy_blocks`` for greedy calls (at most 2 an SM);
-    sampled ones ``SAMPLED_BLOCKS_PER_SM_FIRST`` (2) an SM, or ``SAMPLED_BLOCKS_PER_SM`` (4)
-    when those make every chunk fit one tile (``sampled_tile_columns``: the ``_one_tile``
-    kernels) and 2 do not. Fewer, larger sampled blocks won wherever the kernel stays the
-    same (H200, session 19, Gumbel us: 8 x 64K 6.0 -> 5.0, 32 x 16K 6.3 -> 5.4, 64 x 16K 7.5
-    -> 6.9, 256 x 16K 14.6 -> 13.8); where 2 an SM would trade the ``_one_tile`` kernel for
-    the plain one it lost (128 x 16K 9.6 -> 9.9, 32 x 64K 9.8 -> 10.0). Blocks per row are
-    rounded down so a second, mostly idle wave never starts (for speed: the kernel's
-    collector is its last block, so a grid need not fit the GPU at once). So ``rows *
-    chunks`` never exceeds ``max_grid_blocks(rows, num_sms)``. On the H200 rounding down
-    beat rounding up (greedy 256 x 64K bf16: 14.6 -> 12.1 us; Gumbel 256 x 64K: 43.5 -> 40.7
-    us). Small batches still spread each row over many blocks (at least 1024 columns each).
-    A greedy chunk of more than a pack a thread is whole groups of ``greedy_span``'s loads
-    (``GREEDY_GROUP_BYTES``); the packs short of a group are loaded one after another.
-    Sampled calls small enough to take a block of ``COLUMN_CHUNK`` columns per SM or fewer
-    (and at most ``COLUMNS_GATHER_MAX_CHUNKS`` a row) get exactly that: the ``_columns``
-    kernels then score a column a thread, one score on each thread's chain of dependent
-    steps (H200, session 14: Gumbel 1 x 16K 3.6 -> 3.0 us, 2 x 16K 3.8-4.0 -> 3.3; with four
-    blocks an SM, 8 x 16K, the same split was 0.8 us slower in session 13). Failing that,
-    chunks of ``COLUMNS_MAX_CHUNK`` (two columns a thread) under the same two limits. See
-    ``columns_kernel_chunk`` for what each step gained. Chunks are multiples of a warp's
-    16-byte loads, so vector loads stay aligned and quads stay Philox blocks.
-    """
-    sms = max(1, num_sms)
-    if not sampled:
-        return _split_rows(rows, cols, elem_bytes, greedy_blocks(rows * max(cols, 1) * elem_bytes, sms), sms, False)
-    plan = _split_rows(rows, cols, elem_bytes, SAMPLED_BLOCKS_PER_SM_FIRST * sms, sms, True)
-    tile = sampled_tile_columns(elem_bytes)
-    if plan[0] > tile:
-        more = _split_rows(rows, cols, elem_bytes, SAMPLED_BLOCKS_PER_SM * sms, sms, True)
-        if more[0] <= tile:
-            return more
-    return plan
-
-
-def _split_rows(rows: int, cols: int, elem_bytes: int, blocks: int, sms: int, sampled: bool) -> tuple[int, int]:
-    """``plan_chunks``'s split for a budget of ``blocks`` blocks."""
-    vec = 16 // elem_bytes
-    per_row = max(1, blocks // max(1, rows))
-    columns_chunk = columns_kernel_chunk(rows, cols, sms) if sampled else 0
-    chunk = columns_chunk or max(-(-max(cols, 1) // per_row), MIN_CHUNK)
-    quantum = 32 * vec
-    if not sampled and chunk * elem_bytes > PACK_BYTES_PER_BLOCK:
-        # Whole groups: a thread's last packs short of a group are loaded one after another.
-        quantum = GREEDY_GROUP_BYTES // elem_bytes
-    chunk = -(-chunk // quantum) * quantum
-    chunks = max(1, -(-cols // chunk))
-    return chunk, chunks
-
-
-def columns_kernel_chunk(rows: int, cols: int, num_sms: int) -> int:
-    """The chunk of a sampled call for the ``_columns`` kernels (a column a thread, else two),
-    or 0 when neither fits at most a block an SM and ``COLUMNS_GATHER_MAX_CHUNKS`` a row.
-
-    The limits, H200 Gumbel (us): past one block an SM, 8 x 16K at two columns a thread
-    took 4.32 against 4.15 with the usual quad a thread (session 15), and at a column a
-    thread 0.8 slower (session 13). Two columns a thread: 3 x 16K 3.83-3.92 -> 3.57-3.79,
-    4 x 16K 3.92-4.00 -> 3.67-3.82, 2 x 32K 3.98-4.02 -> 3.71-3.86 (session 15). The
-    _columns kernels' quick gather of up to 128 chunks a row (a plain gather of a row's 128
-    lines made 1 x 64K 3.59 -> 3.92): 1 x 32K 3.41 -> 3.15 (a column a thread instead of
-    two), 1 x 64K 3.78 -> 3.60, at a cost of 3.02 -> 3.07 at 1 x 16K (session 15)."""
-    for chunk in (COLUMN_CHUNK, COLUMNS_MAX_CHUNK):
-        chunks = -(-max(cols, 1) // chunk)
-        if chunks <= COLUMNS_GATHER_MAX_CHUNKS and rows * chunks <= num_sms:
-            return chunk
-    return 0
-
-
-def greedy_blocks(nbytes: int, num_sms: int) -> int:
-    """Blocks for a greedy call reading ``nbytes`` of logits on ``num_sms`` SMs.
-
-    A greedy block loads a group (``GREEDY_GROUP_BYTES``) in one go, so a block per group is
-    enough while that fits one block an SM (at least half the SMs, so small calls still
-    read from many SMs); one block an SM until blocks would read more than two groups each;
-    then two an SM, whose extra warps keep HBM busy. Every block beyond that only adds its
-    own start and hand-off. H200, session 14 (greedy, TP=1, us): 8 x 64K 3.55-3.77 ->
-    3.25-3.28, 16 x 16K 3.62-3.80 -> 3.15-3.31, 64 x 16K 4.37-4.44 -> 3.88-3.98, 128 x 16K
-    4.76-4.85 -> 4.49-4.58; calls of 8 MiB and more keep two blocks an SM (one: 64 x 64K
-    5.7 -> 6.2).
-    """
-    groups = -(-nbytes // GREEDY_GROUP_BYTES)
-    if groups <= num_sms:
-        return max(num_sms // 2, groups)
-    if nbytes <= 2 * GREEDY_GROUP_BYTES * num_sms:
-        return num_sms
-    return GREEDY_BLOCKS_PER_SM * num_sms
-
-
-DEFAULT_DYNAMIC_SHARED_LIMIT = 48 * 1024  # what a launch may ask for without opting in
-
-
-def fused_shared_bytes(rows: int, chunks: int) -> int:
-    """Dynamic shared memory of a fused launch: a key per row, and in the collector a key
-    per block when rows span several blocks (see argmax_logits_impl in the source)."""
-    return 8 * rows * (1 + chunks if chunks > 1 else 1)
-
-
-_DTYPE_KERNELS = {
-    torch.float32: ("ll_argmax_logits_f32", 0),
-    torch.bfloat16: ("ll_argmax_logits_bf16", 1),
-    torch.float16: ("ll_argmax_logits_f16", 2),
-}
-
-
-def exchange_keys_kernel_name(world: int) -> str:
-    """The ``max_keys`` / ``argmax_tokens`` kernel for a world size: each polls as many peer
-    lines at once as the world needs (1 for 1-2 ranks, 4 for 3-5, 8 beyond), and each world
-    runs only its own wait loop (one kernel holding all three measured slower at TP=8)."""
-    return "ll_exchange_keys_1" if world <= 2 else ("ll_exchange_keys_4" if world <= 5 else "ll_exchange_keys_8")
-
-
-SAMPLED_PACKS = 2  # SAMPLED_PACKS in the source: 16-byte packs a thread takes per tile of a sampled row
-
-
-def sampled_tile_columns(elem_bytes: int) -> int:
-    """Columns one tile of a sampled row covers: every thread of a block, SAMPLED_PACKS packs each."""
-    return cuda_module.THREADS_PER_BLOCK * (16 // elem_bytes) * SAMPLED_PACKS
-
-
-def fused_kernel_name(dtype: torch.dtype, chunk: int, sampled: bool) -> str:
-    """The fused kernel of a call: its dtype's; for a call with sampled rows, its ``_columns``
-    twin when chunks hold at most two columns a thread (``COLUMNS_MAX_CHUNK``), else its
-    ``_one_tile`` twin when every chunk fits one tile. The ``_one_tile`` twin's sampled
-    blocks take the block's bound before listing columns (a barrier between passes; H200:
-    1 x 64K Gumbel 6.0 -> 5.5 us), or, when chunks are at most 2048 columns (one or two
-    quads a thread: ``PRUNED_QUADS_MAX`` in the source), prune within each warp with no barrier and no
-    list (session 19: 64 x 16K 9.4 -> 7.3 us, 8 x 64K 6.5 -> 6.0 at the same grid). The
-    barrier inside the tile loop cost registers, so blocks of several tiles keep the plain
-    kernel. The ``_columns`` twin scores a column at a time on each thread; it is a kernel of
-    its own so that the others' code stays as measured (a one-line change inside
-    ``_one_tile`` cost 8 x 64K 0.15 us). All give the same keys."""
-    name = _DTYPE_KERNELS[dtype][0]
-    if sampled and chunk <= COLUMNS_MAX_CHUNK:
-        return name + "_columns"
-    return name + "_one_tile" if sampled and chunk <= sampled_tile_columns(dtype.itemsize) else name
+# The value-dtype code of the exchange-keys kernels' ``max_dtype`` argument.
+_VALUE_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def _p(value: int) -> np.uint64:
@@ -344,7 +193,7 @@ class LLKeyExchange(KeyExchange):
     """Peer-memory exchange for the ranks of ``group`` on one node (collective constructor).
 
     ``max_rows``: rows a call may have on the LL path (more go through an all-gather);
-    ``num_channels``: independent slot sets (0 = draft, 1 = target, ...); ``timeout_s``:
+    ``num_channels``: independent slot sets (``Channel.DRAFT``, ``Channel.TARGET``, ...); ``timeout_s``:
     how long a kernel waits for a peer before it gives up (default 30 s or
     ``$TPSPEC_LL_TIMEOUT_S``); ``device``: the CUDA device (default: the current one).
 
@@ -446,7 +295,7 @@ class LLKeyExchange(KeyExchange):
             self._gumbel_table = K.gumbel_bound_table(self.device)  # the sampled rows' pruning bounds
             self._module = cuda_module.load_module(self.device.index)
             self._kernels = {name: self._module.get_function(name) for name in cuda_module.KERNEL_NAMES}
-        self._exchange_kernel = exchange_keys_kernel_name(self.world_size)  # max_keys / argmax_tokens
+        self._exchange_kernel = exchange_keys_kernel(self.world_size)  # max_keys / argmax_tokens
 
     @staticmethod
     def _try(fn: Any) -> str | None:
@@ -465,17 +314,19 @@ class LLKeyExchange(KeyExchange):
         with cupy.cuda.Device(self.device.index):
             self._base = rt.malloc(self.layout.total_bytes)
             rt.memset(self._base, 0, self.layout.total_bytes)
-            ctrl = np.zeros(CTRL_BYTES // 4 * self.NUM_CHANNELS, dtype=np.uint32)
-            ctrl[:: CTRL_BYTES // 4] = 1  # first epoch of every channel; slots hold 0 = never written
+            words = kernel_constants().ctrl_bytes // 4
+            ctrl = np.zeros(words * self.NUM_CHANNELS, dtype=np.uint32)
+            ctrl[::words] = 1  # first epoch of every channel; slots hold 0 = never written
             rt.memcpy(self.layout.ctrl(self._base, 0), ctrl.ctypes.data, ctrl.nbytes, _CUDA_MEMCPY_HOST_TO_DEVICE)
-            self._host_error = rt.hostAlloc(HOST_ERROR_BYTES * self.NUM_CHANNELS, _CUDA_HOST_ALLOC_PORTABLE_MAPPED)
-            ctypes.memset(self._host_error, 0, HOST_ERROR_BYTES * self.NUM_CHANNELS)
+            error_bytes = kernel_constants().host_error_bytes * self.NUM_CHANNELS
+            self._host_error = rt.hostAlloc(error_bytes, _CUDA_HOST_ALLOC_PORTABLE_MAPPED)
+            ctypes.memset(self._host_error, 0, error_bytes)
             rt.deviceSynchronize()
             handle[0] = rt.ipcGetMemHandle(self._base)
 
     # ----------------------------------------------------------------- errors
     def _error_record(self, channel: int) -> tuple[int, int, int]:
-        address = self._host_error + HOST_ERROR_BYTES * channel
+        address = self._host_error + kernel_constants().host_error_bytes * channel
         flag = ctypes.c_uint32.from_address(address).value
         epoch = ctypes.c_uint32.from_address(address + 4).value
         missing = ctypes.c_uint64.from_address(address + 8).value
@@ -508,14 +359,17 @@ class LLKeyExchange(KeyExchange):
             _p(self.layout.block_lines(self._base, channel)),
             np.int32(self.layout.max_blocks),
             _p(self._peer_slots.data_ptr() + 8 * self.world_size * channel),
-            _p(self._host_error + HOST_ERROR_BYTES * channel),
+            _p(self._host_error + kernel_constants().host_error_bytes * channel),
             np.int32(self.rank),
             np.int32(self.world_size),
             np.int32(self.MAX_ROWS),
             np.uint64(int(self.timeout_s * 1e9)),
         )
 
-    def _launch(self, name: str, blocks: int, shared_bytes: int, args: tuple) -> None:
+    def _launch(self, kernel: Any, blocks: int, shared_bytes: int, args: tuple) -> None:
+        """Launch ``kernel`` (a name of ``cuda_module.KERNEL_NAMES`` or a loaded cupy kernel)."""
+        if isinstance(kernel, str):
+            kernel = self._kernels[kernel]
         # Read the current stream at every launch: under torch.cuda.graph it is the capture stream.
         stream_ptr = torch.cuda.current_stream(self.device).cuda_stream
         stream = self._streams.get(stream_ptr)
@@ -525,11 +379,11 @@ class LLKeyExchange(KeyExchange):
         # The kernels live in this device's context: launch there even when the caller's
         # current device is another one (a no-op in the usual one-device-per-process case).
         with torch.cuda.device(self.device.index):
-            self._kernels[name]((blocks,), (cuda_module.THREADS_PER_BLOCK,), args, shared_mem=shared_bytes,
+            kernel((blocks,), (kernel_constants().threads,), args, shared_mem=shared_bytes,
                                 stream=stream)
 
     # ------------------------------------------------------------------ calls
-    def max_keys(self, keys: torch.Tensor, *, channel: int = 0) -> torch.Tensor:
+    def max_keys(self, keys: torch.Tensor, *, channel: int = Channel.DRAFT) -> torch.Tensor:
         self._check_rows_vector("keys", keys, None)
         if keys.dtype != torch.int64:
             raise ValueError(f"keys must be int64, got {keys.dtype}")
@@ -548,8 +402,18 @@ class LLKeyExchange(KeyExchange):
         self._launch(self._exchange_kernel, 1, 8 * rows, args)
         return out
 
+    def gather_rows(self, values: torch.Tensor, *, channel: int = Channel.DRAFT) -> torch.Tensor:
+        """See :meth:`KeyExchange.gather_rows` (through the all-gather exchange)."""
+        self._raise_if_failed()
+        return self._fallback.gather_rows(values, channel=channel)
+
+    def sum_rows(self, values: torch.Tensor, *, channel: int = Channel.DRAFT) -> torch.Tensor:
+        """See :meth:`KeyExchange.sum_rows` (through the all-gather exchange)."""
+        self._raise_if_failed()
+        return self._fallback.sum_rows(values, channel=channel)
+
     def argmax_tokens(
-        self, local_max: torch.Tensor, local_argmax: torch.Tensor, vocab_offset: int, *, channel: int = 0
+        self, local_max: torch.Tensor, local_argmax: torch.Tensor, vocab_offset: int, *, channel: int = Channel.DRAFT
     ) -> torch.Tensor:
         self._check_rows_vector("local_max", local_max, None)
         self._check_rows_vector("local_argmax", local_argmax, local_max.shape[0])
@@ -568,7 +432,7 @@ class LLKeyExchange(KeyExchange):
         local_max = local_max.contiguous()
         local_argmax = local_argmax.contiguous()
         out = torch.empty(rows, dtype=torch.int64, device=self.device)
-        args = (np.int32(1), _p(0), _p(local_max.data_ptr()), np.int32(_DTYPE_KERNELS[local_max.dtype][1]),
+        args = (np.int32(1), _p(0), _p(local_max.data_ptr()), np.int32(_VALUE_DTYPE_CODE[local_max.dtype]),
                 _p(local_argmax.data_ptr()), np.int32(local_argmax.dtype == torch.int64), np.int64(vocab_offset),
                 np.int32(rows), _p(out.data_ptr()), np.int32(1), *self._exchange_args(channel))
         self._launch(self._exchange_kernel, 1, 8 * rows, args)
@@ -580,15 +444,11 @@ class LLKeyExchange(KeyExchange):
         vocab_offset: int,
         *,
         vocab_size: int | None = None,
-        temperature: torch.Tensor | None = None,
-        seeds: torch.Tensor | None = None,
-        offsets: torch.Tensor | None = None,
-        greedy_threshold: float = K.GREEDY_TEMPERATURE_THRESHOLD,
-        channel: int = 0,
+        rows: K.SamplingRows | None = None,
+        channel: int = Channel.DRAFT,
     ) -> torch.Tensor:
         """See :meth:`KeyExchange.argmax_logits`; one kernel launch when rows <= ``max_rows``."""
-        return self._fused(logits, vocab_offset, vocab_size, temperature, seeds, offsets, greedy_threshold,
-                           channel, want_tokens=True)
+        return self._fused(logits, vocab_offset, vocab_size, rows, channel, want_tokens=True)
 
     def max_logits_keys(
         self,
@@ -596,38 +456,34 @@ class LLKeyExchange(KeyExchange):
         vocab_offset: int,
         *,
         vocab_size: int | None = None,
-        temperature: torch.Tensor | None = None,
-        seeds: torch.Tensor | None = None,
-        offsets: torch.Tensor | None = None,
-        greedy_threshold: float = K.GREEDY_TEMPERATURE_THRESHOLD,
-        channel: int = 0,
+        rows: K.SamplingRows | None = None,
+        channel: int = Channel.DRAFT,
     ) -> torch.Tensor:
         """Like :meth:`argmax_logits` but returns the winning keys (``[R]`` int64, equal on every
         rank): ``max over ranks of keys.local_row_keys(...)``, bit for bit. Unpack with
         ``keys.unpack_keys`` for the winning score and column. Same step-counter rules."""
-        return self._fused(logits, vocab_offset, vocab_size, temperature, seeds, offsets, greedy_threshold,
-                           channel, want_tokens=False)
+        return self._fused(logits, vocab_offset, vocab_size, rows, channel, want_tokens=False)
 
     def _fused(
         self,
         logits: torch.Tensor,
         vocab_offset: int,
         vocab_size: int | None,
-        temperature: torch.Tensor | None,
-        seeds: torch.Tensor | None,
-        offsets: torch.Tensor | None,
-        greedy_threshold: float,
+        sampling: K.SamplingRows | None,
         channel: int,
         *,
         want_tokens: bool,
     ) -> torch.Tensor:
-        self.validate_logits_call(logits, vocab_offset, vocab_size, temperature, seeds, offsets, channel)
+        self.validate_logits_call(logits, vocab_offset, vocab_size, sampling, channel)
+        temperature = None if sampling is None else sampling.temperature
+        seeds = None if sampling is None else sampling.seeds
+        offsets = None if sampling is None else sampling.offsets
+        greedy_threshold = K.GREEDY_TEMPERATURE_THRESHOLD if sampling is None else sampling.greedy_threshold
         self._raise_if_failed()
         rows, width = logits.shape
         unseeded = temperature is not None and seeds is None
         if rows > self.MAX_ROWS:  # the all-gather path (max_keys hands these rows over), same results
-            best = self._max_local_keys(logits, vocab_offset, vocab_size, temperature, seeds, offsets,
-                                        greedy_threshold, channel)
+            best = self._max_local_keys(logits, vocab_offset, vocab_size, sampling, channel)
             return K.unpack_indices(best) if want_tokens else best
         if rows == 0:
             if unseeded:
@@ -638,10 +494,9 @@ class LLKeyExchange(KeyExchange):
         real_width = width if vocab_size is None else max(0, min(width, vocab_size - vocab_offset))
         elem = logits.element_size()
         aligned = logits.data_ptr() % 16 == 0 and (logits.stride(0) * elem) % 16 == 0
-        chunk, chunks = plan_chunks(rows, real_width, elem, self.plan_sms, temperature is not None)
-        name = fused_kernel_name(logits.dtype, chunk, temperature is not None)
-        if rows * chunks > self.layout.max_blocks:  # plan_chunks promises otherwise
-            raise RuntimeError(f"fused call of {rows * chunks} blocks exceeds the {self.layout.max_blocks} block lines")
+        launch = plan(rows, real_width, logits.dtype, "greedy" if temperature is None else "sampled", self.plan_sms)
+        if launch.blocks > self.layout.max_blocks:  # max_grid_blocks promises otherwise
+            raise RuntimeError(f"fused call of {launch.blocks} blocks exceeds the {self.layout.max_blocks} block lines")
         null = _p(0)
         temp_ptr = null
         if temperature is not None:
@@ -654,12 +509,12 @@ class LLKeyExchange(KeyExchange):
         out = torch.empty(rows, dtype=torch.int64, device=self.device)
         args = (
             _p(logits.data_ptr()), np.int64(logits.stride(0)), np.int32(rows), np.int32(real_width),
-            np.uint32(vocab_offset), np.int32(chunk), np.int32(chunks), np.int32(aligned), temp_ptr,
+            np.uint32(vocab_offset), np.int32(launch.chunk), np.int32(launch.chunks), np.int32(aligned), temp_ptr,
             np.float32(greedy_threshold), seeds_ptr, offsets_ptr, _p(self.step_counter.data_ptr()),
             _p(UNSEEDED_STREAM_SEED), np.int32(unseeded), _p(out.data_ptr()), np.int32(want_tokens),
             _p(self._gumbel_table.data_ptr()), *self._exchange_args(channel),
         )
-        self._launch(name, rows * chunks, fused_shared_bytes(rows, chunks), args)
+        self._launch(launch.kernel, launch.blocks, launch.shared_bytes, args)
         return out
 
     # ---------------------------------------------------------------- shutdown

@@ -37,14 +37,14 @@ Public interface (what the runtime codes against)::
   CLI: ``tpspec make-tiny-model DIR [--draft DRAFT_DIR]``.
 * ``NgramDrafter(num_draft_tokens=K, max_ngram=3, min_ngram=1).propose(history) -> list[int]`` (<= K).
 * ``DraftModel(path, mapping, device=, dtype=, exchange=, target_config=None)``: the draft,
-  TP-sharded, same API as the target; greedy drafts with ``draft(batch).argmax(channel=0)``.
+  TP-sharded, same API as the target; greedy drafts with ``draft(batch).argmax(channel=Channel.DRAFT)``.
 """
 
 from .attention import choose_attention_backend
 from .batch import AttentionMetadata, ForwardBatch, pages_needed
 from .comm import LocalKeyExchange
 from .config import SUPPORTED_ARCHITECTURES, ModelConfig
-from .drafters import DRAFT_CHANNEL, DraftModel, NgramDrafter
+from .drafters import DraftModel, NgramDrafter
 from .llama import StackedRowsLogits, TPLlamaForCausalLM, check_split
 from .loader import CheckpointError, CheckpointReader, LoadStats, load_model, load_weights
 from .kv_cache import KVPages
@@ -52,7 +52,6 @@ from .shapes import MODEL_SHAPES, random_model, shape_config, shape_path
 from .tiny import make_tiny_checkpoint
 
 __all__ = [
-    "DRAFT_CHANNEL",
     "SUPPORTED_ARCHITECTURES",
     "AttentionMetadata",
     "CheckpointError",

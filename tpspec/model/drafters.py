@@ -4,7 +4,7 @@
   of the history's last n tokens and propose what followed it. No model, no device.
 * :class:`DraftModel` — a smaller checkpoint of the same family and vocabulary, TP-sharded
   like the target. Its vocab-sharded head yields greedy drafts through the key exchange's
-  draft channel: ``draft(batch).argmax(channel=DRAFT_CHANNEL)``.
+  draft channel: ``draft(batch).argmax(channel=Channel.DRAFT)``.
 """
 
 from __future__ import annotations
@@ -14,15 +14,11 @@ import os
 import numpy as np
 import torch
 
-from ..exchange.base import KeyExchange
+from ..exchange.base import Channel, KeyExchange
 from ..mapping import Mapping
 from .config import ModelConfig
 from .llama import TPLlamaForCausalLM
 from .loader import load_weights
-
-DRAFT_CHANNEL = 0
-"""Exchange channel of draft-token picks (the target's picks use channel 1)."""
-
 
 class NgramDrafter:
     """Prompt-lookup drafting: for ``n`` from ``max_ngram`` down to ``min_ngram``, match the
@@ -64,7 +60,7 @@ class DraftModel(TPLlamaForCausalLM):
 
     ``target_config``: when given, the draft's vocabulary must match it (``ValueError``
     otherwise). Pass the target's ``exchange`` to share it; picks of draft tokens use
-    channel :data:`DRAFT_CHANNEL`.
+    channel ``Channel.DRAFT``.
     """
 
     def __init__(
@@ -92,4 +88,4 @@ class DraftModel(TPLlamaForCausalLM):
     def greedy_drafts(self, batch) -> torch.Tensor:  # noqa: ANN001 - ForwardBatch
         """Run ``batch`` and return the greedy token of every logits row (``[M]`` int64, same on every
         rank of the TP group), picked on the draft channel."""
-        return self(batch).argmax(channel=DRAFT_CHANNEL)
+        return self(batch).argmax(channel=Channel.DRAFT)

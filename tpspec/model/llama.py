@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .. import distributed as D
-from ..exchange.base import KeyExchange
+from ..exchange.base import Channel, KeyExchange
 from ..exchange.factory import make_key_exchange
 from ..mapping import Mapping
 from ..vocab_parallel import VocabParallelHead, VocabShardedLogits, vocab_shard_bounds
@@ -93,11 +93,11 @@ class StackedRowsLogits(VocabShardedLogits):
         """Index of this rank's first row in the stacked rows."""
         return self.rows.start
 
-    def argmax(self, *, channel: int = 1) -> torch.Tensor:
+    def argmax(self, *, channel: int = Channel.TARGET) -> torch.Tensor:
         return self.rows.take_local(self.stacked.argmax(channel=channel))
 
     def sample(self, temperature: torch.Tensor | float, seeds: torch.Tensor | None = None,
-               offsets: torch.Tensor | None = None, *, channel: int = 1, check_values: bool = True) -> torch.Tensor:
+               offsets: torch.Tensor | None = None, *, channel: int = Channel.TARGET, check_values: bool = True) -> torch.Tensor:
         # Values are checked after the gather, on the stacked (replicated) temperatures: a
         # rank-local check before the gather would leave the other ranks waiting in it.
         if not isinstance(temperature, torch.Tensor):

@@ -11,7 +11,8 @@ the graph) and the acceptance.
 Before a replay the host refreshes the static inputs in place (token ids, positions,
 drafts, attention metadata; ``SpecMetadata.prepare`` refills its stable buffers).
 Graphed: all-greedy batches, and temperature-only batches under strict acceptance.
-Rejection sampling and top-k/top-p/min-p rows run eagerly (their paths sync with the host).
+Rejection sampling, top-k/top-p/min-p rows and requests with penalties or logprobs run
+eagerly.
 
 Padding requests write into the engine's scratch pages (nothing reads them for real) and
 use slot -1 in the metadata (greedy, no stream).
@@ -26,19 +27,15 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from .. import distributed as D
 from ..log import get_logger
-from ..sampling.params import SamplingParams
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .engine import Engine, _Seq
+from ..speculative.metadata import RequestEntry
 
 log = get_logger(__name__)
-_PAD = SamplingParams()
 WARMUP_RUNS = 2
 
 
@@ -69,7 +66,7 @@ class _Graph:
 class GenerationGraphs:
     """Captured generation steps of one :class:`~tpspec.runtime.engine.Engine`."""
 
-    def __init__(self, engine: "Engine") -> None:
+    def __init__(self, engine: Any) -> None:
         self.engine = engine
         self.buckets = bucket_sizes(engine.config.max_batch_size)
         self.graphs: dict[tuple, _Graph] = {}
@@ -77,7 +74,7 @@ class GenerationGraphs:
         self.pool = torch.cuda.graph_pool_handle()
 
     @classmethod
-    def maybe_create(cls, engine: "Engine") -> "GenerationGraphs | None":
+    def maybe_create(cls, engine: Any) -> "GenerationGraphs | None":
         """Graphs for ``engine`` when they apply (see :func:`graphs_unavailable_reason`), else
         None (eager steps; rank 0 warns once with the reason)."""
         reason = graphs_unavailable_reason(engine)
@@ -91,7 +88,7 @@ class GenerationGraphs:
         self.graphs.clear()
 
     # ------------------------------------------------------------------ per step
-    def run(self, gen: list["_Seq"], drafts: list[list[int]]) -> dict[int, list[int]] | None:
+    def run(self, gen: list[Any], drafts: list[list[int]]) -> dict[int, list[int]] | None:
         """Run a pure generation step through a graph; ``{seq index: emitted tokens}``, or
         None when this step is not graphed (the caller runs it eagerly; no state changed)."""
         b = len(gen)
@@ -104,6 +101,8 @@ class GenerationGraphs:
         temperature_only = all(p.is_temperature_only for p in params)
         if not (all_greedy or (temperature_only and eng_strict(self.engine))):
             return None  # rejection sampling / full-logit filters: eager (they sync with the host)
+        if any(p.has_penalties or p.logprobs is not None for p in params):
+            return None  # penalties read the step's drafts, logprobs the raw logits: eager
         eng = self.engine
         k = eng.num_draft
         # The attention metadata's sizes belong to the key (kept last: the sampling part stays as it was).
@@ -111,8 +110,8 @@ class GenerationGraphs:
         key = (padded, all_greedy, temperature_only, any(p.is_seeded and not p.is_greedy for p in params), kv_pages)
         if key in self.failed:
             return None
-        reqs = [(s.req.request_id, s.slot, s.req.sampling, False) for s in gen]
-        reqs += [(-1 - i, -1, _PAD, False) for i in range(padded - b)]
+        reqs = [RequestEntry(s.req.request_id, s.slot, s.req.sampling, False) for s in gen]
+        reqs += [RequestEntry(-1 - i, -1) for i in range(padded - b)]
         eng.meta.prepare(requests=reqs, draft_len=k)
         host = self._host_batch(gen, drafts, padded - b)
         graph = self.graphs.get(key)
@@ -131,7 +130,7 @@ class GenerationGraphs:
         return emitted
 
     # ------------------------------------------------------------------ helpers
-    def _host_batch(self, gen: list["_Seq"], drafts: list[list[int]], num_padding: int) -> Any:
+    def _host_batch(self, gen: list[Any], drafts: list[list[int]], num_padding: int) -> Any:
         from ..model.batch import ForwardBatch
 
         k = self.engine.num_draft
@@ -175,28 +174,12 @@ class GenerationGraphs:
 
     def _forward_and_select(self, batch: Any, attn_meta: Any, drafts: torch.Tensor | None,
                             is_warmup: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Target forward + the strict path of ``SpecWorker.step`` without its host-side value
-        checks (a device sync would break the capture): select each row's token, accept the
-        drafts that match, forced acceptance when the benchmark asks for it."""
-        from ..sampling.select import select_tokens
-        from ..speculative import accept_from_targets
-
+        """Target forward, then ``SpecWorker.step`` (its strict path: no host sync, so it can
+        be captured): each row's token, the drafts that match, forced acceptance when the
+        benchmark asks for it."""
         eng = self.engine
-        meta = eng.meta
-        dev = eng.device
-        logits = eng.model(batch, attn_meta)
-        row_tokens = select_tokens(logits, meta, channel=eng.worker.channel)
-        targets = row_tokens[meta.request_row_index]
-        if drafts is None:
-            drafts = torch.zeros(targets.shape[0], 0, dtype=torch.int64, device=dev)
-        lens = meta.request_draft_len
-        accepted, num = accept_from_targets(targets, drafts, lens, check_values=False)
-        forced = eng.worker.forced_acceptance(dev)
-        if forced is not None and not is_warmup:
-            out = forced.apply(targets, drafts, lens, meta.slot_ids)
-            if out is not None:
-                accepted, num = out
-        return accepted, num
+        out = eng.worker.step(eng.model(batch, attn_meta), drafts, eng.meta, is_warmup=is_warmup)
+        return out.accepted_tokens, out.num_accepted
 
     def _eager(self, host: Any) -> tuple[torch.Tensor, torch.Tensor]:
         batch, drafts = host
@@ -259,13 +242,13 @@ class GenerationGraphs:
         self._plan_attention(g.attn_meta)
 
     @staticmethod
-    def _emitted(gen: list["_Seq"], accepted: torch.Tensor, num: torch.Tensor) -> dict[int, list[int]]:
+    def _emitted(gen: list[Any], accepted: torch.Tensor, num: torch.Tensor) -> dict[int, list[int]]:
         acc = accepted[: len(gen)].cpu().tolist()
         counts = num[: len(gen)].cpu().tolist()
         return {s.index: [int(t) for t in row[: int(n)]] for s, row, n in zip(gen, acc, counts)}
 
 
-def graphs_unavailable_reason(engine: "Engine") -> str | None:
+def graphs_unavailable_reason(engine: Any) -> str | None:
     """Why generation steps of ``engine`` cannot be graphed, or None when they can.
 
     The decision depends only on the configuration, so every rank takes the same one.
@@ -281,7 +264,7 @@ def graphs_unavailable_reason(engine: "Engine") -> str | None:
     return None
 
 
-def eng_strict(engine: "Engine") -> bool:
+def eng_strict(engine: Any) -> bool:
     return engine.worker.acceptance == "strict"
 
 

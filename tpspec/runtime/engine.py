@@ -36,21 +36,21 @@ from typing import Callable
 import torch
 
 from .. import distributed as D
+from ..exchange.base import Channel
 from ..mapping import Mapping
 from ..log import get_logger
-from ..sampling.params import SamplingParams
+from ..sampling.penalties import OccurrenceCounts
+from ..speculative.metadata import RequestEntry
 from .config import EngineConfig, Request, RequestStats
 from .kv_sizing import plan_kv_cache
 from .pages import PageAllocator
 
 log = get_logger(__name__)
 
-DRAFT_CHANNEL = 0  # exchange channel of draft picks (the target's picks use 1)
 
 ProgressFn = Callable[[int, int], None]
 """``on_progress(steps_done, tokens_generated_so_far)``."""
 
-_DUMMY_PARAMS = SamplingParams()
 _DUMMY_REQUEST_ID = -1
 
 
@@ -61,6 +61,7 @@ class SequenceResult:
     token_ids: list[int]
     finish_reason: str
     stats: RequestStats
+    logprobs: list[dict[int, float]] | None = None  # per generated token, when the request asked
 
 
 @dataclass
@@ -77,6 +78,8 @@ class _Seq:
     finished: bool = False
     finish_reason: str = ""
     stats: RequestStats = field(default_factory=RequestStats)
+    logprobs: list[dict[int, float]] | None = None
+    step_logprobs: list[dict[int, float]] | None = None  # this step's, one per emitted token
 
     @property
     def in_context(self) -> bool:
@@ -142,8 +145,8 @@ class Engine:
         self.ngram = None
         self.draft_model = None
         if spec is not None and spec.method == "ngram":
-            self.ngram = NgramDrafter(num_draft_tokens=spec.num_draft_tokens, max_ngram=spec.max_ngram,
-                                      min_ngram=spec.min_ngram)
+            self.ngram = NgramDrafter(num_draft_tokens=spec.num_speculative_tokens,
+                                      max_ngram=spec.prompt_lookup_max, min_ngram=spec.prompt_lookup_min)
         elif spec is not None:
             self.draft_model = DraftModel(config.draft_model_path, mapping, device=self.device, dtype=self.dtype,
                                           exchange=self.exchange, target_config=self.model.config,
@@ -151,9 +154,13 @@ class Engine:
         self.load_s = time.perf_counter() - started
         self._allocate_pages()
 
+        # Penalties: this rank's columns' occurrences per slot (allocated when first used).
+        head = self.model.lm_head
+        self.occurrences = OccurrenceCounts(config.max_batch_size, vocab_offset=head.vocab_offset,
+                                            width=head.shard_width, device=self.device)
         # One request more than the batch: the dummy row (slot -1 = padding for the streams).
         self.meta = SpecMetadata(config.max_batch_size + 1, self.num_draft, device=self.device,
-                                 mapping=mapping, max_num_slots=config.max_batch_size)
+                                 mapping=mapping, max_num_slots=config.max_batch_size, occurrences=self.occurrences)
         self.worker = SpecWorker(acceptance=spec.acceptance if spec is not None else "strict")
         self.graphs = None
         if self.device.type == "cuda" and config.use_cuda_graphs:
@@ -213,6 +220,8 @@ class Engine:
         the same list. Returns one :class:`SequenceResult` per request, in order, identical on
         every rank (attention DP included)."""
         seqs = [self._new_seq(req, i, i % self.dp_size) for i, req in enumerate(requests)]
+        if self.dp_size > 1 and any(r.sampling.has_penalties or r.sampling.logprobs is not None for r in requests):
+            raise ValueError("penalties and logprobs are not supported with attention DP")
         waiting = deque(s for s in seqs if s.owner == self.dp_rank)
         running: list[_Seq] = []
         steps = 0
@@ -233,7 +242,7 @@ class Engine:
         finally:
             for s in seqs:
                 self.pages.free(s.index)
-        results = [SequenceResult(s.tokens[s.num_prompt:], s.finish_reason, s.stats) for s in seqs]
+        results = [SequenceResult(s.tokens[s.num_prompt:], s.finish_reason, s.stats, s.logprobs) for s in seqs]
         self._check_ranks_agree(results)
         return results
 
@@ -270,6 +279,8 @@ class Engine:
             waiting.popleft()
             seq.slot = free_slots.pop(0)
             seq.pages = self.pages.table(seq.index)
+            if seq.req.sampling.has_penalties:  # the slot's counts restart from this prompt
+                self.occurrences.reset(seq.slot, seq.req.prompt)
             running.append(seq)
 
     def _new_seq(self, req: Request, index: int, owner: int) -> _Seq:
@@ -280,7 +291,8 @@ class Engine:
                 f"request {req.request_id}: prompt of {len(req.prompt)} tokens leaves no room to generate "
                 f"(max_seq_len={self.config.max_seq_len})"
             )
-        seq = _Seq(req=req, index=index, owner=owner, tokens=list(req.prompt), num_prompt=len(req.prompt))
+        seq = _Seq(req=req, index=index, owner=owner, tokens=list(req.prompt), num_prompt=len(req.prompt),
+                   logprobs=None if req.sampling.logprobs is None else [])
         seq.stats.num_prompt_tokens = len(req.prompt)
         return seq
 
@@ -318,8 +330,7 @@ class Engine:
         if self.graphs is not None and plan.gen and not plan.final_ctx and not plan.partial_ctx:
             graphed = self.graphs.run(plan.gen, drafts)  # None: not graphed, nothing changed
             if graphed is not None:
-                for idx, toks in graphed.items():
-                    self._commit(seqs[idx], toks)
+                self._commit_step(seqs, graphed)
                 return
 
         tokens: list[int] = []
@@ -366,8 +377,7 @@ class Engine:
                 self.model(batch)
         if dp:
             emitted = self._all_gather_emitted(emitted, seqs)
-        for idx, toks in emitted.items():
-            self._commit(seqs[idx], toks)
+        self._commit_step(seqs, emitted)
 
     def _propose(self, plan: _Plan, *, always_run_model: bool) -> list[list[int]]:
         """K draft tokens for every generation request of ``plan`` (empty lists without
@@ -406,7 +416,7 @@ class Engine:
         batch = ForwardBatch(token_ids=torch.tensor(toks, dtype=torch.int64, device=dev),
                              positions=torch.tensor(pos, dtype=torch.int64, device=dev),
                              block_tables=tables, cache_lens=starts, query_lens=lens, logits_rows=last_rows)
-        cur = self.draft_model(batch).argmax(channel=DRAFT_CHANNEL)
+        cur = self.draft_model(batch).argmax(channel=Channel.DRAFT)
         drafts = [cur]
         ends = [st + n for st, n in zip(starts, lens)]
         for j in range(1, k):
@@ -415,7 +425,7 @@ class Engine:
                                  block_tables=tables, cache_lens=[e + j - 1 for e in ends],
                                  query_lens=[1] * len(tables),
                                  logits_rows=None)
-            cur = self.draft_model(batch).argmax(channel=DRAFT_CHANNEL)
+            cur = self.draft_model(batch).argmax(channel=Channel.DRAFT)
             drafts.append(cur)
         table = torch.stack(drafts, dim=1).cpu().tolist() if gen else []
         for s in gen:  # the cache now holds the committed tokens plus drafts 1..K-1
@@ -425,10 +435,10 @@ class Engine:
     def _verify(self, plan: _Plan, batch, drafts: list[list[int]], use_dummy: bool) -> dict[int, list[int]]:
         """Target forward, token selection and acceptance. Returns ``{seq index: tokens}``."""
         k = self.num_draft
-        reqs = [(s.req.request_id, s.slot, s.req.sampling, True) for s, _ in plan.final_ctx]
+        reqs = [RequestEntry(s.req.request_id, s.slot, s.req.sampling, True) for s, _ in plan.final_ctx]
         if use_dummy:
-            reqs.append((_DUMMY_REQUEST_ID, -1, _DUMMY_PARAMS, True))
-        reqs += [(s.req.request_id, s.slot, s.req.sampling, False) for s in plan.gen]
+            reqs.append(RequestEntry(_DUMMY_REQUEST_ID, -1, None, True))  # padding: greedy, no stream
+        reqs += [RequestEntry(s.req.request_id, s.slot, s.req.sampling, False) for s in plan.gen]
         self.meta.prepare(requests=reqs, draft_len=k)
         logits = self.model(batch)
         draft_table = None
@@ -438,15 +448,28 @@ class Engine:
                 first_gen = len(reqs) - len(plan.gen)
                 draft_table[first_gen:] = torch.tensor(drafts, dtype=torch.int64, device=self.device)
         out = self.worker.step(logits, draft_table, self.meta)
+        emitting = [s for s, _ in plan.final_ctx] + ([None] if use_dummy else []) + plan.gen
+        if any(s is not None and s.logprobs is not None for s in emitting):
+            self._step_logprobs(logits, out, emitting)
         accepted = out.accepted_tokens.cpu().tolist()
         counts = out.num_accepted.cpu().tolist()
-        emitting = [s for s, _ in plan.final_ctx] + ([None] if use_dummy else []) + plan.gen
         result: dict[int, list[int]] = {}
         for seq, row, n in zip(emitting, accepted, counts):
             if seq is None:
                 continue
             result[seq.index] = [int(t) for t in row[: int(n)]]
         return result
+
+    def _step_logprobs(self, logits, out, emitting: list[_Seq | None]) -> None:
+        """Sets ``step_logprobs`` of the requests asking for logprobs (from the raw logits)."""
+        from ..sampling.logprobs import emitted_logprobs
+
+        asking = [b for b, s in enumerate(emitting) if s is not None and s.logprobs is not None]
+        pick = torch.tensor(asking, dtype=torch.int64)
+        found = emitted_logprobs(logits, self.meta.request_row_index.cpu()[pick], out.accepted_tokens.cpu()[pick],
+                                 out.num_accepted.cpu()[pick], [emitting[b].req.sampling.logprobs for b in asking])
+        for b, step in zip(asking, found):
+            emitting[b].step_logprobs = step
 
     def _all_gather_emitted(self, emitted: dict[int, list[int]], seqs: list[_Seq]) -> dict[int, list[int]]:
         """Attention DP: every rank learns every rank's emitted tokens (one all-gather of a
@@ -468,6 +491,17 @@ class Engine:
                 out[row[0]] = row[2:2 + row[1]]
         return out
 
+    def _commit_step(self, seqs: list[_Seq], emitted: dict[int, list[int]]) -> None:
+        """Commit every request's tokens of this step; count them for penalised requests."""
+        for idx, toks in emitted.items():
+            self._commit(seqs[idx], toks)
+        penalised = [(seqs[i].slot, toks) for i, toks in emitted.items()
+                     if seqs[i].req.sampling.has_penalties and seqs[i].owner == self.dp_rank]
+        if penalised:
+            width = max(len(toks) for _, toks in penalised)
+            table = torch.tensor([toks + [-1] * (width - len(toks)) for _, toks in penalised], dtype=torch.int64)
+            self.occurrences.add(torch.tensor([slot for slot, _ in penalised], dtype=torch.int64), table)
+
     def _commit(self, seq: _Seq, toks: list[int]) -> None:
         """Append a step's tokens, apply the stop rules, keep the cache bookkeeping."""
         was_context = seq.num_generated == 0  # a request's first tokens always come from its context step
@@ -486,13 +520,16 @@ class Engine:
             st.num_accepted_drafts += emitted - 1
             st.accepted_drafts_per_step.append(emitted - 1)
         st.num_generated_tokens = seq.num_generated
+        if seq.step_logprobs is not None:
+            seq.logprobs.extend(seq.step_logprobs[:emitted])
+            seq.step_logprobs = None
         seq.target_cached = len(seq.tokens) - 1
         seq.draft_cached = min(seq.draft_cached, len(seq.tokens) - 1)
 
     def _check_done(self, seq: _Seq) -> bool:
         if seq.finished:
             return True
-        if seq.num_generated > 0 and seq.tokens[-1] in seq.req.stop_token_ids:
+        if seq.num_generated > seq.req.sampling.min_tokens and seq.tokens[-1] in seq.req.stop_token_ids:
             seq.finished, seq.finish_reason = True, "stop"
         elif seq.num_generated >= seq.req.max_new_tokens or len(seq.tokens) >= self.config.max_seq_len:
             seq.finished, seq.finish_reason = True, "length"

@@ -35,7 +35,7 @@ Every rank gets the same tensors. Lower-level pieces:
 * ``rejection_sample(draft_probs|None, draft_token_ids, target_probs, seeds, offsets, draft_lens=None)``
   with ``offsets = meta.acceptance_offsets()`` and ``seeds = meta.request_seeds``;
 * ``ForcedAcceptance`` (``TPSPEC_FORCE_NUM_ACCEPTED_TOKENS``), used by ``SpecWorker``;
-* ``select_draft_tokens(draft_logits, meta, step, sample=False)`` (draft channel 0) and
+* ``select_draft_tokens(draft_logits, meta, step, sample=False)`` (``Channel.DRAFT``) and
   ``DraftProbsStore`` (draft distributions per KV slot, draft-to-target vocab map);
 * ``meta.draft_offsets(step)``, ``meta.row_sampling()``, ``meta.request_sampling(offsets)``.
 
@@ -45,16 +45,14 @@ on the row-count mismatch instead of picking wrong tokens.
 """
 
 from .accept import PAD_TOKEN, accept_from_targets, rejection_sample, strict_accept
-from .draft import DRAFT_CHANNEL, DraftProbsStore, DraftSelection, select_draft_tokens
+from .draft import DraftProbsStore, DraftSelection, select_draft_tokens
 from .forced import FORCE_ENV, ForcedAcceptance, read_forced_rate
 from .metadata import RequestEntry, SpecMetadata
-from .worker import TARGET_CHANNEL, SpecStepOutput, SpecWorker
+from .worker import SpecStepOutput, SpecWorker
 
 __all__ = [
-    "DRAFT_CHANNEL",
     "FORCE_ENV",
     "PAD_TOKEN",
-    "TARGET_CHANNEL",
     "DraftProbsStore",
     "DraftSelection",
     "ForcedAcceptance",

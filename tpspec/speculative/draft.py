@@ -19,9 +19,8 @@ from typing import Any
 
 import torch
 
+from ..exchange.base import Channel
 from ..sampling.ops import filtered_probs, sample_from_logits
-
-DRAFT_CHANNEL = 0
 
 
 @dataclass
@@ -33,7 +32,7 @@ class DraftSelection:
 
 
 def select_draft_tokens(
-    draft_logits: Any, meta: Any, step: int, *, sample: bool = False, channel: int = DRAFT_CHANNEL
+    draft_logits: Any, meta: Any, step: int, *, sample: bool = False, channel: int = Channel.DRAFT
 ) -> DraftSelection:
     """Draft tokens of draft step ``step`` from ``draft_logits`` (a ``VocabShardedLogits``
     with one row per request of ``meta``, a prepared ``SpecMetadata``).

@@ -1,0 +1,217 @@
+#!/usr/bin/env bash
+# The GPU run behind docs/benchmarks.md: correctness first, then every benchmark table, on one machine.
+#
+# Usage: bash launch/gpu_run.sh [--dry-run] OUT_DIR [GROUP_OR_STEP ...]
+#
+#   Groups, in run order (default: all of them): correctness, exchange, sampling, runtime, generate.
+#   A step's name runs that step alone (`--dry-run` lists them all). Steps run in the order this script
+#   lists them, whatever the order of the arguments.
+#   --dry-run  print each selected step's time limit and command, and whether this build's `tpspec`
+#              accepts its arguments; run nothing (needs no GPU).
+#
+# Each step writes OUT_DIR/<step>.log (its command, then its output); a benchmark also writes its JSON and
+# PNG under OUT_DIR/<step>/, `tpspec check` its table to OUT_DIR/<step>.json. OUT_DIR/summary.tsv gets one
+# line per step: step, status (ok | failed | timeout | not-built), exit code, seconds. A step that fails,
+# runs past its limit, or names a command or option this build lacks (not-built) is recorded, and the
+# run goes on with the next step. OUT_DIR/env.txt records the machine, the versions and the commit
+# (GPU_RUN_COMMIT names it where the checkout has no .git). Exit code: 0 when every step was ok, else 1.
+#
+# Rank processes sharing one GPU must run concurrently, so NVIDIA MPS is started first
+# (tpspec.testing.MPSDaemon) unless it runs already, and quit at the end if this script started it.
+#
+# Environment: PYTHON (default python3); GPU_RUN_COMMIT; TPSPEC_LL_SOURCE_DIR (a copy of csrc/ll_exchange
+# to check and time instead of the checkout's); FLASHINFER_WHEELS (a folder of wheels: flashinfer-python
+# is installed from it, offline, before the first step).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+usage() { sed -n '3,10p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+
+dry_run=0
+if [ "${1:-}" = "--dry-run" ]; then dry_run=1; shift; fi
+[ $# -ge 1 ] || usage
+case "$1" in -*) usage ;; esac
+OUT=$1; shift
+PY=${PYTHON:-python3}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+
+# ------------------------------------------------------------------------------------------------ the steps
+STEP_GROUP=(); STEP_NAME=(); STEP_LIMIT=(); STEP_CMD=()
+step() {  # group name limit_s command
+    STEP_GROUP+=("$1"); STEP_NAME+=("$2"); STEP_LIMIT+=("$3"); STEP_CMD+=("$4")
+}
+o=$(printf %q "$OUT")
+T="$PY -m tpspec"
+
+# 1. Correctness: every GPU-marked test; the determinism suite with N rank processes on the GPU(s); the LL
+#    kernel bit for bit against the CPU reference.
+step correctness gpu-tests 540 "$PY -m pytest -m gpu -v -rfE -p no:cacheprovider tests"
+for tp in 2 4 8; do
+    step correctness check-tp$tp 300 "$T check --tp $tp --device cuda --timeout 280 --json $o/check-tp$tp.json"
+done
+step correctness ll-kernel-check 150 "$PY launch/ll_kernel_check.py"
+
+# 2. The exchange: one rank's fused local stage, then the exchange across 2, 4 and 8 ranks.
+step exchange exchange-tp1 200 "$T bench exchange --device cuda --tp 1 --rows 1,8,32,64,128,256 --widths 16384,32768,65536 --ag-iters 2 --timeout 180 --out $o/exchange-tp1"
+for tp in 2 4 8; do
+    step exchange exchange-tp$tp 150 "$T bench exchange --device cuda --tp $tp --rows 1,8,64,256 --widths 16384 --ag-iters 2 --timeout 130 --out $o/exchange-tp$tp"
+done
+
+# 3. Sampling on shards: every sampling mode, sharded vs gather + sample, 128K vocabulary, 4 to 256 rows
+#    (requests x (3 drafts + 1)); the JSON holds the share of rows that fell back to a gather.
+for tp in 2 4 8; do
+    step sampling step-sampling-tp$tp 300 "$T bench step --device cuda --tp $tp --vocab-size 131072 --batch 1,2,8,16,64 --modes greedy,sampled,top_p,defaults --timeout 280 --out $o/step-sampling-tp$tp"
+done
+
+# 4. The runtime at a real model's shape: decode steps against the roofline floor, FlashInfer and torch
+#    attention side by side at TP=1, then TP=2 and 4 rank processes.
+for ctx in 1024 4096; do
+    for attn in flashinfer torch; do
+        step runtime step-llama-3-8b-tp1-$attn-ctx$ctx 300 "$T bench step --device cuda --tp 1 --model-shape llama-3-8b --batch 1,8,32,64 --context-len $ctx --attention $attn --timeout 280 --out $o/step-llama-3-8b-tp1-$attn-ctx$ctx"
+    done
+done
+for tp in 2 4; do
+    for ctx in 1024 4096; do
+        step runtime step-llama-3-8b-tp$tp-ctx$ctx 300 "$T bench step --device cuda --tp $tp --model-shape llama-3-8b --batch 1,8,32,64 --context-len $ctx --timeout 280 --out $o/step-llama-3-8b-tp$tp-ctx$ctx"
+    done
+done
+
+# 5. End to end: no speculation against n-gram, draft-model and EAGLE-3 speculation at forced acceptance
+#    rates; deterministic mode beside the default (the n-gram step).
+step generate generate-llama-3-8b-ngram 400 "$T bench generate --device cuda --tp 1 --model-shape llama-3-8b --rates 0,1.5,3 --timeout 380 --out $o/generate-llama-3-8b-ngram"
+for spec in draft_model eagle3; do
+    step generate generate-llama-3-8b-$spec 400 "$T bench generate --device cuda --tp 1 --model-shape llama-3-8b --spec $spec --rates 0,1.5,3 --timeout 380 --out $o/generate-llama-3-8b-$spec"
+done
+step generate generate-llama-3-8b-deterministic 400 "$T bench generate --device cuda --tp 1 --model-shape llama-3-8b --rates 0,1.5,3 --deterministic --timeout 380 --out $o/generate-llama-3-8b-deterministic"
+
+# ------------------------------------------------------------------------------------------- the selection
+selected=()
+if [ $# -eq 0 ]; then
+    selected=("${!STEP_NAME[@]}")
+else
+    for want in "$@"; do
+        found=0
+        for i in "${!STEP_NAME[@]}"; do
+            [ "${STEP_GROUP[$i]}" = "$want" ] || [ "${STEP_NAME[$i]}" = "$want" ] && found=1
+        done
+        if [ $found = 0 ]; then
+            echo "gpu_run.sh: no group or step named '$want' (groups: correctness exchange sampling runtime generate;" \
+                 "steps: bash launch/gpu_run.sh --dry-run OUT)" >&2
+            exit 2
+        fi
+    done
+    for i in "${!STEP_NAME[@]}"; do
+        for want in "$@"; do
+            if [ "${STEP_GROUP[$i]}" = "$want" ] || [ "${STEP_NAME[$i]}" = "$want" ]; then selected+=("$i"); break; fi
+        done
+    done
+fi
+
+# ------------------------------------------------------------------------------------------------ dry run
+if [ $dry_run = 1 ]; then
+    for i in "${selected[@]}"; do
+        printf '%s [%s, %s s]\n    %s\n' "${STEP_NAME[$i]}" "${STEP_GROUP[$i]}" "${STEP_LIMIT[$i]}" "${STEP_CMD[$i]}"
+    done
+    echo
+    echo "whether this build's tpspec parses each command's arguments:"
+    for i in "${selected[@]}"; do
+        case "${STEP_CMD[$i]}" in "$T "*) printf '%s\t%s\n' "${STEP_NAME[$i]}" "${STEP_CMD[$i]#"$T "}" ;; esac
+    done | "$PY" -c '
+import contextlib, io, shlex, sys
+try:
+    from tpspec.cli import build_parser
+except Exception as exc:  # no torch or no package here: say so, do not fail the listing
+    print(f"    (not checked: {exc})")
+    sys.exit(0)
+for line in sys.stdin:
+    name, command = line.rstrip("\n").split("\t", 1)
+    argv = shlex.split(command)
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            build_parser(argv).parse_args(argv)
+        verdict = "accepted"
+    except SystemExit:
+        lines = err.getvalue().strip().splitlines()
+        verdict = "NOT ACCEPTED: " + (lines[-1] if lines else "?")
+    print(f"    {name}: {verdict}")
+'
+    exit 0
+fi
+
+# ---------------------------------------------------------------------------------------------------- run
+mkdir -p "$OUT" || exit 2
+summary=$OUT/summary.tsv
+[ -f "$summary" ] || printf 'step\tstatus\texit_code\tseconds\n' > "$summary"
+
+{
+    echo "== $(date -u '+%Y-%m-%d %H:%M:%S UTC'): bash launch/gpu_run.sh $OUT $*"
+    echo "commit: ${GPU_RUN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo 'unknown (no .git here: set GPU_RUN_COMMIT)')}"
+    git status --short 2>/dev/null | sed 's/^/changed: /'
+    if [ -n "${TPSPEC_LL_SOURCE_DIR:-}" ]; then echo "TPSPEC_LL_SOURCE_DIR=$TPSPEC_LL_SOURCE_DIR"; fi
+    if command -v nvidia-smi >/dev/null; then
+        nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
+    else
+        echo "nvidia-smi: not on PATH"
+    fi
+    if [ -n "${FLASHINFER_WHEELS:-}" ]; then
+        "$PY" -m pip install -q --no-index --find-links "$FLASHINFER_WHEELS" flashinfer-python 2>&1 \
+            && echo "flashinfer-python installed from $FLASHINFER_WHEELS" || echo "flashinfer-python: install failed"
+    fi
+    "$PY" -c '
+import importlib, platform
+print("python", platform.python_version())
+for name in ("torch", "cupy", "flashinfer"):
+    try:
+        module = importlib.import_module(name)
+        print(name, getattr(module, "__version__", "?"), end="")
+        if name == "torch":
+            print("", "cuda", module.version.cuda, "devices", module.cuda.device_count(), end="")
+        print()
+    except Exception as exc:
+        print(name, "not importable:", type(exc).__name__)
+' 2>&1
+} >> "$OUT/env.txt"
+
+export CUDA_MPS_PIPE_DIRECTORY=${CUDA_MPS_PIPE_DIRECTORY:-/tmp/tpspec-mps}
+export CUDA_MPS_LOG_DIRECTORY=${CUDA_MPS_LOG_DIRECTORY:-/tmp/tpspec-mps-log}
+mps=$("$PY" -c '
+from tpspec.testing import MPSDaemon
+daemon = MPSDaemon()
+if daemon.running():
+    print("running already")
+else:
+    note = daemon.start()
+    print("started" if note is None else f"not started ({note})")
+' 2>&1 | tail -1)
+echo "MPS: $mps" | tee -a "$OUT/env.txt"
+stop_mps() {
+    if [ "$mps" = started ]; then echo quit | nvidia-cuda-mps-control >/dev/null 2>&1; fi
+}
+trap stop_mps EXIT
+
+all_ok=1
+for i in "${selected[@]}"; do
+    name=${STEP_NAME[$i]} limit=${STEP_LIMIT[$i]} cmd=${STEP_CMD[$i]}
+    log=$OUT/$name.log
+    printf '$ %s\n\n' "$cmd" > "$log"
+    start=$(date +%s)
+    timeout -k 15 "$limit" bash -c "$cmd" >> "$log" 2>&1 < /dev/null
+    rc=$?
+    seconds=$(( $(date +%s) - start ))
+    if [ $rc = 0 ]; then
+        status=ok
+    elif [ $rc = 124 ] || [ $rc = 137 ]; then
+        status=timeout
+    elif [ $rc -le 2 ] && grep -qE "unrecognized arguments|invalid choice|not available in this build|must name some of" "$log"; then
+        status=not-built
+    else
+        status=failed
+    fi
+    [ $status = ok ] || all_ok=0
+    printf '%s\t%s\t%s\t%s\n' "$name" "$status" "$rc" "$seconds" >> "$summary"
+    echo "== $name: $status (exit $rc, ${seconds} s)"
+    if [ $status != ok ]; then tail -n 5 "$log" | sed 's/^/   | /'; fi
+done
+echo "summary: $summary"
+[ $all_ok = 1 ]

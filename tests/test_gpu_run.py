@@ -1,0 +1,78 @@
+"""launch/gpu_run.sh, the GPU run behind docs/benchmarks.md: its step list, its selection of steps, and
+that a failing or unbuilt step is recorded while the run goes on (checked on CPU, where GPU steps fail)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "launch", "gpu_run.sh")
+
+
+def run_script(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHON=sys.executable, PYTHONPATH=ROOT)
+    return subprocess.run(["bash", SCRIPT, *args], capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
+
+
+def test_dry_run_lists_every_step_and_runs_nothing(tmp_path):
+    out = tmp_path / "out"
+    result = run_script("--dry-run", str(out))
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    assert not out.exists()  # a dry run writes nothing
+    expected = [
+        "-m pytest -m gpu",
+        "launch/ll_kernel_check.py",
+        *(f"tpspec check --tp {tp} --device cuda" for tp in (2, 4, 8)),
+        "bench exchange --device cuda --tp 1 ",
+        *(f"bench exchange --device cuda --tp {tp} " for tp in (2, 4, 8)),
+        *(f"bench step --device cuda --tp {tp} --vocab-size 131072 --batch 1,2,8,16,64 "
+          f"--modes greedy,sampled,top_p,defaults" for tp in (2, 4, 8)),
+        *(f"--tp 1 --model-shape llama-3-8b --batch 1,8,32,64 --context-len {ctx} --attention {attn}"
+          for ctx in (1024, 4096) for attn in ("flashinfer", "torch")),
+        *(f"--tp {tp} --model-shape llama-3-8b --batch 1,8,32,64 --context-len {ctx}" for tp in (2, 4)
+          for ctx in (1024, 4096)),
+        "bench generate --device cuda --tp 1 --model-shape llama-3-8b --rates 0,1.5,3 --timeout",
+        "--spec draft_model --rates 0,1.5,3",
+        "--spec eagle3 --rates 0,1.5,3",
+        "--rates 0,1.5,3 --deterministic",
+    ]
+    for fragment in expected:
+        assert fragment in text, fragment
+    # Order: correctness before any measurement, the exchange before the runtime benches.
+    assert text.index("gpu-tests [") < text.index("check-tp8 [") < text.index("exchange-tp1 [")
+    assert text.index("exchange-tp8 [") < text.index("step-sampling-tp2 [") < text.index("generate-llama-3-8b-ngram [")
+    # Every output lands under OUT_DIR.
+    assert f"--out {out}/exchange-tp4" in text and f"--json {out}/check-tp2.json" in text
+    # The commands this build has already parse.
+    for name in ("check-tp2", "check-tp8", "exchange-tp1", "exchange-tp8"):
+        assert f"    {name}: accepted" in text
+
+
+def test_selection_by_group_and_step_name(tmp_path):
+    result = run_script("--dry-run", str(tmp_path / "out"), "exchange", "ll-kernel-check")
+    assert result.returncode == 0, result.stderr
+    listed = [line.split(" [")[0] for line in result.stdout.splitlines() if line.endswith(" s]")]
+    assert listed == ["ll-kernel-check", "exchange-tp1", "exchange-tp2", "exchange-tp4", "exchange-tp8"]
+
+    bad = run_script("--dry-run", str(tmp_path / "out"), "exchnage")
+    assert bad.returncode == 2 and "no group or step named 'exchnage'" in bad.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU steps fail only where there is no GPU")
+def test_a_failing_step_is_recorded_and_the_run_goes_on(tmp_path):
+    out = tmp_path / "out"
+    result = run_script(str(out), "ll-kernel-check", "generate-llama-3-8b-eagle3")
+    assert result.returncode == 1
+    lines = (out / "summary.tsv").read_text().splitlines()
+    assert lines[0] == "step\tstatus\texit_code\tseconds"
+    rows = [line.split("\t") for line in lines[1:]]
+    assert [r[0] for r in rows] == ["ll-kernel-check", "generate-llama-3-8b-eagle3"]
+    assert rows[0][1:3] == ["failed", "2"]  # needs a CUDA device
+    assert rows[1][1] in ("not-built", "failed")  # not-built until its options exist, then no CUDA device
+    assert "needs a CUDA device" in (out / "ll-kernel-check.log").read_text()
+    assert (out / "generate-llama-3-8b-eagle3.log").read_text().startswith("$ ")
+    assert "commit:" in (out / "env.txt").read_text()
