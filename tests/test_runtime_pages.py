@@ -127,7 +127,6 @@ def test_bad_sizes_raise_before_workers(ckpt):
     cases = [
         (dict(page_size=0), "page_size must be a positive int"),
         (dict(kv_cache_bytes=-5), "kv_cache_bytes must be a positive int"),
-        (dict(gpu_memory_utilization=0.5), "gpu_memory_utilization needs device='cuda'"),
         (dict(kv_cache_bytes=1000), "kv_cache_bytes=1000 holds 0 KV pages"),
         (dict(kv_cache_bytes=64 * 1024, max_model_len=4096), "4096 needs 256"),
         (dict(attention_backend="magic"), "attention_backend must be"),

@@ -185,8 +185,8 @@ class Engine:
         longest = cfg.max_seq_len - 1 + self.num_draft
         if self.pages.pages_for(longest) > self.kv.num_pages:  # the same verdict on every rank
             raise ValueError(
-                f"max_seq_len={cfg.max_seq_len} needs {self.pages.pages_for(longest)} KV pages of {cfg.page_size} "
-                f"tokens, the cache holds {self.kv.num_pages} ({self.kv.source}): lower max_seq_len or give the "
+                f"max_model_len={cfg.max_seq_len} needs {self.pages.pages_for(longest)} KV pages of {cfg.page_size} "
+                f"tokens, the cache holds {self.kv.num_pages} ({self.kv.source}): lower max_model_len or give the "
                 f"cache more memory (kv_cache_bytes / gpu_memory_utilization)")
         for model in self.paged_models:
             model.allocate_kv_cache(self.kv.num_pages + self.kv.num_scratch_pages, cfg.page_size)
