@@ -164,3 +164,23 @@ def test_page_pressure_tp2_equals_tp1(ckpt, attention_dp, monkeypatch):
              page_size=PAGE, speculative_config=SpeculativeConfig("ngram", 3), kv_cache_bytes=40 * per_page) as llm:
         for _ in range(2):
             assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == ref
+
+
+def test_qwen2_paged_tp2_and_attention_dp_equal_transformers(tmp_path, monkeypatch):
+    """Greedy tokens of a Qwen2 checkpoint (q/k/v biases, grouped-query heads) through the paged
+    runtime — TP = 2 and attention DP, pages of 4 tokens, fewer pages than the batch wants — equal
+    Hugging Face transformers' own greedy decoding."""
+    pytest.importorskip("transformers")
+    from test_model_hf import PROMPTS as HF_PROMPTS, _hf_checkpoint, _hf_greedy
+
+    monkeypatch.setenv("TPSPEC_NUM_THREADS", "1")
+    hf, path = _hf_checkpoint(tmp_path, "qwen2")
+    want = [_hf_greedy(hf, p, 12) for p in HF_PROMPTS]
+    per_page = 2 * 2 * PAGE * 1 * 16 * 4  # 2 layers, K and V, 1 KV head a rank (2 under attention DP), fp32
+    # Worst cases of 5, 4 and 6 pages against 10 pages a pool (attention DP: rank 0 runs prompts 0 and 2).
+    for attention_dp in (False, True):
+        with LLM(path, tensor_parallel_size=2, attention_dp=attention_dp, max_num_seqs=3, max_model_len=32,
+                 page_size=PAGE, kv_cache_bytes=(10 + 1) * per_page * (2 if attention_dp else 1)) as llm:
+            params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+            got = [o.outputs[0].token_ids for o in llm.generate(HF_PROMPTS, params)]
+        assert got == want, attention_dp

@@ -32,8 +32,10 @@ from typing import Any, Callable
 import torch
 
 from .. import distributed as D
+from ..log import get_logger
 from ..speculative.metadata import RequestEntry
 
+log = get_logger(__name__)
 WARMUP_RUNS = 2
 
 
@@ -228,6 +230,9 @@ class GenerationGraphs:
         g = _Graph(graph, static_batch.token_ids, static_batch.positions, static_drafts, static_meta, accepted, num,
                    static_batch)
         self.graphs[key] = g
+        if D.group_rank(self.engine.group) == 0:
+            log.info("captured CUDA graph %d: batch bucket %d, %d pages a request, key %s", len(self.graphs), key[0],
+                     key[-1], key)
         return g
 
     def _load(self, g: _Graph, host: Any) -> None:

@@ -190,9 +190,9 @@ class LLM:
 
     KV cache (paged): ``page_size`` tokens a page (default 16); ``kv_cache_bytes``: bytes of
     pages per rank (any device; ``gpu_memory_utilization`` then has no effect, nor on CPU: a
-    warning says so); on CPU without it,
-    pages for ``max_num_seqs`` requests of ``max_model_len``. Requests wait (in order) for
-    pages; one that could never fit raises ``ValueError``. ``attention_backend``: ``"auto"``
+    warning says so); on CPU without it, pages for ``max_num_seqs`` requests of
+    ``max_model_len`` (at most 4 GiB). Requests wait (in order) for pages; one that could
+    never fit raises ``ValueError``. ``attention_backend``: ``"auto"``
     (FlashInfer on CUDA when installed, else torch), ``"torch"`` or ``"flashinfer"``.
 
     Every argument is checked before a worker starts (``ValueError`` naming it). Use as a
@@ -735,7 +735,7 @@ def _check_layout(config: Any, tp_size: int, attention_dp: bool, path: str) -> N
 
 
 def _check_kv_fits(config: EngineConfig, model_configs: list[Any]) -> None:
-    """With ``kv_cache_bytes``, the page count is known here: a request of ``max_seq_len``
+    """With ``kv_cache_bytes``, the page count is known here: a request of ``max_model_len``
     tokens must fit it (``ValueError`` before any worker starts)."""
     from ..mapping import Mapping
     from ..model.batch import pages_needed
@@ -751,5 +751,5 @@ def _check_kv_fits(config: EngineConfig, model_configs: list[Any]) -> None:
     need = pages_needed(config.max_seq_len - 1 + config.num_draft_tokens, config.page_size)
     if need > pages:
         raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} holds {max(pages, 0)} KV pages of {config.page_size} "
-                         f"tokens ({per_page} bytes each) per rank; a request of max_seq_len={config.max_seq_len} "
-                         f"needs {need}: raise kv_cache_bytes or lower max_seq_len")
+                         f"tokens ({per_page} bytes each) per rank; a request of max_model_len={config.max_seq_len} "
+                         f"needs {need}: raise kv_cache_bytes or lower max_model_len")
