@@ -13,7 +13,7 @@ sharded head, gather the target rows first; ``SpecWorker.stats`` counts the rows
 
 Host syncs: strict acceptance of an all-greedy or temperature-only batch (and forced
 acceptance) adds none of its own, so it can sit inside a CUDA graph with the exchange.
-The full-logit fallback and rejection sampling check values on the host (eager only).
+Filtered rows (their candidates) and rejection sampling read values on the host (eager only).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from ..exchange.base import Channel
 from ..sampling.ops import filtered_probs, sample_from_logits
 from ..sampling.penalties import penalized_logits
-from ..sampling.select import select_tokens
+from ..sampling.select import SamplingStats, select_tokens
 from .accept import PAD_TOKEN, accept_from_targets, rejection_sample
 from .forced import ForcedAcceptance
 from .metadata import SpecMetadata
@@ -63,6 +63,8 @@ class SpecWorker:
     :class:`RejectionStats` of the target rows rejection sampling verified each way.
     ``forced``: a :class:`ForcedAcceptance`, None, or ``"env"`` (read
     ``TPSPEC_FORCE_NUM_ACCEPTED_TOKENS`` at the first step).
+    ``sampling_stats``: a :class:`~tpspec.sampling.select.SamplingStats` of the rows its eager
+    steps drew on shards and gathered.
     """
 
     def __init__(self, acceptance: str = "strict", *, forced: ForcedAcceptance | str | None = "env",
@@ -73,6 +75,7 @@ class SpecWorker:
             raise ValueError(f"forced must be a ForcedAcceptance, None or 'env', got {forced!r}")
         self.acceptance = acceptance
         self.channel = channel
+        self.sampling_stats = SamplingStats()  # rows drawn on shards / gathered, over every step
         self._forced_spec = forced
         self._forced: ForcedAcceptance | None = forced if isinstance(forced, ForcedAcceptance) else None
         self._forced_ready = forced != "env"
@@ -124,7 +127,7 @@ class SpecWorker:
         rs = meta.row_sampling(draft_tokens=drafts)  # penalised rows count the drafts before them
         row_tokens: torch.Tensor | None = None
         if self.acceptance == "strict" or meta.is_all_greedy:
-            row_tokens = select_tokens(target_logits, rs, channel=self.channel)
+            row_tokens = select_tokens(target_logits, rs, channel=self.channel, stats=self.sampling_stats)
             # Lengths come from the metadata: no value check, so this path has no host sync.
             accepted, num = accept_from_targets(row_tokens[row_index], drafts, lens, check_values=False)
         elif meta.temperature_only and draft_probs is None and target_logits.local.shape[0] == meta.num_rows:
@@ -149,6 +152,7 @@ class SpecWorker:
                                  "needs full draft_probs or greedy drafts")
             self.stats.rows_gathered += meta.num_rows
             full = penalized_logits(target_logits, rs.penalties).gather()
+            self.sampling_stats.rows_gathered += meta.num_rows  # rejection sampling needs the full laws
             probs = filtered_probs(full, rs.temperature, rs.top_k, rs.top_p, rs.min_p)
             accepted, num = rejection_sample(
                 draft_probs, drafts, probs[row_index], meta.request_seeds, meta.acceptance_offsets(),
