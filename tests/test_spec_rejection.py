@@ -124,7 +124,7 @@ def _engine_stats(rank: int, world: int, target_dir: str, draft_dir: str, method
     reqs = [Request(i, tuple(p), params[i], 12) for i, p in enumerate([[5, 6, 7, 8], [9, 10, 11], [3, 4]])]
     results = engine.generate(reqs)
     stored = engine.draft_store.buffer.abs().sum().item()
-    return [r.token_ids for r in results], engine.worker.stats, stored, sum(r.stats.num_accepted_drafts
+    return [r.token_ids for r in results], engine.worker.sampling_stats, stored, sum(r.stats.num_accepted_drafts
                                                                               for r in results)
 
 

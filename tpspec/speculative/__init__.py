@@ -40,7 +40,7 @@ Every rank gets the same tensors. Lower-level pieces:
   sampled drafts of a temperature-only batch on the shards) and ``DraftLogitsStore`` (each rank's
   columns of the draft logits per KV slot and draft position);
 * ``sharded_rejection_sample(...)``: rejection sampling on the shards (``SpecWorker`` uses it for
-  temperature-only batches; ``worker.stats`` counts rows verified on shards and gathered);
+  temperature-only batches; ``worker.sampling_stats`` counts rows verified on shards and gathered);
 * ``meta.draft_offsets(step)``, ``meta.row_sampling()``, ``meta.request_sampling(offsets)``.
 
 Not covered yet: attention DP with LM-head TP (rows of all ranks stacked into one
@@ -52,7 +52,7 @@ from .accept import PAD_TOKEN, accept_from_targets, rejection_sample, strict_acc
 from .draft import DraftLogitsStore, DraftSelection, select_draft_tokens
 from .forced import FORCE_ENV, ForcedAcceptance, read_forced_rate
 from .metadata import RequestEntry, SpecMetadata
-from .rejection import RejectionStats, sharded_rejection_sample
+from .rejection import sharded_rejection_sample
 from .worker import SpecStepOutput, SpecWorker
 
 __all__ = [
@@ -61,7 +61,6 @@ __all__ = [
     "DraftLogitsStore",
     "DraftSelection",
     "ForcedAcceptance",
-    "RejectionStats",
     "RequestEntry",
     "SpecMetadata",
     "SpecStepOutput",

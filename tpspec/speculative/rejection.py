@@ -27,8 +27,6 @@ draws. Every decision reads only what every rank holds alike.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ..exchange.base import Channel
@@ -49,15 +47,6 @@ from ..vocab_parallel import VocabShardedLogits
 from .accept import PAD_TOKEN
 
 ONE_HOT_MASS = 1 << MASS_BITS
-
-
-@dataclass
-class RejectionStats:
-    """Target rows verified by rejection sampling, accumulated: ``rows_sharded`` on shards,
-    ``rows_gathered`` after gathering their full logits (filters, penalties, stacked rows)."""
-
-    rows_sharded: int = 0
-    rows_gathered: int = 0
 
 
 def _keys(values: torch.Tensor, columns: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

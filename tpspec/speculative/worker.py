@@ -9,7 +9,7 @@ attention DP), so every rank runs the same collectives and returns the same tens
 Rejection sampling of a temperature-only batch runs on the shards
 (:mod:`tpspec.speculative.rejection`): no ``[rows, vocab]`` tensor crosses between ranks.
 Batches with top-k / top-p / min-p rows, and the stacked rows of attention DP with a
-sharded head, gather the target rows first; ``SpecWorker.stats`` counts the rows each way.
+sharded head, gather the target rows first; ``SpecWorker.sampling_stats`` counts the rows each way.
 
 Host syncs: strict acceptance of an all-greedy or temperature-only batch (and forced
 acceptance) adds none of its own, so it can sit inside a CUDA graph with the exchange.
@@ -31,7 +31,7 @@ from ..sampling.select import SamplingStats, select_tokens
 from .accept import PAD_TOKEN, accept_from_targets, rejection_sample
 from .forced import ForcedAcceptance
 from .metadata import SpecMetadata
-from .rejection import RejectionStats, sharded_rejection_sample
+from .rejection import sharded_rejection_sample
 
 
 @dataclass
@@ -59,12 +59,11 @@ class SpecWorker:
     ``acceptance``: ``"strict"`` (drafts accepted while they equal the target's own
     choice, greedy or sampled per row) or ``"rejection"`` (lossless rejection sampling
     against the target distributions, on the shards for temperature-only batches; an
-    all-greedy batch takes the strict path, which gives the same tokens). ``stats``: a
-    :class:`RejectionStats` of the target rows rejection sampling verified each way.
+    all-greedy batch takes the strict path, which gives the same tokens).
     ``forced``: a :class:`ForcedAcceptance`, None, or ``"env"`` (read
     ``TPSPEC_FORCE_NUM_ACCEPTED_TOKENS`` at the first step).
     ``sampling_stats``: a :class:`~tpspec.sampling.select.SamplingStats` of the rows its eager
-    steps drew on shards and gathered.
+    steps drew (or, under rejection sampling, verified) on shards and gathered.
     """
 
     def __init__(self, acceptance: str = "strict", *, forced: ForcedAcceptance | str | None = "env",
@@ -79,7 +78,6 @@ class SpecWorker:
         self._forced_spec = forced
         self._forced: ForcedAcceptance | None = forced if isinstance(forced, ForcedAcceptance) else None
         self._forced_ready = forced != "env"
-        self.stats = RejectionStats()
 
     def forced_acceptance(self, device: torch.device) -> ForcedAcceptance | None:
         if not self._forced_ready:
@@ -137,7 +135,7 @@ class SpecWorker:
             accepted, num = sharded_rejection_sample(
                 logits, row_index, temperature, drafts, lens, meta.request_seeds, meta.acceptance_offsets(),
                 draft_logits, channel=self.channel)
-            self.stats.rows_sharded += meta.num_rows
+            self.sampling_stats.rows_sharded += meta.num_rows
             if meta.num_contexts or use_forced:
                 # Context requests (and forced acceptance) take the target's own per-row draw,
                 # the token strict acceptance would emit for them too.
@@ -150,7 +148,6 @@ class SpecWorker:
             if draft_logits is not None:
                 raise ValueError("draft_logits are verified on shards only: a batch with filters (or stacked rows) "
                                  "needs full draft_probs or greedy drafts")
-            self.stats.rows_gathered += meta.num_rows
             full = penalized_logits(target_logits, rs.penalties).gather()
             self.sampling_stats.rows_gathered += meta.num_rows  # rejection sampling needs the full laws
             probs = filtered_probs(full, rs.temperature, rs.top_k, rs.top_p, rs.min_p)
