@@ -292,7 +292,8 @@ class Eagle3Drafter(nn.Module):
         residual = normed if self.config.norm_before_residual else hidden
         cos, sin = self.rotary(batch.positions.to(self.device), self.dtype)
         attend = self.attention.bind(layout.meta)
-        x = residual + self.self_attn(torch.cat([embeds, normed], dim=-1), cos, sin, layout.meta, self.caches[0], attend)
+        attn_in = torch.cat([embeds, normed], dim=-1)
+        x = residual + self.self_attn(attn_in, cos, sin, layout.meta, self.caches[0], attend)
         y = self.post_attention_layernorm(x)
         if layout.dp_rows is None:
             x = x + self.mlp(y)

@@ -559,14 +559,16 @@ class Engine:
 
     def _pick_drafts(self, logits, step: int, slots: list[int]) -> torch.Tensor:
         """Draft step ``step``'s tokens from the drafter's ``logits`` (rows: this rank's generation
-        requests at their stream ``slots``, or its one dummy row at slot -1): sampled on the shards when the step prepared its streams
-        first and the batch is temperature-only (the logits then wait in ``draft_store``), else greedy."""
+        requests at their stream ``slots``, or its one dummy row at slot -1): sampled on the shards
+        when the step prepared its streams first and the batch is temperature-only (the logits then
+        wait in ``draft_store``), else greedy."""
         from ..speculative import select_draft_tokens
 
         if not self._prepared:
             return logits.argmax(channel=Channel.DRAFT)
         # The drafted rows are the step's last requests: its generation requests, or the dummy.
-        sel = select_draft_tokens(logits, self.meta, step, sample=True, first_request=self.meta.num_requests - len(slots))
+        first = self.meta.num_requests - len(slots)
+        sel = select_draft_tokens(logits, self.meta, step, sample=True, first_request=first)
         if sel.logits is not None:
             self.draft_store.write(slots, step, sel.logits)
             self._drafts_sampled = True

@@ -104,8 +104,9 @@ class SpecWorker:
         were sampled from at each request's temperature (``tpspec.speculative.draft``), for
         rejection sampling on the shards of a temperature-only batch; ``draft_probs``:
         ``[B, D, V]`` full draft distributions for the gathered path. Neither: the drafts are
-        treated as deterministic (one-hot q), which is still lossless. ``is_warmup``: eager CUDA-graph warm-up (no forced
-        acceptance, its counter does not advance). Collective over the logits' group.
+        treated as deterministic (one-hot q), which is still lossless. ``is_warmup``: eager
+        CUDA-graph warm-up (no forced acceptance, its counter does not advance). Collective over
+        the logits' group.
 
         Arguments are checked on each rank before the first collective. Under attention
         DP each rank's batch is its own, so a rank whose drafts have the wrong shape
