@@ -158,7 +158,7 @@ def _engine_drafts(rank: int, world: int, target_dir: str, head_dir: str, adp: b
     spec = SpeculativeConfig("eagle3", num_speculative_tokens=3, model=head_dir)
     cfg = EngineConfig(model_path=target_dir, tp_size=world, device="cpu", dtype="float32", attention_dp=adp,
                        speculative=spec, draft_model_path=head_dir, max_batch_size=2, max_seq_len=64,
-                       max_num_tokens=16)
+                       max_num_tokens=16, forced_acceptance_rate=1.5)
     engine = Engine(cfg, Mapping(world, rank, enable_attention_dp=adp))
     trace = []
     inner = engine._draft_with_eagle3
@@ -178,8 +178,7 @@ def _engine_drafts(rank: int, world: int, target_dir: str, head_dir: str, adp: b
 def test_engine_drafts_equal_reference_at_every_step(ckpt, reference, tp, adp):
     """Chunked context (16-token budget), slot reuse (3 prompts, 2 slots), 0-3 forced acceptances:
     the head's catch-up of the target's hidden states keeps its drafts equal to drafting afresh."""
-    results = run_ranks(_engine_drafts, tp, *ckpt, adp, timeout_s=180,
-                        env={"TPSPEC_FORCE_NUM_ACCEPTED_TOKENS": "1.5"})
+    results = run_ranks(_engine_drafts, tp, *ckpt, adp, timeout_s=180)
     trace = [step for r in results for step in r[0]]  # under attention DP each rank drafts its own requests
     assert len(trace) >= 12
     assert any(a >= 2 for r in results for per_req in r[2] for a in per_req), "forcing never kept 2 drafts"
