@@ -149,3 +149,78 @@ def test_engine_verifies_sampled_drafts_without_gathering(ckpt, method, adp):
     assert stored > 0  # the sampled drafts' logits were kept for verification
     if method == "draft_model":
         assert accepted > 0  # the draft model's sampled drafts are often kept
+
+
+# ------------------------------------------------------------------ filtered target rows
+def filtered_case(num_requests: int, seed: int) -> dict:
+    """Requests cycling through top-k, top-p, top-k + top-p, min-p and no filter; one-hot drafts."""
+    case = make_case(num_requests, seed)
+    case["top_k"] = torch.tensor([[5, 2**31 - 1, 8, 2**31 - 1, 2**31 - 1][i % 5] for i in range(num_requests)])
+    case["top_p"] = torch.tensor([[1.0, 0.8, 0.9, 1.0, 1.0][i % 5] for i in range(num_requests)])
+    case["min_p"] = torch.tensor([[0.0, 0.0, 0.0, 0.1, 0.0][i % 5] for i in range(num_requests)])
+    case["draft"] = None
+    return case
+
+
+def verify_filtered(case: dict, world: int, rank: int, exchange):
+    target, offset = shard(case["target"], world, rank)
+    logits = VocabShardedLogits(target, offset, V, exchange)
+    return sharded_rejection_sample(logits, case["row_index"], case["temperature"], case["drafts"], case["lens"],
+                                    case["seeds"], case["offsets"], top_k=case["top_k"], top_p=case["top_p"],
+                                    min_p=case["min_p"])
+
+
+def _filtered_worker(rank: int, world: int, case: dict) -> dict:
+    pair = D.tp_group()
+    return {"tp4": verify_filtered(case, 4, rank, AllGatherKeyExchange(None)),
+            "tp2": verify_filtered(case, 2, rank % 2, AllGatherKeyExchange(pair))}
+
+
+def test_filtered_rows_on_shards_same_tokens_at_tp_1_2_4():
+    case = filtered_case(30, seed=5)
+    ref = verify_filtered(case, 1, 0, LocalKeyExchange("cpu"))
+    assert ref is not None
+    for result in run_ranks(_filtered_worker, 4, case, tp_size=2, timeout_s=120):
+        for name in ("tp4", "tp2"):
+            assert torch.equal(result[name][0], ref[0]) and torch.equal(result[name][1], ref[1]), name
+
+
+def test_filtered_first_token_follows_the_truncated_distribution():
+    """6000 requests with top-k 8 + top-p 0.9 (and, apart, min-p 0.1) and one-hot drafts: the first
+    emitted token follows the filtered target law (the full-row reference's keep mask)."""
+    from tpspec.sampling.ops import keep_mask
+
+    n = 6000
+    for top_k, top_p, min_p in ((8, 0.9, 0.0), (2**31 - 1, 1.0, 0.1)):
+        case = make_case(n, seed=6)
+        rows = case["target"].view(n, K + 1, V)
+        rows[:] = rows[:1]
+        case["temperature"][:] = 0.9
+        case["lens"][:] = K
+        case["drafts"][:] = rows[0, :K].argmax(dim=-1)  # one-hot drafts at each row's mode
+        case.update(top_k=torch.full((n,), top_k), top_p=torch.full((n,), top_p), min_p=torch.full((n,), min_p),
+                    draft=None)
+        accepted, _ = verify_filtered(case, 1, 0, LocalKeyExchange("cpu"))
+        t = torch.tensor([0.9])
+        kept = keep_mask(rows[0, :1], t, torch.tensor([top_k]), torch.tensor([top_p]), torch.tensor([min_p]))[0]
+        law = torch.softmax(rows[0, 0].double() / 0.9, dim=-1) * kept
+        expected = law / law.sum() * n
+        observed = torch.bincount(accepted[:, 0], minlength=V).double()
+        assert observed[~kept].sum() == 0  # nothing outside the filter
+        keep = expected >= 5
+        obs = torch.cat([observed[keep], observed[kept & ~keep].sum().reshape(1)])
+        exp = torch.cat([expected[keep], expected[kept & ~keep].sum().reshape(1)])
+        if exp[-1] == 0:
+            obs, exp = obs[:-1], exp[:-1]
+        assert stats.chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue > 1e-3
+
+
+def test_flat_top_p_row_is_left_to_the_gathered_path():
+    """A flat row of 300 columns under top-p 0.9 needs ~270 columns: more than the candidates
+    certify, so the shards decline (None) and the worker gathers."""
+    vocab = 300
+    logits = VocabShardedLogits(torch.zeros(2, vocab), 0, vocab, LocalKeyExchange("cpu"))
+    args = (torch.arange(2).view(1, 2), torch.tensor([0.9]), torch.tensor([[7]]), torch.tensor([1]),
+            torch.tensor([3]), torch.tensor([64]))
+    assert sharded_rejection_sample(logits, *args, top_p=torch.tensor([0.9])) is None
+    assert sharded_rejection_sample(logits, *args, top_p=torch.tensor([0.05])) is not None  # 15 columns: certified

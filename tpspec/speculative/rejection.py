@@ -18,11 +18,19 @@ alike:
   the request's residual stream and the global column) and one key exchange takes the max.
   Should rounding leave no residual mass anywhere, the race runs on ``p_n``.
 
+Filters (top-k, top-p, min-p; ``docs/determinism.md``'s semantics) cut each target row to
+a prefix in key order: every rank sends its best keys (the sampling layer's certified
+candidates, at least ``max(k)`` of them) and the filters run on them, so the lowest kept
+key is every rank's cut. Top-k is exact from the candidates, min-p alone is a local mass
+threshold, and top-p without top-k is exact when its prefix ends above every rank's last
+sent key; a batch with a row that is not (rare: a flat row) is left to the gathered path
+(the function returns None, on every rank alike). The drafts of such a batch are one-hot.
+
 A greedy request (temperature below the greedy threshold) has one-hot ``p`` at the row's
 argmax; drafts given without their distribution (greedy drafting, n-gram) have one-hot ``q``
 at the draft. So strict greedy verification is the special case of the same code. Three
-collectives in all: one key exchange of row maxima, one int64 sum, one key exchange of the
-draws. Every decision reads only what every rank holds alike.
+collectives in all (two more with filters: the candidates and the unfiltered totals): one
+key exchange of row maxima, one int64 sum, one key exchange of the draws. Every decision reads only what every rank holds alike.
 """
 
 from __future__ import annotations
@@ -37,11 +45,15 @@ from ..keys import (
     canonical_float32,
     column_masses,
     exponential_from_words,
+    min_p_threshold,
     pack_keys,
     philox_words,
+    top_p_fixed,
+    top_p_target,
     unpack_keys,
 )
-from ..sampling.ops import scaled_scores
+from ..sampling.ops import filter_flags, scaled_scores, sorted_filter_mask
+from ..sampling.select import DEFAULT_CANDIDATES
 from ..sampling.streams import ACCEPT_RESIDUAL_SUBSTREAM, ACCEPT_UNIFORM_SUBSTREAM, uniforms
 from ..vocab_parallel import VocabShardedLogits
 from .accept import PAD_TOKEN
@@ -68,6 +80,46 @@ def _local_mass_at(masses: torch.Tensor, tokens: torch.Tensor, offset: int) -> t
     return torch.where(inside, picked, torch.zeros_like(picked))
 
 
+def _filter_keep(exchange, keys: torch.Tensor, masses: torch.Tensor, row_max: torch.Tensor, vocab_size: int,
+                 top_k, top_p, min_p, channel: int) -> tuple[torch.Tensor, bool]:
+    """Which of this rank's columns the filters keep, ``[N, W]`` bool, and whether every row was
+    decided on the shards (see the module docstring). ``keys``/``masses``: ``[N, W]`` of the rows
+    (padding: ``EMPTY_KEY`` / 0); ``top_k``/``top_p``/``min_p``: ``[N]`` or None."""
+    rows, width = keys.shape
+    device = keys.device
+    k_on, p_on, m_on = filter_flags(rows, vocab_size, device, top_k, top_p, min_p)
+    real = keys != EMPTY_KEY
+    keep = real.clone()
+    if not bool((k_on | p_on | m_on).any()):
+        return keep, True
+    total = exchange.sum_rows(masses.sum(dim=1), channel=channel)  # the unfiltered Z of each row
+    k_max = int(torch.where(k_on, top_k, torch.zeros_like(top_k)).max()) if top_k is not None else 0
+    count = min(max(DEFAULT_CANDIDATES, k_max), width)
+    local = torch.sort(keys, dim=1, descending=True).values[:, :count]
+    gathered = exchange.gather_rows(local.contiguous(), channel=channel)
+    floor = (gathered.view(rows, -1, count)[:, :, count - 1].max(dim=1).values if count < width
+             else torch.full((rows,), EMPTY_KEY, dtype=torch.int64, device=device))
+    ranked = torch.sort(gathered, dim=1, descending=True).values
+    kept = sorted_filter_mask(ranked, k_on, top_k, p_on, top_p, m_on, min_p, total=total)
+    cut = torch.where(kept, ranked, torch.full_like(ranked, 2**63 - 1)).min(dim=1).values
+    prefix = k_on | p_on
+    keep = torch.where(prefix.reshape(-1, 1), real & (keys >= cut.reshape(-1, 1)), keep)
+    if min_p is not None:
+        above = masses >= min_p_threshold(min_p).reshape(-1, 1)
+        keep = torch.where((m_on & ~prefix).reshape(-1, 1), real & above, keep)
+    # Top-p without top-k is decided when its prefix reaches the target among the candidates and
+    # ends above every rank's last sent key (every column above that was sent).
+    values, _ = unpack_keys(ranked)
+    ranked_mass = torch.where(ranked != EMPTY_KEY, column_masses(torch.where(ranked != EMPTY_KEY, values,
+                                                                             torch.zeros_like(values)), row_max),
+                              torch.zeros_like(ranked))
+    reached = torch.where(kept, ranked_mass, torch.zeros_like(ranked_mass)).sum(dim=1) >= top_p_target(
+        total, top_p_fixed(top_p if top_p is not None else torch.ones(rows, device=device)))
+    certified = reached & (cut >= floor)
+    undecided = p_on & ~k_on & ~certified & torch.isfinite(row_max)
+    return keep, not bool(undecided.any())
+
+
 def sharded_rejection_sample(
     target: VocabShardedLogits,
     row_index: torch.Tensor,
@@ -78,8 +130,11 @@ def sharded_rejection_sample(
     offsets: torch.Tensor,
     draft_logits: torch.Tensor | None = None,
     *,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
     channel: int = Channel.TARGET,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Verify every request's drafts on the shards of ``target`` (see the module docstring).
 
     ``target``: a plain :class:`VocabShardedLogits` (this rank's ``[R, W]`` slice);
@@ -90,10 +145,16 @@ def sharded_rejection_sample(
     ``offset + 0``, the residual race at ``offset + 1``); ``draft_logits``: ``[B, D, W]`` this
     rank's columns of the draft logits each sampled draft was drawn from at the request's
     temperature, or None (every draft one-hot). Greedy requests' drafts are one-hot.
+    ``top_k``/``top_p``/``min_p``: ``[B]`` filters of each request's target rows, or None (off);
+    with filters the drafts must be one-hot (``draft_logits`` None).
 
     Returns ``(accepted_tokens [B, D+1] int64 padded with -1, num_accepted [B] int64)``, the same
-    on every rank, and the same at every TP size for the same logits. Collective over the group.
+    on every rank, and the same at every TP size for the same logits; None when a filtered row
+    cannot be decided on the shards (every rank returns None alike). Collective over the group.
     """
+    filtered = any(f is not None for f in (top_k, top_p, min_p))
+    if filtered and draft_logits is not None:
+        raise ValueError("filtered target rows are verified against one-hot drafts only (draft_logits=None)")
     exchange = target.exchange
     local = target.local
     device = local.device
@@ -128,6 +189,18 @@ def sharded_rejection_sample(
     at_arg = (columns.reshape(1, -1) == row_arg.reshape(-1, 1)).to(torch.int64) * ONE_HOT_MASS
     if sampled_q:  # a one-hot q row sits at its draft (greedy drafts are the draft row's argmax)
         at_arg[p_rows:] = (columns.reshape(1, -1) == drafts.reshape(-1, 1)).to(torch.int64) * ONE_HOT_MASS
+    if filtered:
+        keys = torch.where(real, pack_keys(canonical_float32(scores[:p_rows]), columns.reshape(1, -1)),
+                           torch.full((), EMPTY_KEY, dtype=torch.int64, device=device))
+
+        def per_row(f):
+            return None if f is None else f.to(device).repeat_interleave(num_drafts + 1)
+
+        keep, decided = _filter_keep(exchange, keys, masses[:p_rows], row_max[:p_rows], target.vocab_size,
+                                     per_row(top_k), per_row(top_p), per_row(min_p), channel)
+        if not decided:
+            return None
+        masses[:p_rows] = torch.where(keep, masses[:p_rows], torch.zeros_like(masses[:p_rows]))
     masses = torch.where(one_hot_row.reshape(-1, 1), at_arg, masses)
     p_mass = masses[:p_rows].view(batch, num_drafts + 1, width)
     if sampled_q:

@@ -18,7 +18,6 @@ Filtered rows (their candidates) and rejection sampling read values on the host 
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,18 +128,16 @@ class SpecWorker:
             row_tokens = select_tokens(target_logits, rs, channel=self.channel, stats=self.sampling_stats)
             # Lengths come from the metadata: no value check, so this path has no host sync.
             accepted, num = accept_from_targets(row_tokens[row_index], drafts, lens, check_values=False)
-        elif meta.temperature_only and draft_probs is None and target_logits.local.shape[0] == meta.num_rows:
+        elif (draft_probs is None and target_logits.local.shape[0] == meta.num_rows
+              and (meta.temperature_only or draft_logits is None)
+              and (verified := self._reject_on_shards(target_logits, rs, drafts, meta, draft_logits)) is not None):
             # (A slice holding more rows than the step's are attention DP's stacked rows: gathered below.)
-            logits = penalized_logits(target_logits, rs.penalties)
-            temperature = meta.request_sampling(meta.acceptance_offsets()).temperature
-            accepted, num = sharded_rejection_sample(
-                logits, row_index, temperature, drafts, lens, meta.request_seeds, meta.acceptance_offsets(),
-                draft_logits, channel=self.channel)
+            accepted, num = verified
             self.sampling_stats.rows_sharded += meta.num_rows
             if meta.num_contexts or use_forced:
                 # Context requests (and forced acceptance) take the target's own per-row draw,
                 # the token strict acceptance would emit for them too.
-                row_tokens = select_tokens(logits, dataclasses.replace(rs, penalties=None), channel=self.channel)
+                row_tokens = select_tokens(target_logits, rs, channel=self.channel)
                 ctx = meta.is_context.to(device)
                 accepted = torch.where(ctx.reshape(-1, 1), torch.full_like(accepted, PAD_TOKEN), accepted)
                 accepted[:, 0] = torch.where(ctx, row_tokens[row_index[:, 0]], accepted[:, 0])
@@ -176,6 +173,18 @@ class SpecWorker:
                 accepted, num = forced_out
         next_input = accepted.gather(1, (num - 1).reshape(-1, 1)).reshape(-1)
         return SpecStepOutput(accepted, num, next_input, row_tokens)
+
+    def _reject_on_shards(self, target_logits: Any, rs: Any, drafts: torch.Tensor, meta: SpecMetadata,
+                          draft_logits: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Rejection sampling on the shards (penalties applied to each rank's slice first), or None
+        when a filtered row cannot be decided there (every rank alike)."""
+        logits = penalized_logits(target_logits, rs.penalties)
+        req = meta.request_sampling(meta.acceptance_offsets())
+        device = logits.local.device
+        return sharded_rejection_sample(
+            logits, meta.request_row_index.to(device), req.temperature, drafts, meta.request_draft_len.to(device),
+            meta.request_seeds, meta.acceptance_offsets(), draft_logits, top_k=req.top_k, top_p=req.top_p,
+            min_p=req.min_p, channel=self.channel)
 
     @staticmethod
     def _check_drafts(draft_tokens: torch.Tensor | None, batch: int, num_drafts: int, device: torch.device) -> torch.Tensor:
