@@ -128,10 +128,9 @@ class SpecWorker:
             row_tokens = select_tokens(target_logits, rs, channel=self.channel, stats=self.sampling_stats)
             # Lengths come from the metadata: no value check, so this path has no host sync.
             accepted, num = accept_from_targets(row_tokens[row_index], drafts, lens, check_values=False)
-        elif (draft_probs is None and target_logits.local.shape[0] == meta.num_rows
-              and (meta.temperature_only or draft_logits is None)
+        elif (draft_probs is None and (meta.temperature_only or draft_logits is None)
+              and self._rows_are_shared(target_logits, meta)
               and (verified := self._reject_on_shards(target_logits, rs, drafts, meta, draft_logits)) is not None):
-            # (A slice holding more rows than the step's are attention DP's stacked rows: gathered below.)
             accepted, num = verified
             self.sampling_stats.rows_sharded += meta.num_rows
             if meta.num_contexts or use_forced:
@@ -173,6 +172,15 @@ class SpecWorker:
                 accepted, num = forced_out
         next_input = accepted.gather(1, (num - 1).reshape(-1, 1)).reshape(-1)
         return SpecStepOutput(accepted, num, next_input, row_tokens)
+
+    @staticmethod
+    def _rows_are_shared(target_logits: Any, meta: SpecMetadata) -> bool:
+        """Whether every rank of the logits' exchange holds these same rows, so that decisions read
+        from them are the same on every rank: plain TP, or a head whose exchange spans one rank.
+        (Attention DP's ranks hold their own rows: a stacked slice, or rows of one rank only.)"""
+        if target_logits.local.shape[0] != meta.num_rows:
+            return False
+        return not meta.sync_flags or target_logits.exchange.world_size == 1
 
     def _reject_on_shards(self, target_logits: Any, rs: Any, drafts: torch.Tensor, meta: SpecMetadata,
                           draft_logits: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
