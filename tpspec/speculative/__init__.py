@@ -39,8 +39,8 @@ Every rank gets the same tensors. Lower-level pieces:
 * ``select_draft_tokens(draft_logits, meta, step, sample=False, first_request=0)`` (``Channel.DRAFT``;
   sampled drafts of a temperature-only batch on the shards) and ``DraftLogitsStore`` (each rank's
   columns of the draft logits per KV slot and draft position);
-* ``sharded_rejection_sample(...)``: rejection sampling on the shards (``SpecWorker`` uses it for
-  temperature-only batches; ``worker.sampling_stats`` counts rows verified on shards and gathered);
+* ``sharded_rejection_sample(...)``: rejection sampling on the shards, filters included (``SpecWorker``
+  uses it; ``worker.sampling_stats`` counts rows verified on shards and gathered);
 * ``meta.draft_offsets(step)``, ``meta.row_sampling()``, ``meta.request_sampling(offsets)``.
 
 Not covered yet: attention DP with LM-head TP (rows of all ranks stacked into one

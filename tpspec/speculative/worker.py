@@ -6,10 +6,10 @@ it, and returns what the request emits and what the next step feeds. Every path 
 chosen from flags that are equal on every rank (``SpecMetadata`` syncs them under
 attention DP), so every rank runs the same collectives and returns the same tensors.
 
-Rejection sampling of a temperature-only batch runs on the shards
-(:mod:`tpspec.speculative.rejection`): no ``[rows, vocab]`` tensor crosses between ranks.
-Batches with top-k / top-p / min-p rows, and the stacked rows of attention DP with a
-sharded head, gather the target rows first; ``SpecWorker.sampling_stats`` counts the rows each way.
+Rejection sampling runs on the shards (:mod:`tpspec.speculative.rejection`): no
+``[rows, vocab]`` tensor crosses between ranks. A batch with a top-p row the candidates
+cannot decide, and attention DP's own rows on a sharded head, gather the target rows
+first; ``SpecWorker.sampling_stats`` counts the rows each way.
 
 Host syncs: strict acceptance of an all-greedy or temperature-only batch (and forced
 acceptance) adds none of its own, so it can sit inside a CUDA graph with the exchange.
@@ -57,7 +57,7 @@ class SpecWorker:
 
     ``acceptance``: ``"strict"`` (drafts accepted while they equal the target's own
     choice, greedy or sampled per row) or ``"rejection"`` (lossless rejection sampling
-    against the target distributions, on the shards for temperature-only batches; an
+    against the target distributions, on the shards (see the module docstring); an
     all-greedy batch takes the strict path, which gives the same tokens).
     ``forced``: a :class:`ForcedAcceptance`, None, or ``"env"`` (read
     ``TPSPEC_FORCE_NUM_ACCEPTED_TOKENS`` at the first step).
