@@ -52,8 +52,9 @@ class SamplingParams:
     ``min_p``: None or a float in [0, 1] (0 = no filter; keeps tokens with
     ``p >= min_p * p_max``).
     ``seed``: None (the request draws from the shared unseeded stream) or an int in
-    ``[0, 2**64)``: the request's own stream, reproducible bit for bit whatever its
-    batch, batch position, KV slot history or TP size.
+    ``[0, 2**64)``: the request's own stream. Given identical logits the request draws the
+    same tokens whatever its batch, batch position, KV slot history or TP size; the default
+    model forward does not promise identical logits across batches or TP sizes.
 
     Raises ``ValueError`` naming the bad field. The normalized values are properties
     (:attr:`is_greedy`, :attr:`norm_temperature`, :attr:`norm_top_k`, ...).
