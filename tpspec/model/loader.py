@@ -152,15 +152,18 @@ def load_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     exchange: KeyExchange | None = None,
+    deterministic: bool = False,
 ) -> TPLlamaForCausalLM:
     """Build the model of the checkpoint at ``path`` for this rank and load its shard.
 
     Collective over the TP group when the LM head is sharded and no ``exchange`` is given
     (the exchange is created then). The result has ``load_stats`` (a :class:`LoadStats`)
-    and ``path``; call ``allocate_kv_cache`` before the first forward.
+    and ``path``; call ``allocate_kv_cache`` before the first forward. ``deterministic``: see
+    :class:`TPLlamaForCausalLM` (fixed reduction orders: batch- and TP-invariant logits).
     """
     config = ModelConfig.from_pretrained(path)
-    model = TPLlamaForCausalLM(config, mapping, device=device, dtype=dtype, exchange=exchange)
+    model = TPLlamaForCausalLM(config, mapping, device=device, dtype=dtype, exchange=exchange,
+                               deterministic=deterministic)
     model.load_stats = load_weights(model, path)
     model.path = os.fspath(path)
     return model
