@@ -17,6 +17,10 @@ actor per rank and hands the env var to them through Ray's ``runtime_env``. Each
 configuration builds a fresh ``LLM``, makes one warm-up call, then the timed ``generate``.
 The table reports tokens/s, measured accepted drafts per step (a check that forcing took
 effect) and the speed-up over ``no-spec``. On CPU only the ratios mean something.
+
+``--deterministic`` runs every configuration twice, in the default mode and in deterministic
+mode (``LLM(deterministic=True)``, rows suffixed `` det``); ``vs_default`` is a deterministic
+row's tokens/s over its default twin's.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from . import number_list, report
 FORCE_ENV = "TPSPEC_FORCE_NUM_ACCEPTED_TOKENS"
 DEFAULT_RATES = (0.0, 1.5, 3.0)
 COLUMNS = ["config", "forced_rate", "draft_len", "requests", "tokens", "wall_s", "tokens_per_s",
-           "accepted_per_step", "tokens_per_step", "speedup"]
+           "accepted_per_step", "tokens_per_step", "speedup", "vs_default"]
 
 
 def _prompts(num: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -48,7 +52,7 @@ def measure(cfg: dict) -> dict:
     tokens, time one ``generate``.
 
     ``cfg``: model, tp, launcher, device, dtype, draft_len (0 = no speculation), prompts
-    (count, length), max_new_tokens, max_batch_size, use_cuda_graphs. Reads the forced
+    (count, length), max_new_tokens, max_batch_size, use_cuda_graphs, deterministic. Reads the forced
     acceptance rate from the environment like every rank does.
     """
     from ..runtime import LLM, SpeculativeConfig
@@ -60,7 +64,7 @@ def measure(cfg: dict) -> dict:
         kwargs["ray_init_kwargs"] = {"runtime_env": {"env_vars": {FORCE_ENV: os.environ[FORCE_ENV]}}}
     with LLM(cfg["model"], tp_size=cfg["tp"], launcher=cfg["launcher"], device=cfg["device"], dtype=cfg["dtype"],
              speculative=spec, max_batch_size=cfg["max_batch_size"], use_cuda_graphs=cfg["use_cuda_graphs"],
-             **kwargs) as llm:
+             deterministic=cfg.get("deterministic", False), **kwargs) as llm:
         prompts = _prompts(cfg["num_prompts"], cfg["prompt_len"], llm.vocab_size)
         # Warm up on the timed batch itself (its CUDA-graph bucket, first-use costs of its shapes),
         # so the timed call measures steady-state steps.
@@ -115,7 +119,7 @@ def _plot(rows: list[list[Any]]) -> Callable[[Any], None]:
     def draw(ax: Any) -> None:
         labels = [r[0] for r in rows]
         values = [r[6] for r in rows]
-        colors = ["gray" if r[0] == "no-spec" else "tab:blue" for r in rows]
+        colors = ["gray" if r[0].startswith("no-spec") else "tab:blue" for r in rows]
         bars = ax.bar(range(len(rows)), values, color=colors)
         for bar, r in zip(bars, rows):
             ax.annotate(f"{r[9]}x" if r[9] != "-" else "", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
@@ -141,6 +145,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=None, help="tokens per request (default 128; --quick 12)")
     parser.add_argument("--max-batch-size", type=int, default=None, help="requests in flight (default: all)")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="eager generation steps on GPU")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="also run every configuration in deterministic mode (rows ' det', ratio vs_default)")
     parser.add_argument("--quick", action="store_true", help="small sizes, seconds per configuration on CPU")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds before the run is abandoned")
 
@@ -165,6 +171,9 @@ def run(args: argparse.Namespace) -> int:
     names = ["no-spec"] + [f"forced={rate:g}" for rate in rates]
     configs: list[tuple[dict, float | None]] = [(dict(cfg, draft_len=0), None)]
     configs += [(dict(cfg, draft_len=args.draft_len), rate) for rate in rates]
+    if args.deterministic:
+        names += [f"{name} det" for name in names]
+        configs += [(dict(c, deterministic=True), rate) for c, rate in configs]
     if args.launcher == "mp":
         from ..testing import rank_backend, run_ranks, shared_gpu_mps
 
@@ -175,17 +184,21 @@ def run(args: argparse.Namespace) -> int:
     else:  # torchrun: every rank runs this; ray: this driver drives the actors
         per_config = run_configs(configs)
     results = [(name, rate, c["draft_len"], res) for name, (c, rate), res in zip(names, configs, per_config)]
-    base = results[0][3]["tokens_per_s"]
+    default_tps = {name: res["tokens_per_s"] for name, _, _, res in results}
     rows = []
     for name, rate, draft_len, res in results:
-        speedup = res["tokens_per_s"] / base if base > 0 and name != "no-spec" else "-"
+        det_mode = name.endswith(" det")
+        base = default_tps["no-spec det" if det_mode else "no-spec"]
+        speedup = res["tokens_per_s"] / base if base > 0 and not name.startswith("no-spec") else "-"
+        twin = default_tps.get(name[: -len(" det")], 0.0) if det_mode else 0.0
+        vs_default = round(res["tokens_per_s"] / twin, 4) if det_mode and twin > 0 else "-"
         rows.append([name, "-" if rate is None else rate, draft_len, res["requests"], res["tokens"],
                      round(res["wall_s"], 4), round(res["tokens_per_s"], 2), round(res["accepted_per_step"], 3),
-                     round(res["tokens_per_step"], 3), round(speedup, 3) if speedup != "-" else "-"])
+                     round(res["tokens_per_step"], 3), round(speedup, 3) if speedup != "-" else "-", vs_default])
     if results[0][3]["rank"] != 0:
         return 0  # rank 0 writes the report
     meta = {"command": "tpspec bench generate", **{k: v for k, v in cfg.items()}, "draft_len": args.draft_len,
-            "rates": rates, "quick": args.quick, "drafter": "ngram",
+            "rates": rates, "quick": args.quick, "drafter": "ngram", "deterministic": args.deterministic,
             "note": "greedy, EOS ignored; accepted_per_step is measured over emitted tokens (forced: min(rate, "
                     "draft_len) expected, less on each request's last step, which the token budget cuts). "
                     "On CPU only ratios are meaningful."}

@@ -74,6 +74,7 @@ class EngineConfig:
     use_cuda_graphs: bool = True
     exchange: str = "auto"
     progress_interval_s: float = 0.25
+    deterministic: bool = False  # fixed-order forward: batch- and TP-invariant logits
 
     def __post_init__(self) -> None:
         # LLM checks this for its users; the engine relies on it (a generation step of a full

@@ -122,7 +122,7 @@ class Engine:
         if mapping.lm_head_is_sharded:
             self.exchange = make_key_exchange(self.group, prefer=config.exchange, device=self.device)
         self.model = load_model(config.model_path, mapping, device=self.device, dtype=self.dtype,
-                                exchange=self.exchange)
+                                exchange=self.exchange, deterministic=config.deterministic)
         # Slot max_batch_size is a scratch slot for dummy rows (attention DP).
         self.num_slots = config.max_batch_size + 1
         self.scratch_slot = config.max_batch_size
@@ -137,7 +137,8 @@ class Engine:
                                       min_ngram=spec.min_ngram)
         elif spec is not None:
             self.draft_model = DraftModel(config.draft_model_path, mapping, device=self.device, dtype=self.dtype,
-                                          exchange=self.exchange, target_config=self.model.config)
+                                          exchange=self.exchange, target_config=self.model.config,
+                                          deterministic=config.deterministic)
             self.draft_model.allocate_kv_cache(self.num_slots, self.cache_len)
 
         # One request more than the batch: the dummy row (slot -1 = padding for the streams).
@@ -145,7 +146,8 @@ class Engine:
                                  mapping=mapping, max_num_slots=config.max_batch_size)
         self.worker = SpecWorker(acceptance=spec.acceptance if spec is not None else "strict")
         self.graphs = None
-        if self.device.type == "cuda" and config.use_cuda_graphs:
+        # Deterministic attention walks the sequences on the host: no CUDA graphs in that mode.
+        if self.device.type == "cuda" and config.use_cuda_graphs and not config.deterministic:
             from .cuda_graphs import GenerationGraphs
 
             self.graphs = GenerationGraphs.maybe_create(self)

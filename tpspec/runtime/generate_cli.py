@@ -55,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-seq-len", type=int, default=None)
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's EOS token")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="eager generation steps on GPU")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="fixed-order forward: each request's logits bit-identical in any batch, with or "
+                             "without speculation, at every power-of-two TP size (slower)")
     parser.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
                         help="progress bar (auto: when stderr is a terminal, on runs longer than 2 s)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -116,13 +119,15 @@ def run(args: argparse.Namespace) -> int:
         use_tqdm = {"auto": None, "on": True, "off": False}[args.progress]
         with LLM(args.model, tp_size=tp, launcher=launcher, device=args.device, dtype=args.dtype,
                  attention_dp=args.attention_dp, speculative=spec, max_batch_size=args.max_batch_size,
-                 max_seq_len=args.max_seq_len, use_cuda_graphs=not args.no_cuda_graphs) as llm:
+                 max_seq_len=args.max_seq_len, use_cuda_graphs=not args.no_cuda_graphs,
+                 deterministic=args.deterministic) as llm:
             prompts = _prompts(args, llm.tokenizer is not None, llm.vocab_size)
             outputs = llm.generate(prompts, params, max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos,
                                    use_tqdm=use_tqdm)
             stats = llm.last_stats
             desc = (f"model={args.model} tp={tp} launcher={launcher} device={llm.config.device} "
                     f"dtype={llm.config.dtype} attention_dp={args.attention_dp} "
+                    + ("deterministic=True " if args.deterministic else "") +
                     f"spec={args.spec}" + (f"(k={args.draft_tokens}, {args.acceptance})" if spec else ""))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

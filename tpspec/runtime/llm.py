@@ -173,7 +173,12 @@ class LLM:
     ``max_position_embeddings``, at most 2048). ``max_num_tokens``: tokens one step feeds
     (context chunks fill what generation leaves). ``use_cuda_graphs``: capture generation
     steps on GPU (eager when False). ``init_timeout_s`` / ``step_timeout_s``: how long the
-    driver waits for start-up / for the next step before it raises.
+    driver waits for start-up / for the next step before it raises. ``deterministic``: run the
+    model with fixed reduction orders (see ``docs/determinism.md``): a request's logits, hence its
+    logprobs and tokens, are bit-identical alone or in any batch, with or without speculation, and
+    at every power-of-two TP size; slower, no CUDA graphs, no attention DP, and a TP size that is
+    not a power of two (or does not split the model's contractions along their trees) raises
+    ``ValueError``.
 
     Use as a context manager or call :meth:`shutdown`.
     """
@@ -196,6 +201,7 @@ class LLM:
         init_timeout_s: float = 300.0,
         step_timeout_s: float = 120.0,
         ray_init_kwargs: dict | None = None,
+        deterministic: bool = False,
     ) -> None:
         from ..model.config import ModelConfig
 
@@ -206,7 +212,8 @@ class LLM:
             tp_size = int(os.environ.get("WORLD_SIZE", "1")) if launcher == "torchrun" else 1
         _check_positive("tp_size", tp_size)
         _check_positive("max_batch_size", max_batch_size)
-        for name, flag in (("attention_dp", attention_dp), ("use_cuda_graphs", use_cuda_graphs)):
+        for name, flag in (("attention_dp", attention_dp), ("use_cuda_graphs", use_cuda_graphs),
+                           ("deterministic", deterministic)):
             if not isinstance(flag, bool):
                 raise ValueError(f"{name} must be a bool, got {flag!r}")
         if isinstance(speculative, dict):
@@ -226,7 +233,7 @@ class LLM:
 
         self.model_path = resolve_model(model)
         self.model_config = ModelConfig.from_pretrained(self.model_path)
-        _check_layout(self.model_config, tp_size, attention_dp, self.model_path)
+        _check_layout(self.model_config, tp_size, attention_dp, self.model_path, deterministic)
         draft_path = None
         if speculative is not None and speculative.method == "draft_model":
             draft_path = resolve_model(speculative.draft_model, kind="draft")
@@ -234,7 +241,7 @@ class LLM:
             if draft_cfg.vocab_size != self.model_config.vocab_size:
                 raise ValueError(f"the draft model's vocab_size {draft_cfg.vocab_size} differs from the target's "
                                  f"{self.model_config.vocab_size}")
-            _check_layout(draft_cfg, tp_size, attention_dp, draft_path)
+            _check_layout(draft_cfg, tp_size, attention_dp, draft_path, deterministic)
         k = speculative.num_draft_tokens if speculative is not None else 0
         if max_seq_len is None:
             max_seq_len = min(self.model_config.max_position_embeddings, 2048)
@@ -252,7 +259,7 @@ class LLM:
             model_path=self.model_path, tp_size=tp_size, device=device, dtype=dtype, attention_dp=attention_dp,
             speculative=speculative, draft_model_path=draft_path, max_batch_size=max_batch_size,
             max_seq_len=max_seq_len, max_num_tokens=max_num_tokens, use_cuda_graphs=use_cuda_graphs,
-            exchange=exchange,
+            exchange=exchange, deterministic=deterministic,
         )
         self.launcher = launcher
         self.tokenizer = load_tokenizer(self.model_path)
@@ -493,14 +500,14 @@ def _check_positive(name: str, value: object) -> None:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
-def _check_layout(config: Any, tp_size: int, attention_dp: bool, path: str) -> None:
+def _check_layout(config: Any, tp_size: int, attention_dp: bool, path: str, deterministic: bool = False) -> None:
     """The model splits over ``tp_size`` ranks (checked here, before any worker starts)."""
     from ..mapping import Mapping
     from ..model.llama import check_split
 
     for rank in range(tp_size):
         try:
-            check_split(config, Mapping(tp_size, rank, tp_size, attention_dp))
+            check_split(config, Mapping(tp_size, rank, tp_size, attention_dp), deterministic=deterministic)
         except ValueError as exc:
             raise ValueError(f"{path} cannot run at tp_size={tp_size}: {exc}") from None
 
