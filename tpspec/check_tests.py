@@ -51,6 +51,7 @@ PROPERTIES: list[tuple[str, str]] = [
     ("rejection_exact", "§8.5 rejection sampling exact (chi-square)"),
     ("cuda_graph", "§8.6 CUDA-graph replay == eager"),
     ("cpu_gpu_bits", "§8.7 CPU reference == GPU, bit for bit"),
+    ("deterministic_logits", "deterministic mode: logits bit-identical"),
     ("generate_tp", "generate at TP=N == TP=1"),
 ]
 TITLES = dict(PROPERTIES)
@@ -722,6 +723,85 @@ def check_cuda_graph(ctx: SuiteContext) -> CheckResult:
                        detail=f"{type(getattr(ex, 'inner', ex)).__name__}: greedy, seeded, unseeded x {steps} replays")
 
 
+DETERMINISTIC_REQUEST = [21, 22, 23, 24, 25, 26, 27]
+DETERMINISTIC_NEXT = [51, 387, 487, 12]
+DETERMINISTIC_NEIGHBOURS = [[5, 9, 200, 31, 7, 7, 64, 120, 300, 2, 45], [400, 401], [17] * 13]
+
+
+def _deterministic_scenarios(model: Any) -> dict[str, torch.Tensor]:
+    """The request's full logits rows (its prompt's last token, then one per next token) in
+    each scenario; collective over the model's TP group."""
+    from .model import ForwardBatch
+
+    def batch(seqs: list[tuple[int, int, list[int]]], rows: list[int] | None = None) -> Any:
+        toks = [t for _, _, new in seqs for t in new]
+        pos = [c + i for _, c, new in seqs for i in range(len(new))]
+        return ForwardBatch(torch.tensor(toks), torch.tensor(pos), [s for s, _, _ in seqs], [c for _, c, _ in seqs],
+                            [len(new) for _, _, new in seqs], None if rows is None else torch.tensor(rows))
+
+    x, nxt, nb = DETERMINISTIC_REQUEST, DETERMINISTIC_NEXT, DETERMINISTIC_NEIGHBOURS
+    out: dict[str, torch.Tensor] = {}
+    model.allocate_kv_cache(6, 64)
+    rows = [model(batch([(0, 0, x)])).gather()[0]]
+    rows += [model(batch([(0, len(x) + i, [t])])).gather()[0] for i, t in enumerate(nxt)]
+    out["alone, one token a step"] = torch.stack(rows)
+    # Mixed batch: the request last among prefills, then first among decodes; slot 1 reused.
+    model(batch([(1, 0, nb[2] + nb[0])]))
+    rows = [model(batch([(2, 0, nb[0]), (3, 0, nb[1]), (1, 0, x)])).gather()[2]]
+    for i, t in enumerate(nxt):
+        step = [(1, len(x) + i, [t]), (2, len(nb[0]) + i, [8]), (3, len(nb[1]) + i, [9])]
+        rows.append(model(batch(step)).gather()[0])
+    out["mixed batches, reused slot"] = torch.stack(rows)
+    # Verification: the prompt chunked beside a prefill, then every next token verified at once.
+    model(batch([(4, 0, x[:3]), (5, 0, nb[1])]))
+    last = model(batch([(4, 3, x[3:])])).gather()[0]
+    ver = model(batch([(5, len(nb[1]), [7]), (4, len(x), nxt)], [1 + r for r in range(len(nxt))])).gather()
+    out["chunked prefill, verification"] = torch.cat((last[None], ver))
+    return out
+
+
+def check_deterministic_logits(ctx: SuiteContext) -> CheckResult:
+    """Deterministic mode: the tiny model's logits of one request are bit-identical alone, in
+    mixed batches (reused slot, other positions), chunked and verified K+1 at once, at TP = N
+    (this group) and TP = 1 (each rank alone). The default mode's differences are reported."""
+    require_module("tpspec.model")
+    from .mapping import Mapping
+    from .model import check_split, load_model
+    from .model.config import ModelConfig
+    from .runtime.llm import tiny_model_path
+
+    path = tiny_model_path()
+    n = ctx.world_size
+    try:
+        check_split(ModelConfig.from_pretrained(path), Mapping(n, ctx.rank, n), deterministic=True)
+    except ValueError as exc:
+        raise Skip(f"deterministic mode cannot run the tiny model at TP={n}: {exc}") from None
+    dtype = torch.float32
+    single = load_model(path, Mapping(), device=ctx.device, dtype=dtype, deterministic=True)
+    reference = _deterministic_scenarios(single)["alone, one token a step"]
+    runs = {"TP=1": _deterministic_scenarios(single)}
+    if n > 1:
+        group_model = load_model(path, Mapping(n, ctx.rank, n), device=ctx.device, dtype=dtype, deterministic=True)
+        runs[f"TP={n}"] = _deterministic_scenarios(group_model)
+    mism = rows = 0
+    bad = []
+    for tp_label, scenarios in runs.items():
+        for name, logits in scenarios.items():
+            rows += logits.shape[0]
+            differ = int((logits.view(torch.int32) != reference.view(torch.int32)).any(dim=-1).sum())
+            mism += differ
+            if differ:
+                bad.append(f"{tp_label} {name}: {differ} rows")
+    default = _deterministic_scenarios(load_model(path, Mapping(n, ctx.rank, n) if n > 1 else Mapping(),
+                                                  device=ctx.device, dtype=dtype))
+    base = default["alone, one token a step"]
+    default_rows = sum(int((v.view(torch.int32) != base.view(torch.int32)).any(dim=-1).sum()) for v in default.values())
+    tps = "TP=1" + (f" and TP={n}" if n > 1 else "")
+    detail = (f"{len(next(iter(runs.values())))} scenarios at {tps} vs alone at TP=1; default mode: {default_rows} rows "
+              f"differ" if not bad else _join(bad))
+    return CheckResult("deterministic_logits", PASS if mism == 0 else FAIL, rows, mism, detail=detail)
+
+
 def check_ranks_agree(ctx: SuiteContext) -> CheckResult:
     """§8.1: every token any check selected on this rank equals rank 0's (collective)."""
     if ctx.world_size == 1:
@@ -747,6 +827,7 @@ RANK_CHECKS: list[Callable[[SuiteContext], CheckResult]] = [
     check_gumbel_exact,
     check_rejection_exact,
     check_seeded_streams,
+    check_deterministic_logits,
     check_ll_equals_allgather,
     check_cpu_gpu_bits,
     check_cuda_graph,
