@@ -9,12 +9,12 @@ tokens each step emits. Prints the acceptance statistics of every configuration.
 
 import argparse
 
-from tpspec import LLM, SamplingParams, SpeculativeConfig
+from tpspec import LLM, SamplingParams
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--model", default="tiny")
 parser.add_argument("--draft-model", default="tiny", help="a smaller checkpoint with the same vocabulary")
-parser.add_argument("--tp", type=int, default=2)
+parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=2)
 parser.add_argument("--device", default="cpu")
 parser.add_argument("--k", type=int, default=4, help="draft tokens per step")
 args = parser.parse_args()
@@ -22,20 +22,22 @@ args = parser.parse_args()
 prompts = ["one two three four one two three four one two", "A B C D A B C D A", "Hello"]
 configs = {
     "plain": None,
-    "ngram/strict": SpeculativeConfig("ngram", num_draft_tokens=args.k),
-    "draft/strict": SpeculativeConfig("draft_model", num_draft_tokens=args.k, draft_model=args.draft_model),
-    "draft/rejection": SpeculativeConfig("draft_model", num_draft_tokens=args.k, draft_model=args.draft_model,
-                                         acceptance="rejection"),
+    "ngram/strict": {"method": "ngram", "num_speculative_tokens": args.k},
+    "draft/strict": {"method": "draft_model", "num_speculative_tokens": args.k, "model": args.draft_model},
+    "draft/rejection": {"method": "draft_model", "num_speculative_tokens": args.k, "model": args.draft_model,
+                        "acceptance": "rejection"},
 }
+greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
 reference = None
 print(f"{'config':16} {'same tokens':>11} {'tokens/step':>11} {'acceptance':>10} {'tokens/s':>9}")
 for name, spec in configs.items():
-    with LLM(args.model, tp_size=args.tp, device=args.device, speculative=spec) as llm:
-        outs = llm.generate(prompts, SamplingParams(), max_new_tokens=48, ignore_eos=True)
+    with LLM(args.model, tensor_parallel_size=args.tensor_parallel_size, device=args.device,
+             speculative_config=spec) as llm:
+        outs = llm.generate(prompts, greedy)
         st = llm.last_stats
-    tokens = [o.token_ids for o in outs]
+    tokens = [o.outputs[0].token_ids for o in outs]
     reference = reference or tokens
     print(f"{name:16} {str(tokens == reference):>11} {st.mean_tokens_per_step:11.2f} "
           f"{st.acceptance_rate:10.1%} {st.tokens_per_s:9.1f}")
     if spec is not None:
-        print(f"{'':16} accepted drafts per step of request 0: {outs[0].stats.accepted_drafts_per_step[:16]}")
+        print(f"{'':16} accepted drafts per step of request 0: {outs[0].outputs[0].stats.accepted_drafts_per_step[:16]}")

@@ -9,16 +9,17 @@ prompts; every rank gets the same outputs.
 
 import os
 
-from tpspec import LLM, SamplingParams, SpeculativeConfig
+from tpspec import LLM, SamplingParams
 
 rank = int(os.environ.get("RANK", "0"))
 device = "cuda" if os.environ.get("TPSPEC_DEVICE") == "cuda" else "cpu"
-spec = SpeculativeConfig("ngram", num_draft_tokens=4)
+spec = {"method": "ngram", "num_speculative_tokens": 4}
 
-with LLM("tiny", launcher="torchrun", device=device, speculative=spec) as llm:  # tp_size = WORLD_SIZE
-    outs = llm.generate([[5, 6, 7, 8, 5, 6, 7], [100, 200, 300]], SamplingParams(temperature=0.7, seed=0),
-                        max_new_tokens=32)
+# tensor_parallel_size = WORLD_SIZE
+with LLM("tiny", distributed_executor_backend="external_launcher", device=device, speculative_config=spec) as llm:
+    outs = llm.generate(["The cat sat on the mat.", [100, 200, 300]], SamplingParams(temperature=0.7, seed=0, max_tokens=32))
     if rank == 0:
         for out in outs:
-            print(out.token_ids, out.finish_reason, f"acceptance {out.stats.acceptance_rate:.0%}")
+            sample = out.outputs[0]
+            print(repr(sample.text), sample.finish_reason, f"acceptance {sample.stats.acceptance_rate:.0%}")
         print(f"{llm.last_stats.tokens_per_s:.1f} tokens/s on {llm.config.tp_size} ranks")

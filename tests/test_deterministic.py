@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from model_helpers import make_batch
+from model_helpers import allocate_slots, make_batch
 from tpspec.model import DraftModel, NgramDrafter, load_model
 from tpspec.model import deterministic as det
 from tpspec.runtime.llm import tiny_model_path
@@ -18,12 +18,11 @@ from tpspec.testing import run_ranks
 X = [21, 22, 23, 24, 25, 26, 27]  # the request whose logits every scenario compares
 GEN = [51, 387, 487, 12, 99]  # the tokens it goes on with (fixed: logits are compared, not picked)
 NEIGHBOURS = [[5, 9, 200, 31, 7, 7, 64, 120, 300, 2, 45], [400, 401], [17] * 19, [3, 4, 5, 6, 7, 8, 9, 10, 11]]
-NUM_SLOTS, MAX_LEN = 8, 96
 
 
 def _model(deterministic: bool, path: str | None = None):
     model = load_model(path or tiny_model_path(), deterministic=deterministic)
-    model.allocate_kv_cache(NUM_SLOTS, MAX_LEN)
+    allocate_slots(model)
     return model
 
 
@@ -126,14 +125,14 @@ def run_scenarios(model) -> dict[str, torch.Tensor]:
     """Every scenario's X logits on a fresh cache (collective under TP: every rank calls it)."""
     out = {}
     for name in SCENARIOS:
-        model.allocate_kv_cache(NUM_SLOTS, MAX_LEN)
+        allocate_slots(model)
         if name == "verify_ngram":
             out[name] = scenario_verify_drafts(model, _ngram_drafts())
         elif name == "verify_all":
             out[name] = scenario_verify_drafts(model, [GEN[1:]])
         else:
             out[name] = globals()[f"scenario_{name}"](model)
-    model.allocate_kv_cache(NUM_SLOTS, MAX_LEN)
+    allocate_slots(model)
     out["alone"] = _alone(model)
     return out
 
@@ -145,7 +144,7 @@ def _rank_scenarios(rank: int, world: int, modes: tuple[bool, ...], path: str) -
     out = {}
     for mode in modes:
         model = load_model(path, Mapping(world, rank, world), deterministic=mode)
-        model.allocate_kv_cache(NUM_SLOTS, MAX_LEN)
+        allocate_slots(model)
         out[mode] = run_scenarios(model)
     return out if rank == 0 else None
 
@@ -198,18 +197,18 @@ def test_draft_model_drafts_verified_alone_and_batched():
     logits equal those decoded alone; the draft's own logits equal alone vs batched."""
     target = _model(True)
     draft = DraftModel(tiny_model_path("draft"), deterministic=True)
-    draft.allocate_kv_cache(NUM_SLOTS, MAX_LEN)
+    allocate_slots(draft)
     draft_alone = draft(make_batch([(0, 0, X)])).gather()[0]
     draft_batched = draft(make_batch([(1, 0, NEIGHBOURS[0]), (2, 0, X)])).gather()[1]
     assert torch.equal(draft_alone, draft_batched)
     drafts = []
     hist = X + GEN
     for i in range(len(GEN)):
-        draft.allocate_kv_cache(NUM_SLOTS, MAX_LEN)
+        allocate_slots(draft)
         proposal = draft(make_batch([(0, 0, hist[: len(X) + i + 1])])).argmax().tolist()
         drafts.append(proposal + GEN[i + 1 : i + 3])
     ref = _alone(target)
-    target.allocate_kv_cache(NUM_SLOTS, MAX_LEN)
+    allocate_slots(target)
     assert torch.equal(scenario_verify_drafts(target, drafts), ref)
 
 

@@ -28,7 +28,7 @@ def test_main_job_command(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    assert "tp=2 launcher=mp device=cpu" in out
+    assert "tp=2 backend=mp device=cpu" in out
     assert out.count("    tokens: ") == len(DEFAULT_PROMPTS)
     assert "tokens/s" in out and "mean accepted tokens per step" in out and "acceptance rate" in out
 
@@ -45,20 +45,31 @@ def test_bad_cli_arguments_exit_cleanly(capsys):
 def test_torchrun_launcher_matches_mp(tmp_path):
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
     cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "tpspec", "generate", "--json",
-           "--max-new-tokens", "16", "--num-prompts", "3", "--temperature", "0.8", "--seed", "5"]
+           "--max-tokens", "16", "--num-prompts", "3", "--temperature", "0.8", "--seed", "5"]
     proc = subprocess.run(cmd, env=_env(str(tmp_path)), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(lines) == 1, proc.stdout  # rank 0 prints, rank 1 stays silent
     report = json.loads(lines[0])
-    assert "launcher=torchrun" in report["config"] and "tp=2" in report["config"]
-    got = [o["token_ids"] for o in report["outputs"]]
+    assert "backend=external_launcher" in report["config"] and "tp=2" in report["config"]
+    got = [o["outputs"][0]["token_ids"] for o in report["outputs"]]
 
     from tpspec import SamplingParams
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TPSPEC_CACHE_DIR", str(tmp_path))
         mp.setenv("TPSPEC_NUM_THREADS", "1")
-        with LLM("tiny", tp_size=2, speculative=SpeculativeConfig("ngram", 4)) as llm:
-            ref = llm.generate(DEFAULT_PROMPTS[:3], SamplingParams(temperature=0.8, seed=5), max_new_tokens=16)
-    assert got == [o.token_ids for o in ref]
+        with LLM("tiny", tensor_parallel_size=2, speculative_config=SpeculativeConfig("ngram", 4)) as llm:
+            ref = llm.generate(DEFAULT_PROMPTS[:3], SamplingParams(temperature=0.8, seed=5, max_tokens=16))
+    assert got == [o.outputs[0].token_ids for o in ref]
+
+
+def test_help_and_version_do_not_import_torch():
+    code = ("import sys\nfrom tpspec.cli import main\nfor argv in (['--help'], ['--version']):\n"
+            "    try:\n        main(argv)\n    except SystemExit as e:\n        assert e.code == 0, e.code\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    import tpspec
+
+    assert f"tpspec {tpspec.__version__}" in proc.stdout and "serve" in proc.stdout

@@ -9,11 +9,11 @@ import threading
 
 import pytest
 
-from tpspec import LLM
+from tpspec import LLM, SamplingParams
 from tpspec.model.tiny import make_tiny_checkpoint
 from tpspec.runtime import WorkerError
 
-LONG = dict(max_new_tokens=2000)  # far longer than the time it takes to break a worker
+LONG = SamplingParams(temperature=0, max_tokens=2000)  # far longer than the time it takes to break a worker
 
 
 @pytest.fixture(scope="module")
@@ -46,14 +46,14 @@ def _after_first_progress(llm: LLM, action) -> threading.Event:
 @pytest.mark.parametrize("sig,expect", [(signal.SIGKILL, "died"), (signal.SIGSTOP, "no step finished")],
                          ids=["killed", "hung"])
 def test_broken_worker_raises(ckpt, sig, expect):
-    with LLM(ckpt, tp_size=2, max_seq_len=2048, step_timeout_s=3.0) as llm:
+    with LLM(ckpt, tensor_parallel_size=2, max_model_len=2048, step_timeout_s=3.0) as llm:
         pids = llm._executor.pids  # noqa: SLF001
         started = _after_first_progress(llm, lambda p: os.kill(p[1], sig))
         with pytest.raises(WorkerError, match=expect):
-            llm.generate([[5, 6, 7]], **LONG)
+            llm.generate([[5, 6, 7]], LONG)
         assert started.is_set()
         with pytest.raises(WorkerError, match="workers are gone"):
-            llm.generate([[5, 6, 7]], max_new_tokens=4)
+            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4))
     # Every worker was reaped (a stopped one too).
     for pid in pids:
         with pytest.raises(ProcessLookupError):
@@ -68,7 +68,7 @@ def test_worker_error_reaches_the_driver(ckpt, tmp_path):
     shutil.copytree(ckpt, bad)
     (bad / "model.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(WorkerError, match="raised"):
-        LLM(str(bad), tp_size=2, init_timeout_s=60.0)
+        LLM(str(bad), tensor_parallel_size=2, init_timeout_s=60.0)
 
 
 def _disagreeing_ranks_worker(rank: int, world_size: int) -> str:

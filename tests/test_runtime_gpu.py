@@ -12,8 +12,14 @@ from tpspec import LLM, SamplingParams, SpeculativeConfig
 from tpspec.model.tiny import make_tiny_checkpoint
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [100, 200, 300], [42] * 12, [7, 8], [9]]
-PARAMS = [SamplingParams(), SamplingParams(temperature=0.8, seed=3), SamplingParams(), SamplingParams(),
-          SamplingParams(temperature=1.0, seed=4)]
+PARAMS = [SamplingParams(temperature=0.0, max_tokens=24), SamplingParams(temperature=0.8, seed=3, max_tokens=24),
+          SamplingParams(temperature=0.0, max_tokens=24), SamplingParams(temperature=0.0, max_tokens=24),
+          SamplingParams(temperature=1.0, seed=4, max_tokens=24)]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+
+
+def _tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
 
 
 @pytest.mark.gpu
@@ -24,10 +30,10 @@ def test_cuda_graphs_match_eager(tmp_path, spec):
     results = {}
     for graphs in (False, True):
         # In-process (a single plain process is rank 0 of a TP group of 1): the engine is inspectable.
-        with LLM(path, launcher="torchrun", tp_size=1, device="cuda", dtype="float32", speculative=spec,
-                 max_batch_size=4, use_cuda_graphs=graphs) as llm:
-            greedy = [o.token_ids for o in llm.generate(PROMPTS, max_new_tokens=24)]
-            mixed = [o.token_ids for o in llm.generate(PROMPTS, PARAMS, max_new_tokens=24)]
+        with LLM(path, distributed_executor_backend="external_launcher", tensor_parallel_size=1, device="cuda",
+                 dtype="float32", speculative_config=spec, max_num_seqs=4, enforce_eager=not graphs) as llm:
+            greedy = _tokens(llm.generate(PROMPTS, GREEDY))
+            mixed = _tokens(llm.generate(PROMPTS, PARAMS))
             engine = llm._executor.engine  # noqa: SLF001
             if graphs:
                 assert engine.graphs is not None and engine.graphs.graphs, "no generation step was graphed"
@@ -44,8 +50,9 @@ def test_graph_step_inputs_on_cpu(tmp_path):
 
     path = make_tiny_checkpoint(tmp_path / "tiny", seed=0)
     spec = SpeculativeConfig("ngram", 4)
-    with LLM(path, launcher="torchrun", tp_size=1, device="cpu", speculative=spec, max_batch_size=8) as llm:
-        ref = [o.token_ids for o in llm.generate(PROMPTS, PARAMS, max_new_tokens=24)]
+    with LLM(path, distributed_executor_backend="external_launcher", tensor_parallel_size=1, device="cpu",
+             speculative_config=spec, max_num_seqs=8) as llm:
+        ref = _tokens(llm.generate(PROMPTS, PARAMS))
         engine = llm._executor.engine  # noqa: SLF001
         graphs = GenerationGraphs.__new__(GenerationGraphs)  # no CUDA here: never capture, run the padded step
         graphs.engine, graphs.buckets, graphs.graphs, graphs.failed = engine, [8], {}, set()
@@ -53,7 +60,7 @@ def test_graph_step_inputs_on_cpu(tmp_path):
         eager, calls = graphs._eager, []
         graphs._eager = lambda host: calls.append(1) or eager(host)
         engine.graphs = graphs
-        got = [o.token_ids for o in llm.generate(PROMPTS, PARAMS, max_new_tokens=24)]
+        got = _tokens(llm.generate(PROMPTS, PARAMS))
         engine.graphs = None
     assert calls, "no step took the padded graph path"
     assert got == ref
@@ -126,6 +133,7 @@ def test_capture_failure_goes_eager_on_every_rank_but_a_warmup_failure_raises(mo
     graphs.engine = SimpleNamespace(device=torch.device("cpu"), group=None)
     graphs.graphs, graphs.failed, graphs.pool = {}, set(), "pool"
     graphs._attn_meta = lambda batch: "meta"
+    graphs._plan_attention = lambda meta: None
 
     def forward_and_select(batch, meta, drafts, is_warmup):
         if (fails_in == "warmup" and is_warmup) or (fails_in == "capture" and not is_warmup):

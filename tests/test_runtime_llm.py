@@ -13,6 +13,15 @@ from tpspec import LLM, SamplingParams, SpeculativeConfig
 from tpspec.model.tiny import make_tiny_checkpoint
 
 MAX_NEW = 24
+
+
+def greedy(max_tokens: int = MAX_NEW, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
+
+
+def tokens(outs) -> list[list[int]]:
+    """The token ids of each request's only sample."""
+    return [o.outputs[0].token_ids for o in outs]
 # Six prompts for a batch of four: slots are reused. The long one is chunked when the token
 # budget is small. Repetition gives the n-gram drafter something to find.
 PROMPTS = [
@@ -44,16 +53,16 @@ def ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def baseline(ckpt):
     """Greedy tokens at TP = 1 without speculation or chunking (the reference)."""
-    with LLM(ckpt[0], tp_size=1, max_batch_size=8) as llm:
-        outs = llm.generate(PROMPTS, max_new_tokens=MAX_NEW)
-    assert all(len(o.token_ids) == MAX_NEW and o.finish_reason == "length" for o in outs)
-    return [o.token_ids for o in outs]
+    with LLM(ckpt[0], tensor_parallel_size=1, max_num_seqs=8) as llm:
+        outs = llm.generate(PROMPTS, greedy())
+    assert all(len(o.outputs[0].token_ids) == MAX_NEW and o.outputs[0].finish_reason == "length" for o in outs)
+    return tokens(outs)
 
 
 @pytest.fixture(scope="module")
 def llm_tp2(ckpt):
     """A plain TP = 2 LLM reused by several tests."""
-    with LLM(ckpt[0], tp_size=2, max_batch_size=4) as llm:
+    with LLM(ckpt[0], tensor_parallel_size=2, max_num_seqs=4) as llm:
         yield llm
 
 
@@ -61,8 +70,8 @@ def _spec(method: str, acceptance: str, draft: str) -> SpeculativeConfig | None:
     if method == "none":
         return None
     k = 4 if method == "ngram" else 3
-    return SpeculativeConfig(method=method, num_draft_tokens=k, acceptance=acceptance,
-                             draft_model=draft if method == "draft_model" else None)
+    return SpeculativeConfig(method=method, num_speculative_tokens=k, acceptance=acceptance,
+                             model=draft if method == "draft_model" else None)
 
 
 SPECS = [("none", "strict"), ("ngram", "strict"), ("ngram", "rejection"), ("draft_model", "strict"),
@@ -76,14 +85,14 @@ def test_speculative_greedy_equals_plain_greedy(ckpt, baseline, tp, adp):
     accepted_any = {}
     for method, acceptance in SPECS:
         spec = _spec(method, acceptance, ckpt[1])
-        with LLM(ckpt[0], tp_size=tp, attention_dp=adp, speculative=spec, max_batch_size=4,
-                 max_num_tokens=24) as llm:
-            outs = llm.generate(PROMPTS, max_new_tokens=MAX_NEW)
+        with LLM(ckpt[0], tensor_parallel_size=tp, attention_dp=adp, speculative_config=spec, max_num_seqs=4,
+                 max_num_batched_tokens=24) as llm:
+            outs = llm.generate(PROMPTS, greedy())
             stats = llm.last_stats
-        got = [o.token_ids for o in outs]
+        got = tokens(outs)
         assert got == baseline, f"{method}/{acceptance} at tp={tp} adp={adp} differs from plain greedy"
         for o in outs:
-            st = o.stats
+            st = o.outputs[0].stats
             assert st.num_generated_tokens == MAX_NEW
             assert len(st.accepted_drafts_per_step) == st.num_steps - 1  # the context step drafts nothing
             assert st.num_accepted_drafts == sum(st.accepted_drafts_per_step)
@@ -98,36 +107,51 @@ def test_speculative_greedy_equals_plain_greedy(ckpt, baseline, tp, adp):
 @pytest.mark.parametrize("adp", [False, True], ids=["tp2", "tp2-adp"])
 def test_context_chunked_over_many_steps(ckpt, baseline, adp):
     """A long prompt alone, fed 8 tokens a step (steps with no token due), then drafted."""
-    with LLM(ckpt[0], tp_size=2, attention_dp=adp, max_batch_size=1, max_num_tokens=8,
-             speculative=SpeculativeConfig("ngram", 4)) as llm:
-        outs = llm.generate([PROMPTS[3], PROMPTS[0]], max_new_tokens=MAX_NEW)
-    assert [o.token_ids for o in outs] == [baseline[3], baseline[0]]
+    with LLM(ckpt[0], tensor_parallel_size=2, attention_dp=adp, max_num_seqs=1, max_num_batched_tokens=8,
+             speculative_config={"method": "ngram", "num_speculative_tokens": 4}) as llm:
+        outs = llm.generate([PROMPTS[3], PROMPTS[0]], greedy())
+    assert tokens(outs) == [baseline[3], baseline[0]]
 
 
 def test_seeded_sampling_same_across_tp_and_batch(ckpt, llm_tp2):
     """A seeded request draws the same tokens alone, in a batch of 8 (other seeds, unseeded
     neighbours, another slot), at TP = 1 and TP = 2."""
     target = [11, 12, 13, 14]
-    sp = SamplingParams(temperature=0.9, seed=1234)
-    others = [SamplingParams(temperature=1.0, seed=s) for s in range(3)] + [SamplingParams(temperature=0.7)] * 4
+    sp = SamplingParams(temperature=0.9, seed=1234, max_tokens=16)
+    others = ([SamplingParams(temperature=1.0, seed=s, max_tokens=16) for s in range(3)]
+              + [SamplingParams(temperature=0.7, max_tokens=16)] * 4)
     batch_prompts = [[50 + i, 60 + i] for i in range(7)]
 
-    alone_tp2 = llm_tp2.generate([target], sp, max_new_tokens=16)[0].token_ids
-    # max_batch_size 4 + 8 requests: the seeded one (last) waits and gets a reused slot.
-    mixed = llm_tp2.generate(batch_prompts + [target], others + [sp], max_new_tokens=16)
-    assert mixed[-1].token_ids == alone_tp2
-    with LLM(ckpt[0], tp_size=1, max_batch_size=8) as llm1:
-        alone_tp1 = llm1.generate([target], sp, max_new_tokens=16)[0].token_ids
-        mixed_tp1 = llm1.generate(batch_prompts + [target], others + [sp], max_new_tokens=16)
+    alone_tp2 = tokens(llm_tp2.generate([target], sp))[0]
+    # max_num_seqs 4 + 8 requests: the seeded one (last) waits and gets a reused slot.
+    mixed = tokens(llm_tp2.generate(batch_prompts + [target], others + [sp]))
+    assert mixed[-1] == alone_tp2
+    with LLM(ckpt[0], tensor_parallel_size=1, max_num_seqs=8) as llm1:
+        alone_tp1 = tokens(llm1.generate([target], sp))[0]
+        mixed_tp1 = tokens(llm1.generate(batch_prompts + [target], others + [sp]))
     assert alone_tp1 == alone_tp2
-    assert mixed_tp1[-1].token_ids == alone_tp2
+    assert mixed_tp1[-1] == alone_tp2
     # Seeded neighbours reproduce across TP sizes too; sampling really samples.
-    assert [o.token_ids for o in mixed[:3]] == [o.token_ids for o in mixed_tp1[:3]]
-    greedy = llm_tp2.generate([target], max_new_tokens=16)[0].token_ids
-    assert alone_tp2 != greedy
+    assert mixed[:3] == mixed_tp1[:3]
+    assert alone_tp2 != tokens(llm_tp2.generate([target], greedy(16)))[0]
     # Unseeded requests of one batch do not share a stream.
-    twins = llm_tp2.generate([target, target], SamplingParams(temperature=1.0), max_new_tokens=16)
-    assert twins[0].token_ids != twins[1].token_ids
+    twins = tokens(llm_tp2.generate([target, target], SamplingParams(temperature=1.0, max_tokens=16)))
+    assert twins[0] != twins[1]
+
+
+def test_n_samples_distinct_and_reproducible(llm_tp2):
+    """n > 1: sample 0 is the request with its own seed; the others use seeds derived from
+    (seed, index), so all differ and a repeated call gives the same n samples."""
+    target = [11, 12, 13, 14]
+    sp = SamplingParams(n=3, temperature=1.0, seed=77, max_tokens=12)
+    first = llm_tp2.generate([target], sp)[0]
+    again = llm_tp2.generate([target], sp)[0]
+    assert [c.index for c in first.outputs] == [0, 1, 2]
+    samples = [c.token_ids for c in first.outputs]
+    assert samples == [c.token_ids for c in again.outputs]
+    assert len({tuple(t) for t in samples}) == 3
+    single = llm_tp2.generate([target], SamplingParams(temperature=1.0, seed=77, max_tokens=12))[0]
+    assert single.outputs[0].token_ids == samples[0]
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
@@ -136,36 +160,44 @@ def test_sampled_rejection_speculation_same_across_tp(ckpt, method):
     requests and an unseeded one) emits the same tokens at TP = 1 and TP = 2: the draws,
     acceptance uniforms and residual draws come from each request's own stream."""
     spec = _spec(method, "rejection", ckpt[1])
-    params = [SamplingParams(temperature=0.8, seed=7), SamplingParams(temperature=1.0, top_k=20, seed=8),
-              SamplingParams(temperature=0.6, top_p=0.9, seed=9), SamplingParams(temperature=0.9, seed=10)]
+    params = [SamplingParams(temperature=0.8, seed=7, max_tokens=MAX_NEW),
+              SamplingParams(temperature=1.0, top_k=20, seed=8, max_tokens=MAX_NEW),
+              SamplingParams(temperature=0.6, top_p=0.9, seed=9, max_tokens=MAX_NEW),
+              SamplingParams(temperature=0.9, seed=10, max_tokens=MAX_NEW)]
     runs = {}
     for tp in (1, 2):
-        with LLM(ckpt[0], tp_size=tp, speculative=spec, max_batch_size=4) as llm:
-            outs = llm.generate(PROMPTS[:4], params, max_new_tokens=MAX_NEW)
-            runs[tp] = ([o.token_ids for o in outs], llm.last_stats.num_accepted_drafts)
+        with LLM(ckpt[0], tensor_parallel_size=tp, speculative_config=spec, max_num_seqs=4) as llm:
+            outs = llm.generate(PROMPTS[:4], params)
+            runs[tp] = (tokens(outs), llm.last_stats.num_accepted_drafts)
     assert runs[1][0] == runs[2][0], f"{method}: sampled speculation differs between TP=1 and TP=2"
     assert runs[1][1] == runs[2][1]
     assert runs[2][1] > 0, "no draft was ever accepted: the test would not exercise acceptance"
 
 
 def test_stop_rules_and_per_prompt_budgets(llm_tp2, baseline):
-    """Stop tokens end a request (the stop token is kept); per-prompt max_new_tokens;
-    outputs stay in prompt order."""
+    """Stop tokens end a request (the stop token is kept, stop_reason names it); per-prompt
+    max_tokens; min_tokens holds a stop token back; outputs stay in prompt order."""
     ref = baseline[0]
     stop = ref[5]
     first = ref.index(stop)
-    outs = llm_tp2.generate([PROMPTS[0], PROMPTS[1]], max_new_tokens=[MAX_NEW, 3], stop_token_ids=[stop])
-    assert outs[0].token_ids == ref[: first + 1] and outs[0].finish_reason == "stop"
-    assert outs[1].token_ids == baseline[1][:3] and outs[1].finish_reason == "length"
+    outs = llm_tp2.generate([PROMPTS[0], PROMPTS[1]], [greedy(stop_token_ids=[stop]), greedy(3)])
+    a, b = outs[0].outputs[0], outs[1].outputs[0]
+    assert a.token_ids == ref[: first + 1] and a.finish_reason == "stop" and a.stop_reason == stop
+    assert b.token_ids == baseline[1][:3] and b.finish_reason == "length" and b.stop_reason is None
     assert outs[0].prompt_token_ids == PROMPTS[0]
+    later = llm_tp2.generate([PROMPTS[0]], greedy(stop_token_ids=[stop], min_tokens=first + 1))[0].outputs[0]
+    assert len(later.token_ids) > first + 1 and later.token_ids[: first + 1] == ref[: first + 1]
 
 
 def test_max_seq_len_ends_requests(ckpt):
-    with LLM(ckpt[0], tp_size=1, max_seq_len=16, speculative=SpeculativeConfig("ngram", 4)) as llm:
-        outs = llm.generate([[5, 6, 7, 8, 9, 10], list(range(3, 18))], max_new_tokens=100)
-        assert [len(o.prompt_token_ids) + len(o.token_ids) for o in outs] == [16, 16]
-        assert all(o.finish_reason == "length" for o in outs)
-        with pytest.raises(ValueError, match="max_seq_len"):
+    with LLM(ckpt[0], tensor_parallel_size=1, max_model_len=16,
+             speculative_config=SpeculativeConfig("ngram", num_speculative_tokens=4)) as llm:
+        outs = llm.generate([[5, 6, 7, 8, 9, 10], list(range(3, 18))], greedy(100))
+        assert [len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in outs] == [16, 16]
+        assert all(o.outputs[0].finish_reason == "length" for o in outs)
+        outs = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=None))  # up to the model length
+        assert len(outs[0].outputs[0].token_ids) == 13
+        with pytest.raises(ValueError, match="max_model_len"):
             llm.generate([list(range(3, 19))])
 
 
@@ -175,46 +207,46 @@ def test_bad_requests_rejected_without_disturbing_others(llm_tp2, baseline):
         ([PROMPTS[0], [1] * 5000], None, "prompt 1 has 5000 tokens"),
         ([[1, 2, 100000]], None, r"outside \[0, 512\)"),
         ([[1, -2]], None, "outside"),
-        ([PROMPTS[0]], {"temperature": -1.0}, "temperature"),
-        ([PROMPTS[0]], {"top_p": 1.5}, "top_p"),
-        ([PROMPTS[0], PROMPTS[1]], [SamplingParams()], "2 prompts"),
+        ([PROMPTS[0], PROMPTS[1]], [greedy()], "2 prompts"),
         ([PROMPTS[0]], "greedy", "SamplingParams"),
+        ([PROMPTS[0]], {"temperature": 0.5}, "SamplingParams"),
         ([[1.5, 2.0]], None, "prompt 0 must be"),
         (None, None, "prompts must be"),
         (7, None, "prompts must be"),
         ([True, False], None, "prompt 0 must be"),
-        ([PROMPTS[0]], {"temprature": 0.5}, r"unknown key\(s\) \['temprature'\]"),
-        ([PROMPTS[0]], [{"seed": 1, "topk": 3}], r"sampling_params\[0\] has unknown key"),
+        ([{"prompt_ids": [1, 2]}], None, "prompt 0: a dict prompt"),
+        ([PROMPTS[0]], greedy(stop_token_ids=[100000]), "stop_token_ids: 100000 is outside"),
     ]
     for prompts, sp, msg in cases:
         with pytest.raises(ValueError, match=msg):
-            llm_tp2.generate(prompts, sp, max_new_tokens=4)
-    with pytest.raises(ValueError, match="max_new_tokens"):
-        llm_tp2.generate([PROMPTS[0]], max_new_tokens=0)
-    with pytest.raises(ValueError, match="stop token"):
-        llm_tp2.generate([PROMPTS[0]], stop_token_ids=[-1])
-    with pytest.raises(ValueError, match="stop_token_ids must be a list"):
-        llm_tp2.generate([PROMPTS[0]], stop_token_ids=5)
+            llm_tp2.generate(prompts, sp)
     # The LLM is still healthy and deterministic after the rejected calls.
-    outs = llm_tp2.generate(PROMPTS[:2], max_new_tokens=MAX_NEW)
-    assert [o.token_ids for o in outs] == baseline[:2]
+    assert tokens(llm_tp2.generate(PROMPTS[:2], greedy())) == baseline[:2]
+    assert tokens(llm_tp2.generate([{"prompt_token_ids": PROMPTS[0]}], greedy())) == baseline[:1]
 
 
 def test_bad_configs_raise_clear_errors(ckpt, tmp_path):
-    with pytest.raises(ValueError, match="launcher"):
-        LLM(ckpt[0], launcher="slurm")
+    ngram4 = {"method": "ngram", "num_speculative_tokens": 4}
+    with pytest.raises(ValueError, match="distributed_executor_backend"):
+        LLM(ckpt[0], distributed_executor_backend="slurm")
     with pytest.raises(ValueError, match="no config.json"):
         LLM(str(tmp_path))
-    with pytest.raises(ValueError, match="max_num_tokens"):
-        LLM(ckpt[0], max_batch_size=8, max_num_tokens=8, speculative=SpeculativeConfig("ngram", 4))
-    with pytest.raises(ValueError, match="tp_size=3"):
-        LLM(ckpt[0], tp_size=3)  # 8 heads / 2 KV heads do not split over 3 ranks: no worker starts
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        LLM(ckpt[0], max_num_seqs=8, max_num_batched_tokens=8, speculative_config=ngram4)
+    with pytest.raises(ValueError, match="tensor_parallel_size=3"):
+        LLM(ckpt[0], tensor_parallel_size=3)  # 8 heads / 2 KV heads do not split over 3 ranks: no worker starts
     with pytest.raises(ValueError, match="draft_model"):
         SpeculativeConfig("draft_model", 4)
     with pytest.raises(ValueError, match="acceptance"):
         SpeculativeConfig("ngram", 4, acceptance="lenient")
-    with pytest.raises(ValueError, match=r"bad speculative config .*known keys: method"):
-        LLM(ckpt[0], speculative={"method": "ngram", "k": 4})
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['k'\]"):
+        LLM(ckpt[0], speculative_config={"method": "ngram", "k": 4})
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        LLM(ckpt[0], gpu_memory_utilization=1.5)
+    with pytest.raises(ValueError, match="seed"):
+        LLM(ckpt[0], seed=-1)
+    with pytest.raises(ValueError, match="generation_config"):
+        LLM(ckpt[0], generation_config="nowhere")
     from tpspec.runtime.config import EngineConfig
 
     with pytest.raises(ValueError, match="max_num_tokens=8 cannot hold"):  # the engine's own config checks it too
@@ -237,8 +269,8 @@ def test_bad_configs_raise_clear_errors(ckpt, tmp_path):
 
 
 def test_text_prompts_use_the_tokenizer(llm_tp2):
-    if llm_tp2.tokenizer is None:
-        pytest.skip("the tiny checkpoint has no tokenizer (tokenizers not installed)")
-    out = llm_tp2.generate("Hello, world!", max_new_tokens=8)[0]
-    assert out.prompt == "Hello, world!" and out.text is not None and len(out.token_ids) == 8
-    assert out.prompt_token_ids == llm_tp2.tokenizer.encode("Hello, world!")
+    tok = llm_tp2.get_tokenizer()
+    out = llm_tp2.generate("Hello, world!", greedy(8))[0]
+    assert out.prompt == "Hello, world!" and len(out.outputs[0].token_ids) == 8
+    assert out.outputs[0].text == tok.decode(out.outputs[0].token_ids, skip_special_tokens=True)
+    assert out.prompt_token_ids == tok.encode("Hello, world!")

@@ -10,15 +10,17 @@ from tpspec.model.tiny import make_tiny_checkpoint
 ray = pytest.importorskip("ray")
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [100, 200, 300], [42] * 12]
-SEEDED = [SamplingParams(temperature=0.8, seed=7), SamplingParams(temperature=1.0, seed=8), SamplingParams()]
+SEEDED = [SamplingParams(temperature=0.8, seed=7, max_tokens=20), SamplingParams(temperature=1.0, seed=8, max_tokens=20),
+          SamplingParams(temperature=0.0, max_tokens=20)]
 
 
 def _run(path: str, launcher: str) -> tuple[list, list]:
-    spec = SpeculativeConfig("ngram", num_draft_tokens=4)
+    spec = SpeculativeConfig("ngram", num_speculative_tokens=4)
     kwargs = {"ray_init_kwargs": {"num_cpus": 2}} if launcher == "ray" else {}
-    with LLM(path, tp_size=2, launcher=launcher, speculative=spec, max_batch_size=4, **kwargs) as llm:
-        greedy = [o.token_ids for o in llm.generate(PROMPTS, max_new_tokens=20)]
-        sampled = [o.token_ids for o in llm.generate(PROMPTS, SEEDED, max_new_tokens=20)]
+    with LLM(path, tensor_parallel_size=2, distributed_executor_backend=launcher, speculative_config=spec,
+             max_num_seqs=4, **kwargs) as llm:
+        greedy = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=20))]
+        sampled = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SEEDED)]
     return greedy, sampled
 
 

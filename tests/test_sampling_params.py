@@ -22,7 +22,9 @@ def test_exported_from_package():
         ({"temperature": float("inf")}, "temperature"),
         ({"temperature": 1e39}, "temperature"),  # finite as a double, inf as the kernels' float32
         ({"temperature": "1.0"}, "temperature"),
-        ({"top_k": -1}, "top_k"),
+        ({"temperature": None}, "temperature"),
+        ({"top_k": -2}, "top_k"),
+        ({"top_k": None}, "top_k"),
         ({"top_k": 2.0}, "top_k"),
         ({"top_k": True}, "top_k"),
         ({"top_k": 2**31}, "top_k"),
@@ -35,6 +37,15 @@ def test_exported_from_package():
         ({"seed": -1}, "seed"),
         ({"seed": 2**64}, "seed"),
         ({"seed": 1.0}, "seed"),
+        ({"n": 0}, "n"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens=5 exceeds"),
+        ({"stop": [""]}, "stop"),
+        ({"stop": 3}, "stop"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"stop_token_ids": 5}, "stop_token_ids"),
+        ({"ignore_eos": 1}, "ignore_eos"),
     ],
 )
 def test_validation_errors_name_the_field(kwargs, match):
@@ -42,8 +53,19 @@ def test_validation_errors_name_the_field(kwargs, match):
         SamplingParams(**kwargs)
 
 
+def test_vllm_defaults():
+    """vLLM's defaults: one sample, temperature 1.0 (sampled, not greedy), no filters, 16 tokens."""
+    p = SamplingParams()
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p, p.max_tokens, p.min_tokens) == (1, 1.0, 1.0, 0, 0.0, 16, 0)
+    assert not p.is_greedy and p.is_temperature_only
+    assert p.stop == () and p.stop_token_ids == () and not p.ignore_eos
+    assert SamplingParams(stop="###").stop == ("###",)  # one string is one stop string
+    assert SamplingParams(stop=["a", "b"], stop_token_ids=[7]) == SamplingParams(stop=("a", "b"), stop_token_ids=(7,))
+    assert SamplingParams(temperature=0.8, top_k=-1).norm_top_k == TOP_K_DISABLED  # -1 disables, as 0 does
+
+
 def test_greedy_normalization():
-    for p in (SamplingParams(), SamplingParams(temperature=0), SamplingParams(temperature=0.0, top_p=0.5),
+    for p in (SamplingParams(temperature=0), SamplingParams(temperature=0.0, top_p=0.5),
               SamplingParams(temperature=0.7, top_k=1), SamplingParams(temperature=1e-7)):
         assert p.is_greedy
         assert p.norm_temperature == GREEDY_SENTINEL_TEMPERATURE < GREEDY_TEMPERATURE_THRESHOLD

@@ -49,7 +49,7 @@ def adp_check(rank: int, pair) -> dict:
     mapping = Mapping(2, tp_rank, enable_attention_dp=True)
     meta = SpecMetadata(4, ADP_D, mapping=mapping, group=pair)
     if tp_rank == 0:  # a greedy rank
-        requests = [("a", 0, None, False), ("u", 1, SamplingParams(), True)]
+        requests = [("a", 0, None, False), ("u", 1, SamplingParams(temperature=0.0), True)]
     else:  # a sampling rank that needs the full logits
         requests = [("x", 0, SamplingParams(temperature=1.0, top_k=5, seed=3), False), ("u", 1, None, True)]
     meta.prepare(requests, draft_len=ADP_D)

@@ -54,7 +54,7 @@ def test_seeded_request_reproduces_across_batches_positions_and_slot_history(par
         [("x", 3, UNSEEDED, False), ("y", 1, SEEDED, False)],
         [("y", 1, SEEDED, False), ("z", 0, UNSEEDED, True), ("r", 3, params, True)],  # new owner of slot 3
         [("z", 0, UNSEEDED, False), ("r", 3, params, False), ("y", 1, SEEDED, False)],
-        [("r", 3, params, False), ("q", 5, SamplingParams(), True)],
+        [("r", 3, params, False), ("q", 5, SamplingParams(temperature=0.0), True)],
     ])
     assert alone == crowded
     # The tokens differ from step to step (the stream advances).

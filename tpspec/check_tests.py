@@ -32,6 +32,7 @@ from . import distributed as D
 from . import keys as K
 from .exchange.allgather import AllGatherKeyExchange
 from .exchange.base import Channel, KeyExchange
+from .exchange.local import LocalKeyExchange
 from .vocab_parallel import VocabShardedLogits, vocab_shard_bounds
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
@@ -102,6 +103,12 @@ class PerturbedExchange(KeyExchange):
     def max_keys(self, keys: torch.Tensor, *, channel: int = Channel.DRAFT) -> torch.Tensor:
         return self._perturb(self.inner.max_keys(keys, channel=channel))
 
+    def gather_rows(self, values: torch.Tensor, *, channel: int = Channel.DRAFT) -> torch.Tensor:
+        return self.inner.gather_rows(values, channel=channel)
+
+    def sum_rows(self, values: torch.Tensor, *, channel: int = Channel.DRAFT) -> torch.Tensor:
+        return self.inner.sum_rows(values, channel=channel)
+
     def argmax_tokens(self, local_max, local_argmax, vocab_offset, *, channel=Channel.DRAFT):  # type: ignore[override]
         return self._perturb(self.inner.argmax_tokens(local_max, local_argmax, vocab_offset, channel=channel))
 
@@ -113,16 +120,6 @@ class PerturbedExchange(KeyExchange):
 
     def close(self) -> None:
         self.inner.close()
-
-
-class SingleRankExchange(KeyExchange):
-    """The TP=1 reference: a group of one, whose max over ranks is the local keys."""
-
-    def __init__(self, device: torch.device) -> None:
-        super().__init__(None, 0, 1, torch.device(device))
-
-    def max_keys(self, keys: torch.Tensor, *, channel: int = 0) -> torch.Tensor:
-        return keys.clone()
 
 
 @dataclasses.dataclass
@@ -556,7 +553,7 @@ def check_seeded_streams(ctx: SuiteContext) -> CheckResult:
         return torch.cat(out)
 
     ex = ctx.allgather_exchange()
-    single = SingleRankExchange(ctx.device)
+    single = LocalKeyExchange(ctx.device)
     mixed = [(10, 0, SamplingParams(temperature=0.7, seed=99), False), (11, 1, None, False),
              (12, 4, SamplingParams(temperature=1.2), False)]
     filtered = [(10, 0, SamplingParams(temperature=0.7, seed=99), False),
@@ -736,12 +733,14 @@ def _deterministic_scenarios(model: Any) -> dict[str, torch.Tensor]:
     def batch(seqs: list[tuple[int, int, list[int]]], rows: list[int] | None = None) -> Any:
         toks = [t for _, _, new in seqs for t in new]
         pos = [c + i for _, c, new in seqs for i in range(len(new))]
-        return ForwardBatch(torch.tensor(toks), torch.tensor(pos), [s for s, _, _ in seqs], [c for _, c, _ in seqs],
+        # Slot s owns pages (7 - j) * 6 + s, j = 0..7: scattered, in descending order.
+        tables = [[(7 - j) * 6 + s for j in range(8)] for s, _, _ in seqs]
+        return ForwardBatch(torch.tensor(toks), torch.tensor(pos), tables, [c for _, c, _ in seqs],
                             [len(new) for _, _, new in seqs], None if rows is None else torch.tensor(rows))
 
     x, nxt, nb = DETERMINISTIC_REQUEST, DETERMINISTIC_NEXT, DETERMINISTIC_NEIGHBOURS
     out: dict[str, torch.Tensor] = {}
-    model.allocate_kv_cache(6, 64)
+    model.allocate_kv_cache(6 * 8, 8)  # 6 slots of 8 pages of 8 tokens
     rows = [model(batch([(0, 0, x)])).gather()[0]]
     rows += [model(batch([(0, len(x) + i, [t])])).gather()[0] for i, t in enumerate(nxt)]
     out["alone, one token a step"] = torch.stack(rows)
@@ -895,13 +894,16 @@ def _generate(tp: int, launcher: str, device: str, *, max_new_tokens: int, seed:
     from .runtime import LLM, SpeculativeConfig
     from .sampling.params import SamplingParams
 
-    params = [SamplingParams(), SamplingParams(temperature=0.8, seed=seed), SamplingParams(temperature=1.0, top_k=20,
-              seed=seed + 1), SamplingParams(temperature=0.7, seed=seed + 2), SamplingParams(temperature=1.3)]
-    with LLM("tiny", tp_size=tp, launcher=launcher, device=device, dtype="float32", max_batch_size=3,
-             speculative=SpeculativeConfig("ngram", num_draft_tokens=3), use_cuda_graphs=use_cuda_graphs) as llm:
-        outputs = llm.generate(GENERATE_PROMPTS, params, max_new_tokens=max_new_tokens, ignore_eos=True,
-                               use_tqdm=False)
-    return [list(o.token_ids) for o in outputs]
+    common = dict(max_tokens=max_new_tokens, ignore_eos=True)
+    params = [SamplingParams(temperature=0.0, **common), SamplingParams(temperature=0.8, seed=seed, **common),
+              SamplingParams(temperature=1.0, top_k=20, seed=seed + 1, **common),
+              SamplingParams(temperature=0.7, seed=seed + 2, **common), SamplingParams(temperature=1.3, **common)]
+    backend = {"torchrun": "external_launcher"}.get(launcher, launcher)
+    with LLM("tiny", tensor_parallel_size=tp, distributed_executor_backend=backend, device=device, dtype="float32",
+             max_num_seqs=3, speculative_config=SpeculativeConfig("ngram", num_speculative_tokens=3),
+             enforce_eager=not use_cuda_graphs) as llm:
+        outputs = llm.generate(GENERATE_PROMPTS, params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
 
 
 def _compare_generations(key: str, got: list[list[int]], ref: list[list[int]], label: str) -> CheckResult:

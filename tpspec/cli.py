@@ -2,7 +2,8 @@
 
 Each subcommand lives in the module that owns its work; that module exposes
 ``add_arguments(parser)`` and ``run(args) -> int`` (the exit code). Modules are
-imported only when their subcommand is parsed, so ``tpspec --help`` stays fast.
+imported only when their subcommand is parsed, so ``tpspec --help`` and ``tpspec --version``
+never import torch.
 """
 
 from __future__ import annotations
@@ -15,12 +16,16 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("tpspec.runtime.generate_cli", "generate text with a TP model (default: tiny model, TP=2, CPU)"),
     "bench": ("tpspec.bench", "benchmarks: exchange, step, generate"),
     "check": ("tpspec.check", "the determinism suite (docs/determinism.md): pass/fail table"),
-    "make-tiny-model": ("tpspec.model.tiny", "write a small random Llama checkpoint in HF format"),
+    "serve": ("tpspec.serve.cli", "an OpenAI-compatible HTTP server (needs the 'serve' extra)"),
+    "make-tiny-model": ("tpspec.model.tiny", "write a small Llama checkpoint in HF format"),
 }
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="tpspec", description="tensor-parallel speculative decoding runtime")
+    parser.add_argument("--version", action="version", version=f"tpspec {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     wanted = next((a for a in argv if not a.startswith("-")), None)

@@ -18,6 +18,10 @@ configuration builds a fresh ``LLM``, makes one warm-up call, then the timed ``g
 The table reports tokens/s, measured accepted drafts per step (a check that forcing took
 effect) and the speed-up over ``no-spec``. On CPU only the ratios mean something.
 
+``--model-shape llama-3-8b | llama-3-70b | qwen2.5-7b`` runs a real model shape with random
+weights built on each rank instead of a checkpoint (``--num-layers`` / ``--vocab-size``
+shrink it for quick checks).
+
 ``--deterministic`` runs every configuration twice, in the default mode and in deterministic
 mode (``LLM(deterministic=True)``, rows suffixed `` det``); ``vs_default`` is a deterministic
 row's tokens/s over its default twin's.
@@ -52,25 +56,29 @@ def measure(cfg: dict) -> dict:
     tokens, time one ``generate``.
 
     ``cfg``: model, tp, launcher, device, dtype, draft_len (0 = no speculation), prompts
-    (count, length), max_new_tokens, max_batch_size, use_cuda_graphs, deterministic. Reads the forced
+    (count, length), max_new_tokens, max_batch_size, use_cuda_graphs. Reads the forced
     acceptance rate from the environment like every rank does.
     """
     from ..runtime import LLM, SpeculativeConfig
+    from ..sampling.params import SamplingParams
 
-    spec = SpeculativeConfig("ngram", num_draft_tokens=cfg["draft_len"]) if cfg["draft_len"] else None
+    spec = SpeculativeConfig("ngram", num_speculative_tokens=cfg["draft_len"]) if cfg["draft_len"] else None
     kwargs: dict[str, Any] = {}
     if cfg["launcher"] == "ray" and os.environ.get(FORCE_ENV):
         # Ray workers do not inherit this process's environment: hand it over explicitly.
         kwargs["ray_init_kwargs"] = {"runtime_env": {"env_vars": {FORCE_ENV: os.environ[FORCE_ENV]}}}
-    with LLM(cfg["model"], tp_size=cfg["tp"], launcher=cfg["launcher"], device=cfg["device"], dtype=cfg["dtype"],
-             speculative=spec, max_batch_size=cfg["max_batch_size"], use_cuda_graphs=cfg["use_cuda_graphs"],
-             deterministic=cfg.get("deterministic", False), **kwargs) as llm:
+    backend = {"torchrun": "external_launcher"}.get(cfg["launcher"], cfg["launcher"])
+    with LLM(cfg["model"], tensor_parallel_size=cfg["tp"], distributed_executor_backend=backend, device=cfg["device"],
+             dtype=cfg["dtype"], speculative_config=spec, max_num_seqs=cfg["max_batch_size"],
+             enforce_eager=not cfg["use_cuda_graphs"], deterministic=cfg.get("deterministic", False),
+             **kwargs) as llm:
         prompts = _prompts(cfg["num_prompts"], cfg["prompt_len"], llm.vocab_size)
         # Warm up on the timed batch itself (its CUDA-graph bucket, first-use costs of its shapes),
         # so the timed call measures steady-state steps.
-        llm.generate(prompts, max_new_tokens=min(WARMUP_TOKENS, cfg["max_new_tokens"]), ignore_eos=True,
-                     use_tqdm=False)
-        llm.generate(prompts, max_new_tokens=cfg["max_new_tokens"], ignore_eos=True, use_tqdm=False)
+        warmup = SamplingParams(temperature=0.0, max_tokens=min(WARMUP_TOKENS, cfg["max_new_tokens"]), ignore_eos=True)
+        llm.generate(prompts, warmup, use_tqdm=False)
+        timed = SamplingParams(temperature=0.0, max_tokens=cfg["max_new_tokens"], ignore_eos=True)
+        llm.generate(prompts, timed, use_tqdm=False)
         stats = llm.last_stats
         rank = llm.rank
     assert stats is not None
@@ -149,6 +157,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also run every configuration in deterministic mode (rows ' det', ratio vs_default)")
     parser.add_argument("--quick", action="store_true", help="small sizes, seconds per configuration on CPU")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds before the run is abandoned")
+    add_shape_arguments(parser)
+
+
+def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..model.shapes import MODEL_SHAPES
+
+    parser.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default=None,
+                        help="a real model shape with random weights built on each rank (instead of --model)")
+    parser.add_argument("--num-layers", type=int, default=None, help="with --model-shape: fewer layers")
+    parser.add_argument("--vocab-size", type=int, default=None, help="with --model-shape: another vocabulary size")
+
+
+def model_argument(args: argparse.Namespace) -> str:
+    """``--model``, or the ``shape:`` path of ``--model-shape`` (``SystemExit`` on a bad mix)."""
+    from ..model.shapes import shape_path
+
+    if args.model_shape is None:
+        if args.num_layers is not None or args.vocab_size is not None:
+            raise SystemExit("tpspec bench generate: --num-layers / --vocab-size need --model-shape")
+        return args.model
+    if args.model != "tiny":
+        raise SystemExit("tpspec bench generate: give --model or --model-shape, not both")
+    try:
+        return shape_path(args.model_shape, args.num_layers, args.vocab_size)
+    except ValueError as exc:
+        raise SystemExit(f"tpspec bench generate: {exc}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -163,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("tpspec bench generate: --tp must be >= 1")
     num_prompts = args.num_prompts or (2 if args.quick else 8)
     cfg = {
-        "model": args.model, "tp": tp, "launcher": args.launcher, "device": device, "dtype": args.dtype,
+        "model": model_argument(args), "tp": tp, "launcher": args.launcher, "device": device, "dtype": args.dtype,
         "num_prompts": num_prompts, "prompt_len": args.prompt_len or (8 if args.quick else 64),
         "max_new_tokens": args.max_new_tokens or (12 if args.quick else 128),
         "max_batch_size": args.max_batch_size or num_prompts, "use_cuda_graphs": not args.no_cuda_graphs,
@@ -184,13 +218,13 @@ def run(args: argparse.Namespace) -> int:
     else:  # torchrun: every rank runs this; ray: this driver drives the actors
         per_config = run_configs(configs)
     results = [(name, rate, c["draft_len"], res) for name, (c, rate), res in zip(names, configs, per_config)]
-    default_tps = {name: res["tokens_per_s"] for name, _, _, res in results}
+    tokens_per_s = {name: res["tokens_per_s"] for name, _, _, res in results}
     rows = []
     for name, rate, draft_len, res in results:
         det_mode = name.endswith(" det")
-        base = default_tps["no-spec det" if det_mode else "no-spec"]
+        base = tokens_per_s["no-spec det" if det_mode else "no-spec"]
         speedup = res["tokens_per_s"] / base if base > 0 and not name.startswith("no-spec") else "-"
-        twin = default_tps.get(name[: -len(" det")], 0.0) if det_mode else 0.0
+        twin = tokens_per_s.get(name.removesuffix(" det"), 0.0)
         vs_default = round(res["tokens_per_s"] / twin, 4) if det_mode and twin > 0 else "-"
         rows.append([name, "-" if rate is None else rate, draft_len, res["requests"], res["tokens"],
                      round(res["wall_s"], 4), round(res["tokens_per_s"], 2), round(res["accepted_per_step"], 3),

@@ -50,7 +50,9 @@ def write_report(
     plot: Any | None = None,
 ) -> tuple[str, str | None]:
     """Print the table; write ``<out_dir>/<name>.json`` (meta, machine, columns, rows) and,
-    when ``plot(ax)`` is given, ``<out_dir>/<name>.png``. Returns the two paths."""
+    when ``plot(ax)`` is given and ``matplotlib`` is installed (the ``bench`` extra),
+    ``<out_dir>/<name>.png``; without matplotlib it says so and writes no PNG. Returns the two
+    paths (the PNG's None when none was written)."""
     os.makedirs(out_dir, exist_ok=True)
     print(format_table(columns, rows))
     json_path = os.path.join(out_dir, f"{name}.json")
@@ -62,9 +64,13 @@ def write_report(
             indent=2,
         )
     png_path = None
-    if plot is not None:
+    try:
         import matplotlib
-
+    except ImportError:
+        if plot is not None:
+            print("matplotlib is not installed: no PNG written (pip install 'tpspec[bench]' for plots)")
+        plot = None
+    if plot is not None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 

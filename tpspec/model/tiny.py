@@ -20,7 +20,14 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+TINY_DESCRIPTION = ("the embedded tiny Llama (vocab 512, hidden 128, 2 layers): random weights made on first "
+                    "use, so its text is noise")
+
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] | capitalize }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}Assistant:{% endif %}")
+"""The tiny tokenizer's chat template: one ``Role: content`` line per message."""
 NUM_SPECIAL = 3
 
 
@@ -194,7 +201,7 @@ def write_tiny_tokenizer(path: str, vocab_size: int) -> bool:
     tok.save(os.path.join(path, "tokenizer.json"))
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-                   "pad_token": "<pad>", "model_max_length": 4096}, f, indent=2)
+                   "pad_token": "<pad>", "model_max_length": 4096, "chat_template": CHAT_TEMPLATE}, f, indent=2)
     return True
 
 

@@ -3,13 +3,14 @@ every rank receives, and one request as the workers see it. Plain, picklable dat
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from ..sampling.params import SamplingParams
 
 SPEC_METHODS = ("ngram", "draft_model")
 ACCEPTANCE_MODES = ("strict", "rejection")
-LAUNCHERS = ("mp", "torchrun", "ray")
+LAUNCHERS = ("mp", "external_launcher", "ray")
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -20,46 +21,68 @@ def _positive_int(name: str, value: object) -> int:
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """How draft tokens are proposed and verified (familiar to vLLM users on purpose).
+    """How draft tokens are proposed and verified; ``LLM(speculative_config=...)`` takes it or a
+    dict of its fields (vLLM's keys).
 
     ``method``: ``"ngram"`` (prompt lookup on the request's own tokens, no model) or
-    ``"draft_model"`` (a smaller checkpoint of the same family at ``draft_model``, TP-sharded
-    like the target). ``num_draft_tokens``: K drafts verified per generation step.
+    ``"draft_model"`` (a smaller checkpoint of the same family at ``model``, TP-sharded like
+    the target); None picks ``"draft_model"`` when ``model`` is given, else ``"ngram"``.
+    ``num_speculative_tokens``: K drafts verified per generation step.
     ``acceptance``: ``"strict"`` (a draft is kept while it equals the target's own choice)
     or ``"rejection"`` (Leviathan et al. rejection sampling; lossless for sampled requests).
-    ``max_ngram``/``min_ngram``: the n-gram lengths prompt lookup tries (longest first).
-    Raises ``ValueError`` naming the bad field.
+    ``prompt_lookup_max``/``prompt_lookup_min``: the n-gram lengths prompt lookup tries
+    (longest first). Raises ``ValueError`` naming the bad field.
     """
 
-    method: str = "ngram"
-    num_draft_tokens: int = 4
-    draft_model: str | None = None
+    method: str | None = None
+    num_speculative_tokens: int = 4
+    model: str | None = None
     acceptance: str = "strict"
-    max_ngram: int = 3
-    min_ngram: int = 1
+    prompt_lookup_max: int = 3
+    prompt_lookup_min: int = 1
 
     def __post_init__(self) -> None:
+        if self.method is None:
+            object.__setattr__(self, "method", "draft_model" if self.model else "ngram")
         if self.method not in SPEC_METHODS:
-            raise ValueError(f"SpeculativeConfig.method must be one of {SPEC_METHODS}, got {self.method!r}")
-        _positive_int("SpeculativeConfig.num_draft_tokens", self.num_draft_tokens)
+            raise ValueError(f"speculative_config method must be one of {SPEC_METHODS}, got {self.method!r}")
+        _positive_int("speculative_config num_speculative_tokens", self.num_speculative_tokens)
         if self.acceptance not in ACCEPTANCE_MODES:
             raise ValueError(
-                f"SpeculativeConfig.acceptance must be one of {ACCEPTANCE_MODES}, got {self.acceptance!r}"
+                f"speculative_config acceptance must be one of {ACCEPTANCE_MODES}, got {self.acceptance!r}"
             )
-        if self.method == "draft_model" and not self.draft_model:
-            raise ValueError("SpeculativeConfig(method='draft_model') needs draft_model=PATH (or 'tiny')")
-        if self.method == "ngram" and self.draft_model:
-            raise ValueError("SpeculativeConfig.draft_model is only used with method='draft_model'")
-        _positive_int("SpeculativeConfig.max_ngram", self.max_ngram)
-        _positive_int("SpeculativeConfig.min_ngram", self.min_ngram)
-        if self.min_ngram > self.max_ngram:
-            raise ValueError(f"SpeculativeConfig.min_ngram={self.min_ngram} exceeds max_ngram={self.max_ngram}")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative_config method='draft_model' needs model=PATH (or 'tiny')")
+        if self.method == "ngram" and self.model:
+            raise ValueError("speculative_config model is only used with method='draft_model'")
+        _positive_int("speculative_config prompt_lookup_max", self.prompt_lookup_max)
+        _positive_int("speculative_config prompt_lookup_min", self.prompt_lookup_min)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config prompt_lookup_min={self.prompt_lookup_min} exceeds "
+                             f"prompt_lookup_max={self.prompt_lookup_max}")
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "SpeculativeConfig":
+        """``SpeculativeConfig(**values)``; an unknown key is a ``ValueError`` naming it."""
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(str(k) for k in values if k not in known)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown key(s) {unknown}; known: {known}")
+        return cls(**values)
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything a rank needs to build its :class:`~tpspec.runtime.engine.Engine`; the same
-    on every rank. Paths are resolved (no ``"tiny"``), dtype is a torch dtype name."""
+    on every rank. Paths are resolved (no ``"tiny"``), dtype is a torch dtype name.
+
+    KV cache: pages of ``page_size`` tokens. ``kv_cache_bytes`` (any device): bytes of pages
+    per rank, all paged models together. Else on CUDA ``gpu_memory_utilization`` (default
+    0.9): the share of the GPU the engine may use (split between ranks sharing a GPU); what
+    weights and a profiled step leave goes to pages. Else (CPU): pages for ``max_batch_size``
+    requests of ``max_seq_len`` tokens. ``attention_backend``: ``"auto"`` (FlashInfer on CUDA
+    when installed), ``"torch"`` or ``"flashinfer"``.
+    """
 
     model_path: str
     tp_size: int
@@ -74,9 +97,31 @@ class EngineConfig:
     use_cuda_graphs: bool = True
     exchange: str = "auto"
     progress_interval_s: float = 0.25
+    page_size: int = 16
+    kv_cache_bytes: int | None = None
+    gpu_memory_utilization: float | None = None
+    attention_backend: str = "auto"
     deterministic: bool = False  # fixed-order forward: batch- and TP-invariant logits
 
     def __post_init__(self) -> None:
+        _positive_int("page_size", self.page_size)
+        if self.kv_cache_bytes is not None:
+            _positive_int("kv_cache_bytes", self.kv_cache_bytes)
+        util = self.gpu_memory_utilization
+        if util is not None:
+            if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
+                raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {util!r}")
+            if self.kv_cache_bytes is not None:
+                raise ValueError("give kv_cache_bytes or gpu_memory_utilization, not both")
+            if self.device != "cuda":
+                raise ValueError(f"gpu_memory_utilization needs device='cuda' (got {self.device!r}); "
+                                 f"size the cache with kv_cache_bytes instead")
+        if self.attention_backend not in ("auto", "torch", "flashinfer"):
+            raise ValueError(f"attention_backend must be 'auto', 'torch' or 'flashinfer', "
+                             f"got {self.attention_backend!r}")
+        if self.deterministic and self.attention_backend != "auto":
+            raise ValueError(f"deterministic mode uses its own fixed-order attention; attention_backend must be "
+                             f"'auto', got {self.attention_backend!r}")
         # LLM checks this for its users; the engine relies on it (a generation step of a full
         # batch must fit, else padding rows of a graphed step could take a prefilling slot).
         step = self.max_batch_size * (self.num_draft_tokens + 1)
@@ -86,13 +131,21 @@ class EngineConfig:
 
     @property
     def num_draft_tokens(self) -> int:
-        return 0 if self.speculative is None else self.speculative.num_draft_tokens
+        return 0 if self.speculative is None else self.speculative.num_speculative_tokens
+
+    def max_cached_tokens(self, prompt_len: int, max_new_tokens: int) -> int:
+        """Most KV entries a request ever holds: its last generation step feeds the last
+        committed token plus K drafts, written past the tokens before it."""
+        return min(prompt_len + max_new_tokens, self.max_seq_len) - 1 + self.num_draft_tokens
 
 
 @dataclass(frozen=True)
 class Request:
-    """One request as the ranks see it. ``request_id`` is unique over the life of an ``LLM``
-    (the per-slot random streams restart when a new id takes a slot)."""
+    """One sequence as the ranks see it (one sample of a user request). ``request_id`` is
+    unique over the life of an ``LLM`` (the per-slot random streams restart when a new id
+    takes a slot). ``max_new_tokens`` and ``stop_token_ids`` are resolved by the driver
+    (the model's EOS ids included unless ``ignore_eos``); before ``sampling.min_tokens``
+    tokens, stop tokens do not end it."""
 
     request_id: int
     prompt: tuple[int, ...]
@@ -132,26 +185,58 @@ class RequestStats:
 
 
 @dataclass
-class RequestOutput:
-    """The result of one prompt.
+class CompletionOutput:
+    """One sample of a request (vLLM's ``CompletionOutput``).
 
-    ``token_ids``: the generated ids only (a stop/EOS token that ended the request is
-    included). ``text``: their decoding when the checkpoint has a tokenizer, else None.
-    ``finish_reason``: ``"stop"`` (EOS or a stop token) or ``"length"`` (max_new_tokens
-    or max_seq_len reached). ``stats``: :class:`RequestStats`.
+    ``index``: the sample's index in ``[0, n)``. ``token_ids``: the generated ids (a stop token
+    or EOS that ended the sample is included). ``text``: their decoding (cut before a matched
+    stop string unless ``include_stop_str_in_output``; ``""`` without a tokenizer).
+    ``finish_reason``: ``"stop"`` (EOS, a stop token or a stop string), ``"length"``
+    (``max_tokens`` or the model length reached), or None while the sample runs.
+    ``stop_reason``: the stop string or stop token id that ended it (None for EOS or length).
+    ``logprobs``: None unless the request asked (``SamplingParams(logprobs=N)``); then one
+    ``{token id: logprob}`` per generated token: the token's own and its row's N most likely
+    tokens' (log-softmax of the raw logits, before penalties and temperature). ``stats``: tpspec's speculative
+    decoding statistics of this sample (:class:`RequestStats`).
+    In a stream, ``text`` and ``token_ids`` hold only what the last step added.
     """
 
-    request_id: int
-    prompt_token_ids: list[int]
+    index: int
+    text: str
     token_ids: list[int]
-    finish_reason: str
-    stats: RequestStats
-    text: str | None = None
-    prompt: str | None = None
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    stats: RequestStats = field(default_factory=RequestStats)
 
-    def __repr__(self) -> str:
-        text = "" if self.text is None else f", text={self.text!r}"
-        return (
-            f"RequestOutput(request_id={self.request_id}, token_ids={self.token_ids}{text}, "
-            f"finish_reason={self.finish_reason!r}, steps={self.stats.num_steps})"
-        )
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Driver-side times of one request (``time.time()`` seconds)."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    """The result of one prompt (vLLM's ``RequestOutput``): ``n`` samples in ``outputs``.
+
+    ``request_id``: a string unique over the life of the ``LLM``. ``prompt``: the prompt text
+    (None when given as token ids). ``prompt_token_ids``: what the model saw. ``finished``:
+    every sample has ended. ``metrics``: :class:`RequestMetrics`.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = True
+    metrics: RequestMetrics | None = None
+    prompt_logprobs: None = None

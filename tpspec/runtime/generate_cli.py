@@ -27,34 +27,39 @@ DEFAULT_PROMPTS = [
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny", help="Hugging Face checkpoint directory, or 'tiny' (default)")
-    parser.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default 2; WORLD_SIZE under torchrun)")
-    parser.add_argument("--launcher", choices=("mp", "torchrun", "ray"), default=None,
-                        help="mp: local worker processes (default); torchrun: this process is a rank "
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
+                        help="TP ranks (default 2; WORLD_SIZE under torchrun)")
+    parser.add_argument("--distributed-executor-backend", choices=("mp", "ray", "external_launcher"), default=None,
+                        help="mp: local worker processes (default); external_launcher: this process is a rank "
                              "(chosen automatically under torchrun); ray: one Ray actor per rank")
     parser.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu", help="default: cpu")
-    parser.add_argument("--dtype", default="auto", help="auto (bf16 on cuda, fp32 on cpu), float32, bfloat16, float16")
+    parser.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16, float16")
     parser.add_argument("--attention-dp", action="store_true", help="attention data-parallel over the TP group")
-    parser.add_argument("--spec", choices=("ngram", "draft_model", "none"), default="ngram",
-                        help="speculative decoding method (default: ngram)")
-    parser.add_argument("--draft-model", default=None, help="draft checkpoint for --spec draft_model "
-                                                            "(default: the tiny draft when --model tiny)")
-    parser.add_argument("--draft-tokens", type=int, default=4, help="draft tokens per step (default 4)")
-    parser.add_argument("--acceptance", choices=("strict", "rejection"), default="strict")
+    parser.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4}',
+                        help="JSON of LLM(speculative_config=...), or 'none' (default: n-gram, 4 tokens; "
+                             "with --model tiny, method draft_model defaults to the tiny draft)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--top-p", type=float, default=None)
-    parser.add_argument("--min-p", type=float, default=None)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--min-p", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=None, help="per-request seed (reproducible sampling)")
+    parser.add_argument("--n", type=int, default=1, help="samples per prompt")
+    parser.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="> 0; 1 = off (default)")
+    parser.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2]; 0 = off (default)")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2]; 0 = off (default)")
+    parser.add_argument("--logprobs", type=int, default=None,
+                        help="N in [0, 20]: report each token's logprob and the top N (in --json output)")
     parser.add_argument("--prompt", action="append", default=None,
-                        help="a prompt (repeatable); text, or token ids like '1,2,3' for models without a tokenizer")
+                        help="a prompt (repeatable); text, or token ids like '1,2,3'")
     parser.add_argument("--num-prompts", type=int, default=None,
                         help="how many built-in prompts to run when no --prompt is given (default 8; "
                              "more repeat them)")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--max-batch-size", type=int, default=8)
-    parser.add_argument("--max-seq-len", type=int, default=None)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-num-seqs", type=int, default=8)
+    parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's EOS token")
-    parser.add_argument("--no-cuda-graphs", action="store_true", help="eager generation steps on GPU")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: eager generation steps on GPU")
     parser.add_argument("--deterministic", action="store_true",
                         help="fixed-order forward: each request's logits bit-identical in any batch, with or "
                              "without speculation, at every power-of-two TP size (slower)")
@@ -92,43 +97,56 @@ def _short(values: list[int], limit: int = 16) -> str:
     return f"[{head}{', ...' if len(values) > limit else ''}]"
 
 
+def _speculative_config(text: str, model: str) -> dict | None:
+    if text.strip().lower() == "none":
+        return None
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--speculative-config is not JSON: {exc}") from None
+    if not isinstance(spec, dict):
+        raise ValueError(f"--speculative-config must be a JSON object or 'none', got {text!r}")
+    if spec.get("method") == "draft_model" and not spec.get("model"):
+        if model != "tiny":
+            raise ValueError("--speculative-config method draft_model needs \"model\" (the tiny draft only fits "
+                             "--model tiny)")
+        spec["model"] = "tiny"
+    return spec
+
+
 def run(args: argparse.Namespace) -> int:
+    from ..model.tiny import TINY_DESCRIPTION
     from ..sampling.params import SamplingParams
-    from .config import SpeculativeConfig
     from .launchers import WorkerError
     from .llm import LLM
 
     under_torchrun = "WORLD_SIZE" in os.environ and "RANK" in os.environ
-    launcher = args.launcher or ("torchrun" if under_torchrun else "mp")
-    tp = args.tp
+    backend = args.distributed_executor_backend or ("external_launcher" if under_torchrun else "mp")
+    tp = args.tensor_parallel_size
     if tp is None:
-        tp = int(os.environ["WORLD_SIZE"]) if launcher == "torchrun" and under_torchrun else 2
-    rank0 = launcher != "torchrun" or os.environ.get("RANK", "0") == "0"
+        tp = int(os.environ["WORLD_SIZE"]) if backend == "external_launcher" and under_torchrun else 2
+    rank0 = backend != "external_launcher" or os.environ.get("RANK", "0") == "0"
     try:
-        spec = None
-        if args.spec != "none":
-            draft = args.draft_model
-            if args.spec == "draft_model" and draft is None:
-                if args.model != "tiny":
-                    raise ValueError("--spec draft_model needs --draft-model DIR (the tiny draft only fits --model tiny)")
-                draft = "tiny"
-            spec = SpeculativeConfig(method=args.spec, num_draft_tokens=args.draft_tokens, draft_model=draft,
-                                     acceptance=args.acceptance)
-        params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                                seed=args.seed)
+        spec = _speculative_config(args.speculative_config, args.model)
+        params = SamplingParams(n=args.n, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens, stop=args.stop,
+                                ignore_eos=args.ignore_eos, repetition_penalty=args.repetition_penalty,
+                                presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                                logprobs=args.logprobs)
         use_tqdm = {"auto": None, "on": True, "off": False}[args.progress]
-        with LLM(args.model, tp_size=tp, launcher=launcher, device=args.device, dtype=args.dtype,
-                 attention_dp=args.attention_dp, speculative=spec, max_batch_size=args.max_batch_size,
-                 max_seq_len=args.max_seq_len, use_cuda_graphs=not args.no_cuda_graphs,
-                 deterministic=args.deterministic) as llm:
+        with LLM(args.model, tensor_parallel_size=tp, distributed_executor_backend=backend, device=args.device,
+                 dtype=args.dtype, attention_dp=args.attention_dp, speculative_config=spec,
+                 max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                 enforce_eager=args.enforce_eager, deterministic=args.deterministic) as llm:
             prompts = _prompts(args, llm.tokenizer is not None, llm.vocab_size)
-            outputs = llm.generate(prompts, params, max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos,
-                                   use_tqdm=use_tqdm)
+            outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
             stats = llm.last_stats
-            desc = (f"model={args.model} tp={tp} launcher={launcher} device={llm.config.device} "
-                    f"dtype={llm.config.dtype} attention_dp={args.attention_dp} "
-                    + ("deterministic=True " if args.deterministic else "") +
-                    f"spec={args.spec}" + (f"(k={args.draft_tokens}, {args.acceptance})" if spec else ""))
+            spec_desc = "none" if llm.config.speculative is None else (
+                f"{llm.config.speculative.method}(k={llm.config.speculative.num_speculative_tokens}, "
+                f"{llm.config.speculative.acceptance})")
+            desc = (f"model={args.model} tp={tp} backend={backend} device={llm.config.device} "
+                    f"dtype={llm.config.dtype} attention_dp={args.attention_dp} spec={spec_desc}"
+                    + (" deterministic" if args.deterministic else ""))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -141,9 +159,13 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({
             "config": desc,
-            "outputs": [{"prompt": o.prompt, "prompt_token_ids": o.prompt_token_ids, "token_ids": o.token_ids,
-                         "text": o.text, "finish_reason": o.finish_reason, "steps": o.stats.num_steps,
-                         "accepted_drafts_per_step": o.stats.accepted_drafts_per_step} for o in outputs],
+            "outputs": [{"prompt": o.prompt, "prompt_token_ids": o.prompt_token_ids,
+                         "outputs": [{"index": c.index, "token_ids": c.token_ids, "text": c.text,
+                                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                                      "steps": c.stats.num_steps,
+                                      "accepted_drafts_per_step": c.stats.accepted_drafts_per_step,
+                                      **({"logprobs": c.logprobs} if c.logprobs is not None else {})}
+                                     for c in o.outputs]} for o in outputs],
             "summary": {"requests": stats.num_requests, "generated_tokens": stats.num_generated_tokens,
                         "wall_s": stats.wall_s, "tokens_per_s": stats.tokens_per_s,
                         "mean_tokens_per_step": stats.mean_tokens_per_step,
@@ -152,13 +174,18 @@ def run(args: argparse.Namespace) -> int:
         }))
         return 0
     print(f"tpspec generate: {desc}")
+    if args.model == "tiny":
+        print(f"model: {TINY_DESCRIPTION}")
     for i, o in enumerate(outputs):
         prompt = repr(o.prompt) if o.prompt is not None else _short(o.prompt_token_ids)
         print(f"[{i}] prompt: {prompt[:100]}")
-        if o.text is not None:
-            print(f"    text:   {o.text[:100]!r}")
-        print(f"    tokens: {_short(o.token_ids)} ({len(o.token_ids)}, {o.finish_reason}, "
-              f"{o.stats.num_steps} steps, accepted {o.stats.num_accepted_drafts}/{o.stats.num_draft_tokens} drafts)")
+        for c in o.outputs:
+            label = f"    [{c.index}] " if len(o.outputs) > 1 else "    "
+            if llm.tokenizer is not None:
+                print(f"{label}text:   {c.text[:100]!r}")
+            print(f"{label}tokens: {_short(c.token_ids)} ({len(c.token_ids)}, {c.finish_reason}, "
+                  f"{c.stats.num_steps} steps, accepted {c.stats.num_accepted_drafts}/{c.stats.num_draft_tokens} "
+                  f"drafts)")
     print(f"summary: {stats.num_requests} requests, {stats.num_generated_tokens} tokens in {stats.wall_s:.2f} s "
           f"= {stats.tokens_per_s:.1f} tokens/s")
     if spec is not None:

@@ -1,14 +1,16 @@
-"""``tpspec.LLM``: the user's entry point (familiar to vLLM users on purpose).
+"""``tpspec.LLM``: the user's entry point, with vLLM's argument and output shapes.
 
-    from tpspec import LLM, SamplingParams, SpeculativeConfig
-    with LLM("tiny", tp_size=2, speculative=SpeculativeConfig("ngram", num_draft_tokens=4)) as llm:
-        for out in llm.generate([[1, 2, 3], [4, 5]], SamplingParams(temperature=0.8, seed=1), max_new_tokens=32):
-            print(out.token_ids, out.finish_reason, out.stats.acceptance_rate)
+    from tpspec import LLM, SamplingParams
+    with LLM("tiny", tensor_parallel_size=2,
+             speculative_config={"method": "ngram", "num_speculative_tokens": 4}) as llm:
+        for out in llm.generate(["The cat"], SamplingParams(temperature=0.8, seed=1, max_tokens=32)):
+            print(out.outputs[0].text, out.outputs[0].finish_reason)
 
 The driver validates every request before anything reaches the workers (a bad request
-raises ``ValueError`` and leaves the LLM usable), turns prompts into token ids, runs
-the requests on the launcher's ranks and turns rank 0's results into
-:class:`RequestOutput` objects in prompt order.
+raises ``ValueError`` and leaves the LLM usable), turns prompts into token ids, expands
+each request into its ``n`` samples, runs them on the executor's ranks and turns rank 0's
+tokens into :class:`RequestOutput` objects in prompt order (detokenized, stop strings
+applied).
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ from typing import Any, Sequence
 import torch
 
 from ..sampling.params import SamplingParams
-from .config import LAUNCHERS, EngineConfig, Request, RequestOutput, SpeculativeConfig
+from .config import (LAUNCHERS, CompletionOutput, EngineConfig, Request, RequestMetrics, RequestOutput, RequestStats,
+                     SpeculativeConfig)
 from .launchers import Executor, make_executor
+from .tokenizer import IncrementalDetokenizer, load_tokenizer
 
 TINY = "tiny"
 
@@ -74,10 +78,16 @@ def _tiny_kwargs(kind: str) -> dict[str, Any]:
 
 
 def resolve_model(model: str | os.PathLike, kind: str = "target") -> str:
-    """``"tiny"`` -> the cached tiny checkpoint; anything else must be a Hugging Face model
-    directory (``config.json`` + safetensors). Raises ``ValueError`` otherwise."""
+    """``"tiny"`` -> the cached tiny checkpoint; ``"shape:NAME[:LAYERS]"`` -> a real model shape
+    with random weights (:mod:`tpspec.model.shapes`, no checkpoint); anything else must be a
+    Hugging Face model directory (``config.json`` + safetensors). Raises ``ValueError`` otherwise."""
+    from ..model.shapes import config_from_path, is_shape_path
+
     if str(model) == TINY:
         return tiny_model_path(kind)
+    if is_shape_path(model):
+        config_from_path(model)  # a bad name raises here
+        return model
     path = os.fspath(model)
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"model {path!r} is not a Hugging Face model directory (no config.json); "
@@ -92,39 +102,6 @@ def resolve_model(model: str | os.PathLike, kind: str = "target") -> str:
     return path
 
 
-def load_tokenizer(path: str) -> Any:
-    """The checkpoint's tokenizer (``tokenizers`` from ``tokenizer.json``, else transformers'
-    ``AutoTokenizer``), or ``None`` when it has none or neither library is installed."""
-    if os.path.isfile(os.path.join(path, "tokenizer.json")):
-        try:
-            from tokenizers import Tokenizer
-
-            return _HFTokenizers(Tokenizer.from_file(os.path.join(path, "tokenizer.json")))
-        except Exception:  # noqa: BLE001 - fall through to transformers
-            pass
-    if any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer_config.json", "tokenizer.model")):
-        try:
-            from transformers import AutoTokenizer
-
-            return AutoTokenizer.from_pretrained(path)
-        except Exception:  # noqa: BLE001
-            return None
-    return None
-
-
-class _HFTokenizers:
-    """The two calls the LLM needs, on a ``tokenizers.Tokenizer``."""
-
-    def __init__(self, tok: Any) -> None:
-        self.tok = tok
-
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text).ids
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
-
-
 @dataclass
 class GenerateStats:
     """Summary of one :meth:`LLM.generate` call (as measured by the driver)."""
@@ -136,6 +113,19 @@ class GenerateStats:
     num_generation_steps: int  # summed over requests
     num_draft_tokens: int
     num_accepted_drafts: int
+
+    @classmethod
+    def of(cls, outputs: list[RequestOutput], wall_s: float) -> "GenerateStats":
+        samples = [c for o in outputs for c in o.outputs]
+        return cls(
+            num_requests=len(outputs),
+            num_prompt_tokens=sum(len(o.prompt_token_ids) for o in outputs),
+            num_generated_tokens=sum(len(c.token_ids) for c in samples),
+            wall_s=wall_s,
+            num_generation_steps=sum(len(c.stats.accepted_drafts_per_step) for c in samples),
+            num_draft_tokens=sum(c.stats.num_draft_tokens for c in samples),
+            num_accepted_drafts=sum(c.stats.num_accepted_drafts for c in samples),
+        )
 
     @property
     def tokens_per_s(self) -> float:
@@ -158,119 +148,158 @@ class GenerateStats:
 
 
 class LLM:
-    """A TP model behind one of three launchers.
+    """A TP model behind one of three executors; vLLM's ``LLM`` arguments.
 
-    ``model``: a Hugging Face checkpoint directory or ``"tiny"`` (a small random Llama made
-    on first use, see :func:`tiny_model_path`). ``tp_size``: ranks of the TP group (default
-    1; under torchrun, ``WORLD_SIZE``). ``launcher``: ``"mp"`` (local worker processes),
-    ``"torchrun"`` (this process is a rank: every rank runs the same program), ``"ray"``
-    (one actor per rank). ``device``: ``"auto"`` (cuda when available), ``"cuda"``, ``"cpu"``.
-    ``dtype``: ``"auto"`` (bfloat16 on cuda, float32 on cpu) or a dtype name.
-    ``attention_dp``: attention data-parallel (each rank runs its own requests).
-    ``speculative``: a :class:`SpeculativeConfig` (or a dict of its fields) or None.
-    ``max_batch_size``: requests running at once (per rank under attention DP).
-    ``max_seq_len``: prompt + generated tokens of a request (default: the model's
-    ``max_position_embeddings``, at most 2048). ``max_num_tokens``: tokens one step feeds
-    (context chunks fill what generation leaves). ``use_cuda_graphs``: capture generation
-    steps on GPU (eager when False). ``init_timeout_s`` / ``step_timeout_s``: how long the
-    driver waits for start-up / for the next step before it raises. ``deterministic``: run the
-    model with fixed reduction orders (see ``docs/determinism.md``): a request's logits, hence its
-    logprobs and tokens, are bit-identical alone or in any batch, with or without speculation, and
-    at every power-of-two TP size; slower, no CUDA graphs, no attention DP, and a TP size that is
-    not a power of two (or does not split the model's contractions along their trees) raises
+    ``model``: a Hugging Face checkpoint directory or ``"tiny"`` (a small Llama trained on
+    text shipped with the package, made on first use, see :func:`tiny_model_path`).
+    ``tensor_parallel_size``: ranks of the TP group (default 1; under torchrun, ``WORLD_SIZE``).
+    ``dtype``: ``"auto"`` (the checkpoint's ``torch_dtype``; float32 when it names none) or
+    ``float32``/``bfloat16``/``float16``. ``seed``: when an int, requests without their own
+    seed get one derived from it and their order, so a script reproduces its samples.
+    ``max_model_len``: prompt + generated tokens of a request (default: the model's
+    ``max_position_embeddings``). ``gpu_memory_utilization``: on CUDA, the share of the GPU
+    the engine may use (None = 0.9): weights and a profiled step first, the rest to KV pages.
+    ``speculative_config``: a dict (vLLM's keys: ``method``, ``num_speculative_tokens``,
+    ``model``, ``prompt_lookup_max``, ``prompt_lookup_min``; tpspec adds ``acceptance``) or a
+    :class:`SpeculativeConfig`, or None. ``generation_config``: ``"auto"`` applies the
+    checkpoint's ``generation_config.json`` sampling defaults (temperature, top_p, top_k,
+    min_p, max_new_tokens -> max_tokens) when ``generate`` gets no sampling params, and its
+    EOS ids; ``"vllm"`` ignores the file; a directory reads that directory's file.
+    ``max_num_seqs``: sequences running at once (per rank under attention DP).
+    ``max_num_batched_tokens``: tokens one step feeds (context chunks fill what generation
+    leaves). ``enforce_eager``: no CUDA graphs. ``distributed_executor_backend``: ``"mp"``
+    (local worker processes), ``"ray"`` (one actor per rank) or ``"external_launcher"``
+    (this process is a rank, started by torchrun: every rank runs the same program).
+
+    tpspec's own options: ``device`` (``"auto"``: cuda when available), ``attention_dp``
+    (attention data-parallel: each rank runs its own requests), ``exchange`` (``"auto"``,
+    ``"ll"``, ``"allgather"``), ``init_timeout_s`` / ``step_timeout_s`` (how long the driver
+    waits for start-up / for the next step before it raises), ``ray_init_kwargs``.
+
+    KV cache (paged): ``page_size`` tokens a page (default 16); ``kv_cache_bytes``: bytes of
+    pages per rank (any device; overrides ``gpu_memory_utilization``); on CPU without it,
+    pages for ``max_num_seqs`` requests of ``max_model_len``. Requests wait (in order) for
+    pages; one that could never fit raises ``ValueError``. ``attention_backend``: ``"auto"``
+    (FlashInfer on CUDA when installed, else torch), ``"torch"`` or ``"flashinfer"``.
+
+    ``deterministic``: run the model with fixed reduction orders (``docs/determinism.md``): a
+    request's logits, hence its logprobs and tokens, are bit-identical alone or in any batch,
+    with or without speculation, and at every power-of-two TP size. Slower; no CUDA graphs, no
+    attention DP, ``attention_backend`` must stay ``"auto"``; a TP size that is not a power of
+    two, or that does not split the model's contractions along their fixed trees, raises
     ``ValueError``.
 
-    Use as a context manager or call :meth:`shutdown`.
+    Every argument is checked before a worker starts (``ValueError`` naming it). Use as a
+    context manager or call :meth:`shutdown`.
     """
 
     def __init__(
         self,
         model: str | os.PathLike = TINY,
         *,
-        tp_size: int | None = None,
-        launcher: str = "mp",
+        tensor_parallel_size: int | None = None,
+        dtype: str | torch.dtype = "auto",
+        seed: int | None = None,
+        max_model_len: int | None = None,
+        gpu_memory_utilization: float | None = None,
+        speculative_config: SpeculativeConfig | dict | None = None,
+        generation_config: str = "auto",
+        max_num_seqs: int = 8,
+        max_num_batched_tokens: int | None = None,
+        enforce_eager: bool = False,
+        distributed_executor_backend: str = "mp",
         device: str = "auto",
-        dtype: str = "auto",
         attention_dp: bool = False,
-        speculative: SpeculativeConfig | dict | None = None,
-        max_batch_size: int = 8,
-        max_seq_len: int | None = None,
-        max_num_tokens: int | None = None,
-        use_cuda_graphs: bool = True,
         exchange: str = "auto",
         init_timeout_s: float = 300.0,
         step_timeout_s: float = 120.0,
         ray_init_kwargs: dict | None = None,
+        page_size: int = 16,
+        kv_cache_bytes: int | None = None,
+        attention_backend: str = "auto",
         deterministic: bool = False,
     ) -> None:
-        from ..model.config import ModelConfig
+        from ..model.shapes import config_from_path, is_shape_path
 
         self._executor: Executor | None = None
-        if launcher not in LAUNCHERS:
-            raise ValueError(f"launcher must be one of {LAUNCHERS}, got {launcher!r}")
+        backend = distributed_executor_backend
+        if backend not in LAUNCHERS:
+            raise ValueError(f"distributed_executor_backend must be one of {LAUNCHERS}, got {backend!r}")
+        tp_size = tensor_parallel_size
         if tp_size is None:
-            tp_size = int(os.environ.get("WORLD_SIZE", "1")) if launcher == "torchrun" else 1
-        _check_positive("tp_size", tp_size)
-        _check_positive("max_batch_size", max_batch_size)
-        for name, flag in (("attention_dp", attention_dp), ("use_cuda_graphs", use_cuda_graphs),
+            tp_size = int(os.environ.get("WORLD_SIZE", "1")) if backend == "external_launcher" else 1
+        _check_positive("tensor_parallel_size", tp_size)
+        _check_positive("max_num_seqs", max_num_seqs)
+        for name, flag in (("attention_dp", attention_dp), ("enforce_eager", enforce_eager),
                            ("deterministic", deterministic)):
             if not isinstance(flag, bool):
                 raise ValueError(f"{name} must be a bool, got {flag!r}")
-        if isinstance(speculative, dict):
-            try:
-                speculative = SpeculativeConfig(**speculative)
-            except TypeError as exc:  # an unknown key
-                known = ", ".join(f.name for f in dataclasses.fields(SpeculativeConfig))
-                raise ValueError(f"bad speculative config {speculative!r}: {exc} (known keys: {known})") from None
-        if speculative is not None and not isinstance(speculative, SpeculativeConfig):
-            raise ValueError(f"speculative must be a SpeculativeConfig, a dict or None, got {type(speculative).__name__}")
+        if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**64):
+            raise ValueError(f"seed must be None or an int in [0, 2**64), got {seed!r}")
+        if gpu_memory_utilization is not None and (
+                not isinstance(gpu_memory_utilization, (int, float)) or isinstance(gpu_memory_utilization, bool)
+                or not 0 < gpu_memory_utilization <= 1):
+            raise ValueError(f"gpu_memory_utilization must be None or in (0, 1], got {gpu_memory_utilization!r}")
+        if isinstance(speculative_config, dict):
+            speculative_config = SpeculativeConfig.from_dict(speculative_config)
+        if speculative_config is not None and not isinstance(speculative_config, SpeculativeConfig):
+            raise ValueError(f"speculative_config must be a dict, a SpeculativeConfig or None, got "
+                             f"{type(speculative_config).__name__}")
+        spec = speculative_config
         device = _resolve_device(device)
-        dtype = _resolve_dtype(dtype, device)
         if exchange not in ("auto", "ll", "allgather"):
             raise ValueError(f"exchange must be 'auto', 'll' or 'allgather', got {exchange!r}")
         if exchange == "ll" and device != "cuda":
             raise ValueError(f"exchange='ll' needs device='cuda' (CUDA IPC), got device={device!r}")
 
         self.model_path = resolve_model(model)
-        self.model_config = ModelConfig.from_pretrained(self.model_path)
+        self.model_config = config_from_path(self.model_path)
+        dtype = _resolve_dtype(dtype, device, self.model_config.torch_dtype)
         _check_layout(self.model_config, tp_size, attention_dp, self.model_path, deterministic)
+        self.generation_defaults, gen_eos = _generation_config(generation_config, self.model_path)
         draft_path = None
-        if speculative is not None and speculative.method == "draft_model":
-            draft_path = resolve_model(speculative.draft_model, kind="draft")
-            draft_cfg = ModelConfig.from_pretrained(draft_path)
+        if spec is not None and spec.method == "draft_model":
+            draft_path = resolve_model(spec.model, kind="draft")
+            draft_cfg = config_from_path(draft_path)
             if draft_cfg.vocab_size != self.model_config.vocab_size:
                 raise ValueError(f"the draft model's vocab_size {draft_cfg.vocab_size} differs from the target's "
                                  f"{self.model_config.vocab_size}")
             _check_layout(draft_cfg, tp_size, attention_dp, draft_path, deterministic)
-        k = speculative.num_draft_tokens if speculative is not None else 0
-        if max_seq_len is None:
-            max_seq_len = min(self.model_config.max_position_embeddings, 2048)
-        _check_positive("max_seq_len", max_seq_len)
-        if max_seq_len < 2:
-            raise ValueError("max_seq_len must be >= 2 (one prompt token and one generated token)")
-        if max_num_tokens is None:
-            max_num_tokens = max(512, max_batch_size * (k + 1))
-        _check_positive("max_num_tokens", max_num_tokens)
-        if max_num_tokens < max_batch_size * (k + 1):
-            raise ValueError(f"max_num_tokens={max_num_tokens} cannot hold a full generation step: "
-                             f"max_batch_size * (num_draft_tokens + 1) = {max_batch_size * (k + 1)}")
+        k = spec.num_speculative_tokens if spec is not None else 0
+        if max_model_len is None:
+            max_model_len = self.model_config.max_position_embeddings
+        _check_positive("max_model_len", max_model_len)
+        if max_model_len < 2:
+            raise ValueError("max_model_len must be >= 2 (one prompt token and one generated token)")
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = max(512, max_num_seqs * (k + 1))
+        _check_positive("max_num_batched_tokens", max_num_batched_tokens)
+        if max_num_batched_tokens < max_num_seqs * (k + 1):
+            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} cannot hold a full generation step: "
+                             f"max_num_seqs * (num_speculative_tokens + 1) = {max_num_seqs * (k + 1)}")
 
         self.config = EngineConfig(
             model_path=self.model_path, tp_size=tp_size, device=device, dtype=dtype, attention_dp=attention_dp,
-            speculative=speculative, draft_model_path=draft_path, max_batch_size=max_batch_size,
-            max_seq_len=max_seq_len, max_num_tokens=max_num_tokens, use_cuda_graphs=use_cuda_graphs,
-            exchange=exchange, deterministic=deterministic,
+            speculative=spec, draft_model_path=draft_path, max_batch_size=max_num_seqs,
+            max_seq_len=max_model_len, max_num_tokens=max_num_batched_tokens, use_cuda_graphs=not enforce_eager,
+            exchange=exchange, gpu_memory_utilization=gpu_memory_utilization, page_size=page_size,
+            kv_cache_bytes=kv_cache_bytes, attention_backend=attention_backend, deterministic=deterministic,
         )
-        self.launcher = launcher
-        self.tokenizer = load_tokenizer(self.model_path)
+        if kv_cache_bytes is not None:
+            _check_kv_fits(self.config, [self.model_config] + ([draft_cfg] if draft_path else []))
+        self.seed = seed
+        self.distributed_executor_backend = backend
+        self.tokenizer = None if is_shape_path(self.model_path) else load_tokenizer(self.model_path)
+        self.eos_token_ids = tuple(sorted(set(self.model_config.eos_token_ids) | set(gen_eos)))
         self.last_stats: GenerateStats | None = None
-        self._ids = itertools.count()
+        self._sequence_ids = itertools.count()
+        self._request_ids = itertools.count()
         timeouts: dict[str, Any] = {}
-        if launcher != "torchrun":
+        if backend != "external_launcher":
             timeouts = {"init_timeout_s": init_timeout_s, "step_timeout_s": step_timeout_s}
-        if launcher == "ray" and ray_init_kwargs:
+        if backend == "ray" and ray_init_kwargs:
             timeouts["ray_init_kwargs"] = ray_init_kwargs
-        executor = make_executor(launcher, self.config, **timeouts)
+        executor = make_executor(_EXECUTORS[backend], self.config, **timeouts)
         try:
             executor.start()
         except BaseException:
@@ -285,69 +314,102 @@ class LLM:
 
     @property
     def rank(self) -> int:
-        """This process's rank under torchrun; 0 for the driver of mp/ray."""
+        """This process's rank under ``external_launcher`` (torchrun); 0 for the driver of mp/ray."""
         return getattr(self._executor, "local_rank", None) or 0
+
+    def get_tokenizer(self) -> Any:
+        """The checkpoint's Hugging Face tokenizer (None when the checkpoint has none)."""
+        return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams()`` with the checkpoint's ``generation_config.json`` defaults applied
+        (what :meth:`generate` uses when it gets no sampling params)."""
+        return SamplingParams(**self.generation_defaults)
 
     def generate(
         self,
-        prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+        prompts: Any,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        max_new_tokens: int | Sequence[int] = 64,
         *,
-        stop_token_ids: Sequence[int] | None = None,
-        ignore_eos: bool = False,
         use_tqdm: bool | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; one :class:`RequestOutput` per prompt, in order.
+        """Generate for every prompt; one :class:`RequestOutput` per prompt, in order, each with
+        ``n`` :class:`CompletionOutput` samples.
 
-        ``prompts``: strings (needs a tokenizer) or token-id lists; a single string or id
-        list is one prompt. ``sampling_params``: one for all, or one per prompt (default
-        greedy). ``max_new_tokens``: one for all, or one per prompt. Generation stops at
-        EOS (unless ``ignore_eos``), at any of ``stop_token_ids``, after ``max_new_tokens``
-        or at ``max_seq_len``. ``use_tqdm``: progress bar (default: when stderr is a
-        terminal; it appears only on runs longer than a couple of seconds).
+        ``prompts``: a string, a token-id list, ``{"prompt": str}`` or
+        ``{"prompt_token_ids": [...]}``, or a list of those. ``sampling_params``: one for all, or
+        one per prompt (default :meth:`get_default_sampling_params`). ``use_tqdm``: progress bar
+        (default: when stderr is a terminal; it appears only on runs longer than a couple of
+        seconds).
 
-        Raises ``ValueError`` naming the bad prompt/parameter before any work starts (the
-        LLM stays usable), and :class:`~tpspec.runtime.launchers.WorkerError` when a worker
-        dies or hangs (the LLM is unusable afterwards).
+        Raises ``ValueError`` naming the bad prompt/parameter before any work starts (the LLM
+        stays usable), and :class:`~tpspec.runtime.launchers.WorkerError` when a worker dies
+        or hangs (the LLM is unusable afterwards).
         """
         if self._executor is None:
             raise RuntimeError("this LLM is shut down")
-        texts, token_lists = self._prompts(prompts)
-        n = len(token_lists)
-        params = self._sampling_list(sampling_params, n)
-        budgets = self._budget_list(max_new_tokens, n)
-        stops = self._stop_ids(stop_token_ids, ignore_eos)
-        requests = [
-            Request(request_id=next(self._ids), prompt=tuple(toks), sampling=sp, max_new_tokens=mx,
-                    stop_token_ids=stops)
-            for toks, sp, mx in zip(token_lists, params, budgets)
-        ]
-        bar = _ProgressBar(sum(budgets), use_tqdm, enabled=self.rank == 0)
+        batch = self._make_requests(prompts, sampling_params)
+        requests = [r for entry in batch for r in entry.requests]
+        bar = _ProgressBar(sum(r.max_new_tokens for r in requests), use_tqdm, enabled=self.rank == 0)
         start = time.perf_counter()
         try:
             results = self._executor.run(requests, bar.update) if requests else []
         finally:
             bar.close()
         wall = time.perf_counter() - start
+        by_seq = {r.request_id: res for r, res in zip(requests, results)}
+        now = time.time()
         outputs = []
-        for req, res, text in zip(requests, results, texts):
-            out_text = None
-            if self.tokenizer is not None:
-                out_text = self.tokenizer.decode(res.token_ids, skip_special_tokens=True)
-            outputs.append(RequestOutput(request_id=req.request_id, prompt_token_ids=list(req.prompt),
-                                         token_ids=list(res.token_ids), finish_reason=res.finish_reason,
-                                         stats=res.stats, text=out_text, prompt=text))
-        self.last_stats = GenerateStats(
-            num_requests=n,
-            num_prompt_tokens=sum(len(r.prompt) for r in requests),
-            num_generated_tokens=sum(len(o.token_ids) for o in outputs),
-            wall_s=wall,
-            num_generation_steps=sum(len(o.stats.accepted_drafts_per_step) for o in outputs),
-            num_draft_tokens=sum(o.stats.num_draft_tokens for o in outputs),
-            num_accepted_drafts=sum(o.stats.num_accepted_drafts for o in outputs),
-        )
+        for entry in batch:
+            samples = []
+            for i, req in enumerate(entry.requests):
+                res = by_seq[req.request_id]
+                state = _Sample(i, req, entry.params, self.tokenizer)
+                state.feed(res.token_ids)
+                state.finish(res.finish_reason)
+                samples.append(state.output(res.stats, res.logprobs))
+            entry.metrics.first_token_time = entry.metrics.last_token_time = entry.metrics.finished_time = now
+            outputs.append(RequestOutput(request_id=entry.request_id, prompt=entry.prompt_text,
+                                         prompt_token_ids=list(entry.prompt_ids), outputs=samples,
+                                         finished=True, metrics=entry.metrics))
+        self.last_stats = GenerateStats.of(outputs, wall)
         return outputs
+
+    def chat(
+        self,
+        messages: Sequence[dict] | Sequence[Sequence[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool | None = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of ``{"role", "content"}`` dicts) or a
+        list of conversations, rendered with the checkpoint's chat template (or
+        ``chat_template``). Otherwise as :meth:`generate`."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [{"prompt_token_ids": self.chat_prompt_ids(c, chat_template=chat_template,
+                                                             add_generation_prompt=add_generation_prompt),
+                    "prompt": None} for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def chat_prompt_ids(self, conversation: Sequence[dict], *, chat_template: str | None = None,
+                        add_generation_prompt: bool = True) -> list[int]:
+        """The token ids of one conversation rendered by the chat template (``ValueError`` when
+        the checkpoint has no tokenizer or no template, or a message is malformed)."""
+        if self.tokenizer is None:
+            raise ValueError(f"chat needs a tokenizer; the model at {self.model_path!r} has none")
+        if not isinstance(conversation, (list, tuple)) or not conversation:
+            raise ValueError("a conversation must be a non-empty list of {'role', 'content'} messages")
+        for i, m in enumerate(conversation):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ValueError(f"message {i} must be a dict with string 'role' and 'content', got {m!r}")
+        template = chat_template or getattr(self.tokenizer, "chat_template", None)
+        if not template:
+            raise ValueError(f"the tokenizer of {self.model_path!r} has no chat template; pass chat_template=")
+        text = self.tokenizer.apply_chat_template(list(conversation), tokenize=False, chat_template=template,
+                                                  add_generation_prompt=add_generation_prompt)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def shutdown(self) -> None:
         """End the workers (idempotent)."""
@@ -367,29 +429,61 @@ class LLM:
         except Exception:  # noqa: BLE001
             pass
 
-    # ------------------------------------------------------------------ validation
-    def _prompts(self, prompts: Any) -> tuple[list[str | None], list[list[int]]]:
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
-                                        and all(_is_int(t) for t in prompts)):
+    # ------------------------------------------------------------------ requests
+    def _make_requests(self, prompts: Any, sampling_params: Any) -> list["_Entry"]:
+        """Validate every prompt and parameter, then make one :class:`Request` per sample."""
+        parsed = self._prompts(prompts)
+        params = self._sampling_list(sampling_params, len(parsed))
+        if self.config.attention_dp and any(p.has_penalties or p.logprobs is not None for p in params):
+            raise ValueError("penalties and logprobs are not supported with attention DP")
+        entries = []
+        for (text, ids), sp in zip(parsed, params):
+            stops = self._stop_ids(sp)
+            budget = self.config.max_seq_len - len(ids) if sp.max_tokens is None else sp.max_tokens
+            user_index = next(self._request_ids)
+            base_seed = sp.seed
+            if base_seed is None and self.seed is not None:
+                base_seed = _mix_seed(self.seed, user_index)
+            requests = []
+            for i in range(sp.n):
+                seed = base_seed if base_seed is None or i == 0 else _mix_seed(base_seed, i)
+                requests.append(Request(request_id=next(self._sequence_ids), prompt=tuple(ids),
+                                        sampling=dataclasses.replace(sp, n=1, seed=seed), max_new_tokens=budget,
+                                        stop_token_ids=stops))
+            entries.append(_Entry(str(user_index), text, ids, sp, requests, RequestMetrics(time.time())))
+        return entries
+
+    def _prompts(self, prompts: Any) -> list[tuple[str | None, list[int]]]:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                                and all(_is_int(t) for t in prompts)):
+            prompts = [prompts]
+        if isinstance(prompts, torch.Tensor) and prompts.dim() == 1:
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
-            raise ValueError(f"prompts must be a string, a token-id list, or a list of those; got "
-                             f"{type(prompts).__name__}")
-        texts: list[str | None] = []
-        token_lists: list[list[int]] = []
+            raise ValueError(f"prompts must be a string, a token-id list, a dict with 'prompt' or "
+                             f"'prompt_token_ids', or a list of those; got {type(prompts).__name__}")
+        out: list[tuple[str | None, list[int]]] = []
         for i, p in enumerate(prompts):
+            text = None
+            if isinstance(p, dict):
+                unknown = sorted(set(p) - {"prompt", "prompt_token_ids"})
+                if unknown or ("prompt" not in p and "prompt_token_ids" not in p):
+                    raise ValueError(f"prompt {i}: a dict prompt has 'prompt' (text) or 'prompt_token_ids', "
+                                     f"got keys {sorted(p)}")
+                if p.get("prompt_token_ids") is not None:
+                    text, p = p.get("prompt"), p["prompt_token_ids"]
+                else:
+                    p = p["prompt"]
             if isinstance(p, str):
                 if self.tokenizer is None:
                     raise ValueError(f"prompt {i} is text but the model at {self.model_path!r} has no tokenizer; "
-                                     f"pass token-id lists")
+                                     f"pass token ids")
                 toks = list(self.tokenizer.encode(p))
-                texts.append(p)
+                text = p
             elif isinstance(p, torch.Tensor) and p.dim() == 1 and not p.is_floating_point():
                 toks = [int(t) for t in p.tolist()]
-                texts.append(None)
             elif isinstance(p, (list, tuple)) and all(_is_int(t) for t in p):
                 toks = [int(t) for t in p]
-                texts.append(None)
             else:
                 raise ValueError(f"prompt {i} must be a string or a list of token ids, got {type(p).__name__}")
             if not toks:
@@ -398,53 +492,150 @@ class LLM:
             if bad:
                 raise ValueError(f"prompt {i} has token ids outside [0, {self.vocab_size}): {bad[:5]}")
             if len(toks) >= self.config.max_seq_len:
-                raise ValueError(f"prompt {i} has {len(toks)} tokens; max_seq_len={self.config.max_seq_len} "
-                                 f"leaves no room to generate (prompts must be shorter than max_seq_len)")
-            token_lists.append(toks)
-        return texts, token_lists
+                raise ValueError(f"prompt {i} has {len(toks)} tokens; max_model_len={self.config.max_seq_len} "
+                                 f"leaves no room to generate (prompts must be shorter than max_model_len)")
+            out.append((text, toks))
+        return out
 
-    @staticmethod
-    def _sampling_list(sampling_params: Any, n: int) -> list[SamplingParams]:
+    def _sampling_list(self, sampling_params: Any, n: int) -> list[SamplingParams]:
         if sampling_params is None:
-            return [SamplingParams()] * n
+            return [self.get_default_sampling_params()] * n
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * n
-        if isinstance(sampling_params, dict):
-            return [_params_from_dict(sampling_params)] * n
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != n:
                 raise ValueError(f"got {len(sampling_params)} sampling_params for {n} prompts")
-            out = []
             for i, sp in enumerate(sampling_params):
-                if isinstance(sp, dict):
-                    sp = _params_from_dict(sp, f"sampling_params[{i}]")
                 if not isinstance(sp, SamplingParams):
                     raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(sp).__name__}")
-                out.append(sp)
-            return out
+            return list(sampling_params)
         raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got "
                          f"{type(sampling_params).__name__}")
 
-    @staticmethod
-    def _budget_list(max_new_tokens: Any, n: int) -> list[int]:
-        values = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * n
-        if len(values) != n:
-            raise ValueError(f"got {len(values)} max_new_tokens for {n} prompts")
-        for v in values:
-            if not _is_int(v) or v < 1:
-                raise ValueError(f"max_new_tokens must be a positive int, got {v!r}")
-        return [int(v) for v in values]
+    def _stop_ids(self, sp: SamplingParams) -> tuple[int, ...]:
+        for t in sp.stop_token_ids:
+            if not 0 <= t < self.vocab_size:
+                raise ValueError(f"stop_token_ids: {t} is outside [0, {self.vocab_size})")
+        stops = set(sp.stop_token_ids)
+        if not sp.ignore_eos:
+            stops.update(self.eos_token_ids)
+        return tuple(sorted(stops))
 
-    def _stop_ids(self, stop_token_ids: Any, ignore_eos: bool) -> tuple[int, ...]:
-        stops = [] if ignore_eos else list(self.model_config.eos_token_ids)
-        if stop_token_ids is not None and not isinstance(stop_token_ids, (list, tuple, set, frozenset)):
-            raise ValueError(f"stop_token_ids must be a list of token ids, got {type(stop_token_ids).__name__}")
-        for t in stop_token_ids or ():
-            if not _is_int(t) or not 0 <= t < self.vocab_size:
-                raise ValueError(f"stop token id {t!r} is outside [0, {self.vocab_size})")
-            stops.append(int(t))
-        return tuple(sorted(set(stops)))
 
+_EXECUTORS = {"mp": "mp", "ray": "ray", "external_launcher": "torchrun"}
+
+
+@dataclass
+class _Entry:
+    """One user request of a generate call: its prompt, parameters and one Request per sample."""
+
+    request_id: str
+    prompt_text: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    requests: list[Request]
+    metrics: RequestMetrics
+
+
+class _Sample:
+    """The driver's view of one sample: its tokens and text as they arrive, and how it ended.
+    A stop string ends it at the token that completes the string (later tokens are dropped),
+    whatever the engine emitted after it."""
+
+    def __init__(self, index: int, req: Request, params: SamplingParams, tokenizer: Any) -> None:
+        self.index = index
+        self.req = req
+        self.params = params
+        self.token_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.detok = None
+        if tokenizer is not None:
+            self.detok = IncrementalDetokenizer(tokenizer, req.prompt, stop=params.stop,
+                                                include_stop=params.include_stop_str_in_output,
+                                                skip_special_tokens=params.skip_special_tokens,
+                                                min_tokens=params.min_tokens)
+
+    @property
+    def text(self) -> str:
+        return self.detok.text if self.detok is not None else ""
+
+    def feed(self, tokens: Sequence[int]) -> tuple[list[int], str]:
+        """Take a step's new tokens; return the ones kept and the new text."""
+        if self.finish_reason is not None:
+            return [], ""
+        before = len(self.text)
+        kept = []
+        for t in tokens:
+            kept.append(int(t))
+            self.token_ids.append(int(t))
+            if self.detok is not None and self.detok.add(t):
+                self.finish_reason, self.stop_reason = "stop", self.detok.stop_reason
+                break
+        return kept, self.text[before:]
+
+    def finish(self, engine_reason: str) -> str:
+        """The engine ended the sample (``"stop"`` or ``"length"``); return the text it adds."""
+        if self.finish_reason is not None:
+            return ""
+        tail = self.detok.flush() if self.detok is not None else ""
+        self.finish_reason = engine_reason
+        last = self.token_ids[-1] if self.token_ids else None
+        if engine_reason == "stop" and last in self.params.stop_token_ids:
+            self.stop_reason = last
+        return tail
+
+    def output(self, stats: RequestStats, logprobs: list[dict[int, float]] | None = None) -> CompletionOutput:
+        """The sample as it stands; ``logprobs`` (one dict per engine token) is cut to the kept tokens."""
+        if logprobs is not None:
+            logprobs = logprobs[:len(self.token_ids)]
+        return CompletionOutput(index=self.index, text=self.text, token_ids=list(self.token_ids),
+                                logprobs=logprobs, finish_reason=self.finish_reason, stop_reason=self.stop_reason,
+                                stats=stats)
+
+
+def _mix_seed(seed: int, index: int) -> int:
+    """A 64-bit seed for stream ``index`` of ``seed`` (splitmix64 finalizer): distinct
+    streams for distinct indices, the same on every run."""
+    z = (seed + 0x9E3779B97F4A7C15 * (index + 1)) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return z ^ (z >> 31)
+
+
+GENERATION_CONFIG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                            "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+"""``generation_config.json`` keys applied as sampling defaults -> the ``SamplingParams`` field."""
+
+
+def _generation_config(choice: Any, model_path: str) -> tuple[dict[str, Any], list[int]]:
+    """(sampling defaults, EOS ids) from a ``generation_config.json``: ``"auto"`` reads the
+    model's, ``"vllm"`` none, a directory that directory's."""
+    import json
+
+    if choice == "vllm":
+        return {}, []
+    if choice == "auto":
+        folder = model_path
+    elif isinstance(choice, (str, os.PathLike)) and os.path.isdir(choice):
+        folder = os.fspath(choice)
+    else:
+        raise ValueError(f"generation_config must be 'auto', 'vllm' or a directory, got {choice!r}")
+    path = os.path.join(folder, "generation_config.json")
+    if not os.path.isfile(path):
+        return {}, []
+    with open(path) as f:
+        raw = json.load(f)
+    known = {f.name for f in dataclasses.fields(SamplingParams)}
+    defaults = {field: raw[key] for key, field in GENERATION_CONFIG_FIELDS.items()
+                if raw.get(key) is not None and field in known}
+    try:
+        SamplingParams(**defaults)
+    except ValueError as exc:
+        raise ValueError(f"{path} has sampling defaults tpspec cannot use: {exc}") from None
+    eos = raw.get("eos_token_id")
+    eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    return defaults, eos_ids
 
 class _ProgressBar:
     """tqdm over generated tokens when installed (shown after 2 s), else a plain line every
@@ -482,15 +673,6 @@ class _ProgressBar:
             self.bar.close()
 
 
-def _params_from_dict(values: dict, name: str = "sampling_params") -> SamplingParams:
-    """``SamplingParams(**values)``; an unknown key is a ``ValueError`` naming it."""
-    known = {f.name for f in dataclasses.fields(SamplingParams)}
-    unknown = sorted(str(k) for k in values if k not in known)
-    if unknown:
-        raise ValueError(f"{name} has unknown key(s) {unknown}; known: {sorted(known)}")
-    return SamplingParams(**values)
-
-
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -509,7 +691,28 @@ def _check_layout(config: Any, tp_size: int, attention_dp: bool, path: str, dete
         try:
             check_split(config, Mapping(tp_size, rank, tp_size, attention_dp), deterministic=deterministic)
         except ValueError as exc:
-            raise ValueError(f"{path} cannot run at tp_size={tp_size}: {exc}") from None
+            raise ValueError(f"{path} cannot run at tensor_parallel_size={tp_size}: {exc}") from None
+
+
+def _check_kv_fits(config: EngineConfig, model_configs: list[Any]) -> None:
+    """With ``kv_cache_bytes``, the page count is known here: a request of ``max_seq_len``
+    tokens must fit it (``ValueError`` before any worker starts)."""
+    from ..mapping import Mapping
+    from ..model.batch import pages_needed
+    from ..model.kv_cache import page_bytes
+    from ..model.layers import split_heads
+    from .kv_sizing import scratch_pages
+
+    mapping = Mapping(config.tp_size, 0, config.tp_size, config.attention_dp)
+    per_page = sum(page_bytes(c.num_layers, config.page_size,
+                              split_heads(c, mapping.attention_tp_size, 0).kv_heads, c.head_dim,
+                              getattr(torch, config.dtype)) for c in model_configs)
+    pages = config.kv_cache_bytes // per_page - scratch_pages(config)
+    need = pages_needed(config.max_seq_len - 1 + config.num_draft_tokens, config.page_size)
+    if need > pages:
+        raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} holds {max(pages, 0)} KV pages of {config.page_size} "
+                         f"tokens ({per_page} bytes each) per rank; a request of max_seq_len={config.max_seq_len} "
+                         f"needs {need}: raise kv_cache_bytes or lower max_seq_len")
 
 
 def _resolve_device(device: str) -> str:
@@ -522,12 +725,16 @@ def _resolve_device(device: str) -> str:
     return device
 
 
-def _resolve_dtype(dtype: str | torch.dtype, device: str) -> str:
+def _resolve_dtype(dtype: str | torch.dtype, device: str, checkpoint_dtype: str | None) -> str:
+    """``"auto"`` -> the checkpoint's dtype (float32 when it names none); else a dtype name."""
     if isinstance(dtype, torch.dtype):
         dtype = str(dtype).replace("torch.", "")
-    if dtype == "auto":
-        return "bfloat16" if device == "cuda" else "float32"
     aliases = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
+    if dtype == "auto":
+        dtype = checkpoint_dtype or "float32"
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"the checkpoint's torch_dtype {dtype!r} is not supported; pass dtype=")
+        return dtype
     dtype = aliases.get(dtype, dtype)
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {dtype!r}")

@@ -1,21 +1,26 @@
-"""Per-request sampling parameters and their normalization.
+"""Per-request sampling parameters (vLLM's ``SamplingParams`` fields) and their normalization.
 
-A request says how its tokens are drawn with ``SamplingParams(temperature, top_k,
-top_p, min_p, seed)``, every field optional. The parameters are validated when the
-object is built and normalized once, so the batch code never sees ``None``:
+A request says how many samples it wants (``n``), how its tokens are drawn
+(``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``) and when it ends
+(``max_tokens``, ``min_tokens``, ``stop``, ``stop_token_ids``, ``ignore_eos``). The
+parameters are validated when the object is built and normalized once, so the batch
+code sees plain numbers. Penalties (``repetition_penalty``, ``presence_penalty``,
+``frequency_penalty``) and ``logprobs`` follow vLLM's meaning too.
 
-* greedy when ``temperature`` is None or 0 (or below the greedy threshold) or
-  ``top_k == 1``; a greedy request gets the sentinel temperature
-  :data:`GREEDY_SENTINEL_TEMPERATURE` (below ``GREEDY_TEMPERATURE_THRESHOLD``, so
-  every kernel takes the argmax and never divides by it);
-* a disabled top-k (None or 0) becomes :data:`TOP_K_DISABLED` (INT32_MAX);
+* the default is vLLM's: ``temperature=1.0`` (sampled); greedy when ``temperature`` is 0
+  (or below the greedy threshold) or ``top_k == 1``. A greedy request gets the sentinel
+  temperature :data:`GREEDY_SENTINEL_TEMPERATURE` (below ``GREEDY_TEMPERATURE_THRESHOLD``,
+  so every kernel takes the argmax and never divides by it);
+* a disabled top-k (0 or -1) becomes :data:`TOP_K_DISABLED` (INT32_MAX);
 * neutral top-p is 1.0 and neutral min-p is 0.0.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
+from typing import Sequence
 
 from ..keys import GREEDY_TEMPERATURE_THRESHOLD
 
@@ -42,57 +47,153 @@ def _is_real(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+MAX_LOGPROBS = 20
+"""The most top-N logprobs a request may ask for."""
+
+
+def _real_in(name: str, value: object, low: float, high: float, what: str) -> float:
+    """``value`` as a Python float when it is a real number (numpy scalars included) in ``what``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy's bool_ is not Real
+        raise ValueError(f"SamplingParams.{name} must be a float {what}, got {value!r}")
+    v = float(value)
+    if not (math.isfinite(v) and low <= v <= high):
+        raise ValueError(f"SamplingParams.{name} must be a float {what}, got {value!r}")
+    return v + 0.0  # -0.0 -> +0.0: a neutral penalty leaves every logit's bits alone
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request samples its tokens. Immutable and hashable.
+    """How one request samples its tokens and when it ends (vLLM's fields). Immutable, hashable.
 
-    ``temperature``: None or a finite float >= 0 (None/0 = greedy).
-    ``top_k``: None or an int >= 0 (None/0 = no rank filter, 1 = greedy).
-    ``top_p``: None or a float in (0, 1] (1 = no nucleus filter).
-    ``min_p``: None or a float in [0, 1] (0 = no filter; keeps tokens with
-    ``p >= min_p * p_max``).
-    ``seed``: None (the request draws from the shared unseeded stream) or an int in
-    ``[0, 2**64)``: the request's own stream. Given identical logits the request draws the
-    same tokens whatever its batch, batch position, KV slot history or TP size; the default
-    model forward does not promise identical logits across batches or TP sizes.
+    ``n``: samples of the prompt (each its own output; sample ``i > 0`` of a seeded request
+    uses a seed derived from ``seed`` and ``i``, so every sample is reproducible and distinct).
+    ``temperature``: a finite float >= 0 (default 1.0; 0 = greedy).
+    ``top_p``: a float in (0, 1] (1 = no nucleus filter).
+    ``top_k``: an int >= -1 (0 or -1 = no rank filter, 1 = greedy).
+    ``min_p``: a float in [0, 1] (0 = no filter; keeps tokens with ``p >= min_p * p_max``).
+    ``seed``: None (the request draws from the engine's stream) or an int in ``[0, 2**64)``:
+    the request's own stream. Given identical logits the request draws the same tokens
+    whatever its batch, batch position, KV slot history or TP size; the default model forward
+    does not promise identical logits across batches or TP sizes (``LLM(deterministic=True)``
+    does).
+    ``max_tokens``: most tokens to generate (default 16; None = up to the model length).
+    ``min_tokens``: before this many tokens, EOS, ``stop_token_ids`` and ``stop`` strings do not
+    end the request.
+    ``stop``: strings that end the output (matched on the detokenized text; the text is cut
+    before the match unless ``include_stop_str_in_output``).
+    ``stop_token_ids``: token ids that end the output (the token is kept in ``token_ids``).
+    ``ignore_eos``: do not stop at the model's EOS tokens.
+    ``skip_special_tokens``: leave special tokens out of the text.
+    ``repetition_penalty``: a float > 0 (1 = off): a logit of a token seen in the prompt or
+    the output is divided by it when positive, multiplied by it otherwise.
+    ``presence_penalty``: a float in [-2, 2] (0 = off), subtracted once from the logit of a
+    token seen in the output. ``frequency_penalty``: a float in [-2, 2] (0 = off),
+    subtracted once per occurrence in the output. Penalties apply to the raw logits before
+    temperature and filters, greedy requests included (``tpspec.sampling.penalties``).
+    ``logprobs``: None, or N in [0, 20]: report, for every generated token, its logprob and
+    the N most likely tokens' (log-softmax of the raw logits, before penalties and
+    temperature).
 
     Raises ``ValueError`` naming the bad field. The normalized values are properties
     (:attr:`is_greedy`, :attr:`norm_temperature`, :attr:`norm_top_k`, ...).
     """
 
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    min_p: float | None = None
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | Sequence[str] | None = None
+    stop_token_ids: Sequence[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"SamplingParams.n must be an int >= 1, got {self.n!r}")
+        self._check_penalties_and_logprobs()
         t = self.temperature
         # Values are checked as the float32 the kernels will hold, not only as Python floats.
-        if t is not None and (not _is_real(t) or not math.isfinite(t) or t < 0 or t > FLOAT32_MAX):
-            raise ValueError(f"SamplingParams.temperature must be None or a finite float32 >= 0, got {t!r}")
+        if not _is_real(t) or not math.isfinite(t) or t < 0 or t > FLOAT32_MAX:
+            raise ValueError(f"SamplingParams.temperature must be a finite float32 >= 0, got {t!r}")
         k = self.top_k
-        if k is not None and (not _is_int(k) or k < 0):
-            raise ValueError(f"SamplingParams.top_k must be None or an int >= 0 (0 disables it), got {k!r}")
-        if k is not None and k > TOP_K_DISABLED:
+        if not _is_int(k) or k < -1:
+            raise ValueError(f"SamplingParams.top_k must be an int >= -1 (0 or -1 disables it), got {k!r}")
+        if k > TOP_K_DISABLED:
             raise ValueError(f"SamplingParams.top_k={k} exceeds INT32_MAX")
         p = self.top_p
-        if p is not None and (not _is_real(p) or not (FLOAT32_TINY <= p <= 1.0)):
-            raise ValueError(f"SamplingParams.top_p must be None or in (0, 1] (at least {FLOAT32_TINY:g} "
+        if not _is_real(p) or not (FLOAT32_TINY <= p <= 1.0):
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1] (at least {FLOAT32_TINY:g} "
                              f"as float32), got {p!r}")
         m = self.min_p
-        if m is not None and (not _is_real(m) or not (0.0 <= m <= 1.0)):
-            raise ValueError(f"SamplingParams.min_p must be None or in [0, 1], got {m!r}")
+        if not _is_real(m) or not (0.0 <= m <= 1.0):
+            raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {m!r}")
         s = self.seed
         if s is not None and (not _is_int(s) or not SEED_RANGE[0] <= s < SEED_RANGE[1]):
             raise ValueError(f"SamplingParams.seed must be None or an int in [0, 2**64), got {s!r}")
+        mx = self.max_tokens
+        if mx is not None and (not _is_int(mx) or mx < 1):
+            raise ValueError(f"SamplingParams.max_tokens must be None or an int >= 1, got {mx!r}")
+        mn = self.min_tokens
+        if not _is_int(mn) or mn < 0:
+            raise ValueError(f"SamplingParams.min_tokens must be an int >= 0, got {mn!r}")
+        if mx is not None and mn > mx:
+            raise ValueError(f"SamplingParams.min_tokens={mn} exceeds max_tokens={mx}")
+        stop = self.stop
+        if stop is None:
+            stop = ()
+        elif isinstance(stop, str):
+            stop = (stop,)
+        elif isinstance(stop, (list, tuple)) and all(isinstance(x, str) for x in stop):
+            stop = tuple(stop)
+        else:
+            raise ValueError(f"SamplingParams.stop must be None, a string or a list of strings, got {stop!r}")
+        if any(not x for x in stop):
+            raise ValueError("SamplingParams.stop strings must be non-empty")
+        object.__setattr__(self, "stop", stop)
+        ids = self.stop_token_ids
+        if ids is None:
+            ids = ()
+        elif isinstance(ids, (list, tuple)) and all(_is_int(x) and x >= 0 for x in ids):
+            ids = tuple(int(x) for x in ids)
+        else:
+            raise ValueError(f"SamplingParams.stop_token_ids must be None or a list of ints >= 0, got {ids!r}")
+        object.__setattr__(self, "stop_token_ids", ids)
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"SamplingParams.{name} must be a bool, got {getattr(self, name)!r}")
+
+    def _check_penalties_and_logprobs(self) -> None:
+        # Stored as Python numbers (numpy scalars accepted) so equal parameters hash equal.
+        r = _real_in("repetition_penalty", self.repetition_penalty, FLOAT32_TINY, FLOAT32_MAX,
+                     "> 0 (1 = off)")
+        object.__setattr__(self, "repetition_penalty", r)
+        for name in ("presence_penalty", "frequency_penalty"):
+            object.__setattr__(self, name, _real_in(name, getattr(self, name), -2.0, 2.0, "in [-2, 2] (0 = off)"))
+        n = self.logprobs
+        if n is not None:
+            if isinstance(n, bool) or not isinstance(n, numbers.Integral) or not 0 <= int(n) <= MAX_LOGPROBS:
+                raise ValueError(f"SamplingParams.logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {n!r}")
+            object.__setattr__(self, "logprobs", int(n))
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when a repetition, presence or frequency penalty changes the logits."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     # -- normalization ---------------------------------------------------------------
     @property
     def is_greedy(self) -> bool:
-        """True when the request takes the argmax: no temperature (None/0/below threshold) or top_k == 1."""
-        t = self.temperature
-        return t is None or t < GREEDY_TEMPERATURE_THRESHOLD or self.top_k == 1
+        """True when the request takes the argmax: temperature 0 (below the threshold) or top_k == 1."""
+        return self.temperature < GREEDY_TEMPERATURE_THRESHOLD or self.top_k == 1
 
     @property
     def norm_temperature(self) -> float:
@@ -101,18 +202,18 @@ class SamplingParams:
 
     @property
     def norm_top_k(self) -> int:
-        """Top-k the kernels use: INT32_MAX when disabled (None/0) or greedy."""
-        if self.is_greedy or not self.top_k:
+        """Top-k the kernels use: INT32_MAX when disabled (0 or -1) or greedy."""
+        if self.is_greedy or self.top_k <= 0:
             return TOP_K_DISABLED
         return int(self.top_k)
 
     @property
     def norm_top_p(self) -> float:
-        return 1.0 if self.is_greedy or self.top_p is None else float(self.top_p)
+        return 1.0 if self.is_greedy else float(self.top_p)
 
     @property
     def norm_min_p(self) -> float:
-        return 0.0 if self.is_greedy or self.min_p is None else float(self.min_p)
+        return 0.0 if self.is_greedy else float(self.min_p)
 
     @property
     def is_temperature_only(self) -> bool:
@@ -138,5 +239,5 @@ class SamplingParams:
         return self.norm_temperature, self.norm_top_k, self.norm_top_p, self.norm_min_p
 
 
-GREEDY = SamplingParams()
-"""The default: greedy, unseeded."""
+GREEDY = SamplingParams(temperature=0.0)
+"""Greedy, unseeded (what padding rows and requests without parameters use inside the engine)."""
