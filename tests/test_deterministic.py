@@ -280,3 +280,92 @@ def test_deterministic_mode_errors():
     with pytest.raises(ValueError, match="attention DP"):
         check_split(cfg, Mapping(2, 0, 2, True), deterministic=True)
     check_split(cfg, Mapping(4, 1, 4), deterministic=True)  # the tiny model splits at TP 4
+
+
+# --- through the runtime: tokens and logprobs ------------------------------------------------
+#
+# A sampled request's tokens depend on the speculative configuration by design (its Philox
+# windows are laid out per step), so sampled runs are compared within one configuration and
+# greedy runs (with logprobs: the log-softmax of the raw logits) across all of them.
+
+GREEDY = dict(temperature=0, max_tokens=8, logprobs=3, ignore_eos=True)
+SEEDED = dict(temperature=0.8, seed=243696, max_tokens=8, logprobs=3, ignore_eos=True)
+
+
+def _neighbour_params():
+    from tpspec import SamplingParams
+
+    return [SamplingParams(temperature=0.9, top_k=5, seed=7, max_tokens=6, ignore_eos=True),  # a filter
+            SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+            SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True)]  # unseeded
+
+
+def _runtime_outputs(tp: int, spec: dict | None) -> dict[str, tuple[list[int], list]]:
+    """X through ``LLM(deterministic=True)``, greedy and seeded: alone, then last in a batch with
+    neighbours (a top-k one, a greedy one, an unseeded one) in slots used before.
+    ``{"greedy alone": (token_ids, logprobs), "greedy batched": ..., "seeded alone": ..., ...}``."""
+    from tpspec import LLM, SamplingParams
+
+    prompts = [{"prompt_token_ids": p} for p in NEIGHBOURS[:3]] + [{"prompt_token_ids": X}]
+    out = {}
+    with LLM("tiny", tensor_parallel_size=tp, speculative_config=spec, deterministic=True, max_num_seqs=3,
+             max_model_len=64) as llm:
+        for kind, params in (("greedy", GREEDY), ("seeded", SEEDED)):
+            alone = llm.generate([{"prompt_token_ids": X}], SamplingParams(**params))[0].outputs[0]
+            batch = llm.generate(prompts, _neighbour_params() + [SamplingParams(**params)])[3].outputs[0]
+            out[f"{kind} alone"] = (list(alone.token_ids), alone.logprobs)
+            out[f"{kind} batched"] = (list(batch.token_ids), batch.logprobs)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runtime_reference() -> dict[str, tuple[list[int], list]]:
+    """X at TP = 1 without speculation."""
+    return _runtime_outputs(1, None)
+
+
+def _check_runtime(got: dict, greedy_ref: tuple, seeded_ref: tuple | None) -> None:
+    for kind in ("alone", "batched"):
+        assert got[f"greedy {kind}"] == greedy_ref, kind
+        assert got[f"seeded {kind}"] == (seeded_ref or got["seeded alone"]), kind
+
+
+def test_runtime_alone_equals_batched_with_speculation():
+    """One LLM (TP 1, n-gram drafts): X alone and X beside neighbours in reused slots give the
+    same tokens and logprobs, greedy and seeded."""
+    got = _runtime_outputs(1, {"method": "ngram", "num_speculative_tokens": 3})
+    tokens, logprobs = got["greedy alone"]
+    assert len(tokens) == GREEDY["max_tokens"] and len(logprobs) == len(tokens)
+    _check_runtime(got, got["greedy alone"], None)
+
+
+@pytest.mark.slow
+def test_runtime_speculation_keeps_greedy_logprobs(runtime_reference):
+    ref = runtime_reference
+    _check_runtime(ref, ref["greedy alone"], None)
+    _check_runtime(_runtime_outputs(1, {"method": "ngram", "num_speculative_tokens": 3}), ref["greedy alone"], None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,spec", [
+    (2, None),
+    (4, None),
+    (2, {"method": "ngram", "num_speculative_tokens": 3}),
+    (2, {"method": "draft_model", "model": "tiny", "num_speculative_tokens": 2, "acceptance": "rejection"}),
+])
+def test_runtime_tp_and_speculation_equal(runtime_reference, tp, spec):
+    """At TP 2/4 the greedy runs equal TP 1 without speculation; the seeded runs equal TP 1 with
+    the same speculative configuration."""
+    seeded_ref = runtime_reference["seeded alone"] if spec is None else _runtime_outputs(1, spec)["seeded alone"]
+    _check_runtime(_runtime_outputs(tp, spec), runtime_reference["greedy alone"], seeded_ref)
+
+
+def test_runtime_rejects_what_deterministic_mode_cannot_do():
+    from tpspec import LLM
+
+    with pytest.raises(ValueError, match="attention DP"):
+        LLM("tiny", tensor_parallel_size=2, attention_dp=True, deterministic=True)
+    with pytest.raises(ValueError, match="attention_backend"):
+        LLM("tiny", attention_backend="torch", deterministic=True)
+    with pytest.raises(ValueError, match="deterministic"):
+        LLM("tiny", deterministic="yes")
