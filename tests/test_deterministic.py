@@ -369,3 +369,15 @@ def test_runtime_rejects_what_deterministic_mode_cannot_do():
         LLM("tiny", attention_backend="torch", deterministic=True)
     with pytest.raises(ValueError, match="deterministic"):
         LLM("tiny", deterministic="yes")
+
+
+def test_embedding_turns_negative_zero_positive_at_every_tp():
+    """The vocab-parallel embedding adds +0.0 from the other ranks to the owner's value; a -0.0
+    entry would come out +0.0 at TP > 1, so deterministic mode makes it +0.0 at TP = 1 too."""
+    from tpspec.model.layers import VocabParallelEmbedding
+
+    emb = VocabParallelEmbedding("e", 8, 4, 1, 0, None, dtype=torch.float32, device="cpu", deterministic=True)
+    emb.weight.copy_(torch.tensor([[-0.0, 1.5, -2.0, 0.0]] * 8))
+    out = emb(torch.tensor([3, 9]))  # 9 is out of range: zeros
+    assert out[0].tolist() == [0.0, 1.5, -2.0, 0.0] and not torch.signbit(out[0, 0])
+    assert torch.equal(out[1], torch.zeros(4)) and not torch.signbit(out[1]).any()

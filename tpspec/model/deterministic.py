@@ -128,8 +128,9 @@ class FixedOrderMatmul:
     ``K_local = K / tp_size`` contraction columns (a column-parallel or head layer:
     ``tp_size = 1``), every output element the tree sum of its float32 products.
 
-    ``partial(x)`` returns this rank's ``[M, N]`` float32 subtree sums; the weight is laid out
-    once per weight version (re-laid out when the parameter is modified in place).
+    ``partial(x, weight)`` returns this rank's ``[M, N]`` float32 subtree sums. The weight is
+    laid out once per weight version (a float32 copy in leaf order, kept beside the parameter;
+    laid out again when the parameter is modified in place).
     """
 
     def __init__(self, contraction: Contraction, tp_size: int) -> None:
@@ -263,22 +264,6 @@ def prefix_tree_sum(x: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         x = torch.where(right_start >= vis, left, left + right)
         span *= 2
     return x[..., 0]
-
-
-def sequence_spans(tok_seq: torch.Tensor, tok_qi: torch.Tensor, tok_cache_idx: torch.Tensor,
-                   num_seqs: int) -> list[tuple[int, int, int]]:
-    """Per sequence ``(first token, new tokens, cache_len)`` from a step's per-token indices
-    (tokens in sequence order). Host copies: one synchronization on CUDA."""
-    seq, qi, idx = tok_seq.tolist(), tok_qi.tolist(), tok_cache_idx.tolist()
-    spans: list[tuple[int, int, int]] = []
-    for t, (b, i) in enumerate(zip(seq, qi)):
-        if i == 0:
-            spans.append((t, 0, idx[t]))
-        start, count, cache_len = spans[-1]
-        spans[-1] = (start, count + 1, cache_len)
-    if len(spans) != num_seqs:
-        raise ValueError(f"the step's tokens describe {len(spans)} sequences, the metadata {num_seqs}")
-    return spans
 
 
 def attend_sequence(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cache_len: int,
