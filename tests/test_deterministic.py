@@ -381,3 +381,14 @@ def test_embedding_turns_negative_zero_positive_at_every_tp():
     out = emb(torch.tensor([3, 9]))  # 9 is out of range: zeros
     assert out[0].tolist() == [0.0, 1.5, -2.0, 0.0] and not torch.signbit(out[0, 0])
     assert torch.equal(out[1], torch.zeros(4)) and not torch.signbit(out[1]).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_deterministic_on_cuda(dtype):
+    """On CUDA (the same fixed-order code): every scenario's logits equal the request's alone,
+    in float32 and bfloat16 (products of bf16 inputs are exact in float32)."""
+    model = load_model(tiny_model_path(), device="cuda", dtype=dtype, deterministic=True)
+    allocate_slots(model)
+    res = run_scenarios(model)
+    assert _differs(res, res["alone"]) == []
