@@ -37,6 +37,7 @@ not fast: it forms the products explicitly).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -96,6 +97,13 @@ class Contraction:
         return col[_bit_reverse(leaves)]
 
 
+@functools.lru_cache(maxsize=256)
+def leaf_source(length: int, tp_size: int, device: torch.device) -> torch.Tensor:
+    """:meth:`Contraction.storage_source` of a contraction of global ``length`` split over
+    ``tp_size`` ranks, on ``device`` (made once per shape and device)."""
+    return Contraction.of(length).storage_source(tp_size).to(device)
+
+
 def check_contraction_split(name: str, length: int, tp_size: int) -> None:
     """``ValueError`` unless a contraction of global ``length`` can be split over ``tp_size``
     ranks in deterministic mode: ``tp_size`` a power of two dividing ``length``'s largest
@@ -118,9 +126,9 @@ def _halve(t: torch.Tensor) -> torch.Tensor:
 
 
 def _gather_leaves(x: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
-    """``x [M, K]`` -> ``[P, M]`` float32 leaves (padding leaves are +0)."""
+    """``x [M, K]`` -> ``[P, M]`` float32 leaves (padding leaves are +0); ``source`` on ``x``'s device."""
     xf = torch.cat((x.to(torch.float32), x.new_zeros(x.shape[0], 1, dtype=torch.float32)), dim=1)
-    return xf.index_select(1, source.to(x.device)).t().contiguous()
+    return xf.index_select(1, source).t().contiguous()
 
 
 class FixedOrderMatmul:
@@ -136,14 +144,13 @@ class FixedOrderMatmul:
     def __init__(self, contraction: Contraction, tp_size: int) -> None:
         self.contraction = contraction
         self.tp_size = tp_size
-        self.source = contraction.storage_source(tp_size)
         self._weight_key: tuple[int, int, torch.device] | None = None
         self._leaves: torch.Tensor | None = None  # [P, N] float32
 
     def _weight_leaves(self, weight: torch.Tensor) -> torch.Tensor:
         key = (weight.data_ptr(), weight._version, weight.device)
         if self._weight_key != key:
-            self._leaves = _gather_leaves(weight, self.source)
+            self._leaves = _gather_leaves(weight, leaf_source(self.contraction.length, self.tp_size, weight.device))
             self._weight_key = key
         return self._leaves
 
@@ -153,7 +160,7 @@ class FixedOrderMatmul:
         if m == 0 or n == 0:
             return out
         w = self._weight_leaves(weight)  # [P, N]
-        xl = _gather_leaves(x, self.source)  # [P, M]
+        xl = _gather_leaves(x, leaf_source(self.contraction.length, self.tp_size, x.device))  # [P, M]
         p = w.shape[0]
         nb = max(1, min(n, BLOCK_ELEMENTS // p))
         mb = max(1, min(m, BLOCK_ELEMENTS // (p * nb)))
@@ -179,8 +186,7 @@ def tree_sum_ranks(partial: torch.Tensor, group: Any, tp_size: int) -> torch.Ten
 
 def fixed_order_sum(x: torch.Tensor) -> torch.Tensor:
     """``x [M, K]`` -> ``[M]`` float32: each row's tree sum over ``K`` (the contraction tree)."""
-    source = Contraction.of(x.shape[1]).storage_source(1)
-    return _halve(_gather_leaves(x, source))
+    return _halve(_gather_leaves(x, leaf_source(x.shape[1], 1, x.device)))
 
 
 # --- exp from basic IEEE operations --------------------------------------------------------
@@ -278,7 +284,7 @@ def attend_sequence(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, c
     qn, heads, hd = q.shape
     n, kvh = keys.shape[0], keys.shape[1]
     g = heads // kvh
-    source = Contraction.of(hd).storage_source(1)
+    source = leaf_source(hd, 1, q.device)
     # [qn, H, hd] -> leaves [P, kvh, g * qn] (row = j * qn + i for query head kv * g + j)
     ql = _gather_leaves(q.reshape(qn * heads, hd), source).view(-1, qn, kvh, g)
     ql = ql.permute(0, 2, 3, 1).reshape(-1, kvh, g * qn)
