@@ -392,3 +392,18 @@ def test_deterministic_on_cuda(dtype):
     allocate_slots(model)
     res = run_scenarios(model)
     assert _differs(res, res["alone"]) == []
+
+
+def test_blocking_never_changes_a_sum(monkeypatch):
+    """Products are formed in blocks of rows, columns and KV positions; any block size gives the
+    same bits (every block is a whole subtree or a set of whole output elements)."""
+    gen = torch.Generator().manual_seed(3)
+    x, w = torch.randn(11, 96, generator=gen), torch.randn(37, 96, generator=gen)
+    q, k, v = (torch.randn(7, 8, 16, generator=gen), torch.randn(45, 2, 16, generator=gen),
+               torch.randn(45, 2, 16, generator=gen))
+    mm = det.FixedOrderMatmul(det.Contraction.of(96), 1)
+    ref_mm, ref_att = mm.partial(x, w), det.attend_sequence(q, k, v, cache_len=38, scale=0.25)
+    for block in (1, 64, 500, 3000):
+        monkeypatch.setattr(det, "BLOCK_ELEMENTS", block)
+        assert torch.equal(mm.partial(x, w), ref_mm), block
+        assert torch.equal(det.attend_sequence(q, k, v, cache_len=38, scale=0.25), ref_att), block

@@ -28,8 +28,9 @@ cache, bit for bit:
   SiLU) is :func:`portable_exp`; rotary ``cos``/``sin`` are computed per fixed block of
   positions (:func:`rotary_cos_sin`), so a position's angles always meet the same kernel call.
 
-Memory per call stays bounded: products are formed in blocks of rows and columns
-(``BLOCK_ELEMENTS`` at most); blocking never changes an element's tree.
+Memory per call stays bounded: products are formed in blocks of rows and columns, and
+attention's in aligned power-of-two chunks of KV positions (``BLOCK_ELEMENTS`` at most; one
+attention row still holds its ``[kv_heads, n]`` scores); blocking never changes an element's tree.
 
 Every function here is plain torch and runs on CPU and CUDA alike (on CUDA it is correct but
 not fast: it forms the products explicitly).
@@ -52,6 +53,10 @@ ROTARY_BLOCK = 64  # positions whose angles one cos/sin call computes
 
 def _next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def _prev_pow2(n: int) -> int:
+    return 1 << (n.bit_length() - 1)
 
 
 def _bit_reverse(n: int) -> torch.Tensor:
@@ -294,17 +299,27 @@ def attend_sequence(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, c
     visible = (cache_len + 1 + torch.arange(qn, device=q.device)).repeat(g)  # [rows]
     out = torch.empty(kvh, rows, hd, dtype=torch.float32, device=q.device)
     p_leaves = ql.shape[0]
-    rb = max(1, min(rows, BLOCK_ELEMENTS // max(1, kvh * n * max(p_leaves, hd))))
+    # Rows in blocks (a few [kvh, rb, n] tensors at a time); positions in aligned power-of-two
+    # chunks, each a subtree of the position tree, so neither blocking changes a sum.
+    rb = max(1, min(rows, BLOCK_ELEMENTS // (4 * kvh * _next_pow2(n))))
     pos = torch.arange(n, device=q.device)
     for i in range(0, rows, rb):
         vis = visible[i : i + rb]
-        scores = _halve(ql[:, :, i : i + rb, None] * kl[:, :, None, :]) * scale  # [kvh, rb, n]
+        r = vis.shape[0]
+        chunk = min(_next_pow2(n), _prev_pow2(max(1, BLOCK_ELEMENTS // (kvh * r * max(p_leaves, hd)))))
+        scores = torch.empty(kvh, r, n, dtype=torch.float32, device=q.device)
+        for s in range(0, n, chunk):
+            scores[:, :, s : s + chunk] = _halve(ql[:, :, i : i + r, None] * kl[:, :, None, s : s + chunk])
+        scores = scores * scale
         seen = pos[None, None, :] < vis[None, :, None]
         scores = torch.where(seen, scores, torch.full_like(scores, -math.inf))
         top = scores.amax(dim=-1, keepdim=True)
         p = torch.where(seen, portable_exp(scores - top), torch.zeros_like(scores))
-        den = prefix_tree_sum(p, vis[None, :])  # [kvh, rb]
-        num = prefix_tree_sum(p[:, :, None, :] * vf[:, None, :, :], vis[None, :, None])  # [kvh, rb, hd]
-        out[:, i : i + rb] = num / den[..., None]
+        den = prefix_tree_sum(p, vis[None, :])  # [kvh, r]
+        parts = [prefix_tree_sum(p[:, :, None, s : s + chunk] * vf[:, None, :, s : s + chunk],
+                                 (vis - s).clamp(min=1)[None, :, None])  # a chunk no row sees is dropped below
+                 for s in range(0, n, chunk)]
+        num = prefix_tree_sum(torch.stack(parts, dim=-1), (-(-vis // chunk))[None, :, None])  # [kvh, r, hd]
+        out[:, i : i + r] = num / den[..., None]
     # [kvh, g * qn, hd] -> [qn, H, hd]
     return out.view(kvh, g, qn, hd).permute(2, 0, 1, 3).reshape(qn, heads, hd).to(q.dtype)
