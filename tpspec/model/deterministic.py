@@ -29,8 +29,9 @@ cache, bit for bit:
   positions (:func:`rotary_cos_sin`), so a position's angles always meet the same kernel call.
 
 Memory per call stays bounded: products are formed in blocks of rows and columns, and
-attention's in aligned power-of-two chunks of KV positions (``BLOCK_ELEMENTS`` at most; one
-attention row still holds its ``[kv_heads, n]`` scores); blocking never changes an element's tree.
+attention's in aligned power-of-two chunks of KV positions (``BLOCK_ELEMENTS`` at most,
+``CUDA_BLOCK_ELEMENTS`` on CUDA; one attention row still holds its ``[kv_heads, n]``
+scores); blocking never changes an element's tree.
 
 Every function here is plain torch and runs on CPU and CUDA alike (on CUDA it is correct but
 not fast: it forms the products explicitly).
@@ -47,7 +48,12 @@ import torch
 
 from .. import distributed as D
 
-BLOCK_ELEMENTS = 1 << 18  # products formed at once (1 MiB of float32: stays in cache)
+BLOCK_ELEMENTS = 1 << 18  # products formed at once on CPU (1 MiB of float32: stays in cache)
+CUDA_BLOCK_ELEMENTS = 1 << 24  # on CUDA (64 MiB): few enough launches to keep the GPU busy
+
+
+def _block(device: torch.device) -> int:
+    return CUDA_BLOCK_ELEMENTS if device.type == "cuda" else BLOCK_ELEMENTS
 ROTARY_BLOCK = 64  # positions whose angles one cos/sin call computes
 
 
@@ -167,8 +173,9 @@ class FixedOrderMatmul:
         w = self._weight_leaves(weight)  # [P, N]
         xl = _gather_leaves(x, leaf_source(self.contraction.length, self.tp_size, x.device))  # [P, M]
         p = w.shape[0]
-        nb = max(1, min(n, BLOCK_ELEMENTS // p))
-        mb = max(1, min(m, BLOCK_ELEMENTS // (p * nb)))
+        block = _block(x.device)
+        nb = max(1, min(n, block // p))
+        mb = max(1, min(m, block // (p * nb)))
         for i in range(0, m, mb):
             for j in range(0, n, nb):
                 prod = xl[:, i : i + mb, None] * w[:, None, j : j + nb]
@@ -301,12 +308,13 @@ def attend_sequence(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, c
     p_leaves = ql.shape[0]
     # Rows in blocks (a few [kvh, rb, n] tensors at a time); positions in aligned power-of-two
     # chunks, each a subtree of the position tree, so neither blocking changes a sum.
-    rb = max(1, min(rows, BLOCK_ELEMENTS // (4 * kvh * _next_pow2(n))))
+    block = _block(q.device)
+    rb = max(1, min(rows, block // (4 * kvh * _next_pow2(n))))
     pos = torch.arange(n, device=q.device)
     for i in range(0, rows, rb):
         vis = visible[i : i + rb]
         r = vis.shape[0]
-        chunk = min(_next_pow2(n), _prev_pow2(max(1, BLOCK_ELEMENTS // (kvh * r * max(p_leaves, hd)))))
+        chunk = min(_next_pow2(n), _prev_pow2(max(1, block // (kvh * r * max(p_leaves, hd)))))
         scores = torch.empty(kvh, r, n, dtype=torch.float32, device=q.device)
         for s in range(0, n, chunk):
             scores[:, :, s : s + chunk] = _halve(ql[:, :, i : i + r, None] * kl[:, :, None, s : s + chunk])
