@@ -407,3 +407,31 @@ def test_blocking_never_changes_a_sum(monkeypatch):
         monkeypatch.setattr(det, "BLOCK_ELEMENTS", block)
         assert torch.equal(mm.partial(x, w), ref_mm), block
         assert torch.equal(det.attend_sequence(q, k, v, cache_len=38, scale=0.25), ref_att), block
+
+
+def test_cli_deterministic_flag_reaches_the_checks(capsys):
+    from tpspec.cli import main
+
+    assert main(["generate", "--deterministic", "--attention-dp"]) == 2  # refused before any worker starts
+    assert "attention DP" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_cli_deterministic_tp1_equals_tp2(tmp_path):
+    """`tpspec generate --deterministic --json` at TP 1 and TP 2: the same tokens for seeded sampling."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    outs = []
+    for tp in (1, 2):
+        env = dict(os.environ, TPSPEC_NUM_THREADS="1", OMP_NUM_THREADS="1")
+        env.pop("RANK", None)
+        env.pop("WORLD_SIZE", None)
+        proc = subprocess.run([sys.executable, "-m", "tpspec", "generate", "--deterministic", "-tp", str(tp), "--json",
+                               "--num-prompts", "3", "--max-tokens", "8", "--temperature", "0.8", "--seed", "5"],
+                              env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        outs.append([c["token_ids"] for o in json.loads(proc.stdout)["outputs"] for c in o["outputs"]])
+    assert outs[0] == outs[1] and len(outs[0]) == 3
