@@ -4,6 +4,8 @@ equal to the pages asked for, and bad sizes raising clearly before any worker st
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from tpspec import LLM, SpeculativeConfig
@@ -123,7 +125,7 @@ def test_page_allocator_accounting():
             PageAllocator(bad, 4)
 
 
-def test_bad_sizes_raise_before_workers(ckpt):
+def test_bad_sizes_raise_before_workers(ckpt, caplog):
     cases = [
         (dict(page_size=0), "page_size must be a positive int"),
         (dict(kv_cache_bytes=-5), "kv_cache_bytes must be a positive int"),
@@ -135,6 +137,15 @@ def test_bad_sizes_raise_before_workers(ckpt):
     for kwargs, message in cases[:-1]:
         with pytest.raises(ValueError, match=message):
             LLM(ckpt[0], tensor_parallel_size=2, device="cpu", **kwargs)  # raises in the driver: no worker starts
+    # vLLM scripts pass gpu_memory_utilization everywhere: without a GPU it sizes nothing, and says so.
+    logger = logging.getLogger("tpspec")
+    logger.addHandler(caplog.handler)
+    try:
+        with pytest.raises(ValueError, match="holds 0 KV pages"):
+            LLM(ckpt[0], tensor_parallel_size=2, device="cpu", kv_cache_bytes=1000, gpu_memory_utilization=0.5)
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert "gpu_memory_utilization=0.5 has no effect" in caplog.text
     with pytest.raises(ValueError, match="gpu_memory_utilization must be a number in \\(0, 1\\]"):
         EngineConfig(ckpt[0], 1, "cuda", "float32", gpu_memory_utilization=1.5)
     with pytest.raises(ValueError, match=cases[-1][1]):
