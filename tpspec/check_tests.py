@@ -651,7 +651,8 @@ def check_seeded_streams(ctx: SuiteContext) -> CheckResult:
     """§8.4 (batch, slot history, TP size): a seeded request's tokens, chosen by
     ``select_tokens`` under ``SpecMetadata`` streams, are the same alone in slot 0, in a
     mixed batch at another position in a slot used before, in a batch that takes the
-    filtered path (a top-k neighbour), and at TP=1; a different seed changes them."""
+    filtered path (a top-k neighbour), and at TP=1; a different seed changes them. The
+    request runs twice: with a temperature only, and with top-k, top-p and min-p."""
     require_module("tpspec.speculative")
     from .sampling.params import SamplingParams
     from .speculative import SpecMetadata
@@ -690,27 +691,31 @@ def check_seeded_streams(ctx: SuiteContext) -> CheckResult:
              (12, 4, SamplingParams(temperature=1.2), False)]
     filtered = [(10, 0, SamplingParams(temperature=0.7, seed=99), False),
                 (13, 1, SamplingParams(temperature=1.0, top_k=5, seed=7), False)]
-    alone = run(ex, ctx.world_size, ctx.rank, 0, 0, [])
-    scenarios = {
-        "mixed batch, slot 2 after 3 steps of another request": run(ex, ctx.world_size, ctx.rank, 2, 3, mixed),
-        "filtered path (top-k neighbour), slot 5": run(ex, ctx.world_size, ctx.rank, 5, 1, filtered),
-        "TP=1": run(single, 1, 0, 0, 0, []),
-    }
     rows = mism = 0
     details = []
-    for name, tokens in scenarios.items():
-        bad = _mismatches(tokens, alone)
-        if bad:
-            details.append(f"{name}: {bad} of {alone.numel()} tokens differ")
-        mism += bad
-        rows += alone.numel()
-    other_seed = run(ex, ctx.world_size, ctx.rank, 0, 0, [], SamplingParams(temperature=0.9, seed=987654321))
-    if torch.equal(other_seed, alone):
-        details.append("a different seed gives the same tokens: the seed is not used")
-        mism += 1
+    # X with a temperature only, then with every filter (its rows take the candidate path).
+    x_filtered = SamplingParams(temperature=0.9, top_k=20, top_p=0.8, min_p=0.02, seed=123456789)
+    for label, params in (("", x_params), ("filtered X, ", x_filtered)):
+        alone = run(ex, ctx.world_size, ctx.rank, 0, 0, [], params)
+        scenarios = {
+            "mixed batch, slot 2 after 3 steps of another request": run(ex, ctx.world_size, ctx.rank, 2, 3, mixed,
+                                                                         params),
+            "filtered path (top-k neighbour), slot 5": run(ex, ctx.world_size, ctx.rank, 5, 1, filtered, params),
+            "TP=1": run(single, 1, 0, 0, 0, [], params),
+        }
+        for name, tokens in scenarios.items():
+            bad = _mismatches(tokens, alone)
+            if bad:
+                details.append(f"{label}{name}: {bad} of {alone.numel()} tokens differ")
+            mism += bad
+            rows += alone.numel()
+        other = dataclasses.replace(params, seed=987654321)
+        if torch.equal(run(ex, ctx.world_size, ctx.rank, 0, 0, [], other), alone):
+            details.append(f"{label}a different seed gives the same tokens: the seed is not used")
+            mism += 1
     return CheckResult("seeded_streams", PASS if mism == 0 else FAIL, rows, mism,
-                       detail=_join(details) or f"{steps} steps x D={draft_len}: alone vs mixed batch / slot "
-                       "history / filtered path / TP=1")
+                       detail=_join(details) or f"{steps} steps x D={draft_len}, X plain and filtered: alone vs "
+                       "mixed batch / slot history / filtered path / TP=1")
 
 
 def check_ll_equals_allgather(ctx: SuiteContext) -> CheckResult:
