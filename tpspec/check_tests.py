@@ -505,9 +505,51 @@ def check_filters_sharded(ctx: SuiteContext) -> CheckResult:
     if bad:
         details.append(f"TP=1: {bad} rows differ")
     mism += bad
-    return CheckResult("filters_sharded", PASS if mism == 0 else FAIL, 3 * num_rows, mism,
+    bad = _penalised_mismatches(ctx, full[-36:-4], {k: v[-36:-4] for k, v in params.items()}, gen)
+    if bad:
+        details.append(f"penalised rows: {bad} differ")
+    mism += bad
+    return CheckResult("filters_sharded", PASS if mism == 0 else FAIL, 3 * num_rows + 32, mism,
                        detail=_join(details) or f"V={vocab}, {num_rows} rows (NaN, ±inf, ties, flat); on shards "
                        f"{stats.rows_sharded}, retried {stats.rows_retried}, gathered {stats.rows_gathered}")
+
+
+def _penalised_mismatches(ctx: SuiteContext, full: torch.Tensor, params: dict[str, torch.Tensor],
+                          gen: torch.Generator) -> int:
+    """Rows with repetition / presence / frequency penalties (per-slot counts of a random
+    prompt and output) and filters through ``select_tokens`` on the group's shards, against
+    the full rows penalised in one process and drawn by the reference."""
+    from .sampling.ops import sample_from_logits
+    from .sampling.penalties import OccurrenceCounts, RowPenalties, apply_penalties
+    from .sampling.select import select_tokens
+
+    num_rows, vocab = full.shape
+    slots = torch.arange(num_rows, dtype=torch.int64) % 4
+    prompts = [torch.randint(0, vocab, (24,), generator=gen) for _ in range(4)]
+    outputs = torch.randint(0, vocab, (4, 12), generator=gen)
+    repetition = 1.0 + torch.rand(num_rows, generator=gen)
+    presence, frequency = torch.rand(num_rows, generator=gen) - 0.5, torch.rand(num_rows, generator=gen) - 0.5
+
+    def penalties(offset: int, width: int) -> RowPenalties:
+        counts = OccurrenceCounts(4, vocab_offset=offset, width=width, device=ctx.device)
+        for slot, prompt in enumerate(prompts):
+            counts.reset(slot, prompt)
+        counts.add(torch.arange(4), outputs)
+        return RowPenalties(counts, slots.to(ctx.device), None, repetition.to(ctx.device),
+                            presence.to(ctx.device), frequency.to(ctx.device))
+
+    local, offset = shard_slice(full.to(ctx.device), ctx.world_size, ctx.rank)
+    rows = K.SamplingRows(*(params[k].to(ctx.device) for k in ("temperature", "seeds", "offsets")),
+                          **{k: params[k].to(ctx.device) for k in ("top_k", "top_p", "min_p")},
+                          penalties=penalties(offset, local.shape[1]))
+    tokens = ctx.record(select_tokens(VocabShardedLogits(local, offset, vocab, ctx.allgather_exchange()), rows))
+    whole = penalties(0, vocab)
+    penalised = apply_penalties(full.to(ctx.device), vocab_offset=0, counts=whole.counts, slots=whole.slots,
+                                drafts=None, repetition=whole.repetition, presence=whole.presence,
+                                frequency=whole.frequency)
+    reference = sample_from_logits(penalised, params["temperature"], params["seeds"], params["offsets"],
+                                   params["top_k"], params["top_p"], params["min_p"], backend="torch")
+    return _mismatches(tokens, reference)
 
 
 def check_filters_exact(ctx: SuiteContext) -> CheckResult:
