@@ -51,7 +51,8 @@ from typing import Any, Callable
 
 import torch
 
-from . import number_list, report
+from ..validation import resolve_dtype, torch_dtype
+from . import bench_device, number_list, report
 
 DEFAULT_BATCHES = (1, 8, 32)
 QUICK_BATCHES = (1, 4)
@@ -146,7 +147,6 @@ def _step_worker(rank: int, world_size: int, cfg: dict) -> list[dict]:
     from ..exchange import make_key_exchange
     from ..mapping import Mapping
     from ..model import ForwardBatch, load_model
-    from ..runtime.engine import resolve_dtype
     from ..sampling.penalties import OccurrenceCounts
     from ..sampling.select import SamplingStats
     from ..speculative import RequestEntry, SpecMetadata, SpecWorker
@@ -156,7 +156,7 @@ def _step_worker(rank: int, world_size: int, cfg: dict) -> list[dict]:
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device("cpu")
-    dtype = resolve_dtype(cfg["dtype"])
+    dtype = torch_dtype(cfg["dtype"])
     exchange = make_key_exchange(D.tp_group(), prefer=cfg["exchange"], device=device)
     model = load_model(cfg["model"], Mapping(world_size, rank), device=device, dtype=dtype, exchange=exchange)
     vocab = model.config.vocab_size
@@ -307,15 +307,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..testing import rank_backend, run_ranks, shared_gpu_mps
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("tpspec bench step: --device cuda but no CUDA device is visible")
+    device = bench_device(args.device, "tpspec bench step")
     if args.tp < 1 or args.draft_len < 1:
         raise SystemExit("tpspec bench step: --tp and --draft-len must be >= 1")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or any(m not in MODES for m in modes):
         raise SystemExit(f"tpspec bench step: --modes must name some of {MODES}, got {args.modes!r}")
-    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    try:
+        dtype = resolve_dtype(args.dtype, device)
+    except ValueError as exc:
+        raise SystemExit(f"tpspec bench step: --dtype: {exc}") from None
     vocab = args.vocab_size or (QUICK_VOCAB if args.quick else DEFAULT_VOCAB)
     cfg = {
         "model": _model_path(args, vocab),

@@ -45,9 +45,7 @@ def source_dir() -> Path:
     override = os.environ.get(SOURCE_ENV)
     if override:
         return Path(override)
-    import tpspec
-
-    return Path(tpspec.__file__).resolve().parent.parent / "csrc" / "ll_exchange"
+    return Path(__file__).resolve().parents[2] / "csrc" / "ll_exchange"  # <repo>/tpspec/exchange/this file
 
 
 def source_path(name: str = SOURCE_FILE) -> Path:

@@ -32,6 +32,7 @@ import torch
 
 from .. import distributed as D
 from .. import keys as K
+from ..validation import check_int, is_real
 from . import cuda_module
 from .ll_plan import exchange_keys_kernel, gather_rows_kernel, kernel_constants, max_grid_blocks, plan
 from .allgather import AllGatherKeyExchange
@@ -98,7 +99,7 @@ def resolve_timeout_s(timeout_s: float | None) -> float:
                 raise ValueError(f"{TIMEOUT_ENV}={env!r} is not a number") from None
         else:
             timeout_s = DEFAULT_TIMEOUT_S
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
+    if not is_real(timeout_s):
         raise ValueError(f"timeout_s must be a number, got {type(timeout_s).__name__}")
     if not math.isfinite(timeout_s) or not MIN_TIMEOUT_S <= timeout_s <= MAX_TIMEOUT_S:
         raise ValueError(f"timeout_s must lie in [{MIN_TIMEOUT_S}, {MAX_TIMEOUT_S:g}] seconds, got {timeout_s}")
@@ -107,10 +108,8 @@ def resolve_timeout_s(timeout_s: float | None) -> float:
 
 def validate_ll_arguments(max_rows: Any, num_channels: Any, world_size: int) -> None:
     """Raise ``ValueError`` for arguments the LL exchange cannot serve."""
-    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or not 1 <= max_rows <= MAX_MAX_ROWS:
-        raise ValueError(f"max_rows must be an int in [1, {MAX_MAX_ROWS}], got {max_rows!r}")
-    if isinstance(num_channels, bool) or not isinstance(num_channels, int) or not 1 <= num_channels <= MAX_CHANNELS:
-        raise ValueError(f"num_channels must be an int in [1, {MAX_CHANNELS}], got {num_channels!r}")
+    check_int("max_rows", max_rows, low=1, high=MAX_MAX_ROWS)
+    check_int("num_channels", num_channels, low=1, high=MAX_CHANNELS)
     # One rank always fits: the factory checks options before it knows whether the kernel
     # source (which holds the limit) is there.
     if world_size < 1 or (world_size > 1 and world_size > kernel_constants().max_world):

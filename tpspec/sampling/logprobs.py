@@ -23,7 +23,8 @@ def emitted_logprobs(logits: VocabShardedLogits, row_index: torch.Tensor, tokens
     ``SpecMetadata.request_row_index``); ``tokens`` ``[B, P]``: the tokens emitted there
     (padding ignored); ``num_emitted`` ``[B]``; ``top_n``: each request's N. Returns, per
     request, one ``{token id: logprob}`` per emitted token: its N most likely tokens and the
-    emitted token itself. Collective over the logits' group (every rank passes the same rows).
+    emitted token itself (float values of the float32 logprobs). Collective over the logits'
+    group (every rank passes the same rows).
     """
     rows, width = row_index.shape
     device = logits.local.device
