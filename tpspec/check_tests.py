@@ -506,9 +506,51 @@ def check_filters_sharded(ctx: SuiteContext) -> CheckResult:
     if bad:
         details.append(f"TP=1: {bad} rows differ")
     mism += bad
-    return CheckResult("filters_sharded", PASS if mism == 0 else FAIL, 3 * num_rows, mism,
+    bad = _penalised_mismatches(ctx, full[-36:-4], {k: v[-36:-4] for k, v in params.items()}, gen)
+    if bad:
+        details.append(f"penalised rows: {bad} differ")
+    mism += bad
+    return CheckResult("filters_sharded", PASS if mism == 0 else FAIL, 3 * num_rows + 32, mism,
                        detail=_join(details) or f"V={vocab}, {num_rows} rows (NaN, ±inf, ties, flat); on shards "
                        f"{stats.rows_sharded}, retried {stats.rows_retried}, gathered {stats.rows_gathered}")
+
+
+def _penalised_mismatches(ctx: SuiteContext, full: torch.Tensor, params: dict[str, torch.Tensor],
+                          gen: torch.Generator) -> int:
+    """Rows with repetition / presence / frequency penalties (per-slot counts of a random
+    prompt and output) and filters through ``select_tokens`` on the group's shards, against
+    the full rows penalised in one process and drawn by the reference."""
+    from .sampling.ops import sample_from_logits
+    from .sampling.penalties import OccurrenceCounts, RowPenalties, apply_penalties
+    from .sampling.select import select_tokens
+
+    num_rows, vocab = full.shape
+    slots = torch.arange(num_rows, dtype=torch.int64) % 4
+    prompts = [torch.randint(0, vocab, (24,), generator=gen) for _ in range(4)]
+    outputs = torch.randint(0, vocab, (4, 12), generator=gen)
+    repetition = 1.0 + torch.rand(num_rows, generator=gen)
+    presence, frequency = torch.rand(num_rows, generator=gen) - 0.5, torch.rand(num_rows, generator=gen) - 0.5
+
+    def penalties(offset: int, width: int) -> RowPenalties:
+        counts = OccurrenceCounts(4, vocab_offset=offset, width=width, device=ctx.device)
+        for slot, prompt in enumerate(prompts):
+            counts.reset(slot, prompt)
+        counts.add(torch.arange(4), outputs)
+        return RowPenalties(counts, slots.to(ctx.device), None, repetition.to(ctx.device),
+                            presence.to(ctx.device), frequency.to(ctx.device))
+
+    local, offset = shard_slice(full.to(ctx.device), ctx.world_size, ctx.rank)
+    rows = K.SamplingRows(*(params[k].to(ctx.device) for k in ("temperature", "seeds", "offsets")),
+                          **{k: params[k].to(ctx.device) for k in ("top_k", "top_p", "min_p")},
+                          penalties=penalties(offset, local.shape[1]))
+    tokens = ctx.record(select_tokens(VocabShardedLogits(local, offset, vocab, ctx.allgather_exchange()), rows))
+    whole = penalties(0, vocab)
+    penalised = apply_penalties(full.to(ctx.device), vocab_offset=0, counts=whole.counts, slots=whole.slots,
+                                drafts=None, repetition=whole.repetition, presence=whole.presence,
+                                frequency=whole.frequency)
+    reference = sample_from_logits(penalised, params["temperature"], params["seeds"], params["offsets"],
+                                   params["top_k"], params["top_p"], params["min_p"], backend="torch")
+    return _mismatches(tokens, reference)
 
 
 def check_filters_exact(ctx: SuiteContext) -> CheckResult:
@@ -652,7 +694,8 @@ def check_seeded_streams(ctx: SuiteContext) -> CheckResult:
     """§8.4 (batch, slot history, TP size): a seeded request's tokens, chosen by
     ``select_tokens`` under ``SpecMetadata`` streams, are the same alone in slot 0, in a
     mixed batch at another position in a slot used before, in a batch that takes the
-    filtered path (a top-k neighbour), and at TP=1; a different seed changes them."""
+    filtered path (a top-k neighbour), and at TP=1; a different seed changes them. The
+    request runs twice: with a temperature only, and with top-k, top-p and min-p."""
     require_module("tpspec.speculative")
     from .sampling.params import SamplingParams
     from .speculative import SpecMetadata
@@ -691,27 +734,31 @@ def check_seeded_streams(ctx: SuiteContext) -> CheckResult:
              (12, 4, SamplingParams(temperature=1.2), False)]
     filtered = [(10, 0, SamplingParams(temperature=0.7, seed=99), False),
                 (13, 1, SamplingParams(temperature=1.0, top_k=5, seed=7), False)]
-    alone = run(ex, ctx.world_size, ctx.rank, 0, 0, [])
-    scenarios = {
-        "mixed batch, slot 2 after 3 steps of another request": run(ex, ctx.world_size, ctx.rank, 2, 3, mixed),
-        "filtered path (top-k neighbour), slot 5": run(ex, ctx.world_size, ctx.rank, 5, 1, filtered),
-        "TP=1": run(single, 1, 0, 0, 0, []),
-    }
     rows = mism = 0
     details = []
-    for name, tokens in scenarios.items():
-        bad = _mismatches(tokens, alone)
-        if bad:
-            details.append(f"{name}: {bad} of {alone.numel()} tokens differ")
-        mism += bad
-        rows += alone.numel()
-    other_seed = run(ex, ctx.world_size, ctx.rank, 0, 0, [], SamplingParams(temperature=0.9, seed=987654321))
-    if torch.equal(other_seed, alone):
-        details.append("a different seed gives the same tokens: the seed is not used")
-        mism += 1
+    # X with a temperature only, then with every filter (its rows take the candidate path).
+    x_filtered = SamplingParams(temperature=0.9, top_k=20, top_p=0.8, min_p=0.02, seed=123456789)
+    for label, params in (("", x_params), ("filtered X, ", x_filtered)):
+        alone = run(ex, ctx.world_size, ctx.rank, 0, 0, [], params)
+        scenarios = {
+            "mixed batch, slot 2 after 3 steps of another request": run(ex, ctx.world_size, ctx.rank, 2, 3, mixed,
+                                                                         params),
+            "filtered path (top-k neighbour), slot 5": run(ex, ctx.world_size, ctx.rank, 5, 1, filtered, params),
+            "TP=1": run(single, 1, 0, 0, 0, [], params),
+        }
+        for name, tokens in scenarios.items():
+            bad = _mismatches(tokens, alone)
+            if bad:
+                details.append(f"{label}{name}: {bad} of {alone.numel()} tokens differ")
+            mism += bad
+            rows += alone.numel()
+        other = dataclasses.replace(params, seed=987654321)
+        if torch.equal(run(ex, ctx.world_size, ctx.rank, 0, 0, [], other), alone):
+            details.append(f"{label}a different seed gives the same tokens: the seed is not used")
+            mism += 1
     return CheckResult("seeded_streams", PASS if mism == 0 else FAIL, rows, mism,
-                       detail=_join(details) or f"{steps} steps x D={draft_len}: alone vs mixed batch / slot "
-                       "history / filtered path / TP=1")
+                       detail=_join(details) or f"{steps} steps x D={draft_len}, X plain and filtered: alone vs "
+                       "mixed batch / slot history / filtered path / TP=1")
 
 
 def check_ll_equals_allgather(ctx: SuiteContext) -> CheckResult:
