@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..validation import check_int
 from ..vocab_parallel import VocabShardedLogits
 from .params import MAX_LOGPROBS
 
@@ -24,8 +25,7 @@ def gathered_logprobs(logits: VocabShardedLogits, tokens: torch.Tensor, *,
     lower token id. Collective over the logits' group (one all-gather of the rows); every
     rank returns the same tensors.
     """
-    if isinstance(top_n, bool) or not isinstance(top_n, int) or not 0 <= top_n <= MAX_LOGPROBS:
-        raise ValueError(f"top_n must be an int in [0, {MAX_LOGPROBS}], got {top_n!r}")
+    top_n = check_int("top_n", top_n, low=0, high=MAX_LOGPROBS)
     if tokens.dim() != 1 or tokens.shape[0] != logits.num_rows:
         raise ValueError(f"tokens must be [{logits.num_rows}], got {tuple(tokens.shape)}")
     full = logits.gather().to(torch.float64)
