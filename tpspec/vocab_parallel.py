@@ -168,8 +168,8 @@ class VocabShardedLogits:
         """Log-softmax of the raw logits, without gathering them.
 
         ``tokens``: ``[R]`` int64 global token ids (one per row); ``top_n``: N in ``[0, 20]``.
-        Returns ``(token_logprobs [R] float32, top_ids [R, N] int64, top_logprobs [R, N]
-        float32)``: the logprob of each row's token and the N best columns of the row (key
+        Returns ``(token_logprobs [R] float64, top_ids [R, N] int64, top_logprobs [R, N]
+        float64)``: the logprob of each row's token and the N best columns of the row (key
         order: ties to the lower id) with theirs. ``logprob(x) = (x - m) - ln(Z * 2**-40)`` in
         float64, ``m`` the row max and ``Z`` the exact int64 sum of every column's mass
         ``floor(exp(l - m) * 2**40)`` (``keys.column_masses``): within 1e-5 of float64
@@ -213,7 +213,7 @@ class VocabShardedLogits:
         top_values, top_ids = K.unpack_keys(ranked[:, :top_n])
         token_logprobs = (token_value.to(torch.float64).reshape(-1, 1) - shift).reshape(-1)
         top_logprobs = top_values.to(torch.float64) - shift
-        return token_logprobs.to(torch.float32), top_ids, top_logprobs.to(torch.float32)
+        return token_logprobs, top_ids, top_logprobs
 
     def gather(self) -> torch.Tensor:
         """The full ``[R, vocab_size]`` logits on every rank (one all-gather), padding removed."""

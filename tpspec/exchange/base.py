@@ -237,3 +237,6 @@ class KeyExchange(ABC):
                 self._check_rows_vector(name, t, num_rows)
                 if t.dtype != torch.int64:
                     raise ValueError(f"{name} must be int64, got {t.dtype}")
+        for name in ("top_k", "top_p", "min_p"):
+            if getattr(rows, name) is not None:
+                self._check_rows_vector(name, getattr(rows, name), num_rows)

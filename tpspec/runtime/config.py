@@ -72,11 +72,12 @@ class EngineConfig:
     on every rank. Paths are resolved (no ``"tiny"``), dtype is a torch dtype name.
 
     KV cache: pages of ``page_size`` tokens. ``kv_cache_bytes`` (any device): bytes of pages
-    per rank, all paged models together. Else on CUDA ``gpu_memory_utilization`` (default
-    0.9): the share of the GPU the engine may use (split between ranks sharing a GPU); what
-    weights and a profiled step leave goes to pages. Else (CPU): pages for ``max_batch_size``
-    requests of ``max_seq_len`` tokens. ``attention_backend``: ``"auto"`` (FlashInfer on CUDA
-    when installed), ``"torch"`` or ``"flashinfer"``.
+    per rank, all paged models together (it overrides ``gpu_memory_utilization``). Else on
+    CUDA ``gpu_memory_utilization`` (None = 0.9; not used on CPU): the share of the GPU the
+    engine may use (split between ranks sharing a GPU); what weights and a profiled step
+    leave goes to pages. Else (CPU): pages for ``max_batch_size``
+    requests of ``max_seq_len`` tokens, at most 4 GiB. ``attention_backend``: ``"auto"``
+    (FlashInfer on CUDA when installed), ``"torch"`` or ``"flashinfer"``.
     """
 
     model_path: str
@@ -110,11 +111,6 @@ class EngineConfig:
         if util is not None:
             if not is_real(util) or not 0 < util <= 1:
                 raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {util!r}")
-            if self.kv_cache_bytes is not None:
-                raise ValueError("give kv_cache_bytes or gpu_memory_utilization, not both")
-            if self.device != "cuda":
-                raise ValueError(f"gpu_memory_utilization needs device='cuda' (got {self.device!r}); "
-                                 f"size the cache with kv_cache_bytes instead")
         if self.attention_backend not in ("auto", "torch", "flashinfer"):
             raise ValueError(f"attention_backend must be 'auto', 'torch' or 'flashinfer', "
                              f"got {self.attention_backend!r}")
@@ -202,7 +198,8 @@ class CompletionOutput:
     ``stop_reason``: the stop string or stop token id that ended it (None for EOS or length).
     ``logprobs``: None unless the request asked (``SamplingParams(logprobs=N)``); then one
     ``{token id: logprob}`` per generated token: the token's own and its row's N most likely
-    tokens' (log-softmax of the raw logits, before penalties and temperature). ``stats``: tpspec's speculative
+    tokens' (log-softmax of the raw logits, before penalties and temperature), and
+    ``cumulative_logprob`` is the sum of the generated tokens' logprobs. ``stats``: tpspec's speculative
     decoding statistics of this sample (:class:`RequestStats`).
     In a stream, ``text`` and ``token_ids`` hold only what the last step added.
     """

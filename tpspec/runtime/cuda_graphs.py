@@ -32,8 +32,10 @@ from typing import Any, Callable
 import torch
 
 from .. import distributed as D
+from ..log import get_logger
 from ..speculative.metadata import RequestEntry
 
+log = get_logger(__name__)
 WARMUP_RUNS = 2
 
 
@@ -98,7 +100,7 @@ class GenerationGraphs:
         all_greedy = all(p.is_greedy for p in params)
         temperature_only = all(p.is_temperature_only for p in params)
         if not (all_greedy or (temperature_only and eng_strict(self.engine))):
-            return None  # rejection sampling / full-logit filters: eager (they sync with the host)
+            return None  # rejection sampling / filtered rows: eager (they sync with the host)
         if any(p.has_penalties or p.logprobs is not None for p in params):
             return None  # penalties read the step's drafts, logprobs the raw logits: eager
         eng = self.engine
@@ -228,6 +230,9 @@ class GenerationGraphs:
         g = _Graph(graph, static_batch.token_ids, static_batch.positions, static_drafts, static_meta, accepted, num,
                    static_batch)
         self.graphs[key] = g
+        if D.group_rank(self.engine.group) == 0:
+            log.info("captured CUDA graph %d: batch bucket %d, %d pages a request, key %s", len(self.graphs), key[0],
+                     key[-1], key)
         return g
 
     def _load(self, g: _Graph, host: Any) -> None:

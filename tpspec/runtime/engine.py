@@ -181,17 +181,17 @@ class Engine:
         request of ``max_seq_len`` tokens fits the pool (``ValueError`` otherwise)."""
         cfg = self.config
         self.kv = plan_kv_cache(cfg, self.paged_models, self.group, self.device)
+        self.pages = PageAllocator(self.kv.num_pages, cfg.page_size)
+        longest = cfg.max_seq_len - 1 + self.num_draft
+        if self.pages.pages_for(longest) > self.kv.num_pages:  # the same verdict on every rank
+            raise ValueError(
+                f"max_model_len={cfg.max_seq_len} needs {self.pages.pages_for(longest)} KV pages of {cfg.page_size} "
+                f"tokens, the cache holds {self.kv.num_pages} ({self.kv.source}): lower max_model_len or give the "
+                f"cache more memory (kv_cache_bytes / gpu_memory_utilization)")
         for model in self.paged_models:
             model.allocate_kv_cache(self.kv.num_pages + self.kv.num_scratch_pages, cfg.page_size)
-        self.pages = PageAllocator(self.kv.num_pages, cfg.page_size)
         # Scratch pages after the requests' pages: dummy rows (attention DP) and graph padding write there.
         self.scratch_table = list(range(self.kv.num_pages, self.kv.num_pages + self.kv.num_scratch_pages))
-        longest = cfg.max_seq_len - 1 + self.num_draft
-        if self.pages.pages_for(longest) > self.kv.num_pages:
-            raise ValueError(
-                f"max_seq_len={cfg.max_seq_len} needs {self.pages.pages_for(longest)} KV pages of {cfg.page_size} "
-                f"tokens, the cache holds {self.kv.num_pages} ({self.kv.source}): lower max_seq_len or give the "
-                f"cache more memory (kv_cache_bytes / gpu_memory_utilization)")
 
     def summary(self) -> str:
         """The start-up summary rank 0 logs: model, TP, exchange, attention, pages, graphs, load time."""
@@ -199,8 +199,11 @@ class Engine:
         exchange = type(self.exchange).__name__ if self.exchange is not None else "none (LM head not sharded)"
         why = f"exchange={cfg.exchange!r}"
         if self.exchange is not None and cfg.exchange == "auto":
-            why = ("auto: one node, CUDA and cupy" if "LL" in exchange
-                   else "auto: the LL exchange needs CUDA and cupy on one node")
+            from ..exchange.factory import local_ll_blocker
+
+            blocker = None if "LL" in exchange else local_ll_blocker(self.device)
+            why = ("auto: every rank on one node with CUDA and cupy" if "LL" in exchange
+                   else f"auto: no LL exchange, {blocker or 'the ranks span several nodes or one lacks it'}")
         graphs = "off" if self.graphs is None else "on (captured per batch bucket on first use)"
         kv = self.kv
         return (f"engine ready: model {cfg.model_path} ({self.model.config.architecture}, "

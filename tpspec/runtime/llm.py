@@ -29,6 +29,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from ..log import get_logger
 from ..model.loader import verify_checkpoint
 from ..sampling.params import SamplingParams
 from ..speculative.forced import read_forced_rate
@@ -188,9 +189,10 @@ class LLM:
     waits for start-up / for the next step before it raises), ``ray_init_kwargs``.
 
     KV cache (paged): ``page_size`` tokens a page (default 16); ``kv_cache_bytes``: bytes of
-    pages per rank (any device; overrides ``gpu_memory_utilization``); on CPU without it,
-    pages for ``max_num_seqs`` requests of ``max_model_len``. Requests wait (in order) for
-    pages; one that could never fit raises ``ValueError``. ``attention_backend``: ``"auto"``
+    pages per rank (any device; ``gpu_memory_utilization`` then has no effect, nor on CPU: a
+    warning says so); on CPU without it, pages for ``max_num_seqs`` requests of
+    ``max_model_len`` (at most 4 GiB). Requests wait (in order) for pages; one that could
+    never fit raises ``ValueError``. ``attention_backend``: ``"auto"``
     (FlashInfer on CUDA when installed, else torch), ``"torch"`` or ``"flashinfer"``.
 
     Every argument is checked before a worker starts (``ValueError`` naming it). Use as a
@@ -283,11 +285,17 @@ class LLM:
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max(512, max_num_seqs * (k + 1))
 
+        memory_share = gpu_memory_utilization
+        if memory_share is not None and (device != "cuda" or kv_cache_bytes is not None):
+            # vLLM scripts pass it everywhere; it sizes nothing without a GPU or beside kv_cache_bytes.
+            why = "kv_cache_bytes sizes the cache" if kv_cache_bytes is not None else f"device={device!r}"
+            get_logger(__name__).warning("gpu_memory_utilization=%s has no effect (%s)", memory_share, why)
+            memory_share = None
         self.config = EngineConfig(
             model_path=self.model_path, tp_size=tp_size, device=device, dtype=dtype, attention_dp=attention_dp,
             speculative=spec, draft_model_path=draft_path, max_batch_size=max_num_seqs,
             max_seq_len=max_model_len, max_num_tokens=max_num_batched_tokens, use_cuda_graphs=not enforce_eager,
-            exchange=exchange, gpu_memory_utilization=gpu_memory_utilization, page_size=page_size,
+            exchange=exchange, gpu_memory_utilization=memory_share, page_size=page_size,
             kv_cache_bytes=kv_cache_bytes, attention_backend=attention_backend,
             forced_acceptance_rate=read_forced_rate() if spec is not None else None,
         )
@@ -605,11 +613,13 @@ class _Sample:
 
     def output(self, stats: RequestStats, logprobs: list[dict[int, float]] | None = None) -> CompletionOutput:
         """The sample as it stands; ``logprobs`` (one dict per engine token) is cut to the kept tokens."""
+        cumulative = None
         if logprobs is not None:
             logprobs = logprobs[:len(self.token_ids)]
+            cumulative = sum(entry[t] for entry, t in zip(logprobs, self.token_ids))
         return CompletionOutput(index=self.index, text=self.text, token_ids=list(self.token_ids),
-                                logprobs=logprobs, finish_reason=self.finish_reason, stop_reason=self.stop_reason,
-                                stats=stats)
+                                cumulative_logprob=cumulative, logprobs=logprobs, finish_reason=self.finish_reason,
+                                stop_reason=self.stop_reason, stats=stats)
 
 
 def _mix_seed(seed: int, index: int) -> int:
@@ -725,7 +735,7 @@ def _check_layout(config: Any, tp_size: int, attention_dp: bool, path: str) -> N
 
 
 def _check_kv_fits(config: EngineConfig, model_configs: list[Any]) -> None:
-    """With ``kv_cache_bytes``, the page count is known here: a request of ``max_seq_len``
+    """With ``kv_cache_bytes``, the page count is known here: a request of ``max_model_len``
     tokens must fit it (``ValueError`` before any worker starts)."""
     from ..mapping import Mapping
     from ..model.batch import pages_needed
@@ -741,5 +751,5 @@ def _check_kv_fits(config: EngineConfig, model_configs: list[Any]) -> None:
     need = pages_needed(config.max_seq_len - 1 + config.num_draft_tokens, config.page_size)
     if need > pages:
         raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} holds {max(pages, 0)} KV pages of {config.page_size} "
-                         f"tokens ({per_page} bytes each) per rank; a request of max_seq_len={config.max_seq_len} "
-                         f"needs {need}: raise kv_cache_bytes or lower max_seq_len")
+                         f"tokens ({per_page} bytes each) per rank; a request of max_model_len={config.max_seq_len} "
+                         f"needs {need}: raise kv_cache_bytes or lower max_model_len")

@@ -23,6 +23,7 @@ from typing import Sequence
 
 from ..keys import GREEDY_TEMPERATURE_THRESHOLD
 from ..validation import is_int, is_real
+from ..vocab_parallel import MAX_TOP_LOGPROBS
 
 TOP_K_DISABLED = 2**31 - 1
 """Normalized top-k of a request that does not filter by rank (INT32_MAX)."""
@@ -39,8 +40,8 @@ FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32: a top_p be
 assert GREEDY_SENTINEL_TEMPERATURE < GREEDY_TEMPERATURE_THRESHOLD
 
 
-MAX_LOGPROBS = 20
-"""The most top-N logprobs a request may ask for."""
+MAX_LOGPROBS = MAX_TOP_LOGPROBS
+"""The most top-N logprobs a request may ask for (what ``VocabShardedLogits.logprobs`` returns)."""
 
 
 def _real_in(name: str, value: object, low: float, high: float, what: str) -> float:

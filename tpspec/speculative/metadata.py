@@ -205,6 +205,12 @@ class SpecMetadata:
         for e in entries:
             if e.slot_id != -1 and not 0 <= e.slot_id < self.streams.num_slots:
                 raise ValueError(f"slot_id={e.slot_id} of request {e.request_id!r} is out of range [0, {self.streams.num_slots})")
+        if any(e.params.has_penalties for e in entries):
+            if self.occurrences is None:
+                raise ValueError("a request has penalties but this SpecMetadata has no occurrence counts "
+                                 "(SpecMetadata(..., occurrences=OccurrenceCounts(...)))")
+            if self.mapping.enable_attention_dp:  # the rows of other ranks' requests would need their counts
+                raise ValueError("penalties are not supported with attention DP")
         self.entries = entries
         self.draft_len = draft_len
         self.num_rows = num_rows
@@ -252,9 +258,6 @@ class SpecMetadata:
         self.local_temperature_only = all(e.params.is_temperature_only for e in entries)
         self.local_any_seeded = any(e.params.is_seeded and not e.params.is_greedy for e in entries)
         self.local_any_penalties = any(e.params.has_penalties for e in entries)
-        if self.local_any_penalties and self.occurrences is None:
-            raise ValueError("a request has penalties but this SpecMetadata has no occurrence counts "
-                             "(SpecMetadata(..., occurrences=OccurrenceCounts(...)))")
         self.param_refills += 1
 
     def _fill_streams(self) -> None:
