@@ -304,6 +304,10 @@ class SpecMetadata:
         return sum(e.is_context for e in self.entries)
 
     @property
+    def num_generations(self) -> int:
+        return self.num_requests - self.num_contexts
+
+    @property
     def every_request_has_full_drafts(self) -> bool:
         """True when every request verifies ``draft_len`` drafts: no context and no
         padding request (both verify none). A host fact of this rank's batch."""
