@@ -17,6 +17,7 @@ import torch
 
 from ..exchange.base import KeyExchange
 from ..mapping import Mapping
+from ..validation import check_int
 from .config import ModelConfig
 
 SHAPE_PREFIX = "shape:"
@@ -55,8 +56,8 @@ def shape_config(name: str, num_layers: int | None = None, vocab_size: int | Non
         raise ValueError(f"unknown model shape {name!r} (known: {', '.join(MODEL_SHAPES)})")
     raw = dict(MODEL_SHAPES[name])
     for field, value in (("num_layers", num_layers), ("vocab_size", vocab_size)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"{field} must be a positive int, got {value!r}")
+        if value is not None:
+            check_int(field, value, low=1)
     if num_layers is not None:
         raw["num_hidden_layers"] = num_layers
     if vocab_size is not None:

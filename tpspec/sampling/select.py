@@ -57,6 +57,7 @@ from ..keys import (
     unpack_indices,
     unpack_keys,
 )
+from ..validation import check_int
 from ..vocab_parallel import VocabShardedLogits
 from .ops import filter_flags, sample_from_logits, scaled_scores, sorted_filter_mask
 from .params import TOP_K_DISABLED
@@ -155,8 +156,7 @@ def sample_filtered(
     ``tpspec.sampling.ops.sample_from_logits`` on the gathered rows. Collective; reads the
     parameters and the exchanged candidates on the host.
     """
-    if isinstance(candidates, bool) or not isinstance(candidates, int) or candidates < 1:
-        raise ValueError(f"candidates must be a positive int, got {candidates!r}")
+    check_int("candidates", candidates, low=1)
     ex = logits.exchange
     num_rows, device = logits.num_rows, logits.local.device
     if rows.seeds is None:
