@@ -51,9 +51,20 @@ class SequenceResult:
 
 
 @dataclass
+class SequenceUpdate:
+    """What one sequence gained in one step: ``new_token_ids`` (possibly none), and when it
+    ended, its ``finish_reason`` (``"stop"`` or ``"length"``) and ``stats``."""
+
+    request_id: int
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stats: RequestStats | None = None
+
+
+@dataclass
 class _Seq:
     req: Request
-    index: int  # position in the request list of this generate call
+    index: int  # admission number in this engine (unique; keys the attention-DP token exchange)
     owner: int  # attention-DP rank that runs it (0 under plain TP)
     tokens: list[int]
     num_prompt: int
@@ -98,8 +109,10 @@ def resolve_dtype(name: str) -> torch.dtype:
 
 class Engine:
     """One rank's engine. Build it on every rank of the TP group after the process group
-    exists (collective: loads the sharded weights); then call :meth:`generate` on every rank
-    with the same requests, in the same order.
+    exists (collective: loads the sharded weights). Then, on every rank identically: either
+    :meth:`add_requests` / :meth:`abort` between :meth:`step` calls (continuous batching:
+    new requests join the running batch at the next step), or :meth:`generate` for a batch
+    run to completion.
     """
 
     def __init__(self, config: EngineConfig, mapping: Mapping, device: torch.device | str | None = None) -> None:
@@ -145,6 +158,12 @@ class Engine:
                                  mapping=mapping, max_num_slots=config.max_batch_size)
         self.worker = SpecWorker(acceptance=spec.acceptance if spec is not None else "strict")
         self._check_memory()
+        # Sequences by request id, in admission order; index -> sequence; this rank's queue.
+        self._seqs: dict[int, _Seq] = {}
+        self._by_index: dict[int, _Seq] = {}
+        self._waiting: deque[_Seq] = deque()
+        self._running: list[_Seq] = []
+        self._admitted = 0
         self.graphs = None
         if self.device.type == "cuda" and config.use_cuda_graphs:
             from .cuda_graphs import GenerationGraphs
@@ -163,36 +182,105 @@ class Engine:
                              f"max_model_len or max_num_seqs")
 
     # ------------------------------------------------------------------ public
+    def add_requests(self, requests: list[Request]) -> None:
+        """Queue new sequences; they join the running batch at the next :meth:`step` (as KV
+        slots free up). Every rank must add the same requests in the same order between the
+        same steps: the attention-DP owner of a sequence is its admission number modulo the
+        DP size. Raises ``ValueError`` for an empty or too long prompt or a reused id."""
+        for req in requests:
+            if req.request_id in self._seqs:
+                raise ValueError(f"request {req.request_id} is already in the engine")
+            seq = self._new_seq(req, self._admitted, self._admitted % self.dp_size)
+            self._admitted += 1
+            self._seqs[req.request_id] = seq
+            self._by_index[seq.index] = seq
+            if seq.owner == self.dp_rank:
+                self._waiting.append(seq)
+
+    def abort(self, request_ids: list[int]) -> None:
+        """Drop these sequences now (their slots are free for the next step); unknown ids are
+        ignored. Called between steps with the same ids on every rank."""
+        for rid in request_ids:
+            seq = self._seqs.get(rid)
+            if seq is not None:
+                seq.finished, seq.finish_reason = True, "abort"
+                if seq in self._waiting:
+                    self._waiting.remove(seq)
+                self._forget(seq)
+
+    @property
+    def has_unfinished(self) -> bool:
+        """Whether any sequence (of any rank) still runs or waits: the same on every rank."""
+        return any(not s.finished for s in self._seqs.values())
+
+    @torch.inference_mode()
+    def step(self) -> list[SequenceUpdate]:
+        """One engine step over every unfinished sequence. Collective: every rank calls it after
+        the same :meth:`add_requests` / :meth:`abort` calls. Returns what each sequence gained
+        (identical on every rank, attention DP included); a finished sequence appears once with
+        its ``finish_reason`` and stats and is then forgotten."""
+        before = {rid: len(s.tokens) for rid, s in self._seqs.items()}
+        for s in self._seqs.values():  # a zero-budget request needs no step
+            self._check_done(s)
+        if any(not s.finished for s in self._seqs.values()):
+            self._admit()
+            self._step(self._schedule(self._running))
+        updates = []
+        for rid, s in list(self._seqs.items()):
+            new = s.tokens[before[rid]:]
+            if new or s.finished:
+                updates.append(SequenceUpdate(rid, new, s.finish_reason if s.finished else None,
+                                              s.stats if s.finished else None))
+            if s.finished:
+                self._forget(s)
+        return updates
+
+    def _admit(self) -> None:
+        """Free the slots of finished sequences, then give free slots to waiting ones (in order)."""
+        for s in self._running:
+            if s.finished:  # slot reuse: the next owner restarts the slot's streams
+                self.meta.release_slot(s.slot)
+        self._running = [s for s in self._running if not s.finished]
+        used = {s.slot for s in self._running}
+        free_slots = [i for i in range(self.config.max_batch_size) if i not in used]
+        while self._waiting and free_slots:
+            seq = self._waiting.popleft()
+            if seq.finished:
+                continue
+            seq.slot = free_slots.pop(0)
+            self._running.append(seq)
+
+    def _forget(self, seq: _Seq) -> None:
+        del self._seqs[seq.req.request_id]
+        del self._by_index[seq.index]
+        if seq in self._running:
+            self.meta.release_slot(seq.slot)
+            self._running.remove(seq)
+
     @torch.inference_mode()
     def generate(self, requests: list[Request], on_progress: ProgressFn | None = None) -> list[SequenceResult]:
-        """Run ``requests`` to completion. Collective: every rank of the TP group calls it with
-        the same list. Returns one :class:`SequenceResult` per request, in order, identical on
-        every rank (attention DP included)."""
-        seqs = [self._new_seq(req, i, i % self.dp_size) for i, req in enumerate(requests)]
-        waiting = deque(s for s in seqs if s.owner == self.dp_rank)
-        running: list[_Seq] = []
-        free_slots = list(range(self.config.max_batch_size))
+        """Run ``requests`` to completion (on an engine with no other work). Collective: every
+        rank of the TP group calls it with the same list. Returns one :class:`SequenceResult`
+        per request, in order, identical on every rank (attention DP included)."""
+        if self._seqs:
+            raise RuntimeError("generate needs an idle engine (sequences are still running)")
+        self.add_requests(requests)
+        tokens: dict[int, list[int]] = {r.request_id: [] for r in requests}
+        done: dict[int, SequenceUpdate] = {}
         steps = 0
-        for s in seqs:  # a zero-budget request needs no step
-            self._check_done(s)
-        while not all(s.finished for s in seqs):
-            for s in running:
-                if s.finished:  # slot reuse: the next owner restarts the slot's streams
-                    self.meta.release_slot(s.slot)
-            running = [s for s in running if not s.finished]
-            used = {s.slot for s in running}
-            free_slots = [i for i in range(self.config.max_batch_size) if i not in used]
-            while waiting and free_slots:
-                seq = waiting.popleft()
-                if seq.finished:
-                    continue
-                seq.slot = free_slots.pop(0)
-                running.append(seq)
-            self._step(self._schedule(running), seqs)
+        while self.has_unfinished:
+            for u in self.step():
+                tokens[u.request_id] += u.new_token_ids
+                if u.finish_reason is not None:
+                    done[u.request_id] = u
             steps += 1
             if on_progress is not None:
-                on_progress(steps, sum(s.num_generated for s in seqs))
-        results = [SequenceResult(s.tokens[s.num_prompt:], s.finish_reason, s.stats) for s in seqs]
+                on_progress(steps, sum(len(t) for t in tokens.values()))
+        for u in self.step():  # sequences that needed no step (a zero budget) finish here
+            tokens[u.request_id] += u.new_token_ids
+            done[u.request_id] = u
+        results = [SequenceResult(tokens[r.request_id], done[r.request_id].finish_reason,
+                                  done[r.request_id].stats) for r in requests]
         self._check_ranks_agree(results)
         return results
 
@@ -246,7 +334,7 @@ class Engine:
         return plan
 
     # ------------------------------------------------------------------ one step
-    def _step(self, plan: _Plan, seqs: list[_Seq]) -> None:
+    def _step(self, plan: _Plan) -> None:
         from ..model.batch import ForwardBatch
 
         dp = self.dp_size > 1
@@ -257,7 +345,7 @@ class Engine:
             graphed = self.graphs.run(plan.gen, drafts)  # None: not graphed, nothing changed
             if graphed is not None:
                 for idx, toks in graphed.items():
-                    self._commit(seqs[idx], toks)
+                    self._commit(self._by_index[idx], toks)
                 return
 
         tokens: list[int] = []
@@ -303,9 +391,9 @@ class Engine:
             else:  # only partial context chunks: fill the cache, no token is due
                 self.model(batch)
         if dp:
-            emitted = self._all_gather_emitted(emitted, seqs)
+            emitted = self._all_gather_emitted(emitted)
         for idx, toks in emitted.items():
-            self._commit(seqs[idx], toks)
+            self._commit(self._by_index[idx], toks)
 
     def _propose(self, plan: _Plan, *, always_run_model: bool) -> list[list[int]]:
         """K draft tokens for every generation request of ``plan`` (empty lists without
@@ -385,7 +473,7 @@ class Engine:
             result[seq.index] = [int(t) for t in row[: int(n)]]
         return result
 
-    def _all_gather_emitted(self, emitted: dict[int, list[int]], seqs: list[_Seq]) -> dict[int, list[int]]:
+    def _all_gather_emitted(self, emitted: dict[int, list[int]]) -> dict[int, list[int]]:
         """Attention DP: every rank learns every rank's emitted tokens (one all-gather of a
         fixed-size ``[max_batch_size, K + 3]`` int64 table: seq index, count, tokens)."""
         k = self.num_draft
