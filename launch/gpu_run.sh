@@ -4,8 +4,8 @@
 # Usage: bash launch/gpu_run.sh [--dry-run] OUT_DIR [GROUP_OR_STEP ...]
 #
 #   Groups, in run order (default: all of them): correctness, exchange, sampling, runtime, generate.
-#   A step's name runs that step alone (`--dry-run` lists them all). Steps run in the order listed below,
-#   whatever the order of the arguments.
+#   A step's name runs that step alone (`--dry-run` lists them all). Steps run in the order this script
+#   lists them, whatever the order of the arguments.
 #   --dry-run  print each selected step's time limit and command, and whether this build's `tpspec`
 #              accepts its arguments; run nothing (needs no GPU).
 #
@@ -25,7 +25,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '3,12p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '3,10p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 
 dry_run=0
 if [ "${1:-}" = "--dry-run" ]; then dry_run=1; shift; fi

@@ -1,15 +1,18 @@
-"""Quick bit-exactness check of the fused LL kernel on one GPU, in one process (~20 s).
+"""Quick bit-exactness check of the fused LL kernel on one GPU, in one process (~30 s).
 
 Compares ``LLKeyExchange.max_logits_keys`` with the CPU-exact ``keys.local_row_keys`` on 150
-cases: fp32, bf16 and fp16; 1 to 3000 rows (grids of one block per row up to several blocks
-per row, and more blocks than one wave); slices of 8 to 128K columns at vocab offsets that
-are multiples of 4 (and a vocab that cuts the last slice short); random, LM-like, adversarial
-(NaN, +-inf, ties, all -inf rows, greedy rows mixed in) and low-temperature sampled rows with
-per-row seeds and offsets, and all-greedy calls (no temperature). Sampled calls take the plain
-kernels, their ``_one_tile`` twins and (1 x 16K, 3 x 4099, 5 x 8) their ``_columns`` twins. Meant for iterating on
-the kernel: point ``TPSPEC_LL_SOURCE_DIR`` at a modified copy of ``csrc/ll_exchange`` and
-run this before timing it with ``tpspec bench exchange``. The GPU tests
-(``tests/test_ll_gpu.py``) remain the full check across ranks.
+cases and more: fp32, bf16 and fp16; 1 to 3000 rows (grids of one block per row up to several
+blocks per row, and more blocks than one wave); slices of 8 to 200K columns at vocab offsets
+that are multiples of 4 (and a vocab that cuts the last slice short); random, LM-like,
+adversarial (NaN, +-inf, ties, all -inf rows, greedy rows mixed in) and low-temperature
+sampled rows with per-row seeds and offsets, and all-greedy calls (no temperature). Meant for
+iterating on the kernel: point ``TPSPEC_LL_SOURCE_DIR`` at a modified copy of
+``csrc/ll_exchange`` and run this before timing it with ``tpspec bench exchange``. The GPU
+tests (``tests/test_ll_gpu.py``) remain the full check across ranks.
+
+Without ``--shapes``, shapes are added where the default ones miss a route (kernel, sampled route,
+columns or quads a thread, collector gather) that some plan takes on this GPU, so every kernel
+and route a plan can select is checked. The kernels the cases ran are printed.
 
 Usage: python3 launch/ll_kernel_check.py [--shapes 3x16384,8x16384]   (exit code 1 when any case differs)
 ``--shapes`` replaces the ten shapes (rows x width, comma-separated), to check a change of plan at
@@ -27,6 +30,34 @@ from tpspec.exchange.ll_plan import plan
 
 SHAPES = ((1, 16384), (8, 65536), (256, 16384), (64, 1000), (3, 4099), (256, 65536), (5, 8), (1024, 520),
           (3000, 64), (1, 131072))
+# Where the default shapes miss a route some plan takes on this GPU, the first of these that
+# takes it is added (the routes depend on the GPU's SM count).
+EXTRA_ROWS = (1, 2, 3, 5, 8, 16, 33, 64, 128, 512)
+EXTRA_WIDTHS = (512, 1000, 2500, 4099, 9000, 16384, 33000, 65536, 99000, 131072, 200000)
+DTYPE_NAMES = ("bfloat16", "float16", "float32")
+
+
+def route(rows: int, width: int, dtype: str, mode: str, sms: int) -> tuple:
+    """What a plan makes the kernel run: its kernel and its routes inside."""
+    p = plan(rows, width, dtype, mode, sms)
+    return p.kernel, p.sampled_route, p.per_thread, p.gather
+
+
+def covering_shapes(shapes: tuple, sms: int) -> tuple[tuple[int, int], ...]:
+    """``shapes`` plus, for every route a plan on ``sms`` SMs takes within the extra grid and
+    ``shapes`` miss, the first extra shape that takes it."""
+    def routes(r: int, w: int) -> set:
+        return {route(r, w, d, m, sms) for d in DTYPE_NAMES for m in ("sampled", "greedy")}
+
+    covered = set().union(*(routes(r, w) for r, w in shapes))
+    extra = []
+    for r in EXTRA_ROWS:
+        for w in EXTRA_WIDTHS:
+            new = routes(r, w) - covered
+            if new:
+                extra.append((r, w))
+                covered |= new
+    return tuple(shapes) + tuple(extra)
 
 
 def parse_shapes(text: str) -> tuple[tuple[int, int], ...]:
@@ -55,6 +86,10 @@ def main() -> int:
         for rows, width in shapes:
             for mode in ("sampled", "greedy"):
                 print(f"{rows} x {width} {mode} bf16: {plan(rows, width, 'bfloat16', mode, ll.plan_sms)}")
+    else:
+        shapes = covering_shapes(SHAPES, ll.plan_sms)
+        if shapes != SHAPES:
+            print(f"added for routes the default shapes miss on {ll.plan_sms} SMs: {shapes[len(SHAPES):]}")
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for rows, width in shapes:
             for kind in ("randn", "lm", "adv", "lowt", "greedy"):

@@ -3,13 +3,13 @@
 same token for a row drawn on shards or on gathered logits. ``tp_worker`` is also run
 on 2 and 4 gloo ranks by ``test_spec_ranks.py`` (one spawn for all multi-rank checks)."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from tpspec import SamplingParams, VocabShardedLogits
 from tpspec.exchange import AllGatherKeyExchange
-import dataclasses
-
 from tpspec.sampling import select_tokens
 from tpspec.speculative import SpecMetadata, SpecWorker, select_draft_tokens
 from tpspec.vocab_parallel import vocab_shard_bounds

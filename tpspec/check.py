@@ -51,7 +51,6 @@ from .check_tests import (
     TITLES,
     CheckResult,
     PerturbedExchange,
-    SingleRankExchange,
     Skip,
     SuiteContext,
     adversarial_logits,
@@ -65,7 +64,7 @@ from .check_tests import (
 
 __all__ = [  # the suite's public names, most of them defined in tpspec.check_tests
     "DEFAULT_SEED", "EMULATED_TP_SIZES", "FAIL", "P_VALUE_THRESHOLD", "PASS", "PERTURB_ENV", "PROPERTIES",
-    "RANK_CHECKS", "SKIP", "TITLES", "CheckResult", "PerturbedExchange", "SingleRankExchange", "Skip",
+    "RANK_CHECKS", "SKIP", "TITLES", "CheckResult", "PerturbedExchange", "Skip",
     "SuiteContext", "adversarial_logits", "chi_square", "combine", "driver_checks", "emulated_tokens",
     "exit_code", "format_results", "merge_rank_results", "order_results", "run_mp", "run_ray", "run_suite",
     "run_torchrun", "splittable_tp_sizes", "suite_worker",

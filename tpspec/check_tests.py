@@ -32,6 +32,7 @@ from . import distributed as D
 from . import keys as K
 from .exchange.allgather import AllGatherKeyExchange
 from .exchange.base import Channel, KeyExchange
+from .exchange.local import LocalKeyExchange
 from .vocab_parallel import VocabShardedLogits, vocab_shard_bounds
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
@@ -101,6 +102,12 @@ class PerturbedExchange(KeyExchange):
     def max_keys(self, keys: torch.Tensor, *, channel: int = Channel.DRAFT) -> torch.Tensor:
         return self._perturb(self.inner.max_keys(keys, channel=channel))
 
+    def gather_rows(self, values: torch.Tensor, *, channel: int = Channel.DRAFT) -> torch.Tensor:
+        return self.inner.gather_rows(values, channel=channel)
+
+    def sum_rows(self, values: torch.Tensor, *, channel: int = Channel.DRAFT) -> torch.Tensor:
+        return self.inner.sum_rows(values, channel=channel)
+
     def argmax_tokens(self, local_max, local_argmax, vocab_offset, *, channel=Channel.DRAFT):  # type: ignore[override]
         return self._perturb(self.inner.argmax_tokens(local_max, local_argmax, vocab_offset, channel=channel))
 
@@ -112,16 +119,6 @@ class PerturbedExchange(KeyExchange):
 
     def close(self) -> None:
         self.inner.close()
-
-
-class SingleRankExchange(KeyExchange):
-    """The TP=1 reference: a group of one, whose max over ranks is the local keys."""
-
-    def __init__(self, device: torch.device) -> None:
-        super().__init__(None, 0, 1, torch.device(device))
-
-    def max_keys(self, keys: torch.Tensor, *, channel: int = 0) -> torch.Tensor:
-        return keys.clone()
 
 
 @dataclasses.dataclass
@@ -555,7 +552,7 @@ def check_seeded_streams(ctx: SuiteContext) -> CheckResult:
         return torch.cat(out)
 
     ex = ctx.allgather_exchange()
-    single = SingleRankExchange(ctx.device)
+    single = LocalKeyExchange(ctx.device)
     mixed = [(10, 0, SamplingParams(temperature=0.7, seed=99), False), (11, 1, None, False),
              (12, 4, SamplingParams(temperature=1.2), False)]
     filtered = [(10, 0, SamplingParams(temperature=0.7, seed=99), False),

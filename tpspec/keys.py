@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Protocol
 
 import torch
 
@@ -291,11 +291,124 @@ def gumbel_noise(seeds: torch.Tensor, offsets: torch.Tensor, columns: torch.Tens
     return -portable_log(exponential_from_words(philox_words(seeds, offsets, columns)))
 
 
+# ------------------------------------------------------------ masses (filters)
+
+MASS_BITS = 40
+"""A column's mass is ``floor(exp(s - m) * 2**MASS_BITS)``: the row's best column has exactly
+``2**40``, and a row of up to ``2**22`` columns sums below ``2**63``."""
+TOP_P_BITS = 24
+"""``top_p`` is rounded to ``TOP_P_BITS`` fractional bits before its exact integer product."""
+
+_INV_LN2 = 1.4426950216293335  # 0x3FB8AA3B
+_EXP_COEFFS = (  # 1/7!, 1/6!, ..., 1/2! rounded to float32 (Horner order)
+    0.00019841270113829523,  # 0x39500D01
+    0.0013888889225199819,  # 0x3AB60B61
+    0.008333333767950535,  # 0x3C088889
+    0.0416666679084301,  # 0x3D2AAAAB
+    0.1666666716337204,  # 0x3E2AAAAB
+    0.5,
+)
+_EXP_FLOOR = -64.0  # exp(-64) * 2**40 < 1e-15: every mass below it is 0; keeps 2**k normal
+
+
+def portable_exp(x: torch.Tensor) -> torch.Tensor:
+    """``exp(x)`` of float32 ``x <= 0``, bit-identical on every device (basic IEEE float32
+    operations in a fixed order, no fused multiply-add, no library ``exp``).
+
+    ``x`` is clamped to ``[-64, 0]`` (``-inf`` gives ``exp(-64)``; NaN stays NaN); ``k =
+    floor(x / ln 2 + 1/2)``, ``r = (x - k ln2_hi) - k ln2_lo`` in ``[-0.35, 0.35]``, ``exp(r)`` by
+    its Taylor series to ``r**7`` in Horner form, times ``2**k`` built from its bits. ``exp(0)``
+    is exactly 1. Relative error below 3e-7.
+    """
+    dev = x.device
+    x = torch.clamp(x.to(torch.float32), min=_EXP_FLOOR, max=0.0)
+    k = torch.floor(x * _f32(_INV_LN2, dev) + _f32(0.5, dev))
+    r = x - k * _f32(_LN2_HI, dev)
+    r = r - k * _f32(_LN2_LO, dev)
+    p = torch.full_like(r, _EXP_COEFFS[0])
+    for c in _EXP_COEFFS[1:]:
+        p = p * r
+        p = p + _f32(c, dev)
+    one = _f32(1.0, dev)
+    p = p * r
+    p = p + one
+    p = p * r
+    p = p + one
+    scale = ((k.to(torch.int32) + 127) << 23).view(torch.float32)
+    return p * scale
+
+
+def column_masses(scores: torch.Tensor, max_score: torch.Tensor) -> torch.Tensor:
+    """Int64 masses ``floor(exp(s - m) * 2**40)`` of float32 ``scores`` ``[R, C]`` under each
+    row's finite max score ``max_score`` ``[R]`` (``s - m`` and ``exp`` in the portable
+    arithmetic). A score of ``-inf`` has mass 0; rows whose max is not finite get 0 everywhere
+    (their draw is their best column, see ``docs/determinism.md``).
+    """
+    m = max_score.to(torch.float32).reshape(-1, 1)
+    finite = torch.isfinite(m)
+    d = scores.to(torch.float32) - torch.where(finite, m, torch.zeros_like(m))
+    d = torch.where(finite & ~torch.isnan(d), d, torch.full_like(d, float("-inf")))
+    e = portable_exp(d) * _f32(float(2**MASS_BITS), scores.device)
+    return e.to(torch.int64)
+
+
+def top_p_fixed(top_p: torch.Tensor) -> torch.Tensor:
+    """``round(top_p * 2**24)`` as int64 (``top_p`` float32 in ``[0, 1]``; the product is exact,
+    the rounding is half to even)."""
+    return torch.round(top_p.to(torch.float64) * float(2**TOP_P_BITS)).to(torch.int64)
+
+
+def top_p_target(total: torch.Tensor, top_p_bits: torch.Tensor) -> torch.Tensor:
+    """``ceil(P * Z / 2**24)`` in exact int64 arithmetic: the mass a top-p prefix must reach.
+
+    ``total`` ``Z`` (int64, ``< 2**62``) and ``top_p_bits`` ``P`` (int64 in ``[0, 2**24]``, from
+    :func:`top_p_fixed`); ``Z`` is split at bit 24 so no product exceeds ``2**62``.
+    """
+    shift = TOP_P_BITS
+    high, low = total >> shift, total & ((1 << shift) - 1)
+    return top_p_bits * high + ((top_p_bits * low + ((1 << shift) - 1)) >> shift)
+
+
+def min_p_threshold(min_p: torch.Tensor) -> torch.Tensor:
+    """``floor(min_p * 2**40)`` as int64 (``min_p`` float32 in ``[0, 1]``): the least mass a
+    column keeps under min-p (the best column has ``2**40``)."""
+    return (min_p.to(torch.float32) * _f32(float(2**MASS_BITS), min_p.device)).to(torch.int64)
+
+
+def philox_words_at(seeds: torch.Tensor, offsets: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """The Philox word of each (row, column) for per-row columns: ``columns`` ``[R, K]`` int64
+    global columns (``seeds``/``offsets`` ``[R]``) -> ``[R, K]``, equal to
+    :func:`philox_words` at those columns (one Philox block per element: for a few columns
+    scattered over the vocabulary)."""
+    seeds = seeds.to(torch.int64).reshape(-1, 1)
+    offsets = offsets.to(torch.int64).reshape(-1, 1)
+    columns = columns.to(torch.int64)
+    blocks = columns >> 2
+    words = philox4x32_10(
+        (blocks & MASK32, (blocks >> 32) & MASK32, offsets & MASK32, (offsets >> 32) & MASK32),
+        (seeds & MASK32, (seeds >> 32) & MASK32),
+    )
+    stacked = torch.stack(torch.broadcast_tensors(*words), dim=-1)
+    return stacked.gather(-1, (columns & 3).unsqueeze(-1)).squeeze(-1)
+
+
+def gumbel_scores_at(scores: torch.Tensor, columns: torch.Tensor, seeds: torch.Tensor,
+                     offsets: torch.Tensor) -> torch.Tensor:
+    """Gumbel scores ``s - ln(E)`` of per-row columns: ``scores`` ``[R, K]`` float32 (already
+    divided by T), ``columns`` ``[R, K]`` global columns. Bit for bit what
+    :func:`gumbel_scores` gives at those columns."""
+    log_e = portable_log(exponential_from_words(philox_words_at(seeds, offsets, columns)))
+    return scores.to(torch.float32) - log_e
+
+
 # ------------------------------------------------------------------ sampling rows
 
-PenaltyStep = Callable[[torch.Tensor, int], torch.Tensor]
-"""``(logits slice [R, C], vocab_offset) -> penalised slice [R, C]``: what a rank applies to its
-own columns before any selection (see :attr:`SamplingRows.penalties`)."""
+class PenaltyStep(Protocol):
+    """What :attr:`SamplingRows.penalties` holds (``tpspec.sampling.penalties.RowPenalties``):
+    ``apply(logits slice [R, C], vocab_offset) -> penalised slice [R, C]``, applied by each rank
+    to its own columns before any selection."""
+
+    def apply(self, local_logits: torch.Tensor, vocab_offset: int) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -311,9 +424,9 @@ class SamplingRows:
     * ``top_k`` (``[R]`` int64; ``>= vocab`` or INT32_MAX = off), ``top_p`` (``[R]`` float32;
       1 = off), ``min_p`` (``[R]`` float32; 0 = off): the filters, None = off for every row.
       The exchanges draw unfiltered rows only; ``tpspec.sampling.select`` applies filters.
-    * ``penalties``: None, or the step's penalty hook (:data:`PenaltyStep`) that
+    * ``penalties``: None, or the step's penalties (a :class:`PenaltyStep`) that
       ``tpspec.sampling.select.select_tokens`` applies to each rank's raw logits slice
-      before the draw.
+      before the draw (the exchanges never apply them).
     * ``is_all_greedy`` / ``any_seeded``: batch facts that choose code paths; they must be
       equal on every rank of the group (``SpecMetadata`` syncs them under attention DP), and
       so must be which filters are None.
@@ -341,8 +454,8 @@ class SamplingRows:
 
     @property
     def temperature_only(self) -> bool:
-        """True when no row has a filter or a penalty: a plain Gumbel-max (or greedy) draw."""
-        return not self.has_filters and self.penalties is None
+        """True when no row has a filter: a plain Gumbel-max (or greedy) draw of the (penalised) logits."""
+        return not self.has_filters
 
 
 # ------------------------------------------------------------- local row reduction

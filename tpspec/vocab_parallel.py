@@ -12,8 +12,41 @@ from . import distributed as D
 from .exchange.allgather import AllGatherKeyExchange
 from .exchange.base import Channel, KeyExchange
 from .exchange.local import LocalKeyExchange
+from . import keys as K
 from .keys import SamplingRows
 from .mapping import Mapping
+
+
+MAX_TOP_LOGPROBS = 20
+"""The most top logprobs :meth:`VocabShardedLogits.logprobs` reports per row."""
+
+
+def _filter_rows(name: str, value: Any, rows: int, device: torch.device, dtype: torch.dtype, low: float,
+                 high: float | None, *, low_open: bool = False) -> torch.Tensor | None:
+    """A filter parameter as a ``[rows]`` tensor (None stays None), its values checked on the
+    host: ``ValueError`` naming ``name`` when one is out of range."""
+    if value is None:
+        return None
+    integer = dtype == torch.int64
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 1 or value.shape[0] != rows:
+            raise ValueError(f"{name} must be a scalar or a [{rows}] tensor, got shape {tuple(value.shape)}")
+        if integer and value.is_floating_point():
+            raise ValueError(f"{name} must hold integers, got {value.dtype}")
+        tensor = value.to(device=device, dtype=dtype)
+    else:
+        ok = (isinstance(value, int) if integer else isinstance(value, (int, float))) and not isinstance(value, bool)
+        if not ok:
+            raise ValueError(f"{name} must be {'an int' if integer else 'a float'} or a [{rows}] tensor, got {value!r}")
+        tensor = torch.full((rows,), value, dtype=dtype, device=device)
+    checked = tensor.to(torch.float64)
+    bad = torch.isnan(checked) | (checked <= low if low_open else checked < low)
+    if high is not None:
+        bad |= checked > high
+    if bool(bad.any()):
+        span = f"{'(' if low_open else '['}{low:g}, {'inf)' if high is None else f'{high:g}]'}"
+        raise ValueError(f"{name} must lie in {span}, got {tensor[bad].tolist()[:8]}")
+    return tensor
 
 
 def vocab_shard_bounds(vocab_size: int, tp_size: int, tp_rank: int) -> tuple[int, int, int]:
@@ -75,27 +108,38 @@ class VocabShardedLogits:
         seeds: torch.Tensor | None = None,
         offsets: torch.Tensor | None = None,
         *,
+        top_k: torch.Tensor | int | None = None,
+        top_p: torch.Tensor | float | None = None,
+        min_p: torch.Tensor | float | None = None,
         channel: int = Channel.TARGET,
         check_values: bool = True,
     ) -> torch.Tensor:
-        """Gumbel-max draws from softmax(logits / T) per row: ``[R]`` int64.
+        """Draws from softmax(logits / T) per row, optionally filtered: ``[R]`` int64.
 
-        ``temperature``: a float or ``[R]`` tensor (rows below the greedy threshold
-        take the argmax). ``seeds``/``offsets``: ``[R]`` int64 streams; without them the
-        exchange's step counter seeds the rows. The same streams give the same tokens at
-        every TP size and on every exchange backend.
+        ``temperature``: a float or ``[R]`` tensor (rows below the greedy threshold take the
+        argmax). ``seeds``/``offsets``: ``[R]`` int64 streams; without them the exchange's
+        step counter seeds the rows. ``top_k`` (int >= 1; ``>= vocab_size`` = off), ``top_p``
+        (in (0, 1]; 1 = off), ``min_p`` (in [0, 1]; 0 = off): a scalar for every row, a ``[R]``
+        tensor, or None (off); their meaning is ``docs/determinism.md``'s. The same streams
+        give the same tokens at every TP size, on every exchange backend, and equal
+        ``tpspec.sampling.ops.sample_from_logits`` on the gathered rows. Rows with a filter
+        are drawn from certified candidates (``tpspec.sampling.select.sample_filtered``; a
+        row gathers its logits only when they cannot decide it); without filters the draw is
+        one key exchange.
 
-        Raises ``ValueError`` for a NaN or infinite temperature. A temperature tensor is
-        checked on the host (one sync; not while a CUDA graph is being captured);
-        ``check_values=False`` skips that check for callers whose temperatures are already
-        validated (``select_tokens``).
+        Raises ``ValueError`` naming the field for a NaN or infinite temperature or a filter
+        value out of range. Tensor values are checked on the host (one sync; not while a CUDA
+        graph is being captured); ``check_values=False`` skips the temperature check for
+        callers whose temperatures are already validated (``select_tokens``).
         """
+        rows = self.num_rows
+        device = self.local.device
         if not isinstance(temperature, torch.Tensor):
             if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
                 raise ValueError(f"temperature must be a float or a [rows] tensor, got {type(temperature).__name__}")
             if not math.isfinite(temperature):
                 raise ValueError(f"temperature must be finite, got {temperature}")
-            temperature = torch.full((self.num_rows,), float(temperature), dtype=torch.float32, device=self.local.device)
+            temperature = torch.full((rows,), float(temperature), dtype=torch.float32, device=device)
         elif (
             check_values
             and temperature.is_floating_point()
@@ -104,9 +148,73 @@ class VocabShardedLogits:
         ):
             # Every rank holds the same temperatures, so every rank raises here (no collective has started).
             raise ValueError(f"temperature has NaN or infinite values: {temperature.tolist()[:8]}")
-        rows = SamplingRows(temperature, seeds, offsets)
-        return self.exchange.argmax_logits(self.local, self.vocab_offset, vocab_size=self.vocab_size, rows=rows,
+        filters = {
+            "top_k": _filter_rows("top_k", top_k, rows, device, torch.int64, 1, None),
+            "top_p": _filter_rows("top_p", top_p, rows, device, torch.float32, 0.0, 1.0, low_open=True),
+            "min_p": _filter_rows("min_p", min_p, rows, device, torch.float32, 0.0, 1.0),
+        }
+        sampling = SamplingRows(temperature, seeds, offsets, **filters)
+        if sampling.has_filters:
+            self.exchange.validate_logits_call(self.local, self.vocab_offset, self.vocab_size, sampling, channel)
+            from .sampling.select import sample_filtered  # sampling sits below this layer: import at call time
+
+            return sample_filtered(self, sampling, channel=channel)
+        return self.exchange.argmax_logits(self.local, self.vocab_offset, vocab_size=self.vocab_size, rows=sampling,
                                            channel=channel)
+
+    def logprobs(
+        self, tokens: torch.Tensor, *, top_n: int = 0, channel: int = Channel.TARGET
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Log-softmax of the raw logits, without gathering them.
+
+        ``tokens``: ``[R]`` int64 global token ids (one per row); ``top_n``: N in ``[0, 20]``.
+        Returns ``(token_logprobs [R] float32, top_ids [R, N] int64, top_logprobs [R, N]
+        float32)``: the logprob of each row's token and the N best columns of the row (key
+        order: ties to the lower id) with theirs. ``logprob(x) = (x - m) - ln(Z * 2**-40)`` in
+        float64, ``m`` the row max and ``Z`` the exact int64 sum of every column's mass
+        ``floor(exp(l - m) * 2**40)`` (``keys.column_masses``): within 1e-5 of float64
+        ``torch.log_softmax``, identical at every TP size. Rows whose max is NaN or infinite
+        get NaN. Collective: two small exchanges (``[R, N + 1]`` keys, ``[R]`` sums).
+        """
+        if isinstance(top_n, bool) or not isinstance(top_n, int) or not 0 <= top_n <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_n must be an int in [0, {MAX_TOP_LOGPROBS}], got {top_n!r}")
+        if top_n > self.vocab_size:
+            raise ValueError(f"top_n={top_n} exceeds vocab_size={self.vocab_size}")
+        rows, width = self.local.shape
+        device = self.local.device
+        if not isinstance(tokens, torch.Tensor) or tuple(tokens.shape) != (rows,) or tokens.is_floating_point():
+            raise ValueError(f"tokens must be an integer [{rows}] tensor, got {getattr(tokens, 'shape', tokens)!r}")
+        tokens = tokens.to(device=device, dtype=torch.int64)
+        local = self.local.detach()
+        columns = torch.arange(self.vocab_offset, self.vocab_offset + width, dtype=torch.int64, device=device)
+        real = (columns < self.vocab_size).reshape(1, -1)
+        values = K.canonical_float32(local)
+        keys = torch.where(real, K.pack_keys(values, columns.reshape(1, -1)), torch.full((), K.EMPTY_KEY,
+                                                                                          device=device))
+        best = max(top_n, 1)
+        top = torch.topk(keys, min(best, width), dim=1).values if width else keys[:, :0]
+        if top.shape[1] < best:  # a slice narrower than N: pad with keys below every column
+            top = torch.cat([top, torch.full((rows, best - top.shape[1]), K.EMPTY_KEY, device=device)], dim=1)
+        # The token's own key, from the rank that holds its column (EMPTY_KEY elsewhere).
+        inside = (tokens >= self.vocab_offset) & (tokens < self.vocab_offset + width) & (tokens < self.vocab_size)
+        position = torch.where(inside, tokens - self.vocab_offset, torch.zeros_like(tokens))
+        token_key = torch.where(inside, keys.gather(1, position.reshape(-1, 1)).reshape(-1) if width else tokens,
+                                torch.full_like(tokens, K.EMPTY_KEY))
+        gathered = self.exchange.gather_rows(torch.cat([top, token_key.reshape(-1, 1)], dim=1).contiguous(),
+                                             channel=channel)
+        gathered = gathered.view(rows, -1, best + 1)
+        ranked = torch.sort(gathered[:, :, :best].reshape(rows, -1), dim=1, descending=True).values
+        token_value, _ = K.unpack_keys(gathered[:, :, best].max(dim=1).values)
+        row_max, _ = K.unpack_keys(ranked[:, 0])
+        masses = torch.where(real, K.column_masses(values, row_max), torch.zeros((), dtype=torch.int64, device=device))
+        total = self.exchange.sum_rows(masses.sum(dim=1), channel=channel)
+        log_z = torch.log(total.to(torch.float64)) - K.MASS_BITS * math.log(2.0)
+        shift = torch.where(torch.isfinite(row_max), row_max.to(torch.float64) + log_z,
+                            torch.full((), float("nan"), dtype=torch.float64, device=device)).reshape(-1, 1)
+        top_values, top_ids = K.unpack_keys(ranked[:, :top_n])
+        token_logprobs = (token_value.to(torch.float64).reshape(-1, 1) - shift).reshape(-1)
+        top_logprobs = top_values.to(torch.float64) - shift
+        return token_logprobs.to(torch.float32), top_ids, top_logprobs.to(torch.float32)
 
     def gather(self) -> torch.Tensor:
         """The full ``[R, vocab_size]`` logits on every rank (one all-gather), padding removed."""

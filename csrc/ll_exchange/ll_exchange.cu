@@ -265,7 +265,7 @@ LL_ARGMAX_LOGITS_KERNEL(ll_argmax_logits_f32_one_tile, 0, true, false)
 LL_ARGMAX_LOGITS_KERNEL(ll_argmax_logits_bf16_one_tile, 1, true, false)
 LL_ARGMAX_LOGITS_KERNEL(ll_argmax_logits_f16_one_tile, 2, true, false)
 // Calls with sampled rows whose chunks hold at most two columns a thread (ll_plan picks them).
-// Kernels of their own, so the _one_tile kernels' code stays as measured.
+// Kernels of their own, so the _one_tile kernels' code (and register budget) stays as it is.
 LL_ARGMAX_LOGITS_KERNEL(ll_argmax_logits_f32_columns, 0, false, true)
 LL_ARGMAX_LOGITS_KERNEL(ll_argmax_logits_bf16_columns, 1, false, true)
 LL_ARGMAX_LOGITS_KERNEL(ll_argmax_logits_f16_columns, 2, false, true)

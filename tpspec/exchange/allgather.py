@@ -39,3 +39,21 @@ class AllGatherKeyExchange(KeyExchange):
         gathered = torch.empty(self.world_size * keys.shape[0], dtype=torch.int64, device=keys.device)
         D.all_gather_into(gathered, keys, self.group)
         return gathered.view(self.world_size, -1).max(dim=0).values
+
+    def gather_rows(self, values: torch.Tensor, *, channel: int = Channel.DRAFT) -> torch.Tensor:
+        self.check_int64_rows("values", values, 2)
+        self.check_channel(channel)
+        if self.world_size == 1:
+            return values.clone()
+        rows, width = values.shape
+        gathered = torch.empty(self.world_size * rows * width, dtype=torch.int64, device=values.device)
+        D.all_gather_into(gathered, values.contiguous().reshape(-1), self.group)
+        return gathered.view(self.world_size, rows, width).permute(1, 0, 2).reshape(rows, self.world_size * width)
+
+    def sum_rows(self, values: torch.Tensor, *, channel: int = Channel.DRAFT) -> torch.Tensor:
+        self.check_int64_rows("values", values, 1)
+        self.check_channel(channel)
+        total = values.clone()
+        if self.world_size > 1:
+            D.all_reduce_(total, "sum", self.group)
+        return total

@@ -72,6 +72,19 @@ class KeyExchange(ABC):
     def max_keys(self, keys: torch.Tensor, *, channel: int = Channel.DRAFT) -> torch.Tensor:
         """Element-wise max over ranks of ``keys`` (``[R]`` int64). Every rank gets ``[R]`` int64."""
 
+    @abstractmethod
+    def gather_rows(self, values: torch.Tensor, *, channel: int = Channel.DRAFT) -> torch.Tensor:
+        """Per-row gather of int64 arrays: ``values`` ``[R, C]`` int64 on every rank (same R and
+        C everywhere) -> ``[R, world_size * C]`` int64, columns ``[r * C, (r + 1) * C)`` from
+        rank ``r``. Every rank gets the same tensor. The sharded filters send their candidate
+        keys through it."""
+
+    @abstractmethod
+    def sum_rows(self, values: torch.Tensor, *, channel: int = Channel.DRAFT) -> torch.Tensor:
+        """Exact int64 sum over ranks: ``values`` ``[R]`` int64 -> ``[R]`` int64, the same on
+        every rank whatever the rank order (integer addition; the caller keeps the sum below
+        ``2**63``). The sharded filters sum their column masses through it."""
+
     # -- built on it ---------------------------------------------------------------
     def argmax_tokens(
         self, local_max: torch.Tensor, local_argmax: torch.Tensor, vocab_offset: int, *, channel: int = Channel.DRAFT
@@ -162,6 +175,14 @@ class KeyExchange(ABC):
             raise ValueError(f"{name} has {t.shape[0]} rows but the logits have {rows}")
         if _concrete_device(t.device) != self.device:
             raise ValueError(f"{name} is on {t.device}, the exchange works on {self.device}")
+
+    def check_int64_rows(self, name: str, values: Any, dims: int) -> None:
+        """Raise ``ValueError`` unless ``values`` is a ``dims``-D int64 tensor on this exchange's device."""
+        if not isinstance(values, torch.Tensor) or values.dim() != dims or values.dtype != torch.int64:
+            raise ValueError(f"{name} must be a {dims}-D int64 tensor, got "
+                             f"{getattr(values, 'dtype', type(values).__name__)} {tuple(getattr(values, 'shape', ()))}")
+        if _concrete_device(values.device) != self.device:
+            raise ValueError(f"{name} is on {values.device}, the exchange works on {self.device}")
 
     def _check_offset(self, vocab_offset: Any) -> None:
         # No check against vocab_size: a rank whose slice is all padding (offset >= vocab

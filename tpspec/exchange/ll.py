@@ -402,6 +402,16 @@ class LLKeyExchange(KeyExchange):
         self._launch(self._exchange_kernel, 1, 8 * rows, args)
         return out
 
+    def gather_rows(self, values: torch.Tensor, *, channel: int = Channel.DRAFT) -> torch.Tensor:
+        """See :meth:`KeyExchange.gather_rows` (through the all-gather exchange)."""
+        self._raise_if_failed()
+        return self._fallback.gather_rows(values, channel=channel)
+
+    def sum_rows(self, values: torch.Tensor, *, channel: int = Channel.DRAFT) -> torch.Tensor:
+        """See :meth:`KeyExchange.sum_rows` (through the all-gather exchange)."""
+        self._raise_if_failed()
+        return self._fallback.sum_rows(values, channel=channel)
+
     def argmax_tokens(
         self, local_max: torch.Tensor, local_argmax: torch.Tensor, vocab_offset: int, *, channel: int = Channel.DRAFT
     ) -> torch.Tensor:

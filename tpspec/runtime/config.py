@@ -159,7 +159,9 @@ class CompletionOutput:
     ``finish_reason``: ``"stop"`` (EOS, a stop token or a stop string), ``"length"``
     (``max_tokens`` or the model length reached), or None while the sample runs.
     ``stop_reason``: the stop string or stop token id that ended it (None for EOS or length).
-    ``logprobs``: None unless the request asked for them. ``stats``: tpspec's speculative
+    ``logprobs``: None unless the request asked (``SamplingParams(logprobs=N)``); then one
+    ``{token id: logprob}`` per generated token: the token's own and its row's N most likely
+    tokens' (log-softmax of the raw logits, before penalties and temperature). ``stats``: tpspec's speculative
     decoding statistics of this sample (:class:`RequestStats`).
     In a stream, ``text`` and ``token_ids`` hold only what the last step added.
     """

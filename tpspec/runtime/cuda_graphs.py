@@ -8,7 +8,8 @@ exchange, whose device-side counters advance inside the graph) and the acceptanc
 Before a replay the host refreshes the static inputs in place (token ids, positions,
 drafts, attention metadata; ``SpecMetadata.prepare`` refills its stable buffers).
 Graphed: all-greedy batches, and temperature-only batches under strict acceptance.
-Rejection sampling and top-k/top-p/min-p rows run eagerly (their paths sync with the host).
+Rejection sampling, top-k/top-p/min-p rows and requests with penalties or logprobs run
+eagerly.
 
 Padding requests use free KV slots (writes there are overwritten by the slot's next
 owner before anything reads them) and slot -1 in the metadata (greedy, no stream).
@@ -90,6 +91,8 @@ class GenerationGraphs:
         temperature_only = all(p.is_temperature_only for p in params)
         if not (all_greedy or (temperature_only and eng_strict(self.engine))):
             return None  # rejection sampling / full-logit filters: eager (they sync with the host)
+        if any(p.has_penalties or p.logprobs is not None for p in params):
+            return None  # penalties read the step's drafts, logprobs the raw logits: eager
         key = (padded, all_greedy, temperature_only, any(p.is_seeded and not p.is_greedy for p in params))
         if key in self.failed:
             return None

@@ -32,6 +32,7 @@ from .. import distributed as D
 from ..exchange.base import Channel
 from ..mapping import Mapping
 from ..speculative.metadata import RequestEntry
+from ..sampling.penalties import OccurrenceCounts
 from .config import EngineConfig, Request, RequestStats
 
 
@@ -48,17 +49,20 @@ class SequenceResult:
     token_ids: list[int]
     finish_reason: str
     stats: RequestStats
+    logprobs: list[dict[int, float]] | None = None  # per generated token, when the request asked
 
 
 @dataclass
 class SequenceUpdate:
-    """What one sequence gained in one step: ``new_token_ids`` (possibly none), and when it
-    ended, its ``finish_reason`` (``"stop"`` or ``"length"``) and ``stats``."""
+    """What one sequence gained in one step: ``new_token_ids`` (possibly none) and their
+    ``new_logprobs`` (when asked), and when it ended, its ``finish_reason`` (``"stop"`` or
+    ``"length"``) and ``stats``."""
 
     request_id: int
     new_token_ids: list[int]
     finish_reason: str | None = None
     stats: RequestStats | None = None
+    new_logprobs: list[dict[int, float]] | None = None  # one per new token, when the request asked
 
 
 @dataclass
@@ -74,6 +78,8 @@ class _Seq:
     finished: bool = False
     finish_reason: str = ""
     stats: RequestStats = field(default_factory=RequestStats)
+    logprobs: list[dict[int, float]] | None = None
+    step_logprobs: list[dict[int, float]] | None = None  # this step's, one per emitted token
 
     @property
     def in_context(self) -> bool:
@@ -153,9 +159,13 @@ class Engine:
                                           exchange=self.exchange, target_config=self.model.config)
             self.draft_model.allocate_kv_cache(self.num_slots, self.cache_len)
 
+        # Penalties: this rank's columns' occurrences per slot (allocated when first used).
+        head = self.model.lm_head
+        self.occurrences = OccurrenceCounts(config.max_batch_size, vocab_offset=head.vocab_offset,
+                                            width=head.shard_width, device=self.device)
         # One request more than the batch: the dummy row (slot -1 = padding for the streams).
         self.meta = SpecMetadata(config.max_batch_size + 1, self.num_draft, device=self.device,
-                                 mapping=mapping, max_num_slots=config.max_batch_size)
+                                 mapping=mapping, max_num_slots=config.max_batch_size, occurrences=self.occurrences)
         self.worker = SpecWorker(acceptance=spec.acceptance if spec is not None else "strict")
         self._check_memory()
         # Sequences by request id, in admission order; index -> sequence; this rank's queue.
@@ -187,6 +197,8 @@ class Engine:
         slots free up). Every rank must add the same requests in the same order between the
         same steps: the attention-DP owner of a sequence is its admission number modulo the
         DP size. Raises ``ValueError`` for an empty or too long prompt or a reused id."""
+        if self.dp_size > 1 and any(r.sampling.has_penalties or r.sampling.logprobs is not None for r in requests):
+            raise ValueError("penalties and logprobs are not supported with attention DP")
         for req in requests:
             if req.request_id in self._seqs:
                 raise ValueError(f"request {req.request_id} is already in the engine")
@@ -219,7 +231,7 @@ class Engine:
         the same :meth:`add_requests` / :meth:`abort` calls. Returns what each sequence gained
         (identical on every rank, attention DP included); a finished sequence appears once with
         its ``finish_reason`` and stats and is then forgotten."""
-        before = {rid: len(s.tokens) for rid, s in self._seqs.items()}
+        before = {rid: (len(s.tokens), len(s.logprobs or ())) for rid, s in self._seqs.items()}
         for s in self._seqs.values():  # a zero-budget request needs no step
             self._check_done(s)
         if any(not s.finished for s in self._seqs.values()):
@@ -227,10 +239,11 @@ class Engine:
             self._step(self._schedule(self._running))
         updates = []
         for rid, s in list(self._seqs.items()):
-            new = s.tokens[before[rid]:]
+            new = s.tokens[before[rid][0]:]
             if new or s.finished:
+                logprobs = None if s.logprobs is None else s.logprobs[before[rid][1]:]
                 updates.append(SequenceUpdate(rid, new, s.finish_reason if s.finished else None,
-                                              s.stats if s.finished else None))
+                                              s.stats if s.finished else None, logprobs))
             if s.finished:
                 self._forget(s)
         return updates
@@ -248,6 +261,8 @@ class Engine:
             if seq.finished:
                 continue
             seq.slot = free_slots.pop(0)
+            if seq.req.sampling.has_penalties:  # the slot's counts restart from this prompt
+                self.occurrences.reset(seq.slot, seq.req.prompt)
             self._running.append(seq)
 
     def _forget(self, seq: _Seq) -> None:
@@ -266,21 +281,26 @@ class Engine:
             raise RuntimeError("generate needs an idle engine (sequences are still running)")
         self.add_requests(requests)
         tokens: dict[int, list[int]] = {r.request_id: [] for r in requests}
+        logprobs: dict[int, list] = {r.request_id: [] for r in requests}
         done: dict[int, SequenceUpdate] = {}
         steps = 0
-        while self.has_unfinished:
-            for u in self.step():
+
+        def take(updates: list[SequenceUpdate]) -> None:
+            for u in updates:
                 tokens[u.request_id] += u.new_token_ids
+                logprobs[u.request_id] += u.new_logprobs or []
                 if u.finish_reason is not None:
                     done[u.request_id] = u
+
+        while self.has_unfinished:
+            take(self.step())
             steps += 1
             if on_progress is not None:
                 on_progress(steps, sum(len(t) for t in tokens.values()))
-        for u in self.step():  # sequences that needed no step (a zero budget) finish here
-            tokens[u.request_id] += u.new_token_ids
-            done[u.request_id] = u
-        results = [SequenceResult(tokens[r.request_id], done[r.request_id].finish_reason,
-                                  done[r.request_id].stats) for r in requests]
+        take(self.step())  # sequences that needed no step (a zero budget) finish here
+        results = [SequenceResult(tokens[r.request_id], done[r.request_id].finish_reason, done[r.request_id].stats,
+                                  None if r.sampling.logprobs is None else logprobs[r.request_id])
+                   for r in requests]
         self._check_ranks_agree(results)
         return results
 
@@ -309,7 +329,8 @@ class Engine:
                 f"request {req.request_id}: prompt of {len(req.prompt)} tokens leaves no room to generate "
                 f"(max_seq_len={self.config.max_seq_len})"
             )
-        seq = _Seq(req=req, index=index, owner=owner, tokens=list(req.prompt), num_prompt=len(req.prompt))
+        seq = _Seq(req=req, index=index, owner=owner, tokens=list(req.prompt), num_prompt=len(req.prompt),
+                   logprobs=None if req.sampling.logprobs is None else [])
         seq.stats.num_prompt_tokens = len(req.prompt)
         return seq
 
@@ -344,8 +365,7 @@ class Engine:
         if self.graphs is not None and plan.gen and not plan.final_ctx and not plan.partial_ctx:
             graphed = self.graphs.run(plan.gen, drafts)  # None: not graphed, nothing changed
             if graphed is not None:
-                for idx, toks in graphed.items():
-                    self._commit(self._by_index[idx], toks)
+                self._commit_step(graphed)
                 return
 
         tokens: list[int] = []
@@ -392,8 +412,7 @@ class Engine:
                 self.model(batch)
         if dp:
             emitted = self._all_gather_emitted(emitted)
-        for idx, toks in emitted.items():
-            self._commit(self._by_index[idx], toks)
+        self._commit_step(emitted)
 
     def _propose(self, plan: _Plan, *, always_run_model: bool) -> list[list[int]]:
         """K draft tokens for every generation request of ``plan`` (empty lists without
@@ -463,15 +482,28 @@ class Engine:
                 first_gen = len(reqs) - len(plan.gen)
                 draft_table[first_gen:] = torch.tensor(drafts, dtype=torch.int64, device=self.device)
         out = self.worker.step(logits, draft_table, self.meta)
+        emitting = [s for s, _ in plan.final_ctx] + ([None] if use_dummy else []) + plan.gen
+        if any(s is not None and s.logprobs is not None for s in emitting):
+            self._step_logprobs(logits, out, emitting)
         accepted = out.accepted_tokens.cpu().tolist()
         counts = out.num_accepted.cpu().tolist()
-        emitting = [s for s, _ in plan.final_ctx] + ([None] if use_dummy else []) + plan.gen
         result: dict[int, list[int]] = {}
         for seq, row, n in zip(emitting, accepted, counts):
             if seq is None:
                 continue
             result[seq.index] = [int(t) for t in row[: int(n)]]
         return result
+
+    def _step_logprobs(self, logits, out, emitting: list[_Seq | None]) -> None:
+        """Sets ``step_logprobs`` of the requests asking for logprobs (from the raw logits)."""
+        from ..sampling.logprobs import emitted_logprobs
+
+        asking = [b for b, s in enumerate(emitting) if s is not None and s.logprobs is not None]
+        pick = torch.tensor(asking, dtype=torch.int64)
+        found = emitted_logprobs(logits, self.meta.request_row_index.cpu()[pick], out.accepted_tokens.cpu()[pick],
+                                 out.num_accepted.cpu()[pick], [emitting[b].req.sampling.logprobs for b in asking])
+        for b, step in zip(asking, found):
+            emitting[b].step_logprobs = step
 
     def _all_gather_emitted(self, emitted: dict[int, list[int]]) -> dict[int, list[int]]:
         """Attention DP: every rank learns every rank's emitted tokens (one all-gather of a
@@ -493,6 +525,18 @@ class Engine:
                 out[row[0]] = row[2:2 + row[1]]
         return out
 
+    def _commit_step(self, emitted: dict[int, list[int]]) -> None:
+        """Commit every request's tokens of this step; count them for penalised requests."""
+        seqs = self._by_index
+        for idx, toks in emitted.items():
+            self._commit(seqs[idx], toks)
+        penalised = [(seqs[i].slot, toks) for i, toks in emitted.items()
+                     if seqs[i].req.sampling.has_penalties and seqs[i].owner == self.dp_rank]
+        if penalised:
+            width = max(len(toks) for _, toks in penalised)
+            table = torch.tensor([toks + [-1] * (width - len(toks)) for _, toks in penalised], dtype=torch.int64)
+            self.occurrences.add(torch.tensor([slot for slot, _ in penalised], dtype=torch.int64), table)
+
     def _commit(self, seq: _Seq, toks: list[int]) -> None:
         """Append a step's tokens, apply the stop rules, keep the cache bookkeeping."""
         was_context = seq.num_generated == 0  # a request's first tokens always come from its context step
@@ -511,6 +555,9 @@ class Engine:
             st.num_accepted_drafts += emitted - 1
             st.accepted_drafts_per_step.append(emitted - 1)
         st.num_generated_tokens = seq.num_generated
+        if seq.step_logprobs is not None:
+            seq.logprobs.extend(seq.step_logprobs[:emitted])
+            seq.step_logprobs = None
         seq.target_cached = len(seq.tokens) - 1
         seq.draft_cached = min(seq.draft_cached, len(seq.tokens) - 1)
 

@@ -45,6 +45,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, help="per-request seed (reproducible sampling)")
     parser.add_argument("--n", type=int, default=1, help="samples per prompt")
     parser.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="> 0; 1 = off (default)")
+    parser.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2]; 0 = off (default)")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2]; 0 = off (default)")
+    parser.add_argument("--logprobs", type=int, default=None,
+                        help="N in [0, 20]: report each token's logprob and the top N (in --json output)")
     parser.add_argument("--prompt", action="append", default=None,
                         help="a prompt (repeatable); text, or token ids like '1,2,3'")
     parser.add_argument("--num-prompts", type=int, default=None,
@@ -122,7 +127,9 @@ def run(args: argparse.Namespace) -> int:
         spec = _speculative_config(args.speculative_config, args.model)
         params = SamplingParams(n=args.n, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                 min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens, stop=args.stop,
-                                ignore_eos=args.ignore_eos)
+                                ignore_eos=args.ignore_eos, repetition_penalty=args.repetition_penalty,
+                                presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                                logprobs=args.logprobs)
         use_tqdm = {"auto": None, "on": True, "off": False}[args.progress]
         with LLM(args.model, tensor_parallel_size=tp, distributed_executor_backend=backend, device=args.device,
                  dtype=args.dtype, attention_dp=args.attention_dp, speculative_config=spec,
@@ -152,7 +159,8 @@ def run(args: argparse.Namespace) -> int:
                          "outputs": [{"index": c.index, "token_ids": c.token_ids, "text": c.text,
                                       "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                                       "steps": c.stats.num_steps,
-                                      "accepted_drafts_per_step": c.stats.accepted_drafts_per_step}
+                                      "accepted_drafts_per_step": c.stats.accepted_drafts_per_step,
+                                      **({"logprobs": c.logprobs} if c.logprobs is not None else {})}
                                      for c in o.outputs]} for o in outputs],
             "summary": {"requests": stats.num_requests, "generated_tokens": stats.num_generated_tokens,
                         "wall_s": stats.wall_s, "tokens_per_s": stats.tokens_per_s,

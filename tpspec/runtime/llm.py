@@ -339,7 +339,7 @@ class LLM:
                 state = _Sample(i, req, entry.params, self.tokenizer)
                 state.feed(res.token_ids)
                 state.finish(res.finish_reason)
-                samples.append(state.output(res.stats))
+                samples.append(state.output(res.stats, res.logprobs))
             entry.metrics.first_token_time = entry.metrics.last_token_time = entry.metrics.finished_time = now
             outputs.append(RequestOutput(request_id=entry.request_id, prompt=entry.prompt_text,
                                          prompt_token_ids=list(entry.prompt_ids), outputs=samples,
@@ -406,6 +406,8 @@ class LLM:
         """Validate every prompt and parameter, then make one :class:`Request` per sample."""
         parsed = self._prompts(prompts)
         params = self._sampling_list(sampling_params, len(parsed))
+        if self.config.attention_dp and any(p.has_penalties or p.logprobs is not None for p in params):
+            raise ValueError("penalties and logprobs are not supported with attention DP")
         entries = []
         for (text, ids), sp in zip(parsed, params):
             stops = self._stop_ids(sp)
@@ -555,9 +557,13 @@ class _Sample:
             self.stop_reason = last
         return tail
 
-    def output(self, stats: RequestStats) -> CompletionOutput:
+    def output(self, stats: RequestStats, logprobs: list[dict[int, float]] | None = None) -> CompletionOutput:
+        """The sample as it stands; ``logprobs`` (one dict per engine token) is cut to the kept tokens."""
+        if logprobs is not None:
+            logprobs = logprobs[:len(self.token_ids)]
         return CompletionOutput(index=self.index, text=self.text, token_ids=list(self.token_ids),
-                                finish_reason=self.finish_reason, stop_reason=self.stop_reason, stats=stats)
+                                logprobs=logprobs, finish_reason=self.finish_reason, stop_reason=self.stop_reason,
+                                stats=stats)
 
 
 def _mix_seed(seed: int, index: int) -> int:

@@ -3,23 +3,29 @@
 Public names:
 
 * :class:`SamplingParams` (``params``): per-request ``temperature, top_k, top_p,
-  min_p, seed``, validated and normalized.
+  min_p, seed``, penalties and ``logprobs``, validated and normalized.
 * ``streams``: the window layout (:class:`WindowLayout`,
   :class:`StreamAllocator`) and :func:`uniforms` from a request's stream.
 * ``ops``: :func:`sample_from_logits`, :func:`filtered_probs`, :func:`greedy_tokens`
   on full logits (torch reference; flashinfer when installed and allowed).
 * ``select``: :func:`select_tokens` on ``VocabShardedLogits`` (imported lazily by
   ``VocabShardedLogits.select_tokens``); the rows it draws are a ``keys.SamplingRows``.
+* ``penalties``: :class:`OccurrenceCounts` (a rank's per-slot counts of its columns),
+  :func:`apply_penalties` (repetition / presence / frequency on a slice or a full row).
+* ``logprobs``: :func:`gathered_logprobs` (raw log-softmax of chosen tokens and the top N).
 """
 
 from .ops import filtered_logits, filtered_probs, greedy_tokens, keep_mask, sample_from_logits
+from .logprobs import gathered_logprobs
 from .params import GREEDY_SENTINEL_TEMPERATURE, TOP_K_DISABLED, SamplingParams
+from .penalties import OccurrenceCounts, apply_penalties
 from ..keys import SamplingRows
 from .select import select_tokens
 from .streams import SLOT_SPAN, UNSEEDED_OFFSET_BASE, UNSEEDED_SEED, StreamAllocator, WindowLayout, uniforms
 
 __all__ = [
     "GREEDY_SENTINEL_TEMPERATURE",
+    "OccurrenceCounts",
     "SLOT_SPAN",
     "TOP_K_DISABLED",
     "UNSEEDED_OFFSET_BASE",
@@ -28,8 +34,10 @@ __all__ = [
     "SamplingRows",
     "StreamAllocator",
     "WindowLayout",
+    "apply_penalties",
     "filtered_logits",
     "filtered_probs",
+    "gathered_logprobs",
     "greedy_tokens",
     "keep_mask",
     "sample_from_logits",

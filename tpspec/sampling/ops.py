@@ -1,25 +1,24 @@
-"""Sampling on full logits rows: greedy, temperature, top-k, top-p, min-p.
+"""Sampling on full logits rows: the reference that defines every draw.
 
-The torch reference here runs on CPU and GPU and **defines** behaviour:
+Each function here follows ``docs/determinism.md`` bit for bit; the vocabulary-sharded
+path (``tpspec.sampling.select``) is tested against it. Per row:
 
-* greedy rows (temperature below the greedy threshold) take the argmax with the
-  key order of ``tpspec.keys`` (ties to the lowest column, NaN wins, ``-0 == +0``):
-  exactly ``torch.argmax``;
-* sampled rows keep the columns that survive the filters, applied in this order on
-  ``softmax(logits / T)``: top-k (the ``k`` largest logits, ties to the lowest column),
-  then top-p (the smallest prefix of the top-k-renormalized distribution, sorted by
-  logit, whose mass reaches ``top_p``; the first column always stays), then min-p
-  (``p >= min_p * p_max``; the ratio does not change with renormalization). Filtered
-  columns become ``-inf`` and the token is the **Gumbel-max** of the masked logits
-  with the noise of ``tpspec.keys.gumbel_scores`` keyed by (seed, offset, global
-  column) — the same noise the sharded path adds. Hence a temperature-only row drawn
-  here gives bit for bit the token the vocab-sharded exchange gives, at any TP size,
-  and every draw is reproducible per request stream.
+* greedy rows (temperature below the greedy threshold) take the argmax in the key order
+  of ``tpspec.keys`` (ties to the lowest column, NaN wins, ``-0 == +0``): ``torch.argmax``;
+* sampled rows score ``s = logit / T`` (float32), take the row max ``m`` and the int64 masses
+  ``q = floor(exp(s - m) * 2**40)`` (``keys.column_masses``, the portable ``exp``), then
+  filter in key order of ``s``: top-k keeps the ``k`` best columns; top-p then the shortest
+  prefix of those whose mass reaches ``ceil(top_p * Z)`` (``Z`` their total mass, ``top_p``
+  rounded to 24 fractional bits, exact integer product); min-p the columns with
+  ``q >= floor(min_p * 2**40)``. The best column always survives. A row whose max score is
+  NaN or infinite keeps only its best column. The token is the Gumbel-max
+  ``argmax(s - ln E)`` over the surviving columns with the noise of ``keys.gumbel_scores``
+  (seed, offset, global column): without filters exactly the sharded exchange's token.
 
-flashinfer (``top_k_top_p_sampling_from_logits``) is used instead for the sampled
-rows when it is installed, the logits are on CUDA, no row needs min-p, and the caller
-says no row needs a reproducible per-request stream: its kernels read only
-``seed[0]``/``offset[0]``. ``TPSPEC_DISABLE_FLASHINFER=1`` turns it off.
+``top_k``: ``[R]`` int (``>= V`` or INT32_MAX: off); ``top_p``: ``[R]`` float (``>= 1``: off);
+``min_p``: ``[R]`` float (``0``: off); ``None``: off for every row.
+flashinfer's sampler draws with its own generator and filter arithmetic: it is used only
+when asked for (``backend="flashinfer"``), never by the runtime.
 """
 
 from __future__ import annotations
@@ -29,7 +28,19 @@ from typing import Any
 
 import torch
 
-from ..keys import GREEDY_TEMPERATURE_THRESHOLD, canonical_float32, gumbel_scores, pack_keys, unpack_indices
+from ..keys import (
+    EMPTY_KEY,
+    GREEDY_TEMPERATURE_THRESHOLD,
+    canonical_float32,
+    column_masses,
+    gumbel_scores,
+    min_p_threshold,
+    pack_keys,
+    top_p_fixed,
+    top_p_target,
+    unpack_indices,
+    unpack_keys,
+)
 from .params import TOP_K_DISABLED
 
 NEG_INF = float("-inf")
@@ -73,6 +84,30 @@ def greedy_rows(temperature: torch.Tensor, threshold: float = GREEDY_TEMPERATURE
 
 # ----------------------------------------------------------------------------- filters
 
+def scaled_scores(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """``s = logit / T`` of every column, float32 canonical (``-0 -> +0``, one NaN):
+    ``[R, V]`` logits and ``[R]`` temperatures (rows below the greedy threshold use T = 1)."""
+    t = temperature.to(device=logits.device, dtype=torch.float32)
+    t = torch.where(t < GREEDY_TEMPERATURE_THRESHOLD, torch.ones_like(t), t)
+    return canonical_float32(canonical_float32(logits) / t.reshape(-1, 1))
+
+
+def filter_flags(
+    rows: int,
+    vocab: int,
+    device: torch.device,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row ``[R]`` bool: whether top-k, top-p and min-p are on (``None`` = off)."""
+    off = torch.zeros(rows, dtype=torch.bool, device=device)
+    k_on = off if top_k is None else top_k.to(device) < vocab
+    p_on = off if top_p is None else top_p.to(device) < 1.0
+    m_on = off if min_p is None else min_p.to(device) > 0.0
+    return k_on, p_on, m_on
+
+
 def keep_mask(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -82,50 +117,75 @@ def keep_mask(
 ) -> torch.Tensor:
     """Which columns a sampled row may draw: ``[R, V]`` bool (see the module docstring).
 
-    ``temperature`` ``[R]`` (must be >= the greedy threshold on the rows that matter;
-    other rows are computed with T = 1 and should be ignored by the caller);
-    ``top_k`` ``[R]`` int (>= V or INT32_MAX: off), ``top_p`` ``[R]`` float (1: off),
-    ``min_p`` ``[R]`` float (0: off). ``None`` means off for every row.
+    ``temperature`` ``[R]`` (rows below the greedy threshold are computed with T = 1; the
+    caller ignores them); ``top_k``/``top_p``/``min_p`` ``[R]`` or None (off). Rows without
+    an active filter keep every column.
     """
     _check_logits(logits)
     rows, vocab = logits.shape
     device = logits.device
     t = _rows(temperature, rows, "temperature", device, torch.float32)
-    t = torch.where(t < GREEDY_TEMPERATURE_THRESHOLD, torch.ones_like(t), t)
     top_k = _rows(top_k, rows, "top_k", device, torch.int64)
     top_p = _rows(top_p, rows, "top_p", device, torch.float32)
     min_p = _rows(min_p, rows, "min_p", device, torch.float32)
-    x = canonical_float32(logits)
-    scaled = x / t.reshape(-1, 1)
+    k_on, p_on, m_on = filter_flags(rows, vocab, device, top_k, top_p, min_p)
+    any_on = k_on | p_on | m_on
     keep = torch.ones(rows, vocab, dtype=torch.bool, device=device)
-    use_k = top_k is not None and bool((top_k < vocab).any())
-    use_p = top_p is not None and bool((top_p < 1.0).any())
-    if use_k or use_p:
-        columns = torch.arange(vocab, dtype=torch.int64, device=device)
-        # Rank columns by logit (key order: ties to the lowest column), largest first.
-        order = torch.sort(pack_keys(x, columns.reshape(1, -1)), dim=1, descending=True).indices
-        positions = columns.reshape(1, -1).expand(rows, -1)
-        keep_sorted = torch.ones(rows, vocab, dtype=torch.bool, device=device)
-        if use_k:
-            keep_sorted &= positions < top_k.clamp(min=1).reshape(-1, 1)
-        if use_p:
-            sorted_scaled = scaled.gather(1, order).masked_fill(~keep_sorted, NEG_INF)
-            sorted_probs = torch.softmax(sorted_scaled, dim=1)
-            before = torch.cumsum(sorted_probs, dim=1) - sorted_probs  # mass strictly before each column
-            before[:, 0] = 0.0
-            nucleus = (before < top_p.reshape(-1, 1)) | (top_p >= 1.0).reshape(-1, 1)
-            keep_sorted &= nucleus
-        keep = torch.zeros_like(keep).scatter_(1, order, keep_sorted)
-    use_min_p = min_p is not None and bool((min_p > 0).any())
-    if use_min_p:
-        probs = torch.softmax(scaled, dim=1)
-        p_max = probs.max(dim=1, keepdim=True).values
-        keep &= probs >= min_p.reshape(-1, 1) * p_max
-    if use_k or use_p or use_min_p:
-        # Every filter keeps a row's top column (key order). Say so explicitly: float32 edge
-        # cases (a top_p that rounds to 0, NaN probabilities under min-p) must never leave a
-        # row with nothing to draw. Without filters every column is kept already.
-        keep.scatter_(1, key_argmax(x).reshape(-1, 1), True)
+    if rows == 0 or not bool(any_on.any()):
+        return keep
+    scores = scaled_scores(logits, t)
+    columns = torch.arange(vocab, dtype=torch.int64, device=device)
+    sorted_keys, order = torch.sort(pack_keys(scores, columns.reshape(1, -1)), dim=1, descending=True)
+    keep_sorted = sorted_filter_mask(sorted_keys, k_on, top_k, p_on, top_p, m_on, min_p)
+    keep_sorted |= ~any_on.reshape(-1, 1)
+    return torch.zeros_like(keep).scatter_(1, order, keep_sorted)
+
+
+def sorted_filter_mask(
+    sorted_keys: torch.Tensor,
+    k_on: torch.Tensor,
+    top_k: torch.Tensor | None,
+    p_on: torch.Tensor,
+    top_p: torch.Tensor | None,
+    m_on: torch.Tensor,
+    min_p: torch.Tensor | None,
+    total: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The filters on keys sorted best first: ``[R, N]`` bool, which of ``sorted_keys`` survive.
+
+    ``sorted_keys``: ``[R, N]`` int64 score keys in descending order, the row's best first
+    (``EMPTY_KEY`` pads); ``*_on``: ``[R]`` bool; ``top_k``/``top_p``/``min_p``: ``[R]`` (read
+    where on). ``total``: ``[R]`` int64 mass of the whole row for rows with top-p but no top-k
+    (None: the sum of ``sorted_keys``' masses, right when the keys are the whole row). A row
+    whose best score is not finite keeps only its best column. Shared by the full-row reference
+    and the sharded path's candidates, so both cut at the same column.
+    """
+    rows, width = sorted_keys.shape
+    device = sorted_keys.device
+    values, _ = unpack_keys(sorted_keys)
+    best = values[:, 0]
+    real = sorted_keys != EMPTY_KEY
+    masses = torch.where(real, column_masses(torch.where(real, values, torch.zeros_like(values)), best),
+                         torch.zeros_like(sorted_keys))
+    positions = torch.arange(width, dtype=torch.int64, device=device).reshape(1, -1)
+    keep = torch.ones(rows, width, dtype=torch.bool, device=device)
+    if top_k is not None:
+        k = top_k.to(device=device, dtype=torch.int64).clamp(min=1).reshape(-1, 1)
+        keep &= (positions < k) | ~k_on.reshape(-1, 1)
+    if top_p is not None:
+        kept_mass = torch.where(keep, masses, torch.zeros_like(masses))
+        z = kept_mass.sum(dim=1)
+        if total is not None:
+            z = torch.where(k_on, z, total.to(device))
+        target = top_p_target(z, top_p_fixed(top_p.to(device)))
+        before = torch.cumsum(kept_mass, dim=1) - kept_mass
+        keep &= (before < target.reshape(-1, 1)) | ~p_on.reshape(-1, 1)
+    if min_p is not None:
+        keep &= (masses >= min_p_threshold(min_p.to(device)).reshape(-1, 1)) | ~m_on.reshape(-1, 1)
+    keep &= real
+    degenerate = ~torch.isfinite(best)
+    keep &= ~degenerate.reshape(-1, 1)
+    keep[:, 0] = True
     return keep
 
 
@@ -164,7 +224,8 @@ def filtered_probs(
     probs = torch.softmax(filtered_logits(logits, safe_t, top_k, top_p, min_p) / safe_t.reshape(-1, 1), dim=1)
     point_mass = greedy | torch.isnan(probs).any(dim=1)
     if bool(point_mass.any()):
-        one_hot = torch.zeros_like(probs).scatter_(1, key_argmax(logits).reshape(-1, 1), 1.0)
+        # The best column of s = logit / T (logit itself on greedy rows): the draw of such rows.
+        one_hot = torch.zeros_like(probs).scatter_(1, key_argmax(scaled_scores(logits, t)).reshape(-1, 1), 1.0)
         probs = torch.where(point_mass.reshape(-1, 1), one_hot, probs)
     return probs
 
@@ -202,10 +263,10 @@ def sample_from_logits(
 
     ``temperature``: ``[R]`` float (below the greedy threshold: argmax);
     ``seeds``/``offsets``: ``[R]`` int64 Philox streams; ``top_k``/``top_p``/``min_p``:
-    ``[R]`` or None (off). ``backend``: ``"auto"`` (flashinfer when installed, on CUDA,
-    and allowed: no min-p and ``needs_reproducible_streams=False``), ``"torch"`` or
-    ``"flashinfer"`` (an error when it cannot be used). Deterministic: equal inputs give
-    equal tokens on every rank.
+    ``[R]`` or None (off). ``backend``: ``"auto"`` and ``"torch"`` are the reference;
+    ``"flashinfer"`` draws with flashinfer's own generator (an error when it cannot be used).
+    ``needs_reproducible_streams`` is accepted for callers that pass it; the reference always
+    draws from each row's own stream. Deterministic: equal inputs give equal tokens on every rank.
     """
     _check_logits(logits)
     if backend not in ("auto", "torch", "flashinfer"):
@@ -224,28 +285,19 @@ def sample_from_logits(
         raise ValueError(f"temperature has NaN or infinite values: {t.tolist()[:8]}")
     if all_greedy:
         return key_argmax(logits)
-    fs = _flashinfer_sampling() if backend in ("auto", "flashinfer") else None
-    fi_ok = (
-        fs is not None
-        and device.type == "cuda"
-        and not needs_reproducible_streams
-        and (min_p is None or not bool((min_p > 0).any()))
-    )
-    if backend == "flashinfer" and not fi_ok:
-        raise RuntimeError(
-            "flashinfer sampling cannot be used here: it needs flashinfer installed, CUDA logits, no min-p, and "
-            "needs_reproducible_streams=False (its kernels read only seed[0]/offset[0])"
-        )
     safe_t = torch.where(greedy, torch.ones_like(t), t)
-    if fi_ok:
-        # flashinfer takes one stream for the batch: a sampled row's, never a greedy (or
-        # padding) row's, whose offset is a constant and would repeat draws step after step.
+    if backend == "flashinfer":
+        fs = _flashinfer_sampling()
+        if fs is None or device.type != "cuda" or (min_p is not None and bool((min_p > 0).any())):
+            raise RuntimeError("flashinfer sampling cannot be used here: it needs flashinfer installed, CUDA logits "
+                               "and no min-p (it draws with its own generator from seed[0]/offset[0])")
         first = int(torch.nonzero(~greedy)[0])
         sampled = _flashinfer_sample(fs, logits, safe_t, top_k, top_p, int(seeds[first]), int(offsets[first]))
     else:
-        masked = filtered_logits(logits, safe_t, top_k, top_p, min_p)
+        keep = keep_mask(logits, safe_t, top_k, top_p, min_p)
         columns = torch.arange(vocab, dtype=torch.int64, device=device)
-        sampled = key_argmax(gumbel_scores(masked, columns, safe_t, seeds, offsets))
+        keys = pack_keys(gumbel_scores(logits, columns, safe_t, seeds, offsets), columns.reshape(1, -1))
+        sampled = unpack_indices(torch.where(keep, keys, torch.full_like(keys, EMPTY_KEY)).max(dim=1).values)
     return torch.where(greedy, key_argmax(logits), sampled)
 
 

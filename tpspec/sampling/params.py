@@ -4,7 +4,8 @@ A request says how many samples it wants (``n``), how its tokens are drawn
 (``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``) and when it ends
 (``max_tokens``, ``min_tokens``, ``stop``, ``stop_token_ids``, ``ignore_eos``). The
 parameters are validated when the object is built and normalized once, so the batch
-code sees plain numbers:
+code sees plain numbers. Penalties (``repetition_penalty``, ``presence_penalty``,
+``frequency_penalty``) and ``logprobs`` follow vLLM's meaning too.
 
 * the default is vLLM's: ``temperature=1.0`` (sampled); greedy when ``temperature`` is 0
   (or below the greedy threshold) or ``top_k == 1``. A greedy request gets the sentinel
@@ -17,6 +18,7 @@ code sees plain numbers:
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -45,6 +47,20 @@ def _is_real(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+MAX_LOGPROBS = 20
+"""The most top-N logprobs a request may ask for."""
+
+
+def _real_in(name: str, value: object, low: float, high: float, what: str) -> float:
+    """``value`` as a Python float when it is a real number (numpy scalars included) in ``what``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy's bool_ is not Real
+        raise ValueError(f"SamplingParams.{name} must be a float {what}, got {value!r}")
+    v = float(value)
+    if not (math.isfinite(v) and low <= v <= high):
+        raise ValueError(f"SamplingParams.{name} must be a float {what}, got {value!r}")
+    return v + 0.0  # -0.0 -> +0.0: a neutral penalty leaves every logit's bits alone
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples its tokens and when it ends (vLLM's fields). Immutable, hashable.
@@ -66,6 +82,15 @@ class SamplingParams:
     ``stop_token_ids``: token ids that end the output (the token is kept in ``token_ids``).
     ``ignore_eos``: do not stop at the model's EOS tokens.
     ``skip_special_tokens``: leave special tokens out of the text.
+    ``repetition_penalty``: a float > 0 (1 = off): a logit of a token seen in the prompt or
+    the output is divided by it when positive, multiplied by it otherwise.
+    ``presence_penalty``: a float in [-2, 2] (0 = off), subtracted once from the logit of a
+    token seen in the output. ``frequency_penalty``: a float in [-2, 2] (0 = off),
+    subtracted once per occurrence in the output. Penalties apply to the raw logits before
+    temperature and filters, greedy requests included (``tpspec.sampling.penalties``).
+    ``logprobs``: None, or N in [0, 20]: report, for every generated token, its logprob and
+    the N most likely tokens' (log-softmax of the raw logits, before penalties and
+    temperature).
 
     Raises ``ValueError`` naming the bad field. The normalized values are properties
     (:attr:`is_greedy`, :attr:`norm_temperature`, :attr:`norm_top_k`, ...).
@@ -84,10 +109,15 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"SamplingParams.n must be an int >= 1, got {self.n!r}")
+        self._check_penalties_and_logprobs()
         t = self.temperature
         # Values are checked as the float32 the kernels will hold, not only as Python floats.
         if not _is_real(t) or not math.isfinite(t) or t < 0 or t > FLOAT32_MAX:
@@ -138,6 +168,24 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SamplingParams.{name} must be a bool, got {getattr(self, name)!r}")
+
+    def _check_penalties_and_logprobs(self) -> None:
+        # Stored as Python numbers (numpy scalars accepted) so equal parameters hash equal.
+        r = _real_in("repetition_penalty", self.repetition_penalty, FLOAT32_TINY, FLOAT32_MAX,
+                     "> 0 (1 = off)")
+        object.__setattr__(self, "repetition_penalty", r)
+        for name in ("presence_penalty", "frequency_penalty"):
+            object.__setattr__(self, name, _real_in(name, getattr(self, name), -2.0, 2.0, "in [-2, 2] (0 = off)"))
+        n = self.logprobs
+        if n is not None:
+            if isinstance(n, bool) or not isinstance(n, numbers.Integral) or not 0 <= int(n) <= MAX_LOGPROBS:
+                raise ValueError(f"SamplingParams.logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {n!r}")
+            object.__setattr__(self, "logprobs", int(n))
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when a repetition, presence or frequency penalty changes the logits."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     # -- normalization ---------------------------------------------------------------
     @property

@@ -1,28 +1,92 @@
-"""Token selection on vocab-sharded logits under a step's sampling parameters.
+"""Token selection on vocab-sharded logits, every sampling option included.
 
 ``select_tokens(sharded_logits, spec_metadata)`` picks one token per logits row and
-returns the same ``[R]`` int64 tensor on every rank of the exchange's group. The path
-is chosen from batch-level flags that are equal on every rank (the metadata ANDs them
-across the TP group under attention DP), so every rank runs the same collectives:
+returns the same ``[R]`` int64 tensor on every rank of the exchange's group. Rows with
+repetition / presence / frequency penalties are first penalised on each rank's slice,
+locally (:mod:`tpspec.sampling.penalties`). Then, from batch facts equal on every rank:
 
 1. all-greedy batch: the exchange argmax (8 bytes a row a rank);
-2. temperature-only batch (every sampled row has only a temperature): the exchange
-   Gumbel-max with each row's own ``(seed, offset)`` stream — greedy rows of the batch
-   still take the argmax (their temperature is the greedy sentinel);
-3. otherwise: gather the full logits (one all-gather) and sample them with
-   :func:`tpspec.sampling.ops.sample_from_logits`, whose Gumbel noise is the same as
-   the sharded path's, so temperature-only rows get the same token either way.
+2. no row with a filter: the exchange Gumbel-max with each row's own ``(seed, offset)``
+   stream (greedy rows of the batch take the argmax: their temperature is the greedy
+   sentinel). No host sync: CUDA graphs capture this path;
+3. otherwise :func:`sample_filtered`: rows without a filter as in 2; rows with top-k /
+   top-p / min-p from **certified candidates** (below), gathering a row's logits only
+   when its candidates cannot decide it.
+
+Candidates. Each rank sends the ``C`` best score keys of each filtered row (``C >= k``,
+at least :data:`DEFAULT_CANDIDATES`) through ``KeyExchange.gather_rows``. The best of them
+is the row max ``m``; every rank computes the masses of every candidate from its key
+(the key holds the score), so:
+
+* top-k is exact from the candidates (every rank sent at least ``k``);
+* top-p (with top-k: over the top-k candidates) is exact from them. Without top-k its
+  total ``Z`` is the exact int64 sum of every rank's masses (``KeyExchange.sum_rows``), and
+  the prefix is certified when it reaches the target at a candidate whose key is at least
+  every rank's ``C``-th key: every column above it was sent. An uncertified row retries with
+  :data:`RETRY_FACTOR` times more candidates, then gathers its logits (the fallback);
+* min-p alone keeps every column with ``q >= floor(min_p * 2**40)``: from the candidates
+  when every rank's ``C``-th key has a smaller mass, else by a masked Gumbel-max exchange
+  over every column (each rank masks its own columns; one key exchange).
+
+Rows decided from candidates draw there: every rank computes the Gumbel scores of the
+surviving candidate columns (the noise is keyed by global column) and takes the same max,
+with no further exchange. Every decision reads only what every rank holds alike (the
+parameters, the gathered candidates, the summed masses), so every rank runs the same
+collectives. :class:`SamplingStats` counts the rows each way.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..exchange.base import Channel
-from ..keys import SamplingRows
-from .ops import sample_from_logits
+from ..keys import (
+    EMPTY_KEY,
+    SamplingRows,
+    column_masses,
+    gumbel_scores,
+    gumbel_scores_at,
+    min_p_threshold,
+    pack_keys,
+    top_p_fixed,
+    top_p_target,
+    unpack_indices,
+    unpack_keys,
+)
+from ..vocab_parallel import VocabShardedLogits
+from .ops import filter_flags, sample_from_logits, scaled_scores, sorted_filter_mask
+from .penalties import penalized_logits
+
+DEFAULT_CANDIDATES = 64
+"""Candidate keys each rank sends per filtered row (raised to the batch's largest top-k)."""
+RETRY_FACTOR = 4
+"""An uncertified top-p row retries once with this many times more candidates."""
+
+
+@dataclass
+class SamplingStats:
+    """How rows were drawn, accumulated over calls.
+
+    ``rows_sharded``: rows decided without gathering their logits (greedy, temperature
+    only, and filtered rows decided from candidates or the masked exchange);
+    ``rows_retried``: filtered rows that needed the larger candidate set (counted in
+    ``rows_sharded`` when it decided them); ``rows_gathered``: rows whose full logits were
+    gathered (the certified fallback).
+    """
+
+    rows_sharded: int = 0
+    rows_retried: int = 0
+    rows_gathered: int = 0
+
+    @property
+    def fallback_share(self) -> float:
+        """The share of rows that were gathered (0 when no row was drawn)."""
+        total = self.rows_sharded + self.rows_gathered
+        return self.rows_gathered / total if total else 0.0
 
 
 def _sampling_rows(spec_metadata: Any) -> SamplingRows:
@@ -36,31 +100,256 @@ def _sampling_rows(spec_metadata: Any) -> SamplingRows:
     return getter()
 
 
-def select_tokens(sharded_logits: Any, spec_metadata: Any, *, channel: int = Channel.TARGET) -> torch.Tensor:
+def select_tokens(
+    sharded_logits: Any, spec_metadata: Any, *, channel: int = Channel.TARGET, stats: SamplingStats | None = None
+) -> torch.Tensor:
     """Tokens for every row of ``sharded_logits`` (a ``VocabShardedLogits``): ``[R]`` int64.
 
     ``spec_metadata``: a prepared ``tpspec.speculative.SpecMetadata`` (or a ``keys.SamplingRows``)
-    whose rows match the logits rows. Collective over the logits' exchange group;
-    every rank returns the same tokens. Raises ``ValueError`` when the row counts differ.
+    whose rows match the logits rows. Penalties (``SamplingRows.penalties``) are applied to
+    each rank's slice first (``tpspec.sampling.penalties``). ``stats``: counts the rows drawn
+    on shards and gathered. Collective over the logits' exchange group; every rank returns the
+    same tokens, the tokens of ``tpspec.sampling.ops.sample_from_logits`` on the full rows.
+    Raises ``ValueError`` when the row counts differ.
     """
     rs = _sampling_rows(spec_metadata)
     if rs.num_rows != sharded_logits.num_rows:
         raise ValueError(
             f"the logits have {sharded_logits.num_rows} rows but the sampling metadata describes {rs.num_rows}"
         )
+    sharded_logits = penalized_logits(sharded_logits, rs.penalties)
     if rs.is_all_greedy:
-        return sharded_logits.argmax(channel=channel)
-    if rs.temperature_only:
+        tokens = sharded_logits.argmax(channel=channel)
+    elif rs.temperature_only:
         # SamplingParams validated the temperatures: no host check here (CUDA graphs capture this path).
-        return sharded_logits.sample(rs.temperature, rs.seeds, rs.offsets, channel=channel, check_values=False)
-    full = sharded_logits.gather()
-    return sample_from_logits(
-        full,
-        rs.temperature,
-        rs.seeds,
-        rs.offsets,
-        rs.top_k,
-        rs.top_p,
-        rs.min_p,
-        needs_reproducible_streams=rs.any_seeded,
-    )
+        tokens = sharded_logits.sample(rs.temperature, rs.seeds, rs.offsets, channel=channel, check_values=False)
+    elif type(sharded_logits) is not VocabShardedLogits:
+        # Stacked attention-DP rows select through their own argmax/sample/gather: full rows here.
+        if stats is not None:
+            stats.rows_gathered += rs.num_rows
+        return sample_from_logits(sharded_logits.gather(), rs.temperature, rs.seeds, rs.offsets, rs.top_k, rs.top_p,
+                                  rs.min_p, backend="torch")
+    else:
+        return sample_filtered(sharded_logits, rs, channel=channel, stats=stats)
+    if stats is not None:
+        stats.rows_sharded += rs.num_rows
+    return tokens
+
+
+def sample_filtered(
+    logits: VocabShardedLogits,
+    rows: SamplingRows,
+    *,
+    channel: int = Channel.TARGET,
+    candidates: int = DEFAULT_CANDIDATES,
+    stats: SamplingStats | None = None,
+) -> torch.Tensor:
+    """Tokens of ``logits`` (``[R]`` int64, equal on every rank) under ``rows``' temperatures,
+    streams and top-k / top-p / min-p filters, drawn on the shards (see the module docstring).
+
+    ``rows``: a :class:`~tpspec.keys.SamplingRows` of ``R`` rows; its filters (``[R]`` tensors
+    or None) must be equal on every rank; its penalties are not applied here (``select_tokens``
+    does). ``candidates``: keys each rank sends per filtered row at first. Without ``rows.seeds``
+    the exchange's step counter seeds the rows (advanced once). Bit for bit the tokens of
+    ``tpspec.sampling.ops.sample_from_logits`` on the gathered rows. Collective; reads the
+    parameters and the exchanged candidates on the host.
+    """
+    if isinstance(candidates, bool) or not isinstance(candidates, int) or candidates < 1:
+        raise ValueError(f"candidates must be a positive int, got {candidates!r}")
+    ex = logits.exchange
+    num_rows, device = logits.num_rows, logits.local.device
+    if rows.seeds is None:
+        seeds, offsets = ex.unseeded_streams(num_rows)
+        rows = dataclasses.replace(rows, seeds=seeds, offsets=offsets)
+    stats = stats if stats is not None else SamplingStats()
+    temperature = rows.temperature.to(device=device, dtype=torch.float32)
+    sampled = temperature >= rows.greedy_threshold
+    k_on, p_on, m_on = filter_flags(num_rows, logits.vocab_size, device, rows.top_k, rows.top_p, rows.min_p)
+    k_on, p_on, m_on = k_on & sampled, p_on & sampled, m_on & sampled
+    filtered = k_on | p_on | m_on
+    filtered_rows = torch.nonzero(filtered).flatten().tolist()
+    plain_rows = torch.nonzero(~filtered).flatten().tolist()
+    tokens = torch.empty(num_rows, dtype=torch.int64, device=device)
+    if plain_rows:
+        plain = _index(device, plain_rows)
+        sub = SamplingRows(temperature[plain], rows.seeds[plain], rows.offsets[plain],
+                           greedy_threshold=rows.greedy_threshold)
+        local = logits.local if len(plain_rows) == num_rows else logits.local[plain]
+        tokens[plain] = ex.argmax_logits(local.detach(), logits.vocab_offset, vocab_size=logits.vocab_size,
+                                         rows=sub, channel=channel)
+        stats.rows_sharded += len(plain_rows)
+    if filtered_rows:
+        pick = _index(device, filtered_rows)
+        tokens[pick] = _filtered_tokens(logits, _Rows.take(rows, temperature, k_on, p_on, m_on, pick), channel,
+                                        candidates, stats)
+    return tokens
+
+
+# ------------------------------------------------------------------ the filtered rows
+
+def _index(device: torch.device, rows: list[int]) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.int64, device=device)
+
+
+@dataclass
+class _Rows:
+    """Filtered rows: their rows of the logits (``index``) and parameters (``[F]`` each;
+    a filter's values are read only where it is on)."""
+
+    index: torch.Tensor
+    temperature: torch.Tensor
+    seeds: torch.Tensor
+    offsets: torch.Tensor
+    k_on: torch.Tensor
+    p_on: torch.Tensor
+    m_on: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+
+    @classmethod
+    def take(cls, rows: SamplingRows, temperature: torch.Tensor, k_on: torch.Tensor, p_on: torch.Tensor,
+             m_on: torch.Tensor, pick: torch.Tensor) -> "_Rows":
+        n, dev = pick.shape[0], pick.device
+
+        def param(t: torch.Tensor | None, fill: float, dtype: torch.dtype) -> torch.Tensor:
+            return torch.full((n,), fill, dtype=dtype, device=dev) if t is None else t.to(dev, dtype)[pick]
+
+        return cls(pick, temperature[pick], rows.seeds.to(dev)[pick], rows.offsets.to(dev)[pick], k_on[pick],
+                   p_on[pick], m_on[pick], param(rows.top_k, 2**31 - 1, torch.int64),
+                   param(rows.top_p, 1.0, torch.float32), param(rows.min_p, 0.0, torch.float32))
+
+    def subset(self, pick: torch.Tensor) -> "_Rows":
+        return _Rows(*(getattr(self, f.name)[pick] for f in dataclasses.fields(self)))
+
+
+def _local_keys(logits: VocabShardedLogits, local: torch.Tensor, temperature: torch.Tensor) -> tuple[
+        torch.Tensor, torch.Tensor]:
+    """This rank's scores ``s = logit / T`` and their keys (padding columns: ``EMPTY_KEY``)."""
+    scores = scaled_scores(local, temperature)
+    width = local.shape[1]
+    columns = torch.arange(logits.vocab_offset, logits.vocab_offset + width, dtype=torch.int64, device=local.device)
+    keys = pack_keys(scores, columns.reshape(1, -1))
+    real = (columns < logits.vocab_size).reshape(1, -1)
+    return scores, torch.where(real, keys, torch.full_like(keys, EMPTY_KEY))
+
+
+def _candidates(ex: Any, keys: torch.Tensor, count: int, channel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ranked [F, tp * count], floor [F])``: every rank's ``count`` best keys, best first,
+    and the largest of the ranks' ``count``-th keys: every column missing from ``ranked`` lies
+    below it (``EMPTY_KEY`` when every rank sent all of its columns)."""
+    width = keys.shape[1]
+    count = min(count, width)
+    if count < width:
+        local = torch.topk(keys, count, dim=1).values
+    else:
+        local = torch.sort(keys, dim=1, descending=True).values
+    gathered = ex.gather_rows(local.contiguous(), channel=channel)
+    if count >= width:
+        floor = torch.full((keys.shape[0],), EMPTY_KEY, dtype=torch.int64, device=keys.device)
+    else:
+        floor = gathered.view(keys.shape[0], -1, count)[:, :, count - 1].max(dim=1).values
+    return torch.sort(gathered, dim=1, descending=True).values, floor
+
+
+def _filtered_tokens(logits: VocabShardedLogits, rows: _Rows, channel: int, count: int, stats: SamplingStats, *,
+                     total: torch.Tensor | None = None, retry: bool = True) -> torch.Tensor:
+    """Tokens of the filtered ``rows`` (``[F]`` int64), equal on every rank."""
+    ex = logits.exchange
+    device = logits.local.device
+    num = rows.temperature.shape[0]
+    local = logits.local.detach()[rows.index]
+    scores, keys = _local_keys(logits, local, rows.temperature)
+    k_max = int(torch.where(rows.k_on, rows.top_k, torch.zeros_like(rows.top_k)).max())
+    ranked, floor = _candidates(ex, keys, max(count, k_max), channel)
+    best, _ = unpack_keys(ranked[:, 0])
+    # Z of the top-p rows without top-k: the exact sum of every rank's masses.
+    needs_total = rows.p_on & ~rows.k_on
+    if total is None and bool(needs_total.any()):
+        total = torch.zeros(num, dtype=torch.int64, device=device)
+        which = torch.nonzero(needs_total).flatten()
+        masses = column_masses(scores[which], best[which])
+        masses = torch.where(keys[which] != EMPTY_KEY, masses, torch.zeros_like(masses))
+        total[which] = ex.sum_rows(masses.sum(dim=1), channel=channel)
+    off = torch.zeros_like(rows.k_on)
+    keep_kp = sorted_filter_mask(ranked, rows.k_on, rows.top_k, rows.p_on, rows.top_p, off, None, total=total)
+    keep = keep_kp & sorted_filter_mask(ranked, off, None, off, None, rows.m_on, rows.min_p)
+    # Which rows the candidates decide. Every input is equal on every rank, so is every verdict.
+    degenerate = ~torch.isfinite(best)
+    last_kept = ranked.gather(1, (keep_kp.sum(dim=1) - 1).reshape(-1, 1)).reshape(-1)
+    p_certified = _top_p_reached(ranked, keep_kp, best, rows.top_p, total) & (last_kept >= floor)
+    floor_value, _ = unpack_keys(floor)
+    floor_mass = column_masses(floor_value.reshape(-1, 1), best).reshape(-1)
+    floor_mass = torch.where(floor == EMPTY_KEY, torch.full_like(floor_mass, -1), floor_mass)
+    m_within = floor_mass < min_p_threshold(rows.min_p)
+    only_m = rows.m_on & ~rows.k_on & ~rows.p_on
+    from_candidates = degenerate | rows.k_on | (rows.p_on & p_certified) | (only_m & m_within)
+    masked = only_m & ~from_candidates
+    undecided = ~(from_candidates | masked)
+    first, second, third = (torch.nonzero(g).flatten() for g in (from_candidates, masked, undecided))
+    tokens = torch.empty(num, dtype=torch.int64, device=device)
+    if first.numel():
+        tokens[first] = _draw_from_candidates(ranked[first], keep[first], rows.subset(first))
+    if second.numel():
+        tokens[second] = _draw_masked(logits, local[second], scores[second], keys[second], best[second],
+                                      rows.subset(second), channel)
+    stats.rows_sharded += int(first.numel()) + int(second.numel())
+    if third.numel():
+        sub_total = None if total is None else total[third]
+        if retry and count < logits.shard_width:
+            stats.rows_retried += int(third.numel())
+            tokens[third] = _filtered_tokens(logits, rows.subset(third), channel, count * RETRY_FACTOR, stats,
+                                             total=sub_total, retry=False)
+        else:
+            tokens[third] = _gather_and_sample(logits, rows.subset(third))
+            stats.rows_gathered += int(third.numel())
+    return tokens
+
+
+def _top_p_reached(ranked: torch.Tensor, keep: torch.Tensor, best: torch.Tensor, top_p: torch.Tensor,
+                   total: torch.Tensor | None) -> torch.Tensor:
+    """``[F]`` bool: the kept candidates' mass reaches the top-p target (the prefix ends among
+    them). Read only on top-p rows without top-k, where ``total`` is set."""
+    if total is None:
+        return torch.zeros(ranked.shape[0], dtype=torch.bool, device=ranked.device)
+    values, _ = unpack_keys(ranked)
+    real = ranked != EMPTY_KEY
+    masses = column_masses(torch.where(real, values, torch.zeros_like(values)), best)
+    kept = torch.where(keep & real, masses, torch.zeros_like(masses)).sum(dim=1)
+    return kept >= top_p_target(total, top_p_fixed(top_p))
+
+
+def _draw_from_candidates(ranked: torch.Tensor, keep: torch.Tensor, rows: _Rows) -> torch.Tensor:
+    """Gumbel-max over the surviving candidates, computed alike on every rank (the noise is
+    keyed by global column): no exchange."""
+    values, columns = unpack_keys(ranked)
+    real = ranked != EMPTY_KEY
+    columns = torch.where(real, columns, torch.zeros_like(columns))
+    scores = gumbel_scores_at(values, columns, rows.seeds, rows.offsets)
+    keys = pack_keys(scores, columns)
+    return unpack_indices(torch.where(keep & real, keys, torch.full_like(keys, EMPTY_KEY)).max(dim=1).values)
+
+
+def _draw_masked(logits: VocabShardedLogits, local: torch.Tensor, scores: torch.Tensor, keys: torch.Tensor,
+                 best: torch.Tensor, rows: _Rows, channel: int) -> torch.Tensor:
+    """Min-p rows whose survivors reach past the candidates: each rank masks its own columns
+    (``q >= floor(min_p * 2**40)``), draws its best Gumbel key, one key exchange picks."""
+    width = local.shape[1]
+    columns = torch.arange(logits.vocab_offset, logits.vocab_offset + width, dtype=torch.int64, device=local.device)
+    masses = column_masses(scores, best)
+    survive = (masses >= min_p_threshold(rows.min_p).reshape(-1, 1)) & (keys != EMPTY_KEY)
+    noisy = gumbel_scores(local, columns, rows.temperature, rows.seeds, rows.offsets,
+                          column_range=(logits.vocab_offset, logits.vocab_offset + width - 1))
+    local_keys = torch.where(survive, pack_keys(noisy, columns.reshape(1, -1)), torch.full_like(keys, EMPTY_KEY))
+    return unpack_indices(logits.exchange.max_keys(local_keys.max(dim=1).values.contiguous(), channel=channel))
+
+
+def _gather_and_sample(logits: VocabShardedLogits, rows: _Rows) -> torch.Tensor:
+    """The certified fallback: gather these rows' logits and draw them in full (the reference)."""
+    picked = VocabShardedLogits(logits.local.detach()[rows.index].contiguous(), logits.vocab_offset,
+                                logits.vocab_size, logits.exchange)
+    full = picked.gather()
+    return sample_from_logits(full, rows.temperature, rows.seeds, rows.offsets,
+                              torch.where(rows.k_on, rows.top_k, torch.full_like(rows.top_k, 2**31 - 1)),
+                              torch.where(rows.p_on, rows.top_p, torch.ones_like(rows.top_p)),
+                              torch.where(rows.m_on, rows.min_p, torch.zeros_like(rows.min_p)), backend="torch")

@@ -16,6 +16,7 @@ A ``slot_id`` of -1 marks a padding request (greedy, no stream).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Hashable, Sequence
 
@@ -25,6 +26,7 @@ from .. import distributed as D
 from ..mapping import Mapping
 from ..sampling.params import GREEDY, SamplingParams
 from ..keys import SamplingRows
+from ..sampling.penalties import OccurrenceCounts, RowPenalties, preceding_drafts
 from ..sampling.streams import (
     ACCEPT_RESIDUAL_SUBSTREAM,
     ACCEPT_UNIFORM_SUBSTREAM,
@@ -70,7 +72,9 @@ class SpecMetadata:
     ``mapping``: this rank's :class:`Mapping` (attention DP turns on the group sync and
     gives each rank its own unseeded sub-stream); ``group``: the group the flags are
     ANDed over (default: the TP group under attention DP, none otherwise);
-    ``max_num_slots``: KV slots (default ``max_num_requests``).
+    ``max_num_slots``: KV slots (default ``max_num_requests``). ``occurrences``: this rank's
+    :class:`~tpspec.sampling.penalties.OccurrenceCounts` over those slots, needed once a
+    request has penalties (its owner resets and updates it).
 
     Tensors (views of stable buffers, valid until the next ``prepare``):
     ``request_*`` ``[B]`` and ``row_*`` ``[R]``; see the properties below.
@@ -85,6 +89,7 @@ class SpecMetadata:
         mapping: Mapping | None = None,
         group: Any = None,
         max_num_slots: int | None = None,
+        occurrences: OccurrenceCounts | None = None,
     ) -> None:
         if not isinstance(max_num_requests, int) or max_num_requests < 1:
             raise ValueError(f"max_num_requests must be a positive int, got {max_num_requests!r}")
@@ -99,6 +104,7 @@ class SpecMetadata:
         self.sync_flags = adp or group is not None
         num_slots = max_num_slots if max_num_slots is not None else max_num_requests
         self.streams = StreamAllocator(num_slots, self.layout, partition=self.mapping.tp_rank if adp else 0)
+        self.occurrences = occurrences
 
         B, R, dev = max_num_requests, self.max_num_rows, self.device
         f32, i64 = torch.float32, torch.int64
@@ -123,6 +129,10 @@ class SpecMetadata:
         self._row_position = torch.zeros(R, dtype=i64, device=dev)
         self._row_seed = torch.zeros(R, dtype=i64, device=dev)
         self._row_offset = torch.zeros(R, dtype=i64, device=dev)
+        self._row_slot = torch.full((R,), -1, dtype=i64, device=dev)
+        self._row_repetition = torch.ones(R, dtype=f32, device=dev)
+        self._row_presence = torch.zeros(R, dtype=f32, device=dev)
+        self._row_frequency = torch.zeros(R, dtype=f32, device=dev)
 
         self.entries: list[RequestEntry] = []
         self.draft_len = 0
@@ -130,6 +140,7 @@ class SpecMetadata:
         self.local_is_all_greedy = True
         self.local_temperature_only = True
         self.local_any_seeded = False
+        self.local_any_penalties = False  # no group sync: penalties are applied locally, no path depends on it
         self.is_all_greedy = True
         self.temperature_only = True
         self.any_seeded = False
@@ -226,6 +237,10 @@ class SpecMetadata:
         put(self._row_min_p, [norm[b][3] for b in row_req], f32)
         put(self._row_request, row_req, i64)
         put(self._row_position, row_pos, i64)
+        put(self._row_slot, [entries[b].slot_id for b in row_req], i64)
+        put(self._row_repetition, [entries[b].params.repetition_penalty for b in row_req], f32)
+        put(self._row_presence, [entries[b].params.presence_penalty for b in row_req], f32)
+        put(self._row_frequency, [entries[b].params.frequency_penalty for b in row_req], f32)
         if B:
             # Row of position i of request b (context requests repeat their one row).
             positions = torch.arange(self.max_draft_len + 1, dtype=i64).reshape(1, -1)
@@ -235,6 +250,10 @@ class SpecMetadata:
         self.local_is_all_greedy = all(e.params.is_greedy for e in entries)
         self.local_temperature_only = all(e.params.is_temperature_only for e in entries)
         self.local_any_seeded = any(e.params.is_seeded and not e.params.is_greedy for e in entries)
+        self.local_any_penalties = any(e.params.has_penalties for e in entries)
+        if self.local_any_penalties and self.occurrences is None:
+            raise ValueError("a request has penalties but this SpecMetadata has no occurrence counts "
+                             "(SpecMetadata(..., occurrences=OccurrenceCounts(...)))")
         self.param_refills += 1
 
     def _fill_streams(self) -> None:
@@ -355,12 +374,36 @@ class SpecMetadata:
         return self._sampling_rows(B, self._req_temperature, self._req_top_k, self._req_top_p, self._req_min_p,
                                    self._req_seed, offsets)
 
-    def row_sampling(self) -> SamplingRows:
-        """Per-row sampling rows (``[R]``) of the target logits rows, with the synced flags."""
+    def row_sampling(self, draft_tokens: torch.Tensor | None = None) -> SamplingRows:
+        """Per-row sampling rows (``[R]``) of the target logits rows, with the synced flags.
+
+        ``draft_tokens``: the step's ``[B, D]`` drafts; a step with penalised generation
+        requests needs them (row j of a request counts drafts 0..j-1 as output), and its
+        rows carry :class:`~tpspec.sampling.penalties.RowPenalties`.
+        """
         self._check_prepared()
         R = self.num_rows
-        return self._sampling_rows(R, self._row_temperature, self._row_top_k, self._row_top_p, self._row_min_p,
+        rows = self._sampling_rows(R, self._row_temperature, self._row_top_k, self._row_top_p, self._row_min_p,
                                    self._row_seed, self._row_offset[:R])
+        if self.local_any_penalties:
+            rows = dataclasses.replace(rows, penalties=self.row_penalties(draft_tokens))
+        return rows
+
+    def row_penalties(self, draft_tokens: torch.Tensor | None) -> RowPenalties:
+        """The penalty inputs of the target logits rows (see :meth:`row_sampling`)."""
+        self._check_prepared()
+        if self.occurrences is None:
+            raise ValueError("this SpecMetadata has no occurrence counts")
+        R, B = self.num_rows, self.num_requests
+        drafts = None
+        if self.draft_len and self.num_generations:
+            if draft_tokens is None or tuple(draft_tokens.shape) != (B, self.draft_len):
+                raise ValueError(f"penalised generation rows need the step's draft tokens [B={B}, "
+                                 f"D={self.draft_len}], got {getattr(draft_tokens, 'shape', None)}")
+            drafts = preceding_drafts(draft_tokens.to(self.device), self._row_request[:R], self._row_position[:R],
+                                      self.request_draft_len)
+        return RowPenalties(self.occurrences, self._row_slot[:R], drafts, self._row_repetition[:R],
+                            self._row_presence[:R], self._row_frequency[:R])
 
     def draft_offsets(self, step: int) -> torch.Tensor:
         """``[B]`` int64 offsets of draft step ``step`` (0-based) of every request."""

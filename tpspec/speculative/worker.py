@@ -20,6 +20,7 @@ import torch
 
 from ..exchange.base import Channel
 from ..sampling.ops import filtered_probs, sample_from_logits
+from ..sampling.penalties import penalized_logits
 from ..sampling.select import select_tokens
 from .accept import PAD_TOKEN, accept_from_targets, rejection_sample
 from .forced import ForcedAcceptance
@@ -86,7 +87,8 @@ class SpecWorker:
         """One step. ``target_logits``: ``VocabShardedLogits`` with ``meta.num_rows`` rows
         (context request: 1 row; generation request: ``D+1`` rows, D = ``meta.draft_len``).
         ``draft_tokens``: ``[B, D]`` int in the target vocab (rows of context requests
-        ignored; None when D == 0). ``draft_probs``: ``[B, D, V]`` draft distributions for
+        ignored; None when D == 0). Penalised requests are penalised from ``meta``'s
+        occurrence counts and the drafts preceding each row before anything is chosen. ``draft_probs``: ``[B, D, V]`` draft distributions for
         rejection sampling, or None: the drafts are treated as deterministic (one-hot q),
         which is still lossless. ``is_warmup``: eager CUDA-graph warm-up (no forced
         acceptance, its counter does not advance). Collective over the logits' group.
@@ -106,14 +108,14 @@ class SpecWorker:
         forced = self.forced_acceptance(device)
         use_forced = forced is not None and not is_warmup
 
+        rs = meta.row_sampling(draft_tokens=drafts)  # penalised rows count the drafts before them
         row_tokens: torch.Tensor | None = None
         if self.acceptance == "strict" or meta.is_all_greedy:
-            row_tokens = select_tokens(target_logits, meta, channel=self.channel)
+            row_tokens = select_tokens(target_logits, rs, channel=self.channel)
             # Lengths come from the metadata: no value check, so this path has no host sync.
             accepted, num = accept_from_targets(row_tokens[row_index], drafts, lens, check_values=False)
         else:
-            full = target_logits.gather()
-            rs = meta.row_sampling()
+            full = penalized_logits(target_logits, rs.penalties).gather()
             probs = filtered_probs(full, rs.temperature, rs.top_k, rs.top_p, rs.min_p)
             accepted, num = rejection_sample(
                 draft_probs, drafts, probs[row_index], meta.request_seeds, meta.acceptance_offsets(),

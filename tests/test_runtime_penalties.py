@@ -1,0 +1,139 @@
+"""Penalties and logprobs through the runtime on CPU: greedy penalised generation equals a
+step-by-step full-row reference; strict speculative decoding (n-gram drafts at TP = 2)
+equals plain decoding at TP = 1 with penalties on; a request alone equals the same
+request after another penalised request used its slot; logprobs match float64
+``log_softmax`` of the raw logits; attention DP refuses them with a clear error."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tpspec import LLM, SamplingParams, SpeculativeConfig
+from tpspec.model import ForwardBatch, load_model
+from tpspec.model.tiny import make_tiny_checkpoint
+
+MAX_NEW = 14
+PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [42] * 8, [7], [300, 301, 302, 303, 300, 301]]
+# Encourages repeats (repetition < 1, negative presence) that the frequency term then
+# holds back: the n-gram drafter finds matches, and the counts steer every step.
+PEN = dict(repetition_penalty=0.5, presence_penalty=-1.5, frequency_penalty=0.7)
+PARAMS = [SamplingParams(**PEN, logprobs=3), SamplingParams(temperature=0.9, seed=3, **PEN),
+          SamplingParams(**PEN), SamplingParams(**PEN, logprobs=0)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread_per_rank():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TPSPEC_NUM_THREADS", "1")
+        yield
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return str(make_tiny_checkpoint(tmp_path_factory.mktemp("penalty_models") / "tiny", seed=0))
+
+
+@pytest.fixture(scope="module")
+def plain(ckpt):
+    with LLM(ckpt, tp_size=1, max_batch_size=4) as llm:
+        yield llm.generate(PROMPTS, PARAMS, max_new_tokens=MAX_NEW)
+
+
+@pytest.fixture(scope="module")
+def spec_tp2(ckpt):
+    """TP = 2, n-gram drafts, two slots for four requests (slots change owners)."""
+    with LLM(ckpt, tp_size=2, max_batch_size=2, speculative=SpeculativeConfig("ngram", num_draft_tokens=3)) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def reference_model(ckpt):
+    model = load_model(ckpt, device="cpu", dtype=torch.float32)
+    model.allocate_kv_cache(1, 64)
+    return model
+
+
+def full_row(model, tokens: list[int]) -> np.ndarray:
+    n = len(tokens)
+    batch = ForwardBatch(torch.tensor(tokens), torch.arange(n), [0], [0], [n], torch.tensor([n - 1]))
+    return model(batch).gather()[0].numpy()
+
+
+def penalised(row: np.ndarray, prompt: list[int], output: list[int], params: SamplingParams) -> np.ndarray:
+    x = row.astype(np.float32).copy()
+    r, p, f = (np.float32(v) for v in (params.repetition_penalty, params.presence_penalty, params.frequency_penalty))
+    for v in set(prompt) | set(output):
+        x[v] = x[v] / r if x[v] > 0 else x[v] * r
+    for v in set(output):
+        x[v] = x[v] - f * np.float32(output.count(v)) - p
+    return x
+
+
+def test_greedy_penalties_equal_the_reference(plain, reference_model):
+    for i in (0, 2, 3):
+        prompt, params, out = PROMPTS[i], PARAMS[i], plain[i].token_ids
+        want: list[int] = []
+        for _ in range(MAX_NEW):
+            want.append(int(np.argmax(penalised(full_row(reference_model, prompt + want), prompt, want, params))))
+        assert out == want
+    unpenalised: list[int] = []
+    for _ in range(MAX_NEW):
+        unpenalised.append(int(np.argmax(full_row(reference_model, PROMPTS[0] + unpenalised))))
+    assert plain[0].token_ids != unpenalised  # the penalties matter here
+
+
+def test_strict_speculative_equals_plain_with_penalties(plain, spec_tp2):
+    spec = spec_tp2.generate(PROMPTS, PARAMS, max_new_tokens=MAX_NEW)
+    for i in (0, 2, 3):  # greedy requests: speculation and TP size change nothing
+        assert spec[i].token_ids == plain[i].token_ids
+    assert sum(o.stats.num_accepted_drafts for o in spec) > 0  # drafts were verified and kept
+    # Seeded sampled request: the same tokens at TP = 1 under the same speculation.
+    with LLM(spec_tp2.model_path, tp_size=1, max_batch_size=2,
+             speculative=SpeculativeConfig("ngram", num_draft_tokens=3)) as llm:
+        assert llm.generate(PROMPTS[1], PARAMS[1], max_new_tokens=MAX_NEW)[0].token_ids == spec[1].token_ids
+
+
+def test_counts_restart_when_a_slot_changes_owner(spec_tp2):
+    alone = spec_tp2.generate([PROMPTS[2]], [PARAMS[0]], max_new_tokens=MAX_NEW)[0]
+    # Two other penalised requests fill both slots first; the last one reuses a slot.
+    after = spec_tp2.generate([PROMPTS[1], PROMPTS[0], PROMPTS[2]], [PARAMS[0]] * 3, max_new_tokens=MAX_NEW)
+    assert after[2].token_ids == alone.token_ids
+
+
+def test_logprobs_of_raw_logits(plain, spec_tp2, reference_model):
+    out = plain[0]
+    assert plain[1].logprobs is None and plain[2].logprobs is None
+    assert len(out.logprobs) == len(out.token_ids) == MAX_NEW
+    prompt = PROMPTS[0]
+    for j, (tok, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+        logp = torch.log_softmax(torch.from_numpy(full_row(reference_model, prompt + out.token_ids[:j])).double(), -1)
+        top = logp.topk(3).indices.tolist()
+        assert set(entry) == set(top) | {tok}
+        for t, v in entry.items():
+            assert abs(v - float(logp[t])) < 1e-5
+    # logprobs=0: only the chosen token; the same values at TP = 2 with speculation.
+    assert [list(e) for e in plain[3].logprobs] == [[t] for t in plain[3].token_ids]
+    spec = spec_tp2.generate(PROMPTS[3], PARAMS[3], max_new_tokens=MAX_NEW)[0]
+    assert spec.token_ids == plain[3].token_ids
+    for a, b in zip(spec.logprobs, plain[3].logprobs):
+        assert list(a) == list(b) and all(abs(a[t] - b[t]) < 1e-5 for t in a)
+
+
+def test_attention_dp_refuses_penalties_and_logprobs(ckpt):
+    with LLM(ckpt, tp_size=2, attention_dp=True, max_batch_size=2) as llm:
+        for params in (SamplingParams(presence_penalty=0.5), SamplingParams(logprobs=1)):
+            with pytest.raises(ValueError, match="attention DP"):
+                llm.generate([PROMPTS[0]], params, max_new_tokens=4)
+        assert len(llm.generate([PROMPTS[0]], max_new_tokens=4)[0].token_ids) == 4  # still usable
+
+
+@pytest.mark.parametrize("flag, value, field", [("--presence-penalty", "3", "presence_penalty"),
+                                                ("--repetition-penalty", "0", "repetition_penalty"),
+                                                ("--logprobs", "21", "logprobs")])
+def test_bad_cli_values_exit_cleanly(capsys, flag, value, field):
+    from tpspec.cli import main
+
+    assert main(["generate", flag, value]) == 2  # rejected before any worker starts
+    assert field in capsys.readouterr().err
