@@ -29,7 +29,7 @@ import torch
 
 from .. import distributed as D
 from .config import EngineConfig, Request
-from .engine import Engine, ProgressFn, SequenceResult
+from .engine import Engine, ProgressFn, SequenceResult, SequenceUpdate
 
 POLL_S = 0.2
 
@@ -86,6 +86,12 @@ class Executor:
         """Run the requests on every rank; return rank 0's results (one per request, in order)."""
         raise NotImplementedError
 
+    def step(self, new_requests: list[Request], aborts: list[int]) -> list[SequenceUpdate]:
+        """One engine step driven by the driver: every rank adds ``new_requests``, aborts the
+        sequences ``aborts`` and runs one step (none when nothing is left); returns rank 0's
+        updates. The ranks get the same commands in the same order (continuous batching)."""
+        raise NotImplementedError
+
     def shutdown(self) -> None:
         """End the workers (idempotent, bounded)."""
         raise NotImplementedError
@@ -125,6 +131,11 @@ class InProcessExecutor(Executor):
             raise RuntimeError("the executor is not started (or already shut down)")
         return self.engine.generate(requests, on_progress if self.local_rank == 0 else None)
 
+    def step(self, new_requests: list[Request], aborts: list[int]) -> list[SequenceUpdate]:
+        if self.engine is None:
+            raise RuntimeError("the executor is not started (or already shut down)")
+        return _engine_step(self.engine, new_requests, aborts)
+
     def shutdown(self) -> None:
         if self.engine is not None:
             self.engine.close()
@@ -158,6 +169,12 @@ def _mp_worker_main(rank: int, world_size: int, port: int, config: EngineConfig,
                 continue
             if cmd[0] == "shutdown":
                 return
+            if cmd[0] == "step":
+                _, call_id, new_requests, aborts = cmd
+                updates = _engine_step(engine, new_requests, aborts)
+                if rank == 0:
+                    out.put(("stepped", call_id, updates))
+                continue
             _, call_id, requests = cmd
             progress = None
             if rank == 0:
@@ -174,6 +191,13 @@ def _mp_worker_main(rank: int, world_size: int, port: int, config: EngineConfig,
             D.destroy_distributed()
         except Exception:  # noqa: BLE001
             pass
+
+
+def _engine_step(engine: Engine, new_requests: list[Request], aborts: list[int]) -> list[SequenceUpdate]:
+    """What every rank does for one driver step (the same on every rank)."""
+    engine.add_requests(new_requests)
+    engine.abort(aborts)
+    return engine.step() if engine.has_unfinished else []
 
 
 def _pid_alive(pid: int) -> bool:
@@ -279,6 +303,26 @@ class MPExecutor(Executor):
                 if msg[0] == "progress" and msg[1] == call_id and on_progress is not None:
                     on_progress(msg[2], msg[3])
                 elif msg[0] == "result" and msg[1] == call_id:
+                    return msg[2]
+        except BaseException as exc:
+            self._abort()
+            self._broken = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise
+
+    def step(self, new_requests: list[Request], aborts: list[int]) -> list[SequenceUpdate]:
+        if self._broken:
+            raise WorkerError(f"the workers are gone ({self._broken}); create a new LLM")
+        if not self.procs:
+            raise RuntimeError("the executor is not started (or already shut down)")
+        self._call_id += 1
+        call_id = self._call_id
+        for q in self._commands:
+            q.put(("step", call_id, new_requests, aborts))
+        try:
+            while True:
+                msg = self._next_message(time.monotonic() + self.step_timeout_s,
+                                         f"a step (none finished in {self.step_timeout_s:.0f} s)")
+                if msg[0] == "stepped" and msg[1] == call_id:
                     return msg[2]
         except BaseException as exc:
             self._abort()
@@ -399,6 +443,13 @@ class _RayRank:
 
         results = self.engine.generate(requests, record if self.rank == 0 else None)
         return results if self.rank == 0 else None
+
+    def step(self, new_requests: list[Request], aborts: list[int]) -> list[SequenceUpdate] | None:
+        assert self.engine is not None
+        if self.engine.device.type == "cuda":
+            torch.cuda.set_device(self.engine.device)
+        updates = _engine_step(self.engine, new_requests, aborts)
+        return updates if self.rank == 0 else None
 
     def progress(self) -> tuple[int, int, int]:
         return self._progress
@@ -551,6 +602,19 @@ class RayExecutor(Executor):
                         on_progress(seen[1], seen[2])
                 if time.monotonic() - last_change > self.step_timeout_s:
                     raise WorkerError(f"no step finished in {self.step_timeout_s:.0f} s: a Ray rank is hung")
+        except BaseException as exc:
+            self._broken = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            self._kill_actors()
+            raise
+
+    def step(self, new_requests: list[Request], aborts: list[int]) -> list[SequenceUpdate]:
+        if self._broken:
+            raise WorkerError(f"the workers are gone ({self._broken}); create a new LLM")
+        if not self.actors:
+            raise RuntimeError("the executor is not started (or already shut down)")
+        refs = [a.step.remote(new_requests, aborts) for a in self.actors]
+        try:
+            return self._wait(refs, self.step_timeout_s, "a step")[0]
         except BaseException as exc:
             self._broken = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             self._kill_actors()

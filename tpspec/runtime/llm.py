@@ -22,7 +22,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -266,6 +266,12 @@ class LLM:
         self.last_stats: GenerateStats | None = None
         self._sequence_ids = itertools.count()
         self._request_ids = itertools.count()
+        # Requests driven step by step (add_request / step, streams): live requests by id, the
+        # (request id, sample index) of each engine sequence, what the next step adds / aborts.
+        self._live: dict[str, _Live] = {}
+        self._seq_owner: dict[int, tuple[str, int]] = {}
+        self._new: list[Request] = []
+        self._aborts: list[int] = []
         timeouts: dict[str, Any] = {}
         if backend != "external_launcher":
             timeouts = {"init_timeout_s": init_timeout_s, "step_timeout_s": step_timeout_s}
@@ -304,7 +310,8 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool | None = None,
-    ) -> list[RequestOutput]:
+        stream: bool = False,
+    ) -> list[RequestOutput] | Iterator[RequestOutput]:
         """Generate for every prompt; one :class:`RequestOutput` per prompt, in order, each with
         ``n`` :class:`CompletionOutput` samples.
 
@@ -314,13 +321,23 @@ class LLM:
         (default: when stderr is a terminal; it appears only on runs longer than a couple of
         seconds).
 
+        ``stream=True`` returns an iterator instead: after every engine step it yields one
+        ``RequestOutput`` per request that changed, whose samples hold only what the step added
+        (``text`` and ``token_ids`` are deltas; a sample appears once more, possibly empty, when
+        it finishes; ``finished`` is set on a request's last output). Joining each sample's
+        deltas gives exactly the non-streamed output.
+
         Raises ``ValueError`` naming the bad prompt/parameter before any work starts (the LLM
         stays usable), and :class:`~tpspec.runtime.launchers.WorkerError` when a worker dies
         or hangs (the LLM is unusable afterwards).
         """
         if self._executor is None:
             raise RuntimeError("this LLM is shut down")
+        if self._live:
+            raise RuntimeError("requests added with add_request are still running; step them to the end first")
         batch = self._make_requests(prompts, sampling_params)
+        if stream:
+            return self._stream(batch)
         requests = [r for entry in batch for r in entry.requests]
         bar = _ProgressBar(sum(r.max_new_tokens for r in requests), use_tqdm, enabled=self.rank == 0)
         start = time.perf_counter()
@@ -346,6 +363,97 @@ class LLM:
                                          finished=True, metrics=entry.metrics))
         self.last_stats = GenerateStats.of(outputs, wall)
         return outputs
+
+    def _stream(self, batch: list["_Entry"]) -> Iterator[RequestOutput]:
+        for entry in batch:
+            self._register(entry)
+        while self._live:
+            yield from self.step()
+
+    # ------------------------------------------------------------------ step by step
+    def add_request(self, prompt: Any, sampling_params: SamplingParams | None = None) -> str:
+        """Queue one request (a prompt as :meth:`generate` takes it); it joins the running batch at
+        the next :meth:`step`. Returns its ``request_id``. Validation as in :meth:`generate`."""
+        if self._executor is None:
+            raise RuntimeError("this LLM is shut down")
+        if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+        entry = self._make_requests([prompt], sampling_params)[0]
+        self._register(entry)
+        return entry.request_id
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a running request (its samples leave the batch at the next step); unknown ids are
+        ignored."""
+        live = self._live.pop(request_id, None)
+        if live is None:
+            return
+        for req, sample in zip(live.entry.requests, live.samples):
+            self._seq_owner.pop(req.request_id, None)
+            if sample.finish_reason is None:
+                self._aborts.append(req.request_id)
+        self._new = [r for r in self._new if r.request_id not in {q.request_id for q in live.entry.requests}]
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether requests added with :meth:`add_request` (or a stream) are still running."""
+        return bool(self._live)
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step over every running request (the requests added since the last step
+        join the batch). Returns one delta ``RequestOutput`` per request that changed (as
+        ``generate(stream=True)`` yields them); a finished request is then forgotten."""
+        if self._executor is None:
+            raise RuntimeError("this LLM is shut down")
+        new, self._new = self._new, []
+        aborts, self._aborts = self._aborts, []
+        updates = self._executor.step(new, aborts)
+        now = time.time()
+        changed: dict[str, list[CompletionOutput]] = {}
+        for u in updates:
+            owner = self._seq_owner.get(u.request_id)
+            if owner is None:  # aborted meanwhile
+                continue
+            live = self._live[owner[0]]
+            sample = live.samples[owner[1]]
+            if sample.finish_reason is not None:
+                continue
+            kept, text = sample.feed(u.new_token_ids)
+            if sample.finish_reason is not None and u.finish_reason is None:  # a stop string: leave the batch
+                self._aborts.append(u.request_id)
+            if u.finish_reason is not None:
+                text += sample.finish(u.finish_reason)
+            if u.stats is not None:
+                live.stats[owner[1]] = u.stats
+            logprobs = None if u.new_logprobs is None else u.new_logprobs[:len(kept)]
+            changed.setdefault(owner[0], []).append(CompletionOutput(
+                index=sample.index, text=text, token_ids=kept, logprobs=logprobs,
+                finish_reason=sample.finish_reason, stop_reason=sample.stop_reason, stats=live.stats[owner[1]]))
+        outputs = []
+        for rid, deltas in changed.items():
+            live = self._live[rid]
+            metrics = live.entry.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.last_token_time = now
+            finished = all(s.finish_reason is not None for s in live.samples)
+            if finished:
+                metrics.finished_time = now
+                del self._live[rid]
+                for req in live.entry.requests:
+                    self._seq_owner.pop(req.request_id, None)
+            outputs.append(RequestOutput(request_id=rid, prompt=live.entry.prompt_text,
+                                         prompt_token_ids=list(live.entry.prompt_ids),
+                                         outputs=sorted(deltas, key=lambda c: c.index), finished=finished,
+                                         metrics=metrics))
+        return outputs
+
+    def _register(self, entry: "_Entry") -> None:
+        live = _Live(entry, [_Sample(i, req, entry.params, self.tokenizer) for i, req in enumerate(entry.requests)],
+                     [RequestStats() for _ in entry.requests])
+        self._live[entry.request_id] = live
+        for i, req in enumerate(entry.requests):
+            self._seq_owner[req.request_id] = (entry.request_id, i)
+        self._new.extend(entry.requests)
 
     def chat(
         self,
@@ -507,6 +615,15 @@ class _Entry:
     params: SamplingParams
     requests: list[Request]
     metrics: RequestMetrics
+
+
+@dataclass
+class _Live:
+    """A request driven step by step: its entry, its samples and their engine statistics."""
+
+    entry: _Entry
+    samples: list["_Sample"]
+    stats: list[RequestStats]
 
 
 class _Sample:
