@@ -7,6 +7,22 @@ import torch
 
 from tpspec.model import ForwardBatch
 
+# The tests address the paged cache through "slots": slot s owns PAGES_PER_SLOT pages of PAGE_SIZE
+# tokens, scattered over the pool and in descending order, so paging is exercised for real.
+NUM_SLOTS = 16
+PAGE_SIZE = 8
+PAGES_PER_SLOT = 16  # 128 tokens a slot
+
+
+def slot_pages(slot: int) -> list[int]:
+    """The block table of ``slot`` (pages ``(PAGES_PER_SLOT - 1 - j) * NUM_SLOTS + slot``)."""
+    return [(PAGES_PER_SLOT - 1 - j) * NUM_SLOTS + slot for j in range(PAGES_PER_SLOT)]
+
+
+def allocate_slots(model, num_slots: int = NUM_SLOTS) -> None:
+    """Allocate the pages that slots ``[0, num_slots)`` use (``num_slots <= NUM_SLOTS``)."""
+    model.allocate_kv_cache((PAGES_PER_SLOT - 1) * NUM_SLOTS + num_slots, PAGE_SIZE)
+
 
 def make_batch(seqs: list[tuple[int, int, list[int]]], logits_rows: list[int] | None = None) -> ForwardBatch:
     """``seqs``: ``(slot, cache_len, new_tokens)``; positions = cache_len + i. Empty list -> empty batch."""
@@ -15,7 +31,7 @@ def make_batch(seqs: list[tuple[int, int, list[int]]], logits_rows: list[int] | 
     return ForwardBatch(
         torch.tensor(tokens, dtype=torch.int64),
         torch.tensor(positions, dtype=torch.int64),
-        [s for s, _, _ in seqs],
+        [slot_pages(s) for s, _, _ in seqs],
         [c for _, c, _ in seqs],
         [len(new) for _, _, new in seqs],
         None if logits_rows is None else torch.tensor(logits_rows, dtype=torch.int64),

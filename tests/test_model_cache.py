@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_helpers import (all_logits_stepwise, greedy_generate, make_batch, mixed_reference, mixed_scenario,
-                           speculative_greedy)
+from model_helpers import (allocate_slots, all_logits_stepwise, greedy_generate, make_batch, mixed_reference,
+                           mixed_scenario, speculative_greedy)
 from tpspec.model import DraftModel, ForwardBatch, NgramDrafter, load_model, make_tiny_checkpoint
 
 
@@ -22,7 +22,7 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def model(tiny):
     m = load_model(tiny[0])
-    m.allocate_kv_cache(8, 128)
+    allocate_slots(m, 8)
     return m
 
 
@@ -60,7 +60,7 @@ def test_speculative_greedy_with_ngram_and_draft_model_equals_plain_greedy(tiny,
         assert out == ref
         total_accepted += accepted
     draft = DraftModel(tiny[1], target_config=model.config)
-    draft.allocate_kv_cache(1, 128)
+    allocate_slots(draft, 1)
     assert draft.config.num_layers == 1
 
     def propose_with_draft(history, k=3):
@@ -102,24 +102,30 @@ def test_bad_batches_are_named(tiny):
     m = load_model(tiny[0])
     with pytest.raises(RuntimeError, match="allocate_kv_cache"):
         m(make_batch([(0, 0, [1, 2])]))
-    m.allocate_kv_cache(2, 8)
+    m.allocate_kv_cache(4, 4)  # pages 0..3 of 4 tokens
     t = torch.tensor([1, 2, 3])
+
+    def batch(table, cached, new):
+        return ForwardBatch(torch.tensor(new), torch.arange(cached, cached + len(new)), [table], [cached], [len(new)])
+
     cases = [
-        (lambda: ForwardBatch(t, t, [0], [0], [2]), "sum\\(query_lens\\)=2"),
-        (lambda: ForwardBatch(t, t, [0, 1], [0], [3]), "one slot_id, cache_len and query_len"),
-        (lambda: ForwardBatch(t, t, [0, 0], [0, 0], [2, 1]), "distinct"),
-        (lambda: ForwardBatch(t, t, [0, 1], [0, 0], [3, 0]), "query_lens must all be >= 1"),
-        (lambda: ForwardBatch(t.int(), t, [0], [0], [3]), "token_ids must be a 1-D int64"),
-        (lambda: ForwardBatch(t, t, [0], [0], [3], torch.tensor([3])), "logits_rows must lie in \\[0, 3\\)"),
-        (lambda: m(make_batch([(2, 0, [1])])), "slot 2 is out of range"),
-        (lambda: m(make_batch([(1, 6, [1, 2, 3])])), "exceeds max_seq_len 8"),
-        (lambda: m(make_batch([(0, 0, [1, 512])])), "token ids must lie in \\[0, 512\\)"),
-        (lambda: m.allocate_kv_cache(0, 8), "num_slots must be a positive int"),
+        (lambda: ForwardBatch(t, t, [[0]], [0], [2]), "sum\\(query_lens\\)=2"),
+        (lambda: ForwardBatch(t, t, [[0], [1]], [0], [3]), "one block table, cache_len and query_len"),
+        (lambda: ForwardBatch(t, t, [[0], [-1]], [0, 0], [2, 1]), "non-negative page ids"),
+        (lambda: ForwardBatch(t, t, [[0], [1]], [0, 0], [3, 0]), "query_lens must all be >= 1"),
+        (lambda: ForwardBatch(t.int(), t, [[0]], [0], [3]), "token_ids must be a 1-D int64"),
+        (lambda: ForwardBatch(t, t, [[0]], [0], [3], torch.tensor([3])), "logits_rows must lie in \\[0, 3\\)"),
+        (lambda: m(batch([4], 0, [1])), "page ids must lie in \\[0, 4\\)"),
+        (lambda: m(batch([0], 2, [1, 2, 3])), "needs 2 pages of 4 tokens, its block table has 1"),
+        (lambda: m(batch([0], 0, [1, 512])), "token ids must lie in \\[0, 512\\)"),
+        (lambda: m.allocate_kv_cache(0, 8), "num_pages must be a positive int"),
+        (lambda: m.allocate_kv_cache(8, 0), "page_size must be a positive int"),
     ]
     for make, message in cases:
         with pytest.raises(ValueError, match=message):
             make()
-    # Reallocation gives a usable cache of the new size.
+    # Reallocation gives a usable cache of the new size, exactly the pages asked for.
     m.allocate_kv_cache(3, 16)
-    assert m.caches[0].k.shape == (3, 16, 2, 16) and m.kv_cache_bytes(3, 16) == 2 * 2 * 3 * 16 * 2 * 16 * 4
-    assert m(make_batch([(2, 0, [1, 2, 3])])).num_rows == 1
+    assert m.caches[0].k.shape == (3, 16, 2, 16)
+    assert m.kv_cache_bytes(3, 16) == 2 * 2 * 3 * 16 * 2 * 16 * 4 == sum(c.nbytes for c in m.caches)
+    assert m(batch([2, 0], 15, [1, 2, 3])).num_rows == 1

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_helpers import greedy_generate, make_batch, mixed_reference, mixed_scenario
+from model_helpers import (PAGES_PER_SLOT, allocate_slots, greedy_generate, make_batch, mixed_reference,
+                           mixed_scenario)
 from tpspec.mapping import Mapping
-from tpspec.model import AttentionMetadata, load_model, make_tiny_checkpoint
+from tpspec.model import load_model, make_tiny_checkpoint
 from tpspec.testing import run_ranks
 
 pytestmark = pytest.mark.gpu
@@ -23,13 +24,13 @@ def tiny(tmp_path_factory):
 
 def _load(path, mapping=None, dtype=torch.float32):
     m = load_model(path, mapping, device="cuda", dtype=dtype)
-    m.allocate_kv_cache(8, 128)
+    allocate_slots(m, 8)
     return m
 
 
 def test_fp32_gpu_equals_cpu_and_bf16_is_close(tiny):
     cpu = load_model(tiny)
-    cpu.allocate_kv_cache(8, 128)
+    allocate_slots(cpu, 8)
     gpu = _load(tiny)
     assert greedy_generate(gpu, PROMPTS, 16) == greedy_generate(cpu, PROMPTS, 16)
     for got, want in zip(mixed_scenario(gpu), mixed_reference(cpu, slot=3)):
@@ -68,7 +69,7 @@ def test_cuda_graph_replay_equals_eager(tiny):
     def decode_batch(tokens):
         b = make_batch([(s, n, [t]) for s, (n, t) in enumerate(zip(lens, tokens))], list(range(len(prompts))))
         b.token_ids, b.positions, b.logits_rows = b.token_ids.cuda(), b.positions.cuda(), b.logits_rows.cuda()
-        return b, AttentionMetadata.build(b, "cuda", kv_len=model.max_seq_len)
+        return b, model.build_metadata(b, kv_pages=PAGES_PER_SLOT)
 
     static_batch, static_meta = decode_batch([5, 6, 7])
     stream = torch.cuda.Stream()

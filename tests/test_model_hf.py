@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from model_helpers import greedy_generate, make_batch
+from model_helpers import allocate_slots, greedy_generate, make_batch
 from tpspec.mapping import Mapping
 from tpspec.model import (CheckpointError, ModelConfig, TPLlamaForCausalLM, check_split, load_model,
                           make_tiny_checkpoint)
@@ -77,7 +77,7 @@ def test_matches_transformers(tmp_path, kind):
     hf, path = _hf_checkpoint(tmp_path, kind)
     model = load_model(path)
     assert model.config.architecture == ("Qwen2ForCausalLM" if kind == "qwen2" else "LlamaForCausalLM")
-    model.allocate_kv_cache(4, 64)
+    allocate_slots(model, 4)
     for slot, prompt in enumerate(PROMPTS):
         ours = model(make_batch([(slot, 0, prompt)], list(range(len(prompt))))).gather()
         with torch.no_grad():
@@ -92,7 +92,7 @@ def test_tiny_checkpoint_is_a_transformers_llama(tmp_path):
     path = make_tiny_checkpoint(tmp_path / "tiny", seed=3, vocab_size=509)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
     model = load_model(path)
-    model.allocate_kv_cache(1, 32)
+    allocate_slots(model, 1)
     prompt = [1, 400, 2, 508, 77]
     ours = model(make_batch([(0, 0, prompt)], list(range(5)))).gather()
     with torch.no_grad():

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_helpers import greedy_generate, make_batch, mixed_reference, mixed_scenario, speculative_greedy
+from model_helpers import (allocate_slots, greedy_generate, make_batch, mixed_reference, mixed_scenario,
+                           speculative_greedy)
 from tpspec import distributed as D
 from tpspec.mapping import Mapping
 from tpspec.model.comm import VarlenRows
@@ -51,14 +52,14 @@ def run_checks(rank: int, world: int, target: str, draft: str) -> dict:
     out: dict = {"varlen": _varlen_checks(rank, world)}
     plain = load_model(target, Mapping(world, rank))
     out["load"] = (plain.load_stats.bytes_read, plain.load_stats.checkpoint_bytes)
-    plain.allocate_kv_cache(16, 64)
+    allocate_slots(plain, 16)
     out["greedy"] = greedy_generate(plain, PROMPTS, STEPS)
     out["prompt_logits"] = plain(make_batch([(8, 0, PROMPTS[3])], list(range(len(PROMPTS[3]))))).gather()
     out["mixed"] = mixed_scenario(plain, slots=(0, 1, 2))
     out["spec"] = speculative_greedy(plain, SPEC_PROMPT, STEPS, NgramDrafter(3).propose, slot=5)[0]
     out["sampled"] = _sampled_prefill(plain, PROMPTS, range(len(PROMPTS)))
     dm = DraftModel(draft, Mapping(world, rank), exchange=plain.exchange, target_config=plain.config)
-    dm.allocate_kv_cache(4, 64)
+    allocate_slots(dm, 4)
     out["draft"] = greedy_generate(dm, PROMPTS[:2], STEPS)
 
     # Attention DP: rank r owns prompts r, r + world, ... (uneven counts and lengths; at TP=4 with
@@ -66,7 +67,7 @@ def run_checks(rank: int, world: int, target: str, draft: str) -> dict:
     mine = list(range(rank, len(PROMPTS), world))
     for lm_head_tp in (False, True):
         adp = load_model(target, Mapping(world, rank, enable_attention_dp=True, enable_lm_head_tp_in_adp=lm_head_tp))
-        adp.allocate_kv_cache(16, 64)
+        allocate_slots(adp, 16)
         out[f"adp{lm_head_tp}"] = greedy_generate(adp, [PROMPTS[i] for i in mine], STEPS)
         out[f"adp{lm_head_tp}_sampled"] = _sampled_prefill(adp, [PROMPTS[i] for i in mine], mine)
         # A step where only rank 0 has work: the others pass empty batches and still join the collectives.
@@ -94,9 +95,9 @@ def tiny(tmp_path_factory):
 def reference(tiny):
     """The same checks at TP = 1 in this process."""
     model = load_model(tiny[0])
-    model.allocate_kv_cache(16, 64)
+    allocate_slots(model, 16)
     dm = DraftModel(tiny[1], target_config=model.config)
-    dm.allocate_kv_cache(4, 64)
+    allocate_slots(dm, 4)
     return {
         "greedy": greedy_generate(model, PROMPTS, STEPS),
         "prompt_logits": model(make_batch([(8, 0, PROMPTS[3])], list(range(len(PROMPTS[3]))))).gather(),
@@ -139,7 +140,7 @@ def test_tensor_parallel_matches_tp1(tiny, reference, world):
             torch.testing.assert_close(logits, ref["sampled"][0][mine], atol=1e-4, rtol=1e-4)
             assert tokens == [ref["sampled"][1][i] for i in mine], (rank, lm_head_tp)
             assert out[f"adp{lm_head_tp}_only0"] == ([ref["only0"]] if rank == 0 else []), (rank, lm_head_tp)
-        want_bad = ("ValueError: slot 99 is out of range" if rank == world - 1 else
+        want_bad = ("ValueError: sequence 0: page ids must lie in" if rank == world - 1 else
                     f"RuntimeError: the forward batch of rank(s) [{world - 1}] of the attention-DP group is invalid")
         assert out["adp_bad_batch"].startswith(want_bad), (rank, out["adp_bad_batch"])
 
@@ -157,7 +158,7 @@ def test_attention_never_uses_cudnn_sdpa(tiny, monkeypatch):
     cuDNN backend disabled, in eager steps and graphs alike."""
     import torch.nn.functional as F
 
-    from tests.model_helpers import greedy_generate
+    from tests.model_helpers import allocate_slots, greedy_generate
 
     seen = []
     original = F.scaled_dot_product_attention
@@ -168,7 +169,7 @@ def test_attention_never_uses_cudnn_sdpa(tiny, monkeypatch):
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
     model = load_model(tiny[0])
-    model.allocate_kv_cache(2, 16)
+    allocate_slots(model, 2)
     greedy_generate(model, [[1, 2, 3], [4, 5]], steps=3)
     assert seen and not any(seen), f"cuDNN SDPA enabled in {sum(seen)} of {len(seen)} attention calls"
     assert torch.backends.cuda.cudnn_sdp_enabled()  # the process-wide setting is left alone

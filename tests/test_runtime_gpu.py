@@ -133,6 +133,7 @@ def test_capture_failure_goes_eager_on_every_rank_but_a_warmup_failure_raises(mo
     graphs.engine = SimpleNamespace(device=torch.device("cpu"), group=None)
     graphs.graphs, graphs.failed, graphs.pool = {}, set(), "pool"
     graphs._attn_meta = lambda batch: "meta"
+    graphs._plan_attention = lambda meta: None
 
     def forward_and_select(batch, meta, drafts, is_warmup):
         if (fails_in == "warmup" and is_warmup) or (fails_in == "capture" and not is_warmup):

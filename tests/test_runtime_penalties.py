@@ -19,8 +19,15 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [42] * 8, [7], [300, 301, 302, 303, 300
 # Encourages repeats (repetition < 1, negative presence) that the frequency term then
 # holds back: the n-gram drafter finds matches, and the counts steer every step.
 PEN = dict(repetition_penalty=0.5, presence_penalty=-1.5, frequency_penalty=0.7)
-PARAMS = [SamplingParams(**PEN, logprobs=3), SamplingParams(temperature=0.9, seed=3, **PEN),
-          SamplingParams(**PEN), SamplingParams(**PEN, logprobs=0)]
+GREEDY = dict(temperature=0.0, max_tokens=MAX_NEW)
+PARAMS = [SamplingParams(**GREEDY, **PEN, logprobs=3),
+          SamplingParams(temperature=0.9, seed=3, max_tokens=MAX_NEW, **PEN),
+          SamplingParams(**GREEDY, **PEN), SamplingParams(**GREEDY, **PEN, logprobs=0)]
+
+
+def completions(outputs):
+    """The one completion of each request (n = 1)."""
+    return [o.outputs[0] for o in outputs]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -37,14 +44,15 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def plain(ckpt):
-    with LLM(ckpt, tp_size=1, max_batch_size=4) as llm:
-        yield llm.generate(PROMPTS, PARAMS, max_new_tokens=MAX_NEW)
+    with LLM(ckpt, tensor_parallel_size=1, max_num_seqs=4) as llm:
+        yield completions(llm.generate(PROMPTS, PARAMS))
 
 
 @pytest.fixture(scope="module")
 def spec_tp2(ckpt):
     """TP = 2, n-gram drafts, two slots for four requests (slots change owners)."""
-    with LLM(ckpt, tp_size=2, max_batch_size=2, speculative=SpeculativeConfig("ngram", num_draft_tokens=3)) as llm:
+    with LLM(ckpt, tensor_parallel_size=2, max_num_seqs=2,
+             speculative_config=SpeculativeConfig("ngram", num_speculative_tokens=3)) as llm:
         yield llm
 
 
@@ -85,20 +93,20 @@ def test_greedy_penalties_equal_the_reference(plain, reference_model):
 
 
 def test_strict_speculative_equals_plain_with_penalties(plain, spec_tp2):
-    spec = spec_tp2.generate(PROMPTS, PARAMS, max_new_tokens=MAX_NEW)
+    spec = completions(spec_tp2.generate(PROMPTS, PARAMS))
     for i in (0, 2, 3):  # greedy requests: speculation and TP size change nothing
         assert spec[i].token_ids == plain[i].token_ids
     assert sum(o.stats.num_accepted_drafts for o in spec) > 0  # drafts were verified and kept
     # Seeded sampled request: the same tokens at TP = 1 under the same speculation.
-    with LLM(spec_tp2.model_path, tp_size=1, max_batch_size=2,
-             speculative=SpeculativeConfig("ngram", num_draft_tokens=3)) as llm:
-        assert llm.generate(PROMPTS[1], PARAMS[1], max_new_tokens=MAX_NEW)[0].token_ids == spec[1].token_ids
+    with LLM(spec_tp2.model_path, tensor_parallel_size=1, max_num_seqs=2,
+             speculative_config=SpeculativeConfig("ngram", num_speculative_tokens=3)) as llm:
+        assert completions(llm.generate(PROMPTS[1], PARAMS[1]))[0].token_ids == spec[1].token_ids
 
 
 def test_counts_restart_when_a_slot_changes_owner(spec_tp2):
-    alone = spec_tp2.generate([PROMPTS[2]], [PARAMS[0]], max_new_tokens=MAX_NEW)[0]
+    alone = completions(spec_tp2.generate([PROMPTS[2]], [PARAMS[0]]))[0]
     # Two other penalised requests fill both slots first; the last one reuses a slot.
-    after = spec_tp2.generate([PROMPTS[1], PROMPTS[0], PROMPTS[2]], [PARAMS[0]] * 3, max_new_tokens=MAX_NEW)
+    after = completions(spec_tp2.generate([PROMPTS[1], PROMPTS[0], PROMPTS[2]], [PARAMS[0]] * 3))
     assert after[2].token_ids == alone.token_ids
 
 
@@ -115,18 +123,19 @@ def test_logprobs_of_raw_logits(plain, spec_tp2, reference_model):
             assert abs(v - float(logp[t])) < 1e-5
     # logprobs=0: only the chosen token; the same values at TP = 2 with speculation.
     assert [list(e) for e in plain[3].logprobs] == [[t] for t in plain[3].token_ids]
-    spec = spec_tp2.generate(PROMPTS[3], PARAMS[3], max_new_tokens=MAX_NEW)[0]
+    spec = completions(spec_tp2.generate(PROMPTS[3], PARAMS[3]))[0]
     assert spec.token_ids == plain[3].token_ids
     for a, b in zip(spec.logprobs, plain[3].logprobs):
         assert list(a) == list(b) and all(abs(a[t] - b[t]) < 1e-5 for t in a)
 
 
 def test_attention_dp_refuses_penalties_and_logprobs(ckpt):
-    with LLM(ckpt, tp_size=2, attention_dp=True, max_batch_size=2) as llm:
-        for params in (SamplingParams(presence_penalty=0.5), SamplingParams(logprobs=1)):
+    with LLM(ckpt, tensor_parallel_size=2, attention_dp=True, max_num_seqs=2) as llm:
+        for params in (SamplingParams(presence_penalty=0.5, max_tokens=4), SamplingParams(logprobs=1, max_tokens=4)):
             with pytest.raises(ValueError, match="attention DP"):
-                llm.generate([PROMPTS[0]], params, max_new_tokens=4)
-        assert len(llm.generate([PROMPTS[0]], max_new_tokens=4)[0].token_ids) == 4  # still usable
+                llm.generate([PROMPTS[0]], params)
+        out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=4))[0].outputs[0]
+        assert len(out.token_ids) == 4  # still usable
 
 
 @pytest.mark.parametrize("flag, value, field", [("--presence-penalty", "3", "presence_penalty"),

@@ -17,6 +17,10 @@ actor per rank and hands the env var to them through Ray's ``runtime_env``. Each
 configuration builds a fresh ``LLM``, makes one warm-up call, then the timed ``generate``.
 The table reports tokens/s, measured accepted drafts per step (a check that forcing took
 effect) and the speed-up over ``no-spec``. On CPU only the ratios mean something.
+
+``--model-shape llama-3-8b | llama-3-70b | qwen2.5-7b`` runs a real model shape with random
+weights built on each rank instead of a checkpoint (``--num-layers`` / ``--vocab-size``
+shrink it for quick checks).
 """
 
 from __future__ import annotations
@@ -146,6 +150,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-cuda-graphs", action="store_true", help="eager generation steps on GPU")
     parser.add_argument("--quick", action="store_true", help="small sizes, seconds per configuration on CPU")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds before the run is abandoned")
+    add_shape_arguments(parser)
+
+
+def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..model.shapes import MODEL_SHAPES
+
+    parser.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default=None,
+                        help="a real model shape with random weights built on each rank (instead of --model)")
+    parser.add_argument("--num-layers", type=int, default=None, help="with --model-shape: fewer layers")
+    parser.add_argument("--vocab-size", type=int, default=None, help="with --model-shape: another vocabulary size")
+
+
+def model_argument(args: argparse.Namespace) -> str:
+    """``--model``, or the ``shape:`` path of ``--model-shape`` (``SystemExit`` on a bad mix)."""
+    from ..model.shapes import shape_path
+
+    if args.model_shape is None:
+        if args.num_layers is not None or args.vocab_size is not None:
+            raise SystemExit("tpspec bench generate: --num-layers / --vocab-size need --model-shape")
+        return args.model
+    if args.model != "tiny":
+        raise SystemExit("tpspec bench generate: give --model or --model-shape, not both")
+    try:
+        return shape_path(args.model_shape, args.num_layers, args.vocab_size)
+    except ValueError as exc:
+        raise SystemExit(f"tpspec bench generate: {exc}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -160,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("tpspec bench generate: --tp must be >= 1")
     num_prompts = args.num_prompts or (2 if args.quick else 8)
     cfg = {
-        "model": args.model, "tp": tp, "launcher": args.launcher, "device": device, "dtype": args.dtype,
+        "model": model_argument(args), "tp": tp, "launcher": args.launcher, "device": device, "dtype": args.dtype,
         "num_prompts": num_prompts, "prompt_len": args.prompt_len or (8 if args.quick else 64),
         "max_new_tokens": args.max_new_tokens or (12 if args.quick else 128),
         "max_batch_size": args.max_batch_size or num_prompts, "use_cuda_graphs": not args.no_cuda_graphs,

@@ -19,6 +19,19 @@ the accepted tokens and every row's target token of both paths on all ranks). Pe
 (batch, mode, path) the table reports the medians over ``--iters`` steps of the forward,
 the selection and their sum, and the share of the step spent selecting tokens (slowest
 rank). On CPU only the ratios mean something; absolute times are meaningful on GPUs.
+
+Roofline (``step_roofline.json``/``.png``): per context (``--contexts``, default 1K and 4K)
+and batch (``--roofline-batch``, default 1, 8, 32, 64), one plain decode step (one new token
+per request, greedy, the sharded exchange), as a CUDA graph where the TP group allows it, beside
+its floor ``(weight bytes of the rank + KV bytes the step reads) / measured copy bandwidth``
+(the rank's weights are about ``1/tp`` of the model; the embedding table is not counted, a
+decode step reads only its rows) and their ratio, plus the share of the step spent choosing
+tokens (eager: selection / (forward + selection)). The caches hold zeros: attention reads
+the same bytes whatever they hold, so no prefill is needed.
+
+``--model-shape llama-3-8b | llama-3-70b | qwen2.5-7b`` runs a real model shape with random
+weights built on each rank (its shard only; bf16 on GPU); ``--num-layers`` and
+``--vocab-size`` shrink it for quick checks on CPU.
 """
 
 from __future__ import annotations
@@ -124,7 +137,9 @@ def _step_worker(rank: int, world_size: int, cfg: dict) -> list[dict]:
     vocab = model.config.vocab_size
     draft_len, context_len = cfg["draft_len"], cfg["context_len"]
     max_batch = max(cfg["batches"])
-    model.allocate_kv_cache(max_batch, context_len + draft_len + 2)
+    per_seq = -(-(context_len + draft_len + 1) // PAGE_SIZE)
+    model.allocate_kv_cache(max_batch * per_seq, PAGE_SIZE)
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(max_batch)]
     gen = torch.Generator().manual_seed(1234)
     worker = SpecWorker("strict", forced=None)
     records: list[dict] = []
@@ -140,11 +155,11 @@ def _step_worker(rank: int, world_size: int, cfg: dict) -> list[dict]:
         # Fill every request's cache with its context (one prefill forward, not timed).
         prompt = torch.randint(3, vocab, (batch * context_len,), generator=gen)
         model(ForwardBatch(prompt.to(device), torch.arange(context_len).repeat(batch).to(device),
-                           list(range(batch)), [0] * batch, [context_len] * batch))
+                           tables[:batch], [0] * batch, [context_len] * batch))
         step_tokens = torch.randint(3, vocab, (batch * (draft_len + 1),), generator=gen)
         step = ForwardBatch(step_tokens.to(device),
                             torch.arange(context_len, context_len + draft_len + 1).repeat(batch).to(device),
-                            list(range(batch)), [context_len] * batch, [draft_len + 1] * batch,
+                            tables[:batch], [context_len] * batch, [draft_len + 1] * batch,
                             logits_rows=torch.arange(batch * (draft_len + 1)).to(device))
         drafts = torch.randint(3, vocab, (batch, draft_len), generator=gen).to(device)
         for mode in cfg["modes"]:
@@ -175,14 +190,16 @@ def _step_worker(rank: int, world_size: int, cfg: dict) -> list[dict]:
                     "forward_ms": statistics.median(forward_ms), "select_ms": statistics.median(select_ms),
                     "first_output": outputs[0],
                 })
+    roofline = _roofline_cells(model, cfg, device) if cfg.get("roofline") else []
     exchange.close()
-    return records
+    return [dict(r, kind="step") for r in records] + roofline
 
 
 # --------------------------------------------------------------------------- summary
 
 def summarize(per_rank: list[list[dict]], draft_len: int) -> tuple[list[list[Any]], dict]:
     """Table rows (slowest rank per cell) and a dict of ``tokens_equal`` per (batch, mode)."""
+    per_rank = [[r for r in records if r.get("kind", "step") == "step"] for records in per_rank]
     rows: list[list[Any]] = []
     equal: dict[str, bool] = {}
     by_cell: dict[tuple, dict] = {}
@@ -250,6 +267,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; --quick 1)")
     parser.add_argument("--quick", action="store_true", help="small sizes, a few seconds on CPU")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds before the ranks are killed")
+    add_roofline_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -266,7 +284,7 @@ def run(args: argparse.Namespace) -> int:
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
     vocab = args.vocab_size or (QUICK_VOCAB if args.quick else DEFAULT_VOCAB)
     cfg = {
-        "model": resolve_model(args.model, vocab),
+        "model": _model_path(args, vocab),
         "device": device,
         "dtype": dtype,
         "batches": number_list(args.batch, QUICK_BATCHES if args.quick else DEFAULT_BATCHES,
@@ -278,16 +296,17 @@ def run(args: argparse.Namespace) -> int:
         # The CPU reference of the Gumbel noise is slow (Philox in int64 tensor ops): fewer steps there.
         "iters": args.iters or (3 if args.quick else (20 if device == "cuda" else 5)),
         "warmup": args.warmup if args.warmup is not None else (1 if args.quick else 3),
+        **roofline_config(args, device),
     }
     backend = rank_backend(device, args.tp)
     with shared_gpu_mps(device, args.tp) as mps_note:
         per_rank = run_ranks(_step_worker, args.tp, cfg, backend=backend, timeout_s=args.timeout)
     rows, equal = summarize(per_rank, args.draft_len)
-    from ..model.config import ModelConfig
+    from ..model.shapes import config_from_path
 
     meta = {
         "command": "tpspec bench step", "tp": args.tp, "device": device, "dtype": dtype, "model": args.model,
-        "model_path": cfg["model"], "vocab_size": ModelConfig.from_pretrained(cfg["model"]).vocab_size,
+        "model_path": cfg["model"], "vocab_size": config_from_path(cfg["model"]).vocab_size,
         "draft_len": args.draft_len, "context_len": cfg["context_len"], "iters": cfg["iters"],
         "warmup": cfg["warmup"], "backend": backend, "exchange": args.exchange, "quick": args.quick,
         "tokens_equal": equal, "mps": mps_note or ("running" if device == "cuda" and backend == "gloo" else None),
@@ -295,7 +314,192 @@ def run(args: argparse.Namespace) -> int:
                 "On CPU only ratios are meaningful.",
     }
     report.write_report(args.out, "step", columns=COLUMNS, rows=rows, meta=meta, plot=_plot(rows))
+    if cfg["roofline"]:
+        write_roofline_report(args.out, per_rank, meta)
     if not all(equal.values()):
         print(f"error: sharded and gather paths picked different tokens: {equal}")
         return 1
     return 0
+
+
+# -------------------------------------------------------------------------- roofline
+
+PAGE_SIZE = 16
+ROOFLINE_BATCHES = (1, 8, 32, 64)
+ROOFLINE_CONTEXTS = (1024, 4096)
+QUICK_ROOFLINE_BATCHES = (1, 4)
+QUICK_ROOFLINE_CONTEXTS = (32, 64)
+ROOFLINE_COLUMNS = ["context", "batch", "step_ms", "floor_ms", "ratio", "select_share_%", "weight_MB", "kv_read_MB",
+                    "copy_GBps", "graphed"]
+
+
+def add_roofline_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..model.shapes import MODEL_SHAPES
+
+    parser.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default=None,
+                        help="a real model shape with random weights built on each rank (instead of --model)")
+    parser.add_argument("--num-layers", type=int, default=None, help="with --model-shape: fewer layers (quick checks)")
+    parser.add_argument("--contexts", default=None,
+                        help=f"roofline contexts (default {','.join(map(str, ROOFLINE_CONTEXTS))}; --quick "
+                             f"{','.join(map(str, QUICK_ROOFLINE_CONTEXTS))})")
+    parser.add_argument("--roofline-batch", default=None,
+                        help=f"roofline batch sizes (default {','.join(map(str, ROOFLINE_BATCHES))}; --quick "
+                             f"{','.join(map(str, QUICK_ROOFLINE_BATCHES))})")
+    parser.add_argument("--no-roofline", action="store_true", help="skip the roofline table")
+    parser.add_argument("--no-cuda-graphs", action="store_true", help="time roofline steps eagerly on GPU")
+
+
+def _model_path(args: argparse.Namespace, vocab: int) -> str:
+    from ..model.shapes import shape_path
+
+    if args.model_shape is None:
+        if args.num_layers is not None:
+            raise SystemExit("tpspec bench step: --num-layers needs --model-shape")
+        return resolve_model(args.model, vocab)
+    if args.model != "tiny":
+        raise SystemExit("tpspec bench step: give --model or --model-shape, not both")
+    try:
+        return shape_path(args.model_shape, args.num_layers, args.vocab_size)
+    except ValueError as exc:
+        raise SystemExit(f"tpspec bench step: {exc}") from None
+
+
+def roofline_config(args: argparse.Namespace, device: str) -> dict:
+    return {
+        "roofline": not args.no_roofline,
+        "roofline_batches": number_list(args.roofline_batch, QUICK_ROOFLINE_BATCHES if args.quick
+                                        else ROOFLINE_BATCHES, option="tpspec bench step: --roofline-batch"),
+        "contexts": number_list(args.contexts, QUICK_ROOFLINE_CONTEXTS if args.quick else ROOFLINE_CONTEXTS,
+                                option="tpspec bench step: --contexts"),
+        "graphs": device == "cuda" and not args.no_cuda_graphs,
+    }
+
+
+def copy_bandwidth(device: torch.device, nbytes: int | None = None, iters: int = 10) -> float:
+    """Measured bytes/s of a device-to-device copy (read + write counted), the floor's bandwidth."""
+    nbytes = nbytes or (1 << 30 if device.type == "cuda" else 1 << 26)
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        dst.copy_(src)
+    _sync(device)
+    return 2 * nbytes * iters / (time.perf_counter() - start)
+
+
+def _graphs_allowed(cfg: dict) -> bool:
+    from .. import distributed as D
+
+    group = D.tp_group()
+    return cfg["graphs"] and (D.group_size(group) == 1 or D.group_backend(group) == "nccl")
+
+
+def _roofline_cells(model: Any, cfg: dict, device: torch.device) -> list[dict]:
+    """Time one plain decode step per (context, batch) and compute its floor on this rank."""
+    from ..model import ForwardBatch
+
+    bandwidth = copy_bandwidth(device)
+    weight_bytes = sum(p.numel() * p.element_size() for name, p, _ in model.shard_plan()
+                       if not name.startswith("embed_tokens"))
+    per_token_kv = model.page_bytes(PAGE_SIZE) // PAGE_SIZE
+    graphed = _graphs_allowed(cfg)
+    out = []
+    for context in cfg["contexts"]:
+        per_seq = -(-(context + 1) // PAGE_SIZE)
+        model.allocate_kv_cache(max(cfg["roofline_batches"]) * per_seq, PAGE_SIZE)  # zeros: no prefill needed
+        for batch in cfg["roofline_batches"]:
+            tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
+            step = ForwardBatch(torch.full((batch,), 7, dtype=torch.int64, device=device),
+                                torch.full((batch,), context, dtype=torch.int64, device=device),
+                                tables, [context] * batch, [1] * batch)
+            forward_ms, select_ms = [], []
+            for it in range(cfg["warmup"] + cfg["iters"]):
+                box: dict[str, Any] = {}
+                _sync(device)
+                t0 = time.perf_counter()
+                box["logits"] = model(step)
+                _sync(device)
+                t1 = time.perf_counter()
+                box["logits"].argmax()
+                _sync(device)
+                t2 = time.perf_counter()
+                if it >= cfg["warmup"]:
+                    forward_ms.append((t1 - t0) * 1e3)
+                    select_ms.append((t2 - t1) * 1e3)
+            eager_ms = statistics.median(forward_ms) + statistics.median(select_ms)
+            step_ms = _graphed_step_ms(model, step, cfg, device) if graphed else eager_ms
+            kv_bytes = batch * (context + 1) * per_token_kv
+            out.append({"kind": "roofline", "context": context, "batch": batch, "step_ms": step_ms,
+                        "select_share": statistics.median(select_ms) / eager_ms if eager_ms > 0 else 0.0,
+                        "weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "bandwidth": bandwidth,
+                        "floor_ms": (weight_bytes + kv_bytes) / bandwidth * 1e3, "graphed": graphed})
+    model.caches = []
+    return out
+
+
+def _graphed_step_ms(model: Any, step: Any, cfg: dict, device: torch.device) -> float:
+    """Median replay time of the step (forward + greedy selection) captured as one CUDA graph."""
+    meta = model.build_metadata(step)
+    model.attention.plan(meta, graph=True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            model(step, meta).argmax()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        model(step, meta).argmax()
+    times = []
+    for it in range(cfg["warmup"] + cfg["iters"]):
+        _sync(device)
+        start = time.perf_counter()
+        graph.replay()
+        _sync(device)
+        if it >= cfg["warmup"]:
+            times.append((time.perf_counter() - start) * 1e3)
+    if model.exchange is not None and hasattr(model.exchange, "check"):
+        model.exchange.check(sync=False)
+    return statistics.median(times)
+
+
+def roofline_rows(per_rank: list[list[dict]]) -> list[list[Any]]:
+    """One row per (context, batch): the slowest rank's step beside the largest floor."""
+    cells: dict[tuple[int, int], list[dict]] = {}
+    for records in per_rank:
+        for rec in records:
+            if rec.get("kind") == "roofline":
+                cells.setdefault((rec["context"], rec["batch"]), []).append(rec)
+    rows = []
+    for (context, batch), recs in cells.items():
+        step_ms = max(r["step_ms"] for r in recs)
+        floor_ms = max(r["floor_ms"] for r in recs)
+        worst = max(recs, key=lambda r: r["step_ms"])
+        rows.append([context, batch, round(step_ms, 4), round(floor_ms, 4), round(step_ms / floor_ms, 2),
+                     round(100.0 * worst["select_share"], 2), round(worst["weight_bytes"] / 1e6, 1),
+                     round(worst["kv_bytes"] / 1e6, 2), round(min(r["bandwidth"] for r in recs) / 1e9, 1),
+                     worst["graphed"]])
+    return rows
+
+
+def write_roofline_report(out_dir: str, per_rank: list[list[dict]], meta: dict) -> None:
+    rows = roofline_rows(per_rank)
+
+    def draw(ax: Any) -> None:
+        labels = [f"{r[0]}\nB={r[1]}" for r in rows]
+        x = range(len(rows))
+        ax.bar([i - 0.2 for i in x], [r[2] for r in rows], width=0.4, color="tab:blue", label="decode step")
+        ax.bar([i + 0.2 for i in x], [r[3] for r in rows], width=0.4, color="lightgray", label="roofline floor")
+        ax.set_xticks(list(x))
+        ax.set_xticklabels(labels, fontsize=7)
+        ax.set_ylabel("ms per decode step (slowest rank)")
+        ax.set_title("decode step vs (weights / tp + KV read) / copy bandwidth")
+        ax.legend(fontsize=8)
+
+    note = ("plain decode step (1 token per request, greedy); floor = (rank's weight bytes without the embedding "
+            "+ KV bytes read) / measured device copy bandwidth; ratio = step / floor; select share from eager "
+            "timings. On CPU only ratios mean something.")
+    report.write_report(out_dir, "step_roofline", columns=ROOFLINE_COLUMNS, rows=rows,
+                        meta=dict(meta, note=note), plot=draw)

@@ -8,22 +8,25 @@ Public interface (what the runtime codes against)::
     cfg = ModelConfig.from_pretrained(path)    # config.json: .vocab_size .hidden_size .num_layers .num_heads
                                                # .num_kv_heads .head_dim .eos_token_id (int | list | None)
                                                # .max_position_embeddings (.eos_token_ids: always a list)
-    model = load_model(path, mapping, device="cpu", dtype=torch.float32, exchange=None)
-    model.allocate_kv_cache(num_slots, max_seq_len)   # fixed slots; (re)allocates
-    batch = ForwardBatch(token_ids, positions, slot_ids, cache_lens, query_lens, logits_rows=None)
+    model = load_model(path, mapping, device="cpu", dtype=torch.float32, exchange=None,
+                       attention_backend="auto")  # path may be "shape:NAME[,num_layers=N]": random weights
+    model.allocate_kv_cache(num_pages, page_size)    # paged; (re)allocates
+    batch = ForwardBatch(token_ids, positions, block_tables, cache_lens, query_lens, logits_rows=None)
     logits = model(batch)                      # tpspec.VocabShardedLogits for batch.logits_rows, in order
-    logits = model(batch, attn_meta)           # with prebuilt AttentionMetadata (CUDA graphs: fixed kv_len,
-                                               # refreshed in place with attn_meta.copy_(new))
+    logits = model(batch, attn_meta)           # with prebuilt AttentionMetadata (CUDA graphs: a fixed
+                                               # page-table width, refreshed in place with attn_meta.copy_(new)
+                                               # and model.attention.plan(attn_meta, graph=True))
 
 * ``load_model`` is collective over the TP group (it may build the key exchange); each
   rank reads only its slices of the safetensors files (``model.load_stats``).
 * ``ForwardBatch``: ``token_ids``/``positions`` ``[N]`` int64 (every new token of every
-  sequence, in sequence order); per sequence ``slot_ids``, ``cache_lens`` (tokens already
-  cached), ``query_lens`` (new tokens: a context chunk, or ``1 + D`` drafts);
-  ``logits_rows`` ``[M]`` int64 into ``[0, N)`` (default: each sequence's last token).
-  New token ``i`` of a sequence is written at cache index ``cache_len + i`` and attends to
-  ``[0, cache_len + i]`` of its slot. Rewind = lower your ``cache_len``: stale entries are
-  overwritten by the next write.
+  sequence, in sequence order); per sequence ``block_tables`` (its KV pages, in order),
+  ``cache_lens`` (tokens already cached), ``query_lens`` (new tokens: a context chunk, or
+  ``1 + D`` drafts); ``logits_rows`` ``[M]`` int64 into ``[0, N)`` (default: each sequence's
+  last token). New token ``i`` of a sequence is written at cache index ``cache_len + i`` (page
+  ``table[idx // page_size]``) and attends to ``[0, cache_len + i]``. Rewind = lower your
+  ``cache_len``: stale entries are overwritten by the next write. Models that serve the same
+  requests (target, draft) allocate the same pages and take the same block tables.
 * Plain TP: every rank passes the same batch. Attention DP (``mapping.enable_attention_dp``):
   every rank passes its own (possibly empty) batch and all ranks call forward equally
   often; the logits rows are this rank's. With ``enable_lm_head_tp_in_adp`` the result is a
@@ -37,12 +40,15 @@ Public interface (what the runtime codes against)::
   TP-sharded, same API as the target; greedy drafts with ``draft(batch).argmax(channel=Channel.DRAFT)``.
 """
 
-from .batch import AttentionMetadata, ForwardBatch
+from .attention import choose_attention_backend
+from .batch import AttentionMetadata, ForwardBatch, pages_needed
 from .comm import LocalKeyExchange
 from .config import SUPPORTED_ARCHITECTURES, ModelConfig
 from .drafters import DraftModel, NgramDrafter
 from .llama import StackedRowsLogits, TPLlamaForCausalLM, check_split
 from .loader import CheckpointError, CheckpointReader, LoadStats, load_model, load_weights
+from .kv_cache import KVPages
+from .shapes import MODEL_SHAPES, random_model, shape_config, shape_path
 from .tiny import make_tiny_checkpoint
 
 __all__ = [
@@ -51,6 +57,8 @@ __all__ = [
     "CheckpointError",
     "CheckpointReader",
     "DraftModel",
+    "KVPages",
+    "MODEL_SHAPES",
     "ForwardBatch",
     "LoadStats",
     "LocalKeyExchange",
@@ -59,7 +67,12 @@ __all__ = [
     "StackedRowsLogits",
     "TPLlamaForCausalLM",
     "check_split",
+    "choose_attention_backend",
     "load_model",
     "load_weights",
     "make_tiny_checkpoint",
+    "pages_needed",
+    "random_model",
+    "shape_config",
+    "shape_path",
 ]

@@ -1,17 +1,19 @@
 """What one forward step computes: :class:`ForwardBatch`, and the index tensors the
 attention layers derive from it once per step (:class:`AttentionMetadata`).
 
-A batch is a list of sequences, each with its KV-cache slot, the number of tokens
-already cached (``cache_len``) and the new tokens of this step (``query_len``): a
-context chunk (prefill) or ``1 + D`` tokens of a generation step that verifies ``D``
-drafts. New token ``i`` of a sequence is stored at cache index ``cache_len + i`` and
-attends to cache indices ``[0, cache_len + i]``. ``positions`` only feed the rotary
-embedding; normally ``positions == cache_len + i``.
+A batch is a list of sequences, each with its block table (the KV-cache pages it owns,
+in order), the number of tokens already cached (``cache_len``) and the new tokens of
+this step (``query_len``): a context chunk (prefill) or ``1 + D`` tokens of a generation
+step that verifies ``D`` drafts. New token ``i`` of a sequence is stored at cache index
+``cache_len + i`` — page ``block_table[(cache_len + i) // page_size]``, row
+``(cache_len + i) % page_size`` — and attends to cache indices ``[0, cache_len + i]``.
+``positions`` only feed the rotary embedding; normally ``positions == cache_len + i``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -20,13 +22,14 @@ import torch
 class ForwardBatch:
     """One step's tokens (see the module docstring).
 
-    token_ids:   ``[N]`` int64, every new token of every sequence, concatenated in sequence order.
-    positions:   ``[N]`` int64, absolute position of each token (rotary embedding).
-    slot_ids:    one KV-cache slot per sequence (distinct within a batch).
-    cache_lens:  per sequence, tokens already in its slot before this step.
-    query_lens:  per sequence, new tokens this step (>= 1).
-    logits_rows: optional ``[M]`` int64 indices into ``[0, N)``: rows that need logits, in
-                 output order (default: the last token of each sequence).
+    token_ids:    ``[N]`` int64, every new token of every sequence, concatenated in sequence order.
+    positions:    ``[N]`` int64, absolute position of each token (rotary embedding).
+    block_tables: per sequence, the KV-cache pages it owns, in order; they must cover
+                  ``cache_len + query_len`` tokens (extra pages are allowed and not read).
+    cache_lens:   per sequence, tokens already in its pages before this step.
+    query_lens:   per sequence, new tokens this step (>= 1).
+    logits_rows:  optional ``[M]`` int64 indices into ``[0, N)``: rows that need logits, in
+                  output order (default: the last token of each sequence).
 
     An empty batch (no sequences, ``N == 0``) is valid: under attention DP a rank with no
     requests still joins the step's collectives with one.
@@ -34,28 +37,34 @@ class ForwardBatch:
 
     token_ids: torch.Tensor
     positions: torch.Tensor
-    slot_ids: list[int]
+    block_tables: list[list[int]]
     cache_lens: list[int]
     query_lens: list[int]
     logits_rows: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        self.slot_ids = [int(s) for s in self.slot_ids]
+        self.block_tables = [[int(p) for p in table] for table in self.block_tables]
         self.cache_lens = [int(c) for c in self.cache_lens]
         self.query_lens = [int(q) for q in self.query_lens]
         self.validate()
 
     @property
     def num_seqs(self) -> int:
-        return len(self.slot_ids)
+        return len(self.block_tables)
 
     @property
     def num_tokens(self) -> int:
         return int(self.token_ids.shape[0])
 
+    @property
+    def kv_lens(self) -> list[int]:
+        """Per sequence, the cache length after this step (``cache_len + query_len``)."""
+        return [c + q for c, q in zip(self.cache_lens, self.query_lens)]
+
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first inconsistency (host-side checks only:
-        token values are checked when the tensor is on the CPU)."""
+        token values are checked when the tensor is on the CPU; page ids and page coverage
+        are checked by the model, which knows its page count and size)."""
         for name in ("token_ids", "positions"):
             t = getattr(self, name)
             if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.int64:
@@ -64,17 +73,17 @@ class ForwardBatch:
         n = self.num_tokens
         if self.positions.shape[0] != n:
             raise ValueError(f"ForwardBatch.positions has {self.positions.shape[0]} entries, token_ids {n}")
-        if not len(self.slot_ids) == len(self.cache_lens) == len(self.query_lens):
+        if not len(self.block_tables) == len(self.cache_lens) == len(self.query_lens):
             raise ValueError(
-                f"ForwardBatch needs one slot_id, cache_len and query_len per sequence, got "
-                f"{len(self.slot_ids)}, {len(self.cache_lens)}, {len(self.query_lens)}"
+                f"ForwardBatch needs one block table, cache_len and query_len per sequence, got "
+                f"{len(self.block_tables)}, {len(self.cache_lens)}, {len(self.query_lens)}"
             )
         if any(q < 1 for q in self.query_lens):
             raise ValueError(f"ForwardBatch.query_lens must all be >= 1, got {self.query_lens}")
         if any(c < 0 for c in self.cache_lens):
             raise ValueError(f"ForwardBatch.cache_lens must all be >= 0, got {self.cache_lens}")
-        if any(s < 0 for s in self.slot_ids) or len(set(self.slot_ids)) != len(self.slot_ids):
-            raise ValueError(f"ForwardBatch.slot_ids must be distinct non-negative ints, got {self.slot_ids}")
+        if any(p < 0 for table in self.block_tables for p in table):
+            raise ValueError("ForwardBatch.block_tables must hold non-negative page ids")
         if sum(self.query_lens) != n:
             raise ValueError(f"sum(query_lens)={sum(self.query_lens)} != number of tokens {n}")
         if self.logits_rows is not None:
@@ -99,68 +108,125 @@ class ForwardBatch:
                 raise ValueError(f"token ids must lie in [0, {vocab_size}), got min {lo}, max {hi}")
 
 
+def pages_needed(num_tokens: int, page_size: int) -> int:
+    """Pages that hold ``num_tokens`` cache entries."""
+    return -(-num_tokens // page_size)
+
+
 @dataclass
 class AttentionMetadata:
     """Index tensors shared by every attention layer of one step (built on the host once).
 
-    Sequences are padded to ``[B, q_max]`` query rows and ``kv_len`` cache columns:
-    token ``t`` is row ``(tok_seq[t], tok_qi[t])``; ``mask[b, 0, i, j]`` allows key ``j``
-    iff ``j <= cache_lens[b] + i``.
+    Writes: new token ``t`` goes to row ``write_index[t]`` of a layer's pages viewed as
+    ``[num_pages * page_size, kv_heads, head_dim]``.
+
+    Reads: sequence ``b`` reads pages ``page_table[b, :]`` (``[B, kv_pages]``, only the pages
+    its ``kv_lens[b]`` tokens occupy, padded with page 0 up to the batch's longest; a CUDA
+    graph passes a fixed, bucketed ``kv_pages``). Token ``t`` is query row
+    ``(tok_seq[t], tok_qi[t])`` of the padded ``[B, q_max]`` layout; ``mask[b, 0, i, j]`` allows
+    key ``j`` (of the ``kv_pages * page_size`` gathered rows) iff ``j <= cache_lens[b] + i``.
+    ``qo_indptr``/``kv_indptr``/``kv_indices``/``kv_last_page_len`` are the same pages in the
+    compressed-row form paged attention kernels take (int32; ``kv_indices`` on ``device``, the
+    three small ones on the host, where kernels plan from them).
     """
 
     num_tokens: int
     num_seqs: int
-    seq_slots: torch.Tensor  # [B] int64
-    tok_slot: torch.Tensor  # [N] int64: slot of each token
-    tok_cache_idx: torch.Tensor  # [N] int64: cache index each token's K/V goes to
+    page_size: int
+    q_max: int
+    kv_pages: int
+    write_index: torch.Tensor  # [N] int64
     tok_seq: torch.Tensor  # [N] int64
     tok_qi: torch.Tensor  # [N] int64
-    q_max: int
-    kv_len: int
-    mask: torch.Tensor  # [B, 1, q_max, kv_len] bool
+    page_table: torch.Tensor  # [B, kv_pages] int64
+    mask: torch.Tensor  # [B, 1, q_max, kv_pages * page_size] bool
+    qo_indptr: torch.Tensor  # [B + 1] int32
+    kv_indptr: torch.Tensor  # [B + 1] int32
+    kv_indices: torch.Tensor  # [sum of pages used] int32
+    kv_last_page_len: torch.Tensor  # [B] int32
+    kv_lens: list[int]  # host copy, per sequence
+    query_lens: list[int]  # host copy, per sequence
+    backend_state: dict[str, Any] = field(default_factory=dict)  # what the attention backend planned
+
+    @property
+    def kv_len(self) -> int:
+        """Cache rows the torch path gathers per sequence (``kv_pages * page_size``)."""
+        return self.kv_pages * self.page_size
 
     @classmethod
-    def build(cls, batch: ForwardBatch, device: torch.device | str, kv_len: int | None = None) -> "AttentionMetadata":
-        """Index tensors of ``batch`` on ``device``. ``kv_len``: cache columns to attend over
-        (default: the longest ``cache_len + query_len`` of the batch; a CUDA graph passes a
-        fixed one, e.g. the cache's ``max_seq_len``, so every step has the same shapes)."""
+    def build(cls, batch: ForwardBatch, device: torch.device | str, page_size: int,
+              kv_pages: int | None = None) -> "AttentionMetadata":
+        """Index tensors of ``batch`` on ``device`` for pages of ``page_size`` tokens.
+
+        ``kv_pages``: page-table columns (default: the most pages a sequence of the batch
+        reads; a CUDA graph passes a bucketed one so replays share shapes). Raises
+        ``ValueError`` when a block table does not cover its sequence or ``kv_pages`` is too small.
+        """
         qlens = torch.tensor(batch.query_lens, dtype=torch.int64)
         clens = torch.tensor(batch.cache_lens, dtype=torch.int64)
         b = batch.num_seqs
+        kv_lens = batch.kv_lens
+        used = [pages_needed(n, page_size) for n in kv_lens]
+        for i, (table, n) in enumerate(zip(batch.block_tables, used)):
+            if len(table) < n:
+                raise ValueError(f"sequence {i}: its block table has {len(table)} pages of {page_size} tokens, "
+                                 f"{kv_lens[i]} cached tokens need {n}")
+        needed = max(used, default=0)
+        if kv_pages is None:
+            kv_pages = needed
+        elif kv_pages < needed:
+            raise ValueError(f"kv_pages={kv_pages} is fewer than the batch reads ({needed})")
+        table = torch.zeros(b, kv_pages, dtype=torch.int64)
+        for i, (pages, n) in enumerate(zip(batch.block_tables, used)):
+            table[i, :n] = torch.tensor(pages[:n], dtype=torch.int64)
         tok_seq = torch.repeat_interleave(torch.arange(b, dtype=torch.int64), qlens)
         starts = qlens.cumsum(0) - qlens
         tok_qi = torch.arange(batch.num_tokens, dtype=torch.int64) - starts[tok_seq]
         tok_cache_idx = clens[tok_seq] + tok_qi
-        slots = torch.tensor(batch.slot_ids, dtype=torch.int64)
+        write_index = table[tok_seq, tok_cache_idx // page_size] * page_size + tok_cache_idx % page_size
         q_max = max(batch.query_lens, default=0)
-        needed = max((c + q for c, q in zip(batch.cache_lens, batch.query_lens)), default=0)
-        if kv_len is None:
-            kv_len = needed
-        elif kv_len < needed:
-            raise ValueError(f"kv_len={kv_len} is shorter than the batch needs ({needed})")
         # The mask is built on the device from the [B] cache lengths (no [B, q, kv] host copy).
         clens_dev = clens.to(device)
         limit = clens_dev[:, None] + torch.arange(q_max, dtype=torch.int64, device=device)[None, :]  # [B, q_max]
-        mask = torch.arange(kv_len, dtype=torch.int64, device=device)[None, None, :] <= limit[:, :, None]
+        cols = torch.arange(kv_pages * page_size, dtype=torch.int64, device=device)
+        mask = cols[None, None, :] <= limit[:, :, None]
+        used_t = torch.tensor(used, dtype=torch.int64)
+        kv_indptr = torch.zeros(b + 1, dtype=torch.int32)
+        kv_indptr[1:] = used_t.cumsum(0).to(torch.int32)
+        qo_indptr = torch.zeros(b + 1, dtype=torch.int32)
+        qo_indptr[1:] = qlens.cumsum(0).to(torch.int32)
+        kv_indices = torch.tensor([p for pages, n in zip(batch.block_tables, used) for p in pages[:n]],
+                                  dtype=torch.int32)
+        last = torch.tensor([n - (u - 1) * page_size for n, u in zip(kv_lens, used)], dtype=torch.int32)
         return cls(
             num_tokens=batch.num_tokens,
             num_seqs=b,
-            seq_slots=slots.to(device),
-            tok_slot=slots[tok_seq].to(device),
-            tok_cache_idx=tok_cache_idx.to(device),
+            page_size=page_size,
+            q_max=q_max,
+            kv_pages=kv_pages,
+            write_index=write_index.to(device),
             tok_seq=tok_seq.to(device),
             tok_qi=tok_qi.to(device),
-            q_max=q_max,
-            kv_len=kv_len,
+            page_table=table.to(device),
             mask=mask[:, None],
+            qo_indptr=qo_indptr,
+            kv_indptr=kv_indptr,
+            kv_indices=kv_indices.to(device),
+            kv_last_page_len=last,
+            kv_lens=list(kv_lens),
+            query_lens=list(batch.query_lens),
         )
 
     def copy_(self, other: "AttentionMetadata") -> "AttentionMetadata":
-        """Copy ``other``'s tensors into this one's (same shapes) in place: how a captured
-        CUDA graph's static metadata takes the next step's values. Returns ``self``."""
-        for name in ("num_tokens", "num_seqs", "q_max", "kv_len"):
+        """Copy ``other``'s fixed-shape tensors into this one's in place: how a captured CUDA
+        graph's static metadata takes the next step's values (the compressed-row page lists,
+        whose length varies, are replaced, not copied: kernels that read them are planned
+        on the host before the replay). Returns ``self``."""
+        for name in ("num_tokens", "num_seqs", "page_size", "q_max", "kv_pages"):
             if getattr(self, name) != getattr(other, name):
                 raise ValueError(f"metadata shapes differ: {name} {getattr(self, name)} != {getattr(other, name)}")
-        for name in ("seq_slots", "tok_slot", "tok_cache_idx", "tok_seq", "tok_qi", "mask"):
+        for name in ("write_index", "tok_seq", "tok_qi", "page_table", "mask"):
             getattr(self, name).copy_(getattr(other, name), non_blocking=True)
+        for name in ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len", "kv_lens", "query_lens"):
+            setattr(self, name, getattr(other, name))
         return self

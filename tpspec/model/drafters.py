@@ -72,6 +72,7 @@ class DraftModel(TPLlamaForCausalLM):
         dtype: torch.dtype = torch.float32,
         exchange: KeyExchange | None = None,
         target_config: ModelConfig | None = None,
+        attention_backend: str = "auto",
     ) -> None:
         config = ModelConfig.from_pretrained(path)
         if target_config is not None and config.vocab_size != target_config.vocab_size:
@@ -79,7 +80,8 @@ class DraftModel(TPLlamaForCausalLM):
                 f"draft model {os.fspath(path)!r} has vocab_size={config.vocab_size}, "
                 f"the target has {target_config.vocab_size}: a draft must share the target's vocabulary"
             )
-        super().__init__(config, mapping, device=device, dtype=dtype, exchange=exchange)
+        super().__init__(config, mapping, device=device, dtype=dtype, exchange=exchange,
+                         attention_backend=attention_backend)
         self.load_stats = load_weights(self, path)
         self.path = os.fspath(path)
 

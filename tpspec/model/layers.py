@@ -16,18 +16,13 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..vocab_parallel import vocab_shard_bounds
+from .attention import AttendFn
 from .batch import AttentionMetadata
 from .comm import all_reduce_sum
 from .config import ModelConfig
-
-# SDPA backends the model may use. Not cuDNN attention: it builds an execution plan per new
-# shape, and eager decode steps change shape every step (the KV length grows) — on an H200
-# that made each eager attention call take ~20 ms. The same list serves eager steps and
-# CUDA graphs, so both compute the same logits.
-ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+from .kv_cache import KVPages
 
 
 @dataclass(frozen=True)
@@ -229,22 +224,13 @@ class RowParallelLinear(nn.Module):
         return y
 
 
-class KVCache:
-    """One layer's fixed-slot cache: ``k``, ``v`` of shape ``[slots, max_seq_len, kv_heads, head_dim]``."""
-
-    def __init__(self, num_slots: int, max_seq_len: int, kv_heads: int, head_dim: int,
-                 *, dtype: torch.dtype, device: Any) -> None:
-        shape = (num_slots, max_seq_len, kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-
-
 class Attention(nn.Module):
     """Grouped-query self-attention over this rank's heads (all heads when ``tp_size == 1``).
 
-    ``forward(x [N, hidden], cos, sin, meta, cache) -> [N, hidden]``: projects q/k/v,
-    rotates q/k, writes the new K/V into the cache at ``meta.tok_slot, meta.tok_cache_idx``,
-    attends each token causally to its slot's cache, and projects back (summed over the group).
+    ``forward(x [N, hidden], cos, sin, meta, pages, attend) -> [N, hidden]``: projects q/k/v,
+    rotates q/k, writes the new K/V into this layer's pages at ``meta.write_index``, attends
+    each token causally to its sequence's pages through ``attend`` (the step's bound paged
+    attention, :mod:`tpspec.model.attention`) and projects back (summed over the group).
     """
 
     def __init__(self, cfg: ModelConfig, layer: int, tp_size: int, tp_rank: int, group: Any,
@@ -274,38 +260,15 @@ class Attention(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
-                cache: KVCache) -> torch.Tensor:
+                pages: KVPages, attend: AttendFn) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(x).split(self.qkv.out_sizes, dim=-1)
         q = apply_rotary(q.view(n, self.num_heads, self.head_dim), cos, sin)
         k = apply_rotary(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        cache.k.index_put_((meta.tok_slot, meta.tok_cache_idx), k)
-        cache.v.index_put_((meta.tok_slot, meta.tok_cache_idx), v)
-        out = self._attend(q, cache, meta)
+        pages.write(meta.write_index, k, v.contiguous())
+        out = attend(q.contiguous(), pages)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
-
-    def _attend(self, q: torch.Tensor, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        """``[N, heads, head_dim]``: sequences padded to ``[B, q_max]`` queries over ``kv_len``
-        cache columns, one masked SDPA call for the whole batch."""
-        if meta.num_tokens == 0:
-            return q
-        b, group = meta.num_seqs, self.num_heads // self.num_kv_heads
-        keys = cache.k[meta.seq_slots, : meta.kv_len].transpose(1, 2)  # [B, kv, S, hd]
-        values = cache.v[meta.seq_slots, : meta.kv_len].transpose(1, 2)
-        if group > 1:
-            keys = keys.repeat_interleave(group, dim=1)
-            values = values.repeat_interleave(group, dim=1)
-        if b == 1:
-            queries = q[None].transpose(1, 2)  # one sequence: no padding needed
-        else:
-            padded = q.new_zeros(b, meta.q_max, self.num_heads, self.head_dim)
-            padded[meta.tok_seq, meta.tok_qi] = q
-            queries = padded.transpose(1, 2)
-        with sdpa_kernel(ATTENTION_BACKENDS):
-            out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.mask, scale=self.scale)
-        out = out.transpose(1, 2)  # [B, q_max, heads, hd]
-        return out[0] if b == 1 else out[meta.tok_seq, meta.tok_qi]
 
 
 class MLP(nn.Module):

@@ -23,11 +23,13 @@ from ..exchange.base import Channel, KeyExchange
 from ..exchange.factory import make_key_exchange
 from ..mapping import Mapping
 from ..vocab_parallel import VocabParallelHead, VocabShardedLogits, vocab_shard_bounds
+from .attention import AttendFn, choose_attention_backend, make_attention_backend
 from .batch import AttentionMetadata, ForwardBatch
 from .comm import LocalKeyExchange, VarlenRows, exchange_counts
 from .config import ModelConfig
-from .layers import MLP, Attention, KVCache, RMSNorm, RotaryEmbedding, ShardSpec, VocabParallelEmbedding, \
-    split_evenly, split_heads
+from .kv_cache import KVPages, page_bytes
+from .layers import MLP, Attention, RMSNorm, RotaryEmbedding, ShardSpec, VocabParallelEmbedding, split_evenly, \
+    split_heads
 
 
 def check_split(config: ModelConfig, mapping: Mapping) -> None:
@@ -56,8 +58,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config, layer, mapping.tp_size, mapping.tp_rank, group, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
-                cache: KVCache, dp_rows: VarlenRows | None) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, cache)
+                pages: KVPages, attend: AttendFn, dp_rows: VarlenRows | None) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, pages, attend)
         y = self.post_attention_layernorm(h)
         if dp_rows is None:
             return h + self.mlp(y)
@@ -118,14 +120,16 @@ class TPLlamaForCausalLM(nn.Module):
     :class:`ModelConfig` (zero weights, for tests). ``mapping.tp_size > 1`` needs the TP
     process group (:func:`tpspec.distributed.init_distributed`) before the first forward.
     ``exchange``: the key exchange of the vocab-sharded LM head (default: the best one for
-    the TP group); an unsharded head always picks locally.
+    the TP group); an unsharded head always picks locally. ``attention_backend``: ``"auto"``
+    (FlashInfer on CUDA when installed, else torch), ``"torch"`` or ``"flashinfer"``.
 
     Raises ``ValueError`` at construction when the vocabulary, heads or MLP cannot be split,
     and ``RuntimeError`` when ``tp_size > 1`` but the TP process group does not exist.
     """
 
     def __init__(self, config: ModelConfig, mapping: Mapping | None = None, *, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32, exchange: KeyExchange | None = None) -> None:
+                 dtype: torch.dtype = torch.float32, exchange: KeyExchange | None = None,
+                 attention_backend: str = "auto") -> None:
         super().__init__()
         mapping = mapping or Mapping()
         check_split(config, mapping)
@@ -155,9 +159,14 @@ class TPLlamaForCausalLM(nn.Module):
         head_name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
         self.lm_head.plan = {"weight": [ShardSpec(head_name, (config.vocab_size, config.hidden_size), 0,
                                                   self.lm_head.vocab_offset, self.lm_head.real_width)]}
-        self.caches: list[KVCache] = []
-        self.num_slots = 0
-        self.max_seq_len = 0
+        attn = self.layers[0].self_attn if len(self.layers) else None
+        backend = choose_attention_backend(self.device, config.head_dim, attention_backend)
+        self.attention = make_attention_backend(
+            backend, num_heads=attn.num_heads if attn else 1, num_kv_heads=attn.num_kv_heads if attn else 1,
+            head_dim=config.head_dim, scale=config.head_dim**-0.5, dtype=dtype, device=self.device)
+        self.caches: list[KVPages] = []
+        self.num_pages = 0
+        self.page_size = 0
 
     def _head_exchange(self, exchange: KeyExchange | None) -> KeyExchange:
         if not self.mapping.lm_head_is_sharded:
@@ -179,39 +188,49 @@ class TPLlamaForCausalLM(nn.Module):
     def num_kv_heads_per_rank(self) -> int:
         return self.layers[0].self_attn.num_kv_heads if len(self.layers) else 0
 
-    def kv_cache_bytes(self, num_slots: int, max_seq_len: int) -> int:
-        """Bytes :meth:`allocate_kv_cache` would take on this rank."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.config.num_layers * num_slots * max_seq_len * self.num_kv_heads_per_rank \
-            * self.config.head_dim * elem
+    def page_bytes(self, page_size: int) -> int:
+        """Bytes one KV page of ``page_size`` tokens takes on this rank, over all layers."""
+        return page_bytes(self.config.num_layers, page_size, self.num_kv_heads_per_rank, self.config.head_dim,
+                          self.dtype)
 
-    def allocate_kv_cache(self, num_slots: int, max_seq_len: int) -> None:
-        """(Re)allocate the fixed-slot cache: per layer ``k``/``v`` of shape
-        ``[num_slots, max_seq_len, kv_heads_per_rank, head_dim]`` (zeros, model dtype)."""
-        for name, value in (("num_slots", num_slots), ("max_seq_len", max_seq_len)):
+    def kv_cache_bytes(self, num_pages: int, page_size: int) -> int:
+        """Bytes :meth:`allocate_kv_cache` takes on this rank for ``num_pages`` pages."""
+        return num_pages * self.page_bytes(page_size)
+
+    def allocate_kv_cache(self, num_pages: int, page_size: int) -> None:
+        """(Re)allocate the paged cache: per layer ``k``/``v`` of shape
+        ``[num_pages, page_size, kv_heads_per_rank, head_dim]`` (zeros, model dtype). Which
+        pages a sequence uses is the caller's choice, passed as block tables in each
+        :class:`ForwardBatch`; models that serve the same requests allocate the same pages."""
+        for name, value in (("num_pages", num_pages), ("page_size", page_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         self.caches = []  # free the old cache before allocating the new one
         self.caches = [
-            KVCache(num_slots, max_seq_len, self.num_kv_heads_per_rank, self.config.head_dim,
+            KVPages(num_pages, page_size, self.num_kv_heads_per_rank, self.config.head_dim,
                     dtype=self.dtype, device=self.device)
             for _ in range(self.config.num_layers)
         ]
-        self.num_slots, self.max_seq_len = num_slots, max_seq_len
+        self.num_pages, self.page_size = num_pages, page_size
 
     def _check_batch(self, batch: ForwardBatch) -> None:
         if not isinstance(batch, ForwardBatch):
             raise ValueError(f"expected a ForwardBatch, got {type(batch).__name__}")
         if not self.caches:
-            raise RuntimeError("call allocate_kv_cache(num_slots, max_seq_len) before the first forward")
-        for slot, cached, new in zip(batch.slot_ids, batch.cache_lens, batch.query_lens):
-            if slot >= self.num_slots:
-                raise ValueError(f"slot {slot} is out of range: the KV cache has {self.num_slots} slots")
-            if cached + new > self.max_seq_len:
-                raise ValueError(
-                    f"slot {slot}: cache_len {cached} + query_len {new} exceeds max_seq_len {self.max_seq_len}"
-                )
+            raise RuntimeError("call allocate_kv_cache(num_pages, page_size) before the first forward")
+        for i, (table, cached, new) in enumerate(zip(batch.block_tables, batch.cache_lens, batch.query_lens)):
+            need = -(-(cached + new) // self.page_size)
+            if len(table) < need:
+                raise ValueError(f"sequence {i}: cache_len {cached} + query_len {new} needs {need} pages of "
+                                 f"{self.page_size} tokens, its block table has {len(table)}")
+            if any(p >= self.num_pages for p in table[:need]):
+                raise ValueError(f"sequence {i}: page ids must lie in [0, {self.num_pages}), got {table[:need]}")
         batch.check_token_range(self.config.vocab_size)
+
+    def build_metadata(self, batch: ForwardBatch, kv_pages: int | None = None) -> AttentionMetadata:
+        """The attention metadata of ``batch`` for this model's pages (see
+        :meth:`AttentionMetadata.build`; ``kv_pages``: a fixed page-table width for CUDA graphs)."""
+        return AttentionMetadata.build(batch, self.device, self.page_size, kv_pages)
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, attn_meta: AttentionMetadata | None = None) -> VocabShardedLogits:
@@ -226,15 +245,16 @@ class TPLlamaForCausalLM(nn.Module):
 
         ``attn_meta``: prebuilt :class:`AttentionMetadata` of this batch (default: built here). A
         CUDA graph of plain TP captures a forward with static device tensors (``token_ids``,
-        ``positions``, ``logits_rows``, and metadata built with a fixed ``kv_len``) and refreshes them
-        in place before each replay; nothing in the plain-TP forward synchronizes with the host.
+        ``positions``, ``logits_rows``, and metadata built with a fixed, bucketed ``kv_pages``),
+        refreshes them in place and plans the attention (``model.attention.plan(meta, graph=True)``)
+        before each replay; nothing in the plain-TP forward synchronizes with the host.
         """
         device = self.device
         dp_rows = head_rows = None
         if not self.attention_dp:
             self._check_batch(batch)  # the same batch on every rank: every rank raises alike
             rows = batch.logits_rows if batch.logits_rows is not None else batch.default_logits_rows()
-            meta = attn_meta if attn_meta is not None else AttentionMetadata.build(batch, device)
+            meta = attn_meta if attn_meta is not None else self.build_metadata(batch)
         else:
             # Each rank checks its own batch: the verdict rides along with the counts, so a bad
             # batch on one rank makes every rank raise instead of leaving the others waiting.
@@ -242,7 +262,7 @@ class TPLlamaForCausalLM(nn.Module):
             try:
                 self._check_batch(batch)
                 rows = batch.logits_rows if batch.logits_rows is not None else batch.default_logits_rows()
-                meta = attn_meta if attn_meta is not None else AttentionMetadata.build(batch, device)
+                meta = attn_meta if attn_meta is not None else self.build_metadata(batch)
                 mine = [batch.num_tokens, int(rows.shape[0]), 1]
             except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks heard of it
                 error, mine = exc, [0, 0, 0]
@@ -257,8 +277,9 @@ class TPLlamaForCausalLM(nn.Module):
                 head_rows = VarlenRows([c[1] for c in counts], self.group, device)
         x = self.embed_tokens(batch.token_ids.to(device))
         cos, sin = self.rotary(batch.positions.to(device), self.dtype)
-        for layer, cache in zip(self.layers, self.caches):
-            x = layer(x, cos, sin, meta, cache, dp_rows)
+        attend = self.attention.bind(meta)
+        for layer, pages in zip(self.layers, self.caches):
+            x = layer(x, cos, sin, meta, pages, attend, dp_rows)
         x = self.norm(x.index_select(0, rows.to(device)))
         if head_rows is not None:
             return StackedRowsLogits(self.lm_head(head_rows.gather(x)), head_rows)

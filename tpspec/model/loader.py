@@ -134,8 +134,14 @@ def load_weights(model: TPLlamaForCausalLM, path: str | os.PathLike) -> LoadStat
     Local to the rank (no communication). Returns what was read. Raises
     :class:`CheckpointError` (a ``ValueError``) naming a missing tensor or a wrong shape.
     """
+    from tqdm import tqdm
+
+    plan = model.shard_plan()
+    # A bar on rank 0 only, and only on a terminal (tqdm's disable=None): logs stay clean.
+    bar = tqdm(plan, desc=f"loading {os.path.basename(os.fspath(path).rstrip(os.sep))}", unit="tensor",
+               leave=False, disable=None if model.mapping.rank == 0 else True)
     with CheckpointReader(path) as reader:
-        for _, param, specs in model.shard_plan():
+        for _, param, specs in bar:
             for spec in specs:
                 t = reader.read(spec)
                 if spec.dim is None:
@@ -152,15 +158,26 @@ def load_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     exchange: KeyExchange | None = None,
+    attention_backend: str = "auto",
 ) -> TPLlamaForCausalLM:
     """Build the model of the checkpoint at ``path`` for this rank and load its shard.
 
     Collective over the TP group when the LM head is sharded and no ``exchange`` is given
     (the exchange is created then). The result has ``load_stats`` (a :class:`LoadStats`)
-    and ``path``; call ``allocate_kv_cache`` before the first forward.
+    and ``path``; call ``allocate_kv_cache(num_pages, page_size)`` before the first forward.
+    A ``"shape:NAME[:LAYERS]"`` path builds a real model shape with random weights instead
+    (:mod:`tpspec.model.shapes`; ``load_stats`` is None).
     """
+    from .shapes import config_from_path, is_shape_path, random_model
+
+    if is_shape_path(path):
+        model = random_model(config_from_path(path), mapping, device=device, dtype=dtype, exchange=exchange,
+                             attention_backend=attention_backend)
+        model.path = path
+        return model
     config = ModelConfig.from_pretrained(path)
-    model = TPLlamaForCausalLM(config, mapping, device=device, dtype=dtype, exchange=exchange)
+    model = TPLlamaForCausalLM(config, mapping, device=device, dtype=dtype, exchange=exchange,
+                               attention_backend=attention_backend)
     model.load_stats = load_weights(model, path)
     model.path = os.fspath(path)
     return model

@@ -74,7 +74,15 @@ class SpeculativeConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything a rank needs to build its :class:`~tpspec.runtime.engine.Engine`; the same
-    on every rank. Paths are resolved (no ``"tiny"``), dtype is a torch dtype name."""
+    on every rank. Paths are resolved (no ``"tiny"``), dtype is a torch dtype name.
+
+    KV cache: pages of ``page_size`` tokens. ``kv_cache_bytes`` (any device): bytes of pages
+    per rank, all paged models together. Else on CUDA ``gpu_memory_utilization`` (default
+    0.9): the share of the GPU the engine may use (split between ranks sharing a GPU); what
+    weights and a profiled step leave goes to pages. Else (CPU): pages for ``max_batch_size``
+    requests of ``max_seq_len`` tokens. ``attention_backend``: ``"auto"`` (FlashInfer on CUDA
+    when installed), ``"torch"`` or ``"flashinfer"``.
+    """
 
     model_path: str
     tp_size: int
@@ -87,11 +95,29 @@ class EngineConfig:
     max_seq_len: int = 512
     max_num_tokens: int = 512
     use_cuda_graphs: bool = True
-    gpu_memory_utilization: float = 0.9
     exchange: str = "auto"
     progress_interval_s: float = 0.25
+    page_size: int = 16
+    kv_cache_bytes: int | None = None
+    gpu_memory_utilization: float | None = None
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
+        _positive_int("page_size", self.page_size)
+        if self.kv_cache_bytes is not None:
+            _positive_int("kv_cache_bytes", self.kv_cache_bytes)
+        util = self.gpu_memory_utilization
+        if util is not None:
+            if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
+                raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {util!r}")
+            if self.kv_cache_bytes is not None:
+                raise ValueError("give kv_cache_bytes or gpu_memory_utilization, not both")
+            if self.device != "cuda":
+                raise ValueError(f"gpu_memory_utilization needs device='cuda' (got {self.device!r}); "
+                                 f"size the cache with kv_cache_bytes instead")
+        if self.attention_backend not in ("auto", "torch", "flashinfer"):
+            raise ValueError(f"attention_backend must be 'auto', 'torch' or 'flashinfer', "
+                             f"got {self.attention_backend!r}")
         # LLM checks this for its users; the engine relies on it (a generation step of a full
         # batch must fit, else padding rows of a graphed step could take a prefilling slot).
         step = self.max_batch_size * (self.num_draft_tokens + 1)
@@ -102,6 +128,11 @@ class EngineConfig:
     @property
     def num_draft_tokens(self) -> int:
         return 0 if self.speculative is None else self.speculative.num_speculative_tokens
+
+    def max_cached_tokens(self, prompt_len: int, max_new_tokens: int) -> int:
+        """Most KV entries a request ever holds: its last generation step feeds the last
+        committed token plus K drafts, written past the tokens before it."""
+        return min(prompt_len + max_new_tokens, self.max_seq_len) - 1 + self.num_draft_tokens
 
 
 @dataclass(frozen=True)

@@ -2,17 +2,20 @@
 
 A pure generation step of plain TP — every request verifies K drafts, no context
 chunk — has the same shapes every time once the batch is padded to a bucket size:
-``Bp * (K + 1)`` tokens, attention over the whole cache (a fixed ``kv_len``). One graph
-per (bucket, sampling path) captures the target forward, the token selection (the
-exchange, whose device-side counters advance inside the graph) and the acceptance.
+``Bp * (K + 1)`` tokens, and attention over page tables of a bucketed width (the next
+power of two of the pages the longest request reads: real lengths, never
+``max_seq_len``; FlashInfer is planned on the host with the exact lengths before each
+replay). One graph per (batch bucket, page bucket, sampling path) captures the target
+forward, the token selection (the exchange, whose device-side counters advance inside
+the graph) and the acceptance.
 Before a replay the host refreshes the static inputs in place (token ids, positions,
 drafts, attention metadata; ``SpecMetadata.prepare`` refills its stable buffers).
 Graphed: all-greedy batches, and temperature-only batches under strict acceptance.
 Rejection sampling, top-k/top-p/min-p rows and requests with penalties or logprobs run
 eagerly.
 
-Padding requests use free KV slots (writes there are overwritten by the slot's next
-owner before anything reads them) and slot -1 in the metadata (greedy, no stream).
+Padding requests write into the engine's scratch pages (nothing reads them for real) and
+use slot -1 in the metadata (greedy, no stream).
 
 Every rank takes the same decisions: whether a step is graphed depends only on the
 batch (replicated) and a capture failure on any rank disables that graph on all ranks
@@ -32,6 +35,11 @@ from .. import distributed as D
 from ..speculative.metadata import RequestEntry
 
 WARMUP_RUNS = 2
+
+
+def page_bucket(pages: int) -> int:
+    """Page-table width of a graph whose longest request reads ``pages`` pages: the next power of two."""
+    return 1 << max(0, pages - 1).bit_length()
 
 
 def bucket_sizes(max_batch_size: int) -> list[int]:
@@ -93,17 +101,17 @@ class GenerationGraphs:
             return None  # rejection sampling / full-logit filters: eager (they sync with the host)
         if any(p.has_penalties or p.logprobs is not None for p in params):
             return None  # penalties read the step's drafts, logprobs the raw logits: eager
-        key = (padded, all_greedy, temperature_only, any(p.is_seeded and not p.is_greedy for p in params))
-        if key in self.failed:
-            return None
         eng = self.engine
         k = eng.num_draft
-        used = {s.slot for s in gen}
-        free = [slot for slot in range(eng.num_slots) if slot not in used][: padded - b]
+        # The attention metadata's sizes belong to the key (kept last: the sampling part stays as it was).
+        kv_pages = page_bucket(max(eng.pages.pages_for(len(s.tokens) + k) for s in gen))
+        key = (padded, all_greedy, temperature_only, any(p.is_seeded and not p.is_greedy for p in params), kv_pages)
+        if key in self.failed:
+            return None
         reqs = [RequestEntry(s.req.request_id, s.slot, s.req.sampling, False) for s in gen]
         reqs += [RequestEntry(-1 - i, -1) for i in range(padded - b)]
         eng.meta.prepare(requests=reqs, draft_len=k)
-        host = self._host_batch(gen, drafts, free)
+        host = self._host_batch(gen, drafts, padded - b)
         graph = self.graphs.get(key)
         if graph is None:
             graph = self._capture(key, host)
@@ -120,40 +128,47 @@ class GenerationGraphs:
         return emitted
 
     # ------------------------------------------------------------------ helpers
-    def _host_batch(self, gen: list[Any], drafts: list[list[int]], free: list[int]) -> Any:
+    def _host_batch(self, gen: list[Any], drafts: list[list[int]], num_padding: int) -> Any:
         from ..model.batch import ForwardBatch
 
         k = self.engine.num_draft
-        tokens, positions, slots, cache_lens = [], [], [], []
+        tokens, positions, tables, cache_lens = [], [], [], []
         for seq, d in zip(gen, drafts):
             last = len(seq.tokens) - 1
             tokens += [seq.tokens[-1]] + list(d)
             positions += list(range(last, last + k + 1))
-            slots.append(seq.slot)
+            tables.append(seq.pages)
             cache_lens.append(last)
-        for slot in free:
+        for _ in range(num_padding):
             tokens += [0] * (k + 1)
             positions += list(range(k + 1))
-            slots.append(slot)
+            tables.append(self.engine.scratch_table)
             cache_lens.append(0)
         n = len(tokens)
         dev = self.engine.device
         batch = ForwardBatch(
             token_ids=torch.tensor(tokens, dtype=torch.int64),
             positions=torch.tensor(positions, dtype=torch.int64),
-            slot_ids=slots, cache_lens=cache_lens, query_lens=[k + 1] * len(slots),
+            block_tables=tables, cache_lens=cache_lens, query_lens=[k + 1] * len(tables),
             logits_rows=torch.arange(n, dtype=torch.int64, device=dev),
         )
         draft_table = None
         if k:
-            rows = [list(d) for d in drafts] + [[0] * k for _ in free]
+            rows = [list(d) for d in drafts] + [[0] * k for _ in range(num_padding)]
             draft_table = torch.tensor(rows, dtype=torch.int64)
         return batch, draft_table
 
     def _attn_meta(self, batch: Any) -> Any:
-        from ..model.batch import AttentionMetadata
+        """The step's attention metadata, its page table ``page_bucket`` wide (the graph key's)."""
+        from ..model.batch import pages_needed
 
-        return AttentionMetadata.build(batch, self.engine.device, kv_len=self.engine.cache_len)
+        model = self.engine.model
+        longest = max(pages_needed(n, model.page_size) for n in batch.kv_lens)
+        return model.build_metadata(batch, kv_pages=page_bucket(longest))
+
+    def _plan_attention(self, meta: Any) -> None:
+        """Host-side planning of a graphed step's attention (FlashInfer), before capture and replay."""
+        self.engine.model.attention.plan(meta, graph=True)
 
     def _forward_and_select(self, batch: Any, attn_meta: Any, drafts: torch.Tensor | None,
                             is_warmup: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,6 +191,7 @@ class GenerationGraphs:
         dev = self.engine.device
         static_batch = _on_device(batch, dev)
         static_meta = self._attn_meta(batch)
+        self._plan_attention(static_meta)
         static_drafts = None if drafts is None else drafts.to(dev)
         ok = True
         graph = None
@@ -218,6 +234,7 @@ class GenerationGraphs:
         if g.drafts is not None and drafts is not None:
             g.drafts.copy_(drafts, non_blocking=True)
         g.attn_meta.copy_(self._attn_meta(batch))
+        self._plan_attention(g.attn_meta)
 
     @staticmethod
     def _emitted(gen: list[Any], accepted: torch.Tensor, num: torch.Tensor) -> dict[int, list[int]]:
@@ -250,5 +267,5 @@ def _on_device(batch: Any, device: torch.device) -> Any:
     from ..model.batch import ForwardBatch
 
     return ForwardBatch(token_ids=batch.token_ids.to(device), positions=batch.positions.to(device),
-                        slot_ids=batch.slot_ids, cache_lens=batch.cache_lens, query_lens=batch.query_lens,
+                        block_tables=batch.block_tables, cache_lens=batch.cache_lens, query_lens=batch.query_lens,
                         logits_rows=batch.logits_rows.to(device))

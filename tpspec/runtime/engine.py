@@ -1,5 +1,6 @@
-"""The engine loop that runs on every rank: admission into KV slots, chunked context,
-speculative generation steps, verification, stop conditions, slot reuse.
+"""The engine loop that runs on every rank: admission (a sampling-stream slot and KV pages
+per request), chunked context, speculative generation steps, verification, stop
+conditions, slot and page reuse.
 
 Lock-step rule: every decision that leads to a collective (how many forwards a step
 runs, whether token selection runs, when the loop ends) is taken from *replicated*
@@ -9,7 +10,7 @@ ever steers the loop.
 
 Plain TP: every rank holds every request and runs the same batch.
 Attention DP: request ``i`` belongs to TP rank ``i % tp_size``; each rank runs its own
-batch (a one-token dummy row in a scratch slot when it has nothing to do while others
+batch (a one-token dummy row in scratch pages when it has nothing to do while others
 do, because the TP MLP and the token selection are collectives), and after every step
 the ranks all-gather the tokens they emitted, so every rank again knows every
 request's tokens — rank 0 can report all of them and the loop ends everywhere at once.
@@ -17,11 +18,17 @@ request's tokens — rank 0 can report all of them and the loop ends everywhere 
 Per-request invariant in the generation phase: the target KV cache holds every token
 but the last (``target_cached == len(tokens) - 1``); a step feeds the last token plus K
 drafts, and "rewinding" rejected drafts is just not counting them.
+
+KV pages (:mod:`tpspec.runtime.pages`): a request waits (FIFO) until its worst case fits
+among the free pages, takes pages as it grows and returns them when it finishes; every
+paged model (target, draft) uses the same block table. A running request is never
+preempted. The page count is the same on every rank (:mod:`tpspec.runtime.kv_sizing`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -31,9 +38,14 @@ import torch
 from .. import distributed as D
 from ..exchange.base import Channel
 from ..mapping import Mapping
-from ..speculative.metadata import RequestEntry
+from ..log import get_logger
 from ..sampling.penalties import OccurrenceCounts
+from ..speculative.metadata import RequestEntry
 from .config import EngineConfig, Request, RequestStats
+from .kv_sizing import plan_kv_cache
+from .pages import PageAllocator
+
+log = get_logger(__name__)
 
 
 ProgressFn = Callable[[int, int], None]
@@ -72,7 +84,8 @@ class _Seq:
     owner: int  # attention-DP rank that runs it (0 under plain TP)
     tokens: list[int]
     num_prompt: int
-    slot: int = -1
+    slot: int = -1  # the request's sampling-stream slot while it runs
+    pages: list[int] = field(default_factory=list)  # its block table (grows; shared by all paged models)
     target_cached: int = 0
     draft_cached: int = 0
     finished: bool = False
@@ -137,17 +150,12 @@ class Engine:
         self.num_draft = config.num_draft_tokens
         spec = config.speculative
 
+        started = time.perf_counter()
         self.exchange = None
         if mapping.lm_head_is_sharded:
             self.exchange = make_key_exchange(self.group, prefer=config.exchange, device=self.device)
         self.model = load_model(config.model_path, mapping, device=self.device, dtype=self.dtype,
-                                exchange=self.exchange)
-        # Slot max_batch_size is a scratch slot for dummy rows (attention DP).
-        self.num_slots = config.max_batch_size + 1
-        self.scratch_slot = config.max_batch_size
-        # Verification writes K positions past the last committed token.
-        self.cache_len = config.max_seq_len + self.num_draft + 1
-        self.model.allocate_kv_cache(self.num_slots, self.cache_len)
+                                exchange=self.exchange, attention_backend=config.attention_backend)
 
         self.ngram = None
         self.draft_model = None
@@ -156,8 +164,10 @@ class Engine:
                                       max_ngram=spec.prompt_lookup_max, min_ngram=spec.prompt_lookup_min)
         elif spec is not None:
             self.draft_model = DraftModel(config.draft_model_path, mapping, device=self.device, dtype=self.dtype,
-                                          exchange=self.exchange, target_config=self.model.config)
-            self.draft_model.allocate_kv_cache(self.num_slots, self.cache_len)
+                                          exchange=self.exchange, target_config=self.model.config,
+                                          attention_backend=config.attention_backend)
+        self.load_s = time.perf_counter() - started
+        self._allocate_pages()
 
         # Penalties: this rank's columns' occurrences per slot (allocated when first used).
         head = self.model.lm_head
@@ -167,7 +177,6 @@ class Engine:
         self.meta = SpecMetadata(config.max_batch_size + 1, self.num_draft, device=self.device,
                                  mapping=mapping, max_num_slots=config.max_batch_size, occurrences=self.occurrences)
         self.worker = SpecWorker(acceptance=spec.acceptance if spec is not None else "strict")
-        self._check_memory()
         # Sequences by request id, in admission order; index -> sequence; this rank's queue.
         self._seqs: dict[int, _Seq] = {}
         self._by_index: dict[int, _Seq] = {}
@@ -179,17 +188,48 @@ class Engine:
             from .cuda_graphs import GenerationGraphs
 
             self.graphs = GenerationGraphs.maybe_create(self)
+        if D.group_rank(self.group) == 0:
+            log.info("%s", self.summary())
 
-    def _check_memory(self) -> None:
-        """On CUDA, weights + KV cache must fit in ``gpu_memory_utilization`` of the device."""
-        if self.device.type != "cuda":
-            return
-        used = torch.cuda.memory_allocated(self.device)
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        if used > self.config.gpu_memory_utilization * total:
-            raise ValueError(f"weights and KV cache take {used / 2**30:.1f} GiB, more than gpu_memory_utilization="
-                             f"{self.config.gpu_memory_utilization} of {total / 2**30:.1f} GiB; lower "
-                             f"max_model_len or max_num_seqs")
+    # ------------------------------------------------------------------ KV pages
+    @property
+    def paged_models(self) -> list:
+        """Every model whose KV cache lives in this engine's pages (one block table each request)."""
+        return [m for m in (self.model, self.draft_model) if m is not None]
+
+    def _allocate_pages(self) -> None:
+        """Size the pages (collective), allocate them in every paged model, and check that a
+        request of ``max_seq_len`` tokens fits the pool (``ValueError`` otherwise)."""
+        cfg = self.config
+        self.kv = plan_kv_cache(cfg, self.paged_models, self.group, self.device)
+        for model in self.paged_models:
+            model.allocate_kv_cache(self.kv.num_pages + self.kv.num_scratch_pages, cfg.page_size)
+        self.pages = PageAllocator(self.kv.num_pages, cfg.page_size)
+        # Scratch pages after the requests' pages: dummy rows (attention DP) and graph padding write there.
+        self.scratch_table = list(range(self.kv.num_pages, self.kv.num_pages + self.kv.num_scratch_pages))
+        longest = cfg.max_seq_len - 1 + self.num_draft
+        if self.pages.pages_for(longest) > self.kv.num_pages:
+            raise ValueError(
+                f"max_seq_len={cfg.max_seq_len} needs {self.pages.pages_for(longest)} KV pages of {cfg.page_size} "
+                f"tokens, the cache holds {self.kv.num_pages} ({self.kv.source}): lower max_seq_len or give the "
+                f"cache more memory (kv_cache_bytes / gpu_memory_utilization)")
+
+    def summary(self) -> str:
+        """The start-up summary rank 0 logs: model, TP, exchange, attention, pages, graphs, load time."""
+        cfg = self.config
+        exchange = type(self.exchange).__name__ if self.exchange is not None else "none (LM head not sharded)"
+        why = f"exchange={cfg.exchange!r}"
+        if self.exchange is not None and cfg.exchange == "auto":
+            why = ("auto: one node, CUDA and cupy" if "LL" in exchange
+                   else "auto: the LL exchange needs CUDA and cupy on one node")
+        graphs = "off" if self.graphs is None else "on (captured per batch bucket on first use)"
+        kv = self.kv
+        return (f"engine ready: model {cfg.model_path} ({self.model.config.architecture}, "
+                f"{self.model.config.num_layers} layers, {self.dtype}), TP={self.mapping.tp_size}"
+                f"{' attention-DP' if self.dp_size > 1 else ''} on {self.device}; exchange {exchange} ({why}); "
+                f"attention {self.model.attention.name}; KV {kv.num_pages} pages x {kv.page_size} tokens = "
+                f"{kv.num_tokens} tokens per rank, {kv.total_bytes / 2**20:.1f} MiB ({kv.source}); "
+                f"CUDA graphs {graphs}; weights loaded in {self.load_s:.2f} s")
 
     # ------------------------------------------------------------------ public
     def add_requests(self, requests: list[Request]) -> None:
@@ -249,28 +289,40 @@ class Engine:
         return updates
 
     def _admit(self) -> None:
-        """Free the slots of finished sequences, then give free slots to waiting ones (in order)."""
-        for s in self._running:
-            if s.finished:  # slot reuse: the next owner restarts the slot's streams
-                self.meta.release_slot(s.slot)
-        self._running = [s for s in self._running if not s.finished]
+        """Free the slots of finished sequences, then move waiting sequences into free slots, in
+        order, while their worst-case KV pages fit (the first that does not fit waits, and so
+        do all behind it)."""
+        for s in [s for s in self._running if s.finished]:
+            self._release(s)
         used = {s.slot for s in self._running}
         free_slots = [i for i in range(self.config.max_batch_size) if i not in used]
         while self._waiting and free_slots:
-            seq = self._waiting.popleft()
+            seq = self._waiting[0]
             if seq.finished:
+                self._waiting.popleft()
                 continue
+            worst = self.config.max_cached_tokens(seq.num_prompt, seq.req.max_new_tokens)
+            if not self.pages.reserve(seq.index, worst):
+                break
+            self._waiting.popleft()
             seq.slot = free_slots.pop(0)
+            seq.pages = self.pages.table(seq.index)
             if seq.req.sampling.has_penalties:  # the slot's counts restart from this prompt
                 self.occurrences.reset(seq.slot, seq.req.prompt)
             self._running.append(seq)
+
+    def _release(self, seq: _Seq) -> None:
+        """A running sequence leaves: its slot's streams restart for the next owner, its pages
+        go back to the pool."""
+        self.meta.release_slot(seq.slot)
+        self.pages.free(seq.index)
+        self._running.remove(seq)
 
     def _forget(self, seq: _Seq) -> None:
         del self._seqs[seq.req.request_id]
         del self._by_index[seq.index]
         if seq in self._running:
-            self.meta.release_slot(seq.slot)
-            self._running.remove(seq)
+            self._release(seq)
 
     @torch.inference_mode()
     def generate(self, requests: list[Request], on_progress: ProgressFn | None = None) -> list[SequenceResult]:
@@ -321,6 +373,26 @@ class Engine:
             self.exchange.close()
 
     # ------------------------------------------------------------------ scheduling
+    def _admit(self, waiting: deque, running: list[_Seq]) -> None:
+        """Move waiting requests into free slots, in order, while their worst-case pages fit
+        (the first that does not fit waits, and so do all behind it)."""
+        used = {s.slot for s in running}
+        free_slots = [i for i in range(self.config.max_batch_size) if i not in used]
+        while waiting and free_slots:
+            seq = waiting[0]
+            if seq.finished:
+                waiting.popleft()
+                continue
+            worst = self.config.max_cached_tokens(seq.num_prompt, seq.req.max_new_tokens)
+            if not self.pages.reserve(seq.index, worst):
+                break
+            waiting.popleft()
+            seq.slot = free_slots.pop(0)
+            seq.pages = self.pages.table(seq.index)
+            if seq.req.sampling.has_penalties:  # the slot's counts restart from this prompt
+                self.occurrences.reset(seq.slot, seq.req.prompt)
+            running.append(seq)
+
     def _new_seq(self, req: Request, index: int, owner: int) -> _Seq:
         if not req.prompt:
             raise ValueError(f"request {req.request_id}: empty prompt")
@@ -348,10 +420,13 @@ class Engine:
                 continue
             chunk = min(seq.num_prompt - seq.target_cached, budget)
             budget -= chunk
+            self.pages.grow(seq.index, seq.target_cached + chunk)
             if seq.target_cached + chunk == seq.num_prompt:
                 plan.final_ctx.append((seq, chunk))
             else:
                 plan.partial_ctx.append((seq, chunk))
+        for seq in plan.gen:  # the last token plus K drafts, written after the cached ones
+            self.pages.grow(seq.index, len(seq.tokens) + self.num_draft)
         return plan
 
     # ------------------------------------------------------------------ one step
@@ -370,36 +445,36 @@ class Engine:
 
         tokens: list[int] = []
         positions: list[int] = []
-        slot_ids: list[int] = []
+        tables: list[list[int]] = []
         cache_lens: list[int] = []
         query_lens: list[int] = []
         rows: list[int] = []
 
-        def add(slot: int, start: int, chunk: list[int], logit_rows: int) -> None:
+        def add(pages: list[int], start: int, chunk: list[int], logit_rows: int) -> None:
             first = len(tokens)
             tokens.extend(chunk)
             positions.extend(range(start, start + len(chunk)))
-            slot_ids.append(slot)
+            tables.append(pages)
             cache_lens.append(start)
             query_lens.append(len(chunk))
             rows.extend(range(first + len(chunk) - logit_rows, first + len(chunk)))
 
         for seq, n in plan.final_ctx:
-            add(seq.slot, seq.target_cached, seq.tokens[seq.target_cached:seq.target_cached + n], 1)
+            add(seq.pages, seq.target_cached, seq.tokens[seq.target_cached:seq.target_cached + n], 1)
         if use_dummy:
-            add(self.scratch_slot, 0, [0], 1)
+            add(self.scratch_table, 0, [0], 1)
         for seq, n in plan.partial_ctx:
-            add(seq.slot, seq.target_cached, seq.tokens[seq.target_cached:seq.target_cached + n], 0)
+            add(seq.pages, seq.target_cached, seq.tokens[seq.target_cached:seq.target_cached + n], 0)
         for seq, d in zip(plan.gen, drafts):
             last = len(seq.tokens) - 1
-            add(seq.slot, last, [seq.tokens[-1]] + d, k + 1)
+            add(seq.pages, last, [seq.tokens[-1]] + d, k + 1)
 
         emitted: dict[int, list[int]] = {}
         if tokens:  # under attention DP there is always at least the dummy row
             batch = ForwardBatch(
                 token_ids=torch.tensor(tokens, dtype=torch.int64, device=self.device),
                 positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
-                slot_ids=slot_ids,
+                block_tables=tables,
                 cache_lens=cache_lens,
                 query_lens=query_lens,
                 logits_rows=torch.tensor(rows, dtype=torch.int64, device=self.device),
@@ -441,23 +516,24 @@ class Engine:
         if gen:
             first = [s.tokens[s.draft_cached:] for s in gen]
             starts = [s.draft_cached for s in gen]
-            slots = [s.slot for s in gen]
+            tables = [s.pages for s in gen]
         else:  # attention DP, nothing here: a dummy row keeps the collectives paired
-            first, starts, slots = [[0]], [0], [self.scratch_slot]
+            first, starts, tables = [[0]], [0], [self.scratch_table]
         toks = [t for chunk in first for t in chunk]
         pos = [p for chunk, st in zip(first, starts) for p in range(st, st + len(chunk))]
         lens = [len(c) for c in first]
         last_rows = torch.tensor(list(_cumsum(lens)), dtype=torch.int64, device=dev) - 1
         batch = ForwardBatch(token_ids=torch.tensor(toks, dtype=torch.int64, device=dev),
                              positions=torch.tensor(pos, dtype=torch.int64, device=dev),
-                             slot_ids=slots, cache_lens=starts, query_lens=lens, logits_rows=last_rows)
+                             block_tables=tables, cache_lens=starts, query_lens=lens, logits_rows=last_rows)
         cur = self.draft_model(batch).argmax(channel=Channel.DRAFT)
         drafts = [cur]
         ends = [st + n for st, n in zip(starts, lens)]
         for j in range(1, k):
             batch = ForwardBatch(token_ids=cur.to(torch.int64),
                                  positions=torch.tensor([e + j - 1 for e in ends], dtype=torch.int64, device=dev),
-                                 slot_ids=slots, cache_lens=[e + j - 1 for e in ends], query_lens=[1] * len(slots),
+                                 block_tables=tables, cache_lens=[e + j - 1 for e in ends],
+                                 query_lens=[1] * len(tables),
                                  logits_rows=None)
             cur = self.draft_model(batch).argmax(channel=Channel.DRAFT)
             drafts.append(cur)

@@ -78,10 +78,16 @@ def _tiny_kwargs(kind: str) -> dict[str, Any]:
 
 
 def resolve_model(model: str | os.PathLike, kind: str = "target") -> str:
-    """``"tiny"`` -> the cached tiny checkpoint; anything else must be a Hugging Face model
-    directory (``config.json`` + safetensors). Raises ``ValueError`` otherwise."""
+    """``"tiny"`` -> the cached tiny checkpoint; ``"shape:NAME[:LAYERS]"`` -> a real model shape
+    with random weights (:mod:`tpspec.model.shapes`, no checkpoint); anything else must be a
+    Hugging Face model directory (``config.json`` + safetensors). Raises ``ValueError`` otherwise."""
+    from ..model.shapes import config_from_path, is_shape_path
+
     if str(model) == TINY:
         return tiny_model_path(kind)
+    if is_shape_path(model):
+        config_from_path(model)  # a bad name raises here
+        return model
     path = os.fspath(model)
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"model {path!r} is not a Hugging Face model directory (no config.json); "
@@ -151,8 +157,8 @@ class LLM:
     ``float32``/``bfloat16``/``float16``. ``seed``: when an int, requests without their own
     seed get one derived from it and their order, so a script reproduces its samples.
     ``max_model_len``: prompt + generated tokens of a request (default: the model's
-    ``max_position_embeddings``, at most 2048). ``gpu_memory_utilization``: the fraction of
-    a GPU that weights and KV cache may take (checked at start-up on CUDA).
+    ``max_position_embeddings``). ``gpu_memory_utilization``: on CUDA, the share of the GPU
+    the engine may use (None = 0.9): weights and a profiled step first, the rest to KV pages.
     ``speculative_config``: a dict (vLLM's keys: ``method``, ``num_speculative_tokens``,
     ``model``, ``prompt_lookup_max``, ``prompt_lookup_min``; tpspec adds ``acceptance``) or a
     :class:`SpeculativeConfig`, or None. ``generation_config``: ``"auto"`` applies the
@@ -170,6 +176,12 @@ class LLM:
     ``"ll"``, ``"allgather"``), ``init_timeout_s`` / ``step_timeout_s`` (how long the driver
     waits for start-up / for the next step before it raises), ``ray_init_kwargs``.
 
+    KV cache (paged): ``page_size`` tokens a page (default 16); ``kv_cache_bytes``: bytes of
+    pages per rank (any device; overrides ``gpu_memory_utilization``); on CPU without it,
+    pages for ``max_num_seqs`` requests of ``max_model_len``. Requests wait (in order) for
+    pages; one that could never fit raises ``ValueError``. ``attention_backend``: ``"auto"``
+    (FlashInfer on CUDA when installed, else torch), ``"torch"`` or ``"flashinfer"``.
+
     Every argument is checked before a worker starts (``ValueError`` naming it). Use as a
     context manager or call :meth:`shutdown`.
     """
@@ -182,7 +194,7 @@ class LLM:
         dtype: str | torch.dtype = "auto",
         seed: int | None = None,
         max_model_len: int | None = None,
-        gpu_memory_utilization: float = 0.9,
+        gpu_memory_utilization: float | None = None,
         speculative_config: SpeculativeConfig | dict | None = None,
         generation_config: str = "auto",
         max_num_seqs: int = 8,
@@ -195,8 +207,11 @@ class LLM:
         init_timeout_s: float = 300.0,
         step_timeout_s: float = 120.0,
         ray_init_kwargs: dict | None = None,
+        page_size: int = 16,
+        kv_cache_bytes: int | None = None,
+        attention_backend: str = "auto",
     ) -> None:
-        from ..model.config import ModelConfig
+        from ..model.shapes import config_from_path, is_shape_path
 
         self._executor: Executor | None = None
         backend = distributed_executor_backend
@@ -212,9 +227,10 @@ class LLM:
                 raise ValueError(f"{name} must be a bool, got {flag!r}")
         if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**64):
             raise ValueError(f"seed must be None or an int in [0, 2**64), got {seed!r}")
-        if (not isinstance(gpu_memory_utilization, (int, float)) or isinstance(gpu_memory_utilization, bool)
+        if gpu_memory_utilization is not None and (
+                not isinstance(gpu_memory_utilization, (int, float)) or isinstance(gpu_memory_utilization, bool)
                 or not 0 < gpu_memory_utilization <= 1):
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+            raise ValueError(f"gpu_memory_utilization must be None or in (0, 1], got {gpu_memory_utilization!r}")
         if isinstance(speculative_config, dict):
             speculative_config = SpeculativeConfig.from_dict(speculative_config)
         if speculative_config is not None and not isinstance(speculative_config, SpeculativeConfig):
@@ -228,21 +244,21 @@ class LLM:
             raise ValueError(f"exchange='ll' needs device='cuda' (CUDA IPC), got device={device!r}")
 
         self.model_path = resolve_model(model)
-        self.model_config = ModelConfig.from_pretrained(self.model_path)
+        self.model_config = config_from_path(self.model_path)
         dtype = _resolve_dtype(dtype, device, self.model_config.torch_dtype)
         _check_layout(self.model_config, tp_size, attention_dp, self.model_path)
         self.generation_defaults, gen_eos = _generation_config(generation_config, self.model_path)
         draft_path = None
         if spec is not None and spec.method == "draft_model":
             draft_path = resolve_model(spec.model, kind="draft")
-            draft_cfg = ModelConfig.from_pretrained(draft_path)
+            draft_cfg = config_from_path(draft_path)
             if draft_cfg.vocab_size != self.model_config.vocab_size:
                 raise ValueError(f"the draft model's vocab_size {draft_cfg.vocab_size} differs from the target's "
                                  f"{self.model_config.vocab_size}")
             _check_layout(draft_cfg, tp_size, attention_dp, draft_path)
         k = spec.num_speculative_tokens if spec is not None else 0
         if max_model_len is None:
-            max_model_len = min(self.model_config.max_position_embeddings, 2048)
+            max_model_len = self.model_config.max_position_embeddings
         _check_positive("max_model_len", max_model_len)
         if max_model_len < 2:
             raise ValueError("max_model_len must be >= 2 (one prompt token and one generated token)")
@@ -257,11 +273,14 @@ class LLM:
             model_path=self.model_path, tp_size=tp_size, device=device, dtype=dtype, attention_dp=attention_dp,
             speculative=spec, draft_model_path=draft_path, max_batch_size=max_num_seqs,
             max_seq_len=max_model_len, max_num_tokens=max_num_batched_tokens, use_cuda_graphs=not enforce_eager,
-            exchange=exchange, gpu_memory_utilization=float(gpu_memory_utilization),
+            exchange=exchange, gpu_memory_utilization=gpu_memory_utilization, page_size=page_size,
+            kv_cache_bytes=kv_cache_bytes, attention_backend=attention_backend,
         )
+        if kv_cache_bytes is not None:
+            _check_kv_fits(self.config, [self.model_config] + ([draft_cfg] if draft_path else []))
         self.seed = seed
         self.distributed_executor_backend = backend
-        self.tokenizer = load_tokenizer(self.model_path)
+        self.tokenizer = None if is_shape_path(self.model_path) else load_tokenizer(self.model_path)
         self.eos_token_ids = tuple(sorted(set(self.model_config.eos_token_ids) | set(gen_eos)))
         self.last_stats: GenerateStats | None = None
         self._sequence_ids = itertools.count()
@@ -781,6 +800,27 @@ def _check_layout(config: Any, tp_size: int, attention_dp: bool, path: str) -> N
             check_split(config, Mapping(tp_size, rank, tp_size, attention_dp))
         except ValueError as exc:
             raise ValueError(f"{path} cannot run at tensor_parallel_size={tp_size}: {exc}") from None
+
+
+def _check_kv_fits(config: EngineConfig, model_configs: list[Any]) -> None:
+    """With ``kv_cache_bytes``, the page count is known here: a request of ``max_seq_len``
+    tokens must fit it (``ValueError`` before any worker starts)."""
+    from ..mapping import Mapping
+    from ..model.batch import pages_needed
+    from ..model.kv_cache import page_bytes
+    from ..model.layers import split_heads
+    from .kv_sizing import scratch_pages
+
+    mapping = Mapping(config.tp_size, 0, config.tp_size, config.attention_dp)
+    per_page = sum(page_bytes(c.num_layers, config.page_size,
+                              split_heads(c, mapping.attention_tp_size, 0).kv_heads, c.head_dim,
+                              getattr(torch, config.dtype)) for c in model_configs)
+    pages = config.kv_cache_bytes // per_page - scratch_pages(config)
+    need = pages_needed(config.max_seq_len - 1 + config.num_draft_tokens, config.page_size)
+    if need > pages:
+        raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} holds {max(pages, 0)} KV pages of {config.page_size} "
+                         f"tokens ({per_page} bytes each) per rank; a request of max_seq_len={config.max_seq_len} "
+                         f"needs {need}: raise kv_cache_bytes or lower max_seq_len")
 
 
 def _resolve_device(device: str) -> str:

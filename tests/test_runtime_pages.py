@@ -1,0 +1,156 @@
+"""The paged KV cache in the runtime: admission under page pressure (FIFO, every request equal
+to its run alone, nothing preempted), page accounting (no leak after any generate), KV memory
+equal to the pages asked for, and bad sizes raising clearly before any worker starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from tpspec import LLM, SpeculativeConfig
+from tpspec.mapping import Mapping
+from tpspec.model.tiny import make_tiny_checkpoint
+from tpspec.runtime.config import EngineConfig, Request
+from tpspec.runtime.engine import Engine
+from tpspec.runtime.pages import PageAllocator
+from tpspec.sampling.params import SamplingParams
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [100, 200, 300, 5, 6, 7], [42] * 12, list(range(3, 43)), [7],
+           [300, 301, 302, 303, 300, 301]]
+MAX_NEW = 20
+PAGE = 4
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("paged_models")
+    return str(make_tiny_checkpoint(root / "tiny", seed=0)), str(make_tiny_checkpoint(root / "draft", seed=0,
+                                                                                       draft=True))
+
+
+def _requests(prompts, first_id=0):
+    return [Request(first_id + i, tuple(p), SamplingParams(), MAX_NEW) for i, p in enumerate(prompts)]
+
+
+def _engine(ckpt, *, kv_pages=None, spec=None, max_batch_size=6, max_seq_len=96):
+    """A TP = 1 engine in this process; ``kv_pages``: request pages the cache is sized for."""
+    cfg = EngineConfig(ckpt[0], 1, "cpu", "float32", speculative=spec,
+                       draft_model_path=ckpt[1] if spec is not None and spec.method == "draft_model" else None,
+                       max_batch_size=max_batch_size, max_seq_len=max_seq_len, max_num_tokens=64, page_size=PAGE)
+    if kv_pages is not None:
+        probe = Engine(cfg, Mapping())
+        per_page, scratch = probe.kv.page_bytes, probe.kv.num_scratch_pages
+        probe.close()
+        cfg = EngineConfig(**{**cfg.__dict__, "kv_cache_bytes": (kv_pages + scratch) * per_page})
+    return Engine(cfg, Mapping())
+
+
+def _run(engine, prompts, first_id=0):
+    return [r.token_ids for r in engine.generate(_requests(prompts, first_id))]
+
+
+@pytest.mark.parametrize("spec", [None, SpeculativeConfig("ngram", 3), SpeculativeConfig("draft_model", 2,
+                                                                                          draft_model="x")],
+                         ids=["plain", "ngram", "draft_model"])
+def test_page_pressure_admits_in_order_never_preempts_never_leaks(ckpt, spec):
+    roomy = _engine(ckpt, spec=spec)
+    alone = [_run(roomy, [p], i)[0] for i, p in enumerate(PROMPTS)]
+    # The 40-token prompt's worst case is 40 + 20 - 1 + K tokens = 15-16 pages of 4: about two requests fit.
+    tight = _engine(ckpt, kv_pages=32, spec=spec)
+    assert tight.pages.num_pages == 32 and tight.kv.num_scratch_pages >= 1
+    steps: list[list[int]] = []
+    schedule = tight._schedule
+
+    by_index = {}
+
+    def spy(running):  # which requests run at each step, and their block tables stay put
+        steps.append([s.index for s in running])
+        for s in running:
+            by_index[s.index] = s
+            assert s.pages == tight.pages.table(s.index)
+        return schedule(running)
+
+    tight._schedule = spy
+    free = tight.pages.free
+
+    def spy_free(key):  # pages go back only when their request is done
+        assert key not in by_index or by_index[key].finished
+        free(key)
+
+    tight.pages.free = spy_free
+    for call in range(2):  # twice: nothing leaks from one call into the next
+        steps.clear()
+        by_index.clear()
+        out = _run(tight, PROMPTS, 100 * call)
+        assert out == alone
+        assert tight.pages.num_free == tight.pages.num_unreserved == 32
+        assert max(len(s) for s in steps) < len(PROMPTS)  # pressure: never all at once
+        first = {}
+        for i, ids in enumerate(steps):
+            for idx in ids:
+                first.setdefault(idx, i)
+        assert sorted(first, key=first.get) == sorted(first)  # admitted in FIFO order
+        for idx in first:  # never preempted: present in every step from admission to its end
+            present = [i for i, ids in enumerate(steps) if idx in ids]
+            assert present == list(range(present[0], present[-1] + 1)), idx
+
+
+def test_kv_memory_is_the_pages_asked_for(ckpt):
+    engine = _engine(ckpt, kv_pages=30)
+    total = 30 + engine.kv.num_scratch_pages
+    per_layer = total * PAGE * engine.model.num_kv_heads_per_rank * engine.model.config.head_dim * 4 * 2
+    assert sum(c.nbytes for c in engine.model.caches) == engine.model.config.num_layers * per_layer
+    assert sum(c.nbytes for c in engine.model.caches) == engine.kv.total_bytes == engine.config.kv_cache_bytes
+    assert "30 pages x 4 tokens = 120 tokens" in engine.summary()
+
+
+def test_page_allocator_accounting():
+    pool = PageAllocator(10, 4)
+    assert pool.reserve("a", 17)  # 5 pages
+    assert not pool.reserve("b", 24)  # 6 pages: only 5 unreserved
+    assert pool.reserve("b", 20) and pool.num_unreserved == 0
+    assert pool.grow("a", 3) == [0] and pool.grow("a", 9) == [0, 1, 2] and pool.num_free == 7
+    with pytest.raises(RuntimeError, match="reserved 5"):
+        pool.grow("a", 21)
+    with pytest.raises(ValueError, match="holds 10 pages"):
+        pool.reserve("c", 41)
+    pool.free("a")
+    assert pool.num_free == 10 and pool.num_unreserved == 5
+    assert pool.grow("b", 20) == [4, 3, 2, 1, 0][::-1]  # the lowest free pages first
+    pool.free("b")
+    assert pool.num_free == pool.num_unreserved == 10
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="num_pages"):
+            PageAllocator(bad, 4)
+
+
+def test_bad_sizes_raise_before_workers(ckpt):
+    cases = [
+        (dict(page_size=0), "page_size must be a positive int"),
+        (dict(kv_cache_bytes=-5), "kv_cache_bytes must be a positive int"),
+        (dict(gpu_memory_utilization=0.5), "gpu_memory_utilization needs device='cuda'"),
+        (dict(kv_cache_bytes=1000), "kv_cache_bytes=1000 holds 0 KV pages"),
+        (dict(kv_cache_bytes=64 * 1024, max_model_len=4096), "4096 needs 256"),
+        (dict(attention_backend="magic"), "attention_backend must be"),
+        (dict(attention_backend="flashinfer"), "attention_backend='flashinfer' needs CUDA"),
+    ]
+    for kwargs, message in cases[:-1]:
+        with pytest.raises(ValueError, match=message):
+            LLM(ckpt[0], tensor_parallel_size=2, device="cpu", **kwargs)  # raises in the driver: no worker starts
+    with pytest.raises(ValueError, match="gpu_memory_utilization must be a number in \\(0, 1\\]"):
+        EngineConfig(ckpt[0], 1, "cuda", "float32", gpu_memory_utilization=1.5)
+    with pytest.raises(ValueError, match=cases[-1][1]):
+        Engine(EngineConfig(ckpt[0], 1, "cpu", "float32", attention_backend="flashinfer"), Mapping())
+
+
+@pytest.mark.parametrize("attention_dp", [False, True], ids=["tp2", "tp2-adp"])
+def test_page_pressure_tp2_equals_tp1(ckpt, attention_dp, monkeypatch):
+    monkeypatch.setenv("TPSPEC_NUM_THREADS", "1")
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+    with LLM(ckpt[0], tensor_parallel_size=1, max_num_seqs=6, page_size=PAGE) as llm:
+        ref = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    # 40 pages of 4 tokens over both attention-DP ranks' own pools, or one plain-TP pool.
+    per_page = 2 * 2 * PAGE * (1 if not attention_dp else 2) * 16 * 4
+    with LLM(ckpt[0], tensor_parallel_size=2, attention_dp=attention_dp, max_num_seqs=6, max_model_len=96,
+             page_size=PAGE, speculative_config=SpeculativeConfig("ngram", 3), kv_cache_bytes=40 * per_page) as llm:
+        for _ in range(2):
+            assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == ref

@@ -1,0 +1,169 @@
+"""Paged attention: each sequence's queries against only the pages it uses.
+
+Two backends behind one rule (:func:`choose_attention_backend`): FlashInfer's paged
+prefill/decode kernels on CUDA when ``flashinfer`` is installed and supports the head
+size, else a torch path (CPU, and CUDA without FlashInfer). Both treat grouped-query
+heads without copying keys or values per query head, and both give token ``i`` of a
+sequence the keys ``[0, cache_len + i]``.
+
+A backend is used in two steps: ``plan(meta)`` once per step (host work: FlashInfer's
+schedule; nothing for torch) and ``bind(meta)``, once per forward, returning
+``attend(q, pages) -> out`` that every layer calls. Under a CUDA graph the plan happens
+before capture and before every replay, ``bind`` and ``attend`` inside the graph.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from .batch import AttentionMetadata
+from .kv_cache import KVPages
+
+# SDPA backends the torch path may use. Not cuDNN attention: it builds an execution plan
+# per new shape, and eager decode steps change shape every step (the KV length grows). The
+# same list serves eager steps and CUDA graphs, so both compute the same logits.
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
+FLASHINFER_WORKSPACE_BYTES = 128 * 1024 * 1024
+
+AttendFn = Callable[[torch.Tensor, KVPages], torch.Tensor]
+
+
+def flashinfer_available() -> bool:
+    return importlib.util.find_spec("flashinfer") is not None
+
+
+def choose_attention_backend(device: torch.device | str, head_dim: int, prefer: str = "auto") -> str:
+    """``"flashinfer"`` on CUDA when the package is installed and supports ``head_dim``, else
+    ``"torch"``; ``prefer`` forces one (``ValueError`` when FlashInfer cannot run here)."""
+    if prefer not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {prefer!r}")
+    usable = torch.device(device).type == "cuda" and flashinfer_available() and head_dim in FLASHINFER_HEAD_DIMS
+    if prefer == "flashinfer" and not usable:
+        raise ValueError(f"attention_backend='flashinfer' needs CUDA, the flashinfer package and a head_dim in "
+                         f"{FLASHINFER_HEAD_DIMS} (device {device}, head_dim {head_dim})")
+    if prefer == "torch" or not usable:
+        return "torch"
+    return "flashinfer"
+
+
+def make_attention_backend(name: str, *, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                           dtype: torch.dtype, device: torch.device) -> Any:
+    """The backend object one model's layers share (all layers have the same heads)."""
+    cls = FlashInferPagedAttention if name == "flashinfer" else TorchPagedAttention
+    return cls(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale, dtype=dtype,
+               device=device)
+
+
+class TorchPagedAttention:
+    """Gathers the pages each sequence uses (``[B, kv_pages * page_size]`` rows, the batch's
+    longest sequence, never the whole cache) and runs one masked SDPA call. Grouped-query
+    heads fold into the query rows: the ``group`` query heads of a KV head become
+    ``group * q_max`` rows against that head's keys, so keys and values are never repeated."""
+
+    name = "torch"
+
+    def __init__(self, *, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.group = num_heads // num_kv_heads
+
+    def plan(self, meta: AttentionMetadata, *, graph: bool = False) -> None:
+        """Nothing to plan: the torch path reads the metadata's tensors directly."""
+
+    def bind(self, meta: AttentionMetadata) -> AttendFn:
+        b, g, q_max = meta.num_seqs, self.group, meta.q_max
+        # [B, 1, q_max, L] -> [B, 1, g * q_max, L]: the same causal row for every head of a group.
+        mask = meta.mask if g == 1 else meta.mask.expand(b, g, q_max, meta.kv_len).reshape(b, 1, g * q_max, meta.kv_len)
+        return lambda q, pages: self._attend(q, pages, meta, mask)
+
+    def _attend(self, q: torch.Tensor, pages: KVPages, meta: AttentionMetadata, mask: torch.Tensor) -> torch.Tensor:
+        if meta.num_tokens == 0:
+            return q
+        b, g, q_max, hd, kvh = meta.num_seqs, self.group, meta.q_max, self.head_dim, self.num_kv_heads
+        rows = meta.kv_len
+        keys = pages.k[meta.page_table].view(b, rows, kvh, hd).transpose(1, 2)  # [B, kv, L, hd]
+        values = pages.v[meta.page_table].view(b, rows, kvh, hd).transpose(1, 2)
+        if b == 1:
+            padded = q[None]  # one sequence: no padding needed
+        else:
+            padded = q.new_zeros(b, q_max, self.num_heads, hd)
+            padded[meta.tok_seq, meta.tok_qi] = q
+        # [B, q_max, kv * g, hd] -> [B, kv, g * q_max, hd] (head h = kv_head * g + j)
+        queries = padded.view(b, q_max, kvh, g, hd).permute(0, 2, 3, 1, 4).reshape(b, kvh, g * q_max, hd)
+        with sdpa_kernel(SDPA_BACKENDS):
+            out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=self.scale)
+        out = out.view(b, kvh, g, q_max, hd).permute(0, 3, 1, 2, 4).reshape(b, q_max, self.num_heads, hd)
+        return out[0] if b == 1 else out[meta.tok_seq, meta.tok_qi]
+
+
+class FlashInferPagedAttention:
+    """FlashInfer's paged kernels: the decode wrapper when every sequence feeds one token,
+    the prefill (append) wrapper otherwise — context chunks, speculative verification and
+    mixed batches. Causal masking is bottom-right aligned, which is exactly "token ``i`` sees
+    ``[0, cache_len + i]``". CUDA-graph steps get their own wrapper with fixed buffers,
+    planned before every replay."""
+
+    name = "flashinfer"
+
+    def __init__(self, *, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        import flashinfer
+
+        self.fi = flashinfer
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.dtype = dtype
+        self.workspace = torch.empty(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=True)
+
+    def _graph_wrapper(self, meta: AttentionMetadata, decode: bool) -> Any:
+        b, cap = meta.num_seqs, meta.num_seqs * meta.kv_pages
+        dev = self.workspace.device
+        indptr = torch.zeros(b + 1, dtype=torch.int32, device=dev)
+        indices = torch.zeros(max(cap, 1), dtype=torch.int32, device=dev)
+        last = torch.zeros(b, dtype=torch.int32, device=dev)
+        if decode:
+            return self.fi.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=indptr,
+                paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last)
+        return self.fi.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=torch.zeros(b + 1, dtype=torch.int32, device=dev),
+            paged_kv_indptr_buf=indptr, paged_kv_indices_buf=indices, paged_kv_last_page_len_buf=last)
+
+    def plan(self, meta: AttentionMetadata, *, graph: bool = False) -> None:
+        """Plan the step's kernels on the host; ``graph``: with the graph's own wrapper, made
+        on the first call for this metadata and reused before every replay."""
+        decode = meta.q_max == 1
+        state = meta.backend_state
+        wrapper = state.get("graph_wrapper")
+        if wrapper is None:
+            wrapper = self._graph_wrapper(meta, decode) if graph else (self.decode if decode else self.prefill)
+            if graph:
+                state["graph_wrapper"] = wrapper
+        if meta.num_tokens == 0:
+            state["planned"] = None
+            return
+        if decode:
+            wrapper.plan(meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, self.num_heads, self.num_kv_heads,
+                         self.head_dim, meta.page_size, sm_scale=self.scale, q_data_type=self.dtype,
+                         kv_data_type=self.dtype)
+        else:
+            wrapper.plan(meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, self.num_heads,
+                         self.num_kv_heads, self.head_dim, meta.page_size, causal=True, sm_scale=self.scale,
+                         q_data_type=self.dtype, kv_data_type=self.dtype)
+        state["planned"] = wrapper
+
+    def bind(self, meta: AttentionMetadata) -> AttendFn:
+        if "planned" not in meta.backend_state:
+            self.plan(meta)
+        wrapper = meta.backend_state["planned"]
+        if wrapper is None:
+            return lambda q, pages: q
+        return lambda q, pages: wrapper.run(q, (pages.k, pages.v))

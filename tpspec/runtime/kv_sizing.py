@@ -1,0 +1,125 @@
+"""How many KV pages an engine gets, and from what (one decision, the same on every rank).
+
+* ``kv_cache_bytes`` (any device): that many bytes of pages per rank.
+* CUDA, ``gpu_memory_utilization`` (default 0.9): the engine may use that share of its GPU
+  (split evenly between ranks that share one). Weights are already loaded; one profiled
+  step of ``max_num_tokens`` tokens through every paged model measures the activations,
+  and the same amount again is held back for the CUDA-graph pool; the rest goes to pages.
+* CPU without ``kv_cache_bytes``: pages for ``max_batch_size`` requests of ``max_seq_len``.
+
+The ranks then take the minimum page count (one all-reduce), so admission decisions,
+which depend on it, agree everywhere.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .. import distributed as D
+from ..model.batch import ForwardBatch, pages_needed
+from .pages import plan_num_pages
+
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+FREE_MEMORY_HEADROOM = 256 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    """The paged cache of one engine on one rank: ``num_pages`` pages of ``page_size`` tokens
+    for requests (plus ``num_scratch_pages`` for padding rows), ``page_bytes`` per page over
+    all paged models, and where the size came from (``source``)."""
+
+    num_pages: int
+    page_size: int
+    num_scratch_pages: int
+    page_bytes: int
+    source: str
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    @property
+    def total_bytes(self) -> int:
+        return (self.num_pages + self.num_scratch_pages) * self.page_bytes
+
+
+def plan_kv_cache(config: Any, models: list[Any], group: Any, device: torch.device) -> KVPlan:
+    """Size the paged cache of ``models`` (all of an engine's paged models; they share the
+    pages) for ``config`` (:class:`~tpspec.runtime.config.EngineConfig`). Collective over
+    ``group``. Raises ``ValueError`` when no page fits."""
+    page_size = config.page_size
+    page_bytes = sum(m.page_bytes(page_size) for m in models)
+    k = config.num_draft_tokens
+    scratch = scratch_pages(config)
+    if config.kv_cache_bytes is not None:
+        pages = plan_num_pages(page_bytes=page_bytes, kv_cache_bytes=config.kv_cache_bytes) - scratch
+        source = f"kv_cache_bytes={config.kv_cache_bytes}"
+    elif device.type == "cuda":
+        util = config.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
+        free = _gpu_bytes_for_pages(config, models, util, device)
+        pages = plan_num_pages(page_bytes=page_bytes, free_bytes=free) - scratch
+        source = f"gpu_memory_utilization={util:g} ({free / 2**30:.2f} GiB left for pages)"
+    else:
+        pages = config.max_batch_size * pages_needed(config.max_seq_len - 1 + k, page_size)
+        source = f"max_batch_size={config.max_batch_size} requests of max_seq_len={config.max_seq_len}"
+    if pages < 1:
+        raise ValueError(f"the KV cache budget ({source}) leaves no page for requests after the "
+                         f"{scratch} scratch page(s) of padding rows")
+    if D.group_size(group) > 1:
+        on = device if D.group_backend(group) == "nccl" else torch.device("cpu")
+        t = torch.tensor([pages], dtype=torch.int64, device=on)
+        D.all_reduce_(t, "min", group)
+        pages = int(t.item())
+    return KVPlan(pages, page_size, scratch, page_bytes, source)
+
+
+def scratch_pages(config: Any) -> int:
+    """Pages kept for padding rows: one padded request of ``K + 1`` tokens."""
+    return pages_needed(config.num_draft_tokens + 1, config.page_size)
+
+
+def _ranks_per_gpu(config: Any) -> int:
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", config.tp_size))
+    return max(1, -(-min(local, config.tp_size) // max(1, torch.cuda.device_count())))
+
+
+@torch.inference_mode()
+def _gpu_bytes_for_pages(config: Any, models: list[Any], util: float, device: torch.device) -> int:
+    """Bytes this rank may give to pages: its share of ``util`` of the GPU, less the memory
+    torch holds after one profiled step (weights + activations) and a graph reserve equal to
+    the activations."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    for model in models:
+        _profile_step(model, config)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_reserved(device)
+    for model in models:
+        model.caches = []  # the profiling pages go; the real ones come next
+    torch.cuda.empty_cache()
+    activations = max(0, peak - before)
+    free, total = torch.cuda.mem_get_info(device)
+    share = util * total / _ranks_per_gpu(config)
+    budget = share - peak - (activations if config.use_cuda_graphs else 0)
+    return int(max(0, min(budget, free - FREE_MEMORY_HEADROOM)))
+
+
+def _profile_step(model: Any, config: Any) -> None:
+    """One forward of ``max_num_tokens`` tokens (one sequence) with logits for as many rows
+    as a full speculative batch has: the largest step the engine will run."""
+    n = config.max_num_tokens
+    pages = pages_needed(n, config.page_size)
+    model.allocate_kv_cache(pages, config.page_size)
+    dev = model.device
+    rows = min(n, config.max_batch_size * (config.num_draft_tokens + 1))
+    batch = ForwardBatch(torch.zeros(n, dtype=torch.int64, device=dev), torch.arange(n, device=dev),
+                         [list(range(pages))], [0], [n],
+                         logits_rows=torch.arange(n - rows, n, dtype=torch.int64, device=dev))
+    model(batch).argmax()
