@@ -373,26 +373,6 @@ class Engine:
             self.exchange.close()
 
     # ------------------------------------------------------------------ scheduling
-    def _admit(self, waiting: deque, running: list[_Seq]) -> None:
-        """Move waiting requests into free slots, in order, while their worst-case pages fit
-        (the first that does not fit waits, and so do all behind it)."""
-        used = {s.slot for s in running}
-        free_slots = [i for i in range(self.config.max_batch_size) if i not in used]
-        while waiting and free_slots:
-            seq = waiting[0]
-            if seq.finished:
-                waiting.popleft()
-                continue
-            worst = self.config.max_cached_tokens(seq.num_prompt, seq.req.max_new_tokens)
-            if not self.pages.reserve(seq.index, worst):
-                break
-            waiting.popleft()
-            seq.slot = free_slots.pop(0)
-            seq.pages = self.pages.table(seq.index)
-            if seq.req.sampling.has_penalties:  # the slot's counts restart from this prompt
-                self.occurrences.reset(seq.slot, seq.req.prompt)
-            running.append(seq)
-
     def _new_seq(self, req: Request, index: int, owner: int) -> _Seq:
         if not req.prompt:
             raise ValueError(f"request {req.request_id}: empty prompt")
