@@ -413,6 +413,15 @@ class LLM:
                 self._aborts.append(req.request_id)
         self._new = [r for r in self._new if r.request_id not in {q.request_id for q in live.entry.requests}]
 
+    def check_health(self) -> None:
+        """Raise :class:`~tpspec.runtime.launchers.WorkerError` when a rank is known to be dead
+        (local worker processes are checked; other executors report at their next step)."""
+        if self._executor is None:
+            raise RuntimeError("this LLM is shut down")
+        check = getattr(self._executor, "_check_alive", None)
+        if check is not None:
+            check()
+
     def has_unfinished_requests(self) -> bool:
         """Whether requests added with :meth:`add_request` (or a stream) are still running."""
         return bool(self._live)
