@@ -41,40 +41,37 @@ def cache_dir() -> str:
 
 
 def tiny_model_path(kind: str = "target") -> str:
-    """Path of the tiny random Llama (``kind="target"``) or its smaller draft
-    (``kind="draft"``), created on first use from a fixed seed (deterministic; no download).
-    Safe when several processes create it at once (write to a temp dir, then rename)."""
+    """Path of the embedded tiny model (``kind="target"``: a small Llama trained for a few
+    seconds on text shipped with tpspec, see :func:`~tpspec.model.tiny.make_trained_tiny_checkpoint`)
+    or its one-layer draft (``kind="draft"``), made on first use into :func:`cache_dir` and
+    reused after (no download). Safe when several processes create it at once (each writes a
+    temporary directory, then renames it)."""
     import hashlib
+    import shutil
 
     from ..model import tiny
-    from ..model.tiny import make_tiny_checkpoint
 
     if kind not in ("target", "draft"):
         raise ValueError(f"kind must be 'target' or 'draft', got {kind!r}")
-    # Keyed by the generator's source: a changed tiny model never reuses a stale cache.
-    with open(tiny.__file__, "rb") as f:
-        digest = hashlib.sha256(f.read()).hexdigest()[:12]
-    name = f"tiny-{digest}" if kind == "target" else f"tiny-draft-{digest}"
-    path = os.path.join(cache_dir(), name)
+    # Keyed by the generator's source and corpus: a changed tiny model never reuses a stale cache.
+    digest = hashlib.sha256()
+    for name in (tiny.__file__, tiny.CORPUS_PATH):
+        with open(name, "rb") as f:
+            digest.update(f.read())
+    key = digest.hexdigest()[:12]
+    target, draft = (os.path.join(cache_dir(), f"{name}-{key}") for name in ("tiny", "tiny-draft"))
+    path = target if kind == "target" else draft
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
     os.makedirs(cache_dir(), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    make_tiny_checkpoint(tmp, **_tiny_kwargs(kind))
-    try:
-        os.rename(tmp, path)
-    except OSError:  # another process won the race: keep its copy
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
+    tmp = f"{target}.tmp-{os.getpid()}"
+    tiny.make_trained_tiny_checkpoint(tmp, draft_path=f"{tmp}-draft")
+    for made, final in ((f"{tmp}-draft", draft), (tmp, target)):
+        try:
+            os.rename(made, final)
+        except OSError:  # another process won the race: keep its copy
+            shutil.rmtree(made, ignore_errors=True)
     return path
-
-
-def _tiny_kwargs(kind: str) -> dict[str, Any]:
-    """The target and its draft share the vocabulary; the draft is a smaller net."""
-    if kind == "target":
-        return {"seed": 0}
-    return {"seed": 0, "draft": True}
 
 
 def resolve_model(model: str | os.PathLike, kind: str = "target") -> str:
