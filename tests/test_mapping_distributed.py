@@ -24,7 +24,6 @@ def test_mapping_layout():
     assert not adp.lm_head_is_sharded and adp.attention_tp_size == 1 and adp.attention_tp_rank == 0
     assert Mapping(4, 1, 4, enable_attention_dp=True, enable_lm_head_tp_in_adp=True).lm_head_is_sharded
     assert Mapping().tp_size == 1 and not Mapping().lm_head_is_sharded
-    assert Mapping(4, 0).with_rank(3).tp_rank == 3
 
 
 @pytest.mark.parametrize(

@@ -65,9 +65,9 @@ def test_speculative_greedy_with_ngram_and_draft_model_equals_plain_greedy(tiny,
 
     def propose_with_draft(history, k=3):
         # Re-run the draft over the whole history (simple, exact), then k - 1 greedy steps.
-        tokens = [int(draft.greedy_drafts(make_batch([(0, 0, history)]))[0])]
+        tokens = [int(draft(make_batch([(0, 0, history)])).argmax(channel=0)[0])]
         for i in range(k - 1):
-            tokens.append(int(draft.greedy_drafts(make_batch([(0, len(history) + i, tokens[-1:])]))[0]))
+            tokens.append(int(draft(make_batch([(0, len(history) + i, tokens[-1:])])).argmax(channel=0)[0]))
         return tokens
 
     draft_accepted = 0

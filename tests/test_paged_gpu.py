@@ -35,7 +35,7 @@ def test_flashinfer_paged_attention_matches_torch_path():
 
 def test_engine_sized_by_gpu_memory_utilization_matches_cpu(tmp_path):
     ckpt = str(make_tiny_checkpoint(tmp_path / "tiny", seed=0))
-    requests = [Request(i, tuple(p), SamplingParams(), 16) for i, p in enumerate(PROMPTS)]
+    requests = [Request(i, tuple(p), SamplingParams(temperature=0.0), 16) for i, p in enumerate(PROMPTS)]
     spec = SpeculativeConfig("ngram", 3)
     cpu = Engine(EngineConfig(ckpt, 1, "cpu", "float32", speculative=spec, max_batch_size=4), Mapping())
     want = [r.token_ids for r in cpu.generate(requests)]

@@ -27,9 +27,9 @@ def _after_first_progress(llm: LLM, action) -> threading.Event:
     """Run ``action(pids)`` once rank 0 has reported its first step (the run is under way)."""
     started = threading.Event()
     executor = llm._executor  # noqa: SLF001 - test hook: watch the executor's progress callback
-    original_run = executor.run
+    original_call = executor.call
 
-    def run(requests, on_progress=None):
+    def call(fn, *args, on_progress=None, timeout_s=None):
         def hook(steps, tokens):
             if not started.is_set():
                 started.set()
@@ -37,13 +37,14 @@ def _after_first_progress(llm: LLM, action) -> threading.Event:
             if on_progress is not None:
                 on_progress(steps, tokens)
 
-        return original_run(requests, hook)
+        return original_call(fn, *args, on_progress=hook, timeout_s=timeout_s)
 
-    executor.run = run
+    executor.call = call
     return started
 
 
-@pytest.mark.parametrize("sig,expect", [(signal.SIGKILL, "died"), (signal.SIGSTOP, "no step finished")],
+@pytest.mark.parametrize("sig,expect", [(signal.SIGKILL, "rank 1 died"),
+                                        (signal.SIGSTOP, r"did not finish within 3 s .*rank 1 holds the others up")],
                          ids=["killed", "hung"])
 def test_broken_worker_raises(ckpt, sig, expect):
     with LLM(ckpt, tensor_parallel_size=2, max_model_len=2048, step_timeout_s=3.0) as llm:
@@ -61,14 +62,32 @@ def test_broken_worker_raises(ckpt, sig, expect):
 
 
 def test_worker_error_reaches_the_driver(ckpt, tmp_path):
-    """A rank that raises at start-up (here: a corrupt weight file) reports its traceback."""
+    """A rank that raises at start-up reports its traceback; here the load finds a NaN
+    weight, which only the rank reading it can see, and names the tensor."""
     import shutil
 
-    bad = tmp_path / "bad"
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "nan"
     shutil.copytree(ckpt, bad)
-    (bad / "model.safetensors").write_bytes(b"not a safetensors file")
-    with pytest.raises(WorkerError, match="raised"):
+    tensors = load_file(bad / "model.safetensors")
+    tensors["model.norm.weight"][3] = float("nan")
+    save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(WorkerError, match="raised") as info:
         LLM(str(bad), tensor_parallel_size=2, init_timeout_s=60.0)
+    assert "'model.norm.weight'" in str(info.value) and "NaN or infinite" in str(info.value)
+
+
+def test_corrupt_checkpoint_is_refused_before_any_worker_starts(ckpt, tmp_path):
+    import shutil
+
+    for name, damage in (("garbage", lambda data: b"not a safetensors file"), ("truncated", lambda data: data[:-1000])):
+        bad = tmp_path / name
+        shutil.copytree(ckpt, bad)
+        data = (bad / "model.safetensors").read_bytes()
+        (bad / "model.safetensors").write_bytes(damage(data))
+        with pytest.raises(ValueError, match=r"cannot read safetensors file .*model\.safetensors"):
+            LLM(str(bad), tensor_parallel_size=2, init_timeout_s=60.0)
 
 
 def _disagreeing_ranks_worker(rank: int, world_size: int) -> str:

@@ -4,6 +4,8 @@ equal to the pages asked for, and bad sizes raising clearly before any worker st
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from tpspec import LLM, SpeculativeConfig
@@ -28,7 +30,7 @@ def ckpt(tmp_path_factory):
 
 
 def _requests(prompts, first_id=0):
-    return [Request(first_id + i, tuple(p), SamplingParams(), MAX_NEW) for i, p in enumerate(prompts)]
+    return [Request(first_id + i, tuple(p), SamplingParams(temperature=0.0), MAX_NEW) for i, p in enumerate(prompts)]
 
 
 def _engine(ckpt, *, kv_pages=None, spec=None, max_batch_size=6, max_seq_len=96):
@@ -49,7 +51,7 @@ def _run(engine, prompts, first_id=0):
 
 
 @pytest.mark.parametrize("spec", [None, SpeculativeConfig("ngram", 3), SpeculativeConfig("draft_model", 2,
-                                                                                          draft_model="x")],
+                                                                                          model="x")],
                          ids=["plain", "ngram", "draft_model"])
 def test_page_pressure_admits_in_order_never_preempts_never_leaks(ckpt, spec):
     roomy = _engine(ckpt, spec=spec)
@@ -123,11 +125,10 @@ def test_page_allocator_accounting():
             PageAllocator(bad, 4)
 
 
-def test_bad_sizes_raise_before_workers(ckpt):
+def test_bad_sizes_raise_before_workers(ckpt, caplog):
     cases = [
         (dict(page_size=0), "page_size must be a positive int"),
         (dict(kv_cache_bytes=-5), "kv_cache_bytes must be a positive int"),
-        (dict(gpu_memory_utilization=0.5), "gpu_memory_utilization needs device='cuda'"),
         (dict(kv_cache_bytes=1000), "kv_cache_bytes=1000 holds 0 KV pages"),
         (dict(kv_cache_bytes=64 * 1024, max_model_len=4096), "4096 needs 256"),
         (dict(attention_backend="magic"), "attention_backend must be"),
@@ -136,6 +137,15 @@ def test_bad_sizes_raise_before_workers(ckpt):
     for kwargs, message in cases[:-1]:
         with pytest.raises(ValueError, match=message):
             LLM(ckpt[0], tensor_parallel_size=2, device="cpu", **kwargs)  # raises in the driver: no worker starts
+    # vLLM scripts pass gpu_memory_utilization everywhere: without a GPU it sizes nothing, and says so.
+    logger = logging.getLogger("tpspec")
+    logger.addHandler(caplog.handler)
+    try:
+        with pytest.raises(ValueError, match="holds 0 KV pages"):
+            LLM(ckpt[0], tensor_parallel_size=2, device="cpu", kv_cache_bytes=1000, gpu_memory_utilization=0.5)
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert "gpu_memory_utilization=0.5 has no effect" in caplog.text
     with pytest.raises(ValueError, match="gpu_memory_utilization must be a number in \\(0, 1\\]"):
         EngineConfig(ckpt[0], 1, "cuda", "float32", gpu_memory_utilization=1.5)
     with pytest.raises(ValueError, match=cases[-1][1]):
@@ -154,3 +164,23 @@ def test_page_pressure_tp2_equals_tp1(ckpt, attention_dp, monkeypatch):
              page_size=PAGE, speculative_config=SpeculativeConfig("ngram", 3), kv_cache_bytes=40 * per_page) as llm:
         for _ in range(2):
             assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == ref
+
+
+def test_qwen2_paged_tp2_and_attention_dp_equal_transformers(tmp_path, monkeypatch):
+    """Greedy tokens of a Qwen2 checkpoint (q/k/v biases, grouped-query heads) through the paged
+    runtime — TP = 2 and attention DP, pages of 4 tokens, fewer pages than the batch wants — equal
+    Hugging Face transformers' own greedy decoding."""
+    pytest.importorskip("transformers")
+    from test_model_hf import PROMPTS as HF_PROMPTS, _hf_checkpoint, _hf_greedy
+
+    monkeypatch.setenv("TPSPEC_NUM_THREADS", "1")
+    hf, path = _hf_checkpoint(tmp_path, "qwen2")
+    want = [_hf_greedy(hf, p, 12) for p in HF_PROMPTS]
+    per_page = 2 * 2 * PAGE * 1 * 16 * 4  # 2 layers, K and V, 1 KV head a rank (2 under attention DP), fp32
+    # Worst cases of 5, 4 and 6 pages against 10 pages a pool (attention DP: rank 0 runs prompts 0 and 2).
+    for attention_dp in (False, True):
+        with LLM(path, tensor_parallel_size=2, attention_dp=attention_dp, max_num_seqs=3, max_model_len=32,
+                 page_size=PAGE, kv_cache_bytes=(10 + 1) * per_page * (2 if attention_dp else 1)) as llm:
+            params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+            got = [o.outputs[0].token_ids for o in llm.generate(HF_PROMPTS, params)]
+        assert got == want, attention_dp

@@ -1,8 +1,9 @@
 """Penalties and logprobs through the runtime on CPU: greedy penalised generation equals a
 step-by-step full-row reference; strict speculative decoding (n-gram drafts at TP = 2)
-equals plain decoding at TP = 1 with penalties on; a request alone equals the same
-request after another penalised request used its slot; logprobs match float64
-``log_softmax`` of the raw logits; attention DP refuses them with a clear error."""
+equals plain decoding at TP = 1 with penalties on, and so does rejection acceptance (the
+same tokens at TP = 1 and 2); a request alone equals the same request after another
+penalised request used its slot; logprobs match float64 ``log_softmax`` of the raw logits;
+attention DP refuses them with a clear error; bad CLI values exit cleanly."""
 
 from __future__ import annotations
 
@@ -59,13 +60,14 @@ def spec_tp2(ckpt):
 @pytest.fixture(scope="module")
 def reference_model(ckpt):
     model = load_model(ckpt, device="cpu", dtype=torch.float32)
-    model.allocate_kv_cache(1, 64)
+    model.allocate_kv_cache(4, 16)  # one sequence of up to 64 tokens, pages 0..3
     return model
 
 
 def full_row(model, tokens: list[int]) -> np.ndarray:
+    """The full logits row after ``tokens``, recomputed from scratch (the plainest reference)."""
     n = len(tokens)
-    batch = ForwardBatch(torch.tensor(tokens), torch.arange(n), [0], [0], [n], torch.tensor([n - 1]))
+    batch = ForwardBatch(torch.tensor(tokens), torch.arange(n), [[0, 1, 2, 3]], [0], [n], torch.tensor([n - 1]))
     return model(batch).gather()[0].numpy()
 
 
@@ -103,6 +105,18 @@ def test_strict_speculative_equals_plain_with_penalties(plain, spec_tp2):
         assert completions(llm.generate(PROMPTS[1], PARAMS[1]))[0].token_ids == spec[1].token_ids
 
 
+def test_rejection_sampling_with_penalties_same_at_tp_1_and_2(ckpt, plain):
+    """Rejection acceptance verifies against the penalised target distributions: greedy
+    requests give plain decoding's tokens, and every request the same tokens at TP = 1 and 2."""
+    spec = SpeculativeConfig("ngram", num_speculative_tokens=3, acceptance="rejection")
+    tokens = []
+    for tp in (1, 2):
+        with LLM(ckpt, tensor_parallel_size=tp, max_num_seqs=2, speculative_config=spec) as llm:
+            tokens.append([c.token_ids for c in completions(llm.generate(PROMPTS, PARAMS))])
+    assert tokens[0] == tokens[1]
+    assert [tokens[0][i] for i in (0, 2, 3)] == [plain[i].token_ids for i in (0, 2, 3)]
+
+
 def test_counts_restart_when_a_slot_changes_owner(spec_tp2):
     alone = completions(spec_tp2.generate([PROMPTS[2]], [PARAMS[0]]))[0]
     # Two other penalised requests fill both slots first; the last one reuses a slot.
@@ -112,7 +126,8 @@ def test_counts_restart_when_a_slot_changes_owner(spec_tp2):
 
 def test_logprobs_of_raw_logits(plain, spec_tp2, reference_model):
     out = plain[0]
-    assert plain[1].logprobs is None and plain[2].logprobs is None
+    assert plain[1].logprobs is None and plain[2].logprobs is None and plain[1].cumulative_logprob is None
+    assert out.cumulative_logprob == pytest.approx(sum(e[t] for e, t in zip(out.logprobs, out.token_ids)), abs=1e-9)
     assert len(out.logprobs) == len(out.token_ids) == MAX_NEW
     prompt = PROMPTS[0]
     for j, (tok, entry) in enumerate(zip(out.token_ids, out.logprobs)):

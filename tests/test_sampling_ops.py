@@ -80,6 +80,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_filtered_draws_follow_renormalized_distribution(case):
     gen = torch.Generator().manual_seed(1)

@@ -13,7 +13,6 @@ import torch.distributed as dist
 
 from tpspec import SamplingParams, VocabShardedLogits
 from tpspec.exchange import AllGatherKeyExchange
-from tpspec.sampling.logprobs import gathered_logprobs
 from tpspec.sampling.penalties import OccurrenceCounts, apply_penalties
 from tpspec.speculative import SpecMetadata, SpecWorker
 from tpspec.testing import run_ranks
@@ -27,11 +26,11 @@ PROMPTS = {0: [3, 3, 20, 36], 1: [1, 2, 18, 19, 30], 2: [0, 36, 5], 3: [7]}
 OUTPUTS = {1: [[4, 4, 18, -1], [30, 31, 4, 4]], 2: [[12, 13, 36, -1]], 3: [[8, 9, -1, -1]]}
 BATCHES = {
     # Greedy and temperature rows: the sharded exchange paths.
-    "sharded": [("c", 0, SamplingParams(**PEN), True),
+    "sharded": [("c", 0, SamplingParams(temperature=0.0, **PEN), True),
                 ("g", 1, SamplingParams(temperature=0.9, seed=5, **PEN), False),
                 ("n", 3, SamplingParams(temperature=1.1, seed=6), False),
-                ("h", 2, SamplingParams(**PEN2), False)],
-    # A top-k row sends the batch through the gathered rows.
+                ("h", 2, SamplingParams(temperature=0.0, **PEN2), False)],
+    # A top-k row: the batch takes the filtered path.
     "gathered": [("c", 0, SamplingParams(temperature=0.8, seed=1, **PEN2), True),
                  ("g", 1, SamplingParams(temperature=1.0, top_k=4, seed=5, **PEN), False),
                  ("n", 3, SamplingParams(temperature=1.1, seed=6), False)],
@@ -112,7 +111,7 @@ def penalty_worker(rank: int, world: int, group=None) -> dict:
         out["row_request"] = meta._row_request[: meta.num_rows].clone()
         out["row_position"] = meta._row_position[: meta.num_rows].clone()
         tokens = torch.arange(meta.num_rows) % VOCAB
-        out["logprobs"] = gathered_logprobs(sharded(logits_for(name, meta.num_rows), world, rank, ex), tokens, top_n=5)
+        out["logprobs"] = sharded(logits_for(name, meta.num_rows), world, rank, ex).logprobs(tokens, top_n=5)
         result[name] = out
     return result
 
@@ -203,6 +202,8 @@ def test_counts_restart_with_the_slot_owner():
     assert torch.equal(used.prompt_seen[1], fresh.prompt_seen[1])
     assert used.prompt_seen[1].nonzero().reshape(-1).tolist() == [2]  # only 12 is in columns [10, 18)
     assert used.output_counts[0].tolist() == [0, 0, 1, 1, 0, 0, 0, 0]  # other slots keep theirs
+    used.add(torch.tensor([-1, 7]), torch.tensor([[12, 13], [14, 15]]))  # no slot: counted nowhere
+    assert used._tables()[0][:, :8].sum() == 2 and used._tables()[0][3, :8].sum() == 0  # the sink row: zero
 
 
 def test_neutral_rows_keep_their_bits():
@@ -234,20 +235,23 @@ def test_penalised_generation_rows_need_the_drafts():
 
 
 def test_logprobs_match_float64_log_softmax():
+    """The logprobs the runtime reports (raw logits, on shards) at TP = 1; the multi-rank test
+    above checks TP = 2 and 3 give the same bits."""
     gen = torch.Generator().manual_seed(3)
     full = torch.randn(6, VOCAB, generator=gen) * 4
     full[2] = 1.0  # a flat row: every top-N entry ties
     full[3, :5] = full[3].max() + 1  # a tie at the top
     tokens = torch.tensor([0, 5, 36, 4, 17, 9])
-    lp, ids, top = gathered_logprobs(sharded(full, 1, 0, AllGatherKeyExchange(None)), tokens, top_n=4)
+    logits = sharded(full, 1, 0, AllGatherKeyExchange(None))
+    lp, ids, top = logits.logprobs(tokens, top_n=4)
     want = torch.log_softmax(full.double(), dim=-1)
-    assert torch.allclose(lp, want[torch.arange(6), tokens], atol=1e-5, rtol=0)
-    assert torch.allclose(top, want.gather(1, ids), atol=1e-5, rtol=0)
-    assert torch.equal(top, want.topk(4, dim=1).values)  # the best four, in order
+    assert torch.allclose(lp.double(), want[torch.arange(6), tokens], atol=1e-5, rtol=0)
+    assert torch.allclose(top.double(), want.gather(1, ids), atol=1e-5, rtol=0)
+    assert torch.allclose(top.double(), want.topk(4, dim=1).values, atol=1e-5, rtol=0)  # the best four, in order
     assert ids[2].tolist() == [0, 1, 2, 3] and ids[3].tolist() == [0, 1, 2, 3]  # ties: lower ids first
-    assert gathered_logprobs(sharded(full, 1, 0, AllGatherKeyExchange(None)), tokens)[1].shape == (6, 0)
+    assert sharded(full, 1, 0, AllGatherKeyExchange(None)).logprobs(tokens)[1].shape == (6, 0)
     with pytest.raises(ValueError, match="top_n"):
-        gathered_logprobs(sharded(full, 1, 0, AllGatherKeyExchange(None)), tokens, top_n=21)
+        sharded(full, 1, 0, AllGatherKeyExchange(None)).logprobs(tokens, top_n=21)
 
 
 @pytest.mark.parametrize("field, value", [

@@ -58,6 +58,7 @@ def _batch(n: int, d: int, seed: int):
     return drafts, seeds, offsets
 
 
+@pytest.mark.slow
 def test_rejection_sampling_is_lossless():
     n, d = 240_000, 2
     drafts, seeds, offsets = _batch(n, d, seed=0)
@@ -77,6 +78,7 @@ def test_rejection_sampling_is_lossless():
     assert abs(rate - float(torch.minimum(P[0], Q[0]).sum())) < 0.005
 
 
+@pytest.mark.slow
 def test_rejection_with_deterministic_drafts_and_draft_lens_is_lossless():
     n = 200_000
     gen = torch.Generator().manual_seed(3)

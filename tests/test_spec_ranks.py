@@ -3,6 +3,8 @@ ranks (each spawn costs seconds on CI's 2 cores):
 
 * sharded selection and ``SpecWorker`` steps at TP = 4 (world group) and TP = 2 (two
   pair groups) give the tokens of TP = 1, on every rank;
+* top-k / top-p / min-p draws and logprobs at TP = 2, 3 (odd split) and 4 equal the
+  full-row reference and TP = 1 (``test_sampling_sharded.filters_worker``);
 * all-greedy sync under attention DP: one greedy and one sampling rank of a pair take the
   same path (the one that runs the same collectives), and unseeded streams of the two
   ranks are disjoint; a bad batch on one rank makes both raise (no hang), advancing nothing;
@@ -20,6 +22,7 @@ from tpspec.speculative import ForcedAcceptance, SpecMetadata, SpecWorker
 from tpspec.testing import run_ranks
 
 from test_sampling_select import check_against, logits_for, sharded, tp_worker
+from test_sampling_sharded import check_filters_against_reference, filters_worker
 
 FORCED_RATE = 1.5
 FORCED_STEPS = 30
@@ -101,10 +104,14 @@ def forced_check(rank: int, world: int) -> dict:
 
 def rank_main(rank: int, world: int) -> dict:
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
+    triple = dist.new_group([0, 1, 2])
     pair = pairs[rank // 2]
     return {
         "tp4": tp_worker(rank, world),
         "tp2": tp_worker(rank % 2, 2, group=pair),
+        "filters4": filters_worker(rank, world),
+        "filters2": filters_worker(rank % 2, 2, group=pair),
+        "filters3": filters_worker(rank, 3, group=triple) if rank < 3 else None,
         "adp": adp_check(rank, pair),
         "forced": forced_check(rank, world),
     }
@@ -119,6 +126,11 @@ def test_tp2_and_tp4_match_tp1_on_every_rank(results):
     reference = tp_worker(0, 1)
     check_against(reference, [r["tp4"] for r in results])
     check_against(reference, [r["tp2"] for r in results])
+
+
+def test_filters_and_logprobs_at_tp2_tp3_tp4_equal_the_full_row_reference(results):
+    for key in ("filters2", "filters3", "filters4"):
+        check_filters_against_reference([r[key] for r in results if r[key] is not None])
 
 
 def test_all_greedy_sync_under_attention_dp(results):

@@ -116,7 +116,7 @@ def test_row_layout():
     meta = SpecMetadata(4, 3).prepare(
         [("c", 0, None, True), ("g", 1, SEEDED, False), ("h", 2, None, True)], draft_len=2
     )
-    assert meta.num_rows == 5 and meta.num_contexts == 2 and not meta.contexts_first
+    assert meta.num_rows == 5 and meta.num_contexts == 2
     assert meta.request_row_index.tolist() == [[0, 0, 0], [1, 2, 3], [4, 4, 4]]
     assert meta.request_row_start.tolist() == [0, 1, 4]
 

@@ -51,6 +51,7 @@ def test_rejection_mode_agrees_with_strict_where_it_must():
     assert torch.equal(a.accepted_tokens, b.accepted_tokens) and a.num_accepted.tolist() == [3, 1]
 
 
+@pytest.mark.slow
 def test_worker_rejection_step_is_lossless():
     n, vocab = 40_000, 8
     params = SamplingParams(temperature=1.0, top_k=6, seed=None)

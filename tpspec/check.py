@@ -35,9 +35,8 @@ import sys
 import time
 from typing import Any, Callable
 
-import torch
-
 from . import distributed as D
+from .validation import resolve_device
 from .check_tests import (
     DEFAULT_SEED,
     EMULATED_TP_SIZES,
@@ -185,101 +184,37 @@ def run_torchrun(tp: int | None, device: str = "cpu", *, quick: bool = False, se
     world = int(os.environ["WORLD_SIZE"])
     if tp is not None and tp != world:
         raise ValueError(f"--tp {tp} differs from torchrun's WORLD_SIZE={world}")
-    mapping = D.init_distributed(device=device, backend="gloo" if device == "cpu" else None)
-    dev = f"cuda:{torch.cuda.current_device()}" if device == "cuda" else "cpu"
-    mine = [dataclasses.asdict(r) for r in run_suite(SuiteContext.create(dev, quick=quick, seed=seed), skip)]
+    from .runtime.launchers import GroupSpec, InProcessExecutor
+
+    # The group stays up after the call: the driver checks below run LLMs on it.
+    executor = InProcessExecutor(GroupSpec(world, device, backend="gloo" if device == "cpu" else None))
+    executor.start()
+    rank = executor.local_rank or 0
+    mine = executor.call(suite_on_rank, quick, seed, frozenset(skip))[rank]
     everyone = D.all_gather_object(mine)
     results = merge_rank_results(everyone)
     return (results + driver_checks(world, device, quick=quick, seed=seed, launcher="torchrun", skip=skip),
-            mapping.rank)
+            rank)
 
 
-class _RaySuiteRank:
-    """One rank of the suite inside a Ray actor."""
-
-    def node_info(self) -> tuple[str, str, list[str]]:
-        import ray
-
-        ctx = ray.get_runtime_context()
-        return ctx.get_node_id(), ray.util.get_node_ip_address(), [str(g) for g in ray.get_gpu_ids()]
-
-    def free_port(self) -> int:
-        from .runtime.launchers import free_port
-
-        return free_port()
-
-    def run(self, rank: int, world_size: int, addr: str, port: int, env: dict[str, str], device: str,
-            quick: bool, seed: int, skip: frozenset[str]) -> list[dict[str, Any]]:
-        os.environ.update(env)  # before CUDA is touched: the node's GPUs and LOCAL_RANK
-        torch.set_num_threads(1)
-        D.init_distributed(rank=rank, world_size=world_size, master_addr=addr, master_port=port,
-                           backend="nccl" if device == "cuda" else "gloo", device=device)
-        try:
-            dev = f"cuda:{torch.cuda.current_device()}" if device == "cuda" else "cpu"
-            ctx = SuiteContext.create(dev, quick=quick, seed=seed)
-            return [dataclasses.asdict(r) for r in run_suite(ctx, skip)]
-        finally:
-            D.destroy_distributed()
+def suite_on_rank(ctx: Any, quick: bool, seed: int, skip: frozenset[str]) -> list[dict[str, Any]]:
+    """Executor call: the rank-level suite on this rank's device, as plain dicts."""
+    ctx_device = str(ctx.device) if ctx.device.type == "cuda" else "cpu"
+    return [dataclasses.asdict(r) for r in run_suite(SuiteContext.create(ctx_device, quick=quick, seed=seed), skip)]
 
 
 def run_ray(tp: int, device: str = "cpu", *, quick: bool = False, seed: int = DEFAULT_SEED,
             timeout_s: float = 600.0, skip: frozenset[str] = frozenset()) -> list[CheckResult]:
-    """The suite on ``tp`` Ray actors, one per rank, placed like the runtime's Ray launcher
-    places its ranks (a placement group of ``{"GPU": 1}`` bundles, or ``{"CPU": 1}`` on CPU;
-    every actor of a node sees all of that node's GPUs). Connects to ``RAY_ADDRESS`` when set,
-    else starts a local Ray for the run. Bounded waits: a rank that does not finish within
+    """The suite on ``tp`` Ray actors, one per rank, through the runtime's Ray executor (a
+    placement group of ``{"GPU": 1}`` bundles, or ``{"CPU": 1}`` on CPU; every actor of a
+    node sees all of that node's GPUs). Joins the cluster ``RAY_ADDRESS`` names, else starts
+    a local Ray for the run. Bounded waits: a rank that makes no progress within
     ``timeout_s`` fails the run."""
-    try:
-        import ray
-        from ray.util.placement_group import placement_group, remove_placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-    except ImportError:
-        raise RuntimeError("--launcher ray needs ray: pip install 'tpspec[ray]'") from None
-    from .runtime.launchers import RayExecutor
+    from .runtime.launchers import GroupSpec, RayExecutor
 
-    started = False
-    pg = None
-    actors: list[Any] = []
-    try:
-        if not ray.is_initialized():
-            ray.init(include_dashboard=False, log_to_driver=False)
-            started = True
-        gpu = device == "cuda"
-        bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
-        pg = placement_group([dict(bundle) for _ in range(tp)], strategy="PACK")
-        try:
-            ray.get(pg.ready(), timeout=60.0)
-        except ray.exceptions.GetTimeoutError:
-            raise RuntimeError(f"Ray could not place {tp} bundles of {bundle} within 60 s "
-                               f"(available: {ray.available_resources()})") from None
-        actor_cls = ray.remote(_RaySuiteRank)
-        actors = [actor_cls.options(num_cpus=1, num_gpus=1 if gpu else 0,
-                                    scheduling_strategy=PlacementGroupSchedulingStrategy(
-                                        placement_group=pg, placement_group_bundle_index=r)).remote()
-                  for r in range(tp)]
-        infos = ray.get([a.node_info.remote() for a in actors], timeout=timeout_s)
-        envs = RayExecutor._rank_envs(infos)
-        addr = infos[0][1]
-        port = ray.get(actors[0].free_port.remote(), timeout=60.0)
-        refs = [a.run.remote(r, tp, addr, port, envs[r], device, quick, seed, frozenset(skip))
-                for r, a in enumerate(actors)]
-        ready, pending = ray.wait(refs, num_returns=tp, timeout=timeout_s)
-        if pending:
-            raise RuntimeError(f"{len(pending)} Ray ranks did not finish the suite within {timeout_s:.0f} s")
-        per_rank = ray.get(refs)
-    finally:
-        for a in actors:
-            try:
-                ray.kill(a, no_restart=True)
-            except Exception:  # noqa: BLE001
-                pass
-        if pg is not None:
-            try:
-                remove_placement_group(pg)
-            except Exception:  # noqa: BLE001
-                pass
-        if started:
-            ray.shutdown()
+    spec = GroupSpec(tp, device, backend="nccl" if device == "cuda" else "gloo", num_threads=1)
+    with RayExecutor(spec, init_timeout_s=timeout_s, timeout_s=timeout_s) as executor:
+        per_rank = executor.call(suite_on_rank, quick, seed, frozenset(skip))
     return merge_rank_results(per_rank) + driver_checks(tp, device, quick=quick, seed=seed, launcher="ray",
                                                         skip=skip)
 
@@ -301,9 +236,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("tpspec check: --device cuda but no CUDA device is visible")
+    try:
+        device = resolve_device(args.device or "auto")
+    except ValueError as exc:
+        raise SystemExit(f"tpspec check: --device: {exc}") from None
     if args.tp is not None and args.tp < 1:
         raise SystemExit(f"tpspec check: --tp must be >= 1, got {args.tp}")
     skip = frozenset(k.strip() for k in args.skip.split(",") if k.strip())
@@ -350,7 +286,7 @@ def _pytest_results() -> dict[str, CheckResult]:
     global _PYTEST_CACHE
     if _PYTEST_CACHE is None:
         tp = int(os.environ.get("TPSPEC_CHECK_TP", "2"))
-        device = os.environ.get("TPSPEC_CHECK_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = resolve_device(os.environ.get("TPSPEC_CHECK_DEVICE") or "auto")
         quick = os.environ.get("TPSPEC_CHECK_QUICK", "") not in ("", "0")
         _PYTEST_CACHE = {r.key: r for r in order_results(run_mp(tp, device, quick=quick))}
     return _PYTEST_CACHE

@@ -52,6 +52,9 @@ PROPERTIES: list[tuple[str, str]] = [
     ("rejection_exact", "§8.5 rejection sampling exact (chi-square)"),
     ("cuda_graph", "§8.6 CUDA-graph replay == eager"),
     ("cpu_gpu_bits", "§8.7 CPU reference == GPU, bit for bit"),
+    ("filters_sharded", "top-k/top-p/min-p on shards == full rows"),
+    ("filters_exact", "top-k/top-p/min-p draws exact (chi-square)"),
+    ("logprobs_exact", "logprobs == float64 log_softmax, any TP"),
     ("generate_tp", "generate at TP=N == TP=1"),
 ]
 TITLES = dict(PROPERTIES)
@@ -439,6 +442,136 @@ def check_gumbel_exact(ctx: SuiteContext) -> CheckResult:
                        detail=f"V={vocab}, T=1.0/0.6, n={samples} each, TV={max(tvs):.4f}")
 
 
+def filtered_rows(gen: torch.Generator, full: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-row parameters for ``full``'s rows cycling through every filter and combination
+    (top-k at and around the candidate count, top-p from tiny to almost 1, min-p from 1e-9 to
+    0.5), greedy rows and rows without a filter among them, with random 64-bit streams."""
+    num_rows = full.shape[0]
+    cycle = [(0.8, 20, 1.0, 0.0), (1.0, 2**31 - 1, 0.9, 0.0), (0.7, 2**31 - 1, 1.0, 0.05), (0.7, 20, 0.8, 0.0),
+             (1.3, 64, 0.5, 0.02), (1.0, 2**31 - 1, 0.3, 1e-9), (0.0, 5, 0.5, 0.1), (0.9, 1, 1.0, 0.0),
+             (1.0, 2**31 - 1, 1.0, 0.0), (0.6, 65, 0.999, 0.0), (2.0, 2**31 - 1, 0.05, 0.5)]
+    table = [cycle[i % len(cycle)] for i in range(num_rows)]
+    seeds, offsets = random_streams(gen, num_rows)
+    return {
+        "temperature": torch.tensor([r[0] for r in table], dtype=torch.float32),
+        "top_k": torch.tensor([r[1] for r in table], dtype=torch.int64),
+        "top_p": torch.tensor([r[2] for r in table], dtype=torch.float32),
+        "min_p": torch.tensor([r[3] for r in table], dtype=torch.float32),
+        "seeds": seeds, "offsets": offsets,
+    }
+
+
+def _sample_filtered_rows(logits: VocabShardedLogits, params: dict[str, torch.Tensor], device: torch.device,
+                          stats: Any = None) -> torch.Tensor:
+    from .sampling.select import sample_filtered
+
+    rows = K.SamplingRows(*(params[k].to(device) for k in ("temperature", "seeds", "offsets")),
+                          **{k: params[k].to(device) for k in ("top_k", "top_p", "min_p")})
+    return sample_filtered(logits, rows, stats=stats)
+
+
+def check_filters_sharded(ctx: SuiteContext) -> CheckResult:
+    """Top-k / top-p / min-p rows drawn on the group's shards equal the full-row reference
+    (``sampling.ops``) and the same rows at TP = 1, in two batch orders."""
+    from .sampling.ops import sample_from_logits
+    from .sampling.select import SamplingStats
+
+    ex = ctx.allgather_exchange()
+    gen = ctx.generator(70_000)
+    vocab = 1000 if ctx.quick else 4099
+    full = adversarial_logits(ctx.world_size, vocab, gen, 32 if ctx.quick else 160)
+    flat = torch.zeros(4, vocab)  # flat rows: the top-p prefix outruns the candidates -> the fallback
+    full = torch.cat([full, flat])
+    params = filtered_rows(gen, full)
+    num_rows = full.shape[0]
+    for i in range(4):  # top-p on the flat rows, so they must gather
+        params["top_k"][-1 - i], params["top_p"][-1 - i], params["temperature"][-1 - i] = 2**31 - 1, 0.5, 1.0
+    reference = sample_from_logits(full, params["temperature"], params["seeds"], params["offsets"], params["top_k"],
+                                   params["top_p"], params["min_p"], backend="torch")
+    details, mism = [], 0
+    stats = SamplingStats()
+    order = torch.randperm(num_rows, generator=gen)
+    for name, perm in (("batch order", torch.arange(num_rows)), ("shuffled", order)):
+        local, offset = shard_slice(full[perm].to(ctx.device), ctx.world_size, ctx.rank)
+        sharded = VocabShardedLogits(local, offset, vocab, ex)
+        tokens = ctx.record(_sample_filtered_rows(sharded, {k: v[perm] for k, v in params.items()}, ctx.device,
+                                                  stats if name == "batch order" else None))
+        bad = _mismatches(tokens, reference[perm])
+        if bad:
+            details.append(f"TP={ctx.world_size} {name}: {bad} rows differ")
+        mism += bad
+    single = VocabShardedLogits(full.to(ctx.device), 0, vocab, LocalKeyExchange(ctx.device))
+    bad = _mismatches(_sample_filtered_rows(single, params, ctx.device), reference)
+    if bad:
+        details.append(f"TP=1: {bad} rows differ")
+    mism += bad
+    return CheckResult("filters_sharded", PASS if mism == 0 else FAIL, 3 * num_rows, mism,
+                       detail=_join(details) or f"V={vocab}, {num_rows} rows (NaN, ±inf, ties, flat); on shards "
+                       f"{stats.rows_sharded}, retried {stats.rows_retried}, gathered {stats.rows_gathered}")
+
+
+def check_filters_exact(ctx: SuiteContext) -> CheckResult:
+    """Filtered draws through the group's shards follow the exact truncated distribution
+    (softmax over the columns the filters keep): chi-square p > 0.001 for top-k, top-p,
+    min-p and all three."""
+    from .sampling.ops import keep_mask
+
+    ex = ctx.allgather_exchange()
+    vocab = small_vocab(ctx.world_size, 37)
+    samples = 8000 if ctx.quick else 40000
+    gen = ctx.generator(80_000)
+    logits = torch.randn(vocab, generator=gen)
+    cases = [(0.8, 6, 1.0, 0.0), (1.2, 2**31 - 1, 0.7, 0.0), (1.0, 2**31 - 1, 1.0, 0.05), (0.9, 10, 0.9, 0.02)]
+    p_values = []
+    full = logits.expand(samples, vocab).contiguous()
+    local, offset = shard_slice(full.to(ctx.device), ctx.world_size, ctx.rank)
+    sharded = VocabShardedLogits(local, offset, vocab, ex)
+    for i, (t, k, p, m) in enumerate(cases):
+        params = {
+            "temperature": torch.full((samples,), t), "top_k": torch.full((samples,), k, dtype=torch.int64),
+            "top_p": torch.full((samples,), p), "min_p": torch.full((samples,), m),
+            "seeds": torch.full((samples,), ctx.seed + i, dtype=torch.int64),
+            "offsets": torch.arange(samples, dtype=torch.int64) * 32,
+        }
+        tokens = ctx.record(_sample_filtered_rows(sharded, params, ctx.device))
+        keep = keep_mask(logits.reshape(1, -1), params["temperature"][:1], params["top_k"][:1], params["top_p"][:1],
+                         params["min_p"][:1])[0]
+        law = torch.softmax((logits.double() / t).masked_fill(~keep, float("-inf")), dim=0)
+        counts = torch.bincount(tokens.cpu(), minlength=vocab)[:vocab]
+        if int(counts[~keep].sum()):
+            p_values.append(0.0)  # a filtered column was drawn
+            continue
+        p_values.append(chi_square(counts, law)[1])
+    p_min = min(p_values)
+    return CheckResult("filters_exact", PASS if p_min > P_VALUE_THRESHOLD else FAIL, len(cases) * samples, 0, p_min,
+                       detail=f"V={vocab}, top-k / top-p / min-p / all three, n={samples} each")
+
+
+def check_logprobs_exact(ctx: SuiteContext) -> CheckResult:
+    """``VocabShardedLogits.logprobs`` on the group's shards: the token's and the top-20
+    logprobs within 1e-5 of float64 ``torch.log_softmax``, and bit-identical to TP = 1."""
+    ex = ctx.allgather_exchange()
+    gen = ctx.generator(90_000)
+    vocab = 1000 if ctx.quick else 32003
+    num_rows = 32 if ctx.quick else 128
+    full = torch.randn(num_rows, vocab, generator=gen) * 4
+    full[0] = 0.0
+    full[1, 7] = 1e4
+    full[2] = full[2].round()
+    tokens = torch.randint(0, vocab, (num_rows,), generator=gen)
+    local, offset = shard_slice(full.to(ctx.device), ctx.world_size, ctx.rank)
+    got = VocabShardedLogits(local, offset, vocab, ex).logprobs(tokens.to(ctx.device), top_n=20)
+    single = VocabShardedLogits(full.to(ctx.device), 0, vocab, LocalKeyExchange(ctx.device)).logprobs(
+        tokens.to(ctx.device), top_n=20)
+    ref = torch.log_softmax(full.double(), dim=1)
+    err = max(float((got[0].cpu() - ref.gather(1, tokens.reshape(-1, 1)).reshape(-1)).abs().max()),
+              float((got[2].cpu() - torch.topk(ref, 20, dim=1).values).abs().max()))
+    differ = sum(int((a.cpu() != b.cpu()).sum()) for a, b in zip(got, single))
+    ok = err < 1e-5 and differ == 0
+    return CheckResult("logprobs_exact", PASS if ok else FAIL, num_rows * 21, differ,
+                       detail=f"V={vocab}, max |error| {err:.1e} (limit 1e-5); {differ} values differ from TP=1")
+
+
 def small_vocab(world_size: int, preferred: int = 37) -> int:
     """The smallest vocabulary >= ``preferred`` that ``world_size`` ranks can split."""
     vocab = preferred
@@ -518,7 +651,7 @@ def check_seeded_streams(ctx: SuiteContext) -> CheckResult:
     """§8.4 (batch, slot history, TP size): a seeded request's tokens, chosen by
     ``select_tokens`` under ``SpecMetadata`` streams, are the same alone in slot 0, in a
     mixed batch at another position in a slot used before, in a batch that takes the
-    full-logit path (a top-k neighbour), and at TP=1; a different seed changes them."""
+    filtered path (a top-k neighbour), and at TP=1; a different seed changes them."""
     require_module("tpspec.speculative")
     from .sampling.params import SamplingParams
     from .speculative import SpecMetadata
@@ -560,7 +693,7 @@ def check_seeded_streams(ctx: SuiteContext) -> CheckResult:
     alone = run(ex, ctx.world_size, ctx.rank, 0, 0, [])
     scenarios = {
         "mixed batch, slot 2 after 3 steps of another request": run(ex, ctx.world_size, ctx.rank, 2, 3, mixed),
-        "full-logit path (top-k neighbour), slot 5": run(ex, ctx.world_size, ctx.rank, 5, 1, filtered),
+        "filtered path (top-k neighbour), slot 5": run(ex, ctx.world_size, ctx.rank, 5, 1, filtered),
         "TP=1": run(single, 1, 0, 0, 0, []),
     }
     rows = mism = 0
@@ -577,7 +710,7 @@ def check_seeded_streams(ctx: SuiteContext) -> CheckResult:
         mism += 1
     return CheckResult("seeded_streams", PASS if mism == 0 else FAIL, rows, mism,
                        detail=_join(details) or f"{steps} steps x D={draft_len}: alone vs mixed batch / slot "
-                       "history / full-logit path / TP=1")
+                       "history / filtered path / TP=1")
 
 
 def check_ll_equals_allgather(ctx: SuiteContext) -> CheckResult:
@@ -747,6 +880,9 @@ RANK_CHECKS: list[Callable[[SuiteContext], CheckResult]] = [
     check_ll_equals_allgather,
     check_cpu_gpu_bits,
     check_cuda_graph,
+    check_filters_sharded,
+    check_filters_exact,
+    check_logprobs_exact,
 ]
 
 
@@ -806,7 +942,7 @@ GENERATE_PROMPTS = [
 def _generate(tp: int, launcher: str, device: str, *, max_new_tokens: int, seed: int,
               use_cuda_graphs: bool = True) -> list[list[int]]:
     """Token ids of the tiny model on ``GENERATE_PROMPTS`` (greedy, seeded temperature, seeded
-    top-k: the full-logit path), n-gram speculation with 3 drafts, 3 slots for 5 requests (so
+    top-k: the candidate path), n-gram speculation with 3 drafts, 3 slots for 5 requests (so
     slots are reused), float32 so that TP sizes see the same logits."""
     from .runtime import LLM, SpeculativeConfig
     from .sampling.params import SamplingParams

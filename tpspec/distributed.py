@@ -8,6 +8,10 @@ Three ways in, all ending in one default process group and a :class:`Mapping`:
 * a single plain process: no environment, no arguments -> world size 1, no process group.
 
 The backend is ``nccl`` when the rank drives a CUDA device and ``gloo`` otherwise.
+An explicit loopback ``master_addr`` (one host) keeps every listener of the group on
+127.0.0.1: rank 0 serves the store there, and gloo and NCCL use the loopback interface
+unless ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` say otherwise. Any other address
+(several hosts) listens on every interface, as the peers must reach it.
 """
 
 from __future__ import annotations
@@ -37,10 +41,43 @@ def default_backend(device: str | torch.device | None = None) -> str:
 
 
 def find_free_port() -> int:
-    """A TCP port that is free on this host right now (for rank 0's store)."""
+    """A TCP port that is free on this host's loopback right now (for rank 0's store)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def is_loopback(addr: str) -> bool:
+    """Whether ``addr`` names this host's loopback (``127.x.x.x``, ``::1``, ``localhost``)."""
+    return addr == "localhost" or addr == "::1" or addr.startswith("127.")
+
+
+def _loopback_store(port: int, rank: int, world_size: int, timeout: datetime.timedelta) -> Any:
+    """The group's TCP store for a one-host job: rank 0 serves it on a socket bound to
+    127.0.0.1 only (torch's own store would listen on every interface)."""
+    if rank != 0:
+        return dist.TCPStore("127.0.0.1", port, world_size, False, timeout)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
+        sock.listen(max(128, world_size))
+    except OSError as exc:
+        sock.close()
+        raise RuntimeError(f"rank 0 could not serve the process group's store on 127.0.0.1:{port}: {exc}") from None
+    # The store takes the listening socket over: detach it so that Python never closes it.
+    return dist.TCPStore("127.0.0.1", port, world_size, True, timeout, master_listen_fd=sock.detach())
+
+
+def _use_loopback_interface() -> None:
+    """Point gloo and NCCL at the loopback interface unless the user chose one: their
+    listeners then bind to 127.0.0.1 instead of the host's external address."""
+    names = [name for _, name in socket.if_nameindex()] if hasattr(socket, "if_nameindex") else []
+    loopback = "lo" if "lo" in names else None
+    if loopback is None:
+        return
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback)
 
 
 def _env_int(name: str) -> int | None:
@@ -108,13 +145,16 @@ def init_distributed(
         port = master_port or _env_int("MASTER_PORT")
         if addr is None or port is None:
             raise ValueError("a multi-rank job needs master_addr and master_port (or MASTER_ADDR/MASTER_PORT)")
-        dist.init_process_group(
-            backend=backend,
-            init_method=f"tcp://{addr}:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if master_addr is not None and is_loopback(addr):
+            # A one-host job of our launchers: every listener binds to loopback, the store's
+            # and the backend's. (torchrun's ranks keep torchrun's store, which its agent may host.)
+            _use_loopback_interface()
+            dist.init_process_group(backend=backend, store=_loopback_store(port, rank, world_size, timeout),
+                                    rank=rank, world_size=world_size, timeout=timeout)
+        else:  # several hosts: the store listens where the peers can reach it (all interfaces)
+            dist.init_process_group(backend=backend, init_method=f"tcp://{addr}:{port}", rank=rank,
+                                    world_size=world_size, timeout=timeout)
     _init_tp_group(mapping)
     return mapping
 

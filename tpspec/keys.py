@@ -27,6 +27,8 @@ from typing import Protocol
 
 import torch
 
+from .validation import check_int
+
 GREEDY_TEMPERATURE_THRESHOLD = 1e-5
 """Rows whose temperature is below this are greedy: no noise, no division."""
 
@@ -78,8 +80,7 @@ def pack_keys(values: torch.Tensor, indices: torch.Tensor | int) -> torch.Tensor
     """
     high = ordered_high_bits(canonical_float32(values))
     if not isinstance(indices, torch.Tensor):
-        if isinstance(indices, bool) or not isinstance(indices, int) or not 0 <= indices < 2**32:
-            raise ValueError(f"index must be an int in [0, 2**32), got {indices!r}")
+        check_int("index", indices, low=0, below=2**32)
         indices = torch.full((), indices, dtype=torch.int64, device=high.device)
     low = MASK32 - indices.to(torch.int64)
     return (high << 32) | low

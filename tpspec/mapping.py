@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .validation import check_bool, check_int, is_int
+
 
 @dataclass(frozen=True)
 class Mapping:
@@ -30,14 +32,11 @@ class Mapping:
         if self.tp_size is None:
             object.__setattr__(self, "tp_size", self.world_size)
         for name in ("world_size", "tp_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"Mapping.{name} must be a positive int, got {value!r}")
-        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or not 0 <= self.rank < self.world_size:
+            check_int(f"Mapping.{name}", getattr(self, name), low=1)
+        if not is_int(self.rank) or not 0 <= self.rank < self.world_size:
             raise ValueError(f"Mapping.rank={self.rank!r} is out of range for world_size={self.world_size}")
         for name in ("enable_attention_dp", "enable_lm_head_tp_in_adp"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"Mapping.{name} must be a bool, got {getattr(self, name)!r}")
+            check_bool(f"Mapping.{name}", getattr(self, name))
         if self.world_size % self.tp_size != 0:
             raise ValueError(
                 f"Mapping.tp_size={self.tp_size} does not divide world_size={self.world_size}"
@@ -86,6 +85,3 @@ class Mapping:
     def attention_tp_rank(self) -> int:
         return 0 if self.enable_attention_dp else self.tp_rank
 
-    def with_rank(self, rank: int) -> "Mapping":
-        """The same layout seen from another rank."""
-        return Mapping(self.world_size, rank, self.tp_size, self.enable_attention_dp, self.enable_lm_head_tp_in_adp)

@@ -1,78 +1,32 @@
 """Run a function on N ranks of a fresh process group: the harness of the multi-rank
 tests, the determinism suite and users' own checks.
 
-``run_ranks(fn, world_size, *args)`` spawns ``world_size`` processes, joins them in a
-gloo (or NCCL) group, calls ``fn(rank, world_size, *args)`` on each and returns the
-list of results, index = rank. A failing rank raises :class:`RankError` carrying
-that rank's traceback; a rank that dies or does not finish within ``timeout_s``
-raises too. Never hangs.
+``run_ranks(fn, world_size, *args)`` starts ``world_size`` processes (the runtime's
+:class:`~tpspec.runtime.launchers.MPExecutor`), joins them in a gloo (or NCCL) group,
+calls ``fn(rank, world_size, *args)`` on each and returns the list of results, index =
+rank. A failing rank raises :class:`RankError` carrying that rank's traceback; a rank
+that dies or does not finish within ``timeout_s`` raises too. Never hangs.
 """
 
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import os
-import pickle
-import queue
 import shutil
 import subprocess
 import time
-import traceback
 from typing import Any, Callable, Iterator
 
+from .runtime.launchers import GroupSpec, MPExecutor, RankContext, WorkerError
 
-class RankError(RuntimeError):
-    """A rank raised, died, or did not finish in time."""
-
-    def __init__(self, message: str, rank: int | None = None, remote_traceback: str | None = None) -> None:
-        super().__init__(message if remote_traceback is None else f"{message}\n--- rank {rank} traceback ---\n{remote_traceback}")
-        self.rank = rank
-        self.remote_traceback = remote_traceback
+RankError = WorkerError
+"""A rank raised, died, or did not finish in time (``rank``, ``remote_traceback``)."""
 
 
-def _rank_main(
-    fn: Callable[..., Any],
-    rank: int,
-    world_size: int,
-    port: int,
-    backend: str,
-    args: tuple,
-    kwargs: dict,
-    results: Any,
-    env: dict[str, str],
-) -> None:
-    os.environ.update(env)
-    try:
-        import torch
-
-        torch.set_num_threads(1)
-        from . import distributed as D
-
-        D.init_distributed(
-            rank=rank,
-            world_size=world_size,
-            master_addr="127.0.0.1",
-            master_port=port,
-            backend=backend,
-            tp_size=kwargs.pop("_tp_size", None),
-            timeout_s=kwargs.pop("_pg_timeout_s", 120.0),
-        )
-        try:
-            value = fn(rank, world_size, *args, **kwargs)
-        finally:
-            pass
-        payload = pickle.dumps(("ok", rank, value))
-    except BaseException:  # noqa: BLE001 - everything must reach the parent
-        payload = pickle.dumps(("error", rank, traceback.format_exc()))
-    results.put(payload)
-    # Leave the group without a final barrier: a failed peer must not block us.
-    try:
-        from . import distributed as D
-
-        D.destroy_distributed()
-    except Exception:  # noqa: BLE001
-        pass
+def call_with_rank(ctx: RankContext, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """Executor call that runs ``fn(rank, world_size, *args, **kwargs)`` (the form of the
+    functions :func:`run_ranks` takes)."""
+    return fn(ctx.rank, ctx.world_size, *args, **kwargs)
 
 
 def run_ranks(
@@ -90,69 +44,19 @@ def run_ranks(
     ``fn`` must be importable by name (a module-level function) and its result
     picklable; tensors come back by value. The default process group is set up
     before ``fn`` runs (``tpspec.distributed.tp_group()`` gives the TP group, of
-    ``tp_size`` ranks, default all). ``env`` is added to each rank's environment.
-    Returns the results ordered by rank; raises :class:`RankError` naming the first
-    rank that failed (with its traceback), died or timed out.
+    ``tp_size`` ranks, default all), with one torch thread per rank. ``env`` is added
+    to each rank's environment. The ranks are an :class:`~tpspec.runtime.launchers.MPExecutor`
+    started for this one call and shut down after it. Returns the results ordered by
+    rank; raises :class:`RankError` naming the first rank that failed (with its
+    traceback), died or did not finish within ``timeout_s``.
     """
-    from .distributed import find_free_port
-
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = find_free_port()
-    kwargs = dict(kwargs)
-    kwargs["_tp_size"] = tp_size
-    kwargs["_pg_timeout_s"] = max(30.0, timeout_s)
-    procs = [
-        ctx.Process(
-            target=_rank_main,
-            args=(fn, rank, world_size, port, backend, args, dict(kwargs), results, dict(env or {})),
-            daemon=True,
-        )
-        for rank in range(world_size)
-    ]
-    for proc in procs:
-        proc.start()
-    outputs: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(outputs) < world_size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                missing = sorted(set(range(world_size)) - set(outputs))
-                raise RankError(f"ranks {missing} did not finish within {timeout_s:.0f} s")
-            try:
-                payload = results.get(timeout=min(remaining, 0.5))
-            except queue.Empty:
-                for rank, proc in enumerate(procs):
-                    if rank not in outputs and not proc.is_alive() and proc.exitcode is not None:
-                        # Give an exited rank's queued result a moment to arrive first; a rank
-                        # that exits (even with code 0) and leaves none has died.
-                        try:
-                            payload = results.get(timeout=1.0)
-                        except queue.Empty:
-                            raise RankError(f"rank {rank} died with exit code {proc.exitcode} before returning "
-                                            "a result", rank) from None
-                        break
-                else:
-                    continue
-            try:
-                status, rank, value = pickle.loads(payload)
-            except Exception as exc:  # noqa: BLE001 - e.g. a result type the parent cannot import
-                raise RankError(f"a rank's result could not be unpickled in the parent: {type(exc).__name__}: "
-                                f"{exc}") from None
-            if status == "error":
-                raise RankError(f"rank {rank} raised", rank, value)
-            outputs[rank] = value
-    finally:
-        for proc in procs:
-            proc.join(timeout=5.0)
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5.0)
-    return [outputs[rank] for rank in range(world_size)]
+    spec = GroupSpec(world_size=world_size, device=None, backend=backend, tp_size=tp_size, num_threads=1,
+                     env=dict(env or {}), pg_timeout_s=max(30.0, timeout_s))
+    with MPExecutor(spec, init_timeout_s=timeout_s, timeout_s=timeout_s,
+                    import_main=getattr(fn, "__module__", None) == "__main__") as executor:
+        return executor.call(call_with_rank, fn, args, kwargs)
 
 
 # ------------------------------------------------ rank processes sharing GPUs (MPS)

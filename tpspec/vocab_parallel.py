@@ -15,6 +15,7 @@ from .exchange.local import LocalKeyExchange
 from . import keys as K
 from .keys import SamplingRows
 from .mapping import Mapping
+from .validation import check_int, is_real
 
 
 MAX_TOP_LOGPROBS = 20
@@ -80,9 +81,8 @@ class VocabShardedLogits:
     def __init__(self, local: torch.Tensor, vocab_offset: int, vocab_size: int, exchange: KeyExchange) -> None:
         if not isinstance(local, torch.Tensor) or local.dim() != 2:
             raise ValueError(f"logits slice must be a 2-D [rows, shard] tensor, got {getattr(local, 'shape', local)!r}")
-        for name, value, low in (("vocab_offset", vocab_offset, 0), ("vocab_size", vocab_size, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        check_int("vocab_offset", vocab_offset, low=0)
+        check_int("vocab_size", vocab_size, low=1)
         if not isinstance(exchange, KeyExchange):
             raise ValueError(f"exchange must be a KeyExchange, got {type(exchange).__name__}")
         self.local = local
@@ -135,7 +135,7 @@ class VocabShardedLogits:
         rows = self.num_rows
         device = self.local.device
         if not isinstance(temperature, torch.Tensor):
-            if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+            if not is_real(temperature):
                 raise ValueError(f"temperature must be a float or a [rows] tensor, got {type(temperature).__name__}")
             if not math.isfinite(temperature):
                 raise ValueError(f"temperature must be finite, got {temperature}")
@@ -168,8 +168,8 @@ class VocabShardedLogits:
         """Log-softmax of the raw logits, without gathering them.
 
         ``tokens``: ``[R]`` int64 global token ids (one per row); ``top_n``: N in ``[0, 20]``.
-        Returns ``(token_logprobs [R] float32, top_ids [R, N] int64, top_logprobs [R, N]
-        float32)``: the logprob of each row's token and the N best columns of the row (key
+        Returns ``(token_logprobs [R] float64, top_ids [R, N] int64, top_logprobs [R, N]
+        float64)``: the logprob of each row's token and the N best columns of the row (key
         order: ties to the lower id) with theirs. ``logprob(x) = (x - m) - ln(Z * 2**-40)`` in
         float64, ``m`` the row max and ``Z`` the exact int64 sum of every column's mass
         ``floor(exp(l - m) * 2**40)`` (``keys.column_masses``): within 1e-5 of float64
@@ -214,7 +214,7 @@ class VocabShardedLogits:
         top_values, top_ids = K.unpack_keys(ranked[:, :top_n])
         token_logprobs = (token_value.to(torch.float64).reshape(-1, 1) - shift).reshape(-1)
         top_logprobs = top_values.to(torch.float64) - shift
-        return token_logprobs.to(torch.float32), top_ids, top_logprobs.to(torch.float32)
+        return token_logprobs, top_ids, top_logprobs
 
     def gather(self) -> torch.Tensor:
         """The full ``[R, vocab_size]`` logits on every rank (one all-gather), padding removed."""
@@ -254,9 +254,8 @@ class VocabParallelHead(nn.Module):
         bias: bool = False,
     ) -> None:
         super().__init__()
-        for name, value in (("hidden_size", hidden_size), ("vocab_size", vocab_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_int("hidden_size", hidden_size, low=1)
+        check_int("vocab_size", vocab_size, low=1)
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"dtype must be float32, bfloat16 or float16 (what the exchange selects from), got {dtype}")
         mapping = mapping or Mapping()

@@ -1,5 +1,5 @@
-// Constants shared by the LL kernels and the Python host code. tpspec/exchange/ll_plan.py
-// reads this file (shared_constants), so it holds only lines of the form
+// Constants shared by the LL kernels and the Python host code. The host reads this file
+// (tpspec/exchange/cuda_module.py: shared_constants), so it holds only lines of the form
 //   #define NAME VALUE  // optional comment
 // with VALUE a decimal or hex integer (optional u suffix) or a float with an f suffix,
 // besides comments, blank lines and the include guard.

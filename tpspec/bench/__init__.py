@@ -35,6 +35,17 @@ def number_list(text: str | None, default: Sequence[Any], *, option: str, kind: 
     return values
 
 
+def bench_device(device: str | None, command: str) -> str:
+    """``--device`` resolved (default: cuda when available); ``SystemExit`` naming the
+    command for a device this host does not have."""
+    from ..validation import resolve_device
+
+    try:
+        return resolve_device(device or "auto")
+    except ValueError as exc:
+        raise SystemExit(f"{command}: --device: {exc}") from None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK")
     sub.required = True

@@ -34,14 +34,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import statistics
 import time
 from typing import Any, Callable
 
 import torch
 
-from . import number_list, report
+from . import bench_device, number_list, report
 
 DEFAULT_ROWS = (1, 8, 64, 256)
 DEFAULT_WIDTHS = (16384, 32768, 65536)
@@ -537,9 +536,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.tp < 1:
         raise SystemExit("--tp must be >= 1")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device")
+    device = bench_device(args.device, "tpspec bench exchange")
     quick = args.quick
     cfg = dict(
         device=device,

@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import warnings
 from typing import Any, Callable
 
 import torch
 
-from . import number_list, report
+from ..speculative.forced import FORCE_ENV, ForcedAcceptanceWarning
+from . import bench_device, number_list, report
 
-FORCE_ENV = "TPSPEC_FORCE_NUM_ACCEPTED_TOKENS"
 DEFAULT_RATES = (0.0, 1.5, 3.0)
 COLUMNS = ["config", "forced_rate", "draft_len", "requests", "tokens", "wall_s", "tokens_per_s",
            "accepted_per_step", "tokens_per_step", "speedup"]
@@ -52,21 +53,17 @@ def measure(cfg: dict) -> dict:
     tokens, time one ``generate``.
 
     ``cfg``: model, tp, launcher, device, dtype, draft_len (0 = no speculation), prompts
-    (count, length), max_new_tokens, max_batch_size, use_cuda_graphs. Reads the forced
-    acceptance rate from the environment like every rank does.
+    (count, length), max_new_tokens, max_batch_size, use_cuda_graphs. ``LLM`` reads the
+    forced acceptance rate from this process's environment and hands it to every rank.
     """
     from ..runtime import LLM, SpeculativeConfig
     from ..sampling.params import SamplingParams
 
     spec = SpeculativeConfig("ngram", num_speculative_tokens=cfg["draft_len"]) if cfg["draft_len"] else None
-    kwargs: dict[str, Any] = {}
-    if cfg["launcher"] == "ray" and os.environ.get(FORCE_ENV):
-        # Ray workers do not inherit this process's environment: hand it over explicitly.
-        kwargs["ray_init_kwargs"] = {"runtime_env": {"env_vars": {FORCE_ENV: os.environ[FORCE_ENV]}}}
     backend = {"torchrun": "external_launcher"}.get(cfg["launcher"], cfg["launcher"])
     with LLM(cfg["model"], tensor_parallel_size=cfg["tp"], distributed_executor_backend=backend, device=cfg["device"],
              dtype=cfg["dtype"], speculative_config=spec, max_num_seqs=cfg["max_batch_size"],
-             enforce_eager=not cfg["use_cuda_graphs"], **kwargs) as llm:
+             enforce_eager=not cfg["use_cuda_graphs"]) as llm:
         prompts = _prompts(cfg["num_prompts"], cfg["prompt_len"], llm.vocab_size)
         # Warm up on the timed batch itself (its CUDA-graph bucket, first-use costs of its shapes),
         # so the timed call measures steady-state steps.
@@ -90,12 +87,15 @@ def measure(cfg: dict) -> dict:
 
 def _with_forced_rate(rate: float | None, fn: Callable[[], dict]) -> dict:
     """Run ``fn`` with ``TPSPEC_FORCE_NUM_ACCEPTED_TOKENS`` set to ``rate`` (unset for None)
-    in this process, where the engine reads it at its first step."""
+    in this process, where ``LLM`` reads it. Here, in the benchmark, forcing is the point:
+    the engine's warning about it is silenced."""
     saved = os.environ.pop(FORCE_ENV, None)
     try:
         if rate is not None:
             os.environ[FORCE_ENV] = repr(float(rate))
-        return fn()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ForcedAcceptanceWarning)
+            return fn()
     finally:
         os.environ.pop(FORCE_ENV, None)
         if saved is not None:
@@ -179,9 +179,7 @@ def model_argument(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("tpspec bench generate: --device cuda but no CUDA device is visible")
+    device = bench_device(args.device, "tpspec bench generate")
     if args.draft_len < 1:
         raise SystemExit("tpspec bench generate: --draft-len must be >= 1")
     rates = number_list(args.rates, DEFAULT_RATES, option="tpspec bench generate: --rates", kind=float, minimum=0)

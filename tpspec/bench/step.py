@@ -9,16 +9,23 @@ token plus ``D`` drafts each) and the selection of the target's tokens plus stri
 acceptance, two ways:
 
 * ``sharded``  ``SpecWorker.step``: each rank reduces its vocab slice to one key per row
-               and the ranks exchange ``[rows]`` int64 keys (tpspec);
+               and the ranks exchange ``[rows]`` int64 keys; rows with filters exchange
+               their certified candidates, gathering a row only when they cannot decide it
+               (tpspec);
 * ``gather``   ``VocabShardedLogits.gather()`` of the full ``[rows, vocab]`` logits, then
-               argmax / Gumbel sampling on them and the same acceptance (what engines that
-               gather the logits do).
+               the full-row sampler (``sampling.ops``) on them and the same acceptance (what
+               engines that gather the logits do).
+
+Modes (``--modes``): ``greedy``; ``sampled`` (temperature 0.8, seeded); ``top_p``
+(Llama-3.1-Instruct's T = 0.6, top-p 0.9); ``defaults`` (Qwen2.5-Instruct's T = 0.7, top-p 0.8,
+top-k 20, repetition penalty 1.05, every request's prompt counted for the penalty).
 
 Both give the same tokens bit for bit, on every rank (checked: ``tokens_equal`` compares
 the accepted tokens and every row's target token of both paths on all ranks). Per
 (batch, mode, path) the table reports the medians over ``--iters`` steps of the forward,
-the selection and their sum, and the share of the step spent selecting tokens (slowest
-rank). On CPU only the ratios mean something; absolute times are meaningful on GPUs.
+the selection and their sum, the share of the step spent selecting tokens (slowest
+rank), and for the sharded path the share of rows that fell back to gathering. On CPU only
+the ratios mean something; absolute times are meaningful on GPUs.
 
 Roofline (``step_roofline.json``/``.png``): per context (``--contexts``, default 1K and 4K)
 and batch (``--roofline-batch``, default 1, 8, 32, 64), one plain decode step (one new token
@@ -44,13 +51,14 @@ from typing import Any, Callable
 
 import torch
 
-from . import number_list, report
+from ..validation import resolve_dtype, torch_dtype
+from . import bench_device, number_list, report
 
 DEFAULT_BATCHES = (1, 8, 32)
 QUICK_BATCHES = (1, 4)
 DEFAULT_VOCAB = 32768
 QUICK_VOCAB = 4096
-MODES = ("greedy", "sampled")
+MODES = ("greedy", "sampled", "top_p", "defaults")
 PATHS = ("sharded", "gather")
 
 
@@ -92,18 +100,35 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def mode_params(mode: str, index: int) -> Any:
+    """The ``SamplingParams`` of request ``index`` under ``mode`` (see the module docstring)."""
+    from ..sampling.params import SamplingParams
+
+    seed = 1000 + index
+    if mode == "greedy":
+        return SamplingParams(temperature=0.0)
+    if mode == "sampled":
+        return SamplingParams(temperature=0.8, seed=seed)
+    if mode == "top_p":
+        return SamplingParams(temperature=0.6, top_p=0.9, seed=seed)
+    return SamplingParams(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05, seed=seed)
+
+
 def _gather_select(logits: Any, meta: Any, drafts: torch.Tensor, greedy: bool) -> torch.Tensor:
-    """The baseline: all-gather the full logits, pick on them, accept strictly. Returns the
-    accepted tokens ``[B, D+1]`` flattened, then the target token of every row ``[R]``."""
+    """The baseline: all-gather the full logits (penalised first where asked), pick on them,
+    accept strictly. Returns the accepted tokens ``[B, D+1]`` flattened, then the target
+    token of every row ``[R]``."""
     from ..sampling.ops import greedy_tokens, sample_from_logits
+    from ..sampling.penalties import penalized_logits
     from ..speculative import accept_from_targets
 
-    full = logits.gather()
+    rs = meta.row_sampling(draft_tokens=drafts)
+    full = penalized_logits(logits, rs.penalties).gather()
     if greedy:
         rows = greedy_tokens(full)
     else:
-        rs = meta.row_sampling()
-        rows = sample_from_logits(full, rs.temperature, rs.seeds, rs.offsets, rs.top_k, rs.top_p, rs.min_p)
+        rows = sample_from_logits(full, rs.temperature, rs.seeds, rs.offsets, rs.top_k, rs.top_p, rs.min_p,
+                                  backend="torch")
     index = meta.request_row_index.to(full.device)
     accepted, _ = accept_from_targets(rows[index], drafts, meta.request_draft_len.to(full.device))
     return torch.cat([accepted.reshape(-1), rows])
@@ -122,8 +147,8 @@ def _step_worker(rank: int, world_size: int, cfg: dict) -> list[dict]:
     from ..exchange import make_key_exchange
     from ..mapping import Mapping
     from ..model import ForwardBatch, load_model
-    from ..runtime.engine import resolve_dtype
-    from ..sampling.params import SamplingParams
+    from ..sampling.penalties import OccurrenceCounts
+    from ..sampling.select import SamplingStats
     from ..speculative import RequestEntry, SpecMetadata, SpecWorker
 
     if cfg["device"] == "cuda":
@@ -131,7 +156,7 @@ def _step_worker(rank: int, world_size: int, cfg: dict) -> list[dict]:
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device("cpu")
-    dtype = resolve_dtype(cfg["dtype"])
+    dtype = torch_dtype(cfg["dtype"])
     exchange = make_key_exchange(D.tp_group(), prefer=cfg["exchange"], device=device)
     model = load_model(cfg["model"], Mapping(world_size, rank), device=device, dtype=dtype, exchange=exchange)
     vocab = model.config.vocab_size
@@ -162,13 +187,16 @@ def _step_worker(rank: int, world_size: int, cfg: dict) -> list[dict]:
                             tables[:batch], [context_len] * batch, [draft_len + 1] * batch,
                             logits_rows=torch.arange(batch * (draft_len + 1)).to(device))
         drafts = torch.randint(3, vocab, (batch, draft_len), generator=gen).to(device)
+        head = model.lm_head
+        counts = OccurrenceCounts(batch, vocab_offset=head.vocab_offset, width=head.shard_width, device=device)
+        for slot in range(batch):  # the penalties of the defaults mode count each request's prompt
+            counts.reset(slot, prompt[slot * context_len:(slot + 1) * context_len])
         for mode in cfg["modes"]:
             greedy = mode == "greedy"
-            params = [SamplingParams(temperature=0.0) if greedy else SamplingParams(temperature=0.8, seed=1000 + i)
-                      for i in range(batch)]
-            requests = [RequestEntry(i, i, params[i], False) for i in range(batch)]
+            requests = [RequestEntry(i, i, mode_params(mode, i), False) for i in range(batch)]
             for path in PATHS:
-                meta = SpecMetadata(batch, draft_len, device=device)
+                meta = SpecMetadata(batch, draft_len, device=device, occurrences=counts)
+                worker.sampling_stats = SamplingStats()
                 forward_ms, select_ms, outputs = [], [], []
                 for it in range(cfg["warmup"] + cfg["iters"]):
                     meta.prepare(requests, draft_len)  # host bookkeeping both paths share: not timed
@@ -185,10 +213,13 @@ def _step_worker(rank: int, world_size: int, cfg: dict) -> list[dict]:
                         select_ms.append(s_ms)
                     if it == 0:
                         outputs.append(box["out"].cpu())
+                st = worker.sampling_stats
+                drawn = st.rows_sharded + st.rows_gathered
                 records.append({
                     "batch": batch, "mode": mode, "path": path, "rows": batch * (draft_len + 1),
                     "forward_ms": statistics.median(forward_ms), "select_ms": statistics.median(select_ms),
                     "first_output": outputs[0],
+                    "gathered_pct": 100.0 if path == "gather" else (100.0 * st.rows_gathered / drawn if drawn else 0.0),
                 })
     roofline = _roofline_cells(model, cfg, device) if cfg.get("roofline") else []
     exchange.close()
@@ -210,7 +241,8 @@ def summarize(per_rank: list[list[dict]], draft_len: int) -> tuple[list[list[Any
     for i, rec in enumerate(per_rank[0]):
         forward = max(r[i]["forward_ms"] for r in per_rank)
         select = max(r[i]["select_ms"] for r in per_rank)
-        by_cell[(rec["batch"], rec["mode"], rec["path"])] = {"forward": forward, "select": select,
+        gathered = max(r[i].get("gathered_pct", 0.0) for r in per_rank)
+        by_cell[(rec["batch"], rec["mode"], rec["path"])] = {"forward": forward, "select": select, "gathered": gathered,
                                                             "out": rec["first_output"], "rows": rec["rows"]}
     for (batch, mode, path), cell in by_cell.items():
         other = by_cell[(batch, mode, "gather" if path == "sharded" else "sharded")]
@@ -218,14 +250,14 @@ def summarize(per_rank: list[list[dict]], draft_len: int) -> tuple[list[list[Any
         speedup = other["select"] / cell["select"] if path == "sharded" and cell["select"] > 0 else None
         rows.append([batch, draft_len, cell["rows"], mode, path, round(cell["forward"], 4), round(cell["select"], 4),
                      round(step, 4), round(100.0 * cell["select"] / step, 2) if step > 0 else 0.0,
-                     round(speedup, 3) if speedup is not None else "-"])
+                     round(speedup, 3) if speedup is not None else "-", round(cell["gathered"], 2)])
         # Both paths, on every rank: the same accepted tokens and per-row target tokens.
         equal[f"B={batch} {mode}"] = all(torch.equal(cell["out"], out) for out in outputs[(batch, mode)])
     return rows, equal
 
 
 COLUMNS = ["batch", "draft_len", "rows", "mode", "path", "forward_ms", "select_ms", "step_ms", "select_share_%",
-           "select_speedup"]
+           "select_speedup", "gathered_rows_%"]
 
 
 def _plot(rows: list[list[Any]]) -> Callable[[Any], None]:
@@ -260,7 +292,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", default=None, help=f"comma-separated request counts (default {DEFAULT_BATCHES})")
     parser.add_argument("--draft-len", type=int, default=3, help="drafts per request (default 3)")
     parser.add_argument("--context-len", type=int, default=None, help="tokens already cached per request")
-    parser.add_argument("--modes", default="greedy,sampled", help="greedy, sampled (temperature 0.8, seeded)")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help="comma-separated: greedy, sampled (T=0.8), top_p (T=0.6, top-p 0.9), defaults (Qwen2.5's "
+                             "T=0.7, top-p 0.8, top-k 20, repetition penalty 1.05); default all")
     parser.add_argument("--exchange", choices=("auto", "ll", "allgather"), default="auto")
     parser.add_argument("--iters", type=int, default=None,
                         help="timed steps per cell (default 20 on cuda, 5 on cpu; --quick 3)")
@@ -273,15 +307,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..testing import rank_backend, run_ranks, shared_gpu_mps
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("tpspec bench step: --device cuda but no CUDA device is visible")
+    device = bench_device(args.device, "tpspec bench step")
     if args.tp < 1 or args.draft_len < 1:
         raise SystemExit("tpspec bench step: --tp and --draft-len must be >= 1")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or any(m not in MODES for m in modes):
         raise SystemExit(f"tpspec bench step: --modes must name some of {MODES}, got {args.modes!r}")
-    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    try:
+        dtype = resolve_dtype(args.dtype, device)
+    except ValueError as exc:
+        raise SystemExit(f"tpspec bench step: --dtype: {exc}") from None
     vocab = args.vocab_size or (QUICK_VOCAB if args.quick else DEFAULT_VOCAB)
     cfg = {
         "model": _model_path(args, vocab),

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from .. import keys as K
+from ..validation import check_int, is_int
 
 class Channel(enum.IntEnum):
     """Which exchange slots a call uses: draft picks and the target's picks may be in flight
@@ -56,8 +57,7 @@ class KeyExchange(ABC):
     def __init__(
         self, group: Any, rank: int, world_size: int, device: torch.device, *, num_channels: int = 2
     ) -> None:
-        if isinstance(num_channels, bool) or not isinstance(num_channels, int) or num_channels < 1:
-            raise ValueError(f"num_channels must be a positive int, got {num_channels!r}")
+        check_int("num_channels", num_channels, low=1)
         self.NUM_CHANNELS = num_channels
         self.group = group
         self.rank = rank
@@ -188,7 +188,7 @@ class KeyExchange(ABC):
         # No check against vocab_size: a rank whose slice is all padding (offset >= vocab
         # size) is valid and offers no candidate; rejecting it on that rank alone would
         # leave its peers waiting in the collective.
-        if isinstance(vocab_offset, bool) or not isinstance(vocab_offset, int):
+        if not is_int(vocab_offset):
             raise ValueError(f"vocab_offset must be an int, got {type(vocab_offset).__name__}")
         if vocab_offset < 0 or vocab_offset >= 2**32:
             raise ValueError(f"vocab_offset={vocab_offset} is out of range [0, 2**32)")
@@ -196,7 +196,7 @@ class KeyExchange(ABC):
     def check_channel(self, channel: Any) -> None:
         """Raise ``ValueError`` unless ``channel`` is an int in ``[0, NUM_CHANNELS)``; every
         backend rejects the same channels, used or not."""
-        if isinstance(channel, bool) or not isinstance(channel, int) or not 0 <= channel < self.NUM_CHANNELS:
+        if not is_int(channel) or not 0 <= channel < self.NUM_CHANNELS:
             raise ValueError(f"channel={channel!r} is out of range [0, {self.NUM_CHANNELS})")
 
     def validate_logits_call(
@@ -216,8 +216,8 @@ class KeyExchange(ABC):
             raise ValueError(f"logits must be float32, bfloat16 or float16, got {logits.dtype}")
         if _concrete_device(logits.device) != self.device:
             raise ValueError(f"logits are on {logits.device}, the exchange works on {self.device}")
-        if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1):
-            raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
+        if vocab_size is not None:
+            check_int("vocab_size", vocab_size, low=1)
         self._check_offset(vocab_offset)
         if vocab_offset + logits.shape[1] > 2**32:
             raise ValueError("global columns must stay below 2**32")
@@ -237,3 +237,6 @@ class KeyExchange(ABC):
                 self._check_rows_vector(name, t, num_rows)
                 if t.dtype != torch.int64:
                     raise ValueError(f"{name} must be int64, got {t.dtype}")
+        for name in ("top_k", "top_p", "min_p"):
+            if getattr(rows, name) is not None:
+                self._check_rows_vector(name, getattr(rows, name), num_rows)

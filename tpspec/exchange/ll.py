@@ -32,8 +32,9 @@ import torch
 
 from .. import distributed as D
 from .. import keys as K
+from ..validation import check_int, is_real
 from . import cuda_module
-from .ll_plan import exchange_keys_kernel, kernel_constants, max_grid_blocks, plan
+from .ll_plan import exchange_keys_kernel, gather_rows_kernel, kernel_constants, max_grid_blocks, plan
 from .allgather import AllGatherKeyExchange
 from .base import UNSEEDED_STREAM_SEED, Channel, KeyExchange
 
@@ -98,7 +99,7 @@ def resolve_timeout_s(timeout_s: float | None) -> float:
                 raise ValueError(f"{TIMEOUT_ENV}={env!r} is not a number") from None
         else:
             timeout_s = DEFAULT_TIMEOUT_S
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
+    if not is_real(timeout_s):
         raise ValueError(f"timeout_s must be a number, got {type(timeout_s).__name__}")
     if not math.isfinite(timeout_s) or not MIN_TIMEOUT_S <= timeout_s <= MAX_TIMEOUT_S:
         raise ValueError(f"timeout_s must lie in [{MIN_TIMEOUT_S}, {MAX_TIMEOUT_S:g}] seconds, got {timeout_s}")
@@ -107,10 +108,8 @@ def resolve_timeout_s(timeout_s: float | None) -> float:
 
 def validate_ll_arguments(max_rows: Any, num_channels: Any, world_size: int) -> None:
     """Raise ``ValueError`` for arguments the LL exchange cannot serve."""
-    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or not 1 <= max_rows <= MAX_MAX_ROWS:
-        raise ValueError(f"max_rows must be an int in [1, {MAX_MAX_ROWS}], got {max_rows!r}")
-    if isinstance(num_channels, bool) or not isinstance(num_channels, int) or not 1 <= num_channels <= MAX_CHANNELS:
-        raise ValueError(f"num_channels must be an int in [1, {MAX_CHANNELS}], got {num_channels!r}")
+    check_int("max_rows", max_rows, low=1, high=MAX_MAX_ROWS)
+    check_int("num_channels", num_channels, low=1, high=MAX_CHANNELS)
     # One rank always fits: the factory checks options before it knows whether the kernel
     # source (which holds the limit) is there.
     if world_size < 1 or (world_size > 1 and world_size > kernel_constants().max_world):
@@ -296,6 +295,7 @@ class LLKeyExchange(KeyExchange):
             self._module = cuda_module.load_module(self.device.index)
             self._kernels = {name: self._module.get_function(name) for name in cuda_module.KERNEL_NAMES}
         self._exchange_kernel = exchange_keys_kernel(self.world_size)  # max_keys / argmax_tokens
+        self._gather_kernel = gather_rows_kernel(self.world_size)  # gather_rows / sum_rows
 
     @staticmethod
     def _try(fn: Any) -> str | None:
@@ -403,14 +403,34 @@ class LLKeyExchange(KeyExchange):
         return out
 
     def gather_rows(self, values: torch.Tensor, *, channel: int = Channel.DRAFT) -> torch.Tensor:
-        """See :meth:`KeyExchange.gather_rows` (through the all-gather exchange)."""
-        self._raise_if_failed()
-        return self._fallback.gather_rows(values, channel=channel)
+        """See :meth:`KeyExchange.gather_rows`: one launch when ``rows * C <= max_rows``
+        (every element rides one slot line), else the all-gather."""
+        self.check_int64_rows("values", values, 2)
+        self.check_channel(channel)
+        rows, width = values.shape
+        out = torch.empty(rows, self.world_size * width, dtype=torch.int64, device=self.device)
+        return self._gather_or_sum(values.reshape(-1), width, 0, out, channel, self._fallback.gather_rows, values)
 
     def sum_rows(self, values: torch.Tensor, *, channel: int = Channel.DRAFT) -> torch.Tensor:
-        """See :meth:`KeyExchange.sum_rows` (through the all-gather exchange)."""
+        """See :meth:`KeyExchange.sum_rows`: one launch when ``rows <= max_rows``, else the all-gather."""
+        self.check_int64_rows("values", values, 1)
+        self.check_channel(channel)
+        out = torch.empty_like(values, device=self.device)
+        return self._gather_or_sum(values, 1, 1, out, channel, self._fallback.sum_rows, values)
+
+    def _gather_or_sum(self, flat: torch.Tensor, width: int, sum_mode: int, out: torch.Tensor, channel: int,
+                       fallback: Any, values: torch.Tensor) -> torch.Tensor:
         self._raise_if_failed()
-        return self._fallback.sum_rows(values, channel=channel)
+        count = flat.numel()
+        if count > self.MAX_ROWS:
+            return fallback(values, channel=channel)
+        if count == 0:
+            return out
+        flat = flat.contiguous()
+        args = (_p(flat.data_ptr()), np.int32(count), np.int32(width), np.int32(sum_mode), _p(out.data_ptr()),
+                *self._exchange_args(channel))
+        self._launch(self._gather_kernel, 1, 0, args)
+        return out
 
     def argmax_tokens(
         self, local_max: torch.Tensor, local_argmax: torch.Tensor, vocab_offset: int, *, channel: int = Channel.DRAFT

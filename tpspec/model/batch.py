@@ -12,6 +12,7 @@ step that verifies ``D`` drafts. New token ``i`` of a sequence is stored at cach
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -162,12 +163,12 @@ class AttentionMetadata:
         reads; a CUDA graph passes a bucketed one so replays share shapes). Raises
         ``ValueError`` when a block table does not cover its sequence or ``kv_pages`` is too small.
         """
-        qlens = torch.tensor(batch.query_lens, dtype=torch.int64)
-        clens = torch.tensor(batch.cache_lens, dtype=torch.int64)
+        # Host lists first, one tensor each: cheaper than tensor arithmetic for a step's few tokens.
+        qlens, clens, tables = batch.query_lens, batch.cache_lens, batch.block_tables
         b = batch.num_seqs
         kv_lens = batch.kv_lens
         used = [pages_needed(n, page_size) for n in kv_lens]
-        for i, (table, n) in enumerate(zip(batch.block_tables, used)):
+        for i, (table, n) in enumerate(zip(tables, used)):
             if len(table) < n:
                 raise ValueError(f"sequence {i}: its block table has {len(table)} pages of {page_size} tokens, "
                                  f"{kv_lens[i]} cached tokens need {n}")
@@ -176,41 +177,34 @@ class AttentionMetadata:
             kv_pages = needed
         elif kv_pages < needed:
             raise ValueError(f"kv_pages={kv_pages} is fewer than the batch reads ({needed})")
-        table = torch.zeros(b, kv_pages, dtype=torch.int64)
-        for i, (pages, n) in enumerate(zip(batch.block_tables, used)):
-            table[i, :n] = torch.tensor(pages[:n], dtype=torch.int64)
-        tok_seq = torch.repeat_interleave(torch.arange(b, dtype=torch.int64), qlens)
-        starts = qlens.cumsum(0) - qlens
-        tok_qi = torch.arange(batch.num_tokens, dtype=torch.int64) - starts[tok_seq]
-        tok_cache_idx = clens[tok_seq] + tok_qi
-        write_index = table[tok_seq, tok_cache_idx // page_size] * page_size + tok_cache_idx % page_size
-        q_max = max(batch.query_lens, default=0)
+        table = torch.tensor([t[:n] + [0] * (kv_pages - n) for t, n in zip(tables, used)],
+                             dtype=torch.int64).view(b, kv_pages)
+        tok_seq = [i for i, q in enumerate(qlens) for _ in range(q)]
+        tok_qi = [j for q in qlens for j in range(q)]
+        write_index = [t[(c + j) // page_size] * page_size + (c + j) % page_size
+                       for t, c, q in zip(tables, clens, qlens) for j in range(q)]
+        q_max = max(qlens, default=0)
         # The mask is built on the device from the [B] cache lengths (no [B, q, kv] host copy).
-        clens_dev = clens.to(device)
+        clens_dev = torch.tensor(clens, dtype=torch.int64).to(device)
         limit = clens_dev[:, None] + torch.arange(q_max, dtype=torch.int64, device=device)[None, :]  # [B, q_max]
         cols = torch.arange(kv_pages * page_size, dtype=torch.int64, device=device)
         mask = cols[None, None, :] <= limit[:, :, None]
-        used_t = torch.tensor(used, dtype=torch.int64)
-        kv_indptr = torch.zeros(b + 1, dtype=torch.int32)
-        kv_indptr[1:] = used_t.cumsum(0).to(torch.int32)
-        qo_indptr = torch.zeros(b + 1, dtype=torch.int32)
-        qo_indptr[1:] = qlens.cumsum(0).to(torch.int32)
-        kv_indices = torch.tensor([p for pages, n in zip(batch.block_tables, used) for p in pages[:n]],
-                                  dtype=torch.int32)
+        kv_indices = torch.tensor([p for t, n in zip(tables, used) for p in t[:n]], dtype=torch.int32)
         last = torch.tensor([n - (u - 1) * page_size for n, u in zip(kv_lens, used)], dtype=torch.int32)
+        i64 = torch.int64
         return cls(
             num_tokens=batch.num_tokens,
             num_seqs=b,
             page_size=page_size,
             q_max=q_max,
             kv_pages=kv_pages,
-            write_index=write_index.to(device),
-            tok_seq=tok_seq.to(device),
-            tok_qi=tok_qi.to(device),
+            write_index=torch.tensor(write_index, dtype=i64).to(device),
+            tok_seq=torch.tensor(tok_seq, dtype=i64).to(device),
+            tok_qi=torch.tensor(tok_qi, dtype=i64).to(device),
             page_table=table.to(device),
             mask=mask[:, None],
-            qo_indptr=qo_indptr,
-            kv_indptr=kv_indptr,
+            qo_indptr=torch.tensor([0, *itertools.accumulate(qlens)], dtype=torch.int32),
+            kv_indptr=torch.tensor([0, *itertools.accumulate(used)], dtype=torch.int32),
             kv_indices=kv_indices.to(device),
             kv_last_page_len=last,
             kv_lens=list(kv_lens),

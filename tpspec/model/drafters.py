@@ -14,7 +14,7 @@ import os
 import numpy as np
 import torch
 
-from ..exchange.base import Channel, KeyExchange
+from ..exchange.base import KeyExchange
 from ..mapping import Mapping
 from .config import ModelConfig
 from .llama import TPLlamaForCausalLM
@@ -85,7 +85,3 @@ class DraftModel(TPLlamaForCausalLM):
         self.load_stats = load_weights(self, path)
         self.path = os.fspath(path)
 
-    def greedy_drafts(self, batch) -> torch.Tensor:  # noqa: ANN001 - ForwardBatch
-        """Run ``batch`` and return the greedy token of every logits row (``[M]`` int64, same on every
-        rank of the TP group), picked on the draft channel."""
-        return self(batch).argmax(channel=Channel.DRAFT)

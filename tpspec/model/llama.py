@@ -22,6 +22,7 @@ from .. import distributed as D
 from ..exchange.base import Channel, KeyExchange
 from ..exchange.factory import make_key_exchange
 from ..mapping import Mapping
+from ..validation import check_int
 from ..vocab_parallel import VocabParallelHead, VocabShardedLogits, vocab_shard_bounds
 from .attention import AttendFn, choose_attention_backend, make_attention_backend
 from .batch import AttentionMetadata, ForwardBatch
@@ -87,11 +88,6 @@ class StackedRowsLogits(VocabShardedLogits):
     @property
     def num_rows(self) -> int:
         return self.rows.local
-
-    @property
-    def row_start(self) -> int:
-        """Index of this rank's first row in the stacked rows."""
-        return self.rows.start
 
     def argmax(self, *, channel: int = Channel.TARGET) -> torch.Tensor:
         return self.rows.take_local(self.stacked.argmax(channel=channel))
@@ -202,9 +198,8 @@ class TPLlamaForCausalLM(nn.Module):
         ``[num_pages, page_size, kv_heads_per_rank, head_dim]`` (zeros, model dtype). Which
         pages a sequence uses is the caller's choice, passed as block tables in each
         :class:`ForwardBatch`; models that serve the same requests allocate the same pages."""
-        for name, value in (("num_pages", num_pages), ("page_size", page_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_int("num_pages", num_pages, low=1)
+        check_int("page_size", page_size, low=1)
         self.caches = []  # free the old cache before allocating the new one
         self.caches = [
             KVPages(num_pages, page_size, self.num_kv_heads_per_rank, self.config.head_dim,

@@ -5,7 +5,8 @@ reads those bytes of the memory-mapped file and nothing else), so a rank reads a
 ``1/tp`` of the checkpoint plus the small replicated tensors (norms, biases of
 row-parallel linears, KV heads shared by several ranks). Single files and sharded
 checkpoints (``model.safetensors.index.json``) are both understood. Every problem
-(missing tensor, wrong shape, no safetensors) raises an error naming it.
+(missing tensor, wrong shape, no safetensors, a corrupt file, NaN or infinite weights)
+raises an error naming the file and the tensor.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded: a missing tensor, one of the wrong shape, a corrupt file."""
+    """A checkpoint that cannot be loaded: a missing tensor, one of the wrong shape, a corrupt
+    file, a tensor holding NaN or infinite values."""
 
 
 @dataclass
@@ -106,13 +108,19 @@ class CheckpointReader:
                 f"tensor {spec.name!r} in {os.path.basename(fname)} has shape {list(shape)}, "
                 f"the config implies {list(spec.full_shape)}"
             )
-        if spec.dim is None:
-            t = sl[:]
-        elif spec.dim == 0:
-            t = sl[spec.start : spec.start + spec.length]
-        else:
-            index = (slice(None),) * spec.dim + (slice(spec.start, spec.start + spec.length),)
-            t = sl[index]
+        try:
+            if spec.dim is None:
+                t = sl[:]
+            elif spec.dim == 0:
+                t = sl[spec.start : spec.start + spec.length]
+            else:
+                index = (slice(None),) * spec.dim + (slice(spec.start, spec.start + spec.length),)
+                t = sl[index]
+        except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+            raise CheckpointError(f"cannot read tensor {spec.name!r} from {fname!r}: {exc}") from exc
+        # A NaN or inf weight makes every logit NaN: the model would emit one token forever.
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise CheckpointError(f"tensor {spec.name!r} in {fname!r} holds NaN or infinite values")
         self.stats.bytes_read += t.numel() * t.element_size()
         self.stats.tensors_read += 1
         return t
@@ -125,6 +133,15 @@ class CheckpointReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def verify_checkpoint(path: str | os.PathLike) -> None:
+    """Open the header of every safetensors file of the checkpoint at ``path`` (cheap: no
+    tensor data is read). Raises :class:`CheckpointError` naming a corrupt or truncated
+    file, ``FileNotFoundError`` when files are missing."""
+    with CheckpointReader(path) as reader:
+        for fname in sorted(set(reader.files.values())):
+            reader._open(fname)  # noqa: SLF001
 
 
 @torch.no_grad()

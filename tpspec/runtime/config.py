@@ -7,16 +7,11 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ..sampling.params import SamplingParams
+from ..validation import check_bool, check_int, is_real
 
 SPEC_METHODS = ("ngram", "draft_model")
 ACCEPTANCE_MODES = ("strict", "rejection")
 LAUNCHERS = ("mp", "external_launcher", "ray")
-
-
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -46,7 +41,7 @@ class SpeculativeConfig:
             object.__setattr__(self, "method", "draft_model" if self.model else "ngram")
         if self.method not in SPEC_METHODS:
             raise ValueError(f"speculative_config method must be one of {SPEC_METHODS}, got {self.method!r}")
-        _positive_int("speculative_config num_speculative_tokens", self.num_speculative_tokens)
+        check_int("speculative_config num_speculative_tokens", self.num_speculative_tokens, low=1)
         if self.acceptance not in ACCEPTANCE_MODES:
             raise ValueError(
                 f"speculative_config acceptance must be one of {ACCEPTANCE_MODES}, got {self.acceptance!r}"
@@ -55,8 +50,8 @@ class SpeculativeConfig:
             raise ValueError("speculative_config method='draft_model' needs model=PATH (or 'tiny')")
         if self.method == "ngram" and self.model:
             raise ValueError("speculative_config model is only used with method='draft_model'")
-        _positive_int("speculative_config prompt_lookup_max", self.prompt_lookup_max)
-        _positive_int("speculative_config prompt_lookup_min", self.prompt_lookup_min)
+        check_int("speculative_config prompt_lookup_max", self.prompt_lookup_max, low=1)
+        check_int("speculative_config prompt_lookup_min", self.prompt_lookup_min, low=1)
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config prompt_lookup_min={self.prompt_lookup_min} exceeds "
                              f"prompt_lookup_max={self.prompt_lookup_max}")
@@ -77,11 +72,12 @@ class EngineConfig:
     on every rank. Paths are resolved (no ``"tiny"``), dtype is a torch dtype name.
 
     KV cache: pages of ``page_size`` tokens. ``kv_cache_bytes`` (any device): bytes of pages
-    per rank, all paged models together. Else on CUDA ``gpu_memory_utilization`` (default
-    0.9): the share of the GPU the engine may use (split between ranks sharing a GPU); what
-    weights and a profiled step leave goes to pages. Else (CPU): pages for ``max_batch_size``
-    requests of ``max_seq_len`` tokens. ``attention_backend``: ``"auto"`` (FlashInfer on CUDA
-    when installed), ``"torch"`` or ``"flashinfer"``.
+    per rank, all paged models together (it overrides ``gpu_memory_utilization``). Else on
+    CUDA ``gpu_memory_utilization`` (None = 0.9; not used on CPU): the share of the GPU the
+    engine may use (split between ranks sharing a GPU); what weights and a profiled step
+    leave goes to pages. Else (CPU): pages for ``max_batch_size``
+    requests of ``max_seq_len`` tokens, at most 4 GiB. ``attention_backend``: ``"auto"``
+    (FlashInfer on CUDA when installed), ``"torch"`` or ``"flashinfer"``.
     """
 
     model_path: str
@@ -101,29 +97,30 @@ class EngineConfig:
     kv_cache_bytes: int | None = None
     gpu_memory_utilization: float | None = None
     attention_backend: str = "auto"
+    forced_acceptance_rate: float | None = None  # benchmarks only: TPSPEC_FORCE_NUM_ACCEPTED_TOKENS, read by LLM
 
     def __post_init__(self) -> None:
-        _positive_int("page_size", self.page_size)
+        for name in ("tp_size", "max_batch_size", "max_num_tokens", "page_size"):
+            check_int(name, getattr(self, name), low=1)
+        check_int("max_seq_len", self.max_seq_len, low=2)  # one prompt token and one generated token
+        check_bool("attention_dp", self.attention_dp)
+        check_bool("use_cuda_graphs", self.use_cuda_graphs)
         if self.kv_cache_bytes is not None:
-            _positive_int("kv_cache_bytes", self.kv_cache_bytes)
+            check_int("kv_cache_bytes", self.kv_cache_bytes, low=1)
         util = self.gpu_memory_utilization
         if util is not None:
-            if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
+            if not is_real(util) or not 0 < util <= 1:
                 raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {util!r}")
-            if self.kv_cache_bytes is not None:
-                raise ValueError("give kv_cache_bytes or gpu_memory_utilization, not both")
-            if self.device != "cuda":
-                raise ValueError(f"gpu_memory_utilization needs device='cuda' (got {self.device!r}); "
-                                 f"size the cache with kv_cache_bytes instead")
         if self.attention_backend not in ("auto", "torch", "flashinfer"):
             raise ValueError(f"attention_backend must be 'auto', 'torch' or 'flashinfer', "
                              f"got {self.attention_backend!r}")
-        # LLM checks this for its users; the engine relies on it (a generation step of a full
-        # batch must fit, else padding rows of a graphed step could take a prefilling slot).
+        # The engine relies on this: a generation step of a full batch must fit, else
+        # padding rows of a graphed step could take a prefilling slot.
         step = self.max_batch_size * (self.num_draft_tokens + 1)
         if self.max_num_tokens < step:
             raise ValueError(f"max_num_tokens={self.max_num_tokens} cannot hold a full generation step: "
-                             f"max_batch_size * (num_draft_tokens + 1) = {step}")
+                             f"max_batch_size * (num_draft_tokens + 1) = {step} (in LLM's terms: "
+                             f"max_num_batched_tokens must be at least max_num_seqs * (num_speculative_tokens + 1))")
 
     @property
     def num_draft_tokens(self) -> int:
@@ -133,6 +130,15 @@ class EngineConfig:
         """Most KV entries a request ever holds: its last generation step feeds the last
         committed token plus K drafts, written past the tokens before it."""
         return min(prompt_len + max_new_tokens, self.max_seq_len) - 1 + self.num_draft_tokens
+
+    def check_prompt_len(self, num_tokens: int, what: str = "prompt") -> None:
+        """``ValueError`` naming ``what`` unless a prompt of ``num_tokens`` leaves room to
+        generate (shorter than ``max_seq_len``) and is not empty."""
+        if num_tokens < 1:
+            raise ValueError(f"{what} is empty")
+        if num_tokens >= self.max_seq_len:
+            raise ValueError(f"{what} has {num_tokens} tokens; max_model_len={self.max_seq_len} leaves no room to "
+                             f"generate (prompts must be shorter than max_model_len)")
 
 
 @dataclass(frozen=True)
@@ -192,7 +198,8 @@ class CompletionOutput:
     ``stop_reason``: the stop string or stop token id that ended it (None for EOS or length).
     ``logprobs``: None unless the request asked (``SamplingParams(logprobs=N)``); then one
     ``{token id: logprob}`` per generated token: the token's own and its row's N most likely
-    tokens' (log-softmax of the raw logits, before penalties and temperature). ``stats``: tpspec's speculative
+    tokens' (log-softmax of the raw logits, before penalties and temperature), and
+    ``cumulative_logprob`` is the sum of the generated tokens' logprobs. ``stats``: tpspec's speculative
     decoding statistics of this sample (:class:`RequestStats`).
     In a stream, ``text`` and ``token_ids`` hold only what the last step added.
     """

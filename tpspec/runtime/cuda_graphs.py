@@ -27,13 +27,15 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from .. import distributed as D
+from ..log import get_logger
 from ..speculative.metadata import RequestEntry
 
+log = get_logger(__name__)
 WARMUP_RUNS = 2
 
 
@@ -98,7 +100,7 @@ class GenerationGraphs:
         all_greedy = all(p.is_greedy for p in params)
         temperature_only = all(p.is_temperature_only for p in params)
         if not (all_greedy or (temperature_only and eng_strict(self.engine))):
-            return None  # rejection sampling / full-logit filters: eager (they sync with the host)
+            return None  # rejection sampling / filtered rows: eager (they sync with the host)
         if any(p.has_penalties or p.logprobs is not None for p in params):
             return None  # penalties read the step's drafts, logprobs the raw logits: eager
         eng = self.engine
@@ -193,38 +195,44 @@ class GenerationGraphs:
         static_meta = self._attn_meta(batch)
         self._plan_attention(static_meta)
         static_drafts = None if drafts is None else drafts.to(dev)
-        ok = True
-        graph = None
-        # The warm-up runs the step eagerly, collectives included, so it stays outside the
-        # fallback below: a rank that failed here and went on to the flag's all-reduce would
-        # meet its peers inside the step's own collectives. Its error goes up instead, as an
-        # eager step's would (the launcher then stops every worker).
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # eager warm-up (allocations, lazy inits), no forced acceptance
-            for _ in range(WARMUP_RUNS):
-                self._forward_and_select(static_batch, static_meta, static_drafts, True)
-        torch.cuda.current_stream().wait_stream(side)
-        try:  # a capture only records: a rank failing here has run no collective its peers wait in
+
+        def warm_up() -> None:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # eager warm-up (allocations, lazy inits), no forced acceptance
+                for _ in range(WARMUP_RUNS):
+                    self._forward_and_select(static_batch, static_meta, static_drafts, True)
+            torch.cuda.current_stream().wait_stream(side)
+
+        def capture() -> tuple:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 accepted, num = self._forward_and_select(static_batch, static_meta, static_drafts, False)
-        except Exception as exc:  # noqa: BLE001 - any failure means: this key runs eagerly
-            ok = False
-            warnings.warn(f"CUDA graph capture of generation step {key} failed, running it eagerly: {exc}",
+            return graph, accepted, num
+
+        def min_over_ranks(vote: int) -> int:
+            flag = torch.tensor([vote], dtype=torch.int64, device=dev)
+            D.all_reduce_(flag, "min", self.engine.group)
+            return int(flag.item())
+
+        captured, error = capture_or_fall_back(warm_up, capture, min_over_ranks)
+        if error is not None:
+            warnings.warn(f"CUDA graph capture of generation step {key} failed, running it eagerly: {error}",
                           RuntimeWarning, stacklevel=2)
             torch.cuda.synchronize()
             # A capture that failed midway can leave its memory pool marked as recording; later
             # captures into it would fail too. The next capture gets a fresh pool.
             self.pool = torch.cuda.graph_pool_handle()
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int64, device=dev)
-        D.all_reduce_(flag, "min", self.engine.group)  # one rank failed -> every rank goes eager
-        if int(flag.item()) == 0:
+        if captured is None:
             self.failed.add(key)
             return None
+        graph, accepted, num = captured
         g = _Graph(graph, static_batch.token_ids, static_batch.positions, static_drafts, static_meta, accepted, num,
                    static_batch)
         self.graphs[key] = g
+        if D.group_rank(self.engine.group) == 0:
+            log.info("captured CUDA graph %d: batch bucket %d, %d pages a request, key %s", len(self.graphs), key[0],
+                     key[-1], key)
         return g
 
     def _load(self, g: _Graph, host: Any) -> None:
@@ -241,6 +249,29 @@ class GenerationGraphs:
         acc = accepted[: len(gen)].cpu().tolist()
         counts = num[: len(gen)].cpu().tolist()
         return {s.index: [int(t) for t in row[: int(n)]] for s, row, n in zip(gen, acc, counts)}
+
+
+def capture_or_fall_back(warm_up: Callable[[], None], capture: Callable[[], Any],
+                         min_over_ranks: Callable[[int], int]) -> tuple[Any | None, Exception | None]:
+    """The capture fallback, on every rank: ``(captured, error)``.
+
+    ``warm_up()`` runs the step eagerly, collectives included, so its failure is raised, not
+    voted on: a rank that failed there and went on to the vote would meet its peers inside
+    the step's own collectives (the launcher then stops every worker, as for an eager step).
+    ``capture()`` only records, so a rank whose capture raised has run no collective its
+    peers wait in: it votes 0 (1 on success) in ``min_over_ranks`` (one all-reduce), and the
+    graph is used only when every rank voted 1. ``captured`` is ``capture()``'s result then,
+    else ``None`` (every rank runs this step eagerly); ``error`` is this rank's capture
+    failure or ``None``.
+    """
+    warm_up()
+    try:
+        captured, error = capture(), None
+    except Exception as exc:  # noqa: BLE001 - any failure means: this step runs eagerly
+        captured, error = None, exc
+    if min_over_ranks(0 if error is not None else 1) != 1:
+        return None, error
+    return captured, error
 
 
 def graphs_unavailable_reason(engine: Any) -> str | None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -40,7 +41,9 @@ from ..exchange.base import Channel
 from ..mapping import Mapping
 from ..log import get_logger
 from ..sampling.penalties import OccurrenceCounts
+from ..speculative.forced import FORCE_ENV, ForcedAcceptanceWarning
 from ..speculative.metadata import RequestEntry
+from ..validation import torch_dtype
 from .config import EngineConfig, Request, RequestStats
 from .kv_sizing import plan_kv_cache
 from .pages import PageAllocator
@@ -118,14 +121,6 @@ class _Plan:
         return [s for s, _ in self.final_ctx] + self.gen
 
 
-def resolve_dtype(name: str) -> torch.dtype:
-    """``"float32"``/``"bfloat16"``/``"float16"`` -> torch dtype (ValueError otherwise)."""
-    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if name not in table:
-        raise ValueError(f"dtype must be one of {sorted(table)}, got {name!r}")
-    return table[name]
-
-
 class Engine:
     """One rank's engine. Build it on every rank of the TP group after the process group
     exists (collective: loads the sharded weights). Then, on every rank identically: either
@@ -138,12 +133,12 @@ class Engine:
         from ..exchange import make_key_exchange
         from ..model.drafters import DraftModel, NgramDrafter
         from ..model.loader import load_model
-        from ..speculative import SpecMetadata, SpecWorker
+        from ..speculative import ForcedAcceptance, SpecMetadata, SpecWorker
 
         self.config = config
         self.mapping = mapping
         self.device = torch.device(device if device is not None else config.device)
-        self.dtype = resolve_dtype(config.dtype)
+        self.dtype = torch_dtype(config.dtype)
         self.group = D.tp_group()
         self.dp_size = mapping.tp_size if mapping.enable_attention_dp else 1
         self.dp_rank = mapping.tp_rank if mapping.enable_attention_dp else 0
@@ -176,7 +171,12 @@ class Engine:
         # One request more than the batch: the dummy row (slot -1 = padding for the streams).
         self.meta = SpecMetadata(config.max_batch_size + 1, self.num_draft, device=self.device,
                                  mapping=mapping, max_num_slots=config.max_batch_size, occurrences=self.occurrences)
-        self.worker = SpecWorker(acceptance=spec.acceptance if spec is not None else "strict")
+        # Forced acceptance (a benchmark knob) comes from the config, so every rank has the same.
+        forced = None
+        if config.forced_acceptance_rate is not None and self.num_draft:
+            forced = ForcedAcceptance(config.forced_acceptance_rate, device=self.device)
+        self.worker = SpecWorker(acceptance=spec.acceptance if spec is not None else "strict", forced=forced)
+        self._forced_warning_due = forced is not None
         # Sequences by request id, in admission order; index -> sequence; this rank's queue.
         self._seqs: dict[int, _Seq] = {}
         self._by_index: dict[int, _Seq] = {}
@@ -202,17 +202,17 @@ class Engine:
         request of ``max_seq_len`` tokens fits the pool (``ValueError`` otherwise)."""
         cfg = self.config
         self.kv = plan_kv_cache(cfg, self.paged_models, self.group, self.device)
+        self.pages = PageAllocator(self.kv.num_pages, cfg.page_size)
+        longest = cfg.max_seq_len - 1 + self.num_draft
+        if self.pages.pages_for(longest) > self.kv.num_pages:  # the same verdict on every rank
+            raise ValueError(
+                f"max_model_len={cfg.max_seq_len} needs {self.pages.pages_for(longest)} KV pages of {cfg.page_size} "
+                f"tokens, the cache holds {self.kv.num_pages} ({self.kv.source}): lower max_model_len or give the "
+                f"cache more memory (kv_cache_bytes / gpu_memory_utilization)")
         for model in self.paged_models:
             model.allocate_kv_cache(self.kv.num_pages + self.kv.num_scratch_pages, cfg.page_size)
-        self.pages = PageAllocator(self.kv.num_pages, cfg.page_size)
         # Scratch pages after the requests' pages: dummy rows (attention DP) and graph padding write there.
         self.scratch_table = list(range(self.kv.num_pages, self.kv.num_pages + self.kv.num_scratch_pages))
-        longest = cfg.max_seq_len - 1 + self.num_draft
-        if self.pages.pages_for(longest) > self.kv.num_pages:
-            raise ValueError(
-                f"max_seq_len={cfg.max_seq_len} needs {self.pages.pages_for(longest)} KV pages of {cfg.page_size} "
-                f"tokens, the cache holds {self.kv.num_pages} ({self.kv.source}): lower max_seq_len or give the "
-                f"cache more memory (kv_cache_bytes / gpu_memory_utilization)")
 
     def summary(self) -> str:
         """The start-up summary rank 0 logs: model, TP, exchange, attention, pages, graphs, load time."""
@@ -220,8 +220,11 @@ class Engine:
         exchange = type(self.exchange).__name__ if self.exchange is not None else "none (LM head not sharded)"
         why = f"exchange={cfg.exchange!r}"
         if self.exchange is not None and cfg.exchange == "auto":
-            why = ("auto: one node, CUDA and cupy" if "LL" in exchange
-                   else "auto: the LL exchange needs CUDA and cupy on one node")
+            from ..exchange.factory import local_ll_blocker
+
+            blocker = None if "LL" in exchange else local_ll_blocker(self.device)
+            why = ("auto: every rank on one node with CUDA and cupy" if "LL" in exchange
+                   else f"auto: no LL exchange, {blocker or 'the ranks span several nodes or one lacks it'}")
         graphs = "off" if self.graphs is None else "on (captured per batch bucket on first use)"
         kv = self.kv
         return (f"engine ready: model {cfg.model_path} ({self.model.config.architecture}, "
@@ -239,6 +242,11 @@ class Engine:
         DP size. Raises ``ValueError`` for an empty or too long prompt or a reused id."""
         if self.dp_size > 1 and any(r.sampling.has_penalties or r.sampling.logprobs is not None for r in requests):
             raise ValueError("penalties and logprobs are not supported with attention DP")
+        if self._forced_warning_due:  # on every rank's first request
+            self._forced_warning_due = False
+            warnings.warn(f"rank {self.mapping.rank}: {FORCE_ENV}={self.config.forced_acceptance_rate:g} forces how many "
+                          "drafts each step accepts (a benchmark knob): the generated tokens are not the model's",
+                          ForcedAcceptanceWarning, stacklevel=2)
         for req in requests:
             if req.request_id in self._seqs:
                 raise ValueError(f"request {req.request_id} is already in the engine")
@@ -374,13 +382,7 @@ class Engine:
 
     # ------------------------------------------------------------------ scheduling
     def _new_seq(self, req: Request, index: int, owner: int) -> _Seq:
-        if not req.prompt:
-            raise ValueError(f"request {req.request_id}: empty prompt")
-        if len(req.prompt) >= self.config.max_seq_len:
-            raise ValueError(
-                f"request {req.request_id}: prompt of {len(req.prompt)} tokens leaves no room to generate "
-                f"(max_seq_len={self.config.max_seq_len})"
-            )
+        self.config.check_prompt_len(len(req.prompt), f"request {req.request_id}'s prompt")
         seq = _Seq(req=req, index=index, owner=owner, tokens=list(req.prompt), num_prompt=len(req.prompt),
                    logprobs=None if req.sampling.logprobs is None else [])
         seq.stats.num_prompt_tokens = len(req.prompt)

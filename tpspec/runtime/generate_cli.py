@@ -1,7 +1,8 @@
 """``tpspec generate``: generate with a TP model and print the outputs and a summary.
 
-With no arguments it makes the tiny random model (cached), runs it at TP = 2 on CPU
-with local worker processes and n-gram speculation — the README's main job. Under
+With no arguments it makes the tiny random model (cached), runs it at TP = 2 (on the GPUs
+when there are any, else on CPU) with local worker processes and n-gram speculation — the
+README's main job. Under
 torchrun (``torchrun --nproc-per-node N -m tpspec generate``) every process is a rank
 and rank 0 prints.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 
 DEFAULT_PROMPTS = [
@@ -32,7 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--distributed-executor-backend", choices=("mp", "ray", "external_launcher"), default=None,
                         help="mp: local worker processes (default); external_launcher: this process is a rank "
                              "(chosen automatically under torchrun); ray: one Ray actor per rank")
-    parser.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu", help="default: cpu")
+    parser.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto",
+                        help="default: auto (cuda when a GPU is visible, else cpu)")
     parser.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16, float16")
     parser.add_argument("--attention-dp", action="store_true", help="attention data-parallel over the TP group")
     parser.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4}',
@@ -66,9 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _parse_prompt(text: str) -> str | list[int]:
-    """``'1,2,3'`` / ``'1 2 3'`` -> token ids; anything else stays text."""
+    """``'1,2,3'`` / ``'1 2 3'`` -> token ids (a negative one too, which ``LLM`` then
+    refuses by name); anything else stays text."""
     parts = text.replace(",", " ").split()
-    if parts and all(p.isdigit() for p in parts):
+    if parts and all(re.fullmatch(r"[+-]?\d+", p) for p in parts):
         return [int(p) for p in parts]
     return text
 
@@ -115,13 +119,12 @@ def run(args: argparse.Namespace) -> int:
     from ..model.tiny import TINY_DESCRIPTION
     from ..sampling.params import SamplingParams
     from .launchers import WorkerError
-    from .llm import LLM
+    from .llm import LLM, under_torchrun
 
-    under_torchrun = "WORLD_SIZE" in os.environ and "RANK" in os.environ
-    backend = args.distributed_executor_backend or ("external_launcher" if under_torchrun else "mp")
+    backend = args.distributed_executor_backend or ("external_launcher" if under_torchrun() else "mp")
     tp = args.tensor_parallel_size
     if tp is None:
-        tp = int(os.environ["WORLD_SIZE"]) if backend == "external_launcher" and under_torchrun else 2
+        tp = int(os.environ["WORLD_SIZE"]) if backend == "external_launcher" and under_torchrun() else 2
     rank0 = backend != "external_launcher" or os.environ.get("RANK", "0") == "0"
     try:
         spec = _speculative_config(args.speculative_config, args.model)
@@ -166,7 +169,8 @@ def run(args: argparse.Namespace) -> int:
                         "wall_s": stats.wall_s, "tokens_per_s": stats.tokens_per_s,
                         "mean_tokens_per_step": stats.mean_tokens_per_step,
                         "mean_accepted_drafts_per_step": stats.mean_accepted_drafts_per_step,
-                        "acceptance_rate": stats.acceptance_rate},
+                        "acceptance_rate": stats.acceptance_rate,
+                        "forced_acceptance_rate": stats.forced_acceptance_rate},
         }))
         return 0
     print(f"tpspec generate: {desc}")
@@ -184,6 +188,9 @@ def run(args: argparse.Namespace) -> int:
                   f"drafts)")
     print(f"summary: {stats.num_requests} requests, {stats.num_generated_tokens} tokens in {stats.wall_s:.2f} s "
           f"= {stats.tokens_per_s:.1f} tokens/s")
+    if stats.forced_acceptance_rate is not None:
+        print(f"warning: acceptance was forced at {stats.forced_acceptance_rate:g} drafts a step "
+              f"(TPSPEC_FORCE_NUM_ACCEPTED_TOKENS is set): these are not the model's tokens")
     if spec is not None:
         print(f"         mean accepted tokens per step {stats.mean_tokens_per_step:.2f} "
               f"({stats.mean_accepted_drafts_per_step:.2f} drafts + 1), "

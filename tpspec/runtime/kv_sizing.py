@@ -5,7 +5,9 @@
   (split evenly between ranks that share one). Weights are already loaded; one profiled
   step of ``max_num_tokens`` tokens through every paged model measures the activations,
   and the same amount again is held back for the CUDA-graph pool; the rest goes to pages.
-* CPU without ``kv_cache_bytes``: pages for ``max_batch_size`` requests of ``max_seq_len``.
+* CPU without ``kv_cache_bytes``: pages for ``max_batch_size`` requests of ``max_seq_len``,
+  at most ``CPU_DEFAULT_KV_BYTES`` (a long-context model would otherwise ask for more memory
+  than the host has; give ``kv_cache_bytes`` for more).
 
 The ranks then take the minimum page count (one all-reduce), so admission decisions,
 which depend on it, agree everywhere.
@@ -25,6 +27,7 @@ from .pages import plan_num_pages
 
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 FREE_MEMORY_HEADROOM = 256 * 1024 * 1024
+CPU_DEFAULT_KV_BYTES = 4 << 30
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,9 @@ def plan_kv_cache(config: Any, models: list[Any], group: Any, device: torch.devi
     else:
         pages = config.max_batch_size * pages_needed(config.max_seq_len - 1 + k, page_size)
         source = f"max_batch_size={config.max_batch_size} requests of max_seq_len={config.max_seq_len}"
+        if (pages + scratch) * page_bytes > CPU_DEFAULT_KV_BYTES:
+            pages = CPU_DEFAULT_KV_BYTES // page_bytes - scratch
+            source = f"the CPU default of {CPU_DEFAULT_KV_BYTES >> 30} GiB"
     if pages < 1:
         raise ValueError(f"the KV cache budget ({source}) leaves no page for requests after the "
                          f"{scratch} scratch page(s) of padding rows")

@@ -1,203 +1,303 @@
-"""Executors: how the ranks of one TP group are started and driven.
+"""Executors: the one way tpspec starts the ranks of a process group and runs work on them.
+
+An :class:`Executor` starts ``world_size`` ranks that join one process group
+(:class:`GroupSpec` says how), then runs *calls* on them: ``call(fn, *args)`` runs
+``fn(ctx, *args)`` on every rank, where ``ctx`` is the rank's :class:`RankContext`
+(rank, mapping, device, and a ``state`` dict that outlives the call, where the runtime
+keeps its engine), and returns every rank's result. ``fn`` must be a module-level
+function (it travels by name).
 
 * :class:`InProcessExecutor` — this process *is* a rank (torchrun, or a single plain
-  process). Every rank runs the same program; each returns the results.
-* :class:`MPExecutor` — the driver spawns ``tp_size`` local worker processes (gloo on CPU,
-  NCCL on GPUs) and talks to them over queues.
+  process); every rank runs the same program and makes the same calls.
+* :class:`MPExecutor` — ``world_size`` local worker processes (gloo on CPU, NCCL on GPUs)
+  driven over queues.
 * :class:`RayExecutor` — one Ray actor per rank in a placement group.
 
-All three run :class:`~tpspec.runtime.engine.Engine` on every rank with the same
-requests; rank 0 reports progress and results. The driver never waits unboundedly:
-worker death is noticed by liveness checks within a fraction of a second, a hung
-group by the absence of progress for ``step_timeout_s``, slow start-up by
-``init_timeout_s``; each raises :class:`WorkerError` and tears the workers down.
+The runtime's ``LLM``, ``tpspec check``, the benchmarks and
+:func:`tpspec.testing.run_ranks` all start their ranks through these.
+
+The driver never waits unboundedly: a rank's death is noticed within a fraction of a
+second, a hung group by ``timeout_s`` passing without progress, slow start-up by
+``init_timeout_s``; each raises :class:`WorkerError` naming the rank and leaves the
+executor unusable (its ranks are killed). The ranks watch their driver too: a worker
+whose driver died exits within seconds, busy or idle (a parent-death signal on Linux
+plus a check at every progress report and while idle), so nothing is left running.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import ctypes
 import os
+import pickle
 import queue
-import socket
+import signal
 import sys
+import threading
 import time
 import traceback
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from .. import distributed as D
-from .config import EngineConfig, Request
-from .engine import Engine, ProgressFn, SequenceResult, SequenceUpdate
+from ..mapping import Mapping
+from .config import LAUNCHERS
 
 POLL_S = 0.2
+DRIVER_CHECK_S = 0.5  # how often a busy rank checks that its driver is alive
+PROGRESS_INTERVAL_S = 0.25  # how often a rank reports its progress to the driver
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                 "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+                 "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE",
+                 "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+"""The variables torchrun sets for its ranks: never passed on to an executor's own workers."""
+
+ProgressFn = Callable[[int, int], None]
+"""``on_progress(steps_done, tokens_generated_so_far)``."""
 
 
 class WorkerError(RuntimeError):
-    """A worker died, hung, or raised. The executor is unusable afterwards."""
+    """A rank died, hung, or raised. The executor is unusable afterwards.
+
+    ``rank``: the rank at fault when known; ``remote_traceback``: its traceback when it raised.
+    """
+
+    def __init__(self, message: str, rank: int | None = None, remote_traceback: str | None = None) -> None:
+        text = message if remote_traceback is None else f"{message}\n--- rank {rank} traceback ---\n{remote_traceback}"
+        super().__init__(text)
+        self.rank = rank
+        self.remote_traceback = remote_traceback
 
 
-def _worker_threads(tp_size: int) -> int:
-    """CPU threads per rank: the cores split between the local ranks (at least 1)."""
-    if os.environ.get("TPSPEC_NUM_THREADS"):
-        return max(1, int(os.environ["TPSPEC_NUM_THREADS"]))
-    return max(1, (os.cpu_count() or 1) // max(1, tp_size))
+@dataclass(frozen=True)
+class GroupSpec:
+    """How the ranks of an executor join their process group.
+
+    ``world_size``: ranks. ``device``: ``"cpu"``, ``"cuda"`` (each rank gets a GPU,
+    ``LOCAL_RANK`` modulo the GPUs) or ``None`` (the calls pick their devices).
+    ``backend``: process-group backend (default: ``nccl`` on cuda, else ``gloo``).
+    ``tp_size`` / ``attention_dp``: the :class:`~tpspec.mapping.Mapping` of every rank.
+    ``num_threads``: torch intra-op threads per rank (default: ``$TPSPEC_NUM_THREADS``, else
+    the host's cores split between the local ranks). ``env``: added to every rank's
+    environment before it joins. ``pg_timeout_s``: timeout of the group's collectives.
+    """
+
+    world_size: int
+    device: str | None = "cpu"
+    backend: str | None = None
+    tp_size: int | None = None
+    attention_dp: bool = False
+    num_threads: int | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    pg_timeout_s: float = D.DEFAULT_TIMEOUT_S
+
+    def threads(self, local_ranks: int) -> int:
+        if self.num_threads is not None:
+            return self.num_threads
+        if os.environ.get("TPSPEC_NUM_THREADS"):
+            return max(1, int(os.environ["TPSPEC_NUM_THREADS"]))
+        return max(1, (os.cpu_count() or 1) // max(1, local_ranks))
 
 
-def _pick_device(config: EngineConfig, local_rank: int) -> torch.device:
-    if config.device == "cuda":
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
+class RankContext:
+    """What a call sees on its rank: ``rank``, ``world_size``, ``mapping``, ``device``, a
+    ``state`` dict kept between calls, and :meth:`report` for progress."""
 
+    def __init__(self, rank: int, world_size: int, mapping: Mapping, device: torch.device,
+                 driver_pid: int | None = None) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.mapping = mapping
+        self.device = device
+        self.state: dict[str, Any] = {}
+        self._sink: ProgressFn | None = None
+        self._driver_pid = driver_pid
+        self._last_sent = 0.0
+        self._last_check = time.monotonic()
 
-def free_port() -> int:
-    """A TCP port free on every interface of this host right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
-
-
-class _Throttle:
-    """Calls ``send`` at most every ``interval_s`` seconds (and always on the first call)."""
-
-    def __init__(self, send: ProgressFn, interval_s: float) -> None:
-        self.send = send
-        self.interval_s = interval_s
-        self.last = 0.0
-
-    def __call__(self, steps: int, tokens: int) -> None:
+    def report(self, steps: int, tokens: int) -> None:
+        """Progress of the current call (every rank may report; throttled). A rank whose
+        driver has died exits here, even while busy."""
         now = time.monotonic()
-        if now - self.last >= self.interval_s:
-            self.last = now
-            self.send(steps, tokens)
+        if self._driver_pid is not None and now - self._last_check >= DRIVER_CHECK_S:
+            self._last_check = now
+            if not _pid_alive(self._driver_pid):
+                os._exit(1)  # the driver is gone: nobody reads our results
+        if self._sink is not None and now - self._last_sent >= PROGRESS_INTERVAL_S:
+            self._last_sent = now
+            self._sink(steps, tokens)
+
+
+def _join_group(rank: int, spec: GroupSpec, addr: str, port: int, local_ranks: int,
+                driver_pid: int | None) -> RankContext:
+    """Join the process group as ``rank`` and build the rank's context."""
+    torch.set_num_threads(spec.threads(local_ranks))
+    mapping = D.init_distributed(rank=rank, world_size=spec.world_size, master_addr=addr, master_port=port,
+                                 tp_size=spec.tp_size, backend=spec.backend, device=spec.device,
+                                 enable_attention_dp=spec.attention_dp, timeout_s=spec.pg_timeout_s)
+    device = torch.device("cuda", torch.cuda.current_device()) if spec.device == "cuda" else torch.device("cpu")
+    return RankContext(rank, spec.world_size, mapping, device, driver_pid)
 
 
 class Executor:
-    """The driver's handle on the ranks of one TP group."""
+    """The driver's handle on the ranks of one process group.
 
-    #: rank of this process in the group when it is a rank itself (in-process), else None
+    ``local_rank``: this process's rank when it is a rank itself (in-process), else None.
+    """
+
     local_rank: int | None = None
 
+    def __init__(self, spec: GroupSpec) -> None:
+        self.spec = spec
+        self._broken: str | None = None
+
     def start(self) -> None:
+        """Start the ranks and join them in the group (bounded by ``init_timeout_s``)."""
         raise NotImplementedError
 
-    def run(self, requests: list[Request], on_progress: ProgressFn | None = None) -> list[SequenceResult]:
-        """Run the requests on every rank; return rank 0's results (one per request, in order)."""
-        raise NotImplementedError
-
-    def step(self, new_requests: list[Request], aborts: list[int]) -> list[SequenceUpdate]:
-        """One engine step driven by the driver: every rank adds ``new_requests``, aborts the
-        sequences ``aborts`` and runs one step (none when nothing is left); returns rank 0's
-        updates. The ranks get the same commands in the same order (continuous batching)."""
+    def call(self, fn: Callable[..., Any], *args: Any, on_progress: ProgressFn | None = None,
+             timeout_s: float | None = None) -> list[Any]:
+        """Run ``fn(ctx, *args)`` on every rank; return the results, index = rank (``None``
+        for ranks that live in other processes under :class:`InProcessExecutor`).
+        ``on_progress`` receives rank 0's reports; ``timeout_s``: how long the driver waits
+        without any progress before it declares the group hung. Raises
+        :class:`WorkerError` when a rank raises, dies or hangs."""
         raise NotImplementedError
 
     def shutdown(self) -> None:
-        """End the workers (idempotent, bounded)."""
+        """End the ranks (idempotent, bounded)."""
         raise NotImplementedError
+
+    def _check_usable(self) -> None:
+        if self._broken:
+            raise WorkerError(f"the workers are gone ({self._broken}); create a new executor (a new LLM)")
+
+    def _mark_broken(self, exc: BaseException) -> None:
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        self._broken = first or f"interrupted by {type(exc).__name__}"
+
+    def __enter__(self) -> "Executor":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
 
 # ---------------------------------------------------------------------------- in-process
 class InProcessExecutor(Executor):
-    """This process is one rank: torchrun (``RANK``/``WORLD_SIZE`` in the environment) or a
-    single plain process (world size 1). Collective: every rank constructs it and calls
-    :meth:`run` with the same requests; every rank gets the results."""
+    """This process is one rank: torchrun (``RANK``/``WORLD_SIZE`` in the environment, or a
+    process group that already exists) or a single plain process (world size 1). Every
+    rank constructs it and makes the same calls; each gets its own result."""
 
-    def __init__(self, config: EngineConfig) -> None:
-        self.config = config
-        self.engine: Engine | None = None
+    def __init__(self, spec: GroupSpec) -> None:
+        super().__init__(spec)
+        self.ctx: RankContext | None = None
         self._owns_group = False
 
     def start(self) -> None:
         import torch.distributed as dist
 
         existed = dist.is_available() and dist.is_initialized()
-        mapping = D.init_distributed(tp_size=self.config.tp_size, device=self.config.device,
-                                     enable_attention_dp=self.config.attention_dp)
+        mapping = D.init_distributed(tp_size=self.spec.tp_size, backend=self.spec.backend, device=self.spec.device,
+                                     enable_attention_dp=self.spec.attention_dp, timeout_s=self.spec.pg_timeout_s)
         self._owns_group = not existed
-        if mapping.world_size != self.config.tp_size:
+        if mapping.world_size != self.spec.world_size:
             if self._owns_group:
                 D.destroy_distributed()
-            raise ValueError(
-                f"launcher='torchrun' runs one TP group: WORLD_SIZE={mapping.world_size} must equal "
-                f"tp_size={self.config.tp_size}"
-            )
+            raise ValueError(f"an in-process rank runs one TP group: WORLD_SIZE={mapping.world_size} must equal "
+                             f"tensor_parallel_size={self.spec.world_size}")
         self.local_rank = mapping.rank
-        device = torch.device("cuda", torch.cuda.current_device()) if self.config.device == "cuda" else None
-        self.engine = Engine(self.config, mapping, device)
+        device = torch.device("cuda", torch.cuda.current_device()) if self.spec.device == "cuda" else \
+            torch.device("cpu")
+        self.ctx = RankContext(mapping.rank, mapping.world_size, mapping, device)
 
-    def run(self, requests: list[Request], on_progress: ProgressFn | None = None) -> list[SequenceResult]:
-        if self.engine is None:
+    def call(self, fn: Callable[..., Any], *args: Any, on_progress: ProgressFn | None = None,
+             timeout_s: float | None = None) -> list[Any]:
+        self._check_usable()
+        if self.ctx is None:
             raise RuntimeError("the executor is not started (or already shut down)")
-        return self.engine.generate(requests, on_progress if self.local_rank == 0 else None)
-
-    def step(self, new_requests: list[Request], aborts: list[int]) -> list[SequenceUpdate]:
-        if self.engine is None:
-            raise RuntimeError("the executor is not started (or already shut down)")
-        return _engine_step(self.engine, new_requests, aborts)
+        self.ctx._sink = on_progress  # noqa: SLF001
+        self.ctx._last_sent = 0.0  # noqa: SLF001
+        try:
+            value = fn(self.ctx, *args)
+        except KeyboardInterrupt as exc:  # the peers are mid-collective: this group cannot go on
+            self._mark_broken(exc)
+            raise
+        finally:
+            self.ctx._sink = None  # noqa: SLF001
+        results: list[Any] = [None] * self.ctx.world_size
+        results[self.ctx.rank] = value
+        return results
 
     def shutdown(self) -> None:
-        if self.engine is not None:
-            self.engine.close()
-            self.engine = None
-            if self._owns_group:
-                D.destroy_distributed()
+        if self.ctx is None:
+            return
+        ctx, self.ctx = self.ctx, None
+        for item in ctx.state.values():
+            if hasattr(item, "close"):
+                item.close()
+        if self._owns_group:
+            D.destroy_distributed()
 
 
 # ---------------------------------------------------------------------------- multiprocessing
-def _mp_worker_main(rank: int, world_size: int, port: int, config: EngineConfig, commands: Any, out: Any,
-                    env: dict[str, str], parent: int) -> None:
-    """Body of one spawned rank: build the engine, then serve ``generate`` commands."""
-    # The forkserver's environment is from when it started: take the driver's current one
-    # (TPSPEC_FORCE_NUM_ACCEPTED_TOKENS, TPSPEC_NUM_THREADS, NCCL_* ... set since then).
-    os.environ.update(env)
-    engine = None
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when its parent exits (the forkserver, which itself exits
+    when the driver does, or the driver under ``spawn``)."""
+    if not sys.platform.startswith("linux"):
+        return
     try:
-        torch.set_num_threads(_worker_threads(world_size))
-        os.environ["LOCAL_RANK"] = str(rank)
-        mapping = D.init_distributed(rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port,
-                                     tp_size=world_size, device=config.device,
-                                     enable_attention_dp=config.attention_dp)
-        engine = Engine(config, mapping, _pick_device(config, rank))
-        out.put(("ready", rank))
+        libc = ctypes.CDLL(None, use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _mp_worker_main(rank: int, spec: GroupSpec, port: int, commands: Any, out: Any, env: dict[str, str],
+                    driver_pid: int) -> None:
+    """Body of one worker process: join the group, then run calls until told to stop."""
+    _die_with_parent()
+    if not _pid_alive(driver_pid):  # the driver died before the death signal was armed
+        os._exit(1)
+    for name in TORCHRUN_VARS:  # the forkserver may have been started under torchrun
+        os.environ.pop(name, None)
+    os.environ.update(env)
+    os.environ.update(spec.env)
+    os.environ["LOCAL_RANK"] = str(rank)
+    ctx = None
+    try:
+        ctx = _join_group(rank, spec, "127.0.0.1", port, spec.world_size, driver_pid)
+        out.put(("ready", None, rank))
         while True:
             try:
                 cmd = commands.get(timeout=1.0)
             except queue.Empty:
-                if not _pid_alive(parent):  # the driver is gone: do not linger
-                    return
+                if not _pid_alive(driver_pid):
+                    os._exit(1)  # nobody will read what we would flush
                 continue
             if cmd[0] == "shutdown":
                 return
-            if cmd[0] == "step":
-                _, call_id, new_requests, aborts = cmd
-                updates = _engine_step(engine, new_requests, aborts)
-                if rank == 0:
-                    out.put(("stepped", call_id, updates))
-                continue
-            _, call_id, requests = cmd
-            progress = None
-            if rank == 0:
-                progress = _Throttle(lambda s, t: out.put(("progress", call_id, s, t)), config.progress_interval_s)
-            results = engine.generate(requests, progress)
-            if rank == 0:
-                out.put(("result", call_id, results))
+            _, call_id, fn, args = cmd
+            ctx._sink = lambda s, t, c=call_id: out.put(("progress", c, rank, s, t))  # noqa: SLF001
+            ctx._last_sent = 0.0  # noqa: SLF001
+            value = fn(ctx, *args)
+            ctx._sink = None  # noqa: SLF001
+            out.put(("result", call_id, rank, pickle.dumps(value)))
     except BaseException:  # noqa: BLE001 - the driver must hear about every failure
-        out.put(("error", rank, traceback.format_exc()))
+        out.put(("error", None, rank, traceback.format_exc()))
     finally:
         try:
-            if engine is not None:
-                engine.close()
+            if ctx is not None:
+                for item in ctx.state.values():
+                    if hasattr(item, "close"):
+                        item.close()
             D.destroy_distributed()
         except Exception:  # noqa: BLE001
             pass
-
-
-def _engine_step(engine: Engine, new_requests: list[Request], aborts: list[int]) -> list[SequenceUpdate]:
-    """What every rank does for one driver step (the same on every rank)."""
-    engine.add_requests(new_requests)
-    engine.abort(aborts)
-    return engine.step() if engine.has_unfinished else []
 
 
 def _pid_alive(pid: int) -> bool:
@@ -208,6 +308,17 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _process_state(pid: int | None) -> str:
+    """``running``/``sleeping``/``stopped``/... of a Linux process (``/proc``), else ``alive``."""
+    names = {"R": "running", "S": "sleeping", "D": "in uninterruptible wait", "T": "stopped", "t": "stopped",
+             "Z": "exited", "X": "exited"}
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return names.get(f.read().rsplit(")", 1)[1].split()[0], "alive")
+    except (OSError, IndexError):
+        return "alive"
 
 
 def _worker_context() -> Any:
@@ -225,9 +336,9 @@ def _worker_context() -> Any:
 
 @contextlib.contextmanager
 def _main_module_hidden():
-    """Spawned workers need nothing from the user's ``__main__`` (their target and arguments
-    live in tpspec), so keep ``multiprocessing`` from re-running the user's script in them:
-    scripts then work without an ``if __name__ == "__main__":`` guard."""
+    """Workers need nothing from the user's ``__main__`` (their target and arguments live in
+    importable modules), so keep ``multiprocessing`` from re-running the user's script in
+    them: scripts then work without an ``if __name__ == "__main__":`` guard."""
     main = sys.modules.get("__main__")
     saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if main is not None and k in main.__dict__}
     try:
@@ -242,17 +353,25 @@ def _main_module_hidden():
 
 
 class MPExecutor(Executor):
-    """``tp_size`` spawned local processes, one per rank."""
+    """``world_size`` local worker processes, one per rank, joined over 127.0.0.1.
 
-    def __init__(self, config: EngineConfig, *, init_timeout_s: float = 300.0, step_timeout_s: float = 120.0) -> None:
-        self.config = config
+    ``import_main``: the workers import the driver's ``__main__`` module, as calls of
+    functions defined there need (the script then needs an ``if __name__ == "__main__":``
+    guard); by default they do not, so scripts that only drive tpspec need no guard.
+    """
+
+    def __init__(self, spec: GroupSpec, *, init_timeout_s: float = 300.0, timeout_s: float = 120.0,
+                 import_main: bool = False) -> None:
+        super().__init__(spec)
+        self.import_main = import_main
         self.init_timeout_s = init_timeout_s
-        self.step_timeout_s = step_timeout_s
+        self.timeout_s = timeout_s
         self.procs: list[Any] = []
         self._commands: list[Any] = []
         self._out: Any = None
         self._call_id = 0
-        self._broken: str | None = None
+        self._steps: dict[int, int] = {}
+        self._backlog: list[tuple] = []
 
     @property
     def pids(self) -> list[int]:
@@ -261,90 +380,110 @@ class MPExecutor(Executor):
 
     def start(self) -> None:
         ctx = _worker_context()
-        n = self.config.tp_size
-        if self.config.device == "cuda" and torch.cuda.device_count() < n:
-            raise ValueError(f"tp_size={n} needs {n} GPUs, this host has {torch.cuda.device_count()}")
+        n = self.spec.world_size
+        if self.spec.device == "cuda" and torch.cuda.device_count() < n:
+            raise ValueError(f"{n} ranks need {n} GPUs, this host has {torch.cuda.device_count()}")
         self._out = ctx.Queue()
         self._commands = [ctx.Queue() for _ in range(n)]
         port = D.find_free_port()
+        env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
         self.procs = [
             ctx.Process(target=_mp_worker_main,
-                        args=(r, n, port, self.config, self._commands[r], self._out, dict(os.environ), os.getpid()),
+                        args=(r, self.spec, port, self._commands[r], self._out, env, os.getpid()),
                         daemon=True, name=f"tpspec-rank{r}")
             for r in range(n)
         ]
-        with _main_module_hidden():
-            for p in self.procs:
-                p.start()
-        ready: set[int] = set()
-        deadline = time.monotonic() + self.init_timeout_s
         try:
+            with contextlib.nullcontext() if self.import_main else _main_module_hidden():
+                for p in self.procs:
+                    p.start()
+            ready: set[int] = set()
+            deadline = time.monotonic() + self.init_timeout_s
             while len(ready) < n:
-                msg = self._next_message(deadline, f"start-up (model load) of {n} ranks")
+                msg = self._next_message(deadline, set(range(n)) - ready, "start-up",
+                                         self.init_timeout_s)
                 if msg[0] == "ready":
-                    ready.add(msg[1])
-        except BaseException:
+                    ready.add(msg[2])
+        except BaseException as exc:
+            self._mark_broken(exc)
             self._abort()
             raise
 
-    def run(self, requests: list[Request], on_progress: ProgressFn | None = None) -> list[SequenceResult]:
-        if self._broken:
-            raise WorkerError(f"the workers are gone ({self._broken}); create a new LLM")
+    def call(self, fn: Callable[..., Any], *args: Any, on_progress: ProgressFn | None = None,
+             timeout_s: float | None = None) -> list[Any]:
+        self._check_usable()
         if not self.procs:
             raise RuntimeError("the executor is not started (or already shut down)")
+        timeout = self.timeout_s if timeout_s is None else timeout_s
         self._call_id += 1
         call_id = self._call_id
+        self._steps = {}
         for q in self._commands:
-            q.put(("generate", call_id, requests))
+            q.put(("call", call_id, fn, args))
+        results: dict[int, Any] = {}
         try:
-            while True:
-                msg = self._next_message(time.monotonic() + self.step_timeout_s,
-                                         f"progress (no step finished in {self.step_timeout_s:.0f} s)")
-                if msg[0] == "progress" and msg[1] == call_id and on_progress is not None:
-                    on_progress(msg[2], msg[3])
-                elif msg[0] == "result" and msg[1] == call_id:
-                    return msg[2]
+            deadline = time.monotonic() + timeout
+            while len(results) < len(self.procs):
+                pending = set(range(len(self.procs))) - set(results)
+                msg = self._next_message(deadline, pending, "call", timeout)
+                if msg[1] != call_id:
+                    continue
+                if msg[0] == "progress":
+                    self._steps[msg[2]] = msg[3]
+                    deadline = time.monotonic() + timeout
+                    if msg[2] == 0 and on_progress is not None:
+                        on_progress(msg[3], msg[4])
+                elif msg[0] == "result":
+                    try:
+                        results[msg[2]] = pickle.loads(msg[3])
+                    except Exception as exc:  # noqa: BLE001 - e.g. a result type the driver cannot import
+                        raise WorkerError(f"rank {msg[2]}'s result could not be unpickled in the parent: "
+                                          f"{type(exc).__name__}: {exc}", msg[2]) from None
         except BaseException as exc:
+            self._mark_broken(exc)
             self._abort()
-            self._broken = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise
+        return [results[r] for r in range(len(self.procs))]
 
-    def step(self, new_requests: list[Request], aborts: list[int]) -> list[SequenceUpdate]:
-        if self._broken:
-            raise WorkerError(f"the workers are gone ({self._broken}); create a new LLM")
-        if not self.procs:
-            raise RuntimeError("the executor is not started (or already shut down)")
-        self._call_id += 1
-        call_id = self._call_id
-        for q in self._commands:
-            q.put(("step", call_id, new_requests, aborts))
-        try:
-            while True:
-                msg = self._next_message(time.monotonic() + self.step_timeout_s,
-                                         f"a step (none finished in {self.step_timeout_s:.0f} s)")
-                if msg[0] == "stepped" and msg[1] == call_id:
-                    return msg[2]
-        except BaseException as exc:
-            self._abort()
-            self._broken = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise
-
-    def _next_message(self, deadline: float, waiting_for: str) -> tuple:
-        """The next message from the ranks; raises :class:`WorkerError` on a rank's error,
-        a dead rank, or the deadline."""
+    def _next_message(self, deadline: float, pending: set[int], waiting_for: str, timeout: float) -> tuple:
+        """The next message from the ranks; raises :class:`WorkerError` on a rank's error, a
+        dead rank among ``pending`` or the deadline."""
         while True:
             try:
-                msg = self._out.get(timeout=POLL_S)
+                msg = self._backlog.pop(0) if self._backlog else self._out.get(timeout=POLL_S)
             except queue.Empty:
-                self._check_alive()
+                self._check_alive(pending)
                 if time.monotonic() > deadline:
-                    states = ", ".join(f"rank {r}: pid {p.pid} {'alive' if p.is_alive() else 'dead'}"
-                                       for r, p in enumerate(self.procs))
-                    raise WorkerError(f"timed out waiting for {waiting_for}; {states}") from None
+                    raise WorkerError(self._hung_message(pending, waiting_for, timeout),
+                                      self._suspects(pending)[0] if self._suspects(pending) else None) from None
                 continue
             if msg[0] == "error":
-                self._raise_rank_error(msg[1], msg[2])
+                self._raise_rank_error(msg[2], msg[3])
             return msg
+
+    def _suspects(self, pending: set[int]) -> list[int]:
+        """The ranks that most likely hold the others up: stopped processes, else the pending
+        ranks behind the rest in finished steps."""
+        stopped = [r for r in sorted(pending) if _process_state(self.procs[r].pid) == "stopped"]
+        if stopped:
+            return stopped
+        if self._steps:
+            top = max(self._steps.values())
+            behind = [r for r in sorted(pending) if self._steps.get(r, -1) < top]
+            if behind:
+                return behind
+        return []
+
+    def _hung_message(self, pending: set[int], waiting_for: str, timeout: float) -> str:
+        states = "; ".join(
+            f"rank {r} (pid {p.pid}): {_process_state(p.pid)}"
+            + (f", {self._steps[r]} steps done" if r in self._steps else "")
+            for r, p in enumerate(self.procs))
+        suspects = self._suspects(pending)
+        blame = (f"; rank {suspects[0]} holds the others up" if len(suspects) == 1
+                 else f"; ranks {suspects} hold the others up" if suspects else "")
+        return (f"ranks {sorted(pending)} did not finish within {timeout:.0f} s ({waiting_for}: no progress "
+                f"for that long){blame}. {states}")
 
     def _raise_rank_error(self, rank: int, tb: str) -> None:
         """A rank raised. When a peer died, that death is the news (the raise is its echo:
@@ -355,22 +494,24 @@ class MPExecutor(Executor):
             if dead:
                 r, p = dead[0]
                 last = tb.strip().splitlines()[-1] if tb.strip() else ""
-                raise WorkerError(f"worker rank {r} (pid {p.pid}) died with exit code {p.exitcode}; "
-                                  f"rank {rank} then failed: {last}")
+                raise WorkerError(f"rank {r} died with exit code {p.exitcode} (pid {p.pid}); "
+                                  f"rank {rank} then failed: {last}", r)
             time.sleep(0.05)
-        raise WorkerError(f"worker rank {rank} raised:\n{tb}")
+        raise WorkerError(f"rank {rank} raised", rank, tb)
 
-    def _check_alive(self) -> None:
-        for rank, p in enumerate(self.procs):
-            if p.exitcode is not None:
-                # A crashing rank usually posts its traceback first: prefer that message.
-                try:
-                    msg = self._out.get(timeout=0.5)
-                    if msg[0] == "error" and msg[1] == rank:
-                        raise WorkerError(f"worker rank {rank} raised:\n{msg[2]}")
-                except queue.Empty:
-                    pass
-                raise WorkerError(f"worker rank {rank} (pid {p.pid}) died with exit code {p.exitcode}")
+    def _check_alive(self, pending: set[int]) -> None:
+        """Raise when a rank the driver still waits for has exited; a rank that exits usually
+        posts its traceback (or its result) first, so read on a moment before blaming it."""
+        for rank in sorted(pending):
+            p = self.procs[rank]
+            if p.exitcode is None:
+                continue
+            try:
+                self._backlog.append(self._out.get(timeout=1.0))  # handled by the caller's loop
+            except queue.Empty:
+                raise WorkerError(f"rank {rank} died with exit code {p.exitcode} before returning a result "
+                                  f"(pid {p.pid})", rank) from None
+            return
 
     def _abort(self) -> None:
         started = [p for p in self.procs if p.pid is not None]
@@ -402,12 +543,13 @@ class MPExecutor(Executor):
 
 # ---------------------------------------------------------------------------- ray
 class _RayRank:
-    """One TP rank inside a Ray actor (threaded: ``progress`` answers while ``generate`` runs)."""
+    """One rank inside a Ray actor (two threads: ``progress`` answers while ``call`` runs;
+    calls themselves run one at a time)."""
 
     def __init__(self) -> None:
-        self.engine: Engine | None = None
-        self.rank = -1
+        self.ctx: RankContext | None = None
         self._progress = (0, 0, 0)
+        self._lock = threading.Lock()
 
     def node_info(self) -> tuple[str, str, list[str]]:
         """(node id, node IP, GPU ids Ray gave this actor)."""
@@ -417,66 +559,62 @@ class _RayRank:
         return ctx.get_node_id(), ray.util.get_node_ip_address(), [str(g) for g in ray.get_gpu_ids()]
 
     def free_port(self) -> int:
-        return free_port()
+        return D.find_free_port()
 
-    def setup(self, rank: int, world_size: int, addr: str, port: int, config: EngineConfig,
-              env: dict[str, str]) -> bool:
+    def join(self, rank: int, spec: GroupSpec, addr: str, port: int, env: dict[str, str]) -> bool:
         # Before anything touches CUDA: every actor of a node sees all of that node's GPUs,
         # sorted as integers, so CUDA IPC between ranks works; LOCAL_RANK picks ours.
         os.environ.update(env)
-        self.rank = rank
-        torch.set_num_threads(_worker_threads(world_size) if config.device == "cpu" else 1)
-        mapping = D.init_distributed(rank=rank, world_size=world_size, master_addr=addr, master_port=port,
-                                     tp_size=world_size, device=config.device,
-                                     enable_attention_dp=config.attention_dp)
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        self.engine = Engine(config, mapping, _pick_device(config, local))
+        os.environ.update(spec.env)
+        local_ranks = 1 if spec.device == "cuda" else spec.world_size
+        self.ctx = _join_group(rank, spec, addr, port, local_ranks, None)
         return True
 
-    def generate(self, call_id: int, requests: list[Request]) -> list[SequenceResult] | None:
-        assert self.engine is not None
-        if self.engine.device.type == "cuda":  # the current device is per thread; this may be a new one
-            torch.cuda.set_device(self.engine.device)
+    def call(self, call_id: int, fn: Callable[..., Any], args: tuple) -> Any:
+        assert self.ctx is not None
+        with self._lock:
+            if self.ctx.device.type == "cuda":  # the current device is per thread; this may be a new one
+                torch.cuda.set_device(self.ctx.device)
 
-        def record(steps: int, tokens: int) -> None:
-            self._progress = (call_id, steps, tokens)
+            def record(steps: int, tokens: int) -> None:
+                self._progress = (call_id, steps, tokens)
 
-        results = self.engine.generate(requests, record if self.rank == 0 else None)
-        return results if self.rank == 0 else None
-
-    def step(self, new_requests: list[Request], aborts: list[int]) -> list[SequenceUpdate] | None:
-        assert self.engine is not None
-        if self.engine.device.type == "cuda":
-            torch.cuda.set_device(self.engine.device)
-        updates = _engine_step(self.engine, new_requests, aborts)
-        return updates if self.rank == 0 else None
+            self.ctx._sink = record  # noqa: SLF001
+            self.ctx._last_sent = 0.0  # noqa: SLF001
+            try:
+                return fn(self.ctx, *args)
+            finally:
+                self.ctx._sink = None  # noqa: SLF001
 
     def progress(self) -> tuple[int, int, int]:
         return self._progress
 
     def shutdown(self) -> None:
-        if self.engine is not None:
-            self.engine.close()
-            self.engine = None
+        if self.ctx is not None:
+            for item in self.ctx.state.values():
+                if hasattr(item, "close"):
+                    item.close()
+            self.ctx = None
         D.destroy_distributed()
 
 
 class RayExecutor(Executor):
-    """One actor per TP rank in a placement group of ``{"GPU": 1}`` bundles (``{"CPU": 1}`` on
-    CPU). Connects to ``RAY_ADDRESS`` when set, else starts (and later stops) a local Ray."""
+    """One actor per rank in a placement group of ``{"GPU": 1}`` bundles (``{"CPU": 1}`` on
+    CPU). Joins the Ray cluster that ``RAY_ADDRESS`` or ``ray_init_kwargs["address"]`` names;
+    otherwise starts a local Ray of its own and stops it at shutdown."""
 
-    def __init__(self, config: EngineConfig, *, init_timeout_s: float = 300.0, step_timeout_s: float = 120.0,
+    def __init__(self, spec: GroupSpec, *, init_timeout_s: float = 300.0, timeout_s: float = 120.0,
                  placement_timeout_s: float = 60.0, ray_init_kwargs: dict | None = None) -> None:
-        self.config = config
+        super().__init__(spec)
         self.init_timeout_s = init_timeout_s
-        self.step_timeout_s = step_timeout_s
+        self.timeout_s = timeout_s
         self.placement_timeout_s = placement_timeout_s
         self.ray_init_kwargs = dict(ray_init_kwargs or {})
         self.actors: list[Any] = []
         self.pg: Any = None
         self._started_ray = False
         self._call_id = 0
-        self._broken: str | None = None
+        self._infos: list[tuple[str, str, list[str]]] = []
 
     def start(self) -> None:
         try:
@@ -492,15 +630,11 @@ class RayExecutor(Executor):
             raise
 
     def _start(self, ray: Any, placement_group: Callable, strategy_cls: Any) -> None:
-        n = self.config.tp_size
+        n = self.spec.world_size
         if not ray.is_initialized():
-            if os.environ.get("RAY_ADDRESS") or "address" in self.ray_init_kwargs:
-                kwargs = dict(self.ray_init_kwargs)  # join a running cluster (e.g. inside `ray job submit`)
-            else:  # start a local Ray for this LLM (stopped again at shutdown)
-                kwargs = {"include_dashboard": False, "log_to_driver": False, **self.ray_init_kwargs}
-            ray.init(**kwargs)
+            ray.init(**ray_init_arguments(self.ray_init_kwargs))
             self._started_ray = True
-        gpu = self.config.device == "cuda"
+        gpu = self.spec.device == "cuda"
         bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
         self.pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
         try:
@@ -521,16 +655,19 @@ class RayExecutor(Executor):
             for r in range(n)
         ]
         infos = self._wait([a.node_info.remote() for a in self.actors], self.init_timeout_s, "actor start-up")
+        self._infos = infos
         env = self._rank_envs(infos)
-        for e in env:  # the driver's tpspec settings reach the actors (forced acceptance, threads)
+        for e in env:  # the driver's tpspec settings reach the actors (threads, timeouts)
             e.update({k: v for k, v in os.environ.items() if k.startswith("TPSPEC_")})
-        config = self.config
-        if len({node for node, _, _ in infos}) > 1:
-            config = dataclasses.replace(config, exchange="allgather")  # the LL exchange is one node only
         addr = infos[0][1]
         port = self._wait([self.actors[0].free_port.remote()], 30.0, "rank 0's port")[0]
-        self._wait([a.setup.remote(r, n, addr, port, config, env[r]) for r, a in enumerate(self.actors)],
-                   self.init_timeout_s, "process group and model load")
+        self._wait([a.join.remote(r, self.spec, addr, port, env[r]) for r, a in enumerate(self.actors)],
+                   self.init_timeout_s, "process group start-up")
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes the actors run on (known after :meth:`start`)."""
+        return len({node for node, _, _ in self._infos})
 
     @staticmethod
     def _rank_envs(infos: list[tuple[str, str, list[str]]]) -> list[dict[str, str]]:
@@ -559,7 +696,9 @@ class RayExecutor(Executor):
         for ref in ready:  # surface an actor's error first (it explains a missing peer)
             self._get(ref, what)
         if pending:
-            raise WorkerError(f"Ray actors did not finish {what} within {timeout_s:.0f} s")
+            missing = [i for i, ref in enumerate(refs) if ref in pending]
+            raise WorkerError(f"Ray ranks {missing} did not finish {what} within {timeout_s:.0f} s",
+                              missing[0] if len(missing) == 1 else None)
         return [self._get(ref, what) for ref in refs]
 
     @staticmethod
@@ -573,25 +712,26 @@ class RayExecutor(Executor):
         except ray.exceptions.RayTaskError as exc:
             raise WorkerError(f"a Ray actor raised during {what}:\n{exc}") from None
 
-    def run(self, requests: list[Request], on_progress: ProgressFn | None = None) -> list[SequenceResult]:
+    def call(self, fn: Callable[..., Any], *args: Any, on_progress: ProgressFn | None = None,
+             timeout_s: float | None = None) -> list[Any]:
         import ray
 
-        if self._broken:
-            raise WorkerError(f"the workers are gone ({self._broken}); create a new LLM")
+        self._check_usable()
         if not self.actors:
             raise RuntimeError("the executor is not started (or already shut down)")
+        timeout = self.timeout_s if timeout_s is None else timeout_s
         self._call_id += 1
         call_id = self._call_id
-        refs = [a.generate.remote(call_id, requests) for a in self.actors]
+        refs = [a.call.remote(call_id, fn, args) for a in self.actors]
         last_change = time.monotonic()
         last_seen = None
         try:
             while True:
                 ready, _ = ray.wait(refs, num_returns=len(refs), timeout=POLL_S)
                 for ref in ready:
-                    self._get(ref, "generate")
+                    self._get(ref, "the call")
                 if len(ready) == len(refs):
-                    return self._get(refs[0], "generate")
+                    return [self._get(ref, "the call") for ref in refs]
                 try:
                     seen = ray.get(self.actors[0].progress.remote(), timeout=5.0)
                 except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
@@ -600,23 +740,12 @@ class RayExecutor(Executor):
                     last_seen, last_change = seen, time.monotonic()
                     if on_progress is not None:
                         on_progress(seen[1], seen[2])
-                if time.monotonic() - last_change > self.step_timeout_s:
-                    raise WorkerError(f"no step finished in {self.step_timeout_s:.0f} s: a Ray rank is hung")
+                if time.monotonic() - last_change > timeout:
+                    missing = [r for r, ref in enumerate(refs) if ref not in ready]
+                    raise WorkerError(f"Ray ranks {missing} did not finish within {timeout:.0f} s "
+                                      "(call: no progress for that long)")
         except BaseException as exc:
-            self._broken = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            self._kill_actors()
-            raise
-
-    def step(self, new_requests: list[Request], aborts: list[int]) -> list[SequenceUpdate]:
-        if self._broken:
-            raise WorkerError(f"the workers are gone ({self._broken}); create a new LLM")
-        if not self.actors:
-            raise RuntimeError("the executor is not started (or already shut down)")
-        refs = [a.step.remote(new_requests, aborts) for a in self.actors]
-        try:
-            return self._wait(refs, self.step_timeout_s, "a step")[0]
-        except BaseException as exc:
-            self._broken = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            self._mark_broken(exc)
             self._kill_actors()
             raise
 
@@ -654,13 +783,25 @@ class RayExecutor(Executor):
             self._started_ray = False
 
 
-def make_executor(launcher: str, config: EngineConfig, **timeouts: Any) -> Executor:
-    """``"mp"`` -> :class:`MPExecutor`, ``"ray"`` -> :class:`RayExecutor`, ``"torchrun"`` ->
-    :class:`InProcessExecutor`."""
+def ray_init_arguments(ray_init_kwargs: dict | None = None) -> dict:
+    """``ray.init`` arguments: join the cluster that ``RAY_ADDRESS`` or an explicit
+    ``address`` names; otherwise start a new local Ray (never the cluster a ``ray start``
+    on this host left recorded), without dashboard. Ray itself picks the address its
+    services listen on: it turns a loopback node address into the host's own."""
+    kwargs = dict(ray_init_kwargs or {})
+    if os.environ.get("RAY_ADDRESS") or "address" in kwargs:
+        return kwargs
+    return {"address": "local", "include_dashboard": False, "log_to_driver": False, **kwargs}
+
+
+def make_executor(launcher: str, spec: GroupSpec, **options: Any) -> Executor:
+    """``"mp"`` -> :class:`MPExecutor`, ``"ray"`` -> :class:`RayExecutor`,
+    ``"external_launcher"`` (torchrun started this process) -> :class:`InProcessExecutor`
+    (which takes no options)."""
     if launcher == "mp":
-        return MPExecutor(config, **timeouts)
+        return MPExecutor(spec, **options)
     if launcher == "ray":
-        return RayExecutor(config, **timeouts)
-    if launcher == "torchrun":
-        return InProcessExecutor(config)
-    raise ValueError(f"launcher must be 'mp', 'torchrun' or 'ray', got {launcher!r}")
+        return RayExecutor(spec, **options)
+    if launcher == "external_launcher":
+        return InProcessExecutor(spec)
+    raise ValueError(f"launcher must be one of {LAUNCHERS}, got {launcher!r}")

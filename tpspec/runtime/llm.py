@@ -20,16 +20,24 @@ import glob
 import itertools
 import os
 import sys
+import threading
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
+import numpy as np
 import torch
 
+from ..log import get_logger
+from ..model.loader import verify_checkpoint
 from ..sampling.params import SamplingParams
+from ..speculative.forced import read_forced_rate
+from ..validation import check_bool, check_int, check_real, is_int, resolve_device, resolve_dtype
 from .config import (LAUNCHERS, CompletionOutput, EngineConfig, Request, RequestMetrics, RequestOutput, RequestStats,
                      SpeculativeConfig)
-from .launchers import Executor, make_executor
+from .engine import Engine, SequenceResult, SequenceUpdate
+from .launchers import Executor, GroupSpec, RankContext, make_executor
 from .tokenizer import IncrementalDetokenizer, load_tokenizer
 
 TINY = "tiny"
@@ -110,9 +118,11 @@ class GenerateStats:
     num_generation_steps: int  # summed over requests
     num_draft_tokens: int
     num_accepted_drafts: int
+    forced_acceptance_rate: float | None = None  # set: acceptance counts were forced (a benchmark knob)
 
     @classmethod
-    def of(cls, outputs: list[RequestOutput], wall_s: float) -> "GenerateStats":
+    def of(cls, outputs: list[RequestOutput], wall_s: float,
+           forced_acceptance_rate: float | None = None) -> "GenerateStats":
         samples = [c for o in outputs for c in o.outputs]
         return cls(
             num_requests=len(outputs),
@@ -122,6 +132,7 @@ class GenerateStats:
             num_generation_steps=sum(len(c.stats.accepted_drafts_per_step) for c in samples),
             num_draft_tokens=sum(c.stats.num_draft_tokens for c in samples),
             num_accepted_drafts=sum(c.stats.num_accepted_drafts for c in samples),
+            forced_acceptance_rate=forced_acceptance_rate,
         )
 
     @property
@@ -166,7 +177,8 @@ class LLM:
     ``max_num_batched_tokens``: tokens one step feeds (context chunks fill what generation
     leaves). ``enforce_eager``: no CUDA graphs. ``distributed_executor_backend``: ``"mp"``
     (local worker processes), ``"ray"`` (one actor per rank) or ``"external_launcher"``
-    (this process is a rank, started by torchrun: every rank runs the same program).
+    (this process is a rank, started by torchrun: every rank runs the same program);
+    default ``"external_launcher"`` in a process torchrun started, else ``"mp"``.
 
     tpspec's own options: ``device`` (``"auto"``: cuda when available), ``attention_dp``
     (attention data-parallel: each rank runs its own requests), ``exchange`` (``"auto"``,
@@ -174,13 +186,16 @@ class LLM:
     waits for start-up / for the next step before it raises), ``ray_init_kwargs``.
 
     KV cache (paged): ``page_size`` tokens a page (default 16); ``kv_cache_bytes``: bytes of
-    pages per rank (any device; overrides ``gpu_memory_utilization``); on CPU without it,
-    pages for ``max_num_seqs`` requests of ``max_model_len``. Requests wait (in order) for
-    pages; one that could never fit raises ``ValueError``. ``attention_backend``: ``"auto"``
+    pages per rank (any device; ``gpu_memory_utilization`` then has no effect, nor on CPU: a
+    warning says so); on CPU without it, pages for ``max_num_seqs`` requests of
+    ``max_model_len`` (at most 4 GiB). Requests wait (in order) for pages; one that could
+    never fit raises ``ValueError``. ``attention_backend``: ``"auto"``
     (FlashInfer on CUDA when installed, else torch), ``"torch"`` or ``"flashinfer"``.
 
     Every argument is checked before a worker starts (``ValueError`` naming it). Use as a
-    context manager or call :meth:`shutdown`.
+    context manager or call :meth:`shutdown`. One ``LLM`` may be shared between threads:
+    its calls run one at a time, in the order they take its lock, and each caller gets its
+    own outputs.
     """
 
     def __init__(
@@ -197,7 +212,7 @@ class LLM:
         max_num_seqs: int = 8,
         max_num_batched_tokens: int | None = None,
         enforce_eager: bool = False,
-        distributed_executor_backend: str = "mp",
+        distributed_executor_backend: str | None = None,
         device: str = "auto",
         attention_dp: bool = False,
         exchange: str = "auto",
@@ -211,22 +226,23 @@ class LLM:
         from ..model.shapes import config_from_path, is_shape_path
 
         self._executor: Executor | None = None
+        self._lock = threading.Lock()
         backend = distributed_executor_backend
+        if backend is None:
+            backend = "external_launcher" if under_torchrun() else "mp"
         if backend not in LAUNCHERS:
             raise ValueError(f"distributed_executor_backend must be one of {LAUNCHERS}, got {backend!r}")
         tp_size = tensor_parallel_size
         if tp_size is None:
             tp_size = int(os.environ.get("WORLD_SIZE", "1")) if backend == "external_launcher" else 1
-        _check_positive("tensor_parallel_size", tp_size)
-        _check_positive("max_num_seqs", max_num_seqs)
-        for name, flag in (("attention_dp", attention_dp), ("enforce_eager", enforce_eager)):
-            if not isinstance(flag, bool):
-                raise ValueError(f"{name} must be a bool, got {flag!r}")
-        if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**64):
-            raise ValueError(f"seed must be None or an int in [0, 2**64), got {seed!r}")
-        if gpu_memory_utilization is not None and (
-                not isinstance(gpu_memory_utilization, (int, float)) or isinstance(gpu_memory_utilization, bool)
-                or not 0 < gpu_memory_utilization <= 1):
+        tp_size = check_int("tensor_parallel_size", tp_size, low=1)
+        max_num_seqs = check_int("max_num_seqs", max_num_seqs, low=1)
+        check_bool("attention_dp", attention_dp)
+        check_bool("enforce_eager", enforce_eager)
+        if seed is not None:
+            seed = check_int("seed", seed, low=0, below=2**64)
+        if gpu_memory_utilization is not None and not 0 < check_real("gpu_memory_utilization",
+                                                                     gpu_memory_utilization) <= 1:
             raise ValueError(f"gpu_memory_utilization must be None or in (0, 1], got {gpu_memory_utilization!r}")
         if isinstance(speculative_config, dict):
             speculative_config = SpeculativeConfig.from_dict(speculative_config)
@@ -234,20 +250,23 @@ class LLM:
             raise ValueError(f"speculative_config must be a dict, a SpeculativeConfig or None, got "
                              f"{type(speculative_config).__name__}")
         spec = speculative_config
-        device = _resolve_device(device)
+        device = resolve_device(device)
         if exchange not in ("auto", "ll", "allgather"):
             raise ValueError(f"exchange must be 'auto', 'll' or 'allgather', got {exchange!r}")
         if exchange == "ll" and device != "cuda":
             raise ValueError(f"exchange='ll' needs device='cuda' (CUDA IPC), got device={device!r}")
 
         self.model_path = resolve_model(model)
+        if not is_shape_path(self.model_path):
+            verify_checkpoint(self.model_path)  # a corrupt or truncated file: a ValueError here, not in a worker
         self.model_config = config_from_path(self.model_path)
-        dtype = _resolve_dtype(dtype, device, self.model_config.torch_dtype)
+        dtype = resolve_dtype(dtype, device, checkpoint_dtype=self.model_config.torch_dtype or "float32")
         _check_layout(self.model_config, tp_size, attention_dp, self.model_path)
         self.generation_defaults, gen_eos = _generation_config(generation_config, self.model_path)
         draft_path = None
         if spec is not None and spec.method == "draft_model":
             draft_path = resolve_model(spec.model, kind="draft")
+            verify_checkpoint(draft_path)
             draft_cfg = config_from_path(draft_path)
             if draft_cfg.vocab_size != self.model_config.vocab_size:
                 raise ValueError(f"the draft model's vocab_size {draft_cfg.vocab_size} differs from the target's "
@@ -256,22 +275,26 @@ class LLM:
         k = spec.num_speculative_tokens if spec is not None else 0
         if max_model_len is None:
             max_model_len = self.model_config.max_position_embeddings
-        _check_positive("max_model_len", max_model_len)
-        if max_model_len < 2:
-            raise ValueError("max_model_len must be >= 2 (one prompt token and one generated token)")
+        max_model_len = check_int("max_model_len", max_model_len, low=2)  # a prompt token and a generated one
+        if max_model_len > self.model_config.max_position_embeddings:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
+                             f"{self.model_config.max_position_embeddings} (positions past it were never trained)")
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max(512, max_num_seqs * (k + 1))
-        _check_positive("max_num_batched_tokens", max_num_batched_tokens)
-        if max_num_batched_tokens < max_num_seqs * (k + 1):
-            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} cannot hold a full generation step: "
-                             f"max_num_seqs * (num_speculative_tokens + 1) = {max_num_seqs * (k + 1)}")
 
+        memory_share = gpu_memory_utilization
+        if memory_share is not None and (device != "cuda" or kv_cache_bytes is not None):
+            # vLLM scripts pass it everywhere; it sizes nothing without a GPU or beside kv_cache_bytes.
+            why = "kv_cache_bytes sizes the cache" if kv_cache_bytes is not None else f"device={device!r}"
+            get_logger(__name__).warning("gpu_memory_utilization=%s has no effect (%s)", memory_share, why)
+            memory_share = None
         self.config = EngineConfig(
             model_path=self.model_path, tp_size=tp_size, device=device, dtype=dtype, attention_dp=attention_dp,
             speculative=spec, draft_model_path=draft_path, max_batch_size=max_num_seqs,
             max_seq_len=max_model_len, max_num_tokens=max_num_batched_tokens, use_cuda_graphs=not enforce_eager,
-            exchange=exchange, gpu_memory_utilization=gpu_memory_utilization, page_size=page_size,
+            exchange=exchange, gpu_memory_utilization=memory_share, page_size=page_size,
             kv_cache_bytes=kv_cache_bytes, attention_backend=attention_backend,
+            forced_acceptance_rate=read_forced_rate() if spec is not None else None,
         )
         if kv_cache_bytes is not None:
             _check_kv_fits(self.config, [self.model_config] + ([draft_cfg] if draft_path else []))
@@ -288,14 +311,22 @@ class LLM:
         self._seq_owner: dict[int, tuple[str, int]] = {}
         self._new: list[Request] = []
         self._aborts: list[int] = []
-        timeouts: dict[str, Any] = {}
+        options: dict[str, Any] = {}
         if backend != "external_launcher":
-            timeouts = {"init_timeout_s": init_timeout_s, "step_timeout_s": step_timeout_s}
+            options = {"init_timeout_s": init_timeout_s, "timeout_s": step_timeout_s}
         if backend == "ray" and ray_init_kwargs:
-            timeouts["ray_init_kwargs"] = ray_init_kwargs
-        executor = make_executor(_EXECUTORS[backend], self.config, **timeouts)
+            options["ray_init_kwargs"] = ray_init_kwargs
+        if backend == "external_launcher" and not under_torchrun() and tp_size > 1:
+            raise ValueError(f"distributed_executor_backend='external_launcher' with tensor_parallel_size={tp_size} "
+                             f"needs a process started by torchrun (RANK and WORLD_SIZE are not set); use 'mp' "
+                             f"to start local ranks")
+        spec_of_group = GroupSpec(world_size=tp_size, device=device, tp_size=tp_size, attention_dp=attention_dp)
+        executor = make_executor(backend, spec_of_group, **options)
         try:
             executor.start()
+            if getattr(executor, "num_nodes", 1) > 1:  # the LL exchange is one node only
+                self.config = dataclasses.replace(self.config, exchange="allgather")
+            executor.call(_start_engine, self.config, timeout_s=init_timeout_s)
         except BaseException:
             executor.shutdown()
             raise
@@ -347,18 +378,30 @@ class LLM:
         stays usable), and :class:`~tpspec.runtime.launchers.WorkerError` when a worker dies
         or hangs (the LLM is unusable afterwards).
         """
-        if self._executor is None:
-            raise RuntimeError("this LLM is shut down")
-        if self._live:
-            raise RuntimeError("requests added with add_request are still running; step them to the end first")
-        batch = self._make_requests(prompts, sampling_params)
-        if stream:
-            return self._stream(batch)
+        with self._lock:
+            if self._executor is None:
+                raise RuntimeError("this LLM is shut down")
+            if self._live:
+                raise RuntimeError("requests added with add_request are still running; step them to the end first")
+            batch = self._make_requests(prompts, sampling_params)
+            if stream:
+                for entry in batch:
+                    self._register(entry)
+                return self._stream()
+            return self._generate(batch, use_tqdm)
+
+    def _generate(self, batch: list["_Entry"], use_tqdm: bool | None) -> list[RequestOutput]:
         requests = [r for entry in batch for r in entry.requests]
         bar = _ProgressBar(sum(r.max_new_tokens for r in requests), use_tqdm, enabled=self.rank == 0)
         start = time.perf_counter()
         try:
-            results = self._executor.run(requests, bar.update) if requests else []
+            results: list[SequenceResult] = []
+            if requests:
+                results = self._executor.call(_generate_on_rank, requests, on_progress=bar.update)[self.rank]
+        except KeyboardInterrupt:
+            warnings.warn("generate was interrupted: the ranks were stopped mid-step, so this LLM cannot generate "
+                          "again (calls raise WorkerError); create a new LLM", RuntimeWarning, stacklevel=3)
+            raise
         finally:
             bar.close()
         wall = time.perf_counter() - start
@@ -377,12 +420,10 @@ class LLM:
             outputs.append(RequestOutput(request_id=entry.request_id, prompt=entry.prompt_text,
                                          prompt_token_ids=list(entry.prompt_ids), outputs=samples,
                                          finished=True, metrics=entry.metrics))
-        self.last_stats = GenerateStats.of(outputs, wall)
+        self.last_stats = GenerateStats.of(outputs, wall, self.config.forced_acceptance_rate)
         return outputs
 
-    def _stream(self, batch: list["_Entry"]) -> Iterator[RequestOutput]:
-        for entry in batch:
-            self._register(entry)
+    def _stream(self) -> Iterator[RequestOutput]:
         while self._live:
             yield from self.step()
 
@@ -390,17 +431,22 @@ class LLM:
     def add_request(self, prompt: Any, sampling_params: SamplingParams | None = None) -> str:
         """Queue one request (a prompt as :meth:`generate` takes it); it joins the running batch at
         the next :meth:`step`. Returns its ``request_id``. Validation as in :meth:`generate`."""
-        if self._executor is None:
-            raise RuntimeError("this LLM is shut down")
         if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
-        entry = self._make_requests([prompt], sampling_params)[0]
-        self._register(entry)
+        with self._lock:
+            if self._executor is None:
+                raise RuntimeError("this LLM is shut down")
+            entry = self._make_requests([prompt], sampling_params)[0]
+            self._register(entry)
         return entry.request_id
 
     def abort_request(self, request_id: str) -> None:
         """Stop a running request (its samples leave the batch at the next step); unknown ids are
         ignored."""
+        with self._lock:
+            self._abort_request(request_id)
+
+    def _abort_request(self, request_id: str) -> None:
         live = self._live.pop(request_id, None)
         if live is None:
             return
@@ -412,12 +458,11 @@ class LLM:
 
     def check_health(self) -> None:
         """Raise :class:`~tpspec.runtime.launchers.WorkerError` when a rank is known to be dead
-        (local worker processes are checked; other executors report at their next step)."""
-        if self._executor is None:
-            raise RuntimeError("this LLM is shut down")
-        check = getattr(self._executor, "_check_alive", None)
-        if check is not None:
-            check()
+        (one empty call on every rank)."""
+        with self._lock:
+            if self._executor is None:
+                raise RuntimeError("this LLM is shut down")
+            self._executor.call(_noop_on_rank)
 
     def has_unfinished_requests(self) -> bool:
         """Whether requests added with :meth:`add_request` (or a stream) are still running."""
@@ -427,11 +472,15 @@ class LLM:
         """One engine step over every running request (the requests added since the last step
         join the batch). Returns one delta ``RequestOutput`` per request that changed (as
         ``generate(stream=True)`` yields them); a finished request is then forgotten."""
+        with self._lock:
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         if self._executor is None:
             raise RuntimeError("this LLM is shut down")
         new, self._new = self._new, []
         aborts, self._aborts = self._aborts, []
-        updates = self._executor.step(new, aborts)
+        updates = self._executor.call(_step_on_rank, new, aborts)[self.rank]
         now = time.time()
         changed: dict[str, list[CompletionOutput]] = {}
         for u in updates:
@@ -517,8 +566,9 @@ class LLM:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def shutdown(self) -> None:
-        """End the workers (idempotent)."""
-        executor, self._executor = self._executor, None
+        """End the workers (idempotent; waits for a call another thread is running)."""
+        with self._lock:
+            executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown()
 
@@ -560,9 +610,9 @@ class LLM:
 
     def _prompts(self, prompts: Any) -> list[tuple[str | None, list[int]]]:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
-                                                and all(_is_int(t) for t in prompts)):
+                                                and all(is_int(t) for t in prompts)):
             prompts = [prompts]
-        if isinstance(prompts, torch.Tensor) and prompts.dim() == 1:
+        if isinstance(prompts, (torch.Tensor, np.ndarray)) and prompts.ndim == 1:
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
             raise ValueError(f"prompts must be a string, a token-id list, a dict with 'prompt' or "
@@ -585,20 +635,16 @@ class LLM:
                                      f"pass token ids")
                 toks = list(self.tokenizer.encode(p))
                 text = p
-            elif isinstance(p, torch.Tensor) and p.dim() == 1 and not p.is_floating_point():
+            elif isinstance(p, (torch.Tensor, np.ndarray)) and p.ndim == 1 and _integer_array(p):
                 toks = [int(t) for t in p.tolist()]
-            elif isinstance(p, (list, tuple)) and all(_is_int(t) for t in p):
+            elif isinstance(p, (list, tuple)) and all(is_int(t) for t in p):
                 toks = [int(t) for t in p]
             else:
                 raise ValueError(f"prompt {i} must be a string or a list of token ids, got {type(p).__name__}")
-            if not toks:
-                raise ValueError(f"prompt {i} is empty")
+            self.config.check_prompt_len(len(toks), f"prompt {i}")
             bad = [t for t in toks if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"prompt {i} has token ids outside [0, {self.vocab_size}): {bad[:5]}")
-            if len(toks) >= self.config.max_seq_len:
-                raise ValueError(f"prompt {i} has {len(toks)} tokens; max_model_len={self.config.max_seq_len} "
-                                 f"leaves no room to generate (prompts must be shorter than max_model_len)")
             out.append((text, toks))
         return out
 
@@ -625,9 +671,6 @@ class LLM:
         if not sp.ignore_eos:
             stops.update(self.eos_token_ids)
         return tuple(sorted(stops))
-
-
-_EXECUTORS = {"mp": "mp", "ray": "ray", "external_launcher": "torchrun"}
 
 
 @dataclass
@@ -701,11 +744,13 @@ class _Sample:
 
     def output(self, stats: RequestStats, logprobs: list[dict[int, float]] | None = None) -> CompletionOutput:
         """The sample as it stands; ``logprobs`` (one dict per engine token) is cut to the kept tokens."""
+        cumulative = None
         if logprobs is not None:
             logprobs = logprobs[:len(self.token_ids)]
+            cumulative = sum(entry[t] for entry, t in zip(logprobs, self.token_ids))
         return CompletionOutput(index=self.index, text=self.text, token_ids=list(self.token_ids),
-                                logprobs=logprobs, finish_reason=self.finish_reason, stop_reason=self.stop_reason,
-                                stats=stats)
+                                cumulative_logprob=cumulative, logprobs=logprobs, finish_reason=self.finish_reason,
+                                stop_reason=self.stop_reason, stats=stats)
 
 
 def _mix_seed(seed: int, index: int) -> int:
@@ -787,13 +832,39 @@ class _ProgressBar:
             self.bar.close()
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def under_torchrun() -> bool:
+    """Whether this process is a rank that torchrun started (``RANK`` and ``WORLD_SIZE`` set)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _check_positive(name: str, value: object) -> None:
-    if not _is_int(value) or value < 1:  # type: ignore[operator]
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+def _integer_array(values: torch.Tensor | np.ndarray) -> bool:
+    if isinstance(values, torch.Tensor):
+        return not values.is_floating_point() and not values.is_complex() and values.dtype != torch.bool
+    return values.dtype.kind in "iu"
+
+
+def _start_engine(ctx: RankContext, config: EngineConfig) -> None:
+    """On every rank: build the rank's engine (loads its shard of the weights)."""
+    ctx.state["engine"] = Engine(config, ctx.mapping, ctx.device)
+
+
+def _noop_on_rank(ctx: RankContext) -> None:
+    """On every rank: nothing (a liveness check of the ranks)."""
+
+
+def _step_on_rank(ctx: RankContext, new_requests: list[Request], aborts: list[int]) -> list[SequenceUpdate]:
+    """On every rank: add the new sequences, drop the aborted ones, run one step (none when
+    nothing is left). Every rank gets the same commands in the same order and returns the same
+    updates."""
+    engine = ctx.state["engine"]
+    engine.add_requests(new_requests)
+    engine.abort(aborts)
+    return engine.step() if engine.has_unfinished else []
+
+
+def _generate_on_rank(ctx: RankContext, requests: list[Request]) -> list[SequenceResult]:
+    """On every rank: run the requests; every rank returns the same results."""
+    return ctx.state["engine"].generate(requests, ctx.report)
 
 
 def _check_layout(config: Any, tp_size: int, attention_dp: bool, path: str) -> None:
@@ -809,7 +880,7 @@ def _check_layout(config: Any, tp_size: int, attention_dp: bool, path: str) -> N
 
 
 def _check_kv_fits(config: EngineConfig, model_configs: list[Any]) -> None:
-    """With ``kv_cache_bytes``, the page count is known here: a request of ``max_seq_len``
+    """With ``kv_cache_bytes``, the page count is known here: a request of ``max_model_len``
     tokens must fit it (``ValueError`` before any worker starts)."""
     from ..mapping import Mapping
     from ..model.batch import pages_needed
@@ -825,31 +896,5 @@ def _check_kv_fits(config: EngineConfig, model_configs: list[Any]) -> None:
     need = pages_needed(config.max_seq_len - 1 + config.num_draft_tokens, config.page_size)
     if need > pages:
         raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} holds {max(pages, 0)} KV pages of {config.page_size} "
-                         f"tokens ({per_page} bytes each) per rank; a request of max_seq_len={config.max_seq_len} "
-                         f"needs {need}: raise kv_cache_bytes or lower max_seq_len")
-
-
-def _resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' but no CUDA device is available")
-    return device
-
-
-def _resolve_dtype(dtype: str | torch.dtype, device: str, checkpoint_dtype: str | None) -> str:
-    """``"auto"`` -> the checkpoint's dtype (float32 when it names none); else a dtype name."""
-    if isinstance(dtype, torch.dtype):
-        dtype = str(dtype).replace("torch.", "")
-    aliases = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
-    if dtype == "auto":
-        dtype = checkpoint_dtype or "float32"
-        if dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"the checkpoint's torch_dtype {dtype!r} is not supported; pass dtype=")
-        return dtype
-    dtype = aliases.get(dtype, dtype)
-    if dtype not in ("float32", "bfloat16", "float16"):
-        raise ValueError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {dtype!r}")
-    return dtype
+                         f"tokens ({per_page} bytes each) per rank; a request of max_model_len={config.max_seq_len} "
+                         f"needs {need}: raise kv_cache_bytes or lower max_model_len")

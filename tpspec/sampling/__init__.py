@@ -7,20 +7,22 @@ Public names:
 * ``streams``: the window layout (:class:`WindowLayout`,
   :class:`StreamAllocator`) and :func:`uniforms` from a request's stream.
 * ``ops``: :func:`sample_from_logits`, :func:`filtered_probs`, :func:`greedy_tokens`
-  on full logits (torch reference; flashinfer when installed and allowed).
-* ``select``: :func:`select_tokens` on ``VocabShardedLogits`` (imported lazily by
-  ``VocabShardedLogits.select_tokens``); the rows it draws are a ``keys.SamplingRows``.
+  on full logits: the reference every draw follows (``docs/determinism.md``).
+* ``select``: :func:`select_tokens` and :func:`sample_filtered` on ``VocabShardedLogits``
+  (imported lazily by ``VocabShardedLogits.select_tokens`` / ``sample``), with
+  :class:`SamplingStats`; the rows it draws are a ``keys.SamplingRows``.
 * ``penalties``: :class:`OccurrenceCounts` (a rank's per-slot counts of its columns),
   :func:`apply_penalties` (repetition / presence / frequency on a slice or a full row).
-* ``logprobs``: :func:`gathered_logprobs` (raw log-softmax of chosen tokens and the top N).
+* ``logprobs``: :func:`emitted_logprobs` (raw log-softmax of the emitted tokens and the top N, per step;
+  computed on the shards by ``VocabShardedLogits.logprobs``).
 """
 
 from .ops import filtered_logits, filtered_probs, greedy_tokens, keep_mask, sample_from_logits
-from .logprobs import gathered_logprobs
+from .logprobs import emitted_logprobs
 from .params import GREEDY_SENTINEL_TEMPERATURE, TOP_K_DISABLED, SamplingParams
 from .penalties import OccurrenceCounts, apply_penalties
 from ..keys import SamplingRows
-from .select import select_tokens
+from .select import SamplingStats, sample_filtered, select_tokens
 from .streams import SLOT_SPAN, UNSEEDED_OFFSET_BASE, UNSEEDED_SEED, StreamAllocator, WindowLayout, uniforms
 
 __all__ = [
@@ -32,14 +34,16 @@ __all__ = [
     "UNSEEDED_SEED",
     "SamplingParams",
     "SamplingRows",
+    "SamplingStats",
     "StreamAllocator",
     "WindowLayout",
     "apply_penalties",
     "filtered_logits",
+    "emitted_logprobs",
     "filtered_probs",
-    "gathered_logprobs",
     "greedy_tokens",
     "keep_mask",
+    "sample_filtered",
     "sample_from_logits",
     "select_tokens",
     "uniforms",

@@ -242,11 +242,6 @@ def _flashinfer_sampling() -> Any:
     return fs
 
 
-def flashinfer_available() -> bool:
-    """True when flashinfer's sampling module imports (and is not disabled by env)."""
-    return _flashinfer_sampling() is not None
-
-
 def sample_from_logits(
     logits: torch.Tensor,
     temperature: torch.Tensor,

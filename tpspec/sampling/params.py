@@ -18,11 +18,12 @@ code sees plain numbers. Penalties (``repetition_penalty``, ``presence_penalty``
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
 from typing import Sequence
 
 from ..keys import GREEDY_TEMPERATURE_THRESHOLD
+from ..validation import is_int, is_real
+from ..vocab_parallel import MAX_TOP_LOGPROBS
 
 TOP_K_DISABLED = 2**31 - 1
 """Normalized top-k of a request that does not filter by rank (INT32_MAX)."""
@@ -39,21 +40,13 @@ FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32: a top_p be
 assert GREEDY_SENTINEL_TEMPERATURE < GREEDY_TEMPERATURE_THRESHOLD
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_real(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-MAX_LOGPROBS = 20
-"""The most top-N logprobs a request may ask for."""
+MAX_LOGPROBS = MAX_TOP_LOGPROBS
+"""The most top-N logprobs a request may ask for (what ``VocabShardedLogits.logprobs`` returns)."""
 
 
 def _real_in(name: str, value: object, low: float, high: float, what: str) -> float:
     """``value`` as a Python float when it is a real number (numpy scalars included) in ``what``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy's bool_ is not Real
+    if not is_real(value):  # numpy's bool_ is not a real number
         raise ValueError(f"SamplingParams.{name} must be a float {what}, got {value!r}")
     v = float(value)
     if not (math.isfinite(v) and low <= v <= high):
@@ -115,33 +108,33 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if not _is_int(self.n) or self.n < 1:
+        if not is_int(self.n) or self.n < 1:
             raise ValueError(f"SamplingParams.n must be an int >= 1, got {self.n!r}")
         self._check_penalties_and_logprobs()
         t = self.temperature
         # Values are checked as the float32 the kernels will hold, not only as Python floats.
-        if not _is_real(t) or not math.isfinite(t) or t < 0 or t > FLOAT32_MAX:
+        if not is_real(t) or not math.isfinite(t) or t < 0 or t > FLOAT32_MAX:
             raise ValueError(f"SamplingParams.temperature must be a finite float32 >= 0, got {t!r}")
         k = self.top_k
-        if not _is_int(k) or k < -1:
+        if not is_int(k) or k < -1:
             raise ValueError(f"SamplingParams.top_k must be an int >= -1 (0 or -1 disables it), got {k!r}")
         if k > TOP_K_DISABLED:
             raise ValueError(f"SamplingParams.top_k={k} exceeds INT32_MAX")
         p = self.top_p
-        if not _is_real(p) or not (FLOAT32_TINY <= p <= 1.0):
+        if not is_real(p) or not (FLOAT32_TINY <= p <= 1.0):
             raise ValueError(f"SamplingParams.top_p must be in (0, 1] (at least {FLOAT32_TINY:g} "
                              f"as float32), got {p!r}")
         m = self.min_p
-        if not _is_real(m) or not (0.0 <= m <= 1.0):
+        if not is_real(m) or not (0.0 <= m <= 1.0):
             raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {m!r}")
         s = self.seed
-        if s is not None and (not _is_int(s) or not SEED_RANGE[0] <= s < SEED_RANGE[1]):
+        if s is not None and (not is_int(s) or not SEED_RANGE[0] <= s < SEED_RANGE[1]):
             raise ValueError(f"SamplingParams.seed must be None or an int in [0, 2**64), got {s!r}")
         mx = self.max_tokens
-        if mx is not None and (not _is_int(mx) or mx < 1):
+        if mx is not None and (not is_int(mx) or mx < 1):
             raise ValueError(f"SamplingParams.max_tokens must be None or an int >= 1, got {mx!r}")
         mn = self.min_tokens
-        if not _is_int(mn) or mn < 0:
+        if not is_int(mn) or mn < 0:
             raise ValueError(f"SamplingParams.min_tokens must be an int >= 0, got {mn!r}")
         if mx is not None and mn > mx:
             raise ValueError(f"SamplingParams.min_tokens={mn} exceeds max_tokens={mx}")
@@ -160,7 +153,7 @@ class SamplingParams:
         ids = self.stop_token_ids
         if ids is None:
             ids = ()
-        elif isinstance(ids, (list, tuple)) and all(_is_int(x) and x >= 0 for x in ids):
+        elif isinstance(ids, (list, tuple)) and all(is_int(x) and x >= 0 for x in ids):
             ids = tuple(int(x) for x in ids)
         else:
             raise ValueError(f"SamplingParams.stop_token_ids must be None or a list of ints >= 0, got {ids!r}")
@@ -168,6 +161,12 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SamplingParams.{name} must be a bool, got {getattr(self, name)!r}")
+
+        # numpy scalars are accepted and stored as Python numbers (exact, hashable alike).
+        for name, kind in (("temperature", float), ("top_k", int), ("top_p", float), ("min_p", float), ("seed", int)):
+            value = getattr(self, name)
+            if value is not None and type(value) is not kind:
+                object.__setattr__(self, name, kind(value))
 
     def _check_penalties_and_logprobs(self) -> None:
         # Stored as Python numbers (numpy scalars accepted) so equal parameters hash equal.
@@ -178,7 +177,7 @@ class SamplingParams:
             object.__setattr__(self, name, _real_in(name, getattr(self, name), -2.0, 2.0, "in [-2, 2] (0 = off)"))
         n = self.logprobs
         if n is not None:
-            if isinstance(n, bool) or not isinstance(n, numbers.Integral) or not 0 <= int(n) <= MAX_LOGPROBS:
+            if not is_int(n) or not 0 <= int(n) <= MAX_LOGPROBS:
                 raise ValueError(f"SamplingParams.logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {n!r}")
             object.__setattr__(self, "logprobs", int(n))
 

@@ -40,8 +40,8 @@ class OccurrenceCounts:
     far) and ``prompt_seen`` ``[num_slots, width]`` bool. Tokens outside this rank's
     columns are ignored, so every rank runs the same calls with the same arguments and
     each ends up holding its own columns' share. The tables are allocated on first use.
-    Updates are tensor ops without host syncs (out-of-range tokens and slots land in a
-    sink row/column that is never read).
+    Updates are tensor ops without host syncs (tokens of other ranks' columns or of no slot
+    land in a sink column that is never read; rows without a request read an all-zero sink row).
     """
 
     def __init__(self, num_slots: int, *, vocab_offset: int, width: int,
@@ -93,7 +93,6 @@ class OccurrenceCounts:
         seen[slot].zero_()
         prompt = torch.as_tensor(prompt_tokens, dtype=torch.int64).reshape(-1)
         seen[slot].index_fill_(0, self._columns(prompt), True)
-        seen[slot, self.width] = False  # the sink stays clean (never read, kept tidy)
 
     def add(self, slot_ids: torch.Tensor, tokens: torch.Tensor) -> None:
         """Count ``tokens`` ``[N, T]`` (negative = padding) as output of the requests in
@@ -103,8 +102,11 @@ class OccurrenceCounts:
                              f"{tuple(tokens.shape)}")
         counts, _ = self._tables()
         rows = self._slot_index(slot_ids).reshape(-1, 1).expand(-1, tokens.shape[1])
+        # Tokens of no slot go to the sink column too: the sink row stays zero (rows without
+        # a request read it).
+        cols = torch.where(rows < self.num_slots, self._columns(tokens), torch.full_like(rows, self.width))
         ones = torch.ones(tokens.shape, dtype=torch.int32, device=self.device)
-        counts.index_put_((rows.reshape(-1), self._columns(tokens).reshape(-1)), ones.reshape(-1), accumulate=True)
+        counts.index_put_((rows.reshape(-1), cols.reshape(-1)), ones.reshape(-1), accumulate=True)
 
 
 def preceding_drafts(draft_tokens: torch.Tensor, row_request: torch.Tensor, row_position: torch.Tensor,

@@ -59,6 +59,7 @@ from ..keys import (
 )
 from ..vocab_parallel import VocabShardedLogits
 from .ops import filter_flags, sample_from_logits, scaled_scores, sorted_filter_mask
+from .params import TOP_K_DISABLED
 from .penalties import penalized_logits
 
 DEFAULT_CANDIDATES = 64
@@ -216,7 +217,7 @@ class _Rows:
             return torch.full((n,), fill, dtype=dtype, device=dev) if t is None else t.to(dev, dtype)[pick]
 
         return cls(pick, temperature[pick], rows.seeds.to(dev)[pick], rows.offsets.to(dev)[pick], k_on[pick],
-                   p_on[pick], m_on[pick], param(rows.top_k, 2**31 - 1, torch.int64),
+                   p_on[pick], m_on[pick], param(rows.top_k, TOP_K_DISABLED, torch.int64),
                    param(rows.top_p, 1.0, torch.float32), param(rows.min_p, 0.0, torch.float32))
 
     def subset(self, pick: torch.Tensor) -> "_Rows":
@@ -261,7 +262,8 @@ def _filtered_tokens(logits: VocabShardedLogits, rows: _Rows, channel: int, coun
     local = logits.local.detach()[rows.index]
     scores, keys = _local_keys(logits, local, rows.temperature)
     k_max = int(torch.where(rows.k_on, rows.top_k, torch.zeros_like(rows.top_k)).max())
-    ranked, floor = _candidates(ex, keys, max(count, k_max), channel)
+    count = max(count, k_max)  # top-k is exact only when every rank sends at least k
+    ranked, floor = _candidates(ex, keys, count, channel)
     best, _ = unpack_keys(ranked[:, 0])
     # Z of the top-p rows without top-k: the exact sum of every rank's masses.
     needs_total = rows.p_on & ~rows.k_on
@@ -350,6 +352,6 @@ def _gather_and_sample(logits: VocabShardedLogits, rows: _Rows) -> torch.Tensor:
                                 logits.vocab_size, logits.exchange)
     full = picked.gather()
     return sample_from_logits(full, rows.temperature, rows.seeds, rows.offsets,
-                              torch.where(rows.k_on, rows.top_k, torch.full_like(rows.top_k, 2**31 - 1)),
+                              torch.where(rows.k_on, rows.top_k, torch.full_like(rows.top_k, TOP_K_DISABLED)),
                               torch.where(rows.p_on, rows.top_p, torch.ones_like(rows.top_p)),
                               torch.where(rows.m_on, rows.min_p, torch.zeros_like(rows.min_p)), backend="torch")

@@ -19,6 +19,7 @@ import os
 import torch
 
 from ..sampling.streams import uniforms
+from ..validation import check_real
 from .accept import PAD_TOKEN
 
 FORCE_ENV = "TPSPEC_FORCE_NUM_ACCEPTED_TOKENS"
@@ -26,6 +27,10 @@ POOL_SIZE = 65536
 POOL_SEED = 0x5EED_F0CE_ACCE_0001
 COUNTER_STRIDE = 6007
 SLOT_STRIDE = 1009
+
+
+class ForcedAcceptanceWarning(UserWarning):
+    """Forced acceptance is active outside a benchmark: the tokens are not the model's."""
 
 
 def read_forced_rate(environ: dict | None = None) -> float | None:
@@ -55,9 +60,7 @@ class ForcedAcceptance:
     """
 
     def __init__(self, rate: float, *, device: str | torch.device = "cpu") -> None:
-        if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not math.isfinite(rate) or rate < 0:
-            raise ValueError(f"forced acceptance rate must be a finite number >= 0, got {rate!r}")
-        self.rate = float(rate)
+        self.rate = check_real("forced acceptance rate", rate, low=0)
         self.whole = int(math.floor(self.rate))
         self.fraction = self.rate - self.whole
         self.device = torch.device(device)

@@ -24,6 +24,7 @@ import torch
 
 from .. import distributed as D
 from ..mapping import Mapping
+from ..validation import is_int
 from ..sampling.params import GREEDY, SamplingParams
 from ..keys import SamplingRows
 from ..sampling.penalties import OccurrenceCounts, RowPenalties, preceding_drafts
@@ -56,7 +57,7 @@ class RequestEntry:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"request {self.request_id!r}: sampling_params must be SamplingParams or None, got "
                              f"{type(params).__name__}")
-        if isinstance(self.slot_id, bool) or not isinstance(self.slot_id, int):
+        if not is_int(self.slot_id):
             raise ValueError(f"request {self.request_id!r}: slot_id must be an int, got {self.slot_id!r}")
         if self.slot_id == -1:
             params = GREEDY  # padding requests never sample
@@ -176,7 +177,7 @@ class SpecMetadata:
         return self
 
     def _prepare_local(self, requests: Sequence[tuple], draft_len: int) -> None:
-        if isinstance(draft_len, bool) or not isinstance(draft_len, int) or not 0 <= draft_len <= self.max_draft_len:
+        if not is_int(draft_len) or not 0 <= draft_len <= self.max_draft_len:
             raise ValueError(f"draft_len={draft_len!r} is out of range [0, {self.max_draft_len}]")
         if len(requests) > self.max_num_requests:
             raise ValueError(f"{len(requests)} requests exceed max_num_requests={self.max_num_requests}")
@@ -204,6 +205,12 @@ class SpecMetadata:
         for e in entries:
             if e.slot_id != -1 and not 0 <= e.slot_id < self.streams.num_slots:
                 raise ValueError(f"slot_id={e.slot_id} of request {e.request_id!r} is out of range [0, {self.streams.num_slots})")
+        if any(e.params.has_penalties for e in entries):
+            if self.occurrences is None:
+                raise ValueError("a request has penalties but this SpecMetadata has no occurrence counts "
+                                 "(SpecMetadata(..., occurrences=OccurrenceCounts(...)))")
+            if self.mapping.enable_attention_dp:  # the rows of other ranks' requests would need their counts
+                raise ValueError("penalties are not supported with attention DP")
         self.entries = entries
         self.draft_len = draft_len
         self.num_rows = num_rows
@@ -251,9 +258,6 @@ class SpecMetadata:
         self.local_temperature_only = all(e.params.is_temperature_only for e in entries)
         self.local_any_seeded = any(e.params.is_seeded and not e.params.is_greedy for e in entries)
         self.local_any_penalties = any(e.params.has_penalties for e in entries)
-        if self.local_any_penalties and self.occurrences is None:
-            raise ValueError("a request has penalties but this SpecMetadata has no occurrence counts "
-                             "(SpecMetadata(..., occurrences=OccurrenceCounts(...)))")
         self.param_refills += 1
 
     def _fill_streams(self) -> None:
@@ -292,11 +296,6 @@ class SpecMetadata:
             raise RuntimeError("SpecMetadata.prepare() has not been called yet")
 
     @property
-    def is_all_greedy_sample(self) -> bool:
-        """Alias of :attr:`is_all_greedy` (group-synchronized under attention DP)."""
-        return self.is_all_greedy
-
-    @property
     def num_requests(self) -> int:
         return len(self.entries)
 
@@ -313,12 +312,6 @@ class SpecMetadata:
         """True when every request verifies ``draft_len`` drafts: no context and no
         padding request (both verify none). A host fact of this rank's batch."""
         return not any(e.is_context or e.slot_id == -1 for e in self.entries)
-
-    @property
-    def contexts_first(self) -> bool:
-        """True when every context request comes before every generation request."""
-        flags = [e.is_context for e in self.entries]
-        return flags == sorted(flags, reverse=True)
 
     @property
     def slot_ids(self) -> torch.Tensor:

@@ -8,7 +8,7 @@ attention DP), so every rank runs the same collectives and returns the same tens
 
 Host syncs: strict acceptance of an all-greedy or temperature-only batch (and forced
 acceptance) adds none of its own, so it can sit inside a CUDA graph with the exchange.
-The full-logit fallback and rejection sampling check values on the host (eager only).
+Filtered rows (their candidates) and rejection sampling read values on the host (eager only).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 from ..exchange.base import Channel
 from ..sampling.ops import filtered_probs, sample_from_logits
 from ..sampling.penalties import penalized_logits
-from ..sampling.select import select_tokens
+from ..sampling.select import SamplingStats, select_tokens
 from .accept import PAD_TOKEN, accept_from_targets, rejection_sample
 from .forced import ForcedAcceptance
 from .metadata import SpecMetadata
@@ -55,6 +55,8 @@ class SpecWorker:
     which gives the same tokens without gathering the logits).
     ``forced``: a :class:`ForcedAcceptance`, None, or ``"env"`` (read
     ``TPSPEC_FORCE_NUM_ACCEPTED_TOKENS`` at the first step).
+    ``sampling_stats``: a :class:`~tpspec.sampling.select.SamplingStats` of the rows its eager
+    steps drew on shards and gathered.
     """
 
     def __init__(self, acceptance: str = "strict", *, forced: ForcedAcceptance | str | None = "env",
@@ -65,6 +67,7 @@ class SpecWorker:
             raise ValueError(f"forced must be a ForcedAcceptance, None or 'env', got {forced!r}")
         self.acceptance = acceptance
         self.channel = channel
+        self.sampling_stats = SamplingStats()  # rows drawn on shards / gathered, over every step
         self._forced_spec = forced
         self._forced: ForcedAcceptance | None = forced if isinstance(forced, ForcedAcceptance) else None
         self._forced_ready = forced != "env"
@@ -111,11 +114,12 @@ class SpecWorker:
         rs = meta.row_sampling(draft_tokens=drafts)  # penalised rows count the drafts before them
         row_tokens: torch.Tensor | None = None
         if self.acceptance == "strict" or meta.is_all_greedy:
-            row_tokens = select_tokens(target_logits, rs, channel=self.channel)
+            row_tokens = select_tokens(target_logits, rs, channel=self.channel, stats=self.sampling_stats)
             # Lengths come from the metadata: no value check, so this path has no host sync.
             accepted, num = accept_from_targets(row_tokens[row_index], drafts, lens, check_values=False)
         else:
             full = penalized_logits(target_logits, rs.penalties).gather()
+            self.sampling_stats.rows_gathered += meta.num_rows  # rejection sampling needs the full laws
             probs = filtered_probs(full, rs.temperature, rs.top_k, rs.top_p, rs.min_p)
             accepted, num = rejection_sample(
                 draft_probs, drafts, probs[row_index], meta.request_seeds, meta.acceptance_offsets(),

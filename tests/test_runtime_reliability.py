@@ -1,0 +1,275 @@
+"""Faults and misuse: a killed driver leaves no process behind, one LLM serves several
+threads, every listener is on loopback, a stray benchmark knob warns, and each smaller
+trap gets a clear error or warning."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tpspec import LLM, SamplingParams
+from tpspec.model.tiny import make_tiny_checkpoint
+from tpspec.runtime import WorkerError
+
+REPO = Path(__file__).resolve().parents[1]
+SPEC = {"method": "ngram", "num_speculative_tokens": 3}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return str(make_tiny_checkpoint(tmp_path_factory.mktemp("reliability") / "tiny", seed=0))
+
+
+@pytest.fixture(scope="module")
+def llm_tp2(ckpt):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TPSPEC_NUM_THREADS", "1")
+        with LLM(ckpt, tensor_parallel_size=2, distributed_executor_backend="mp") as llm:
+            yield llm
+
+
+# ------------------------------------------------------------------ processes in /proc
+
+def _parents() -> dict[int, int]:
+    """pid -> parent pid of every live (not zombie) process."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] not in ("Z", "X"):
+            out[int(entry)] = int(fields[1])
+    return out
+
+
+def _descendants(pid: int) -> set[int]:
+    parents = _parents()
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def _alive(pids: set[int]) -> set[int]:
+    return pids & set(_parents())
+
+
+DRIVER = textwrap.dedent("""
+    import sys, threading, time
+    from tpspec import LLM, SamplingParams
+
+    llm = LLM(sys.argv[1], tensor_parallel_size=2, distributed_executor_backend=sys.argv[2])
+    executor, generating = llm._executor, threading.Event()
+    original = executor.call
+
+    def call(fn, *args, on_progress=None, timeout_s=None):
+        def hook(steps, tokens):
+            generating.set()
+        return original(fn, *args, on_progress=hook, timeout_s=timeout_s)
+
+    executor.call = call
+    long = SamplingParams(temperature=0.0, max_tokens=4000, ignore_eos=True)
+    threading.Thread(target=llm.generate, args=([[5, 6, 7]], long), daemon=True).start()
+    generating.wait(300)
+    print("generating", flush=True)
+    time.sleep(600)
+""")
+
+
+def _command(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline") as f:
+            return f.read().replace("\0", " ")
+    except OSError:
+        return ""
+
+
+RAY_AGENTS = ("ray::DashboardAgent", "ray::RuntimeEnvAgent")
+"""Ray's own agents of a local Ray: they report a dead raylet to its (dead) head before they
+exit, which Ray gives a minute; they hold no rank and no device."""
+
+
+def _kill_driver_mid_generate(tmp_path: Path, ckpt: str, backend: str) -> set[int]:
+    """Start a driver, SIGKILL it once its ranks generate; return its processes still alive
+    10 s later (the workers, the forkserver, the resource tracker, Ray's raylet, head and
+    actors; Ray's agents are killed here, not counted)."""
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER)
+    env = dict(os.environ, PYTHONPATH=str(REPO), TPSPEC_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, str(script), ckpt, backend], stdout=subprocess.PIPE, text=True,
+                            env=env, cwd=tmp_path)
+    try:
+        line = proc.stdout.readline()  # bounded: the driver gives up waiting after 300 s
+        assert line.strip() == "generating", f"the driver did not start generating: {line!r}"
+        family = _descendants(proc.pid)
+        assert len(family) >= 2, "no worker processes found"
+        agents = {pid for pid in family if _command(pid).startswith(RAY_AGENTS)}
+        family -= agents
+        proc.kill()
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 10.0
+        while _alive(family) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for pid in _alive(agents):
+            os.kill(pid, signal.SIGKILL)
+        return _alive(family)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+def test_killing_the_driver_mid_generate_leaves_nothing_running(tmp_path, ckpt):
+    left = _kill_driver_mid_generate(tmp_path, ckpt, "mp")
+    for pid in left:  # clean up before failing
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes of the killed driver still running after 10 s: {sorted(left)}"
+
+
+@pytest.mark.slow
+def test_killing_the_ray_driver_mid_generate_leaves_nothing_running(tmp_path, ckpt):
+    pytest.importorskip("ray")
+    left = _kill_driver_mid_generate(tmp_path, ckpt, "ray")
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes of the killed Ray driver still running after 10 s: {sorted(left)}"
+
+
+# ------------------------------------------------------------------ threads
+
+@pytest.mark.slow
+def test_two_threads_share_one_llm(llm_tp2):
+    prompts = {0: [[5, 6, 7, 8]], 1: [[300, 301, 302], [9]]}
+    params = {0: SamplingParams(temperature=0.0, max_tokens=5), 1: SamplingParams(temperature=0.9, seed=4, max_tokens=5)}
+    want = {i: [o.outputs[0].token_ids for o in llm_tp2.generate(prompts[i], params[i])] for i in (0, 1)}
+    for trial in range(20):
+        got: dict[int, list] = {}
+        errors: list[BaseException] = []
+
+        def run(i: int) -> None:
+            try:
+                got[i] = [o.outputs[0].token_ids for o in llm_tp2.generate(prompts[i], params[i])]
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not errors and got == want, f"trial {trial}: {errors or got}"
+
+
+# ------------------------------------------------------------------ listeners
+
+def _listening_addresses(pid: int) -> list[str]:
+    """Local addresses (hex, as /proc/net/tcp* writes them) of the TCP sockets ``pid`` listens on."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[len("socket:["):-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.read().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # 0A = LISTEN
+                    found.append(fields[1].rsplit(":", 1)[0])
+    return found
+
+
+LOOPBACK = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
+
+
+def test_every_listener_of_an_mp_job_is_on_loopback(llm_tp2):
+    llm_tp2.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=2))
+    addresses = [a for pid in llm_tp2._executor.pids for a in _listening_addresses(pid)]  # noqa: SLF001
+    assert addresses, "no listening socket found (the store of rank 0 at least listens)"
+    assert set(addresses) <= LOOPBACK, f"listeners off loopback: {addresses}"
+
+
+def test_ray_starts_its_own_cluster_unless_one_is_named(monkeypatch):
+    from tpspec.runtime.launchers import ray_init_arguments
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert ray_init_arguments()["address"] == "local"  # a new local Ray, never a recorded cluster
+    assert ray_init_arguments({"address": "ray://head:10001"}) == {"address": "ray://head:10001"}
+    monkeypatch.setenv("RAY_ADDRESS", "head:6379")
+    assert "address" not in ray_init_arguments()
+
+
+# ------------------------------------------------------------------ smaller traps
+
+def test_a_stray_forcing_variable_warns_and_is_recorded(ckpt, monkeypatch):
+    from tpspec.speculative.forced import ForcedAcceptanceWarning
+
+    prompt, params = [[5, 6, 7, 8, 5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    with LLM(ckpt, distributed_executor_backend="external_launcher", speculative_config=SPEC) as llm:
+        plain = llm.generate(prompt, params)
+        assert llm.last_stats.forced_acceptance_rate is None
+    monkeypatch.setenv("TPSPEC_FORCE_NUM_ACCEPTED_TOKENS", "3")
+    with LLM(ckpt, distributed_executor_backend="external_launcher", speculative_config=SPEC) as llm:
+        with pytest.warns(ForcedAcceptanceWarning, match="rank 0: TPSPEC_FORCE_NUM_ACCEPTED_TOKENS=3"):
+            llm.generate(prompt, params)
+        assert llm.last_stats.forced_acceptance_rate == 3.0
+        assert llm.last_stats.mean_accepted_drafts_per_step > plain[0].outputs[0].stats.num_accepted_drafts / max(
+            1, len(plain[0].outputs[0].stats.accepted_drafts_per_step))
+
+
+def test_max_model_len_beyond_the_models_positions_is_refused(ckpt):
+    with pytest.raises(ValueError, match=r"max_model_len=1000000 exceeds the model's max_position_embeddings"):
+        LLM(ckpt, max_model_len=1_000_000)
+
+
+def test_numpy_ids_seeds_and_temperatures_are_accepted(ckpt):
+    with LLM(ckpt, distributed_executor_backend="external_launcher") as llm:
+        ref = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.8, seed=3, max_tokens=6))
+        got = llm.generate(np.array([5, 6, 7]), SamplingParams(temperature=np.float32(0.8), seed=np.int64(3),
+                                                               max_tokens=np.int64(6)))
+    assert got[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
+
+
+def test_token_id_prompts_with_a_sign_are_ids_not_text():
+    from tpspec.runtime.generate_cli import _parse_prompt
+
+    assert _parse_prompt("1,-3,4") == [1, -3, 4]  # LLM then refuses -3 by name
+    assert _parse_prompt("1 2 3") == [1, 2, 3]
+    assert _parse_prompt("1, two") == "1, two"
+
+
+def test_an_interrupted_generate_says_the_llm_is_spent(ckpt):
+    with LLM(ckpt, distributed_executor_backend="external_launcher") as llm:
+        executor = llm._executor  # noqa: SLF001
+        original = executor.call
+
+        def interrupted(fn, *args, on_progress=None, timeout_s=None):
+            def hook(steps, tokens):
+                raise KeyboardInterrupt
+
+            return original(fn, *args, on_progress=hook, timeout_s=timeout_s)
+
+        executor.call = interrupted
+        long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        with pytest.warns(RuntimeWarning, match="cannot generate again"), pytest.raises(KeyboardInterrupt):
+            llm.generate([[5, 6, 7]], long)
+        executor.call = original
+        with pytest.raises(WorkerError, match="interrupted by KeyboardInterrupt"):
+            llm.generate([[5, 6, 7]], long)

@@ -1,0 +1,57 @@
+"""``LLM`` in a process that torchrun started: it joins torchrun's ranks by default, an
+explicit ``mp`` backend starts its own workers without torchrun's variables, and neither
+hangs (the run is bounded by a timeout)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from tpspec.model.tiny import make_tiny_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+
+SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    from tpspec import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    out = {"rank": int(os.environ["RANK"])}
+    with LLM(sys.argv[1], tensor_parallel_size=2, init_timeout_s=120) as llm:  # joins torchrun's two ranks
+        out["joined"] = [llm.distributed_executor_backend, llm.rank,
+                         llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids]
+    with LLM(sys.argv[1], tensor_parallel_size=1, distributed_executor_backend="mp", init_timeout_s=120) as llm:
+        out["own"] = llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids
+    try:
+        LLM(sys.argv[1], tensor_parallel_size=1)  # torchrun has two ranks: a clear error, not a hang
+    except ValueError as exc:
+        out["refused"] = str(exc)
+    print("RESULT " + json.dumps(out), flush=True)
+""")
+
+
+def test_llm_under_torchrun_joins_its_ranks_or_runs_its_own_without_hanging(tmp_path):
+    ckpt = make_tiny_checkpoint(tmp_path / "tiny", seed=0)
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=str(REPO), TPSPEC_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={port}", str(script),
+           str(ckpt)]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=400)
+    assert out.returncode == 0, out.stdout + out.stderr
+    results = sorted((json.loads(line[len("RESULT "):]) for line in out.stdout.splitlines()
+                      if line.startswith("RESULT ")), key=lambda r: r["rank"])
+    assert [r["rank"] for r in results] == [0, 1]
+    for r in results:
+        backend, rank, tokens = r["joined"]
+        assert backend == "external_launcher" and rank == r["rank"]
+        assert tokens == r["own"] == results[0]["own"]  # TP=2 over torchrun's ranks == TP=1 in its own worker
+        assert "WORLD_SIZE=2 must equal tensor_parallel_size=1" in r["refused"]
