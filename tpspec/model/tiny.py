@@ -2,7 +2,7 @@
 ``tpspec make-tiny-model DIR`` command that writes one.
 
 :func:`make_trained_tiny_checkpoint` is the embedded default model (``LLM("tiny")``): the
-shape below, trained for a few seconds on the few kilobytes of English text shipped in
+shape below, trained briefly (120 small AdamW steps) on the few kilobytes of English text shipped in
 ``tpspec/model/data/tiny_corpus.txt``, with a BPE tokenizer learned from the same text in
 which every id decodes to printable text. It continues the text it has seen and little
 else — readable output and realistic n-gram draft acceptance, not a language model.
@@ -27,10 +27,10 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-TINY_DESCRIPTION = ("the embedded tiny Llama (vocab 512, hidden 128, 2 layers, 0.4M parameters) trained for a few "
-                    "seconds on 4 KB of text shipped with tpspec: it continues text it has seen, nothing more")
+TINY_DESCRIPTION = ("the embedded tiny Llama (vocab 512, hidden 128, 2 layers, 0.4M parameters), trained briefly on "
+                    "4 KB of text shipped with tpspec: it continues text it has seen, nothing more")
 CORPUS_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "tiny_corpus.txt")
-TRAIN_STEPS = 80
+TRAIN_STEPS = 120
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 
@@ -192,8 +192,8 @@ def make_trained_tiny_checkpoint(path: str | os.PathLike, *, draft_path: str | o
                                  steps: int = TRAIN_STEPS, seed: int = 0) -> str:
     """Write the embedded default model into ``path``: a BPE tokenizer learned from the shipped
     corpus (vocab 512: ``<pad> <s> </s> <unk>``, printable ASCII and merges; every id decodes
-    to printable text) and the tiny Llama trained ``steps`` AdamW steps on that corpus (a few
-    seconds on two CPU cores). With ``draft_path``, also write its draft there (the first
+    to printable text) and the tiny Llama trained ``steps`` AdamW steps on that corpus (batches
+    of 16 windows of 64 tokens). With ``draft_path``, also write its draft there (the first
     layer of the trained model). Seeded: the same machine writes the same weights. Returns ``path``.
     """
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -207,11 +207,11 @@ def make_trained_tiny_checkpoint(path: str | os.PathLike, *, draft_path: str | o
     data = torch.tensor(tok.encode(corpus).ids, dtype=torch.int64)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig.from_dict(cfg))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
-    # Ten warm-up steps, then a linear decay to a tenth.
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10) * max(0.1, 1 - s / steps))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    # Ten warm-up steps, then a linear decay to half.
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10) * (1 - 0.5 * s / steps))
     gen = torch.Generator().manual_seed(seed)
-    window, batch = 64, 24
+    window, batch = 64, 16
     model.train()
     for _ in range(steps):
         starts = torch.randint(0, len(data) - window, (batch,), generator=gen)
@@ -228,6 +228,23 @@ def make_trained_tiny_checkpoint(path: str | os.PathLike, *, draft_path: str | o
         _write_checkpoint(draft_path, draft_cfg, draft_weights)
         write_corpus_tokenizer(os.fspath(draft_path), corpus)
     return path
+
+
+def trained_tiny_key() -> str:
+    """A short digest of everything the trained model depends on (the corpus, the code that
+    trains and writes it, the recipe constants): the cache directory's name, so a changed
+    recipe never reuses a stale model."""
+    import hashlib
+    import inspect
+
+    digest = hashlib.sha256()
+    with open(CORPUS_PATH, "rb") as f:
+        digest.update(f.read())
+    for fn in (tiny_config_dict, make_trained_tiny_checkpoint, write_corpus_tokenizer, _write_checkpoint,
+               _first_layers):
+        digest.update(inspect.getsource(fn).encode())
+    digest.update(repr((TRAIN_STEPS, CHAT_TEMPLATE, PAD_ID, BOS_ID, EOS_ID)).encode())
+    return digest.hexdigest()[:12]
 
 
 def write_corpus_tokenizer(path: str, corpus: str, vocab_size: int = 512) -> Any:

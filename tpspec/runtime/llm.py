@@ -54,19 +54,13 @@ def tiny_model_path(kind: str = "target") -> str:
     or its one-layer draft (``kind="draft"``), made on first use into :func:`cache_dir` and
     reused after (no download). Safe when several processes create it at once (each writes a
     temporary directory, then renames it)."""
-    import hashlib
     import shutil
 
     from ..model import tiny
 
     if kind not in ("target", "draft"):
         raise ValueError(f"kind must be 'target' or 'draft', got {kind!r}")
-    # Keyed by the generator's source and corpus: a changed tiny model never reuses a stale cache.
-    digest = hashlib.sha256()
-    for name in (tiny.__file__, tiny.CORPUS_PATH):
-        with open(name, "rb") as f:
-            digest.update(f.read())
-    key = digest.hexdigest()[:12]
+    key = tiny.trained_tiny_key()
     target, draft = (os.path.join(cache_dir(), f"{name}-{key}") for name in ("tiny", "tiny-draft"))
     path = target if kind == "target" else draft
     if os.path.isfile(os.path.join(path, "config.json")):
