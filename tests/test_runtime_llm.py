@@ -309,14 +309,17 @@ def test_sampled_drafts_on_shards_same_across_tp(ckpt, method):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["draft_model", "eagle3"])
-def test_speculative_sampling_is_lossless(ckpt, method):
+@pytest.mark.parametrize("method,filters", [("draft_model", {}), ("eagle3", {}),
+                                            ("draft_model", {"top_k": 40, "top_p": 0.9})],
+                         ids=["draft_model", "eagle3", "draft_model-top_k-top_p"])
+def test_speculative_sampling_is_lossless(ckpt, method, filters):
     """The first three generated tokens of 1200 seeded requests, with sampled drafts and rejection
     sampling on shards, follow the law of plain sampling (two-sample chi-square per position)."""
     from scipy import stats
 
     prompt, n, temperature = [5, 6, 7, 8, 9], 1200, 1.3
-    params = [SamplingParams(temperature=temperature, seed=s, max_tokens=3, ignore_eos=True) for s in range(n)]
+    params = [SamplingParams(temperature=temperature, seed=s, max_tokens=3, ignore_eos=True, **filters)
+              for s in range(n)]
     draws = {}
     for name, spec in (("plain", None), ("spec", _spec(method, "rejection", ckpt))):
         with LLM(ckpt[0], tensor_parallel_size=2, speculative_config=spec, max_num_seqs=64,
@@ -329,6 +332,6 @@ def test_speculative_sampling_is_lossless(ckpt, method):
         table = [[plain.count(t) for t in common], [spec.count(t) for t in common]]
         frequent = [i for i in range(len(common)) if table[0][i] + table[1][i] >= 10]
         rare = [i for i in range(len(common)) if i not in frequent]
-        rows = [[r[i] for i in frequent] + [sum(r[i] for i in rare)] for r in table]
+        rows = [[r[i] for i in frequent] + ([sum(r[i] for i in rare)] if rare else []) for r in table]
         pvalue = stats.chi2_contingency(rows)[1]
         assert pvalue > 1e-3, f"{method}, token {pos}: p = {pvalue:.2g}"

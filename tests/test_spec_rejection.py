@@ -224,3 +224,62 @@ def test_flat_top_p_row_is_left_to_the_gathered_path():
             torch.tensor([3]), torch.tensor([64]))
     assert sharded_rejection_sample(logits, *args, top_p=torch.tensor([0.9])) is None
     assert sharded_rejection_sample(logits, *args, top_p=torch.tensor([0.05])) is not None  # 15 columns: certified
+
+
+def test_filtered_sampled_drafts_same_tokens_at_tp_1_2_4_and_lossless():
+    """Drafts drawn from the filtered q (top-k 6 + top-p 0.9): verified on the shards with q cut by
+    the same filters, the same tokens at TP 1, 2 and 4, and the first token follows the filtered p."""
+    from tpspec.sampling.ops import keep_mask
+
+    n = 6000
+    case = make_case(n, seed=8)
+    rows = case["target"].view(n, K + 1, V)
+    rows[:] = rows[:1]
+    case["draft"][:] = case["draft"][:1]
+    case["temperature"][:] = 0.9
+    case["lens"][:] = K
+    case.update(top_k=torch.full((n,), 6), top_p=torch.full((n,), 0.9), min_p=torch.zeros(n))
+    t = torch.full((K,), 0.9)
+    q_keep = keep_mask(case["draft"][0], t, torch.full((K,), 6), torch.full((K,), 0.9), torch.zeros(K))
+    q = torch.softmax(case["draft"][0] / 0.9, dim=-1) * q_keep
+    gen = torch.Generator().manual_seed(9)
+    case["drafts"] = torch.stack([torch.multinomial(q[j], n, replacement=True, generator=gen) for j in range(K)], 1)
+
+    def run(world, rank, exchange):
+        target, offset = shard(case["target"], world, rank)
+        draft, _ = shard(case["draft"], world, rank)
+        return sharded_rejection_sample(VocabShardedLogits(target, offset, V, exchange), case["row_index"],
+                                        case["temperature"], case["drafts"], case["lens"], case["seeds"],
+                                        case["offsets"], draft, top_k=case["top_k"], top_p=case["top_p"],
+                                        min_p=case["min_p"])
+
+    accepted, num = run(1, 0, LocalKeyExchange("cpu"))
+    small = {k: (v[:64] if isinstance(v, torch.Tensor) and v.shape[0] == n else v) for k, v in case.items()}
+    small["target"] = case["target"][: 64 * (K + 1)]
+    small["row_index"] = case["row_index"][:64]
+    for result in run_ranks(_filtered_draft_worker, 4, small, tp_size=2, timeout_s=120):
+        for name in ("tp4", "tp2"):
+            assert torch.equal(result[name][0], accepted[:64]) and torch.equal(result[name][1], num[:64]), name
+    p_keep = keep_mask(rows[0, :1], t[:1], torch.tensor([6]), torch.tensor([0.9]), torch.zeros(1))[0]
+    law = torch.softmax(rows[0, 0].double() / 0.9, dim=-1) * p_keep
+    expected = law / law.sum() * n
+    observed = torch.bincount(accepted[:, 0], minlength=V).double()
+    assert observed[~p_keep].sum() == 0
+    keep = expected >= 5
+    assert stats.chisquare(observed[keep].numpy(),
+                           (expected[keep] * observed[keep].sum() / expected[keep].sum()).numpy()).pvalue > 1e-3
+    assert 0.05 * n < int((num == 1).sum()) < 0.95 * n
+
+
+def _filtered_draft_worker(rank: int, world: int, case: dict) -> dict:
+    pair = D.tp_group()
+
+    def run(tp, tp_rank, exchange):
+        target, offset = shard(case["target"], tp, tp_rank)
+        draft, _ = shard(case["draft"], tp, tp_rank)
+        return sharded_rejection_sample(VocabShardedLogits(target, offset, V, exchange), case["row_index"],
+                                        case["temperature"], case["drafts"], case["lens"], case["seeds"],
+                                        case["offsets"], draft, top_k=case["top_k"], top_p=case["top_p"],
+                                        min_p=case["min_p"])
+
+    return {"tp4": run(4, rank, AllGatherKeyExchange(None)), "tp2": run(2, rank % 2, AllGatherKeyExchange(pair))}

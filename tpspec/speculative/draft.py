@@ -4,9 +4,9 @@
   exchange on the **draft channel** (``Channel.DRAFT``), so they never share slots with the
   target's exchange; under attention DP the draft head is replicated (its exchange spans
   one rank) and the pick is local, with no collective. Greedy drafts take the argmax.
-  Sampled drafts (rejection sampling of a temperature-only batch) are a Gumbel-max draw
-  from each request's own draft-step stream on the shards, and come back with this rank's
-  columns of the logits they were drawn from.
+  Sampled drafts (rejection sampling) are drawn with each request's own temperature and
+  filters from its draft-step stream on the shards, and come back with this rank's columns
+  of the logits they were drawn from.
 * :class:`DraftLogitsStore`: those columns kept per KV slot and draft position (``[slots + 1,
   K, shard]`` on each rank: its own columns only), stable when the batch is reshuffled
   between drafting and verification, with a scratch row for padding requests (slot -1).
@@ -44,23 +44,27 @@ def select_draft_tokens(
     rows are the requests ``first_request, first_request + 1, ...`` of ``meta``, a prepared
     ``SpecMetadata``).
 
-    ``sample=False``, an all-greedy batch, or a batch with filters: greedy tokens through the
-    exchange and no logits (rejection sampling then treats the drafts as one-hot, which is
-    lossless). ``sample=True`` on a temperature-only batch: each request draws from
-    softmax(draft logits / T) with its draft-step stream, on the shards (greedy requests take
-    the argmax), and the draft logits come back. ``sample`` must be the same on every rank (a
+    ``sample=False`` or an all-greedy batch: greedy tokens through the exchange and no logits
+    (rejection sampling then treats the drafts as one-hot, which is lossless). ``sample=True``:
+    each request draws from its filtered softmax(draft logits / T) (its own temperature, top-k,
+    top-p and min-p) with its draft-step stream, on the shards (greedy requests take the
+    argmax), and the draft logits come back. ``sample`` must be the same on every rank (a
     configuration switch); the batch flags are group-synced. Every rank returns the same tokens.
     """
     rows = draft_logits.num_rows
     if first_request < 0 or first_request + rows > meta.num_requests:
         raise ValueError(f"draft logits have {rows} rows from request {first_request}, but the step has "
                          f"{meta.num_requests} requests")
-    if not sample or meta.is_all_greedy or not meta.temperature_only:
+    if not sample or meta.is_all_greedy:
         return DraftSelection(draft_logits.argmax(channel=channel), None)
     rs = meta.request_sampling(meta.draft_offsets(step))
     pick = slice(first_request, first_request + rows)
-    tokens = draft_logits.sample(rs.temperature[pick], rs.seeds[pick], rs.offsets[pick], channel=channel,
-                                 check_values=False)
+
+    def part(f):
+        return None if f is None else f[pick]
+
+    tokens = draft_logits.sample(rs.temperature[pick], rs.seeds[pick], rs.offsets[pick], top_k=part(rs.top_k),
+                                 top_p=part(rs.top_p), min_p=part(rs.min_p), channel=channel, check_values=False)
     return DraftSelection(tokens, draft_logits.local)
 
 

@@ -24,13 +24,15 @@ candidates, at least ``max(k)`` of them) and the filters run on them, so the low
 key is every rank's cut. Top-k is exact from the candidates, min-p alone is a local mass
 threshold, and top-p without top-k is exact when its prefix ends above every rank's last
 sent key; a batch with a row that is not (rare: a flat row) is left to the gathered path
-(the function returns None, on every rank alike). The drafts of such a batch are one-hot.
+(the function returns None, on every rank alike). Sampled draft rows are cut by the same
+filters (their drafts were drawn from the filtered q).
 
 A greedy request (temperature below the greedy threshold) has one-hot ``p`` at the row's
 argmax; drafts given without their distribution (greedy drafting, n-gram) have one-hot ``q``
 at the draft. So strict greedy verification is the special case of the same code. Three
 collectives in all (two more with filters: the candidates and the unfiltered totals): one
-key exchange of row maxima, one int64 sum, one key exchange of the draws. Every decision reads only what every rank holds alike.
+key exchange of row maxima, one int64 sum, one key exchange of the draws. Every decision
+reads only what every rank holds alike.
 """
 
 from __future__ import annotations
@@ -145,16 +147,14 @@ def sharded_rejection_sample(
     ``offset + 0``, the residual race at ``offset + 1``); ``draft_logits``: ``[B, D, W]`` this
     rank's columns of the draft logits each sampled draft was drawn from at the request's
     temperature, or None (every draft one-hot). Greedy requests' drafts are one-hot.
-    ``top_k``/``top_p``/``min_p``: ``[B]`` filters of each request's target rows, or None (off);
-    with filters the drafts must be one-hot (``draft_logits`` None).
+    ``top_k``/``top_p``/``min_p``: ``[B]`` filters of each request, or None (off): they cut its
+    target rows and its sampled draft rows alike (the drafts were drawn from the filtered q).
 
     Returns ``(accepted_tokens [B, D+1] int64 padded with -1, num_accepted [B] int64)``, the same
     on every rank, and the same at every TP size for the same logits; None when a filtered row
     cannot be decided on the shards (every rank returns None alike). Collective over the group.
     """
     filtered = any(f is not None for f in (top_k, top_p, min_p))
-    if filtered and draft_logits is not None:
-        raise ValueError("filtered target rows are verified against one-hot drafts only (draft_logits=None)")
     exchange = target.exchange
     local = target.local
     device = local.device
@@ -189,18 +189,22 @@ def sharded_rejection_sample(
     at_arg = (columns.reshape(1, -1) == row_arg.reshape(-1, 1)).to(torch.int64) * ONE_HOT_MASS
     if sampled_q:  # a one-hot q row sits at its draft (greedy drafts are the draft row's argmax)
         at_arg[p_rows:] = (columns.reshape(1, -1) == drafts.reshape(-1, 1)).to(torch.int64) * ONE_HOT_MASS
-    if filtered:
-        keys = torch.where(real, pack_keys(canonical_float32(scores[:p_rows]), columns.reshape(1, -1)),
+    if filtered:  # every p row, and every sampled q row, cut to what its request's filters keep
+        keys = torch.where(real, pack_keys(canonical_float32(scores), columns.reshape(1, -1)),
                            torch.full((), EMPTY_KEY, dtype=torch.int64, device=device))
 
         def per_row(f):
-            return None if f is None else f.to(device).repeat_interleave(num_drafts + 1)
+            if f is None:
+                return None
+            f = f.to(device)
+            rows_of = [f.repeat_interleave(num_drafts + 1)] + ([f.repeat_interleave(num_drafts)] if sampled_q else [])
+            return torch.cat(rows_of)
 
-        keep, decided = _filter_keep(exchange, keys, masses[:p_rows], row_max[:p_rows], target.vocab_size,
-                                     per_row(top_k), per_row(top_p), per_row(min_p), channel)
+        keep, decided = _filter_keep(exchange, keys, masses, row_max, target.vocab_size, per_row(top_k),
+                                     per_row(top_p), per_row(min_p), channel)
         if not decided:
             return None
-        masses[:p_rows] = torch.where(keep, masses[:p_rows], torch.zeros_like(masses[:p_rows]))
+        masses = torch.where(keep, masses, torch.zeros_like(masses))
     masses = torch.where(one_hot_row.reshape(-1, 1), at_arg, masses)
     p_mass = masses[:p_rows].view(batch, num_drafts + 1, width)
     if sampled_q:

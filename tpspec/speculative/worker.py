@@ -27,6 +27,7 @@ from ..exchange.base import Channel
 from ..sampling.ops import filtered_probs, sample_from_logits
 from ..sampling.penalties import penalized_logits
 from ..sampling.select import SamplingStats, select_tokens
+from ..vocab_parallel import VocabShardedLogits
 from .accept import PAD_TOKEN, accept_from_targets, rejection_sample
 from .forced import ForcedAcceptance
 from .metadata import SpecMetadata
@@ -128,8 +129,7 @@ class SpecWorker:
             row_tokens = select_tokens(target_logits, rs, channel=self.channel, stats=self.sampling_stats)
             # Lengths come from the metadata: no value check, so this path has no host sync.
             accepted, num = accept_from_targets(row_tokens[row_index], drafts, lens, check_values=False)
-        elif (draft_probs is None and (meta.temperature_only or draft_logits is None)
-              and self._rows_are_shared(target_logits, meta)
+        elif (draft_probs is None and self._rows_are_shared(target_logits, meta)
               and (verified := self._reject_on_shards(target_logits, rs, drafts, meta, draft_logits)) is not None):
             accepted, num = verified
             self.sampling_stats.rows_sharded += meta.num_rows
@@ -142,9 +142,8 @@ class SpecWorker:
                 accepted[:, 0] = torch.where(ctx, row_tokens[row_index[:, 0]], accepted[:, 0])
                 num = torch.where(ctx, torch.ones_like(num), num)
         else:
-            if draft_logits is not None:
-                raise ValueError("draft_logits are verified on shards only: a batch with filters (or stacked rows) "
-                                 "needs full draft_probs or greedy drafts")
+            if draft_logits is not None:  # the gathered fallback needs the full draft laws
+                draft_probs = self._gathered_draft_probs(target_logits, draft_logits, meta)
             full = penalized_logits(target_logits, rs.penalties).gather()
             self.sampling_stats.rows_gathered += meta.num_rows  # rejection sampling needs the full laws
             probs = filtered_probs(full, rs.temperature, rs.top_k, rs.top_p, rs.min_p)
@@ -181,6 +180,22 @@ class SpecWorker:
         if target_logits.local.shape[0] != meta.num_rows:
             return False
         return not meta.sync_flags or target_logits.exchange.world_size == 1
+
+    @staticmethod
+    def _gathered_draft_probs(target_logits: Any, draft_logits: torch.Tensor, meta: SpecMetadata) -> torch.Tensor:
+        """``[B, D, V]`` filtered draft distributions from each rank's ``[B, D, shard]`` draft
+        logits columns (one all-gather): the fallback of rejection sampling on the shards."""
+        batch, num_drafts, width = draft_logits.shape
+        rows = VocabShardedLogits(draft_logits.reshape(-1, width), target_logits.vocab_offset,
+                                  target_logits.vocab_size, target_logits.exchange)
+        req = meta.request_sampling(meta.acceptance_offsets())
+
+        def per_row(f):
+            return None if f is None else f.repeat_interleave(num_drafts)
+
+        probs = filtered_probs(rows.gather(), per_row(req.temperature), per_row(req.top_k), per_row(req.top_p),
+                               per_row(req.min_p))
+        return probs.view(batch, num_drafts, -1)
 
     def _reject_on_shards(self, target_logits: Any, rs: Any, drafts: torch.Tensor, meta: SpecMetadata,
                           draft_logits: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
