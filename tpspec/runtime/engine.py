@@ -656,8 +656,8 @@ class Engine:
     def _pick_drafts(self, logits, step: int, slots: list[int]) -> torch.Tensor:
         """Draft step ``step``'s tokens from the drafter's ``logits`` (rows: this rank's generation
         requests at their stream ``slots``, or its one dummy row at slot -1): sampled on the shards
-        when the step prepared its streams first and the batch is temperature-only (the logits then
-        wait in ``draft_store``), else greedy."""
+        with each request's temperature and filters when the step prepared its streams first and
+        some request samples (the logits then wait in ``draft_store``), else greedy."""
         from ..speculative import select_draft_tokens
 
         if not self._prepared:

@@ -37,7 +37,7 @@ Every rank gets the same tensors. Lower-level pieces:
   with ``offsets = meta.acceptance_offsets()`` and ``seeds = meta.request_seeds``;
 * ``ForcedAcceptance`` (``TPSPEC_FORCE_NUM_ACCEPTED_TOKENS``), used by ``SpecWorker``;
 * ``select_draft_tokens(draft_logits, meta, step, sample=False, first_request=0)`` (``Channel.DRAFT``;
-  sampled drafts of a temperature-only batch on the shards) and ``DraftLogitsStore`` (each rank's
+  sampled drafts on the shards, with the requests' filters) and ``DraftLogitsStore`` (each rank's
   columns of the draft logits per KV slot and draft position);
 * ``sharded_rejection_sample(...)``: rejection sampling on the shards, filters included (``SpecWorker``
   uses it; ``worker.sampling_stats`` counts rows verified on shards and gathered);

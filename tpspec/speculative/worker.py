@@ -102,7 +102,7 @@ class SpecWorker:
         occurrence counts and the drafts preceding each row before anything is chosen.
         ``draft_logits``: ``[B, D, shard]`` this rank's columns of the draft logits the drafts
         were sampled from at each request's temperature (``tpspec.speculative.draft``), for
-        rejection sampling on the shards of a temperature-only batch; ``draft_probs``:
+        rejection sampling on the shards (cut by the requests' filters); ``draft_probs``:
         ``[B, D, V]`` full draft distributions for the gathered path. Neither: the drafts are
         treated as deterministic (one-hot q), which is still lossless. ``is_warmup``: eager
         CUDA-graph warm-up (no forced acceptance, its counter does not advance). Collective over
