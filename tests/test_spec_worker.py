@@ -109,9 +109,14 @@ def test_draft_selection():
     assert only_b.tokens.tolist() == [int(logits(1, 64, 6).local.argmax())]
     with pytest.raises(ValueError, match="rows"):
         select_draft_tokens(logits(3, 64, 5), meta, 0)
-    # A batch with a filter drafts greedily (one-hot q keeps rejection sampling lossless).
+    # A request with a filter draws with it: the draw of its filtered row, on the shards.
     filtered = SpecMetadata(4, 2).prepare([("f", 0, SamplingParams(temperature=0.9, top_k=5, seed=1), False)], 2)
-    assert select_draft_tokens(logits(1, 64, 5), filtered, 0, sample=True).logits is None
+    lf = logits(1, 64, 5)
+    pick = select_draft_tokens(lf, filtered, 0, sample=True)
+    rf = filtered.request_sampling(filtered.draft_offsets(0))
+    assert pick.logits is lf.local
+    assert pick.tokens[0] == lf.sample(rf.temperature, rf.seeds, rf.offsets, top_k=rf.top_k, channel=0)[0]
+    assert pick.tokens[0] in torch.topk(lf.local[0], 5).indices
 
 
 def test_worker_errors():
