@@ -15,8 +15,9 @@ from tpspec import LLM, SpeculativeConfig
 from tpspec.runtime.generate_cli import DEFAULT_PROMPTS
 
 
-def _env(cache: str) -> dict[str, str]:
-    env = dict(os.environ, TPSPEC_CACHE_DIR=cache, TPSPEC_NUM_THREADS="1", OMP_NUM_THREADS="1")
+def _env() -> dict[str, str]:
+    # The package's cache dir: the trained tiny model is made once for the whole suite.
+    env = dict(os.environ, TPSPEC_NUM_THREADS="1", OMP_NUM_THREADS="1")
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
     return env
@@ -24,11 +25,11 @@ def _env(cache: str) -> dict[str, str]:
 
 def test_main_job_command(tmp_path):
     """`tpspec generate` with no arguments: tiny model, TP = 2, mp, CPU; outputs and a summary."""
-    proc = subprocess.run([sys.executable, "-m", "tpspec", "generate"], env=_env(str(tmp_path)),
+    proc = subprocess.run([sys.executable, "-m", "tpspec", "generate"], env=_env(),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    assert "tp=2 backend=mp device=cpu" in out
+    assert "tp=2 backend=mp device=cpu" in out and "trained briefly" in out
     assert out.count("    tokens: ") == len(DEFAULT_PROMPTS)
     assert "tokens/s" in out and "mean accepted tokens per step" in out and "acceptance rate" in out
 
@@ -46,7 +47,7 @@ def test_torchrun_launcher_matches_mp(tmp_path):
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
     cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "tpspec", "generate", "--json",
            "--max-tokens", "16", "--num-prompts", "3", "--temperature", "0.8", "--seed", "5"]
-    proc = subprocess.run(cmd, env=_env(str(tmp_path)), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(lines) == 1, proc.stdout  # rank 0 prints, rank 1 stays silent
@@ -57,7 +58,6 @@ def test_torchrun_launcher_matches_mp(tmp_path):
     from tpspec import SamplingParams
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TPSPEC_CACHE_DIR", str(tmp_path))
         mp.setenv("TPSPEC_NUM_THREADS", "1")
         with LLM("tiny", tensor_parallel_size=2, speculative_config=SpeculativeConfig("ngram", 4)) as llm:
             ref = llm.generate(DEFAULT_PROMPTS[:3], SamplingParams(temperature=0.8, seed=5, max_tokens=16))

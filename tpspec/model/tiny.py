@@ -1,5 +1,12 @@
-"""A tiny random Llama checkpoint in Hugging Face format (no download, ever), and the
+"""Tiny Llama checkpoints in Hugging Face format (no download, ever), and the
 ``tpspec make-tiny-model DIR`` command that writes one.
+
+:func:`make_trained_tiny_checkpoint` is the embedded default model (``LLM("tiny")``): the
+shape below, trained briefly (120 small AdamW steps) on the few kilobytes of English text shipped in
+``tpspec/model/data/tiny_corpus.txt``, with a BPE tokenizer learned from the same text in
+which every id decodes to printable text. It continues the text it has seen and little
+else — readable output and realistic n-gram draft acceptance, not a language model.
+:func:`make_tiny_checkpoint` writes a *random* one (the tests' model, any shape).
 
 The default model (vocab 512, hidden 128, 2 layers, 8 heads, 2 KV heads) splits over
 TP = 1, 2, 4 and 8, runs in milliseconds on a CPU and loads in ``transformers``. Its
@@ -20,8 +27,10 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-TINY_DESCRIPTION = ("the embedded tiny Llama (vocab 512, hidden 128, 2 layers): random weights made on first "
-                    "use, so its text is noise")
+TINY_DESCRIPTION = ("the embedded tiny Llama (vocab 512, hidden 128, 2 layers, 0.4M parameters), trained briefly on "
+                    "4 KB of text shipped with tpspec: it continues text it has seen, nothing more")
+CORPUS_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "tiny_corpus.txt")
+TRAIN_STEPS = 120
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 
@@ -151,10 +160,23 @@ def make_tiny_checkpoint(
                            tie_word_embeddings=tie_word_embeddings, dtype=dtype_name)
     weights = _random_weights(cfg, seed)
     if draft:
-        keep = {f"model.layers.{i}." for i in range(draft_num_layers)}
-        weights = {k: t for k, t in weights.items()
-                   if not k.startswith("model.layers.") or any(k.startswith(p) for p in keep)}
-        cfg["num_hidden_layers"] = draft_num_layers
+        cfg, weights = _first_layers(cfg, weights, draft_num_layers)
+    path = _write_checkpoint(path, cfg, weights, dtype)
+    if tokenizer:
+        write_tiny_tokenizer(path, vocab_size)
+    return path
+
+
+def _first_layers(cfg: dict[str, Any], weights: dict[str, torch.Tensor], n: int) -> tuple[dict, dict]:
+    """The draft of a model: its first ``n`` layers with the same embeddings, norm and head."""
+    keep = {f"model.layers.{i}." for i in range(n)}
+    weights = {k: t for k, t in weights.items() if not k.startswith("model.layers.") or any(k.startswith(p) for p in keep)}
+    return dict(cfg, num_hidden_layers=n), weights
+
+
+def _write_checkpoint(path: str | os.PathLike, cfg: dict[str, Any], weights: dict[str, torch.Tensor],
+                      dtype: torch.dtype = torch.float32) -> str:
+    """``model.safetensors``, ``config.json`` and ``generation_config.json`` into ``path``."""
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     save_file({k: t.to(dtype).contiguous() for k, t in weights.items()}, os.path.join(path, "model.safetensors"),
@@ -163,9 +185,90 @@ def make_tiny_checkpoint(
         json.dump(cfg, f, indent=2, sort_keys=True)
     with open(os.path.join(path, "generation_config.json"), "w") as f:
         json.dump({"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}, f, indent=2)
-    if tokenizer:
-        write_tiny_tokenizer(path, vocab_size)
     return path
+
+
+def make_trained_tiny_checkpoint(path: str | os.PathLike, *, draft_path: str | os.PathLike | None = None,
+                                 steps: int = TRAIN_STEPS, seed: int = 0) -> str:
+    """Write the embedded default model into ``path``: a BPE tokenizer learned from the shipped
+    corpus (vocab 512: ``<pad> <s> </s> <unk>``, printable ASCII and merges; every id decodes
+    to printable text) and the tiny Llama trained ``steps`` AdamW steps on that corpus (batches
+    of 16 windows of 64 tokens). With ``draft_path``, also write its draft there (the first
+    layer of the trained model). Seeded: the same machine writes the same weights. Returns ``path``.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with open(CORPUS_PATH) as f:
+        corpus = f.read()
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    tok = write_corpus_tokenizer(path, corpus)
+    cfg = tiny_config_dict(vocab_size=tok.get_vocab_size())
+    data = torch.tensor(tok.encode(corpus).ids, dtype=torch.int64)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig.from_dict(cfg))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    # Ten warm-up steps, then a linear decay to half.
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10) * (1 - 0.5 * s / steps))
+    gen = torch.Generator().manual_seed(seed)
+    window, batch = 64, 16
+    model.train()
+    for _ in range(steps):
+        starts = torch.randint(0, len(data) - window, (batch,), generator=gen)
+        x = torch.stack([data[s:s + window] for s in starts.tolist()])
+        loss = model(input_ids=x, labels=x).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items() if not k.endswith("rotary_emb.inv_freq")}
+    _write_checkpoint(path, cfg, weights)
+    if draft_path is not None:
+        draft_cfg, draft_weights = _first_layers(cfg, weights, 1)
+        _write_checkpoint(draft_path, draft_cfg, draft_weights)
+        write_corpus_tokenizer(os.fspath(draft_path), corpus)
+    return path
+
+
+def trained_tiny_key() -> str:
+    """A short digest of everything the trained model depends on (the corpus, the code that
+    trains and writes it, the recipe constants): the cache directory's name, so a changed
+    recipe never reuses a stale model."""
+    import hashlib
+    import inspect
+
+    digest = hashlib.sha256()
+    with open(CORPUS_PATH, "rb") as f:
+        digest.update(f.read())
+    for fn in (tiny_config_dict, make_trained_tiny_checkpoint, write_corpus_tokenizer, _write_checkpoint,
+               _first_layers):
+        digest.update(inspect.getsource(fn).encode())
+    digest.update(repr((TRAIN_STEPS, CHAT_TEMPLATE, PAD_ID, BOS_ID, EOS_ID)).encode())
+    return digest.hexdigest()[:12]
+
+
+def write_corpus_tokenizer(path: str, corpus: str, vocab_size: int = 512) -> Any:
+    """Learn the default model's byte-level BPE tokenizer from ``corpus`` and save it (with a
+    ``tokenizer_config.json`` holding the chat template) into ``path``; return it.
+
+    The alphabet is printable ASCII and newline only (anything else encodes to ``<unk>``), so
+    every id decodes to printable text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    table = _byte_to_char()
+    alphabet = [table[b] for b in [*range(32, 127), 10]]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>", "<unk>"],
+                                  initial_alphabet=alphabet, limit_alphabet=len(alphabet), show_progress=False)
+    tok.train_from_iterator([corpus], trainer)
+    tok.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+                   "pad_token": "<pad>", "unk_token": "<unk>", "model_max_length": 4096,
+                   "chat_template": CHAT_TEMPLATE}, f, indent=2)
+    return tok
 
 
 def _byte_to_char() -> dict[int, str]:

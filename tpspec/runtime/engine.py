@@ -68,9 +68,22 @@ class SequenceResult:
 
 
 @dataclass
+class SequenceUpdate:
+    """What one sequence gained in one step: ``new_token_ids`` (possibly none) and their
+    ``new_logprobs`` (when asked), and when it ended, its ``finish_reason`` (``"stop"`` or
+    ``"length"``) and ``stats``."""
+
+    request_id: int
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stats: RequestStats | None = None
+    new_logprobs: list[dict[int, float]] | None = None  # one per new token, when the request asked
+
+
+@dataclass
 class _Seq:
     req: Request
-    index: int  # position in the request list of this generate call
+    index: int  # admission number in this engine (unique; keys the attention-DP token exchange)
     owner: int  # attention-DP rank that runs it (0 under plain TP)
     tokens: list[int]
     num_prompt: int
@@ -110,8 +123,10 @@ class _Plan:
 
 class Engine:
     """One rank's engine. Build it on every rank of the TP group after the process group
-    exists (collective: loads the sharded weights); then call :meth:`generate` on every rank
-    with the same requests, in the same order.
+    exists (collective: loads the sharded weights). Then, on every rank identically: either
+    :meth:`add_requests` / :meth:`abort` between :meth:`step` calls (continuous batching:
+    new requests join the running batch at the next step), or :meth:`generate` for a batch
+    run to completion.
     """
 
     def __init__(self, config: EngineConfig, mapping: Mapping, device: torch.device | str | None = None) -> None:
@@ -135,7 +150,8 @@ class Engine:
         if mapping.lm_head_is_sharded:
             self.exchange = make_key_exchange(self.group, prefer=config.exchange, device=self.device)
         self.model = load_model(config.model_path, mapping, device=self.device, dtype=self.dtype,
-                                exchange=self.exchange, attention_backend=config.attention_backend)
+                                exchange=self.exchange, attention_backend=config.attention_backend,
+                                deterministic=config.deterministic)
 
         self.ngram = None
         self.draft_model = None
@@ -145,7 +161,8 @@ class Engine:
         elif spec is not None:
             self.draft_model = DraftModel(config.draft_model_path, mapping, device=self.device, dtype=self.dtype,
                                           exchange=self.exchange, target_config=self.model.config,
-                                          attention_backend=config.attention_backend)
+                                          attention_backend=config.attention_backend,
+                                          deterministic=config.deterministic)
         self.load_s = time.perf_counter() - started
         self._allocate_pages()
 
@@ -162,8 +179,15 @@ class Engine:
             forced = ForcedAcceptance(config.forced_acceptance_rate, device=self.device)
         self.worker = SpecWorker(acceptance=spec.acceptance if spec is not None else "strict", forced=forced)
         self._forced_warning_due = forced is not None
+        # Sequences by request id, in admission order; index -> sequence; this rank's queue.
+        self._seqs: dict[int, _Seq] = {}
+        self._by_index: dict[int, _Seq] = {}
+        self._waiting: deque[_Seq] = deque()
+        self._running: list[_Seq] = []
+        self._admitted = 0
         self.graphs = None
-        if self.device.type == "cuda" and config.use_cuda_graphs:
+        # Deterministic attention walks the sequences on the host: no CUDA graphs in that mode.
+        if self.device.type == "cuda" and config.use_cuda_graphs and not config.deterministic:
             from .cuda_graphs import GenerationGraphs
 
             self.graphs = GenerationGraphs.maybe_create(self)
@@ -214,40 +238,132 @@ class Engine:
                 f"CUDA graphs {graphs}; weights loaded in {self.load_s:.2f} s")
 
     # ------------------------------------------------------------------ public
-    @torch.inference_mode()
-    def generate(self, requests: list[Request], on_progress: ProgressFn | None = None) -> list[SequenceResult]:
-        """Run ``requests`` to completion. Collective: every rank of the TP group calls it with
-        the same list. Returns one :class:`SequenceResult` per request, in order, identical on
-        every rank (attention DP included)."""
-        seqs = [self._new_seq(req, i, i % self.dp_size) for i, req in enumerate(requests)]
+    def add_requests(self, requests: list[Request]) -> None:
+        """Queue new sequences; they join the running batch at the next :meth:`step` (as KV
+        slots free up). Every rank must add the same requests in the same order between the
+        same steps: the attention-DP owner of a sequence is its admission number modulo the
+        DP size. Raises ``ValueError`` for an empty or too long prompt or a reused id."""
         if self.dp_size > 1 and any(r.sampling.has_penalties or r.sampling.logprobs is not None for r in requests):
             raise ValueError("penalties and logprobs are not supported with attention DP")
-        if self._forced_warning_due:  # on every rank's first step
+        if self._forced_warning_due:  # on every rank's first request
             self._forced_warning_due = False
             warnings.warn(f"rank {self.mapping.rank}: {FORCE_ENV}={self.config.forced_acceptance_rate:g} forces how many "
                           "drafts each step accepts (a benchmark knob): the generated tokens are not the model's",
                           ForcedAcceptanceWarning, stacklevel=2)
-        waiting = deque(s for s in seqs if s.owner == self.dp_rank)
-        running: list[_Seq] = []
-        steps = 0
-        for s in seqs:  # a zero-budget request needs no step
+        for req in requests:
+            if req.request_id in self._seqs:
+                raise ValueError(f"request {req.request_id} is already in the engine")
+            seq = self._new_seq(req, self._admitted, self._admitted % self.dp_size)
+            self._admitted += 1
+            self._seqs[req.request_id] = seq
+            self._by_index[seq.index] = seq
+            if seq.owner == self.dp_rank:
+                self._waiting.append(seq)
+
+    def abort(self, request_ids: list[int]) -> None:
+        """Drop these sequences now (their slots are free for the next step); unknown ids are
+        ignored. Called between steps with the same ids on every rank."""
+        for rid in request_ids:
+            seq = self._seqs.get(rid)
+            if seq is not None:
+                seq.finished, seq.finish_reason = True, "abort"
+                if seq in self._waiting:
+                    self._waiting.remove(seq)
+                self._forget(seq)
+
+    @property
+    def has_unfinished(self) -> bool:
+        """Whether any sequence (of any rank) still runs or waits: the same on every rank."""
+        return any(not s.finished for s in self._seqs.values())
+
+    @torch.inference_mode()
+    def step(self) -> list[SequenceUpdate]:
+        """One engine step over every unfinished sequence. Collective: every rank calls it after
+        the same :meth:`add_requests` / :meth:`abort` calls. Returns what each sequence gained
+        (identical on every rank, attention DP included); a finished sequence appears once with
+        its ``finish_reason`` and stats and is then forgotten."""
+        before = {rid: (len(s.tokens), len(s.logprobs or ())) for rid, s in self._seqs.items()}
+        for s in self._seqs.values():  # a zero-budget request needs no step
             self._check_done(s)
-        try:
-            while not all(s.finished for s in seqs):
-                for s in running:
-                    if s.finished:  # slot reuse: the next owner restarts the slot's streams
-                        self.meta.release_slot(s.slot)
-                        self.pages.free(s.index)
-                running = [s for s in running if not s.finished]
-                self._admit(waiting, running)
-                self._step(self._schedule(running), seqs)
-                steps += 1
-                if on_progress is not None:
-                    on_progress(steps, sum(s.num_generated for s in seqs))
-        finally:
-            for s in seqs:
-                self.pages.free(s.index)
-        results = [SequenceResult(s.tokens[s.num_prompt:], s.finish_reason, s.stats, s.logprobs) for s in seqs]
+        if any(not s.finished for s in self._seqs.values()):
+            self._admit()
+            self._step(self._schedule(self._running))
+        updates = []
+        for rid, s in list(self._seqs.items()):
+            new = s.tokens[before[rid][0]:]
+            if new or s.finished:
+                logprobs = None if s.logprobs is None else s.logprobs[before[rid][1]:]
+                updates.append(SequenceUpdate(rid, new, s.finish_reason if s.finished else None,
+                                              s.stats if s.finished else None, logprobs))
+            if s.finished:
+                self._forget(s)
+        return updates
+
+    def _admit(self) -> None:
+        """Free the slots of finished sequences, then move waiting sequences into free slots, in
+        order, while their worst-case KV pages fit (the first that does not fit waits, and so
+        do all behind it)."""
+        for s in [s for s in self._running if s.finished]:
+            self._release(s)
+        used = {s.slot for s in self._running}
+        free_slots = [i for i in range(self.config.max_batch_size) if i not in used]
+        while self._waiting and free_slots:
+            seq = self._waiting[0]
+            if seq.finished:
+                self._waiting.popleft()
+                continue
+            worst = self.config.max_cached_tokens(seq.num_prompt, seq.req.max_new_tokens)
+            if not self.pages.reserve(seq.index, worst):
+                break
+            self._waiting.popleft()
+            seq.slot = free_slots.pop(0)
+            seq.pages = self.pages.table(seq.index)
+            if seq.req.sampling.has_penalties:  # the slot's counts restart from this prompt
+                self.occurrences.reset(seq.slot, seq.req.prompt)
+            self._running.append(seq)
+
+    def _release(self, seq: _Seq) -> None:
+        """A running sequence leaves: its slot's streams restart for the next owner, its pages
+        go back to the pool."""
+        self.meta.release_slot(seq.slot)
+        self.pages.free(seq.index)
+        self._running.remove(seq)
+
+    def _forget(self, seq: _Seq) -> None:
+        del self._seqs[seq.req.request_id]
+        del self._by_index[seq.index]
+        if seq in self._running:
+            self._release(seq)
+
+    @torch.inference_mode()
+    def generate(self, requests: list[Request], on_progress: ProgressFn | None = None) -> list[SequenceResult]:
+        """Run ``requests`` to completion (on an engine with no other work). Collective: every
+        rank of the TP group calls it with the same list. Returns one :class:`SequenceResult`
+        per request, in order, identical on every rank (attention DP included)."""
+        if self._seqs:
+            raise RuntimeError("generate needs an idle engine (sequences are still running)")
+        self.add_requests(requests)
+        tokens: dict[int, list[int]] = {r.request_id: [] for r in requests}
+        logprobs: dict[int, list] = {r.request_id: [] for r in requests}
+        done: dict[int, SequenceUpdate] = {}
+        steps = 0
+
+        def take(updates: list[SequenceUpdate]) -> None:
+            for u in updates:
+                tokens[u.request_id] += u.new_token_ids
+                logprobs[u.request_id] += u.new_logprobs or []
+                if u.finish_reason is not None:
+                    done[u.request_id] = u
+
+        while self.has_unfinished:
+            take(self.step())
+            steps += 1
+            if on_progress is not None:
+                on_progress(steps, sum(len(t) for t in tokens.values()))
+        take(self.step())  # sequences that needed no step (a zero budget) finish here
+        results = [SequenceResult(tokens[r.request_id], done[r.request_id].finish_reason, done[r.request_id].stats,
+                                  None if r.sampling.logprobs is None else logprobs[r.request_id])
+                   for r in requests]
         self._check_ranks_agree(results)
         return results
 
@@ -268,26 +384,6 @@ class Engine:
             self.exchange.close()
 
     # ------------------------------------------------------------------ scheduling
-    def _admit(self, waiting: deque, running: list[_Seq]) -> None:
-        """Move waiting requests into free slots, in order, while their worst-case pages fit
-        (the first that does not fit waits, and so do all behind it)."""
-        used = {s.slot for s in running}
-        free_slots = [i for i in range(self.config.max_batch_size) if i not in used]
-        while waiting and free_slots:
-            seq = waiting[0]
-            if seq.finished:
-                waiting.popleft()
-                continue
-            worst = self.config.max_cached_tokens(seq.num_prompt, seq.req.max_new_tokens)
-            if not self.pages.reserve(seq.index, worst):
-                break
-            waiting.popleft()
-            seq.slot = free_slots.pop(0)
-            seq.pages = self.pages.table(seq.index)
-            if seq.req.sampling.has_penalties:  # the slot's counts restart from this prompt
-                self.occurrences.reset(seq.slot, seq.req.prompt)
-            running.append(seq)
-
     def _new_seq(self, req: Request, index: int, owner: int) -> _Seq:
         self.config.check_prompt_len(len(req.prompt), f"request {req.request_id}'s prompt")
         seq = _Seq(req=req, index=index, owner=owner, tokens=list(req.prompt), num_prompt=len(req.prompt),
@@ -319,7 +415,7 @@ class Engine:
         return plan
 
     # ------------------------------------------------------------------ one step
-    def _step(self, plan: _Plan, seqs: list[_Seq]) -> None:
+    def _step(self, plan: _Plan) -> None:
         from ..model.batch import ForwardBatch
 
         dp = self.dp_size > 1
@@ -329,7 +425,7 @@ class Engine:
         if self.graphs is not None and plan.gen and not plan.final_ctx and not plan.partial_ctx:
             graphed = self.graphs.run(plan.gen, drafts)  # None: not graphed, nothing changed
             if graphed is not None:
-                self._commit_step(seqs, graphed)
+                self._commit_step(graphed)
                 return
 
         tokens: list[int] = []
@@ -375,8 +471,8 @@ class Engine:
             else:  # only partial context chunks: fill the cache, no token is due
                 self.model(batch)
         if dp:
-            emitted = self._all_gather_emitted(emitted, seqs)
-        self._commit_step(seqs, emitted)
+            emitted = self._all_gather_emitted(emitted)
+        self._commit_step(emitted)
 
     def _propose(self, plan: _Plan, *, always_run_model: bool) -> list[list[int]]:
         """K draft tokens for every generation request of ``plan`` (empty lists without
@@ -470,7 +566,7 @@ class Engine:
         for b, step in zip(asking, found):
             emitting[b].step_logprobs = step
 
-    def _all_gather_emitted(self, emitted: dict[int, list[int]], seqs: list[_Seq]) -> dict[int, list[int]]:
+    def _all_gather_emitted(self, emitted: dict[int, list[int]]) -> dict[int, list[int]]:
         """Attention DP: every rank learns every rank's emitted tokens (one all-gather of a
         fixed-size ``[max_batch_size, K + 3]`` int64 table: seq index, count, tokens)."""
         k = self.num_draft
@@ -490,8 +586,9 @@ class Engine:
                 out[row[0]] = row[2:2 + row[1]]
         return out
 
-    def _commit_step(self, seqs: list[_Seq], emitted: dict[int, list[int]]) -> None:
+    def _commit_step(self, emitted: dict[int, list[int]]) -> None:
         """Commit every request's tokens of this step; count them for penalised requests."""
+        seqs = self._by_index
         for idx, toks in emitted.items():
             self._commit(seqs[idx], toks)
         penalised = [(seqs[i].slot, toks) for i, toks in emitted.items()

@@ -24,7 +24,7 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -36,7 +36,7 @@ from ..speculative.forced import read_forced_rate
 from ..validation import check_bool, check_int, check_real, is_int, resolve_device, resolve_dtype
 from .config import (LAUNCHERS, CompletionOutput, EngineConfig, Request, RequestMetrics, RequestOutput, RequestStats,
                      SpeculativeConfig)
-from .engine import Engine, SequenceResult
+from .engine import Engine, SequenceResult, SequenceUpdate
 from .launchers import Executor, GroupSpec, RankContext, make_executor
 from .tokenizer import IncrementalDetokenizer, load_tokenizer
 
@@ -49,40 +49,31 @@ def cache_dir() -> str:
 
 
 def tiny_model_path(kind: str = "target") -> str:
-    """Path of the tiny random Llama (``kind="target"``) or its smaller draft
-    (``kind="draft"``), created on first use from a fixed seed (deterministic; no download).
-    Safe when several processes create it at once (write to a temp dir, then rename)."""
-    import hashlib
+    """Path of the embedded tiny model (``kind="target"``: a small Llama trained for a few
+    seconds on text shipped with tpspec, see :func:`~tpspec.model.tiny.make_trained_tiny_checkpoint`)
+    or its one-layer draft (``kind="draft"``), made on first use into :func:`cache_dir` and
+    reused after (no download). Safe when several processes create it at once (each writes a
+    temporary directory, then renames it)."""
+    import shutil
 
     from ..model import tiny
-    from ..model.tiny import make_tiny_checkpoint
 
     if kind not in ("target", "draft"):
         raise ValueError(f"kind must be 'target' or 'draft', got {kind!r}")
-    # Keyed by the generator's source: a changed tiny model never reuses a stale cache.
-    with open(tiny.__file__, "rb") as f:
-        digest = hashlib.sha256(f.read()).hexdigest()[:12]
-    name = f"tiny-{digest}" if kind == "target" else f"tiny-draft-{digest}"
-    path = os.path.join(cache_dir(), name)
+    key = tiny.trained_tiny_key()
+    target, draft = (os.path.join(cache_dir(), f"{name}-{key}") for name in ("tiny", "tiny-draft"))
+    path = target if kind == "target" else draft
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
     os.makedirs(cache_dir(), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    make_tiny_checkpoint(tmp, **_tiny_kwargs(kind))
-    try:
-        os.rename(tmp, path)
-    except OSError:  # another process won the race: keep its copy
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
+    tmp = f"{target}.tmp-{os.getpid()}"
+    tiny.make_trained_tiny_checkpoint(tmp, draft_path=f"{tmp}-draft")
+    for made, final in ((f"{tmp}-draft", draft), (tmp, target)):
+        try:
+            os.rename(made, final)
+        except OSError:  # another process won the race: keep its copy
+            shutil.rmtree(made, ignore_errors=True)
     return path
-
-
-def _tiny_kwargs(kind: str) -> dict[str, Any]:
-    """The target and its draft share the vocabulary; the draft is a smaller net."""
-    if kind == "target":
-        return {"seed": 0}
-    return {"seed": 0, "draft": True}
 
 
 def resolve_model(model: str | os.PathLike, kind: str = "target") -> str:
@@ -195,6 +186,13 @@ class LLM:
     never fit raises ``ValueError``. ``attention_backend``: ``"auto"``
     (FlashInfer on CUDA when installed, else torch), ``"torch"`` or ``"flashinfer"``.
 
+    ``deterministic``: run the model with fixed reduction orders (``docs/determinism.md``): a
+    request's logits, hence its logprobs and tokens, are bit-identical alone or in any batch,
+    with or without speculation, and at every power-of-two TP size. Slower; no CUDA graphs, no
+    attention DP, ``attention_backend`` must stay ``"auto"``; a TP size that is not a power of
+    two, or that does not split the model's contractions along their fixed trees, raises
+    ``ValueError``.
+
     Every argument is checked before a worker starts (``ValueError`` naming it). Use as a
     context manager or call :meth:`shutdown`. One ``LLM`` may be shared between threads:
     its calls run one at a time, in the order they take its lock, and each caller gets its
@@ -225,6 +223,7 @@ class LLM:
         page_size: int = 16,
         kv_cache_bytes: int | None = None,
         attention_backend: str = "auto",
+        deterministic: bool = False,
     ) -> None:
         from ..model.shapes import config_from_path, is_shape_path
 
@@ -242,6 +241,7 @@ class LLM:
         max_num_seqs = check_int("max_num_seqs", max_num_seqs, low=1)
         check_bool("attention_dp", attention_dp)
         check_bool("enforce_eager", enforce_eager)
+        check_bool("deterministic", deterministic)
         if seed is not None:
             seed = check_int("seed", seed, low=0, below=2**64)
         if gpu_memory_utilization is not None and not 0 < check_real("gpu_memory_utilization",
@@ -264,7 +264,7 @@ class LLM:
             verify_checkpoint(self.model_path)  # a corrupt or truncated file: a ValueError here, not in a worker
         self.model_config = config_from_path(self.model_path)
         dtype = resolve_dtype(dtype, device, checkpoint_dtype=self.model_config.torch_dtype or "float32")
-        _check_layout(self.model_config, tp_size, attention_dp, self.model_path)
+        _check_layout(self.model_config, tp_size, attention_dp, self.model_path, deterministic)
         self.generation_defaults, gen_eos = _generation_config(generation_config, self.model_path)
         draft_path = None
         if spec is not None and spec.method == "draft_model":
@@ -274,7 +274,7 @@ class LLM:
             if draft_cfg.vocab_size != self.model_config.vocab_size:
                 raise ValueError(f"the draft model's vocab_size {draft_cfg.vocab_size} differs from the target's "
                                  f"{self.model_config.vocab_size}")
-            _check_layout(draft_cfg, tp_size, attention_dp, draft_path)
+            _check_layout(draft_cfg, tp_size, attention_dp, draft_path, deterministic)
         k = spec.num_speculative_tokens if spec is not None else 0
         if max_model_len is None:
             max_model_len = self.model_config.max_position_embeddings
@@ -296,7 +296,7 @@ class LLM:
             speculative=spec, draft_model_path=draft_path, max_batch_size=max_num_seqs,
             max_seq_len=max_model_len, max_num_tokens=max_num_batched_tokens, use_cuda_graphs=not enforce_eager,
             exchange=exchange, gpu_memory_utilization=memory_share, page_size=page_size,
-            kv_cache_bytes=kv_cache_bytes, attention_backend=attention_backend,
+            kv_cache_bytes=kv_cache_bytes, attention_backend=attention_backend, deterministic=deterministic,
             forced_acceptance_rate=read_forced_rate() if spec is not None else None,
         )
         if kv_cache_bytes is not None:
@@ -308,6 +308,12 @@ class LLM:
         self.last_stats: GenerateStats | None = None
         self._sequence_ids = itertools.count()
         self._request_ids = itertools.count()
+        # Requests driven step by step (add_request / step, streams): live requests by id, the
+        # (request id, sample index) of each engine sequence, what the next step adds / aborts.
+        self._live: dict[str, _Live] = {}
+        self._seq_owner: dict[int, tuple[str, int]] = {}
+        self._new: list[Request] = []
+        self._aborts: list[int] = []
         options: dict[str, Any] = {}
         if backend != "external_launcher":
             options = {"init_timeout_s": init_timeout_s, "timeout_s": step_timeout_s}
@@ -354,7 +360,8 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool | None = None,
-    ) -> list[RequestOutput]:
+        stream: bool = False,
+    ) -> list[RequestOutput] | Iterator[RequestOutput]:
         """Generate for every prompt; one :class:`RequestOutput` per prompt, in order, each with
         ``n`` :class:`CompletionOutput` samples.
 
@@ -364,17 +371,29 @@ class LLM:
         (default: when stderr is a terminal; it appears only on runs longer than a couple of
         seconds).
 
+        ``stream=True`` returns an iterator instead: after every engine step it yields one
+        ``RequestOutput`` per request that changed, whose samples hold only what the step added
+        (``text`` and ``token_ids`` are deltas; a sample appears once more, possibly empty, when
+        it finishes; ``finished`` is set on a request's last output). Joining each sample's
+        deltas gives exactly the non-streamed output.
+
         Raises ``ValueError`` naming the bad prompt/parameter before any work starts (the LLM
         stays usable), and :class:`~tpspec.runtime.launchers.WorkerError` when a worker dies
         or hangs (the LLM is unusable afterwards).
         """
         with self._lock:
-            return self._generate(prompts, sampling_params, use_tqdm)
+            if self._executor is None:
+                raise RuntimeError("this LLM is shut down")
+            if self._live:
+                raise RuntimeError("requests added with add_request are still running; step them to the end first")
+            batch = self._make_requests(prompts, sampling_params)
+            if stream:
+                for entry in batch:
+                    self._register(entry)
+                return self._stream()
+            return self._generate(batch, use_tqdm)
 
-    def _generate(self, prompts: Any, sampling_params: Any, use_tqdm: bool | None) -> list[RequestOutput]:
-        if self._executor is None:
-            raise RuntimeError("this LLM is shut down")
-        batch = self._make_requests(prompts, sampling_params)
+    def _generate(self, batch: list["_Entry"], use_tqdm: bool | None) -> list[RequestOutput]:
         requests = [r for entry in batch for r in entry.requests]
         bar = _ProgressBar(sum(r.max_new_tokens for r in requests), use_tqdm, enabled=self.rank == 0)
         start = time.perf_counter()
@@ -406,6 +425,112 @@ class LLM:
                                          finished=True, metrics=entry.metrics))
         self.last_stats = GenerateStats.of(outputs, wall, self.config.forced_acceptance_rate)
         return outputs
+
+    def _stream(self) -> Iterator[RequestOutput]:
+        while self._live:
+            yield from self.step()
+
+    # ------------------------------------------------------------------ step by step
+    def add_request(self, prompt: Any, sampling_params: SamplingParams | None = None) -> str:
+        """Queue one request (a prompt as :meth:`generate` takes it); it joins the running batch at
+        the next :meth:`step`. Returns its ``request_id``. Validation as in :meth:`generate`."""
+        if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+        with self._lock:
+            if self._executor is None:
+                raise RuntimeError("this LLM is shut down")
+            entry = self._make_requests([prompt], sampling_params)[0]
+            self._register(entry)
+        return entry.request_id
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a running request (its samples leave the batch at the next step); unknown ids are
+        ignored."""
+        with self._lock:
+            self._abort_request(request_id)
+
+    def _abort_request(self, request_id: str) -> None:
+        live = self._live.pop(request_id, None)
+        if live is None:
+            return
+        for req, sample in zip(live.entry.requests, live.samples):
+            self._seq_owner.pop(req.request_id, None)
+            if sample.finish_reason is None:
+                self._aborts.append(req.request_id)
+        self._new = [r for r in self._new if r.request_id not in {q.request_id for q in live.entry.requests}]
+
+    def check_health(self) -> None:
+        """Raise :class:`~tpspec.runtime.launchers.WorkerError` when a rank is known to be dead
+        (one empty call on every rank)."""
+        with self._lock:
+            if self._executor is None:
+                raise RuntimeError("this LLM is shut down")
+            self._executor.call(_noop_on_rank)
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether requests added with :meth:`add_request` (or a stream) are still running."""
+        return bool(self._live)
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step over every running request (the requests added since the last step
+        join the batch). Returns one delta ``RequestOutput`` per request that changed (as
+        ``generate(stream=True)`` yields them); a finished request is then forgotten."""
+        with self._lock:
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
+        if self._executor is None:
+            raise RuntimeError("this LLM is shut down")
+        new, self._new = self._new, []
+        aborts, self._aborts = self._aborts, []
+        updates = self._executor.call(_step_on_rank, new, aborts)[self.rank]
+        now = time.time()
+        changed: dict[str, list[CompletionOutput]] = {}
+        for u in updates:
+            owner = self._seq_owner.get(u.request_id)
+            if owner is None:  # aborted meanwhile
+                continue
+            live = self._live[owner[0]]
+            sample = live.samples[owner[1]]
+            if sample.finish_reason is not None:
+                continue
+            kept, text = sample.feed(u.new_token_ids)
+            if sample.finish_reason is not None and u.finish_reason is None:  # a stop string: leave the batch
+                self._aborts.append(u.request_id)
+            if u.finish_reason is not None:
+                text += sample.finish(u.finish_reason)
+            if u.stats is not None:
+                live.stats[owner[1]] = u.stats
+            logprobs = None if u.new_logprobs is None else u.new_logprobs[:len(kept)]
+            changed.setdefault(owner[0], []).append(CompletionOutput(
+                index=sample.index, text=text, token_ids=kept, logprobs=logprobs,
+                finish_reason=sample.finish_reason, stop_reason=sample.stop_reason, stats=live.stats[owner[1]]))
+        outputs = []
+        for rid, deltas in changed.items():
+            live = self._live[rid]
+            metrics = live.entry.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.last_token_time = now
+            finished = all(s.finish_reason is not None for s in live.samples)
+            if finished:
+                metrics.finished_time = now
+                del self._live[rid]
+                for req in live.entry.requests:
+                    self._seq_owner.pop(req.request_id, None)
+            outputs.append(RequestOutput(request_id=rid, prompt=live.entry.prompt_text,
+                                         prompt_token_ids=list(live.entry.prompt_ids),
+                                         outputs=sorted(deltas, key=lambda c: c.index), finished=finished,
+                                         metrics=metrics))
+        return outputs
+
+    def _register(self, entry: "_Entry") -> None:
+        live = _Live(entry, [_Sample(i, req, entry.params, self.tokenizer) for i, req in enumerate(entry.requests)],
+                     [RequestStats() for _ in entry.requests])
+        self._live[entry.request_id] = live
+        for i, req in enumerate(entry.requests):
+            self._seq_owner[req.request_id] = (entry.request_id, i)
+        self._new.extend(entry.requests)
 
     def chat(
         self,
@@ -563,6 +688,15 @@ class _Entry:
     metrics: RequestMetrics
 
 
+@dataclass
+class _Live:
+    """A request driven step by step: its entry, its samples and their engine statistics."""
+
+    entry: _Entry
+    samples: list["_Sample"]
+    stats: list[RequestStats]
+
+
 class _Sample:
     """The driver's view of one sample: its tokens and text as they arrive, and how it ended.
     A stop string ends it at the token that completes the string (later tokens are dropped),
@@ -717,19 +851,33 @@ def _start_engine(ctx: RankContext, config: EngineConfig) -> None:
     ctx.state["engine"] = Engine(config, ctx.mapping, ctx.device)
 
 
+def _noop_on_rank(ctx: RankContext) -> None:
+    """On every rank: nothing (a liveness check of the ranks)."""
+
+
+def _step_on_rank(ctx: RankContext, new_requests: list[Request], aborts: list[int]) -> list[SequenceUpdate]:
+    """On every rank: add the new sequences, drop the aborted ones, run one step (none when
+    nothing is left). Every rank gets the same commands in the same order and returns the same
+    updates."""
+    engine = ctx.state["engine"]
+    engine.add_requests(new_requests)
+    engine.abort(aborts)
+    return engine.step() if engine.has_unfinished else []
+
+
 def _generate_on_rank(ctx: RankContext, requests: list[Request]) -> list[SequenceResult]:
     """On every rank: run the requests; every rank returns the same results."""
     return ctx.state["engine"].generate(requests, ctx.report)
 
 
-def _check_layout(config: Any, tp_size: int, attention_dp: bool, path: str) -> None:
+def _check_layout(config: Any, tp_size: int, attention_dp: bool, path: str, deterministic: bool = False) -> None:
     """The model splits over ``tp_size`` ranks (checked here, before any worker starts)."""
     from ..mapping import Mapping
     from ..model.llama import check_split
 
     for rank in range(tp_size):
         try:
-            check_split(config, Mapping(tp_size, rank, tp_size, attention_dp))
+            check_split(config, Mapping(tp_size, rank, tp_size, attention_dp), deterministic=deterministic)
         except ValueError as exc:
             raise ValueError(f"{path} cannot run at tensor_parallel_size={tp_size}: {exc}") from None
 

@@ -1,0 +1,36 @@
+"""The embedded default model: every id decodes to printable text, it continues the text it
+was trained on, and n-gram drafts are accepted on it at a realistic rate."""
+
+from __future__ import annotations
+
+import pytest
+
+from tpspec import LLM, SamplingParams
+from tpspec.runtime.generate_cli import DEFAULT_PROMPTS
+from tpspec.runtime.llm import tiny_model_path
+from tpspec.runtime.tokenizer import load_tokenizer
+
+
+def test_every_id_decodes_to_printable_text():
+    tok = load_tokenizer(tiny_model_path())
+    special = set(tok.all_special_ids)
+    assert len(tok) == 512
+    for i in range(len(tok)):
+        if i in special:
+            continue
+        text = tok.decode([i])
+        assert text and "\ufffd" not in text and text.replace("\n", " ").isprintable(), (i, text)
+
+
+def test_continues_its_text_and_accepts_ngram_drafts(monkeypatch):
+    monkeypatch.setenv("TPSPEC_NUM_THREADS", "1")
+    with LLM("tiny", tensor_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 4}) as llm:
+        out = llm.generate(["Once upon a time there was", "The capital of France is"],
+                           SamplingParams(temperature=0, max_tokens=24))
+        # The demo's prompts repeat themselves, as real text often does: prompt lookup finds drafts.
+        llm.generate(DEFAULT_PROMPTS, SamplingParams(temperature=0, max_tokens=32))
+        stats = llm.last_stats
+    texts = [o.outputs[0].text for o in out]
+    assert texts[0].startswith(" a "), texts  # "... there was a little robot / a small town / a girl ..."
+    assert texts[1].startswith(" Paris"), texts
+    assert stats.num_accepted_drafts > 0 and stats.mean_tokens_per_step > 1.1, stats

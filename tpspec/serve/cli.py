@@ -1,0 +1,65 @@
+"""``tpspec serve MODEL``: start the ranks, then serve the OpenAI API with uvicorn.
+
+Binds to 127.0.0.1 unless ``--host`` says otherwise. Ctrl-C / SIGTERM stop the server and
+its rank processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default="tiny", help="Hugging Face checkpoint directory, or 'tiny'")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this host only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", default=None, help="the model id clients use (default: MODEL)")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    parser.add_argument("--distributed-executor-backend", choices=("mp", "ray"), default="mp")
+    parser.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=8)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None)
+    parser.add_argument("--speculative-config", default=None, help="JSON of LLM(speculative_config=...)")
+    parser.add_argument("--generation-config", default="auto")
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from .app import build_app
+        from .engine_loop import EngineLoop
+    except ImportError as exc:
+        print(f"error: tpspec serve needs the 'serve' extra (pip install 'tpspec[serve]'): {exc}", file=sys.stderr)
+        return 2
+    from ..runtime import LLM, WorkerError
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        spec = json.loads(args.speculative_config) if args.speculative_config else None
+        llm = LLM(args.model, tensor_parallel_size=args.tensor_parallel_size,
+                  distributed_executor_backend=args.distributed_executor_backend, device=args.device,
+                  dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                  gpu_memory_utilization=args.gpu_memory_utilization, speculative_config=spec,
+                  generation_config=args.generation_config, enforce_eager=args.enforce_eager)
+    except (ValueError, json.JSONDecodeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except WorkerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    engine = EngineLoop(llm)
+    app = build_app(engine, args.served_model_name or args.model)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        engine.stop()
+    return 0
