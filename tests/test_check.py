@@ -20,7 +20,7 @@ def test_check_tp2_mp_cpu_passes(tmp_path, capsys):
     rows = {r["key"]: r for r in report["results"]}
     assert [k for k, _ in C.PROPERTIES] == list(rows)[: len(C.PROPERTIES)]
     for key in ("ranks_agree", "greedy_argmax", "seeded_tp_invariant", "seeded_streams", "gumbel_exact",
-                "rejection_exact", "generate_tp"):
+                "rejection_exact", "deterministic_logits", "generate_tp"):
         assert rows[key]["status"] == C.PASS, rows[key]
         assert rows[key]["rows"] > 0 and rows[key]["mismatches"] == 0
     assert rows["gumbel_exact"]["p_value"] > C.P_VALUE_THRESHOLD

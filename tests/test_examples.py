@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from tpspec.distributed import find_free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -21,9 +22,7 @@ def _run(args: list[str], tmp_path: Path, timeout: float = 240) -> str:
 
 
 def _torchrun(nproc: int) -> list[str]:
-    with socket.socket() as s:  # a free port, so a stale rendezvous elsewhere cannot interfere
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = find_free_port()  # a port of its own, so a stale rendezvous elsewhere cannot interfere
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={port}"]
 
 

@@ -184,3 +184,22 @@ def test_qwen2_paged_tp2_and_attention_dp_equal_transformers(tmp_path, monkeypat
             params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
             got = [o.outputs[0].token_ids for o in llm.generate(HF_PROMPTS, params)]
         assert got == want, attention_dp
+
+
+def test_startup_summary_is_logged_at_the_level_asked(ckpt):
+    """Rank 0 logs the start-up summary through ``logging`` at INFO; ``TPSPEC_LOG_LEVEL=WARNING`` hides it."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from tpspec.mapping import Mapping; from tpspec.runtime.config import EngineConfig; "
+            "from tpspec.runtime.engine import Engine; "
+            f"Engine(EngineConfig({ckpt[0]!r}, 1, 'cpu', 'float32', max_seq_len=64, page_size=8), Mapping())")
+    for level, shown in (("INFO", True), ("WARNING", False)):
+        env = dict(os.environ, TPSPEC_LOG_LEVEL=level, TPSPEC_NUM_THREADS="1")
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert ("INFO tpspec.runtime.engine: engine ready" in proc.stderr) == shown, proc.stderr[-2000:]
+        if shown:
+            assert "KV 64 pages x 8 tokens = 512 tokens per rank" in proc.stderr
+            assert "attention torch" in proc.stderr and "weights loaded in" in proc.stderr

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+from tpspec.distributed import find_free_port
 from tpspec.model.tiny import make_tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,9 +39,7 @@ def test_llm_under_torchrun_joins_its_ranks_or_runs_its_own_without_hanging(tmp_
     ckpt = make_tiny_checkpoint(tmp_path / "tiny", seed=0)
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = find_free_port()  # a port of its own: a stale rendezvous elsewhere cannot interfere
     env = dict(os.environ, PYTHONPATH=str(REPO), TPSPEC_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={port}", str(script),
            str(ckpt)]

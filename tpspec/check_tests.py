@@ -55,6 +55,7 @@ PROPERTIES: list[tuple[str, str]] = [
     ("filters_sharded", "top-k/top-p/min-p on shards == full rows"),
     ("filters_exact", "top-k/top-p/min-p draws exact (chi-square)"),
     ("logprobs_exact", "logprobs == float64 log_softmax, any TP"),
+    ("deterministic_logits", "deterministic mode: logits bit-identical"),
     ("generate_tp", "generate at TP=N == TP=1"),
 ]
 TITLES = dict(PROPERTIES)
@@ -505,9 +506,51 @@ def check_filters_sharded(ctx: SuiteContext) -> CheckResult:
     if bad:
         details.append(f"TP=1: {bad} rows differ")
     mism += bad
-    return CheckResult("filters_sharded", PASS if mism == 0 else FAIL, 3 * num_rows, mism,
+    bad = _penalised_mismatches(ctx, full[-36:-4], {k: v[-36:-4] for k, v in params.items()}, gen)
+    if bad:
+        details.append(f"penalised rows: {bad} differ")
+    mism += bad
+    return CheckResult("filters_sharded", PASS if mism == 0 else FAIL, 3 * num_rows + 32, mism,
                        detail=_join(details) or f"V={vocab}, {num_rows} rows (NaN, ±inf, ties, flat); on shards "
                        f"{stats.rows_sharded}, retried {stats.rows_retried}, gathered {stats.rows_gathered}")
+
+
+def _penalised_mismatches(ctx: SuiteContext, full: torch.Tensor, params: dict[str, torch.Tensor],
+                          gen: torch.Generator) -> int:
+    """Rows with repetition / presence / frequency penalties (per-slot counts of a random
+    prompt and output) and filters through ``select_tokens`` on the group's shards, against
+    the full rows penalised in one process and drawn by the reference."""
+    from .sampling.ops import sample_from_logits
+    from .sampling.penalties import OccurrenceCounts, RowPenalties, apply_penalties
+    from .sampling.select import select_tokens
+
+    num_rows, vocab = full.shape
+    slots = torch.arange(num_rows, dtype=torch.int64) % 4
+    prompts = [torch.randint(0, vocab, (24,), generator=gen) for _ in range(4)]
+    outputs = torch.randint(0, vocab, (4, 12), generator=gen)
+    repetition = 1.0 + torch.rand(num_rows, generator=gen)
+    presence, frequency = torch.rand(num_rows, generator=gen) - 0.5, torch.rand(num_rows, generator=gen) - 0.5
+
+    def penalties(offset: int, width: int) -> RowPenalties:
+        counts = OccurrenceCounts(4, vocab_offset=offset, width=width, device=ctx.device)
+        for slot, prompt in enumerate(prompts):
+            counts.reset(slot, prompt)
+        counts.add(torch.arange(4), outputs)
+        return RowPenalties(counts, slots.to(ctx.device), None, repetition.to(ctx.device),
+                            presence.to(ctx.device), frequency.to(ctx.device))
+
+    local, offset = shard_slice(full.to(ctx.device), ctx.world_size, ctx.rank)
+    rows = K.SamplingRows(*(params[k].to(ctx.device) for k in ("temperature", "seeds", "offsets")),
+                          **{k: params[k].to(ctx.device) for k in ("top_k", "top_p", "min_p")},
+                          penalties=penalties(offset, local.shape[1]))
+    tokens = ctx.record(select_tokens(VocabShardedLogits(local, offset, vocab, ctx.allgather_exchange()), rows))
+    whole = penalties(0, vocab)
+    penalised = apply_penalties(full.to(ctx.device), vocab_offset=0, counts=whole.counts, slots=whole.slots,
+                                drafts=None, repetition=whole.repetition, presence=whole.presence,
+                                frequency=whole.frequency)
+    reference = sample_from_logits(penalised, params["temperature"], params["seeds"], params["offsets"],
+                                   params["top_k"], params["top_p"], params["min_p"], backend="torch")
+    return _mismatches(tokens, reference)
 
 
 def check_filters_exact(ctx: SuiteContext) -> CheckResult:
@@ -651,7 +694,8 @@ def check_seeded_streams(ctx: SuiteContext) -> CheckResult:
     """§8.4 (batch, slot history, TP size): a seeded request's tokens, chosen by
     ``select_tokens`` under ``SpecMetadata`` streams, are the same alone in slot 0, in a
     mixed batch at another position in a slot used before, in a batch that takes the
-    filtered path (a top-k neighbour), and at TP=1; a different seed changes them."""
+    filtered path (a top-k neighbour), and at TP=1; a different seed changes them. The
+    request runs twice: with a temperature only, and with top-k, top-p and min-p."""
     require_module("tpspec.speculative")
     from .sampling.params import SamplingParams
     from .speculative import SpecMetadata
@@ -690,27 +734,31 @@ def check_seeded_streams(ctx: SuiteContext) -> CheckResult:
              (12, 4, SamplingParams(temperature=1.2), False)]
     filtered = [(10, 0, SamplingParams(temperature=0.7, seed=99), False),
                 (13, 1, SamplingParams(temperature=1.0, top_k=5, seed=7), False)]
-    alone = run(ex, ctx.world_size, ctx.rank, 0, 0, [])
-    scenarios = {
-        "mixed batch, slot 2 after 3 steps of another request": run(ex, ctx.world_size, ctx.rank, 2, 3, mixed),
-        "filtered path (top-k neighbour), slot 5": run(ex, ctx.world_size, ctx.rank, 5, 1, filtered),
-        "TP=1": run(single, 1, 0, 0, 0, []),
-    }
     rows = mism = 0
     details = []
-    for name, tokens in scenarios.items():
-        bad = _mismatches(tokens, alone)
-        if bad:
-            details.append(f"{name}: {bad} of {alone.numel()} tokens differ")
-        mism += bad
-        rows += alone.numel()
-    other_seed = run(ex, ctx.world_size, ctx.rank, 0, 0, [], SamplingParams(temperature=0.9, seed=987654321))
-    if torch.equal(other_seed, alone):
-        details.append("a different seed gives the same tokens: the seed is not used")
-        mism += 1
+    # X with a temperature only, then with every filter (its rows take the candidate path).
+    x_filtered = SamplingParams(temperature=0.9, top_k=20, top_p=0.8, min_p=0.02, seed=123456789)
+    for label, params in (("", x_params), ("filtered X, ", x_filtered)):
+        alone = run(ex, ctx.world_size, ctx.rank, 0, 0, [], params)
+        scenarios = {
+            "mixed batch, slot 2 after 3 steps of another request": run(ex, ctx.world_size, ctx.rank, 2, 3, mixed,
+                                                                         params),
+            "filtered path (top-k neighbour), slot 5": run(ex, ctx.world_size, ctx.rank, 5, 1, filtered, params),
+            "TP=1": run(single, 1, 0, 0, 0, [], params),
+        }
+        for name, tokens in scenarios.items():
+            bad = _mismatches(tokens, alone)
+            if bad:
+                details.append(f"{label}{name}: {bad} of {alone.numel()} tokens differ")
+            mism += bad
+            rows += alone.numel()
+        other = dataclasses.replace(params, seed=987654321)
+        if torch.equal(run(ex, ctx.world_size, ctx.rank, 0, 0, [], other), alone):
+            details.append(f"{label}a different seed gives the same tokens: the seed is not used")
+            mism += 1
     return CheckResult("seeded_streams", PASS if mism == 0 else FAIL, rows, mism,
-                       detail=_join(details) or f"{steps} steps x D={draft_len}: alone vs mixed batch / slot "
-                       "history / filtered path / TP=1")
+                       detail=_join(details) or f"{steps} steps x D={draft_len}, X plain and filtered: alone vs "
+                       "mixed batch / slot history / filtered path / TP=1")
 
 
 def check_ll_equals_allgather(ctx: SuiteContext) -> CheckResult:
@@ -852,6 +900,87 @@ def check_cuda_graph(ctx: SuiteContext) -> CheckResult:
                        detail=f"{type(getattr(ex, 'inner', ex)).__name__}: greedy, seeded, unseeded x {steps} replays")
 
 
+DETERMINISTIC_REQUEST = [21, 22, 23, 24, 25, 26, 27]
+DETERMINISTIC_NEXT = [51, 387, 487, 12]
+DETERMINISTIC_NEIGHBOURS = [[5, 9, 200, 31, 7, 7, 64, 120, 300, 2, 45], [400, 401], [17] * 13]
+
+
+def _deterministic_scenarios(model: Any) -> dict[str, torch.Tensor]:
+    """The request's full logits rows (its prompt's last token, then one per next token) in
+    each scenario; collective over the model's TP group."""
+    from .model import ForwardBatch
+
+    def batch(seqs: list[tuple[int, int, list[int]]], rows: list[int] | None = None) -> Any:
+        toks = [t for _, _, new in seqs for t in new]
+        pos = [c + i for _, c, new in seqs for i in range(len(new))]
+        # Slot s owns pages (7 - j) * 6 + s, j = 0..7: scattered, in descending order.
+        tables = [[(7 - j) * 6 + s for j in range(8)] for s, _, _ in seqs]
+        return ForwardBatch(torch.tensor(toks), torch.tensor(pos), tables, [c for _, c, _ in seqs],
+                            [len(new) for _, _, new in seqs], None if rows is None else torch.tensor(rows))
+
+    x, nxt, nb = DETERMINISTIC_REQUEST, DETERMINISTIC_NEXT, DETERMINISTIC_NEIGHBOURS
+    out: dict[str, torch.Tensor] = {}
+    model.allocate_kv_cache(6 * 8, 8)  # 6 slots of 8 pages of 8 tokens
+    rows = [model(batch([(0, 0, x)])).gather()[0]]
+    rows += [model(batch([(0, len(x) + i, [t])])).gather()[0] for i, t in enumerate(nxt)]
+    out["alone, one token a step"] = torch.stack(rows)
+    # Mixed batch: the request last among prefills, then first among decodes; slot 1 reused.
+    model(batch([(1, 0, nb[2] + nb[0])]))
+    rows = [model(batch([(2, 0, nb[0]), (3, 0, nb[1]), (1, 0, x)])).gather()[2]]
+    for i, t in enumerate(nxt):
+        step = [(1, len(x) + i, [t]), (2, len(nb[0]) + i, [8]), (3, len(nb[1]) + i, [9])]
+        rows.append(model(batch(step)).gather()[0])
+    out["mixed batches, reused slot"] = torch.stack(rows)
+    # Verification: the prompt chunked beside a prefill, then every next token verified at once.
+    model(batch([(4, 0, x[:3]), (5, 0, nb[1])]))
+    last = model(batch([(4, 3, x[3:])])).gather()[0]
+    ver = model(batch([(5, len(nb[1]), [7]), (4, len(x), nxt)], [1 + r for r in range(len(nxt))])).gather()
+    out["chunked prefill, verification"] = torch.cat((last[None], ver))
+    return out
+
+
+def check_deterministic_logits(ctx: SuiteContext) -> CheckResult:
+    """Deterministic mode: the tiny model's logits of one request are bit-identical alone, in
+    mixed batches (reused slot, other positions), chunked and verified K+1 at once, at TP = N
+    (this group) and TP = 1 (each rank alone). The default mode's differences are reported."""
+    require_module("tpspec.model")
+    from .mapping import Mapping
+    from .model import check_split, load_model
+    from .model.config import ModelConfig
+    from .runtime.llm import tiny_model_path
+
+    path = tiny_model_path()
+    n = ctx.world_size
+    try:
+        check_split(ModelConfig.from_pretrained(path), Mapping(n, ctx.rank, n), deterministic=True)
+    except ValueError as exc:
+        raise Skip(f"deterministic mode cannot run the tiny model at TP={n}: {exc}") from None
+    dtype = torch.float32
+    single = load_model(path, Mapping(), device=ctx.device, dtype=dtype, deterministic=True)
+    reference = _deterministic_scenarios(single)["alone, one token a step"]
+    runs = {"TP=1": _deterministic_scenarios(single)}
+    if n > 1:
+        group_model = load_model(path, Mapping(n, ctx.rank, n), device=ctx.device, dtype=dtype, deterministic=True)
+        runs[f"TP={n}"] = _deterministic_scenarios(group_model)
+    mism = rows = 0
+    bad = []
+    for tp_label, scenarios in runs.items():
+        for name, logits in scenarios.items():
+            rows += logits.shape[0]
+            differ = int((logits.view(torch.int32) != reference.view(torch.int32)).any(dim=-1).sum())
+            mism += differ
+            if differ:
+                bad.append(f"{tp_label} {name}: {differ} rows")
+    default = _deterministic_scenarios(load_model(path, Mapping(n, ctx.rank, n) if n > 1 else Mapping(),
+                                                  device=ctx.device, dtype=dtype))
+    base = default["alone, one token a step"]
+    default_rows = sum(int((v.view(torch.int32) != base.view(torch.int32)).any(dim=-1).sum()) for v in default.values())
+    tps = "TP=1" + (f" and TP={n}" if n > 1 else "")
+    detail = (f"{len(next(iter(runs.values())))} scenarios at {tps} vs alone at TP=1; default mode: {default_rows} rows "
+              f"differ" if not bad else _join(bad))
+    return CheckResult("deterministic_logits", PASS if mism == 0 else FAIL, rows, mism, detail=detail)
+
+
 def check_ranks_agree(ctx: SuiteContext) -> CheckResult:
     """§8.1: every token any check selected on this rank equals rank 0's (collective)."""
     if ctx.world_size == 1:
@@ -877,6 +1006,7 @@ RANK_CHECKS: list[Callable[[SuiteContext], CheckResult]] = [
     check_gumbel_exact,
     check_rejection_exact,
     check_seeded_streams,
+    check_deterministic_logits,
     check_ll_equals_allgather,
     check_cpu_gpu_bits,
     check_cuda_graph,

@@ -15,7 +15,7 @@ from .exchange.local import LocalKeyExchange
 from . import keys as K
 from .keys import SamplingRows
 from .mapping import Mapping
-from .validation import check_int, is_real
+from .validation import check_int, is_int, is_real
 
 
 MAX_TOP_LOGPROBS = 20
@@ -36,7 +36,7 @@ def _filter_rows(name: str, value: Any, rows: int, device: torch.device, dtype: 
             raise ValueError(f"{name} must hold integers, got {value.dtype}")
         tensor = value.to(device=device, dtype=dtype)
     else:
-        ok = (isinstance(value, int) if integer else isinstance(value, (int, float))) and not isinstance(value, bool)
+        ok = is_int(value) if integer else is_real(value)
         if not ok:
             raise ValueError(f"{name} must be {'an int' if integer else 'a float'} or a [{rows}] tensor, got {value!r}")
         tensor = torch.full((rows,), value, dtype=dtype, device=device)
@@ -176,8 +176,7 @@ class VocabShardedLogits:
         ``torch.log_softmax``, identical at every TP size. Rows whose max is NaN or infinite
         get NaN. Collective: two small exchanges (``[R, N + 1]`` keys, ``[R]`` sums).
         """
-        if isinstance(top_n, bool) or not isinstance(top_n, int) or not 0 <= top_n <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"top_n must be an int in [0, {MAX_TOP_LOGPROBS}], got {top_n!r}")
+        top_n = check_int("top_n", top_n, low=0, high=MAX_TOP_LOGPROBS)
         if top_n > self.vocab_size:
             raise ValueError(f"top_n={top_n} exceeds vocab_size={self.vocab_size}")
         rows, width = self.local.shape

@@ -21,6 +21,10 @@ effect) and the speed-up over ``no-spec``. On CPU only the ratios mean something
 ``--model-shape llama-3-8b | llama-3-70b | qwen2.5-7b`` runs a real model shape with random
 weights built on each rank instead of a checkpoint (``--num-layers`` / ``--vocab-size``
 shrink it for quick checks).
+
+``--deterministic`` runs every configuration twice, in the default mode and in deterministic
+mode (``LLM(deterministic=True)``, rows suffixed `` det``); ``vs_default`` is a deterministic
+row's tokens/s over its default twin's.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from . import bench_device, number_list, report
 
 DEFAULT_RATES = (0.0, 1.5, 3.0)
 COLUMNS = ["config", "forced_rate", "draft_len", "requests", "tokens", "wall_s", "tokens_per_s",
-           "accepted_per_step", "tokens_per_step", "speedup"]
+           "accepted_per_step", "tokens_per_step", "speedup", "vs_default"]
 
 
 def _prompts(num: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -53,8 +57,9 @@ def measure(cfg: dict) -> dict:
     tokens, time one ``generate``.
 
     ``cfg``: model, tp, launcher, device, dtype, draft_len (0 = no speculation), prompts
-    (count, length), max_new_tokens, max_batch_size, use_cuda_graphs. ``LLM`` reads the
-    forced acceptance rate from this process's environment and hands it to every rank.
+    (count, length), max_new_tokens, max_batch_size, use_cuda_graphs, deterministic (optional).
+    ``LLM`` reads the forced acceptance rate from this process's environment and hands it to
+    every rank.
     """
     from ..runtime import LLM, SpeculativeConfig
     from ..sampling.params import SamplingParams
@@ -63,7 +68,7 @@ def measure(cfg: dict) -> dict:
     backend = {"torchrun": "external_launcher"}.get(cfg["launcher"], cfg["launcher"])
     with LLM(cfg["model"], tensor_parallel_size=cfg["tp"], distributed_executor_backend=backend, device=cfg["device"],
              dtype=cfg["dtype"], speculative_config=spec, max_num_seqs=cfg["max_batch_size"],
-             enforce_eager=not cfg["use_cuda_graphs"]) as llm:
+             enforce_eager=not cfg["use_cuda_graphs"], deterministic=cfg.get("deterministic", False)) as llm:
         prompts = _prompts(cfg["num_prompts"], cfg["prompt_len"], llm.vocab_size)
         # Warm up on the timed batch itself (its CUDA-graph bucket, first-use costs of its shapes),
         # so the timed call measures steady-state steps.
@@ -122,7 +127,7 @@ def _plot(rows: list[list[Any]]) -> Callable[[Any], None]:
     def draw(ax: Any) -> None:
         labels = [r[0] for r in rows]
         values = [r[6] for r in rows]
-        colors = ["gray" if r[0] == "no-spec" else "tab:blue" for r in rows]
+        colors = ["gray" if r[0].startswith("no-spec") else "tab:blue" for r in rows]
         bars = ax.bar(range(len(rows)), values, color=colors)
         for bar, r in zip(bars, rows):
             ax.annotate(f"{r[9]}x" if r[9] != "-" else "", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
@@ -148,6 +153,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=None, help="tokens per request (default 128; --quick 12)")
     parser.add_argument("--max-batch-size", type=int, default=None, help="requests in flight (default: all)")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="eager generation steps on GPU")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="also run every configuration in deterministic mode (rows ' det', ratio vs_default)")
     parser.add_argument("--quick", action="store_true", help="small sizes, seconds per configuration on CPU")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds before the run is abandoned")
     add_shape_arguments(parser)
@@ -196,6 +203,9 @@ def run(args: argparse.Namespace) -> int:
     names = ["no-spec"] + [f"forced={rate:g}" for rate in rates]
     configs: list[tuple[dict, float | None]] = [(dict(cfg, draft_len=0), None)]
     configs += [(dict(cfg, draft_len=args.draft_len), rate) for rate in rates]
+    if args.deterministic:
+        names += [f"{name} det" for name in names]
+        configs += [(dict(c, deterministic=True), rate) for c, rate in configs]
     if args.launcher == "mp":
         from ..testing import rank_backend, run_ranks, shared_gpu_mps
 
@@ -206,17 +216,21 @@ def run(args: argparse.Namespace) -> int:
     else:  # torchrun: every rank runs this; ray: this driver drives the actors
         per_config = run_configs(configs)
     results = [(name, rate, c["draft_len"], res) for name, (c, rate), res in zip(names, configs, per_config)]
-    base = results[0][3]["tokens_per_s"]
+    tokens_per_s = {name: res["tokens_per_s"] for name, _, _, res in results}
     rows = []
     for name, rate, draft_len, res in results:
-        speedup = res["tokens_per_s"] / base if base > 0 and name != "no-spec" else "-"
+        det_mode = name.endswith(" det")
+        base = tokens_per_s["no-spec det" if det_mode else "no-spec"]
+        speedup = res["tokens_per_s"] / base if base > 0 and not name.startswith("no-spec") else "-"
+        twin = tokens_per_s.get(name.removesuffix(" det"), 0.0)
+        vs_default = round(res["tokens_per_s"] / twin, 4) if det_mode and twin > 0 else "-"
         rows.append([name, "-" if rate is None else rate, draft_len, res["requests"], res["tokens"],
                      round(res["wall_s"], 4), round(res["tokens_per_s"], 2), round(res["accepted_per_step"], 3),
-                     round(res["tokens_per_step"], 3), round(speedup, 3) if speedup != "-" else "-"])
+                     round(res["tokens_per_step"], 3), round(speedup, 3) if speedup != "-" else "-", vs_default])
     if results[0][3]["rank"] != 0:
         return 0  # rank 0 writes the report
     meta = {"command": "tpspec bench generate", **{k: v for k, v in cfg.items()}, "draft_len": args.draft_len,
-            "rates": rates, "quick": args.quick, "drafter": "ngram",
+            "rates": rates, "quick": args.quick, "drafter": "ngram", "deterministic": args.deterministic,
             "note": "greedy, EOS ignored; accepted_per_step is measured over emitted tokens (forced: min(rate, "
                     "draft_len) expected, less on each request's last step, which the token budget cuts). "
                     "On CPU only ratios are meaningful."}

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from ..validation import check_int
 from . import cuda_module
 
 MODES = ("greedy", "sampled")
@@ -112,9 +113,7 @@ def _dtype_name(dtype: object) -> str:
 
 
 def _positive_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
+    return check_int(name, value, low=minimum)
 
 
 def sampled_tile_columns(elem_bytes: int) -> int:

@@ -1,9 +1,10 @@
 """Paged attention: each sequence's queries against only the pages it uses.
 
-Two backends behind one rule (:func:`choose_attention_backend`): FlashInfer's paged
+Backends behind one rule (:func:`choose_attention_backend`): FlashInfer's paged
 prefill/decode kernels on CUDA when ``flashinfer`` is installed and supports the head
-size, else a torch path (CPU, and CUDA without FlashInfer). Both treat grouped-query
-heads without copying keys or values per query head, and both give token ``i`` of a
+size, else a torch path (CPU, and CUDA without FlashInfer); in deterministic mode, always
+the fixed-order path (:class:`DeterministicPagedAttention`). All treat grouped-query
+heads without copying keys or values per query head, and all give token ``i`` of a
 sequence the keys ``[0, cache_len + i]``.
 
 A backend is used in two steps: ``plan(meta)`` once per step (host work: FlashInfer's
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from . import deterministic as det
 from .batch import AttentionMetadata
 from .kv_cache import KVPages
 
@@ -39,11 +41,19 @@ def flashinfer_available() -> bool:
     return importlib.util.find_spec("flashinfer") is not None
 
 
-def choose_attention_backend(device: torch.device | str, head_dim: int, prefer: str = "auto") -> str:
+def choose_attention_backend(device: torch.device | str, head_dim: int, prefer: str = "auto", *,
+                             deterministic: bool = False) -> str:
     """``"flashinfer"`` on CUDA when the package is installed and supports ``head_dim``, else
-    ``"torch"``; ``prefer`` forces one (``ValueError`` when FlashInfer cannot run here)."""
+    ``"torch"``; ``prefer`` forces one (``ValueError`` when FlashInfer cannot run here).
+    ``deterministic``: ``"deterministic"`` (``prefer`` must stay ``"auto"``: no other backend
+    keeps a row's result independent of its batch)."""
     if prefer not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {prefer!r}")
+    if deterministic:
+        if prefer != "auto":
+            raise ValueError(f"deterministic mode uses its own fixed-order attention; attention_backend must be "
+                             f"'auto', got {prefer!r}")
+        return "deterministic"
     usable = torch.device(device).type == "cuda" and flashinfer_available() and head_dim in FLASHINFER_HEAD_DIMS
     if prefer == "flashinfer" and not usable:
         raise ValueError(f"attention_backend='flashinfer' needs CUDA, the flashinfer package and a head_dim in "
@@ -56,7 +66,8 @@ def choose_attention_backend(device: torch.device | str, head_dim: int, prefer: 
 def make_attention_backend(name: str, *, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                            dtype: torch.dtype, device: torch.device) -> Any:
     """The backend object one model's layers share (all layers have the same heads)."""
-    cls = FlashInferPagedAttention if name == "flashinfer" else TorchPagedAttention
+    cls = {"flashinfer": FlashInferPagedAttention, "deterministic": DeterministicPagedAttention}.get(
+        name, TorchPagedAttention)
     return cls(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale, dtype=dtype,
                device=device)
 
@@ -101,6 +112,40 @@ class TorchPagedAttention:
             out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=self.scale)
         out = out.view(b, kvh, g, q_max, hd).permute(0, 3, 1, 2, 4).reshape(b, q_max, self.num_heads, hd)
         return out[0] if b == 1 else out[meta.tok_seq, meta.tok_qi]
+
+
+class DeterministicPagedAttention:
+    """Deterministic mode: each sequence alone, by :func:`det.attend_sequence` over the cache
+    rows its pages hold (a per-sequence loop on the host: no CUDA graphs). Every query row's
+    result depends only on that row and the keys/values it sees, in a fixed order."""
+
+    name = "deterministic"
+
+    def __init__(self, *, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+
+    def plan(self, meta: AttentionMetadata, *, graph: bool = False) -> None:
+        """Nothing to plan; a CUDA graph cannot hold the host loop over sequences."""
+        if graph:
+            raise RuntimeError("deterministic attention does not run under CUDA graphs")
+
+    def bind(self, meta: AttentionMetadata) -> AttendFn:
+        return lambda q, pages: self._attend(q, pages, meta)
+
+    def _attend(self, q: torch.Tensor, pages: KVPages, meta: AttentionMetadata) -> torch.Tensor:
+        out = torch.empty_like(q)
+        page_size, kvh, hd = meta.page_size, self.num_kv_heads, self.head_dim
+        flat_k, flat_v = pages.k.view(-1, kvh, hd), pages.v.view(-1, kvh, hd)
+        offsets = torch.arange(page_size, device=q.device)
+        start = 0
+        for b, (qn, kv_len) in enumerate(zip(meta.query_lens, meta.kv_lens)):
+            used = -(-kv_len // page_size)
+            rows = (meta.page_table[b, :used, None] * page_size + offsets).reshape(-1)[:kv_len]
+            out[start : start + qn] = det.attend_sequence(q[start : start + qn], flat_k.index_select(0, rows),
+                                                          flat_v.index_select(0, rows), kv_len - qn, self.scale)
+            start += qn
+        return out
 
 
 class FlashInferPagedAttention:

@@ -73,6 +73,7 @@ class DraftModel(TPLlamaForCausalLM):
         exchange: KeyExchange | None = None,
         target_config: ModelConfig | None = None,
         attention_backend: str = "auto",
+        deterministic: bool = False,
     ) -> None:
         config = ModelConfig.from_pretrained(path)
         if target_config is not None and config.vocab_size != target_config.vocab_size:
@@ -81,7 +82,7 @@ class DraftModel(TPLlamaForCausalLM):
                 f"the target has {target_config.vocab_size}: a draft must share the target's vocabulary"
             )
         super().__init__(config, mapping, device=device, dtype=dtype, exchange=exchange,
-                         attention_backend=attention_backend)
+                         attention_backend=attention_backend, deterministic=deterministic)
         self.load_stats = load_weights(self, path)
         self.path = os.fspath(path)
 

@@ -5,6 +5,10 @@ which slice of which checkpoint tensor fills each parameter (:class:`ShardSpec`)
 loader reads exactly those slices. Sharding follows Megatron: column-parallel
 linears split their outputs (no communication), row-parallel linears split their
 inputs and sum the partial outputs over the TP group.
+
+``deterministic=True`` (every layer's keyword) computes the same functions with the fixed
+reduction orders of :mod:`tpspec.model.deterministic`: per-row results independent of the
+batch and bit-identical at every power-of-two TP size. The default path is untouched.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..vocab_parallel import vocab_shard_bounds
+from . import deterministic as det
 from .attention import AttendFn
 from .batch import AttentionMetadata
 from .comm import all_reduce_sum
@@ -88,13 +93,17 @@ def split_evenly(name: str, size: int, tp_size: int, tp_rank: int) -> tuple[int,
 class RMSNorm(nn.Module):
     """``x / rms(x) * weight``, computed in float32 and cast back (as transformers does)."""
 
-    def __init__(self, name: str, hidden_size: int, eps: float, *, dtype: torch.dtype, device: Any) -> None:
+    def __init__(self, name: str, hidden_size: int, eps: float, *, dtype: torch.dtype, device: Any,
+                 deterministic: bool = False) -> None:
         super().__init__()
         self.eps = eps
+        self.deterministic = deterministic
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False)
         self.plan = {"weight": [ShardSpec(name, (hidden_size,))]}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.deterministic:
+            return det.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x32 = x.to(torch.float32)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -108,8 +117,9 @@ class RotaryEmbedding(nn.Module):
     angles are computed in float32 from the positions on the fly (no table to outgrow).
     """
 
-    def __init__(self, cfg: ModelConfig, *, device: Any) -> None:
+    def __init__(self, cfg: ModelConfig, *, device: Any, deterministic: bool = False) -> None:
         super().__init__()
+        self.deterministic = deterministic
         dim = cfg.head_dim
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim))
         scaling = cfg.rope_scaling
@@ -120,6 +130,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.deterministic:
+            return det.rotary_cos_sin(positions, self.inv_freq, dtype)
         angles = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         emb = torch.cat((angles, angles), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -152,8 +164,9 @@ class VocabParallelEmbedding(nn.Module):
     Ids outside ``[0, vocab_size)`` embed to zeros (never an indexing crash)."""
 
     def __init__(self, name: str, vocab_size: int, hidden_size: int, tp_size: int, tp_rank: int, group: Any,
-                 *, dtype: torch.dtype, device: Any) -> None:
+                 *, dtype: torch.dtype, device: Any, deterministic: bool = False) -> None:
         super().__init__()
+        self.deterministic = deterministic
         self.offset, width, self.real_width = vocab_shard_bounds(vocab_size, tp_size, tp_rank)
         self.tp_size = tp_size
         self.group = group
@@ -164,6 +177,13 @@ class VocabParallelEmbedding(nn.Module):
         local = ids - self.offset
         valid = (local >= 0) & (local < self.real_width)
         out = F.embedding(torch.where(valid, local, torch.zeros_like(local)), self.weight)
+        if self.deterministic:
+            # One rank holds the value, the others +0: the sum is that value in any order; + 0.0
+            # turns a -0.0 into +0.0 at every TP size alike (TP=1 included).
+            out = torch.where(valid[:, None], out, torch.zeros_like(out))
+            if self.tp_size > 1:
+                all_reduce_sum(out, self.group)
+            return out + 0.0
         out = out * valid[:, None].to(out.dtype)
         if self.tp_size > 1:
             all_reduce_sum(out, self.group)
@@ -176,8 +196,9 @@ class ColumnParallelLinear(nn.Module):
     features, start, length)``; the output is the pieces in order. No communication."""
 
     def __init__(self, in_features: int, pieces: list[tuple[str, int, int, int]], bias: bool,
-                 *, dtype: torch.dtype, device: Any) -> None:
+                 *, dtype: torch.dtype, device: Any, deterministic: bool = False) -> None:
         super().__init__()
+        self.fixed_order = det.FixedOrderMatmul(det.Contraction.of(in_features), 1) if deterministic else None
         self.out_sizes = [length for _, _, _, length in pieces]
         out = sum(self.out_sizes)
         self.weight = nn.Parameter(torch.zeros(out, in_features, dtype=dtype, device=device), requires_grad=False)
@@ -193,6 +214,9 @@ class ColumnParallelLinear(nn.Module):
             del self.plan["bias"]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fixed_order is not None:
+            y = self.fixed_order.partial(x, self.weight).to(x.dtype)
+            return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)
 
 
@@ -200,11 +224,19 @@ class RowParallelLinear(nn.Module):
     """``y = sum over ranks (x_r W_r^T) + b``: this rank holds input columns
     ``[start, start + length)`` of checkpoint linear ``prefix``. By default the partial
     outputs are summed over ``group``; ``forward(x, reduce=fn)`` replaces that sum (attention
-    DP reduce-scatters instead). The bias is added once, after the reduction."""
+    DP reduce-scatters instead). The bias is added once, after the reduction.
+
+    ``deterministic``: each rank sums its segments of the contraction's fixed tree, the ranks
+    all-gather those float32 partials and sum them by the tree's top (no all-reduce); needs a
+    power-of-two ``tp_size`` whose split of ``full_in`` follows the tree (``ValueError``)."""
 
     def __init__(self, prefix: str, full_in: int, out_features: int, start: int, length: int, bias: bool,
-                 group: Any, tp_size: int, *, dtype: torch.dtype, device: Any) -> None:
+                 group: Any, tp_size: int, *, dtype: torch.dtype, device: Any, deterministic: bool = False) -> None:
         super().__init__()
+        self.fixed_order = None
+        if deterministic:
+            det.check_contraction_split(f"{prefix} input features", full_in, tp_size)
+            self.fixed_order = det.FixedOrderMatmul(det.Contraction.of(full_in), tp_size)
         self.group = group
         self.tp_size = tp_size
         self.weight = nn.Parameter(torch.zeros(out_features, length, dtype=dtype, device=device), requires_grad=False)
@@ -214,6 +246,11 @@ class RowParallelLinear(nn.Module):
             self.plan["bias"] = [ShardSpec(f"{prefix}.bias", (out_features,))]
 
     def forward(self, x: torch.Tensor, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        if self.fixed_order is not None:
+            if reduce is not None:
+                raise ValueError("deterministic mode does not support attention DP")
+            y = det.tree_sum_ranks(self.fixed_order.partial(x, self.weight), self.group, self.tp_size).to(x.dtype)
+            return y if self.bias is None else y + self.bias
         y = F.linear(x, self.weight)
         if reduce is not None:
             y = reduce(y)
@@ -234,7 +271,7 @@ class Attention(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, layer: int, tp_size: int, tp_rank: int, group: Any,
-                 *, dtype: torch.dtype, device: Any) -> None:
+                 *, dtype: torch.dtype, device: Any, deterministic: bool = False) -> None:
         super().__init__()
         split = split_heads(cfg, tp_size, tp_rank)
         hd = cfg.head_dim
@@ -253,10 +290,11 @@ class Attention(nn.Module):
             cfg.qkv_bias,
             dtype=dtype,
             device=device,
+            deterministic=deterministic,
         )
         self.o_proj = RowParallelLinear(
             f"{prefix}.o_proj", cfg.num_heads * hd, cfg.hidden_size, split.q_start * hd, split.q_heads * hd,
-            cfg.o_bias, group, tp_size, dtype=dtype, device=device,
+            cfg.o_bias, group, tp_size, dtype=dtype, device=device, deterministic=deterministic,
         )
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
@@ -278,8 +316,9 @@ class MLP(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, layer: int, tp_size: int, tp_rank: int, group: Any,
-                 *, dtype: torch.dtype, device: Any) -> None:
+                 *, dtype: torch.dtype, device: Any, deterministic: bool = False) -> None:
         super().__init__()
+        self.deterministic = deterministic
         inter = cfg.intermediate_size
         start, length = split_evenly("intermediate_size", inter, tp_size, tp_rank)
         prefix = f"model.layers.{layer}.mlp"
@@ -289,10 +328,12 @@ class MLP(nn.Module):
             cfg.mlp_bias,
             dtype=dtype,
             device=device,
+            deterministic=deterministic,
         )
         self.down = RowParallelLinear(f"{prefix}.down_proj", inter, cfg.hidden_size, start, length, cfg.mlp_bias,
-                                      group, tp_size, dtype=dtype, device=device)
+                                      group, tp_size, dtype=dtype, device=device, deterministic=deterministic)
 
     def forward(self, x: torch.Tensor, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up, reduce)
+        act = det.silu(gate) if self.deterministic else F.silu(gate)
+        return self.down(act * up, reduce)

@@ -24,6 +24,7 @@ from ..exchange.factory import make_key_exchange
 from ..mapping import Mapping
 from ..validation import check_int
 from ..vocab_parallel import VocabParallelHead, VocabShardedLogits, vocab_shard_bounds
+from . import deterministic as det
 from .attention import AttendFn, choose_attention_backend, make_attention_backend
 from .batch import AttentionMetadata, ForwardBatch
 from .comm import LocalKeyExchange, VarlenRows, exchange_counts
@@ -33,30 +34,40 @@ from .layers import MLP, Attention, RMSNorm, RotaryEmbedding, ShardSpec, VocabPa
     split_heads
 
 
-def check_split(config: ModelConfig, mapping: Mapping) -> None:
+def check_split(config: ModelConfig, mapping: Mapping, *, deterministic: bool = False) -> None:
     """Raise ``ValueError`` naming the size that cannot be laid out over ``mapping``'s TP group
-    (vocabulary, attention heads, KV heads, intermediate size). No communication."""
+    (vocabulary, attention heads, KV heads, intermediate size; in deterministic mode also a TP
+    size that is not a power of two, a row-parallel contraction whose split does not follow its
+    fixed-order tree, and attention DP). No communication."""
     tp, rank = mapping.tp_size, mapping.tp_rank
     vocab_shard_bounds(config.vocab_size, tp, rank)
     split_heads(config, mapping.attention_tp_size, mapping.attention_tp_rank)
     split_evenly("intermediate_size", config.intermediate_size, tp, rank)
+    if deterministic:
+        if mapping.enable_attention_dp and tp > 1:
+            raise ValueError("deterministic mode does not support attention DP")
+        det.check_contraction_split("num_attention_heads * head_dim", config.num_heads * config.head_dim,
+                                    mapping.attention_tp_size)
+        det.check_contraction_split("intermediate_size", config.intermediate_size, tp)
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm block: ``h = x + attn(norm(x)); out = h + mlp(norm(h))``."""
 
     def __init__(self, config: ModelConfig, layer: int, mapping: Mapping, group: Any,
-                 *, dtype: torch.dtype, device: Any) -> None:
+                 *, dtype: torch.dtype, device: Any, deterministic: bool = False) -> None:
         super().__init__()
         prefix = f"model.layers.{layer}"
         attn_group = group if mapping.attention_tp_size > 1 else None
         self.input_layernorm = RMSNorm(f"{prefix}.input_layernorm.weight", config.hidden_size, config.rms_norm_eps,
-                                       dtype=dtype, device=device)
+                                       dtype=dtype, device=device, deterministic=deterministic)
         self.self_attn = Attention(config, layer, mapping.attention_tp_size, mapping.attention_tp_rank, attn_group,
-                                   dtype=dtype, device=device)
+                                   dtype=dtype, device=device, deterministic=deterministic)
         self.post_attention_layernorm = RMSNorm(f"{prefix}.post_attention_layernorm.weight", config.hidden_size,
-                                                config.rms_norm_eps, dtype=dtype, device=device)
-        self.mlp = MLP(config, layer, mapping.tp_size, mapping.tp_rank, group, dtype=dtype, device=device)
+                                                config.rms_norm_eps, dtype=dtype, device=device,
+                                                deterministic=deterministic)
+        self.mlp = MLP(config, layer, mapping.tp_size, mapping.tp_rank, group, dtype=dtype, device=device,
+                       deterministic=deterministic)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 pages: KVPages, attend: AttendFn, dp_rows: VarlenRows | None) -> torch.Tensor:
@@ -117,7 +128,10 @@ class TPLlamaForCausalLM(nn.Module):
     process group (:func:`tpspec.distributed.init_distributed`) before the first forward.
     ``exchange``: the key exchange of the vocab-sharded LM head (default: the best one for
     the TP group); an unsharded head always picks locally. ``attention_backend``: ``"auto"``
-    (FlashInfer on CUDA when installed, else torch), ``"torch"`` or ``"flashinfer"``.
+    (FlashInfer on CUDA when installed, else torch), ``"torch"`` or ``"flashinfer"``. ``deterministic``: every
+    reduction in the fixed order of :mod:`tpspec.model.deterministic` (attention by its
+    ``"deterministic"`` backend), so each logits row is a function of its own sequence alone, bit
+    for bit, at every batch and every power-of-two TP size.
 
     Raises ``ValueError`` at construction when the vocabulary, heads or MLP cannot be split,
     and ``RuntimeError`` when ``tp_size > 1`` but the TP process group does not exist.
@@ -125,10 +139,11 @@ class TPLlamaForCausalLM(nn.Module):
 
     def __init__(self, config: ModelConfig, mapping: Mapping | None = None, *, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, exchange: KeyExchange | None = None,
-                 attention_backend: str = "auto") -> None:
+                 attention_backend: str = "auto", deterministic: bool = False) -> None:
         super().__init__()
         mapping = mapping or Mapping()
-        check_split(config, mapping)
+        check_split(config, mapping, deterministic=deterministic)
+        self.deterministic = deterministic
         self.config = config
         self.mapping = mapping
         self.device = torch.device(device)
@@ -143,20 +158,26 @@ class TPLlamaForCausalLM(nn.Module):
         self.attention_dp = mapping.enable_attention_dp and tp > 1
         embed_tp, embed_rank = (1, 0) if self.attention_dp else (tp, mapping.tp_rank)
         self.embed_tokens = VocabParallelEmbedding("model.embed_tokens.weight", config.vocab_size, config.hidden_size,
-                                                   embed_tp, embed_rank, self.group, dtype=dtype, device=device)
+                                                   embed_tp, embed_rank, self.group, dtype=dtype, device=device,
+                                                   deterministic=deterministic)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, mapping, self.group, dtype=dtype, device=device) for i in range(config.num_layers)
+            DecoderLayer(config, i, mapping, self.group, dtype=dtype, device=device, deterministic=deterministic)
+            for i in range(config.num_layers)
         )
-        self.norm = RMSNorm("model.norm.weight", config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
-        self.rotary = RotaryEmbedding(config, device=device)
+        self.norm = RMSNorm("model.norm.weight", config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device,
+                            deterministic=deterministic)
+        self.rotary = RotaryEmbedding(config, device=device, deterministic=deterministic)
         self.lm_head = VocabParallelHead(config.hidden_size, config.vocab_size, mapping,
                                          self._head_exchange(exchange), dtype=dtype, device=device)
         self.lm_head.weight.requires_grad_(False)
+        self.head_fixed_order = det.FixedOrderMatmul(det.Contraction.of(config.hidden_size), 1) if deterministic \
+            else None
         head_name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
         self.lm_head.plan = {"weight": [ShardSpec(head_name, (config.vocab_size, config.hidden_size), 0,
                                                   self.lm_head.vocab_offset, self.lm_head.real_width)]}
         attn = self.layers[0].self_attn if len(self.layers) else None
-        backend = choose_attention_backend(self.device, config.head_dim, attention_backend)
+        backend = choose_attention_backend(self.device, config.head_dim, attention_backend,
+                                           deterministic=deterministic)
         self.attention = make_attention_backend(
             backend, num_heads=attn.num_heads if attn else 1, num_kv_heads=attn.num_kv_heads if attn else 1,
             head_dim=config.head_dim, scale=config.head_dim**-0.5, dtype=dtype, device=self.device)
@@ -278,6 +299,12 @@ class TPLlamaForCausalLM(nn.Module):
         x = self.norm(x.index_select(0, rows.to(device)))
         if head_rows is not None:
             return StackedRowsLogits(self.lm_head(head_rows.gather(x)), head_rows)
+        if self.head_fixed_order is not None:
+            head = self.lm_head
+            local = self.head_fixed_order.partial(x, head.weight).to(x.dtype)
+            if head.bias is not None:
+                local = local + head.bias
+            return VocabShardedLogits(local, head.vocab_offset, head.vocab_size, head.exchange)
         return self.lm_head(x)
 
     def shard_plan(self) -> list[tuple[str, nn.Parameter, list[ShardSpec]]]:

@@ -176,6 +176,7 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     exchange: KeyExchange | None = None,
     attention_backend: str = "auto",
+    deterministic: bool = False,
 ) -> TPLlamaForCausalLM:
     """Build the model of the checkpoint at ``path`` for this rank and load its shard.
 
@@ -184,17 +185,19 @@ def load_model(
     and ``path``; call ``allocate_kv_cache(num_pages, page_size)`` before the first forward.
     A ``"shape:NAME[:LAYERS]"`` path builds a real model shape with random weights instead
     (:mod:`tpspec.model.shapes`; ``load_stats`` is None).
+    ``deterministic``: see :class:`TPLlamaForCausalLM` (fixed reduction orders: batch- and
+    TP-invariant logits).
     """
     from .shapes import config_from_path, is_shape_path, random_model
 
     if is_shape_path(path):
         model = random_model(config_from_path(path), mapping, device=device, dtype=dtype, exchange=exchange,
-                             attention_backend=attention_backend)
+                             attention_backend=attention_backend, deterministic=deterministic)
         model.path = path
         return model
     config = ModelConfig.from_pretrained(path)
     model = TPLlamaForCausalLM(config, mapping, device=device, dtype=dtype, exchange=exchange,
-                               attention_backend=attention_backend)
+                               attention_backend=attention_backend, deterministic=deterministic)
     model.load_stats = load_weights(model, path)
     model.path = os.fspath(path)
     return model

@@ -17,6 +17,7 @@ import torch
 
 from ..exchange.base import KeyExchange
 from ..mapping import Mapping
+from ..validation import check_int
 from .config import ModelConfig
 
 SHAPE_PREFIX = "shape:"
@@ -55,8 +56,8 @@ def shape_config(name: str, num_layers: int | None = None, vocab_size: int | Non
         raise ValueError(f"unknown model shape {name!r} (known: {', '.join(MODEL_SHAPES)})")
     raw = dict(MODEL_SHAPES[name])
     for field, value in (("num_layers", num_layers), ("vocab_size", vocab_size)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"{field} must be a positive int, got {value!r}")
+        if value is not None:
+            check_int(field, value, low=1)
     if num_layers is not None:
         raw["num_hidden_layers"] = num_layers
     if vocab_size is not None:
@@ -81,7 +82,7 @@ def config_from_path(path: str) -> ModelConfig:
 @torch.no_grad()
 def random_model(config: ModelConfig, mapping: Mapping | None = None, *, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, exchange: KeyExchange | None = None,
-                 attention_backend: str = "auto", seed: int = 0) -> Any:
+                 attention_backend: str = "auto", seed: int = 0, deterministic: bool = False) -> Any:
     """This rank's shard of ``config`` with random weights (uniform, std 0.02; norms 1), made
     on ``device``. Collective like :func:`~tpspec.model.load_model` (it may build the key
     exchange). Every rank draws from its own generator: the values are not a sharded copy
@@ -89,7 +90,7 @@ def random_model(config: ModelConfig, mapping: Mapping | None = None, *, device:
     from .llama import TPLlamaForCausalLM
 
     model = TPLlamaForCausalLM(config, mapping, device=device, dtype=dtype, exchange=exchange,
-                               attention_backend=attention_backend)
+                               attention_backend=attention_backend, deterministic=deterministic)
     gen = torch.Generator(device=model.device).manual_seed(seed + 1000 * model.mapping.rank)
     for name, param, _ in model.shard_plan():
         if name.endswith("norm.weight") or name.endswith("layernorm.weight"):

@@ -98,6 +98,7 @@ class EngineConfig:
     gpu_memory_utilization: float | None = None
     attention_backend: str = "auto"
     forced_acceptance_rate: float | None = None  # benchmarks only: TPSPEC_FORCE_NUM_ACCEPTED_TOKENS, read by LLM
+    deterministic: bool = False  # fixed-order forward: batch- and TP-invariant logits
 
     def __post_init__(self) -> None:
         for name in ("tp_size", "max_batch_size", "max_num_tokens", "page_size"):
@@ -105,6 +106,7 @@ class EngineConfig:
         check_int("max_seq_len", self.max_seq_len, low=2)  # one prompt token and one generated token
         check_bool("attention_dp", self.attention_dp)
         check_bool("use_cuda_graphs", self.use_cuda_graphs)
+        check_bool("deterministic", self.deterministic)
         if self.kv_cache_bytes is not None:
             check_int("kv_cache_bytes", self.kv_cache_bytes, low=1)
         util = self.gpu_memory_utilization
@@ -114,6 +116,9 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "torch", "flashinfer"):
             raise ValueError(f"attention_backend must be 'auto', 'torch' or 'flashinfer', "
                              f"got {self.attention_backend!r}")
+        if self.deterministic and self.attention_backend != "auto":
+            raise ValueError(f"deterministic mode uses its own fixed-order attention; attention_backend must be "
+                             f"'auto', got {self.attention_backend!r}")
         # The engine relies on this: a generation step of a full batch must fit, else
         # padding rows of a graphed step could take a prefilling slot.
         step = self.max_batch_size * (self.num_draft_tokens + 1)

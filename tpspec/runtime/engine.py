@@ -150,7 +150,8 @@ class Engine:
         if mapping.lm_head_is_sharded:
             self.exchange = make_key_exchange(self.group, prefer=config.exchange, device=self.device)
         self.model = load_model(config.model_path, mapping, device=self.device, dtype=self.dtype,
-                                exchange=self.exchange, attention_backend=config.attention_backend)
+                                exchange=self.exchange, attention_backend=config.attention_backend,
+                                deterministic=config.deterministic)
 
         self.ngram = None
         self.draft_model = None
@@ -160,7 +161,8 @@ class Engine:
         elif spec is not None:
             self.draft_model = DraftModel(config.draft_model_path, mapping, device=self.device, dtype=self.dtype,
                                           exchange=self.exchange, target_config=self.model.config,
-                                          attention_backend=config.attention_backend)
+                                          attention_backend=config.attention_backend,
+                                          deterministic=config.deterministic)
         self.load_s = time.perf_counter() - started
         self._allocate_pages()
 
@@ -184,7 +186,8 @@ class Engine:
         self._running: list[_Seq] = []
         self._admitted = 0
         self.graphs = None
-        if self.device.type == "cuda" and config.use_cuda_graphs:
+        # Deterministic attention walks the sequences on the host: no CUDA graphs in that mode.
+        if self.device.type == "cuda" and config.use_cuda_graphs and not config.deterministic:
             from .cuda_graphs import GenerationGraphs
 
             self.graphs = GenerationGraphs.maybe_create(self)

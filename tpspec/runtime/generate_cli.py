@@ -63,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's EOS token")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: eager generation steps on GPU")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="fixed-order forward: each request's logits bit-identical in any batch, with or "
+                             "without speculation, at every power-of-two TP size (slower)")
     parser.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
                         help="progress bar (auto: when stderr is a terminal, on runs longer than 2 s)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -137,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
         with LLM(args.model, tensor_parallel_size=tp, distributed_executor_backend=backend, device=args.device,
                  dtype=args.dtype, attention_dp=args.attention_dp, speculative_config=spec,
                  max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                 enforce_eager=args.enforce_eager) as llm:
+                 enforce_eager=args.enforce_eager, deterministic=args.deterministic) as llm:
             prompts = _prompts(args, llm.tokenizer is not None, llm.vocab_size)
             outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
             stats = llm.last_stats
@@ -145,7 +148,8 @@ def run(args: argparse.Namespace) -> int:
                 f"{llm.config.speculative.method}(k={llm.config.speculative.num_speculative_tokens}, "
                 f"{llm.config.speculative.acceptance})")
             desc = (f"model={args.model} tp={tp} backend={backend} device={llm.config.device} "
-                    f"dtype={llm.config.dtype} attention_dp={args.attention_dp} spec={spec_desc}")
+                    f"dtype={llm.config.dtype} attention_dp={args.attention_dp} spec={spec_desc}"
+                    + (" deterministic" if args.deterministic else ""))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

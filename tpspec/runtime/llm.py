@@ -186,6 +186,13 @@ class LLM:
     never fit raises ``ValueError``. ``attention_backend``: ``"auto"``
     (FlashInfer on CUDA when installed, else torch), ``"torch"`` or ``"flashinfer"``.
 
+    ``deterministic``: run the model with fixed reduction orders (``docs/determinism.md``): a
+    request's logits, hence its logprobs and tokens, are bit-identical alone or in any batch,
+    with or without speculation, and at every power-of-two TP size. Slower; no CUDA graphs, no
+    attention DP, ``attention_backend`` must stay ``"auto"``; a TP size that is not a power of
+    two, or that does not split the model's contractions along their fixed trees, raises
+    ``ValueError``.
+
     Every argument is checked before a worker starts (``ValueError`` naming it). Use as a
     context manager or call :meth:`shutdown`. One ``LLM`` may be shared between threads:
     its calls run one at a time, in the order they take its lock, and each caller gets its
@@ -216,6 +223,7 @@ class LLM:
         page_size: int = 16,
         kv_cache_bytes: int | None = None,
         attention_backend: str = "auto",
+        deterministic: bool = False,
     ) -> None:
         from ..model.shapes import config_from_path, is_shape_path
 
@@ -233,6 +241,7 @@ class LLM:
         max_num_seqs = check_int("max_num_seqs", max_num_seqs, low=1)
         check_bool("attention_dp", attention_dp)
         check_bool("enforce_eager", enforce_eager)
+        check_bool("deterministic", deterministic)
         if seed is not None:
             seed = check_int("seed", seed, low=0, below=2**64)
         if gpu_memory_utilization is not None and not 0 < check_real("gpu_memory_utilization",
@@ -255,7 +264,7 @@ class LLM:
             verify_checkpoint(self.model_path)  # a corrupt or truncated file: a ValueError here, not in a worker
         self.model_config = config_from_path(self.model_path)
         dtype = resolve_dtype(dtype, device, checkpoint_dtype=self.model_config.torch_dtype or "float32")
-        _check_layout(self.model_config, tp_size, attention_dp, self.model_path)
+        _check_layout(self.model_config, tp_size, attention_dp, self.model_path, deterministic)
         self.generation_defaults, gen_eos = _generation_config(generation_config, self.model_path)
         draft_path = None
         if spec is not None and spec.method == "draft_model":
@@ -265,7 +274,7 @@ class LLM:
             if draft_cfg.vocab_size != self.model_config.vocab_size:
                 raise ValueError(f"the draft model's vocab_size {draft_cfg.vocab_size} differs from the target's "
                                  f"{self.model_config.vocab_size}")
-            _check_layout(draft_cfg, tp_size, attention_dp, draft_path)
+            _check_layout(draft_cfg, tp_size, attention_dp, draft_path, deterministic)
         k = spec.num_speculative_tokens if spec is not None else 0
         if max_model_len is None:
             max_model_len = self.model_config.max_position_embeddings
@@ -287,7 +296,7 @@ class LLM:
             speculative=spec, draft_model_path=draft_path, max_batch_size=max_num_seqs,
             max_seq_len=max_model_len, max_num_tokens=max_num_batched_tokens, use_cuda_graphs=not enforce_eager,
             exchange=exchange, gpu_memory_utilization=memory_share, page_size=page_size,
-            kv_cache_bytes=kv_cache_bytes, attention_backend=attention_backend,
+            kv_cache_bytes=kv_cache_bytes, attention_backend=attention_backend, deterministic=deterministic,
             forced_acceptance_rate=read_forced_rate() if spec is not None else None,
         )
         if kv_cache_bytes is not None:
@@ -861,14 +870,14 @@ def _generate_on_rank(ctx: RankContext, requests: list[Request]) -> list[Sequenc
     return ctx.state["engine"].generate(requests, ctx.report)
 
 
-def _check_layout(config: Any, tp_size: int, attention_dp: bool, path: str) -> None:
+def _check_layout(config: Any, tp_size: int, attention_dp: bool, path: str, deterministic: bool = False) -> None:
     """The model splits over ``tp_size`` ranks (checked here, before any worker starts)."""
     from ..mapping import Mapping
     from ..model.llama import check_split
 
     for rank in range(tp_size):
         try:
-            check_split(config, Mapping(tp_size, rank, tp_size, attention_dp))
+            check_split(config, Mapping(tp_size, rank, tp_size, attention_dp), deterministic=deterministic)
         except ValueError as exc:
             raise ValueError(f"{path} cannot run at tensor_parallel_size={tp_size}: {exc}") from None
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 
 from ..model.batch import pages_needed
+from ..validation import check_int
 
 
 class PageAllocator:
@@ -30,9 +31,8 @@ class PageAllocator:
     """
 
     def __init__(self, num_pages: int, page_size: int) -> None:
-        for name, value in (("num_pages", num_pages), ("page_size", page_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_int("num_pages", num_pages, low=1)
+        check_int("page_size", page_size, low=1)
         self.num_pages = num_pages
         self.page_size = page_size
         self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out the lowest page first

@@ -65,8 +65,10 @@ class SamplingParams:
     ``top_k``: an int >= -1 (0 or -1 = no rank filter, 1 = greedy).
     ``min_p``: a float in [0, 1] (0 = no filter; keeps tokens with ``p >= min_p * p_max``).
     ``seed``: None (the request draws from the engine's stream) or an int in ``[0, 2**64)``:
-    the request's own stream, reproducible bit for bit whatever its batch, batch position,
-    KV slot history or TP size.
+    the request's own stream. Given identical logits the request draws the same tokens
+    whatever its batch, batch position, KV slot history or TP size; the default model forward
+    does not promise identical logits across batches or TP sizes (``LLM(deterministic=True)``
+    does).
     ``max_tokens``: most tokens to generate (default 16; None = up to the model length).
     ``min_tokens``: before this many tokens, EOS, ``stop_token_ids`` and ``stop`` strings do not
     end the request.

@@ -29,6 +29,7 @@ from typing import Sequence
 
 import torch
 
+from ..validation import check_int
 from ..vocab_parallel import VocabShardedLogits
 
 
@@ -47,8 +48,7 @@ class OccurrenceCounts:
     def __init__(self, num_slots: int, *, vocab_offset: int, width: int,
                  device: str | torch.device = "cpu") -> None:
         for name, value, low in (("num_slots", num_slots, 1), ("vocab_offset", vocab_offset, 0), ("width", width, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"OccurrenceCounts.{name} must be an int >= {low}, got {value!r}")
+            check_int(f"OccurrenceCounts.{name}", value, low=low)
         self.num_slots = num_slots
         self.vocab_offset = vocab_offset
         self.width = width
@@ -86,8 +86,7 @@ class OccurrenceCounts:
 
     def reset(self, slot: int, prompt_tokens: Sequence[int] | torch.Tensor) -> None:
         """A new request takes ``slot``: no output yet, its prompt's tokens marked seen."""
-        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.num_slots:
-            raise ValueError(f"slot must be an int in [0, {self.num_slots}), got {slot!r}")
+        check_int("slot", slot, low=0, below=self.num_slots)
         counts, seen = self._tables()
         counts[slot].zero_()
         seen[slot].zero_()

@@ -57,6 +57,7 @@ from ..keys import (
     unpack_indices,
     unpack_keys,
 )
+from ..validation import check_int
 from ..vocab_parallel import VocabShardedLogits
 from .ops import filter_flags, sample_from_logits, scaled_scores, sorted_filter_mask
 from .params import TOP_K_DISABLED
@@ -155,8 +156,7 @@ def sample_filtered(
     ``tpspec.sampling.ops.sample_from_logits`` on the gathered rows. Collective; reads the
     parameters and the exchanged candidates on the host.
     """
-    if isinstance(candidates, bool) or not isinstance(candidates, int) or candidates < 1:
-        raise ValueError(f"candidates must be a positive int, got {candidates!r}")
+    check_int("candidates", candidates, low=1)
     ex = logits.exchange
     num_rows, device = logits.num_rows, logits.local.device
     if rows.seeds is None:
@@ -167,7 +167,12 @@ def sample_filtered(
     sampled = temperature >= rows.greedy_threshold
     k_on, p_on, m_on = filter_flags(num_rows, logits.vocab_size, device, rows.top_k, rows.top_p, rows.min_p)
     k_on, p_on, m_on = k_on & sampled, p_on & sampled, m_on & sampled
-    filtered = k_on | p_on | m_on
+    k_value = torch.zeros(num_rows, dtype=torch.int64, device=device)
+    if rows.top_k is not None:
+        k_value = torch.where(k_on, rows.top_k.to(device, torch.int64), k_value)
+    # Every host fact of the call in one transfer: which rows filter how, and the largest k.
+    host = torch.stack([k_on.to(torch.int64), p_on.to(torch.int64), m_on.to(torch.int64), k_value], dim=1).cpu()
+    filtered = host[:, :3].any(dim=1)
     filtered_rows = torch.nonzero(filtered).flatten().tolist()
     plain_rows = torch.nonzero(~filtered).flatten().tolist()
     tokens = torch.empty(num_rows, dtype=torch.int64, device=device)
@@ -181,8 +186,8 @@ def sample_filtered(
         stats.rows_sharded += len(plain_rows)
     if filtered_rows:
         pick = _index(device, filtered_rows)
-        tokens[pick] = _filtered_tokens(logits, _Rows.take(rows, temperature, k_on, p_on, m_on, pick), channel,
-                                        candidates, stats)
+        taken = _Rows.take(rows, temperature, k_on, p_on, m_on, pick, host[filtered_rows])
+        tokens[pick] = _filtered_tokens(logits, taken, channel, candidates, stats)
     return tokens
 
 
@@ -195,7 +200,8 @@ def _index(device: torch.device, rows: list[int]) -> torch.Tensor:
 @dataclass
 class _Rows:
     """Filtered rows: their rows of the logits (``index``) and parameters (``[F]`` each;
-    a filter's values are read only where it is on)."""
+    a filter's values are read only where it is on); ``host``: ``[F, 4]`` int64 on the CPU,
+    (top-k on, top-p on, min-p on, k), so that choosing what to exchange needs no sync."""
 
     index: torch.Tensor
     temperature: torch.Tensor
@@ -207,10 +213,11 @@ class _Rows:
     top_k: torch.Tensor
     top_p: torch.Tensor
     min_p: torch.Tensor
+    host: torch.Tensor
 
     @classmethod
     def take(cls, rows: SamplingRows, temperature: torch.Tensor, k_on: torch.Tensor, p_on: torch.Tensor,
-             m_on: torch.Tensor, pick: torch.Tensor) -> "_Rows":
+             m_on: torch.Tensor, pick: torch.Tensor, host: torch.Tensor) -> "_Rows":
         n, dev = pick.shape[0], pick.device
 
         def param(t: torch.Tensor | None, fill: float, dtype: torch.dtype) -> torch.Tensor:
@@ -218,10 +225,13 @@ class _Rows:
 
         return cls(pick, temperature[pick], rows.seeds.to(dev)[pick], rows.offsets.to(dev)[pick], k_on[pick],
                    p_on[pick], m_on[pick], param(rows.top_k, TOP_K_DISABLED, torch.int64),
-                   param(rows.top_p, 1.0, torch.float32), param(rows.min_p, 0.0, torch.float32))
+                   param(rows.top_p, 1.0, torch.float32), param(rows.min_p, 0.0, torch.float32), host)
 
-    def subset(self, pick: torch.Tensor) -> "_Rows":
-        return _Rows(*(getattr(self, f.name)[pick] for f in dataclasses.fields(self)))
+    def subset(self, pick: list[int]) -> "_Rows":
+        """These rows at positions ``pick`` (host indices)."""
+        index = torch.tensor(pick, dtype=torch.int64, device=self.index.device)
+        return _Rows(*(getattr(self, f.name)[torch.tensor(pick, dtype=torch.int64) if f.name == "host" else index]
+                       for f in dataclasses.fields(self)))
 
 
 def _local_keys(logits: VocabShardedLogits, local: torch.Tensor, temperature: torch.Tensor) -> tuple[
@@ -261,15 +271,14 @@ def _filtered_tokens(logits: VocabShardedLogits, rows: _Rows, channel: int, coun
     num = rows.temperature.shape[0]
     local = logits.local.detach()[rows.index]
     scores, keys = _local_keys(logits, local, rows.temperature)
-    k_max = int(torch.where(rows.k_on, rows.top_k, torch.zeros_like(rows.top_k)).max())
-    count = max(count, k_max)  # top-k is exact only when every rank sends at least k
+    count = max(count, int(rows.host[:, 3].max()))  # top-k is exact only when every rank sends at least k
     ranked, floor = _candidates(ex, keys, count, channel)
     best, _ = unpack_keys(ranked[:, 0])
     # Z of the top-p rows without top-k: the exact sum of every rank's masses.
-    needs_total = rows.p_on & ~rows.k_on
-    if total is None and bool(needs_total.any()):
+    needs_total = torch.nonzero((rows.host[:, 1] == 1) & (rows.host[:, 0] == 0)).flatten().tolist()
+    if total is None and needs_total:
         total = torch.zeros(num, dtype=torch.int64, device=device)
-        which = torch.nonzero(needs_total).flatten()
+        which = _index(device, needs_total)
         masses = column_masses(scores[which], best[which])
         masses = torch.where(keys[which] != EMPTY_KEY, masses, torch.zeros_like(masses))
         total[which] = ex.sum_rows(masses.sum(dim=1), channel=channel)
@@ -287,24 +296,28 @@ def _filtered_tokens(logits: VocabShardedLogits, rows: _Rows, channel: int, coun
     only_m = rows.m_on & ~rows.k_on & ~rows.p_on
     from_candidates = degenerate | rows.k_on | (rows.p_on & p_certified) | (only_m & m_within)
     masked = only_m & ~from_candidates
-    undecided = ~(from_candidates | masked)
-    first, second, third = (torch.nonzero(g).flatten() for g in (from_candidates, masked, undecided))
+    verdicts = torch.stack([from_candidates, masked], dim=1).cpu()  # the call's one sync after the exchange
+    first = torch.nonzero(verdicts[:, 0]).flatten().tolist()
+    second = torch.nonzero(verdicts[:, 1]).flatten().tolist()
+    third = torch.nonzero(~verdicts.any(dim=1)).flatten().tolist()
     tokens = torch.empty(num, dtype=torch.int64, device=device)
-    if first.numel():
-        tokens[first] = _draw_from_candidates(ranked[first], keep[first], rows.subset(first))
-    if second.numel():
-        tokens[second] = _draw_masked(logits, local[second], scores[second], keys[second], best[second],
-                                      rows.subset(second), channel)
-    stats.rows_sharded += int(first.numel()) + int(second.numel())
-    if third.numel():
-        sub_total = None if total is None else total[third]
+    if first:
+        at = _index(device, first)
+        tokens[at] = _draw_from_candidates(ranked[at], keep[at], rows.subset(first))
+    if second:
+        at = _index(device, second)
+        tokens[at] = _draw_masked(logits, local[at], scores[at], keys[at], best[at], rows.subset(second), channel)
+    stats.rows_sharded += len(first) + len(second)
+    if third:
+        at = _index(device, third)
+        sub_total = None if total is None else total[at]
         if retry and count < logits.shard_width:
-            stats.rows_retried += int(third.numel())
-            tokens[third] = _filtered_tokens(logits, rows.subset(third), channel, count * RETRY_FACTOR, stats,
-                                             total=sub_total, retry=False)
+            stats.rows_retried += len(third)
+            tokens[at] = _filtered_tokens(logits, rows.subset(third), channel, count * RETRY_FACTOR, stats,
+                                          total=sub_total, retry=False)
         else:
-            tokens[third] = _gather_and_sample(logits, rows.subset(third))
-            stats.rows_gathered += int(third.numel())
+            tokens[at] = _gather_and_sample(logits, rows.subset(third))
+            stats.rows_gathered += len(third)
     return tokens
 
 

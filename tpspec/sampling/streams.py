@@ -11,8 +11,8 @@ on ``max_draft_len`` (so a request's draws never depend on the rest of the batch
 
 Seeded requests use their own seed and a counter per KV slot: window ``n`` of a
 request starts at offset ``n * window_span``, and the counter restarts at 0 when a new
-request takes the slot. So a seeded request reproduces bit for bit whatever its batch,
-batch position or slot history (a request keeps its KV slot for its whole life).
+request takes the slot. So, given identical logits, a seeded request draws the same tokens
+whatever its batch, batch position or slot history (a request keeps its KV slot for its whole life).
 
 Unseeded requests use seed :data:`UNSEEDED_SEED` (42) and take consecutive windows
 from one shared counter starting at :data:`UNSEEDED_OFFSET_BASE` (2**62), far past any

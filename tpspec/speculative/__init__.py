@@ -3,11 +3,11 @@
 The interface the runtime codes against::
 
     from tpspec.sampling import SamplingParams
-    from tpspec.speculative import SpecMetadata, SpecWorker, strict_accept, rejection_sample
+    from tpspec.speculative import RequestEntry, SpecMetadata, SpecWorker, strict_accept, rejection_sample
 
     meta = SpecMetadata(max_num_requests, max_draft_len, device=device, mapping=mapping, group=None)
     # once per step, on every rank of the TP group, before the forward:
-    meta.prepare(requests=[(request_id, slot_id, sampling_params, is_context), ...], draft_len=D)
+    meta.prepare(requests=[RequestEntry(request_id, slot_id, sampling_params, is_context), ...], draft_len=D)
     #   rows: requests in this order; context request -> 1 logits row, generation -> D+1 rows
     #   (its last accepted token, then its D drafts); slot_id -1 = padding request (greedy).
     #   Fills stable device buffers (params refilled only when the batch changes), gives
