@@ -39,3 +39,18 @@ def test_bench_generate_quick_cpu_writes_json_and_png(tmp_path, monkeypatch):
 def test_bench_generate_rejects_bad_rates(tmp_path):
     with pytest.raises(SystemExit, match="--rates"):
         main(["bench", "generate", "--device", "cpu", "--quick", "--rates", "-1", "--out", str(tmp_path)])
+
+
+def test_bench_generate_eagle3_forced(tmp_path):
+    """The EAGLE-3 head drafts (K forwards a step) and the forced rate still reaches the ranks."""
+    out = tmp_path / "bench"
+    assert main(["bench", "generate", "--device", "cpu", "--quick", "--spec", "eagle3", "--rates", "3", "--tp", "1",
+                 "--out", str(out)]) == 0
+    report = json.loads((out / "generate.json").read_text())
+    rows = {r[0]: dict(zip(report["columns"], r)) for r in report["rows"]}
+    assert list(rows) == ["no-spec", "forced=3"] and report["meta"]["drafter"] == "eagle3"
+    generated = report["meta"]["max_new_tokens"] - 1
+    steps = -(-generated // 4)
+    assert rows["forced=3"]["accepted_per_step"] == round((generated - steps) / steps, 3)
+    with pytest.raises(SystemExit, match="--spec eagle3 needs --draft-model DIR"):
+        main(["bench", "generate", "--device", "cpu", "--quick", "--spec", "eagle3", "--model", str(tmp_path)])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from tpspec import LLM, SamplingParams, SpeculativeConfig
-from tpspec.model.tiny import make_tiny_checkpoint
+from tpspec.model.tiny import make_tiny_checkpoint, make_tiny_eagle3_head
 
 MAX_NEW = 24
 
@@ -47,7 +47,8 @@ def ckpt(tmp_path_factory):
     root = tmp_path_factory.mktemp("runtime_models")
     target = make_tiny_checkpoint(root / "tiny", seed=0)
     draft = make_tiny_checkpoint(root / "tiny-draft", seed=0, draft=True)
-    return str(target), str(draft)
+    head = make_tiny_eagle3_head(root / "tiny-eagle3", target)
+    return str(target), str(draft), str(head)
 
 
 @pytest.fixture(scope="module")
@@ -66,16 +67,16 @@ def llm_tp2(ckpt):
         yield llm
 
 
-def _spec(method: str, acceptance: str, draft: str) -> SpeculativeConfig | None:
+def _spec(method: str, acceptance: str, ckpt: tuple[str, str, str]) -> SpeculativeConfig | None:
     if method == "none":
         return None
     k = 4 if method == "ngram" else 3
-    return SpeculativeConfig(method=method, num_speculative_tokens=k, acceptance=acceptance,
-                             model=draft if method == "draft_model" else None)
+    draft = {"draft_model": ckpt[1], "eagle3": ckpt[2]}.get(method)
+    return SpeculativeConfig(method=method, num_speculative_tokens=k, acceptance=acceptance, model=draft)
 
 
 SPECS = [("none", "strict"), ("ngram", "strict"), ("ngram", "rejection"), ("draft_model", "strict"),
-         ("draft_model", "rejection")]
+         ("draft_model", "rejection"), ("eagle3", "strict")]
 
 
 @pytest.mark.parametrize("tp,adp", [(1, False), (2, False), (2, True)], ids=["tp1", "tp2", "tp2-adp"])
@@ -84,7 +85,7 @@ def test_speculative_greedy_equals_plain_greedy(ckpt, baseline, tp, adp):
     token budget (chunked context of the 40-token prompt) and slot reuse (6 prompts, 4 slots)."""
     accepted_any = {}
     for method, acceptance in SPECS:
-        spec = _spec(method, acceptance, ckpt[1])
+        spec = _spec(method, acceptance, ckpt)
         with LLM(ckpt[0], tensor_parallel_size=tp, attention_dp=adp, speculative_config=spec, max_num_seqs=4,
                  max_num_batched_tokens=24) as llm:
             outs = llm.generate(PROMPTS, greedy())
@@ -102,6 +103,16 @@ def test_speculative_greedy_equals_plain_greedy(ckpt, baseline, tp, adp):
         accepted_any[method] = stats.num_accepted_drafts
     # The drafters do propose tokens the target keeps (otherwise the test proves little).
     assert accepted_any["ngram"] > 0 and accepted_any["draft_model"] > 0
+
+
+@pytest.mark.parametrize("method,adp", [("draft_model", False), ("eagle3", False), ("eagle3", True)],
+                         ids=["draft_model", "eagle3", "eagle3-adp"])
+def test_speculative_greedy_equals_plain_greedy_at_tp4(ckpt, baseline, method, adp):
+    """The model drafters at TP = 4 (the tiny model's 2 KV heads replicated), kept small: two prompts."""
+    with LLM(ckpt[0], tensor_parallel_size=4, attention_dp=adp, speculative_config=_spec(method, "strict", ckpt),
+             max_num_seqs=2) as llm:
+        outs = llm.generate(PROMPTS[:2], greedy())
+    assert tokens(outs) == baseline[:2]
 
 
 @pytest.mark.parametrize("adp", [False, True], ids=["tp2", "tp2-adp"])
@@ -159,7 +170,7 @@ def test_sampled_rejection_speculation_same_across_tp(ckpt, method):
     """Lossless speculation on sampled rows (rejection acceptance, seeded top-k / top-p
     requests and an unseeded one) emits the same tokens at TP = 1 and TP = 2: the draws,
     acceptance uniforms and residual draws come from each request's own stream."""
-    spec = _spec(method, "rejection", ckpt[1])
+    spec = _spec(method, "rejection", ckpt)
     params = [SamplingParams(temperature=0.8, seed=7, max_tokens=MAX_NEW),
               SamplingParams(temperature=1.0, top_k=20, seed=8, max_tokens=MAX_NEW),
               SamplingParams(temperature=0.6, top_p=0.9, seed=9, max_tokens=MAX_NEW),
@@ -247,6 +258,12 @@ def test_bad_configs_raise_clear_errors(ckpt, tmp_path):
         LLM(ckpt[0], seed=-1)
     with pytest.raises(ValueError, match="generation_config"):
         LLM(ckpt[0], generation_config="nowhere")
+    with pytest.raises(ValueError, match="method='eagle3' needs model"):
+        SpeculativeConfig("eagle3", 4)
+    from tpspec.model import CheckpointError
+
+    with pytest.raises(CheckpointError, match="eagle_aux_hidden_state_layer_ids"):  # no EAGLE-3 head: in the driver
+        LLM(ckpt[0], speculative_config={"method": "eagle3", "num_speculative_tokens": 3, "model": ckpt[1]})
     from tpspec.runtime.config import EngineConfig
 
     with pytest.raises(ValueError, match="max_num_tokens=8 cannot hold"):  # the engine's own config checks it too
@@ -274,3 +291,44 @@ def test_text_prompts_use_the_tokenizer(llm_tp2):
     assert out.prompt == "Hello, world!" and len(out.outputs[0].token_ids) == 8
     assert out.outputs[0].text == tok.decode(out.outputs[0].token_ids, skip_special_tokens=True)
     assert out.prompt_token_ids == tok.encode("Hello, world!")
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle3"])
+def test_sampled_drafts_on_shards_same_across_tp(ckpt, method):
+    """Temperature-only sampled requests: the drafter samples its drafts with each request's own
+    temperature and draft streams, and rejection sampling verifies them on the shards; the tokens
+    are the same at TP = 1, 2 and 4 (a greedy request in the batch keeps plain greedy tokens)."""
+    spec = _spec(method, "rejection", ckpt)
+    params = [SamplingParams(temperature=0.8, seed=7, max_tokens=12),
+              SamplingParams(temperature=1.1, seed=8, max_tokens=12), greedy(12)]
+    runs = {}
+    for tp in (1, 2, 4):
+        with LLM(ckpt[0], tensor_parallel_size=tp, speculative_config=spec, max_num_seqs=3) as llm:
+            runs[tp] = tokens(llm.generate(PROMPTS[:3], params))
+    assert runs[1] == runs[2] == runs[4], f"{method}: sampled drafts + rejection differ across TP sizes"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["draft_model", "eagle3"])
+def test_speculative_sampling_is_lossless(ckpt, method):
+    """The first three generated tokens of 1200 seeded requests, with sampled drafts and rejection
+    sampling on shards, follow the law of plain sampling (two-sample chi-square per position)."""
+    from scipy import stats
+
+    prompt, n, temperature = [5, 6, 7, 8, 9], 1200, 1.3
+    params = [SamplingParams(temperature=temperature, seed=s, max_tokens=3, ignore_eos=True) for s in range(n)]
+    draws = {}
+    for name, spec in (("plain", None), ("spec", _spec(method, "rejection", ckpt))):
+        with LLM(ckpt[0], tensor_parallel_size=2, speculative_config=spec, max_num_seqs=64,
+                 max_num_batched_tokens=512) as llm:
+            draws[name] = tokens(llm.generate([prompt] * n, params))
+    for pos in range(3):
+        plain = [t[pos] for t in draws["plain"]]
+        spec = [t[pos] for t in draws["spec"]]
+        common = sorted(set(plain) | set(spec))
+        table = [[plain.count(t) for t in common], [spec.count(t) for t in common]]
+        frequent = [i for i in range(len(common)) if table[0][i] + table[1][i] >= 10]
+        rare = [i for i in range(len(common)) if i not in frequent]
+        rows = [[r[i] for i in frequent] + [sum(r[i] for i in rare)] for r in table]
+        pvalue = stats.chi2_contingency(rows)[1]
+        assert pvalue > 1e-3, f"{method}, token {pos}: p = {pvalue:.2g}"

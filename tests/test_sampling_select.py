@@ -74,9 +74,10 @@ def tp_worker(rank: int, world: int, group=None) -> dict:
         picks = [select_draft_tokens(sharded(logits_for(f"{name}-draft{j}", meta.num_requests), world, rank, ex),
                                      draft_meta, j, sample=True) for j in range(D)]
         sampled_drafts = torch.stack([p.tokens for p in picks], dim=1)
-        q = torch.stack([p.probs for p in picks], dim=1) if picks[0].probs is not None else None
-        res = SpecWorker("rejection", forced=None).step(logits, sampled_drafts, draft_meta, draft_probs=q)
-        out[name]["sampled_drafts"] = (sampled_drafts, q, res.accepted_tokens, res.num_accepted)
+        # Each rank's own columns of the draft logits (temperature-only batches; else greedy drafts).
+        q = torch.stack([p.logits for p in picks], dim=1) if picks[0].logits is not None else None
+        res = SpecWorker("rejection", forced=None).step(logits, sampled_drafts, draft_meta, draft_logits=q)
+        out[name]["sampled_drafts"] = (sampled_drafts, q is None, res.accepted_tokens, res.num_accepted)
     return out
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from scipy import stats
 
-from tpspec.speculative import DraftProbsStore, accept_from_targets, rejection_sample, strict_accept
+from tpspec.speculative import DraftLogitsStore, accept_from_targets, rejection_sample, strict_accept
 
 V = 6
 P = torch.tensor([
@@ -139,20 +139,18 @@ def test_rejection_sample_validation():
         rejection_sample(None, drafts, p, z, z, backend="flashinfer")
 
 
-def test_draft_probs_store_per_slot_scratch_and_vocab_map():
-    d2t = torch.tensor([0, 2, 3, 5])  # draft vocab 4 -> target vocab 6
-    store = DraftProbsStore(num_slots=3, max_draft_len=2, draft_vocab_size=4, target_vocab_size=6, draft_to_target=d2t)
+def test_draft_logits_store_per_slot_and_scratch():
+    store = DraftLogitsStore(num_slots=3, max_draft_len=2, shard_width=4)
     a = torch.tensor([[0.1, 0.2, 0.3, 0.4]])
     b = torch.tensor([[0.4, 0.3, 0.2, 0.1]])
-    store.write(torch.tensor([2]), 0, a)
+    store.write([2], 0, a)
     store.write(torch.tensor([0]), 0, b)
-    store.write(torch.tensor([-1]), 0, torch.full((1, 4), 9.0))  # padding goes to scratch
+    store.write([-1], 0, torch.full((1, 4), 9.0))  # padding goes to scratch
     out = store.read(torch.tensor([0, 2]), 1)  # read in another batch order
-    assert out.shape == (2, 1, 6)
-    assert torch.allclose(out[0, 0], torch.tensor([0.4, 0.0, 0.3, 0.2, 0.0, 0.1]), atol=1e-6)
-    assert torch.allclose(out[1, 0], torch.tensor([0.1, 0.0, 0.2, 0.3, 0.0, 0.4]), atol=1e-6)
-    assert store.map_tokens(torch.tensor([3, 1, -1])).tolist() == [5, 2, -1]
-    with pytest.raises(ValueError, match="distinct"):
-        DraftProbsStore(2, 2, 3, target_vocab_size=6, draft_to_target=torch.tensor([1, 1, 2]))
+    assert out.shape == (2, 1, 4)
+    assert torch.equal(out[:, 0], torch.cat([b, a]))
+    assert torch.equal(store.read([-1], 1)[0, 0], torch.full((4,), 9.0))
     with pytest.raises(ValueError, match="slot"):
         store.read(torch.tensor([3]), 1)
+    with pytest.raises(ValueError, match="logits must be"):
+        store.write([0], 1, torch.zeros(1, 5))

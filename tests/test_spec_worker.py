@@ -91,19 +91,27 @@ def test_draft_selection():
     meta = SpecMetadata(4, 2).prepare(requests, draft_len=2)
     lg = logits(2, 64, 5)
     greedy = select_draft_tokens(lg, meta, 0)
-    assert greedy.probs is None and torch.equal(greedy.tokens, lg.local.argmax(dim=1))
+    assert greedy.logits is None and torch.equal(greedy.tokens, lg.local.argmax(dim=1))
     sampled = select_draft_tokens(lg, meta, 0, sample=True)
     again = select_draft_tokens(lg, meta, 0, sample=True)
     assert torch.equal(sampled.tokens, again.tokens)  # the draft step's stream, reproducible
-    assert torch.allclose(sampled.probs.sum(dim=1), torch.ones(2), atol=1e-6)
-    assert sampled.probs[0, sampled.tokens[0]] > 0 and sampled.tokens[1] == lg.local[1].argmax()
+    assert sampled.logits is lg.local and sampled.tokens[1] == lg.local[1].argmax()
+    # The draft step's stream: the same draw as sampling request a's row with it.
+    rs = meta.request_sampling(meta.draft_offsets(0))
+    assert sampled.tokens[0] == lg.sample(rs.temperature, rs.seeds, rs.offsets, channel=0)[0]
     # Each draft step draws from its own stream: over 8 steps the sampled request's draws
     # change (a selection that ignored `step` would repeat step 0's token 8 times).
     meta8 = SpecMetadata(4, 8).prepare(requests, draft_len=8)
     per_step = [int(select_draft_tokens(lg, meta8, step, sample=True).tokens[0]) for step in range(8)]
     assert len(set(per_step)) > 1, per_step
+    # Rows from a later request on: request b alone.
+    only_b = select_draft_tokens(logits(1, 64, 6), meta, 0, sample=True, first_request=1)
+    assert only_b.tokens.tolist() == [int(logits(1, 64, 6).local.argmax())]
     with pytest.raises(ValueError, match="rows"):
         select_draft_tokens(logits(3, 64, 5), meta, 0)
+    # A batch with a filter drafts greedily (one-hot q keeps rejection sampling lossless).
+    filtered = SpecMetadata(4, 2).prepare([("f", 0, SamplingParams(temperature=0.9, top_k=5, seed=1), False)], 2)
+    assert select_draft_tokens(logits(1, 64, 5), filtered, 0, sample=True).logits is None
 
 
 def test_worker_errors():

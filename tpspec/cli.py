@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "check": ("tpspec.check", "the determinism suite (docs/determinism.md): pass/fail table"),
     "serve": ("tpspec.serve.cli", "an OpenAI-compatible HTTP server (needs the 'serve' extra)"),
     "make-tiny-model": ("tpspec.model.tiny", "write a small Llama checkpoint in HF format"),
+    "convert-eagle3": ("tpspec.model.eagle3", "turn a pytorch_model.bin EAGLE-3 head into safetensors"),
 }
 
 

@@ -5,10 +5,11 @@ prompts (random token ids, greedy, EOS ignored so every request generates
 ``--max-new-tokens``) in several configurations:
 
 * ``no-spec``      plain decoding, one token per request per step;
-* ``forced=a``     n-gram speculation with ``--draft-len K`` drafts whose acceptance is
+* ``forced=a``     speculation (``--spec``: n-gram by default, ``draft_model`` or ``eagle3``, whose
+                   drafter runs its K forwards a step) with ``--draft-len K`` drafts whose acceptance is
                    forced to ``a`` drafts per step (``TPSPEC_FORCE_NUM_ACCEPTED_TOKENS``,
                    see docs/determinism.md), for ``a`` in ``--rates`` (default 0, 1.5, 3): the cost of
-                   verifying K drafts, and the speed-up each acceptance rate buys.
+                   drafting and verifying K drafts, and the speed-up each acceptance rate buys.
 
 Launchers: ``mp`` starts ``--tp`` local rank processes that each run the engine
 in-process (SPMD, exactly as under torchrun) and set the env var themselves before each
@@ -64,7 +65,9 @@ def measure(cfg: dict) -> dict:
     from ..runtime import LLM, SpeculativeConfig
     from ..sampling.params import SamplingParams
 
-    spec = SpeculativeConfig("ngram", num_speculative_tokens=cfg["draft_len"]) if cfg["draft_len"] else None
+    spec = None
+    if cfg["draft_len"]:
+        spec = SpeculativeConfig(cfg["spec"], num_speculative_tokens=cfg["draft_len"], model=cfg["draft_model"])
     backend = {"torchrun": "external_launcher"}.get(cfg["launcher"], cfg["launcher"])
     with LLM(cfg["model"], tensor_parallel_size=cfg["tp"], distributed_executor_backend=backend, device=cfg["device"],
              dtype=cfg["dtype"], speculative_config=spec, max_num_seqs=cfg["max_batch_size"],
@@ -148,6 +151,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--rates", default=None, help="comma-separated forced acceptance rates (default 0,1.5,3)")
     parser.add_argument("--draft-len", type=int, default=3, help="drafts per step when speculating (default 3)")
+    parser.add_argument("--spec", choices=("ngram", "draft_model", "eagle3"), default="ngram",
+                        help="the drafter of the forced configurations (default ngram)")
+    parser.add_argument("--draft-model", default=None, help="draft checkpoint or EAGLE-3 head of --spec draft_model / "
+                                                            "eagle3 (default: the tiny one when --model tiny)")
     parser.add_argument("--num-prompts", type=int, default=None, help="requests (default 8; --quick 2)")
     parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 64; --quick 8)")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="tokens per request (default 128; --quick 12)")
@@ -193,12 +200,21 @@ def run(args: argparse.Namespace) -> int:
     tp = int(os.environ.get("WORLD_SIZE", "1")) if args.launcher == "torchrun" else args.tp
     if tp < 1:
         raise SystemExit("tpspec bench generate: --tp must be >= 1")
+    draft_model = args.draft_model
+    if args.spec == "ngram" and draft_model is not None:
+        raise SystemExit("tpspec bench generate: --draft-model needs --spec draft_model or eagle3")
+    if args.spec != "ngram" and draft_model is None:
+        if args.model != "tiny" or args.model_shape is not None:
+            raise SystemExit(f"tpspec bench generate: --spec {args.spec} needs --draft-model DIR with a model "
+                             f"other than the tiny one")
+        draft_model = "tiny"
     num_prompts = args.num_prompts or (2 if args.quick else 8)
     cfg = {
         "model": model_argument(args), "tp": tp, "launcher": args.launcher, "device": device, "dtype": args.dtype,
         "num_prompts": num_prompts, "prompt_len": args.prompt_len or (8 if args.quick else 64),
         "max_new_tokens": args.max_new_tokens or (12 if args.quick else 128),
         "max_batch_size": args.max_batch_size or num_prompts, "use_cuda_graphs": not args.no_cuda_graphs,
+        "spec": args.spec, "draft_model": draft_model,
     }
     names = ["no-spec"] + [f"forced={rate:g}" for rate in rates]
     configs: list[tuple[dict, float | None]] = [(dict(cfg, draft_len=0), None)]
@@ -230,7 +246,7 @@ def run(args: argparse.Namespace) -> int:
     if results[0][3]["rank"] != 0:
         return 0  # rank 0 writes the report
     meta = {"command": "tpspec bench generate", **{k: v for k, v in cfg.items()}, "draft_len": args.draft_len,
-            "rates": rates, "quick": args.quick, "drafter": "ngram", "deterministic": args.deterministic,
+            "rates": rates, "quick": args.quick, "drafter": args.spec, "deterministic": args.deterministic,
             "note": "greedy, EOS ignored; accepted_per_step is measured over emitted tokens (forced: min(rate, "
                     "draft_len) expected, less on each request's last step, which the token budget cuts). "
                     "On CPU only ratios are meaningful."}

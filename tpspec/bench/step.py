@@ -18,7 +18,9 @@ acceptance, two ways:
 
 Modes (``--modes``): ``greedy``; ``sampled`` (temperature 0.8, seeded); ``top_p``
 (Llama-3.1-Instruct's T = 0.6, top-p 0.9); ``defaults`` (Qwen2.5-Instruct's T = 0.7, top-p 0.8,
-top-k 20, repetition penalty 1.05, every request's prompt counted for the penalty).
+top-k 20, repetition penalty 1.05, every request's prompt counted for the penalty); ``rejection``
+(the ``sampled`` requests verified by rejection sampling instead of strict acceptance: on the
+shards, vs the same arithmetic on the gathered rows).
 
 Both give the same tokens bit for bit, on every rank (checked: ``tokens_equal`` compares
 the accepted tokens and every row's target token of both paths on all ranks). Per
@@ -58,7 +60,7 @@ DEFAULT_BATCHES = (1, 8, 32)
 QUICK_BATCHES = (1, 4)
 DEFAULT_VOCAB = 32768
 QUICK_VOCAB = 4096
-MODES = ("greedy", "sampled", "top_p", "defaults")
+MODES = ("greedy", "sampled", "top_p", "defaults", "rejection")
 PATHS = ("sharded", "gather")
 
 
@@ -107,7 +109,7 @@ def mode_params(mode: str, index: int) -> Any:
     seed = 1000 + index
     if mode == "greedy":
         return SamplingParams(temperature=0.0)
-    if mode == "sampled":
+    if mode in ("sampled", "rejection"):
         return SamplingParams(temperature=0.8, seed=seed)
     if mode == "top_p":
         return SamplingParams(temperature=0.6, top_p=0.9, seed=seed)
@@ -134,11 +136,28 @@ def _gather_select(logits: Any, meta: Any, drafts: torch.Tensor, greedy: bool) -
     return torch.cat([accepted.reshape(-1), rows])
 
 
+def _gather_reject(logits: Any, meta: Any, drafts: torch.Tensor) -> torch.Tensor:
+    """The rejection baseline: all-gather the full logits, then the same rejection sampling on
+    the whole rows locally. Returns the accepted tokens ``[B, D+1]`` flattened, then their counts."""
+    from ..exchange.local import LocalKeyExchange
+    from ..speculative import sharded_rejection_sample
+    from ..vocab_parallel import VocabShardedLogits
+
+    full = logits.gather()
+    whole = VocabShardedLogits(full, 0, logits.vocab_size, LocalKeyExchange(full.device))
+    offsets = meta.acceptance_offsets()
+    accepted, num = sharded_rejection_sample(
+        whole, meta.request_row_index.to(full.device), meta.request_sampling(offsets).temperature, drafts,
+        meta.request_draft_len, meta.request_seeds, offsets)
+    return torch.cat([accepted.reshape(-1), num])
+
+
 def _sharded_select(worker: Any, logits: Any, meta: Any, drafts: torch.Tensor) -> torch.Tensor:
-    """tpspec's path, returning what :func:`_gather_select` returns (random drafts are
-    rarely accepted, so the per-row target tokens carry most of the comparison)."""
+    """tpspec's path, returning what :func:`_gather_select` (or :func:`_gather_reject`) returns
+    (random drafts are rarely accepted, so the per-row target tokens carry most of the comparison)."""
     out = worker.step(logits, drafts, meta)
-    return torch.cat([out.accepted_tokens.reshape(-1), out.target_tokens])
+    return torch.cat([out.accepted_tokens.reshape(-1),
+                      out.target_tokens if worker.acceptance == "strict" else out.num_accepted])
 
 
 @torch.inference_mode()
@@ -166,7 +185,7 @@ def _step_worker(rank: int, world_size: int, cfg: dict) -> list[dict]:
     model.allocate_kv_cache(max_batch * per_seq, PAGE_SIZE)
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(max_batch)]
     gen = torch.Generator().manual_seed(1234)
-    worker = SpecWorker("strict", forced=None)
+    workers = {"strict": SpecWorker("strict", forced=None), "rejection": SpecWorker("rejection", forced=None)}
     records: list[dict] = []
 
     def timed(fn: Callable[[], Any]) -> float:
@@ -194,6 +213,7 @@ def _step_worker(rank: int, world_size: int, cfg: dict) -> list[dict]:
         for mode in cfg["modes"]:
             greedy = mode == "greedy"
             requests = [RequestEntry(i, i, mode_params(mode, i), False) for i in range(batch)]
+            worker = workers["rejection" if mode == "rejection" else "strict"]
             for path in PATHS:
                 meta = SpecMetadata(batch, draft_len, device=device, occurrences=counts)
                 worker.sampling_stats = SamplingStats()
@@ -205,6 +225,8 @@ def _step_worker(rank: int, world_size: int, cfg: dict) -> list[dict]:
                     if path == "sharded":
                         s_ms = timed(lambda: box.__setitem__("out", _sharded_select(worker, box["logits"], meta,
                                                                                     drafts)))
+                    elif mode == "rejection":
+                        s_ms = timed(lambda: box.__setitem__("out", _gather_reject(box["logits"], meta, drafts)))
                     else:
                         s_ms = timed(lambda: box.__setitem__("out", _gather_select(box["logits"], meta, drafts,
                                                                                    greedy)))
@@ -294,7 +316,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context-len", type=int, default=None, help="tokens already cached per request")
     parser.add_argument("--modes", default=",".join(MODES),
                         help="comma-separated: greedy, sampled (T=0.8), top_p (T=0.6, top-p 0.9), defaults (Qwen2.5's "
-                             "T=0.7, top-p 0.8, top-k 20, repetition penalty 1.05); default all")
+                             "T=0.7, top-p 0.8, top-k 20, repetition penalty 1.05), rejection (the sampled requests "
+                              "verified by rejection sampling); default all")
     parser.add_argument("--exchange", choices=("auto", "ll", "allgather"), default="auto")
     parser.add_argument("--iters", type=int, default=None,
                         help="timed steps per cell (default 20 on cuda, 5 on cpu; --quick 3)")
@@ -345,8 +368,8 @@ def run(args: argparse.Namespace) -> int:
         "draft_len": args.draft_len, "context_len": cfg["context_len"], "iters": cfg["iters"],
         "warmup": cfg["warmup"], "backend": backend, "exchange": args.exchange, "quick": args.quick,
         "tokens_equal": equal, "mps": mps_note or ("running" if device == "cuda" and backend == "gloo" else None),
-        "note": "medians over iters, slowest rank; select = token selection + strict acceptance. "
-                "On CPU only ratios are meaningful.",
+        "note": "medians over iters, slowest rank; select = token selection + strict acceptance (rejection mode: "
+                "rejection sampling). On CPU only ratios are meaningful.",
     }
     report.write_report(args.out, "step", columns=COLUMNS, rows=rows, meta=meta, plot=_plot(rows))
     if cfg["roofline"]:

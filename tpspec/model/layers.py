@@ -268,10 +268,13 @@ class Attention(nn.Module):
     rotates q/k, writes the new K/V into this layer's pages at ``meta.write_index``, attends
     each token causally to its sequence's pages through ``attend`` (the step's bound paged
     attention, :mod:`tpspec.model.attention`) and projects back (summed over the group).
+    ``prefix`` (default ``model.layers.{layer}.self_attn``) names the checkpoint tensors;
+    ``in_features`` (default ``hidden_size``) is the width q/k/v read.
     """
 
     def __init__(self, cfg: ModelConfig, layer: int, tp_size: int, tp_rank: int, group: Any,
-                 *, dtype: torch.dtype, device: Any, deterministic: bool = False) -> None:
+                 *, dtype: torch.dtype, device: Any, prefix: str | None = None,
+                 in_features: int | None = None, deterministic: bool = False) -> None:
         super().__init__()
         split = split_heads(cfg, tp_size, tp_rank)
         hd = cfg.head_dim
@@ -279,9 +282,9 @@ class Attention(nn.Module):
         self.num_heads = split.q_heads
         self.num_kv_heads = split.kv_heads
         self.scale = hd**-0.5
-        prefix = f"model.layers.{layer}.self_attn"
+        prefix = prefix or f"model.layers.{layer}.self_attn"
         self.qkv = ColumnParallelLinear(
-            cfg.hidden_size,
+            in_features or cfg.hidden_size,
             [
                 (f"{prefix}.q_proj", cfg.num_heads * hd, split.q_start * hd, split.q_heads * hd),
                 (f"{prefix}.k_proj", cfg.num_kv_heads * hd, split.kv_start * hd, split.kv_heads * hd),
@@ -313,15 +316,17 @@ class MLP(nn.Module):
     """SwiGLU feed-forward, ``down(silu(gate(x)) * up(x))``, intermediate features split over the group.
 
     ``forward(x, reduce=None)``: ``reduce`` replaces the all-reduce of the down projection.
+    ``prefix`` (default ``model.layers.{layer}.mlp``) names the checkpoint tensors.
     """
 
     def __init__(self, cfg: ModelConfig, layer: int, tp_size: int, tp_rank: int, group: Any,
-                 *, dtype: torch.dtype, device: Any, deterministic: bool = False) -> None:
+                 *, dtype: torch.dtype, device: Any, prefix: str | None = None,
+                 deterministic: bool = False) -> None:
         super().__init__()
         self.deterministic = deterministic
         inter = cfg.intermediate_size
         start, length = split_evenly("intermediate_size", inter, tp_size, tp_rank)
-        prefix = f"model.layers.{layer}.mlp"
+        prefix = prefix or f"model.layers.{layer}.mlp"
         self.gate_up = ColumnParallelLinear(
             cfg.hidden_size,
             [(f"{prefix}.gate_proj", inter, start, length), (f"{prefix}.up_proj", inter, start, length)],

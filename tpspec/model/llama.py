@@ -13,7 +13,8 @@ vocabulary-sharded over the stacked rows of all ranks (:class:`StackedRowsLogits
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -49,6 +50,50 @@ def check_split(config: ModelConfig, mapping: Mapping, *, deterministic: bool = 
         det.check_contraction_split("num_attention_heads * head_dim", config.num_heads * config.head_dim,
                                     mapping.attention_tp_size)
         det.check_contraction_split("intermediate_size", config.intermediate_size, tp)
+
+@dataclass
+class StepLayout:
+    """How one forward lays out its rows: ``rows`` (the token rows that need logits), the
+    attention metadata, and under attention DP the stacked token rows of the MLP (``dp_rows``)
+    and of a vocabulary-sharded head (``head_rows``; None when the head is replicated)."""
+
+    rows: torch.Tensor
+    meta: AttentionMetadata
+    dp_rows: VarlenRows | None = None
+    head_rows: VarlenRows | None = None
+
+
+def plan_step(batch: ForwardBatch, attn_meta: AttentionMetadata | None, *, check: Callable[[ForwardBatch], None],
+              build: Callable[[ForwardBatch], AttentionMetadata], attention_dp: bool, head_sharded: bool,
+              group: Any, device: torch.device) -> StepLayout:
+    """The :class:`StepLayout` of ``batch`` for a model of the TP group ``group`` (the target or a
+    drafter): ``attn_meta``, or ``build(batch)`` without it. Under plain TP every rank checks the same
+    batch with ``check``. Under attention DP
+    each rank checks its own and the verdict travels with the row counts (one all-gather), so a
+    bad batch on one rank makes every rank raise (``RuntimeError`` on the others) instead of
+    leaving them waiting in a later collective."""
+    if not attention_dp:
+        check(batch)
+        rows = batch.logits_rows if batch.logits_rows is not None else batch.default_logits_rows()
+        meta = attn_meta if attn_meta is not None else build(batch)
+        return StepLayout(rows, meta)
+    error: Exception | None = None
+    try:
+        check(batch)
+        rows = batch.logits_rows if batch.logits_rows is not None else batch.default_logits_rows()
+        meta = attn_meta if attn_meta is not None else build(batch)
+        mine = [batch.num_tokens, int(rows.shape[0]), 1]
+    except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks heard of it
+        error, mine = exc, [0, 0, 0]
+    counts = exchange_counts(mine, group, device)
+    if error is not None:
+        raise error
+    bad = [r for r, c in enumerate(counts) if c[2] == 0]
+    if bad:
+        raise RuntimeError(f"the forward batch of rank(s) {bad} of the attention-DP group is invalid")
+    dp_rows = VarlenRows([c[0] for c in counts], group, device)
+    head_rows = VarlenRows([c[1] for c in counts], group, device) if head_sharded else None
+    return StepLayout(rows, meta, dp_rows, head_rows)
 
 
 class DecoderLayer(nn.Module):
@@ -184,6 +229,8 @@ class TPLlamaForCausalLM(nn.Module):
         self.caches: list[KVPages] = []
         self.num_pages = 0
         self.page_size = 0
+        self.aux_layer_ids: tuple[int, ...] = ()
+        self.aux_hidden_states: torch.Tensor | None = None
 
     def _head_exchange(self, exchange: KeyExchange | None) -> KeyExchange:
         if not self.mapping.lm_head_is_sharded:
@@ -264,41 +311,24 @@ class TPLlamaForCausalLM(nn.Module):
         ``positions``, ``logits_rows``, and metadata built with a fixed, bucketed ``kv_pages``),
         refreshes them in place and plans the attention (``model.attention.plan(meta, graph=True)``)
         before each replay; nothing in the plain-TP forward synchronizes with the host.
+        After :meth:`capture_aux_hidden_states`, ``aux_hidden_states`` holds this call's captured rows.
         """
-        device = self.device
-        dp_rows = head_rows = None
-        if not self.attention_dp:
-            self._check_batch(batch)  # the same batch on every rank: every rank raises alike
-            rows = batch.logits_rows if batch.logits_rows is not None else batch.default_logits_rows()
-            meta = attn_meta if attn_meta is not None else self.build_metadata(batch)
-        else:
-            # Each rank checks its own batch: the verdict rides along with the counts, so a bad
-            # batch on one rank makes every rank raise instead of leaving the others waiting.
-            error: Exception | None = None
-            try:
-                self._check_batch(batch)
-                rows = batch.logits_rows if batch.logits_rows is not None else batch.default_logits_rows()
-                meta = attn_meta if attn_meta is not None else self.build_metadata(batch)
-                mine = [batch.num_tokens, int(rows.shape[0]), 1]
-            except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks heard of it
-                error, mine = exc, [0, 0, 0]
-            counts = exchange_counts(mine, self.group, device)
-            if error is not None:
-                raise error
-            bad = [r for r, c in enumerate(counts) if c[2] == 0]
-            if bad:
-                raise RuntimeError(f"the forward batch of rank(s) {bad} of the attention-DP group is invalid")
-            dp_rows = VarlenRows([c[0] for c in counts], self.group, device)
-            if self.mapping.lm_head_is_sharded:
-                head_rows = VarlenRows([c[1] for c in counts], self.group, device)
-        x = self.embed_tokens(batch.token_ids.to(device))
-        cos, sin = self.rotary(batch.positions.to(device), self.dtype)
-        attend = self.attention.bind(meta)
-        for layer, pages in zip(self.layers, self.caches):
-            x = layer(x, cos, sin, meta, pages, attend, dp_rows)
-        x = self.norm(x.index_select(0, rows.to(device)))
-        if head_rows is not None:
-            return StackedRowsLogits(self.lm_head(head_rows.gather(x)), head_rows)
+        layout = plan_step(batch, attn_meta, check=self._check_batch, build=self.build_metadata,
+                           attention_dp=self.attention_dp, head_sharded=self.mapping.lm_head_is_sharded,
+                           group=self.group, device=self.device)
+        x = self.embed_tokens(batch.token_ids.to(self.device))
+        cos, sin = self.rotary(batch.positions.to(self.device), self.dtype)
+        attend = self.attention.bind(layout.meta)
+        captured: dict[int, torch.Tensor] = {}
+        for i, (layer, pages) in enumerate(zip(self.layers, self.caches)):
+            if i in self.aux_layer_ids:
+                captured[i] = x
+            x = layer(x, cos, sin, layout.meta, pages, attend, layout.dp_rows)
+        if self.aux_layer_ids:
+            self.aux_hidden_states = torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1)
+        x = self.norm(x.index_select(0, layout.rows.to(self.device)))
+        if layout.head_rows is not None:
+            return StackedRowsLogits(self.lm_head(layout.head_rows.gather(x)), layout.head_rows)
         if self.head_fixed_order is not None:
             head = self.lm_head
             local = self.head_fixed_order.partial(x, head.weight).to(x.dtype)
@@ -306,6 +336,19 @@ class TPLlamaForCausalLM(nn.Module):
                 local = local + head.bias
             return VocabShardedLogits(local, head.vocab_offset, head.vocab_size, head.exchange)
         return self.lm_head(x)
+
+    def capture_aux_hidden_states(self, layer_ids: tuple[int, ...] | list[int]) -> None:
+        """From now on every forward keeps, in ``aux_hidden_states``, the ``[N, len(layer_ids) * hidden]``
+        concatenation (in ``layer_ids`` order) of the hidden states entering each listed layer, for
+        every new token of the batch (this rank's tokens under attention DP). Layer 0's input is the
+        embedding. An empty list turns capturing off. Raises ``ValueError`` for an id outside
+        ``[0, num_layers)``."""
+        ids = tuple(int(i) for i in layer_ids)
+        bad = [i for i in ids if not 0 <= i < self.config.num_layers]
+        if bad:
+            raise ValueError(f"aux hidden-state layer ids {bad} are outside [0, {self.config.num_layers})")
+        self.aux_layer_ids = ids
+        self.aux_hidden_states = None
 
     def shard_plan(self) -> list[tuple[str, nn.Parameter, list[ShardSpec]]]:
         """Every parameter with the checkpoint slices that fill it: ``(name, param, specs)``."""

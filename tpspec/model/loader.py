@@ -201,3 +201,38 @@ def load_model(
     model.load_stats = load_weights(model, path)
     model.path = os.fspath(path)
     return model
+
+
+def check_draft_vocab_map(reader: CheckpointReader, draft_vocab_size: int, target_vocab_size: int) -> torch.Tensor:
+    """Read and check a reduced draft vocabulary's map (EAGLE-3 heads): ``d2t`` ``[draft_vocab_size]``
+    int64 offsets with target id ``= draft id + d2t[draft id]``, and, when present, ``t2d``
+    ``[target_vocab_size]`` bool marking the target ids the draft vocabulary holds. Returns ``d2t``
+    (int64, CPU). A head whose draft vocabulary is the target's may omit ``d2t`` (all zeros then).
+
+    The target ids must be strictly increasing and lie in ``[0, target_vocab_size)``: drafting on
+    vocabulary shards relies on draft ids keeping their order as target ids. Raises
+    :class:`CheckpointError` naming the tensor and what is wrong with it.
+    """
+    if "d2t" not in reader:
+        if draft_vocab_size != target_vocab_size:
+            raise CheckpointError(f"checkpoint {reader.path!r} has no tensor 'd2t': a draft vocabulary of "
+                                  f"{draft_vocab_size} ids (the target has {target_vocab_size}) needs its map")
+        d2t = torch.zeros(draft_vocab_size, dtype=torch.int64)
+    else:
+        d2t = reader.read(ShardSpec("d2t", (draft_vocab_size,)))
+        if d2t.dtype.is_floating_point or d2t.dtype == torch.bool or d2t.is_complex():
+            raise CheckpointError(f"tensor 'd2t' must hold integer offsets, got {d2t.dtype}")
+        d2t = d2t.to(torch.int64)
+    ids = torch.arange(draft_vocab_size, dtype=torch.int64) + d2t
+    if draft_vocab_size > 1 and not bool((ids[1:] > ids[:-1]).all()):
+        bad = int(torch.nonzero(ids[1:] <= ids[:-1])[0]) + 1
+        raise CheckpointError(f"tensor 'd2t' must map draft ids to strictly increasing target ids: draft id {bad} "
+                              f"maps to {int(ids[bad])}, not above draft id {bad - 1}'s {int(ids[bad - 1])}")
+    if int(ids[0]) < 0 or int(ids[-1]) >= target_vocab_size:
+        raise CheckpointError(f"tensor 'd2t' maps draft ids to target ids [{int(ids[0])}, {int(ids[-1])}], "
+                              f"outside the target's vocabulary [0, {target_vocab_size})")
+    if "t2d" in reader:
+        t2d = reader.read(ShardSpec("t2d", (target_vocab_size,))).to(torch.bool)
+        if int(t2d.sum()) != draft_vocab_size or not bool(t2d[ids].all()):
+            raise CheckpointError("tensor 't2d' does not mark exactly the target ids that 'd2t' maps to")
+    return d2t

@@ -15,6 +15,8 @@ stable across TP sizes) and the special tokens' LM-head rows are zero (a random 
 rarely stops by itself). ``draft=True`` writes the matching draft model: the first
 ``draft_num_layers`` layers of the same random target, with the same embeddings, final
 norm and head — a cheap drafter whose guesses the target often accepts.
+:func:`make_tiny_eagle3_head` writes a random EAGLE-3 head for a target, in the public
+heads' layout (``tpspec make-tiny-model DIR --eagle3 HEAD_DIR``).
 """
 
 from __future__ import annotations
@@ -188,6 +190,92 @@ def _write_checkpoint(path: str | os.PathLike, cfg: dict[str, Any], weights: dic
     return path
 
 
+def make_tiny_eagle3_head(
+    path: str | os.PathLike,
+    target: str | os.PathLike,
+    *,
+    seed: int = 1,
+    draft_vocab_size: int | None = None,
+) -> str:
+    """Write a random EAGLE-3 head for the target checkpoint at ``target`` into ``path``; return ``path``.
+
+    The layout is the public heads' one (see :mod:`tpspec.model.eagle3`): ``config.json`` (one layer,
+    the target's hidden size, heads and rotary settings, ``draft_vocab_size``, and
+    ``eagle_aux_hidden_state_layer_ids``: ``(2, L // 2, L - 3)`` for a target of ``L >= 5`` layers,
+    ``(0, L // 2, L - 1)`` for a shallower one) and ``model.safetensors`` with ``fc``, ``midlayer.*``,
+    ``norm``, ``lm_head`` over the draft vocabulary and the ``d2t``/``t2d`` maps. The draft vocabulary
+    (default: half the target's) is the special tokens plus a seeded random subset of the others,
+    in increasing order. Deterministic; the dtype is the target's. Raises ``ValueError`` for a
+    ``draft_vocab_size`` outside ``[NUM_SPECIAL + 1, vocab_size]``.
+    """
+    with open(os.path.join(os.fspath(target), "config.json")) as f:
+        tcfg = json.load(f)
+    h, v, layers = tcfg["hidden_size"], tcfg["vocab_size"], tcfg["num_hidden_layers"]
+    nh, nkv = tcfg["num_attention_heads"], tcfg.get("num_key_value_heads") or tcfg["num_attention_heads"]
+    hd = tcfg.get("head_dim") or h // nh
+    inter = tcfg["intermediate_size"]
+    vd = v // 2 if draft_vocab_size is None else draft_vocab_size
+    if not NUM_SPECIAL < vd <= v:
+        raise ValueError(f"draft_vocab_size={vd} must lie in [{NUM_SPECIAL + 1}, {v}]")
+    aux = [2, layers // 2, layers - 3] if layers >= 5 else [0, layers // 2, layers - 1]
+    gen = torch.Generator().manual_seed(seed)
+
+    def normal(*shape: int, std: float) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * std
+
+    others = torch.randperm(v - NUM_SPECIAL, generator=gen)[: vd - NUM_SPECIAL] + NUM_SPECIAL
+    draft_ids = torch.cat([torch.arange(NUM_SPECIAL), others.sort().values])
+    t2d = torch.zeros(v, dtype=torch.bool)
+    t2d[draft_ids] = True
+    head = normal(vd, h, std=3.0 * h**-0.5)  # logits of std ~3: far from ties
+    head[:NUM_SPECIAL] = 0.0
+    w = {
+        "fc.weight": normal(h, 3 * h, std=(3 * h) ** -0.5),
+        "midlayer.input_layernorm.weight": 1.0 + normal(h, std=0.1),
+        "midlayer.hidden_norm.weight": 1.0 + normal(h, std=0.1),
+        "midlayer.self_attn.q_proj.weight": normal(nh * hd, 2 * h, std=(2 * h) ** -0.5),
+        "midlayer.self_attn.k_proj.weight": normal(nkv * hd, 2 * h, std=(2 * h) ** -0.5),
+        "midlayer.self_attn.v_proj.weight": normal(nkv * hd, 2 * h, std=(2 * h) ** -0.5),
+        "midlayer.self_attn.o_proj.weight": normal(h, nh * hd, std=0.5 * (nh * hd) ** -0.5),
+        "midlayer.post_attention_layernorm.weight": 1.0 + normal(h, std=0.1),
+        "midlayer.mlp.gate_proj.weight": normal(inter, h, std=h**-0.5),
+        "midlayer.mlp.up_proj.weight": normal(inter, h, std=h**-0.5),
+        "midlayer.mlp.down_proj.weight": normal(h, inter, std=0.5 * inter**-0.5),
+        "norm.weight": 1.0 + normal(h, std=0.1),
+        "lm_head.weight": head,
+    }
+    dtype = getattr(torch, tcfg.get("torch_dtype") or "float32")
+    tensors = {k: t.to(dtype).contiguous() for k, t in w.items()}
+    tensors["d2t"] = (draft_ids - torch.arange(vd)).to(torch.int64)
+    tensors["t2d"] = t2d
+    cfg = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": h,
+        "intermediate_size": inter,
+        "num_hidden_layers": 1,
+        "num_attention_heads": nh,
+        "num_key_value_heads": nkv,
+        "head_dim": hd,
+        "hidden_act": "silu",
+        "max_position_embeddings": tcfg.get("max_position_embeddings", 2048),
+        "rms_norm_eps": tcfg.get("rms_norm_eps", 1e-6),
+        "rope_theta": tcfg.get("rope_theta", 10000.0),
+        "rope_scaling": tcfg.get("rope_scaling"),
+        "tie_word_embeddings": False,
+        "vocab_size": v,
+        "draft_vocab_size": vd,
+        "eagle_aux_hidden_state_layer_ids": aux,
+        "torch_dtype": tcfg.get("torch_dtype") or "float32",
+    }
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+    return path
+
+
 def make_trained_tiny_checkpoint(path: str | os.PathLike, *, draft_path: str | os.PathLike | None = None,
                                  steps: int = TRAIN_STEPS, seed: int = 0) -> str:
     """Write the embedded default model into ``path``: a BPE tokenizer learned from the shipped
@@ -322,6 +410,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft", metavar="DRAFT_DIR", default=None,
                         help="also write the matching draft model (the target's first layers) into DRAFT_DIR")
     parser.add_argument("--draft-num-layers", type=int, default=1)
+    parser.add_argument("--eagle3", metavar="HEAD_DIR", default=None,
+                        help="also write a random EAGLE-3 head for the target into HEAD_DIR")
     parser.add_argument("--no-tokenizer", action="store_true", help="do not write tokenizer.json")
 
 
@@ -334,6 +424,8 @@ def run(args: argparse.Namespace) -> int:
         if args.draft:
             out = make_tiny_checkpoint(args.draft, draft=True, draft_num_layers=args.draft_num_layers, **common)
             print(f"draft model:  {out}")
+        if args.eagle3:
+            print(f"EAGLE-3 head: {make_tiny_eagle3_head(args.eagle3, args.dir, seed=args.seed + 1)}")
     except ValueError as exc:
         print(f"error: {exc}")
         return 2

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from ..sampling.params import SamplingParams
 from ..validation import check_bool, check_int, is_real
 
-SPEC_METHODS = ("ngram", "draft_model")
+SPEC_METHODS = ("ngram", "draft_model", "eagle3")
 ACCEPTANCE_MODES = ("strict", "rejection")
 LAUNCHERS = ("mp", "external_launcher", "ray")
 
@@ -19,10 +19,11 @@ class SpeculativeConfig:
     """How draft tokens are proposed and verified; ``LLM(speculative_config=...)`` takes it or a
     dict of its fields (vLLM's keys).
 
-    ``method``: ``"ngram"`` (prompt lookup on the request's own tokens, no model) or
+    ``method``: ``"ngram"`` (prompt lookup on the request's own tokens, no model),
     ``"draft_model"`` (a smaller checkpoint of the same family at ``model``, TP-sharded like
-    the target); None picks ``"draft_model"`` when ``model`` is given, else ``"ngram"``.
-    ``num_speculative_tokens``: K drafts verified per generation step.
+    the target) or ``"eagle3"`` (an EAGLE-3 head at ``model`` that drafts from the target's
+    hidden states; see :mod:`tpspec.model.eagle3`); None picks ``"draft_model"`` when ``model``
+    is given, else ``"ngram"``. ``num_speculative_tokens``: K drafts verified per generation step.
     ``acceptance``: ``"strict"`` (a draft is kept while it equals the target's own choice)
     or ``"rejection"`` (Leviathan et al. rejection sampling; lossless for sampled requests).
     ``prompt_lookup_max``/``prompt_lookup_min``: the n-gram lengths prompt lookup tries
@@ -46,10 +47,10 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config acceptance must be one of {ACCEPTANCE_MODES}, got {self.acceptance!r}"
             )
-        if self.method == "draft_model" and not self.model:
-            raise ValueError("speculative_config method='draft_model' needs model=PATH (or 'tiny')")
+        if self.method in ("draft_model", "eagle3") and not self.model:
+            raise ValueError(f"speculative_config method={self.method!r} needs model=PATH (or 'tiny')")
         if self.method == "ngram" and self.model:
-            raise ValueError("speculative_config model is only used with method='draft_model'")
+            raise ValueError("speculative_config model is only used with method='draft_model' or 'eagle3'")
         check_int("speculative_config prompt_lookup_max", self.prompt_lookup_max, low=1)
         check_int("speculative_config prompt_lookup_min", self.prompt_lookup_min, low=1)
         if self.prompt_lookup_min > self.prompt_lookup_max:

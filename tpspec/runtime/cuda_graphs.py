@@ -283,6 +283,8 @@ def graphs_unavailable_reason(engine: Any) -> str | None:
         return "not on a CUDA device"
     if engine.dp_size > 1:
         return "attention DP (per-rank batch sizes differ)"
+    if engine.eagle3 is not None:
+        return "EAGLE-3 drafting reads the target's hidden states of every step, which graphed steps do not keep"
     backend = D.group_backend(engine.group)
     if D.group_size(engine.group) > 1 and backend != "nccl":
         # gloo moves CUDA tensors through the host: its collectives cannot be captured.

@@ -91,6 +91,9 @@ class _Seq:
     pages: list[int] = field(default_factory=list)  # its block table (grows; shared by all paged models)
     target_cached: int = 0
     draft_cached: int = 0
+    # EAGLE-3: the target's captured hidden states of positions [draft_cached, len(tokens) - 1),
+    # not yet read by the head (row blocks in position order).
+    pending_hidden: list[torch.Tensor] = field(default_factory=list)
     finished: bool = False
     finish_reason: str = ""
     stats: RequestStats = field(default_factory=RequestStats)
@@ -132,8 +135,9 @@ class Engine:
     def __init__(self, config: EngineConfig, mapping: Mapping, device: torch.device | str | None = None) -> None:
         from ..exchange import make_key_exchange
         from ..model.drafters import DraftModel, NgramDrafter
+        from ..model.eagle3 import Eagle3Drafter
         from ..model.loader import load_model
-        from ..speculative import ForcedAcceptance, SpecMetadata, SpecWorker
+        from ..speculative import DraftLogitsStore, ForcedAcceptance, SpecMetadata, SpecWorker
 
         self.config = config
         self.mapping = mapping
@@ -155,9 +159,13 @@ class Engine:
 
         self.ngram = None
         self.draft_model = None
+        self.eagle3 = None
         if spec is not None and spec.method == "ngram":
             self.ngram = NgramDrafter(num_draft_tokens=spec.num_speculative_tokens,
                                       max_ngram=spec.prompt_lookup_max, min_ngram=spec.prompt_lookup_min)
+        elif spec is not None and spec.method == "eagle3":
+            # Turns on the target's capture of the hidden states the head reads.
+            self.eagle3 = Eagle3Drafter(config.draft_model_path, self.model, attention_backend=config.attention_backend)
         elif spec is not None:
             self.draft_model = DraftModel(config.draft_model_path, mapping, device=self.device, dtype=self.dtype,
                                           exchange=self.exchange, target_config=self.model.config,
@@ -179,6 +187,14 @@ class Engine:
             forced = ForcedAcceptance(config.forced_acceptance_rate, device=self.device)
         self.worker = SpecWorker(acceptance=spec.acceptance if spec is not None else "strict", forced=forced)
         self._forced_warning_due = forced is not None
+        # Rejection sampling with a model drafter: sampled requests draft with their own
+        # temperature on the shards, and the draft logits wait per slot for verification.
+        self.draft_store = None
+        if self.worker.acceptance == "rejection" and (self.draft_model is not None or self.eagle3 is not None):
+            self.draft_store = DraftLogitsStore(config.max_batch_size, self.num_draft, head.shard_width,
+                                                device=self.device)
+        self._prepared = False  # meta prepared for the current step (before drafting)
+        self._drafts_sampled = False  # this step's drafts were sampled (their logits are in draft_store)
         # Sequences by request id, in admission order; index -> sequence; this rank's queue.
         self._seqs: dict[int, _Seq] = {}
         self._by_index: dict[int, _Seq] = {}
@@ -198,7 +214,7 @@ class Engine:
     @property
     def paged_models(self) -> list:
         """Every model whose KV cache lives in this engine's pages (one block table each request)."""
-        return [m for m in (self.model, self.draft_model) if m is not None]
+        return [m for m in (self.model, self.draft_model, self.eagle3) if m is not None]
 
     def _allocate_pages(self) -> None:
         """Size the pages (collective), allocate them in every paged model, and check that a
@@ -421,6 +437,13 @@ class Engine:
         dp = self.dp_size > 1
         k = self.num_draft
         use_dummy = dp and not plan.emitting  # this rank has no row, others may: keep collectives paired
+        self._prepared = self._drafts_sampled = False
+        if self.draft_store is not None and (dp or any(not s.req.sampling.is_greedy for s in plan.gen)):
+            # Sampled drafts read this step's streams: prepare before drafting. (The same
+            # decision on every rank: plain TP ranks hold the same plan; under attention DP
+            # every rank prepares, a collective.) Such steps are never graphed.
+            self.meta.prepare(requests=self._requests(plan, use_dummy), draft_len=k)
+            self._prepared = True
         drafts = self._propose(plan, always_run_model=dp)
         if self.graphs is not None and plan.gen and not plan.final_ctx and not plan.partial_ctx:
             graphed = self.graphs.run(plan.gen, drafts)  # None: not graphed, nothing changed
@@ -444,15 +467,20 @@ class Engine:
             query_lens.append(len(chunk))
             rows.extend(range(first + len(chunk) - logit_rows, first + len(chunk)))
 
+        in_batch: list[tuple[_Seq | None, bool]] = []  # per query_lens entry: (sequence or None = dummy, is gen)
         for seq, n in plan.final_ctx:
             add(seq.pages, seq.target_cached, seq.tokens[seq.target_cached:seq.target_cached + n], 1)
+            in_batch.append((seq, False))
         if use_dummy:
             add(self.scratch_table, 0, [0], 1)
+            in_batch.append((None, False))
         for seq, n in plan.partial_ctx:
             add(seq.pages, seq.target_cached, seq.tokens[seq.target_cached:seq.target_cached + n], 0)
+            in_batch.append((seq, False))
         for seq, d in zip(plan.gen, drafts):
             last = len(seq.tokens) - 1
             add(seq.pages, last, [seq.tokens[-1]] + d, k + 1)
+            in_batch.append((seq, True))
 
         emitted: dict[int, list[int]] = {}
         if tokens:  # under attention DP there is always at least the dummy row
@@ -470,9 +498,24 @@ class Engine:
                 emitted = self._verify(plan, batch, drafts, use_dummy)
             else:  # only partial context chunks: fill the cache, no token is due
                 self.model(batch)
+            if self.eagle3 is not None:
+                self._keep_hidden_states(in_batch, query_lens, emitted)
         if dp:
             emitted = self._all_gather_emitted(emitted)
         self._commit_step(emitted)
+
+    def _keep_hidden_states(self, in_batch: list[tuple[_Seq | None, bool]], query_lens: list[int],
+                            emitted: dict[int, list[int]]) -> None:
+        """EAGLE-3: queue the target hidden states of this step's tokens that are now part of their
+        sequence (a context chunk: all of them; a generation request that emits n tokens: its last
+        committed token and the n - 1 accepted drafts) for the head's next catch-up forward."""
+        captured = self.model.aux_hidden_states
+        start = 0
+        for (seq, is_gen), n in zip(in_batch, query_lens):
+            if seq is not None:
+                keep = len(emitted[seq.index]) if is_gen else n
+                seq.pending_hidden.append(captured[start:start + keep])
+            start += n
 
     def _propose(self, plan: _Plan, *, always_run_model: bool) -> list[list[int]]:
         """K draft tokens for every generation request of ``plan`` (empty lists without
@@ -489,6 +532,8 @@ class Engine:
             return out
         if not plan.gen and not always_run_model:
             return []
+        if self.eagle3 is not None:
+            return self._draft_with_eagle3(plan.gen)
         return self._draft_with_model(plan.gen)
 
     def _draft_with_model(self, gen: list[_Seq]) -> list[list[int]]:
@@ -502,8 +547,9 @@ class Engine:
             first = [s.tokens[s.draft_cached:] for s in gen]
             starts = [s.draft_cached for s in gen]
             tables = [s.pages for s in gen]
+            slots = [s.slot for s in gen]
         else:  # attention DP, nothing here: a dummy row keeps the collectives paired
-            first, starts, tables = [[0]], [0], [self.scratch_table]
+            first, starts, tables, slots = [[0]], [0], [self.scratch_table], [-1]
         toks = [t for chunk in first for t in chunk]
         pos = [p for chunk, st in zip(first, starts) for p in range(st, st + len(chunk))]
         lens = [len(c) for c in first]
@@ -511,7 +557,7 @@ class Engine:
         batch = ForwardBatch(token_ids=torch.tensor(toks, dtype=torch.int64, device=dev),
                              positions=torch.tensor(pos, dtype=torch.int64, device=dev),
                              block_tables=tables, cache_lens=starts, query_lens=lens, logits_rows=last_rows)
-        cur = self.draft_model(batch).argmax(channel=Channel.DRAFT)
+        cur = self._pick_drafts(self.draft_model(batch), 0, slots)
         drafts = [cur]
         ends = [st + n for st, n in zip(starts, lens)]
         for j in range(1, k):
@@ -520,21 +566,64 @@ class Engine:
                                  block_tables=tables, cache_lens=[e + j - 1 for e in ends],
                                  query_lens=[1] * len(tables),
                                  logits_rows=None)
-            cur = self.draft_model(batch).argmax(channel=Channel.DRAFT)
+            cur = self._pick_drafts(self.draft_model(batch), j, slots)
             drafts.append(cur)
         table = torch.stack(drafts, dim=1).cpu().tolist() if gen else []
         for s in gen:  # the cache now holds the committed tokens plus drafts 1..K-1
             s.draft_cached = len(s.tokens) + k - 1
         return [[int(t) for t in row] for row in table]
 
+    def _draft_with_eagle3(self, gen: list[_Seq]) -> list[list[int]]:
+        """Greedy drafts from the EAGLE-3 head. Draft position ``i`` reads the target's hidden states
+        at ``i`` and token ``i + 1``: one catch-up forward over the positions whose hidden states
+        arrived since the last drafting (the last row gives the first draft), then K - 1 one-token
+        forwards, each reading the previous row's output instead of target hidden states."""
+        from ..model.batch import ForwardBatch
+
+        k = self.num_draft
+        dev = self.device
+        head = self.eagle3
+        width = head.aux_hidden_width
+        if gen:
+            starts = [s.draft_cached for s in gen]
+            ends = [len(s.tokens) - 1 for s in gen]  # positions [start, end) have target hidden states
+            toks = [t for s, st, e in zip(gen, starts, ends) for t in s.tokens[st + 1:e + 1]]
+            hidden = torch.cat([h for s in gen for h in s.pending_hidden])
+            slots = [s.slot for s in gen]
+            tables = [s.pages for s in gen]
+        else:  # attention DP, nothing here: a dummy row keeps the collectives paired
+            starts, ends, toks, slots, tables = [0], [1], [0], [-1], [self.scratch_table]
+            hidden = torch.zeros(1, width, dtype=head.dtype, device=dev)
+        lens = [e - st for st, e in zip(starts, ends)]
+        if hidden.shape[0] != sum(lens):
+            raise RuntimeError(f"EAGLE-3 bookkeeping: {hidden.shape[0]} hidden rows for {sum(lens)} draft positions")
+        pos = [p for st, e in zip(starts, ends) for p in range(st, e)]
+        last_rows = torch.tensor(list(_cumsum(lens)), dtype=torch.int64, device=dev) - 1
+        batch = ForwardBatch(token_ids=torch.tensor(toks, dtype=torch.int64, device=dev),
+                             positions=torch.tensor(pos, dtype=torch.int64, device=dev),
+                             block_tables=tables, cache_lens=starts, query_lens=lens, logits_rows=last_rows)
+        logits, out = head(batch, hidden)
+        cur = self._pick_drafts(logits, 0, slots)
+        drafts = [cur]
+        for j in range(1, k):
+            at = [e + j - 1 for e in ends]
+            batch = ForwardBatch(token_ids=cur, positions=torch.tensor(at, dtype=torch.int64, device=dev),
+                                 block_tables=tables, cache_lens=at, query_lens=[1] * len(slots), logits_rows=None)
+            logits, out = head(batch, out)
+            cur = self._pick_drafts(logits, j, slots)
+            drafts.append(cur)
+        table = torch.stack(drafts, dim=1).cpu().tolist() if gen else []
+        for s, e in zip(gen, ends):  # chained positions [e, e + K - 1) are overwritten next time
+            s.draft_cached = e
+            s.pending_hidden = []
+        return [[int(t) for t in row] for row in table]
+
     def _verify(self, plan: _Plan, batch, drafts: list[list[int]], use_dummy: bool) -> dict[int, list[int]]:
         """Target forward, token selection and acceptance. Returns ``{seq index: tokens}``."""
         k = self.num_draft
-        reqs = [RequestEntry(s.req.request_id, s.slot, s.req.sampling, True) for s, _ in plan.final_ctx]
-        if use_dummy:
-            reqs.append(RequestEntry(_DUMMY_REQUEST_ID, -1, None, True))  # padding: greedy, no stream
-        reqs += [RequestEntry(s.req.request_id, s.slot, s.req.sampling, False) for s in plan.gen]
-        self.meta.prepare(requests=reqs, draft_len=k)
+        reqs = self._requests(plan, use_dummy)
+        if not self._prepared:
+            self.meta.prepare(requests=reqs, draft_len=k)
         logits = self.model(batch)
         draft_table = None
         if k:
@@ -542,7 +631,8 @@ class Engine:
             if plan.gen:
                 first_gen = len(reqs) - len(plan.gen)
                 draft_table[first_gen:] = torch.tensor(drafts, dtype=torch.int64, device=self.device)
-        out = self.worker.step(logits, draft_table, self.meta)
+        draft_logits = self.draft_store.read(self.meta.slot_ids, k) if self._drafts_sampled else None
+        out = self.worker.step(logits, draft_table, self.meta, draft_logits=draft_logits)
         emitting = [s for s, _ in plan.final_ctx] + ([None] if use_dummy else []) + plan.gen
         if any(s is not None and s.logprobs is not None for s in emitting):
             self._step_logprobs(logits, out, emitting)
@@ -554,6 +644,31 @@ class Engine:
                 continue
             result[seq.index] = [int(t) for t in row[: int(n)]]
         return result
+
+    @staticmethod
+    def _requests(plan: _Plan, use_dummy: bool) -> list[RequestEntry]:
+        """The step's requests in logits-row order: final context chunks, the dummy, generation."""
+        reqs = [RequestEntry(s.req.request_id, s.slot, s.req.sampling, True) for s, _ in plan.final_ctx]
+        if use_dummy:
+            reqs.append(RequestEntry(_DUMMY_REQUEST_ID, -1, None, True))  # padding: greedy, no stream
+        return reqs + [RequestEntry(s.req.request_id, s.slot, s.req.sampling, False) for s in plan.gen]
+
+    def _pick_drafts(self, logits, step: int, slots: list[int]) -> torch.Tensor:
+        """Draft step ``step``'s tokens from the drafter's ``logits`` (rows: this rank's generation
+        requests at their stream ``slots``, or its one dummy row at slot -1): sampled on the shards
+        when the step prepared its streams first and the batch is temperature-only (the logits then
+        wait in ``draft_store``), else greedy."""
+        from ..speculative import select_draft_tokens
+
+        if not self._prepared:
+            return logits.argmax(channel=Channel.DRAFT)
+        # The drafted rows are the step's last requests: its generation requests, or the dummy.
+        first = self.meta.num_requests - len(slots)
+        sel = select_draft_tokens(logits, self.meta, step, sample=True, first_request=first)
+        if sel.logits is not None:
+            self.draft_store.write(slots, step, sel.logits)
+            self._drafts_sampled = True
+        return sel.tokens
 
     def _step_logprobs(self, logits, out, emitting: list[_Seq | None]) -> None:
         """Sets ``step_logprobs`` of the requests asking for logprobs (from the raw logits)."""

@@ -40,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-dp", action="store_true", help="attention data-parallel over the TP group")
     parser.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4}',
                         help="JSON of LLM(speculative_config=...), or 'none' (default: n-gram, 4 tokens; "
-                             "with --model tiny, method draft_model defaults to the tiny draft)")
+                             "with --model tiny, methods draft_model and eagle3 default to the tiny draft / head)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -110,10 +110,10 @@ def _speculative_config(text: str, model: str) -> dict | None:
         raise ValueError(f"--speculative-config is not JSON: {exc}") from None
     if not isinstance(spec, dict):
         raise ValueError(f"--speculative-config must be a JSON object or 'none', got {text!r}")
-    if spec.get("method") == "draft_model" and not spec.get("model"):
+    if spec.get("method") in ("draft_model", "eagle3") and not spec.get("model"):
         if model != "tiny":
-            raise ValueError("--speculative-config method draft_model needs \"model\" (the tiny draft only fits "
-                             "--model tiny)")
+            raise ValueError(f"--speculative-config method {spec['method']} needs \"model\" (the tiny draft and "
+                             f"head only fit --model tiny)")
         spec["model"] = "tiny"
     return spec
 

@@ -128,4 +128,8 @@ def _profile_step(model: Any, config: Any) -> None:
     batch = ForwardBatch(torch.zeros(n, dtype=torch.int64, device=dev), torch.arange(n, device=dev),
                          [list(range(pages))], [0], [n],
                          logits_rows=torch.arange(n - rows, n, dtype=torch.int64, device=dev))
-    model(batch).argmax()
+    if getattr(model, "aux_hidden_width", 0):  # an EAGLE-3 head: a catch-up forward over target hidden states
+        logits, _ = model(batch, torch.zeros(n, model.aux_hidden_width, dtype=model.dtype, device=dev))
+        logits.argmax()
+    else:
+        model(batch).argmax()

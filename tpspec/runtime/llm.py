@@ -50,17 +50,34 @@ def cache_dir() -> str:
 
 def tiny_model_path(kind: str = "target") -> str:
     """Path of the embedded tiny model (``kind="target"``: a small Llama trained for a few
-    seconds on text shipped with tpspec, see :func:`~tpspec.model.tiny.make_trained_tiny_checkpoint`)
-    or its one-layer draft (``kind="draft"``), made on first use into :func:`cache_dir` and
+    seconds on text shipped with tpspec, see :func:`~tpspec.model.tiny.make_trained_tiny_checkpoint`),
+    its one-layer draft (``kind="draft"``) or a random EAGLE-3 head for it (``kind="eagle3"``,
+    :func:`~tpspec.model.tiny.make_tiny_eagle3_head`), made on first use into :func:`cache_dir` and
     reused after (no download). Safe when several processes create it at once (each writes a
     temporary directory, then renames it)."""
     import shutil
 
     from ..model import tiny
 
-    if kind not in ("target", "draft"):
-        raise ValueError(f"kind must be 'target' or 'draft', got {kind!r}")
+    if kind not in ("target", "draft", "eagle3"):
+        raise ValueError(f"kind must be 'target', 'draft' or 'eagle3', got {kind!r}")
     key = tiny.trained_tiny_key()
+    if kind == "eagle3":
+        import hashlib
+        import inspect
+
+        # Keyed by the target and the head's generator: a changed one never reuses a stale head.
+        head_key = hashlib.sha256((key + inspect.getsource(tiny.make_tiny_eagle3_head)).encode()).hexdigest()[:12]
+        head = os.path.join(cache_dir(), f"tiny-eagle3-{head_key}")
+        if not os.path.isfile(os.path.join(head, "config.json")):
+            target = tiny_model_path("target")
+            tmp = f"{head}.tmp-{os.getpid()}"
+            tiny.make_tiny_eagle3_head(tmp, target)
+            try:
+                os.rename(tmp, head)
+            except OSError:  # another process won the race: keep its copy
+                shutil.rmtree(tmp, ignore_errors=True)
+        return head
     target, draft = (os.path.join(cache_dir(), f"{name}-{key}") for name in ("tiny", "tiny-draft"))
     path = target if kind == "target" else draft
     if os.path.isfile(os.path.join(path, "config.json")):
@@ -96,7 +113,10 @@ def resolve_model(model: str | os.PathLike, kind: str = "target") -> str:
     # Checked here so the user gets a ValueError, not a worker's traceback.
     if not os.path.isfile(os.path.join(path, INDEX_FILE)) and not glob.glob(os.path.join(path, "*.safetensors")):
         found = sorted(os.path.basename(p) for p in glob.glob(os.path.join(path, "*.bin")))
-        hint = f" (found {found}: PyTorch .bin checkpoints are not supported)" if found else ""
+        hint = f" (found {found}: PyTorch .bin checkpoints are not supported" if found else ""
+        if found and kind == "eagle3":
+            hint += "; `tpspec convert-eagle3 IN OUT` converts an EAGLE-3 head"
+        hint += ")" if found else ""
         raise ValueError(f"model {path!r} has no safetensors weights{hint}")
     return path
 
@@ -275,6 +295,11 @@ class LLM:
                 raise ValueError(f"the draft model's vocab_size {draft_cfg.vocab_size} differs from the target's "
                                  f"{self.model_config.vocab_size}")
             _check_layout(draft_cfg, tp_size, attention_dp, draft_path, deterministic)
+        elif spec is not None and spec.method == "eagle3":
+            from ..model.eagle3 import Eagle3Config
+
+            draft_path = resolve_model(spec.model, kind="eagle3")
+            Eagle3Config.from_pretrained(draft_path, self.model_config)  # CheckpointError before any worker
         k = spec.num_speculative_tokens if spec is not None else 0
         if max_model_len is None:
             max_model_len = self.model_config.max_position_embeddings

@@ -20,8 +20,9 @@ The interface the runtime codes against::
     out = worker.step(target_logits,           # VocabShardedLogits, meta.num_rows rows
                       draft_tokens,            # LongTensor [B, D] in the target vocab (context rows ignored; None if D == 0)
                       meta,
-                      draft_probs=None,        # [B, D, V] for rejection sampling; None = drafts are
+                      draft_probs=None,        # [B, D, V] for gathered rejection sampling; None = drafts are
                                                # deterministic (one-hot q): still lossless
+                      draft_logits=None,       # [B, D, shard]: this rank's draft logits columns (sampled drafts)
                       is_warmup=False)         # True during eager CUDA-graph warm-up
     out.accepted_tokens    # [B, D+1] int64, padded with -1
     out.num_accepted       # [B] int64 in [1, D+1] (context requests: 1)
@@ -35,8 +36,11 @@ Every rank gets the same tensors. Lower-level pieces:
 * ``rejection_sample(draft_probs|None, draft_token_ids, target_probs, seeds, offsets, draft_lens=None)``
   with ``offsets = meta.acceptance_offsets()`` and ``seeds = meta.request_seeds``;
 * ``ForcedAcceptance`` (``TPSPEC_FORCE_NUM_ACCEPTED_TOKENS``), used by ``SpecWorker``;
-* ``select_draft_tokens(draft_logits, meta, step, sample=False)`` (``Channel.DRAFT``) and
-  ``DraftProbsStore`` (draft distributions per KV slot, draft-to-target vocab map);
+* ``select_draft_tokens(draft_logits, meta, step, sample=False, first_request=0)`` (``Channel.DRAFT``;
+  sampled drafts of a temperature-only batch on the shards) and ``DraftLogitsStore`` (each rank's
+  columns of the draft logits per KV slot and draft position);
+* ``sharded_rejection_sample(...)``: rejection sampling on the shards, filters included (``SpecWorker``
+  uses it; ``worker.sampling_stats`` counts rows verified on shards and gathered);
 * ``meta.draft_offsets(step)``, ``meta.row_sampling()``, ``meta.request_sampling(offsets)``.
 
 Not covered yet: attention DP with LM-head TP (rows of all ranks stacked into one
@@ -45,15 +49,16 @@ on the row-count mismatch instead of picking wrong tokens.
 """
 
 from .accept import PAD_TOKEN, accept_from_targets, rejection_sample, strict_accept
-from .draft import DraftProbsStore, DraftSelection, select_draft_tokens
+from .draft import DraftLogitsStore, DraftSelection, select_draft_tokens
 from .forced import FORCE_ENV, ForcedAcceptance, read_forced_rate
 from .metadata import RequestEntry, SpecMetadata
+from .rejection import sharded_rejection_sample
 from .worker import SpecStepOutput, SpecWorker
 
 __all__ = [
     "FORCE_ENV",
     "PAD_TOKEN",
-    "DraftProbsStore",
+    "DraftLogitsStore",
     "DraftSelection",
     "ForcedAcceptance",
     "RequestEntry",
@@ -64,5 +69,6 @@ __all__ = [
     "read_forced_rate",
     "rejection_sample",
     "select_draft_tokens",
+    "sharded_rejection_sample",
     "strict_accept",
 ]

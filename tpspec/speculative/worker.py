@@ -6,6 +6,11 @@ it, and returns what the request emits and what the next step feeds. Every path 
 chosen from flags that are equal on every rank (``SpecMetadata`` syncs them under
 attention DP), so every rank runs the same collectives and returns the same tensors.
 
+Rejection sampling runs on the shards (:mod:`tpspec.speculative.rejection`): no
+``[rows, vocab]`` tensor crosses between ranks. A batch with a top-p row the candidates
+cannot decide, and attention DP's own rows on a sharded head, gather the target rows
+first; ``SpecWorker.sampling_stats`` counts the rows each way.
+
 Host syncs: strict acceptance of an all-greedy or temperature-only batch (and forced
 acceptance) adds none of its own, so it can sit inside a CUDA graph with the exchange.
 Filtered rows (their candidates) and rejection sampling read values on the host (eager only).
@@ -25,6 +30,7 @@ from ..sampling.select import SamplingStats, select_tokens
 from .accept import PAD_TOKEN, accept_from_targets, rejection_sample
 from .forced import ForcedAcceptance
 from .metadata import SpecMetadata
+from .rejection import sharded_rejection_sample
 
 
 @dataclass
@@ -51,12 +57,12 @@ class SpecWorker:
 
     ``acceptance``: ``"strict"`` (drafts accepted while they equal the target's own
     choice, greedy or sampled per row) or ``"rejection"`` (lossless rejection sampling
-    against the full target distributions; an all-greedy batch takes the strict path,
-    which gives the same tokens without gathering the logits).
+    against the target distributions, on the shards (see the module docstring); an
+    all-greedy batch takes the strict path, which gives the same tokens).
     ``forced``: a :class:`ForcedAcceptance`, None, or ``"env"`` (read
     ``TPSPEC_FORCE_NUM_ACCEPTED_TOKENS`` at the first step).
     ``sampling_stats``: a :class:`~tpspec.sampling.select.SamplingStats` of the rows its eager
-    steps drew on shards and gathered.
+    steps drew (or, under rejection sampling, verified) on shards and gathered.
     """
 
     def __init__(self, acceptance: str = "strict", *, forced: ForcedAcceptance | str | None = "env",
@@ -85,16 +91,21 @@ class SpecWorker:
         meta: SpecMetadata,
         draft_probs: torch.Tensor | None = None,
         *,
+        draft_logits: torch.Tensor | None = None,
         is_warmup: bool = False,
     ) -> SpecStepOutput:
         """One step. ``target_logits``: ``VocabShardedLogits`` with ``meta.num_rows`` rows
         (context request: 1 row; generation request: ``D+1`` rows, D = ``meta.draft_len``).
         ``draft_tokens``: ``[B, D]`` int in the target vocab (rows of context requests
         ignored; None when D == 0). Penalised requests are penalised from ``meta``'s
-        occurrence counts and the drafts preceding each row before anything is chosen. ``draft_probs``: ``[B, D, V]`` draft distributions for
-        rejection sampling, or None: the drafts are treated as deterministic (one-hot q),
-        which is still lossless. ``is_warmup``: eager CUDA-graph warm-up (no forced
-        acceptance, its counter does not advance). Collective over the logits' group.
+        occurrence counts and the drafts preceding each row before anything is chosen.
+        ``draft_logits``: ``[B, D, shard]`` this rank's columns of the draft logits the drafts
+        were sampled from at each request's temperature (``tpspec.speculative.draft``), for
+        rejection sampling on the shards of a temperature-only batch; ``draft_probs``:
+        ``[B, D, V]`` full draft distributions for the gathered path. Neither: the drafts are
+        treated as deterministic (one-hot q), which is still lossless. ``is_warmup``: eager
+        CUDA-graph warm-up (no forced acceptance, its counter does not advance). Collective over
+        the logits' group.
 
         Arguments are checked on each rank before the first collective. Under attention
         DP each rank's batch is its own, so a rank whose drafts have the wrong shape
@@ -117,7 +128,23 @@ class SpecWorker:
             row_tokens = select_tokens(target_logits, rs, channel=self.channel, stats=self.sampling_stats)
             # Lengths come from the metadata: no value check, so this path has no host sync.
             accepted, num = accept_from_targets(row_tokens[row_index], drafts, lens, check_values=False)
+        elif (draft_probs is None and (meta.temperature_only or draft_logits is None)
+              and self._rows_are_shared(target_logits, meta)
+              and (verified := self._reject_on_shards(target_logits, rs, drafts, meta, draft_logits)) is not None):
+            accepted, num = verified
+            self.sampling_stats.rows_sharded += meta.num_rows
+            if meta.num_contexts or use_forced:
+                # Context requests (and forced acceptance) take the target's own per-row draw,
+                # the token strict acceptance would emit for them too.
+                row_tokens = select_tokens(target_logits, rs, channel=self.channel)
+                ctx = meta.is_context.to(device)
+                accepted = torch.where(ctx.reshape(-1, 1), torch.full_like(accepted, PAD_TOKEN), accepted)
+                accepted[:, 0] = torch.where(ctx, row_tokens[row_index[:, 0]], accepted[:, 0])
+                num = torch.where(ctx, torch.ones_like(num), num)
         else:
+            if draft_logits is not None:
+                raise ValueError("draft_logits are verified on shards only: a batch with filters (or stacked rows) "
+                                 "needs full draft_probs or greedy drafts")
             full = penalized_logits(target_logits, rs.penalties).gather()
             self.sampling_stats.rows_gathered += meta.num_rows  # rejection sampling needs the full laws
             probs = filtered_probs(full, rs.temperature, rs.top_k, rs.top_p, rs.min_p)
@@ -145,6 +172,27 @@ class SpecWorker:
                 accepted, num = forced_out
         next_input = accepted.gather(1, (num - 1).reshape(-1, 1)).reshape(-1)
         return SpecStepOutput(accepted, num, next_input, row_tokens)
+
+    @staticmethod
+    def _rows_are_shared(target_logits: Any, meta: SpecMetadata) -> bool:
+        """Whether every rank of the logits' exchange holds these same rows, so that decisions read
+        from them are the same on every rank: plain TP, or a head whose exchange spans one rank.
+        (Attention DP's ranks hold their own rows: a stacked slice, or rows of one rank only.)"""
+        if target_logits.local.shape[0] != meta.num_rows:
+            return False
+        return not meta.sync_flags or target_logits.exchange.world_size == 1
+
+    def _reject_on_shards(self, target_logits: Any, rs: Any, drafts: torch.Tensor, meta: SpecMetadata,
+                          draft_logits: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Rejection sampling on the shards (penalties applied to each rank's slice first), or None
+        when a filtered row cannot be decided there (every rank alike)."""
+        logits = penalized_logits(target_logits, rs.penalties)
+        req = meta.request_sampling(meta.acceptance_offsets())
+        device = logits.local.device
+        return sharded_rejection_sample(
+            logits, meta.request_row_index.to(device), req.temperature, drafts, meta.request_draft_len.to(device),
+            meta.request_seeds, meta.acceptance_offsets(), draft_logits, top_k=req.top_k, top_p=req.top_p,
+            min_p=req.min_p, channel=self.channel)
 
     @staticmethod
     def _check_drafts(draft_tokens: torch.Tensor | None, batch: int, num_drafts: int, device: torch.device) -> torch.Tensor:

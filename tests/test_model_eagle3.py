@@ -1,0 +1,280 @@
+"""The EAGLE-3 drafter: the sharded head against an EAGLE-3 forward written here in plain, unsharded
+torch from the checkpoint layout (over the target's hidden states from transformers), at TP 1 and 2;
+the engine's drafts step by step against the same reference; bad checkpoints; conversion from
+``pytorch_model.bin``; the ``make-tiny-model --eagle3`` command."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from tpspec.mapping import Mapping
+from tpspec.model import CheckpointError, ForwardBatch, load_model
+from tpspec.model.eagle3 import Eagle3Drafter, convert_eagle3_checkpoint
+from tpspec.model.tiny import make_tiny_checkpoint, make_tiny_eagle3_head
+from tpspec.testing import run_ranks
+
+K = 4
+PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [100, 200, 300, 5, 6, 7, 8], [42, 43]]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eagle3")
+    target = make_tiny_checkpoint(root / "tiny", seed=0)
+    head = make_tiny_eagle3_head(root / "head", target, seed=1)
+    return str(target), str(head)
+
+
+# ------------------------------------------------------------------ the plain reference
+class ReferenceEagle3:
+    """EAGLE-3 drafting in plain torch from the checkpoint layout: the target's hidden states from
+    transformers (``hidden_states[i]`` is the input of layer ``i``), the head's tensors as stored."""
+
+    def __init__(self, target_dir: str, head_dir: str) -> None:
+        from transformers import LlamaForCausalLM
+
+        self.target = LlamaForCausalLM.from_pretrained(target_dir, torch_dtype=torch.float32).eval()
+        with open(os.path.join(head_dir, "config.json")) as f:
+            self.cfg = json.load(f)
+        self.w = {k: (v.to(torch.float32) if v.is_floating_point() else v)
+                  for k, v in load_file(os.path.join(head_dir, "model.safetensors")).items()}
+
+    def _rms(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.cfg["rms_norm_eps"]) * self.w[name]
+
+    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        hd = x.shape[-1]
+        inv = 1.0 / (self.cfg["rope_theta"] ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+        ang = pos.to(torch.float32)[:, None] * inv[None, :]
+        cos, sin = torch.cat([ang, ang], -1).cos()[:, None], torch.cat([ang, ang], -1).sin()[:, None]
+        rotated = torch.cat([-x[..., hd // 2:], x[..., : hd // 2]], -1)
+        return x * cos + rotated * sin
+
+    def _layer(self, tokens: list[int], hidden: torch.Tensor, pos: torch.Tensor, past: list) -> torch.Tensor:
+        c, w = self.cfg, self.w
+        nh, nkv, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+        emb = self._rms(self.target.model.embed_tokens.weight[torch.tensor(tokens)], "midlayer.input_layernorm.weight")
+        x = torch.cat([emb, self._rms(hidden, "midlayer.hidden_norm.weight")], -1)
+        q = self._rope((x @ w["midlayer.self_attn.q_proj.weight"].T).view(-1, nh, hd), pos)
+        k = self._rope((x @ w["midlayer.self_attn.k_proj.weight"].T).view(-1, nkv, hd), pos)
+        v = (x @ w["midlayer.self_attn.v_proj.weight"].T).view(-1, nkv, hd)
+        past.append((k, v, pos))
+        keys = torch.cat([p[0] for p in past]).repeat_interleave(nh // nkv, dim=1)
+        values = torch.cat([p[1] for p in past]).repeat_interleave(nh // nkv, dim=1)
+        kpos = torch.cat([p[2] for p in past])
+        scores = torch.einsum("qhd,khd->hqk", q, keys) / math.sqrt(hd)
+        scores = scores.masked_fill(kpos[None, None, :] > pos[None, :, None], float("-inf"))
+        attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).reshape(len(tokens), nh * hd)
+        h = hidden + attn @ w["midlayer.self_attn.o_proj.weight"].T
+        y = self._rms(h, "midlayer.post_attention_layernorm.weight")
+        mlp = (F.silu(y @ w["midlayer.mlp.gate_proj.weight"].T) * (y @ w["midlayer.mlp.up_proj.weight"].T)) \
+            @ w["midlayer.mlp.down_proj.weight"].T
+        return h + mlp
+
+    @torch.no_grad()
+    def drafts(self, history: list[int], k: int) -> list[int]:
+        """The ``k`` greedy chained drafts (target ids) after ``history``."""
+        states = self.target(torch.tensor([history]), output_hidden_states=True).hidden_states
+        aux = torch.cat([states[i][0] for i in self.cfg["eagle_aux_hidden_state_layer_ids"]], -1)
+        n, past, out = len(history), [], []
+        last = self._layer(history[1:], aux[:-1] @ self.w["fc.weight"].T, torch.arange(n - 1), past)[-1:]
+        for j in range(k):
+            draft = int((self._rms(last, "norm.weight") @ self.w["lm_head.weight"].T).argmax())
+            out.append(draft + int(self.w["d2t"][draft]))
+            if j + 1 < k:
+                last = self._layer([out[-1]], last, torch.tensor([n - 1 + j]), past)
+        return out
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt):
+    return ReferenceEagle3(*ckpt)
+
+
+# ------------------------------------------------------------------ the sharded drafter
+def _draft_prompts(rank: int, world: int, target_dir: str, head_dir: str, prompts: list[list[int]], k: int,
+                   adp: bool = False):
+    """Prefill every prompt through the target, then draft ``k`` tokens per prompt with the head (under
+    attention DP every rank runs the same prompts as its own batch, the head split over the stacked rows)."""
+    model = load_model(target_dir, Mapping(world, rank, enable_attention_dp=adp, enable_lm_head_tp_in_adp=adp))
+    head = Eagle3Drafter(head_dir, model)
+    model.allocate_kv_cache(8 * len(prompts), 8)  # the target and the head share the block tables
+    head.allocate_kv_cache(8 * len(prompts), 8)
+    slots = [list(range(8 * i, 8 * i + 8)) for i in range(len(prompts))]
+    model(ForwardBatch(torch.tensor([t for p in prompts for t in p]),
+                      torch.tensor([i for p in prompts for i in range(len(p))]),
+                      slots, [0] * len(prompts), [len(p) for p in prompts]))
+    aux = model.aux_hidden_states
+    keep = torch.cat([torch.arange(len(p) - 1) + sum(len(q) for q in prompts[:i]) for i, p in enumerate(prompts)])
+    lens = [len(p) - 1 for p in prompts]
+    batch = ForwardBatch(torch.tensor([t for p in prompts for t in p[1:]]),
+                         torch.tensor([i for p in prompts for i in range(len(p) - 1)]), slots, [0] * len(prompts), lens)
+    cur, out = head.greedy_drafts(batch, aux.index_select(0, keep))
+    drafts = [cur]
+    for j in range(1, k):
+        at = [len(p) - 2 + j for p in prompts]
+        cur, out = head.greedy_drafts(ForwardBatch(cur, torch.tensor(at), slots, at, [1] * len(prompts)), out)
+        drafts.append(cur)
+    return torch.stack(drafts, 1).tolist()
+
+
+@pytest.mark.parametrize("tp,adp", [(1, False), (2, False), (2, True)], ids=["tp1", "tp2", "tp2-adp-head-tp"])
+def test_sharded_drafter_equals_plain_torch_reference(ckpt, reference, tp, adp):
+    got = run_ranks(_draft_prompts, tp, *ckpt, PROMPTS, K, adp, timeout_s=120)
+    want = [reference.drafts(p, K) for p in PROMPTS]
+    assert all(r == want for r in got), f"tp={tp}: sharded {got[0]} != reference {want}"
+    # The drafts are target ids from the draft vocabulary (the map was applied).
+    t2d = load_file(os.path.join(ckpt[1], "model.safetensors"))["t2d"]
+    assert all(bool(t2d[t]) for row in want for t in row)
+
+
+def test_draft_vocabulary_in_one_target_shard(ckpt, tmp_path):
+    """A draft vocabulary of target ids 0..130 only: at TP 2 rank 1 holds no head row at all."""
+    tensors = load_file(os.path.join(ckpt[1], "model.safetensors"))
+    vd = 131
+    t2d = torch.zeros(512, dtype=torch.bool)
+    t2d[:vd] = True
+    head = _broken_head(ckpt[1], tmp_path / "low", config={"draft_vocab_size": vd}, replace={
+        "d2t": torch.zeros(vd, dtype=torch.int64), "t2d": t2d,
+        "lm_head.weight": tensors["lm_head.weight"][:vd].contiguous()})
+    want = [ReferenceEagle3(ckpt[0], head).drafts(p, K) for p in PROMPTS]
+    got = run_ranks(_draft_prompts, 2, ckpt[0], head, PROMPTS, K, timeout_s=120)
+    assert got == [want, want] and all(t < vd for row in want for t in row)
+
+
+def _engine_drafts(rank: int, world: int, target_dir: str, head_dir: str, adp: bool):
+    """Generate with the engine, forced to accept 1.5 drafts a step; record each drafting's inputs."""
+    from tpspec.runtime.config import EngineConfig, Request, SpeculativeConfig
+    from tpspec.runtime.engine import Engine
+    from tpspec.sampling.params import SamplingParams
+
+    spec = SpeculativeConfig("eagle3", num_speculative_tokens=3, model=head_dir)
+    cfg = EngineConfig(model_path=target_dir, tp_size=world, device="cpu", dtype="float32", attention_dp=adp,
+                       speculative=spec, draft_model_path=head_dir, max_batch_size=2, max_seq_len=64,
+                       max_num_tokens=16, forced_acceptance_rate=1.5)
+    engine = Engine(cfg, Mapping(world, rank, enable_attention_dp=adp))
+    trace = []
+    inner = engine._draft_with_eagle3
+
+    def spy(gen):  # record (history, drafts) of every request drafted for
+        drafts = inner(gen)
+        trace.extend((list(s.tokens), d) for s, d in zip(gen, drafts))
+        return drafts
+
+    engine._draft_with_eagle3 = spy
+    reqs = [Request(i, tuple(p), SamplingParams(temperature=0.0), 10) for i, p in enumerate(PROMPTS)]
+    results = engine.generate(reqs)
+    return trace, [r.token_ids for r in results], [r.stats.accepted_drafts_per_step for r in results]
+
+
+@pytest.mark.parametrize("tp,adp", [(1, False), (2, True)], ids=["tp1", "tp2-adp"])
+def test_engine_drafts_equal_reference_at_every_step(ckpt, reference, tp, adp):
+    """Chunked context (16-token budget), slot reuse (3 prompts, 2 slots), 0-3 forced acceptances:
+    the head's catch-up of the target's hidden states keeps its drafts equal to drafting afresh."""
+    results = run_ranks(_engine_drafts, tp, *ckpt, adp, timeout_s=180)
+    trace = [step for r in results for step in r[0]]  # under attention DP each rank drafts its own requests
+    assert len(trace) >= 12
+    assert any(a >= 2 for r in results for per_req in r[2] for a in per_req), "forcing never kept 2 drafts"
+    for history, drafts in trace:
+        assert drafts == reference.drafts(history, 3), f"drafts after {history}"
+
+
+# ------------------------------------------------------------------ bad checkpoints
+def _broken_head(src: str, dst, *, drop: str | None = None, replace: dict | None = None, config: dict | None = None):
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    if drop:
+        del tensors[drop]
+    tensors.update(replace or {})
+    os.makedirs(dst, exist_ok=True)
+    save_file(tensors, os.path.join(dst, "model.safetensors"))
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(dict(cfg, **(config or {})), f)
+    return str(dst)
+
+
+def test_bad_heads_raise_checkpoint_error_naming_the_problem(ckpt, tmp_path):
+    target_dir, head_dir = ckpt
+    model = load_model(target_dir)
+    d2t = load_file(os.path.join(head_dir, "model.safetensors"))["d2t"]
+    fc = load_file(os.path.join(head_dir, "model.safetensors"))["fc.weight"]
+    not_increasing = d2t.clone()
+    not_increasing[5] = d2t[4] - 1  # draft id 5 maps to target id d2t[4] + 4, as draft id 4 does
+    out_of_range = d2t.clone()
+    out_of_range[-1] = 10_000
+    cases = [
+        (dict(drop="midlayer.hidden_norm.weight"), "midlayer.hidden_norm.weight"),
+        (dict(drop="d2t"), "'d2t'"),
+        (dict(replace={"fc.weight": fc[:, :-1].contiguous()}), "fc.weight"),
+        (dict(replace={"d2t": not_increasing}), "strictly increasing"),
+        (dict(replace={"d2t": out_of_range}), "outside the target's vocabulary"),
+        (dict(replace={"d2t": d2t.to(torch.float32)}), "integer"),
+        (dict(replace={"t2d": torch.zeros(512, dtype=torch.bool)}), "'t2d'"),
+        (dict(config={"hidden_size": 64}), "hidden_size=64"),
+        (dict(config={"num_hidden_layers": 2}), "num_hidden_layers"),
+        (dict(config={"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}), "eagle_aux_hidden_state_layer_ids"),
+        (dict(config={"eagle_aux_hidden_state_layer_ids": None}), "eagle_aux_hidden_state_layer_ids"),
+    ]
+    for i, (kw, needle) in enumerate(cases):
+        bad = _broken_head(head_dir, tmp_path / f"bad{i}", **kw)
+        with pytest.raises(CheckpointError, match=needle.replace("[", r"\[")):
+            Eagle3Drafter(bad, model)
+    assert model.aux_layer_ids == ()  # a failed head leaves the target as it was
+
+
+def test_tiny_head_layout_and_cli(tmp_path):
+    from tpspec.cli import main
+
+    assert main(["make-tiny-model", str(tmp_path / "t"), "--eagle3", str(tmp_path / "h")]) == 0
+    tensors = load_file(str(tmp_path / "h" / "model.safetensors"))
+    with open(tmp_path / "h" / "config.json") as f:
+        cfg = json.load(f)
+    h, vd = cfg["hidden_size"], cfg["draft_vocab_size"]
+    assert tensors["fc.weight"].shape == (h, 3 * h)
+    assert tensors["midlayer.self_attn.q_proj.weight"].shape[1] == 2 * h
+    assert tensors["lm_head.weight"].shape == (vd, h) and vd < cfg["vocab_size"]
+    assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
+    assert cfg["num_hidden_layers"] == 1
+
+
+def test_convert_from_pytorch_bin(ckpt, tmp_path):
+    target_dir, head_dir = ckpt
+    tensors = load_file(os.path.join(head_dir, "model.safetensors"))
+    src = tmp_path / "bin"
+    src.mkdir()
+    tensors["tied.view"] = tensors["norm.weight"]  # shared storage in the pickle
+    torch.save(tensors, src / "pytorch_model.bin")
+    with open(os.path.join(head_dir, "config.json")) as f, open(src / "config.json", "w") as g:
+        g.write(f.read())
+    from tpspec.cli import main
+
+    assert main(["convert-eagle3", str(src), str(tmp_path / "st")]) == 0
+    back = load_file(str(tmp_path / "st" / "model.safetensors"))
+    assert all(torch.equal(back[k], v) for k, v in tensors.items())
+    model = load_model(target_dir)
+    assert Eagle3Drafter(str(tmp_path / "st"), model).draft_to_target.equal(tensors["d2t"])
+    # Only plain tensors are read: a pickle carrying an object is refused, not executed.
+    torch.save({"fc.weight": tensors["fc.weight"], "obj": Mapping()}, src / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="plain tensors"):
+        convert_eagle3_checkpoint(src, tmp_path / "st2")
+
+
+def test_head_is_a_paged_model_the_engine_can_size(ckpt):
+    """The KV sizing profiles every paged model with one large step: the head takes it too."""
+    from types import SimpleNamespace
+
+    from tpspec.runtime.kv_sizing import _profile_step
+
+    model = load_model(ckpt[0])
+    head = Eagle3Drafter(ckpt[1], model)
+    assert head.page_bytes(16) * model.config.num_layers == model.page_bytes(16)  # one layer of the same shape
+    _profile_step(head, SimpleNamespace(max_num_tokens=40, page_size=16, max_batch_size=2, num_draft_tokens=3))
+    assert head.caches and head.num_pages == 3
