@@ -86,3 +86,13 @@ def test_abort_request_leaves_the_batch(llm):
             seen[keep] += out.outputs[0].token_ids
     assert seen[keep] == llm.generate(PROMPTS[2], greedy)[0].outputs[0].token_ids
     assert 0 < len(seen[drop]) < 30
+
+
+def test_an_abandoned_stream_leaves_the_llm_usable(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    stream = llm.generate(PROMPTS[:2], greedy, stream=True)
+    next(stream)
+    stream.close()  # the caller stops reading: both requests leave the batch
+    assert not llm.has_unfinished_requests()
+    alone = llm.generate(PROMPTS[0], greedy)[0].outputs[0].token_ids
+    assert len(alone) == 20

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -43,9 +44,17 @@ def test_llm_under_torchrun_joins_its_ranks_or_runs_its_own_without_hanging(tmp_
     env = dict(os.environ, PYTHONPATH=str(REPO), TPSPEC_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={port}", str(script),
            str(ckpt)]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=400)
-    assert out.returncode == 0, out.stdout + out.stderr
-    results = sorted((json.loads(line[len("RESULT "):]) for line in out.stdout.splitlines()
+    # Its own session, so that a hang is ended with every rank (torchrun's and their workers).
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=400)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"LLM under torchrun hung\n{stdout[-3000:]}\n{stderr[-3000:]}") from None
+    assert proc.returncode == 0, stdout + stderr
+    results = sorted((json.loads(line[len("RESULT "):]) for line in stdout.splitlines()
                       if line.startswith("RESULT ")), key=lambda r: r["rank"])
     assert [r["rank"] for r in results] == [0, 1]
     for r in results:

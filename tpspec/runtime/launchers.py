@@ -94,6 +94,7 @@ class GroupSpec:
     pg_timeout_s: float = D.DEFAULT_TIMEOUT_S
 
     def threads(self, local_ranks: int) -> int:
+        """Torch intra-op threads of a rank that shares this host with ``local_ranks`` ranks."""
         if self.num_threads is not None:
             return self.num_threads
         if os.environ.get("TPSPEC_NUM_THREADS"):
@@ -116,6 +117,18 @@ class RankContext:
         self._driver_pid = driver_pid
         self._last_sent = 0.0
         self._last_check = time.monotonic()
+
+    def begin_call(self, sink: ProgressFn | None) -> None:
+        """Executors: where :meth:`report` sends this call's progress (None: nowhere)."""
+        self._sink = sink
+        self._last_sent = 0.0
+
+    def close(self) -> None:
+        """Close what the calls left in ``state`` (anything with a ``close``), then empty it."""
+        for item in self.state.values():
+            if hasattr(item, "close"):
+                item.close()
+        self.state.clear()
 
     def report(self, steps: int, tokens: int) -> None:
         """Progress of the current call (every rank may report; throttled). A rank whose
@@ -190,25 +203,28 @@ class Executor:
 class InProcessExecutor(Executor):
     """This process is one rank: torchrun (``RANK``/``WORLD_SIZE`` in the environment, or a
     process group that already exists) or a single plain process (world size 1). Every
-    rank constructs it and makes the same calls; each gets its own result."""
+    rank constructs it and makes the same calls; each gets its own result.
+
+    The process group outlives the executor: the next executor of this process joins it
+    again (a second rendezvous on torchrun's store would not complete)."""
 
     def __init__(self, spec: GroupSpec) -> None:
         super().__init__(spec)
         self.ctx: RankContext | None = None
-        self._owns_group = False
 
     def start(self) -> None:
         import torch.distributed as dist
 
-        existed = dist.is_available() and dist.is_initialized()
+        # Checked before joining: a group of the wrong size is an error, not a rendezvous to wait in.
+        if dist.is_available() and dist.is_initialized():
+            world = dist.get_world_size()
+        else:
+            world = int(os.environ.get("WORLD_SIZE", "1") or "1")
+        if world != self.spec.world_size:
+            raise ValueError(f"an in-process rank runs one TP group: WORLD_SIZE={world} must equal "
+                             f"tensor_parallel_size={self.spec.world_size}")
         mapping = D.init_distributed(tp_size=self.spec.tp_size, backend=self.spec.backend, device=self.spec.device,
                                      enable_attention_dp=self.spec.attention_dp, timeout_s=self.spec.pg_timeout_s)
-        self._owns_group = not existed
-        if mapping.world_size != self.spec.world_size:
-            if self._owns_group:
-                D.destroy_distributed()
-            raise ValueError(f"an in-process rank runs one TP group: WORLD_SIZE={mapping.world_size} must equal "
-                             f"tensor_parallel_size={self.spec.world_size}")
         self.local_rank = mapping.rank
         device = torch.device("cuda", torch.cuda.current_device()) if self.spec.device == "cuda" else \
             torch.device("cpu")
@@ -219,15 +235,14 @@ class InProcessExecutor(Executor):
         self._check_usable()
         if self.ctx is None:
             raise RuntimeError("the executor is not started (or already shut down)")
-        self.ctx._sink = on_progress  # noqa: SLF001
-        self.ctx._last_sent = 0.0  # noqa: SLF001
+        self.ctx.begin_call(on_progress)
         try:
             value = fn(self.ctx, *args)
         except KeyboardInterrupt as exc:  # the peers are mid-collective: this group cannot go on
             self._mark_broken(exc)
             raise
         finally:
-            self.ctx._sink = None  # noqa: SLF001
+            self.ctx.begin_call(None)
         results: list[Any] = [None] * self.ctx.world_size
         results[self.ctx.rank] = value
         return results
@@ -236,11 +251,7 @@ class InProcessExecutor(Executor):
         if self.ctx is None:
             return
         ctx, self.ctx = self.ctx, None
-        for item in ctx.state.values():
-            if hasattr(item, "close"):
-                item.close()
-        if self._owns_group:
-            D.destroy_distributed()
+        ctx.close()
 
 
 # ---------------------------------------------------------------------------- multiprocessing
@@ -282,19 +293,16 @@ def _mp_worker_main(rank: int, spec: GroupSpec, port: int, commands: Any, out: A
             if cmd[0] == "shutdown":
                 return
             _, call_id, fn, args = cmd
-            ctx._sink = lambda s, t, c=call_id: out.put(("progress", c, rank, s, t))  # noqa: SLF001
-            ctx._last_sent = 0.0  # noqa: SLF001
+            ctx.begin_call(lambda s, t, c=call_id: out.put(("progress", c, rank, s, t)))
             value = fn(ctx, *args)
-            ctx._sink = None  # noqa: SLF001
+            ctx.begin_call(None)
             out.put(("result", call_id, rank, pickle.dumps(value)))
     except BaseException:  # noqa: BLE001 - the driver must hear about every failure
         out.put(("error", None, rank, traceback.format_exc()))
     finally:
         try:
             if ctx is not None:
-                for item in ctx.state.values():
-                    if hasattr(item, "close"):
-                        item.close()
+                ctx.close()
             D.destroy_distributed()
         except Exception:  # noqa: BLE001
             pass
@@ -579,21 +587,18 @@ class _RayRank:
             def record(steps: int, tokens: int) -> None:
                 self._progress = (call_id, steps, tokens)
 
-            self.ctx._sink = record  # noqa: SLF001
-            self.ctx._last_sent = 0.0  # noqa: SLF001
+            self.ctx.begin_call(record)
             try:
                 return fn(self.ctx, *args)
             finally:
-                self.ctx._sink = None  # noqa: SLF001
+                self.ctx.begin_call(None)
 
     def progress(self) -> tuple[int, int, int]:
         return self._progress
 
     def shutdown(self) -> None:
         if self.ctx is not None:
-            for item in self.ctx.state.values():
-                if hasattr(item, "close"):
-                    item.close()
+            self.ctx.close()
             self.ctx = None
         D.destroy_distributed()
 

@@ -415,7 +415,10 @@ class LLM:
             if stream:
                 for entry in batch:
                     self._register(entry)
-                return self._stream()
+                return self._stream([entry.request_id for entry in batch])
+            if self._aborts:  # sequences of an abandoned stream still sit in the engines: drop them first
+                aborts, self._aborts = self._aborts, []
+                self._executor.call(_step_on_rank, [], aborts)
             return self._generate(batch, use_tqdm)
 
     def _generate(self, batch: list["_Entry"], use_tqdm: bool | None) -> list[RequestOutput]:
@@ -451,9 +454,13 @@ class LLM:
         self.last_stats = GenerateStats.of(outputs, wall, self.config.forced_acceptance_rate)
         return outputs
 
-    def _stream(self) -> Iterator[RequestOutput]:
-        while self._live:
-            yield from self.step()
+    def _stream(self, request_ids: list[str]) -> Iterator[RequestOutput]:
+        try:
+            while self._live:
+                yield from self.step()
+        finally:  # the caller stopped reading: its requests leave the batch
+            for rid in request_ids:
+                self.abort_request(rid)
 
     # ------------------------------------------------------------------ step by step
     def add_request(self, prompt: Any, sampling_params: SamplingParams | None = None) -> str:

@@ -147,6 +147,10 @@ class EngineLoop:
             sub.done = True
             sub.accepted.set_exception(exc)
             return
+        except Exception as exc:  # noqa: BLE001 - e.g. a chat template that rejects the conversation
+            sub.done = True
+            sub.accepted.set_exception(ValueError(f"{type(exc).__name__}: {exc}"))
+            return
         self._streams[sub.request_id] = sub
         sub.accepted.set_result(sub.request_id)
 
