@@ -51,7 +51,7 @@ def _graph_reason_worker(rank, world):
     from tpspec.runtime.cuda_graphs import graphs_unavailable_reason
 
     torch.cuda.is_available = lambda: True  # this process only: the decision past the device check
-    engine = SimpleNamespace(device=torch.device("cuda", 0), dp_size=1, group=D.tp_group())
+    engine = SimpleNamespace(device=torch.device("cuda", 0), dp_size=1, eagle3=None, group=D.tp_group())
     plain = graphs_unavailable_reason(engine)
     engine.dp_size = world
     return plain, graphs_unavailable_reason(engine)
