@@ -1,6 +1,6 @@
 """``tpspec check``: the determinism contract (docs/determinism.md), run on the user's own machines.
 
-Every property (numbered §8.1–§8.7 as in the docs) is one row of a pass/fail table,
+Every property (numbered by the rules of docs/determinism.md) is one row of a pass/fail table,
 with its evidence (rows compared, mismatches, p-values). The exit code is 0 only when
 no row fails; a row whose layer is missing from this build or does not apply on this
 device (the LL exchange and CUDA graphs on CPU) reads SKIP with the reason and does

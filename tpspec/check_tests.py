@@ -43,18 +43,18 @@ EMULATED_TP_SIZES = (1, 2, 4, 8)
 
 # (key, table title), in table order. The key names the pytest test: test_<key>.
 PROPERTIES: list[tuple[str, str]] = [
-    ("ranks_agree", "§8.1 all ranks return identical tokens"),
-    ("ll_equals_allgather", "§8.2 LL exchange == all-gather"),
-    ("greedy_argmax", "§8.3 greedy == argmax(gathered logits)"),
-    ("seeded_tp_invariant", "§8.4 seeded Gumbel: same tokens at every TP"),
-    ("seeded_streams", "§8.4 seeded streams: batch / slot independent"),
-    ("gumbel_exact", "§8.5 Gumbel-max exact (chi-square)"),
-    ("rejection_exact", "§8.5 rejection sampling exact (chi-square)"),
-    ("cuda_graph", "§8.6 CUDA-graph replay == eager"),
-    ("cpu_gpu_bits", "§8.7 CPU reference == GPU, bit for bit"),
-    ("filters_sharded", "top-k/top-p/min-p on shards == full rows"),
+    ("ranks_agree", "rule 1 all ranks return identical tokens"),
+    ("ll_equals_allgather", "rule 2 LL exchange == all-gather"),
+    ("greedy_argmax", "rule 3 greedy == argmax(gathered logits)"),
+    ("seeded_tp_invariant", "rule 4 seeded Gumbel: same tokens at every TP"),
+    ("seeded_streams", "rule 4 seeded streams: batch / slot independent"),
+    ("gumbel_exact", "rule 5 Gumbel-max exact (chi-square)"),
+    ("rejection_exact", "rule 5 rejection sampling exact (chi-square)"),
+    ("cuda_graph", "rule 6 CUDA-graph replay == eager"),
+    ("cpu_gpu_bits", "rule 7 CPU reference == GPU, bit for bit"),
+    ("filters_sharded", "rule 8 top-k/top-p/min-p on shards == full rows"),
     ("filters_exact", "top-k/top-p/min-p draws exact (chi-square)"),
-    ("logprobs_exact", "logprobs == float64 log_softmax, any TP"),
+    ("logprobs_exact", "rule 9 logprobs == float64 log_softmax, any TP"),
     ("deterministic_logits", "deterministic mode: logits bit-identical"),
     ("generate_tp", "generate at TP=N == TP=1"),
 ]
@@ -187,7 +187,7 @@ class SuiteContext:
         return torch.Generator().manual_seed((self.seed * 1_000_003 + salt) % 2**63)
 
     def record(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Keep a copy of tokens this rank selected, for the cross-rank comparison (§8.1)."""
+        """Keep a copy of tokens this rank selected, for the cross-rank comparison (rule 1)."""
         self.ledger.append(tokens.detach().to("cpu", torch.int64).reshape(-1))
         return tokens
 
@@ -343,7 +343,7 @@ def _mismatches(a: torch.Tensor, b: torch.Tensor) -> int:
 # Each check runs on every rank of the group (SPMD) and returns that rank's CheckResult.
 
 def check_greedy_argmax(ctx: SuiteContext) -> CheckResult:
-    """§8.3: greedy tokens (argmax, and temperature-0 sampling) equal ``torch.argmax`` of the
+    """rule 3: greedy tokens (argmax, and temperature-0 sampling) equal ``torch.argmax`` of the
     gathered logits and of the original full logits, in fp32, bf16 and fp16."""
     ex = ctx.allgather_exchange()
     rows = mism = 0
@@ -376,7 +376,7 @@ def check_greedy_argmax(ctx: SuiteContext) -> CheckResult:
 
 
 def check_seeded_tp_invariant(ctx: SuiteContext) -> CheckResult:
-    """§8.4 (TP size): with the same logits and streams, the group's Gumbel tokens equal
+    """rule 4 (TP size): with the same logits and streams, the group's Gumbel tokens equal
     what TP = 1, 2, 4, 8 would pick (emulated in one process), and repeat exactly."""
     ex = ctx.allgather_exchange()
     rows = mism = 0
@@ -417,7 +417,7 @@ def check_seeded_tp_invariant(ctx: SuiteContext) -> CheckResult:
 
 
 def check_gumbel_exact(ctx: SuiteContext) -> CheckResult:
-    """§8.5 (Gumbel-max): the group's draws from fixed logits, one row per sample with its
+    """rule 5 (Gumbel-max): the group's draws from fixed logits, one row per sample with its
     own stream, follow softmax(logits / T): chi-square p > 0.001 at two temperatures."""
     ex = ctx.allgather_exchange()
     vocab = 37
@@ -624,7 +624,7 @@ def small_vocab(world_size: int, preferred: int = 37) -> int:
 
 
 def check_rejection_exact(ctx: SuiteContext) -> CheckResult:
-    """§8.5 (rejection sampling): one-model speculative steps through ``SpecWorker`` with
+    """rule 5 (rejection sampling): one-model speculative steps through ``SpecWorker`` with
     rejection acceptance on vocab-sharded target logits; each emitted position follows the
     target distribution of that position (chi-square p > 0.001), for drafts drawn from a
     draft distribution q and for deterministic drafts (one-hot q)."""
@@ -691,7 +691,7 @@ def _request_logits(tag: int, step: int, position: int, vocab: int) -> torch.Ten
 
 
 def check_seeded_streams(ctx: SuiteContext) -> CheckResult:
-    """§8.4 (batch, slot history, TP size): a seeded request's tokens, chosen by
+    """rule 4 (batch, slot history, TP size): a seeded request's tokens, chosen by
     ``select_tokens`` under ``SpecMetadata`` streams, are the same alone in slot 0, in a
     mixed batch at another position in a slot used before, in a batch that takes the
     filtered path (a top-k neighbour), and at TP=1; a different seed changes them. The
@@ -762,7 +762,7 @@ def check_seeded_streams(ctx: SuiteContext) -> CheckResult:
 
 
 def check_ll_equals_allgather(ctx: SuiteContext) -> CheckResult:
-    """§8.2: the LL exchange and the all-gather exchange pick identical tokens (GPU only)."""
+    """rule 2: the LL exchange and the all-gather exchange pick identical tokens (GPU only)."""
     ll, why = ctx.ll_exchange()
     if ll is None:
         raise Skip(why)
@@ -802,7 +802,7 @@ def check_ll_equals_allgather(ctx: SuiteContext) -> CheckResult:
 
 
 def check_cpu_gpu_bits(ctx: SuiteContext) -> CheckResult:
-    """§8.7: keys computed on the GPU equal the CPU reference bit for bit, and the group's
+    """rule 7: keys computed on the GPU equal the CPU reference bit for bit, and the group's
     GPU tokens equal the CPU-emulated tokens (GPU only)."""
     if ctx.device.type != "cuda":
         raise Skip("needs CUDA (device=cpu)")
@@ -850,7 +850,7 @@ def check_cpu_gpu_bits(ctx: SuiteContext) -> CheckResult:
 
 
 def check_cuda_graph(ctx: SuiteContext) -> CheckResult:
-    """§8.6: an exchange captured in a CUDA graph and replayed gives the eager tokens,
+    """rule 6: an exchange captured in a CUDA graph and replayed gives the eager tokens,
     including unseeded rows whose step counter advances inside the graph (GPU only)."""
     if ctx.device.type != "cuda":
         raise Skip("CUDA graphs need CUDA (device=cpu)")
@@ -982,7 +982,7 @@ def check_deterministic_logits(ctx: SuiteContext) -> CheckResult:
 
 
 def check_ranks_agree(ctx: SuiteContext) -> CheckResult:
-    """§8.1: every token any check selected on this rank equals rank 0's (collective)."""
+    """rule 1: every token any check selected on this rank equals rank 0's (collective)."""
     if ctx.world_size == 1:
         raise Skip("one rank: nothing to agree with (run with --tp 2 or more)")
     mine = torch.cat(ctx.ledger) if ctx.ledger else torch.zeros(0, dtype=torch.int64)
