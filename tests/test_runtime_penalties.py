@@ -1,7 +1,8 @@
 """Penalties and logprobs through the runtime on CPU: greedy penalised generation equals a
 step-by-step full-row reference; strict speculative decoding (n-gram drafts at TP = 2)
 equals plain decoding at TP = 1 with penalties on, and so does rejection acceptance (the
-same tokens at TP = 1 and 2); a request alone equals the same request after another
+same tokens at TP = 1 and 2, also with a draft model's or EAGLE-3 head's sampled, penalised
+drafts); a request alone equals the same request after another
 penalised request used its slot; logprobs match float64 ``log_softmax`` of the raw logits;
 attention DP refuses them with a clear error; bad CLI values exit cleanly."""
 
@@ -13,7 +14,7 @@ import torch
 
 from tpspec import LLM, SamplingParams, SpeculativeConfig
 from tpspec.model import ForwardBatch, load_model
-from tpspec.model.tiny import make_tiny_checkpoint
+from tpspec.model.tiny import make_tiny_checkpoint, make_tiny_eagle3_head
 
 MAX_NEW = 14
 PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [42] * 8, [7], [300, 301, 302, 303, 300, 301]]
@@ -41,6 +42,14 @@ def _one_thread_per_rank():
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     return str(make_tiny_checkpoint(tmp_path_factory.mktemp("penalty_models") / "tiny", seed=0))
+
+
+@pytest.fixture(scope="module")
+def drafters(ckpt, tmp_path_factory):
+    """A draft model and an EAGLE-3 head for the tiny target."""
+    root = tmp_path_factory.mktemp("penalty_drafters")
+    return {"draft_model": str(make_tiny_checkpoint(root / "draft", seed=0, draft=True)),
+            "eagle3": str(make_tiny_eagle3_head(root / "eagle3", ckpt))}
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +124,63 @@ def test_rejection_sampling_with_penalties_same_at_tp_1_and_2(ckpt, plain):
             tokens.append([c.token_ids for c in completions(llm.generate(PROMPTS, PARAMS))])
     assert tokens[0] == tokens[1]
     assert [tokens[0][i] for i in (0, 2, 3)] == [plain[i].token_ids for i in (0, 2, 3)]
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle3"])
+def test_penalised_sampled_drafts_same_at_tp_1_and_2(ckpt, drafters, plain, method):
+    """A drafter samples the drafts of penalised sampled requests from its penalised draft logits
+    (counts plus the chain's earlier drafts, each rank on its own columns) and rejection
+    sampling verifies them: the same tokens at TP = 1 and 2, and greedy requests keep plain
+    decoding's tokens."""
+    spec = SpeculativeConfig(method, num_speculative_tokens=3, acceptance="rejection", model=drafters[method])
+    params = PARAMS[:3] + [SamplingParams(temperature=1.2, seed=5, max_tokens=MAX_NEW, top_k=30, **PEN)]
+    tokens = []
+    for tp in (1, 2):
+        with LLM(ckpt, tensor_parallel_size=tp, max_num_seqs=2, speculative_config=spec) as llm:
+            tokens.append([c.token_ids for c in completions(llm.generate(PROMPTS, params))])
+    assert tokens[0] == tokens[1]
+    assert [tokens[0][i] for i in (0, 2)] == [plain[i].token_ids for i in (0, 2)]
+
+
+def test_penalised_drafts_of_the_target_itself_are_all_accepted(ckpt):
+    """The target as its own draft model: a draft step penalised like the verification row that
+    checks it (slot counts plus the chain's earlier drafts) has q = p, so rejection sampling
+    keeps every draft (unpenalised drafts, q != p, are rejected at most steps here)."""
+    spec = SpeculativeConfig("draft_model", num_speculative_tokens=3, acceptance="rejection", model=ckpt)
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=13, **PEN) for s in range(len(PROMPTS))]
+    with LLM(ckpt, tensor_parallel_size=2, max_num_seqs=4, speculative_config=spec) as llm:
+        outs = completions(llm.generate(PROMPTS, params))
+    # 13 tokens: the context step's, then 3 steps of 3 kept drafts and a bonus token.
+    assert [(len(c.token_ids), c.stats.num_accepted_drafts) for c in outs] == [(13, 9)] * len(PROMPTS)
+
+
+@pytest.mark.slow
+def test_penalised_sampled_drafting_is_lossless(ckpt, drafters):
+    """The first three tokens of 800 seeded penalised requests, with a draft model's sampled,
+    penalised drafts and rejection sampling on shards, follow the law of plain penalised
+    sampling (two-sample chi-square per position)."""
+    from scipy import stats
+
+    prompt, n = [5, 6, 7, 5, 6, 7, 8], 800
+    params = [SamplingParams(temperature=1.3, seed=s, max_tokens=3, ignore_eos=True, **PEN) for s in range(n)]
+    spec = SpeculativeConfig("draft_model", num_speculative_tokens=3, acceptance="rejection",
+                             model=drafters["draft_model"])
+    draws = {}
+    for name, config in (("plain", None), ("spec", spec)):
+        with LLM(ckpt, tensor_parallel_size=2, speculative_config=config, max_num_seqs=64,
+                 max_num_batched_tokens=512) as llm:
+            draws[name] = [c.token_ids for c in completions(llm.generate([prompt] * n, params))]
+    for pos in range(3):
+        plain = [t[pos] for t in draws["plain"]]
+        drafted = [t[pos] for t in draws["spec"]]
+        common = sorted(set(plain) | set(drafted))
+        table = [[plain.count(t) for t in common], [drafted.count(t) for t in common]]
+        frequent = [i for i in range(len(common)) if table[0][i] + table[1][i] >= 10]
+        rare = [i for i in range(len(common)) if i not in frequent]
+        rows = [[r[i] for i in frequent] + ([sum(r[i] for i in rare)] if rare else []) for r in table]
+        pvalue = stats.chi2_contingency(rows)[1]
+        assert pvalue > 1e-3, f"token {pos}: p = {pvalue:.2g}"
+    assert draws["plain"] != draws["spec"]  # speculation changed which noise drew each token
 
 
 def test_counts_restart_when_a_slot_changes_owner(spec_tp2):

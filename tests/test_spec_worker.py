@@ -8,6 +8,7 @@ from scipy import stats
 from tpspec import SamplingParams, VocabShardedLogits
 from tpspec.exchange import AllGatherKeyExchange
 from tpspec.sampling import filtered_probs
+from tpspec.sampling.penalties import OccurrenceCounts, apply_penalties
 from tpspec.speculative import FORCE_ENV, SpecMetadata, SpecWorker, select_draft_tokens, strict_accept
 
 EX = AllGatherKeyExchange()
@@ -117,6 +118,42 @@ def test_draft_selection():
     assert pick.logits is lf.local
     assert pick.tokens[0] == lf.sample(rf.temperature, rf.seeds, rf.offsets, top_k=rf.top_k, channel=0)[0]
     assert pick.tokens[0] in torch.topk(lf.local[0], 5).indices
+
+
+def test_sampled_drafts_are_penalised_like_their_verification_rows():
+    """Draft step j of a penalised request draws from its draft logits penalised with the slot's
+    counts plus drafts 0..j-1 as output (the rule of the verification row j), and returns
+    exactly those penalised logits as q (a greedy penalised request takes their argmax)."""
+    vocab = 64
+    occ = OccurrenceCounts(4, vocab_offset=0, width=vocab)
+    pen = dict(repetition_penalty=1.8, presence_penalty=1.5, frequency_penalty=0.9)
+    requests = [("a", 2, SamplingParams(temperature=0.9, seed=1, **pen), False),
+                ("b", 0, SamplingParams(temperature=0.0, **pen), False), ("c", 1, None, False)]
+    for slot, prompt in ((2, [3, 4, 5]), (0, [7, 7, 8]), (1, [3, 9])):
+        occ.reset(slot, prompt)
+    occ.add(torch.tensor([2, 0, 1]), torch.tensor([[6, 6, 3], [9, -1, -1], [4, 4, 4]]))
+    meta = SpecMetadata(4, 3, occurrences=occ).prepare(requests, draft_len=3)
+    lg = logits(3, vocab, 11)
+    previous = torch.tensor([[10, 6], [11, 11], [3, 3]])  # drafts 0 and 1 of the chain
+    sel = select_draft_tokens(lg, meta, 2, sample=True, previous_drafts=previous)
+    params = [r[2] or SamplingParams() for r in requests]
+    want = apply_penalties(lg.local, vocab_offset=0, counts=occ, slots=torch.tensor([2, 0, 1]), drafts=previous,
+                           repetition=torch.tensor([p.repetition_penalty for p in params]),
+                           presence=torch.tensor([p.presence_penalty for p in params]),
+                           frequency=torch.tensor([p.frequency_penalty for p in params]))
+    assert torch.equal(sel.logits, want)
+    assert not torch.equal(want[:2], lg.local[:2]) and torch.equal(want[2], lg.local[2])  # c has no penalties
+    rs = meta.request_sampling(meta.draft_offsets(2))
+    ref = VocabShardedLogits(want, 0, vocab, EX)
+    assert torch.equal(sel.tokens, ref.sample(rs.temperature, rs.seeds, rs.offsets, channel=0))
+    assert sel.tokens[1] == want[1].argmax() and sel.tokens[2] == lg.local[2].argmax()
+    # The previous drafts count: without them the rows would be penalised differently.
+    alone = meta.draft_penalties(None).apply(lg.local, 0)
+    assert not torch.equal(alone[:2], want[:2])
+    with pytest.raises(ValueError, match="previous drafts"):
+        select_draft_tokens(lg, meta, 2, sample=True)
+    with pytest.raises(ValueError, match="previous_drafts"):
+        meta.draft_penalties(previous[:2])
 
 
 def test_worker_errors():

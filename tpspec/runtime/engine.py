@@ -537,8 +537,8 @@ class Engine:
         return self._draft_with_model(plan.gen)
 
     def _draft_with_model(self, gen: list[_Seq]) -> list[list[int]]:
-        """Greedy drafts from the draft model: one catch-up forward (tokens the draft cache has
-        not seen, last row -> first draft), then K-1 one-token forwards."""
+        """Drafts from the draft model (picked by :meth:`_pick_drafts`): one catch-up forward (tokens
+        the draft cache has not seen, last row -> first draft), then K-1 one-token forwards."""
         from ..model.batch import ForwardBatch
 
         k = self.num_draft
@@ -557,8 +557,9 @@ class Engine:
         batch = ForwardBatch(token_ids=torch.tensor(toks, dtype=torch.int64, device=dev),
                              positions=torch.tensor(pos, dtype=torch.int64, device=dev),
                              block_tables=tables, cache_lens=starts, query_lens=lens, logits_rows=last_rows)
-        cur = self._pick_drafts(self.draft_model(batch), 0, slots)
-        drafts = [cur]
+        drafts: list[torch.Tensor] = []
+        cur = self._pick_drafts(self.draft_model(batch), drafts, slots)
+        drafts.append(cur)
         ends = [st + n for st, n in zip(starts, lens)]
         for j in range(1, k):
             batch = ForwardBatch(token_ids=cur.to(torch.int64),
@@ -566,7 +567,7 @@ class Engine:
                                  block_tables=tables, cache_lens=[e + j - 1 for e in ends],
                                  query_lens=[1] * len(tables),
                                  logits_rows=None)
-            cur = self._pick_drafts(self.draft_model(batch), j, slots)
+            cur = self._pick_drafts(self.draft_model(batch), drafts, slots)
             drafts.append(cur)
         table = torch.stack(drafts, dim=1).cpu().tolist() if gen else []
         for s in gen:  # the cache now holds the committed tokens plus drafts 1..K-1
@@ -574,10 +575,11 @@ class Engine:
         return [[int(t) for t in row] for row in table]
 
     def _draft_with_eagle3(self, gen: list[_Seq]) -> list[list[int]]:
-        """Greedy drafts from the EAGLE-3 head. Draft position ``i`` reads the target's hidden states
-        at ``i`` and token ``i + 1``: one catch-up forward over the positions whose hidden states
-        arrived since the last drafting (the last row gives the first draft), then K - 1 one-token
-        forwards, each reading the previous row's output instead of target hidden states."""
+        """Drafts from the EAGLE-3 head (picked by :meth:`_pick_drafts`). Draft position ``i`` reads
+        the target's hidden states at ``i`` and token ``i + 1``: one catch-up forward over the
+        positions whose hidden states arrived since the last drafting (the last row gives the first
+        draft), then K - 1 one-token forwards, each reading the previous row's output instead of
+        target hidden states."""
         from ..model.batch import ForwardBatch
 
         k = self.num_draft
@@ -603,14 +605,15 @@ class Engine:
                              positions=torch.tensor(pos, dtype=torch.int64, device=dev),
                              block_tables=tables, cache_lens=starts, query_lens=lens, logits_rows=last_rows)
         logits, out = head(batch, hidden)
-        cur = self._pick_drafts(logits, 0, slots)
-        drafts = [cur]
+        drafts: list[torch.Tensor] = []
+        cur = self._pick_drafts(logits, drafts, slots)
+        drafts.append(cur)
         for j in range(1, k):
             at = [e + j - 1 for e in ends]
             batch = ForwardBatch(token_ids=cur, positions=torch.tensor(at, dtype=torch.int64, device=dev),
                                  block_tables=tables, cache_lens=at, query_lens=[1] * len(slots), logits_rows=None)
             logits, out = head(batch, out)
-            cur = self._pick_drafts(logits, j, slots)
+            cur = self._pick_drafts(logits, drafts, slots)
             drafts.append(cur)
         table = torch.stack(drafts, dim=1).cpu().tolist() if gen else []
         for s, e in zip(gen, ends):  # chained positions [e, e + K - 1) are overwritten next time
@@ -653,18 +656,22 @@ class Engine:
             reqs.append(RequestEntry(_DUMMY_REQUEST_ID, -1, None, True))  # padding: greedy, no stream
         return reqs + [RequestEntry(s.req.request_id, s.slot, s.req.sampling, False) for s in plan.gen]
 
-    def _pick_drafts(self, logits, step: int, slots: list[int]) -> torch.Tensor:
-        """Draft step ``step``'s tokens from the drafter's ``logits`` (rows: this rank's generation
-        requests at their stream ``slots``, or its one dummy row at slot -1): sampled on the shards
-        with each request's temperature and filters when the step prepared its streams first and
-        some request samples (the logits then wait in ``draft_store``), else greedy."""
+    def _pick_drafts(self, logits, previous: list[torch.Tensor], slots: list[int]) -> torch.Tensor:
+        """The next draft step's tokens from the drafter's ``logits`` (rows: this rank's generation
+        requests at their stream ``slots``, or its one dummy row at slot -1; ``previous``: the
+        chain's drafts so far, ``[rows]`` each): sampled on the shards with each request's
+        penalties (counting ``previous`` as output), temperature and filters when the step
+        prepared its streams first and some request samples (the logits then wait in
+        ``draft_store``), else greedy."""
         from ..speculative import select_draft_tokens
 
         if not self._prepared:
             return logits.argmax(channel=Channel.DRAFT)
         # The drafted rows are the step's last requests: its generation requests, or the dummy.
         first = self.meta.num_requests - len(slots)
-        sel = select_draft_tokens(logits, self.meta, step, sample=True, first_request=first)
+        step = len(previous)
+        sel = select_draft_tokens(logits, self.meta, step, sample=True, first_request=first,
+                                  previous_drafts=torch.stack(previous, dim=1) if previous else None)
         if sel.logits is not None:
             self.draft_store.write(slots, step, sel.logits)
             self._drafts_sampled = True

@@ -36,12 +36,14 @@ Every rank gets the same tensors. Lower-level pieces:
 * ``rejection_sample(draft_probs|None, draft_token_ids, target_probs, seeds, offsets, draft_lens=None)``
   with ``offsets = meta.acceptance_offsets()`` and ``seeds = meta.request_seeds``;
 * ``ForcedAcceptance`` (``TPSPEC_FORCE_NUM_ACCEPTED_TOKENS``), used by ``SpecWorker``;
-* ``select_draft_tokens(draft_logits, meta, step, sample=False, first_request=0)`` (``Channel.DRAFT``;
-  sampled drafts on the shards, with the requests' filters) and ``DraftLogitsStore`` (each rank's
-  columns of the draft logits per KV slot and draft position);
+* ``select_draft_tokens(draft_logits, meta, step, sample=False, first_request=0, previous_drafts=None)``
+  (``Channel.DRAFT``; sampled drafts on the shards, with the requests' penalties, counting
+  ``previous_drafts`` ``[rows, step]`` as output, and filters) and ``DraftLogitsStore`` (each rank's
+  columns of the penalised draft logits per KV slot and draft position);
 * ``sharded_rejection_sample(...)``: rejection sampling on the shards, filters included (``SpecWorker``
   uses it; ``worker.sampling_stats`` counts rows verified on shards and gathered);
-* ``meta.draft_offsets(step)``, ``meta.row_sampling()``, ``meta.request_sampling(offsets)``.
+* ``meta.draft_offsets(step)``, ``meta.row_sampling()``, ``meta.request_sampling(offsets)``,
+  ``meta.draft_penalties(previous_drafts, first_request=0)``.
 
 Not covered yet: attention DP with LM-head TP (rows of all ranks stacked into one
 sharded head) — ``prepare`` describes only this rank's rows, so ``select_tokens`` raises

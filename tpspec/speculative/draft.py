@@ -4,9 +4,9 @@
   exchange on the **draft channel** (``Channel.DRAFT``), so they never share slots with the
   target's exchange; under attention DP the draft head is replicated (its exchange spans
   one rank) and the pick is local, with no collective. Greedy drafts take the argmax.
-  Sampled drafts (rejection sampling) are drawn with each request's own temperature and
-  filters from its draft-step stream on the shards, and come back with this rank's columns
-  of the logits they were drawn from.
+  Sampled drafts (rejection sampling) are drawn with each request's own penalties,
+  temperature and filters from its draft-step stream on the shards, and come back with this
+  rank's columns of the (penalised) logits they were drawn from.
 * :class:`DraftLogitsStore`: those columns kept per KV slot and draft position (``[slots + 1,
   K, shard]`` on each rank: its own columns only), stable when the batch is reshuffled
   between drafting and verification, with a scratch row for padding requests (slot -1).
@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ..exchange.base import Channel
+from ..sampling.penalties import penalized_logits
 
 
 @dataclass
@@ -38,24 +39,39 @@ class DraftSelection:
 
 def select_draft_tokens(
     draft_logits: Any, meta: Any, step: int, *, sample: bool = False, first_request: int = 0,
-    channel: int = Channel.DRAFT,
+    previous_drafts: torch.Tensor | None = None, channel: int = Channel.DRAFT,
 ) -> DraftSelection:
     """Draft tokens of draft step ``step`` from ``draft_logits`` (a ``VocabShardedLogits`` whose
     rows are the requests ``first_request, first_request + 1, ...`` of ``meta``, a prepared
     ``SpecMetadata``).
 
-    ``sample=False`` or an all-greedy batch: greedy tokens through the exchange and no logits
+    ``sample=False``: greedy tokens of the raw logits through the exchange and no logits
     (rejection sampling then treats the drafts as one-hot, which is lossless). ``sample=True``:
-    each request draws from its filtered softmax(draft logits / T) (its own temperature, top-k,
-    top-p and min-p) with its draft-step stream, on the shards (greedy requests take the
-    argmax), and the draft logits come back. ``sample`` must be the same on every rank (a
-    configuration switch); the batch flags are group-synced. Every rank returns the same tokens.
+    penalised requests' rows are penalised first (the request's repetition, presence and
+    frequency penalties with its slot's counts, and ``previous_drafts`` ``[rows, step]`` int64,
+    the rows' drafts ``0 .. step-1`` of this chain, counted as output: the rule of the
+    verification row that checks this draft; required for ``step > 0`` when a request has
+    penalties); then each request draws from its filtered softmax(logits / T) (its own
+    temperature, top-k, top-p and min-p) with its draft-step stream, on the shards (greedy
+    requests take the argmax), and this rank's columns of the penalised logits come back, the
+    exact rows the draws were made from (an all-greedy batch: argmax, no logits). ``sample``
+    must be the same on every rank (a configuration switch); the batch flags are group-synced.
+    Every rank returns the same tokens.
     """
     rows = draft_logits.num_rows
     if first_request < 0 or first_request + rows > meta.num_requests:
         raise ValueError(f"draft logits have {rows} rows from request {first_request}, but the step has "
                          f"{meta.num_requests} requests")
-    if not sample or meta.is_all_greedy:
+    if not sample:
+        return DraftSelection(draft_logits.argmax(channel=channel), None)
+    if meta.local_any_penalties:  # local arithmetic on each rank's columns: no path depends on it
+        if step > 0 and (previous_drafts is None or previous_drafts.shape[-1] != step):
+            raise ValueError(f"penalised draft step {step} needs the {step} previous drafts of its rows, got "
+                             f"{None if previous_drafts is None else tuple(previous_drafts.shape)}")
+        penalties = meta.draft_penalties(previous_drafts if step > 0 else None, first_request=first_request,
+                                         num_requests=rows)
+        draft_logits = penalized_logits(draft_logits, penalties)
+    if meta.is_all_greedy:
         return DraftSelection(draft_logits.argmax(channel=channel), None)
     rs = meta.request_sampling(meta.draft_offsets(step))
     pick = slice(first_request, first_request + rows)

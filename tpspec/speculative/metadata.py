@@ -121,6 +121,9 @@ class SpecMetadata:
         self._req_seed = torch.zeros(B, dtype=i64, device=dev)
         self._req_window = torch.zeros(B, dtype=i64, device=dev)
         self._req_row_index = torch.zeros(B, max_draft_len + 1, dtype=i64, device=dev)
+        self._req_repetition = torch.ones(B, dtype=f32, device=dev)
+        self._req_presence = torch.zeros(B, dtype=f32, device=dev)
+        self._req_frequency = torch.zeros(B, dtype=f32, device=dev)
         # Per row.
         self._row_temperature = torch.zeros(R, dtype=f32, device=dev)
         self._row_top_k = torch.zeros(R, dtype=i64, device=dev)
@@ -236,6 +239,9 @@ class SpecMetadata:
         put(self._req_slot, [e.slot_id for e in entries], i64)
         put(self._req_is_context, [e.is_context for e in entries], torch.bool)
         put(self._req_row_start, starts, i64)
+        put(self._req_repetition, [e.params.repetition_penalty for e in entries], f32)
+        put(self._req_presence, [e.params.presence_penalty for e in entries], f32)
+        put(self._req_frequency, [e.params.frequency_penalty for e in entries], f32)
         # Padding requests verify nothing: they emit one (ignored) token.
         put(self._req_draft_len, [0 if e.is_context or e.slot_id == -1 else draft_len for e in entries], i64)
         put(self._row_temperature, [norm[b][0] for b in row_req], f32)
@@ -397,6 +403,32 @@ class SpecMetadata:
                                       self.request_draft_len)
         return RowPenalties(self.occurrences, self._row_slot[:R], drafts, self._row_repetition[:R],
                             self._row_presence[:R], self._row_frequency[:R])
+
+    def draft_penalties(self, previous_drafts: torch.Tensor | None, *, first_request: int = 0,
+                        num_requests: int | None = None) -> RowPenalties:
+        """The penalty inputs of one draft step's rows: requests ``first_request ..
+        first_request + num_requests - 1`` (default: to the last), one row each.
+
+        ``previous_drafts``: ``[rows, j]`` int64, those requests' drafts ``0 .. j-1`` of this
+        chain when drafting step ``j`` (None or ``j = 0`` for the first step); they count as
+        output, as for verification row ``j`` (see :meth:`row_penalties`), so a draft step's
+        distribution is penalised exactly like the target row that verifies its draft.
+        """
+        self._check_prepared()
+        if self.occurrences is None:
+            raise ValueError("this SpecMetadata has no occurrence counts")
+        B = self.num_requests
+        rows = B - first_request if num_requests is None else num_requests
+        if first_request < 0 or rows < 0 or first_request + rows > B:
+            raise ValueError(f"draft rows {first_request}..{first_request + rows - 1} are outside the step's "
+                             f"{B} requests")
+        if previous_drafts is not None:
+            if previous_drafts.dim() != 2 or previous_drafts.shape[0] != rows:
+                raise ValueError(f"previous_drafts must be [{rows}, j], got {tuple(previous_drafts.shape)}")
+            previous_drafts = previous_drafts.to(device=self.device, dtype=torch.int64)
+        pick = slice(first_request, first_request + rows)
+        return RowPenalties(self.occurrences, self.slot_ids[pick], previous_drafts, self._req_repetition[pick],
+                            self._req_presence[pick], self._req_frequency[pick])
 
     def draft_offsets(self, step: int) -> torch.Tensor:
         """``[B]`` int64 offsets of draft step ``step`` (0-based) of every request."""
