@@ -1,9 +1,9 @@
 """Deterministic mode with the EAGLE-3 head: the head's draft logits of a request are
-bit-identical alone (prefilled at once or one token a step), beside neighbours and at TP 1/2,
-and a head built without the mode differs (so the head's own flag does the work, not only the
-target's); through the runtime, EAGLE-3 speculation keeps a greedy request's tokens and
-logprobs equal to those without speculation, alone and batched, at TP 1 and 2; the mode's
-checks apply to the head before any worker starts."""
+bit-identical alone (prefilled at once or one token a step), beside neighbours, in a slot a
+longer request used and at TP 1/2/4, and a head built without the mode differs (so the head's
+own flag does the work, not only the target's); through the runtime, EAGLE-3 speculation keeps
+a greedy request's tokens and logprobs equal to those without speculation, alone and batched,
+at TP 1 and 2; the mode's checks apply to the head before any worker starts."""
 
 from __future__ import annotations
 
@@ -78,7 +78,16 @@ def scenario_batched(target, head) -> torch.Tensor:
     return torch.cat((first[1][0], second[0][0], third[1][0], chained))
 
 
-SCENARIOS = ("alone", "stepwise", "batched")
+def scenario_reused_slot(target, head) -> torch.Tensor:
+    """Slot 0 first holds a longer request (its stale K/V beyond SEQ's length stay in the target's
+    and the head's pages), then SEQ takes slot 0 in one prefill beside a decoding neighbour."""
+    longer = NEIGHBOURS[2] + NEIGHBOURS[0]
+    _step(target, head, [(0, longer, 0, len(longer) - 1), (1, NEIGHBOURS[1], 0, 1)])
+    [_, (logits, out)] = _step(target, head, [(1, NEIGHBOURS[1] + [7], 1, 2), (0, SEQ, 0, END)])
+    return torch.cat((logits, _chain(head, [(0, END, CHAINED, out[-1:])])))
+
+
+SCENARIOS = ("alone", "stepwise", "batched", "reused_slot")
 
 
 def _head_scenarios(rank: int, world: int, head_modes: tuple[bool, ...]) -> dict | None:
