@@ -36,6 +36,10 @@ laid out like the target's (its target columns, ``-inf`` at ids the draft vocabu
 selection on shards (greedy through the key exchange, sampling) picks target ids directly, and a
 draft's scores sit on the same rank as the target's scores of the same token.
 
+``deterministic=True`` runs every reduction of the head (``fc``, norms, attention, MLP, the draft
+head) in the fixed order of :mod:`tpspec.model.deterministic`, like a target in that mode; the
+head's shapes must then split along their trees (:meth:`Eagle3Config.check_split`).
+
 ``tpspec convert-eagle3 IN OUT`` turns a ``pytorch_model.bin`` head into this layout in safetensors
 (read with ``torch.load(weights_only=True)``, never a full unpickle).
 """
@@ -55,6 +59,7 @@ from torch import nn
 from ..exchange.base import Channel, KeyExchange
 from ..mapping import Mapping
 from ..vocab_parallel import VocabShardedLogits, vocab_shard_bounds
+from . import deterministic as det
 from .attention import choose_attention_backend, make_attention_backend
 from .batch import AttentionMetadata, ForwardBatch
 from .config import ModelConfig
@@ -140,6 +145,26 @@ class Eagle3Config:
         return cls(layer, vocab, (int(ids[0]), int(ids[1]), int(ids[2])),
                    bool(raw.get("norm_before_residual", False)))
 
+    def check_split(self, mapping: Mapping, *, deterministic: bool = False) -> None:
+        """Raise ``ValueError`` naming what of the head cannot be laid out over ``mapping``'s TP group
+        (attention heads, KV heads, ``fc``'s ``3 * hidden_size`` inputs, intermediate size; in
+        deterministic mode also a TP size that is not a power of two, a row-parallel contraction
+        (``fc``, ``o_proj``, ``down_proj``) whose split does not follow its fixed-order tree, and
+        attention DP). The head's vocabulary follows the target's shards: nothing to check there.
+        No communication."""
+        layer = self.layer
+        attn_tp = mapping.attention_tp_size
+        split_heads(layer, attn_tp, mapping.attention_tp_rank)
+        split_evenly("intermediate_size", layer.intermediate_size, mapping.tp_size, mapping.tp_rank)
+        split_evenly("3 * hidden_size", NUM_AUX_HIDDEN_STATES * self.hidden_size, attn_tp, mapping.attention_tp_rank)
+        if deterministic:
+            if mapping.enable_attention_dp and mapping.tp_size > 1:
+                raise ValueError("deterministic mode does not support attention DP")
+            det.check_contraction_split("fc input features (3 * hidden_size)", NUM_AUX_HIDDEN_STATES * self.hidden_size,
+                                        attn_tp)
+            det.check_contraction_split("num_attention_heads * head_dim", layer.num_heads * layer.head_dim, attn_tp)
+            det.check_contraction_split("intermediate_size", layer.intermediate_size, mapping.tp_size)
+
 
 class DraftVocabHead(nn.Module):
     """An LM head over a reduced draft vocabulary, split along the target's vocabulary shards.
@@ -149,12 +174,16 @@ class DraftVocabHead(nn.Module):
     head is not sharded), a contiguous range ``[draft_start, draft_start + num_rows)`` that may be
     empty. ``forward(hidden [R, H]) -> VocabShardedLogits``: ``[R, target shard width]`` in the target's
     layout, the draft scores at their target columns and ``-inf`` elsewhere; collective picks return
-    target ids.
+    target ids. ``deterministic``: each score is the fixed-order tree sum over ``H``
+    (:class:`~tpspec.model.deterministic.FixedOrderMatmul`), so a row's scores do not depend on the
+    other rows (the rows of a shard are whole: the TP size changes no sum).
     """
 
     def __init__(self, name: str, hidden_size: int, target_ids: torch.Tensor, target_vocab_size: int,
-                 mapping: Mapping, exchange: KeyExchange, *, dtype: torch.dtype, device: Any) -> None:
+                 mapping: Mapping, exchange: KeyExchange, *, dtype: torch.dtype, device: Any,
+                 deterministic: bool = False) -> None:
         super().__init__()
+        self.fixed_order = det.FixedOrderMatmul(det.Contraction.of(hidden_size), 1) if deterministic else None
         sharded = mapping.lm_head_is_sharded
         tp, rank = (mapping.tp_size, mapping.tp_rank) if sharded else (1, 0)
         self.vocab_offset, self.shard_width, real = vocab_shard_bounds(target_vocab_size, tp, rank)
@@ -171,7 +200,10 @@ class DraftVocabHead(nn.Module):
     def forward(self, hidden: torch.Tensor) -> VocabShardedLogits:
         local = torch.full((hidden.shape[0], self.shard_width), float("-inf"), dtype=hidden.dtype,
                            device=hidden.device)
-        local[:, self.columns] = torch.nn.functional.linear(hidden, self.weight)
+        if self.fixed_order is not None:
+            local[:, self.columns] = self.fixed_order.partial(hidden, self.weight).to(hidden.dtype)
+        else:
+            local[:, self.columns] = torch.nn.functional.linear(hidden, self.weight)
         return VocabShardedLogits(local, self.vocab_offset, self.vocab_size, self.exchange)
 
 
@@ -190,16 +222,25 @@ class Eagle3Drafter(nn.Module):
     constructor reads this rank's slices of the checkpoint and turns on the target's capture of the
     hidden states the head needs (:meth:`TPLlamaForCausalLM.capture_aux_hidden_states`).
 
+    ``deterministic``: every reduction of the head in the fixed order of
+    :mod:`tpspec.model.deterministic`, as the target's in that mode (``fc``, norms, attention by the
+    ``"deterministic"`` backend, MLP, the vocabulary head), so each draft row is a function of its
+    own sequence alone, bit for bit, at every batch and every power-of-two TP size. Pair it with a
+    deterministic target (whose embedding and hidden states the head reads).
+
     Raises :class:`CheckpointError` naming a missing or misshapen tensor, a bad ``d2t``/``t2d`` or a
-    config that does not fit the target; ``ValueError`` when the head cannot be split over the TP group.
+    config that does not fit the target; ``ValueError`` when the head cannot be split over the TP group
+    (:meth:`Eagle3Config.check_split`).
     """
 
     def __init__(self, path: str | os.PathLike, target: TPLlamaForCausalLM, *, dtype: torch.dtype | None = None,
-                 attention_backend: str = "auto") -> None:
+                 attention_backend: str = "auto", deterministic: bool = False) -> None:
         super().__init__()
         self.path = os.fspath(path)
         self.config = cfg = Eagle3Config.from_pretrained(path, target.config)
         mapping: Mapping = target.mapping
+        cfg.check_split(mapping, deterministic=deterministic)
+        self.deterministic = deterministic
         self.mapping = mapping
         self.device = target.device
         self.dtype = dtype or target.dtype
@@ -209,32 +250,31 @@ class Eagle3Drafter(nn.Module):
         hidden = cfg.hidden_size
         attn_tp, attn_rank = mapping.attention_tp_size, mapping.attention_tp_rank
         attn_group = self.group if attn_tp > 1 else None
-        split_heads(layer, attn_tp, attn_rank)
-        split_evenly("intermediate_size", layer.intermediate_size, mapping.tp_size, mapping.tp_rank)
         kw: dict[str, Any] = {"dtype": self.dtype, "device": self.device}
+        dkw: dict[str, Any] = dict(kw, deterministic=deterministic)
         # The embedding is shared with the target, not a submodule: its weights are the target's.
         object.__setattr__(self, "target_embedding", target.embed_tokens)
         self.fc_start, self.fc_len = split_evenly("3 * hidden_size", NUM_AUX_HIDDEN_STATES * hidden, attn_tp, attn_rank)
         self.fc = RowParallelLinear("fc", NUM_AUX_HIDDEN_STATES * hidden, hidden, self.fc_start, self.fc_len, False,
-                                    attn_group, attn_tp, **kw)
-        self.input_layernorm = RMSNorm("midlayer.input_layernorm.weight", hidden, layer.rms_norm_eps, **kw)
-        self.hidden_norm = RMSNorm("midlayer.hidden_norm.weight", hidden, layer.rms_norm_eps, **kw)
+                                    attn_group, attn_tp, **dkw)
+        self.input_layernorm = RMSNorm("midlayer.input_layernorm.weight", hidden, layer.rms_norm_eps, **dkw)
+        self.hidden_norm = RMSNorm("midlayer.hidden_norm.weight", hidden, layer.rms_norm_eps, **dkw)
         self.self_attn = Attention(layer, 0, attn_tp, attn_rank, attn_group, prefix="midlayer.self_attn",
-                                   in_features=2 * hidden, **kw)
+                                   in_features=2 * hidden, **dkw)
         self.post_attention_layernorm = RMSNorm("midlayer.post_attention_layernorm.weight", hidden,
-                                                layer.rms_norm_eps, **kw)
-        self.mlp = MLP(layer, 0, mapping.tp_size, mapping.tp_rank, self.group, prefix="midlayer.mlp", **kw)
-        self.norm = RMSNorm("norm.weight", hidden, layer.rms_norm_eps, **kw)
-        self.rotary = RotaryEmbedding(layer, device=self.device)
+                                                layer.rms_norm_eps, **dkw)
+        self.mlp = MLP(layer, 0, mapping.tp_size, mapping.tp_rank, self.group, prefix="midlayer.mlp", **dkw)
+        self.norm = RMSNorm("norm.weight", hidden, layer.rms_norm_eps, **dkw)
+        self.rotary = RotaryEmbedding(layer, device=self.device, deterministic=deterministic)
         self.attention = make_attention_backend(
-            choose_attention_backend(self.device, layer.head_dim, attention_backend),
+            choose_attention_backend(self.device, layer.head_dim, attention_backend, deterministic=deterministic),
             num_heads=self.self_attn.num_heads, num_kv_heads=self.self_attn.num_kv_heads, head_dim=layer.head_dim,
             scale=layer.head_dim**-0.5, dtype=self.dtype, device=self.device)
         with CheckpointReader(path) as reader:
             d2t = check_draft_vocab_map(reader, cfg.draft_vocab_size, cfg.target_vocab_size)
         self.draft_to_target = d2t.to(self.device)
         self.lm_head = DraftVocabHead("lm_head.weight", hidden, torch.arange(cfg.draft_vocab_size) + d2t,
-                                      cfg.target_vocab_size, mapping, target.exchange, **kw)
+                                      cfg.target_vocab_size, mapping, target.exchange, **dkw)
         self.load_stats = load_weights(self, path)
         target.capture_aux_hidden_states(cfg.aux_layer_ids)
         self.aux_hidden_width = NUM_AUX_HIDDEN_STATES * hidden  # what a catch-up forward reads a token

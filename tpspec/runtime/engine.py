@@ -165,7 +165,8 @@ class Engine:
                                       max_ngram=spec.prompt_lookup_max, min_ngram=spec.prompt_lookup_min)
         elif spec is not None and spec.method == "eagle3":
             # Turns on the target's capture of the hidden states the head reads.
-            self.eagle3 = Eagle3Drafter(config.draft_model_path, self.model, attention_backend=config.attention_backend)
+            self.eagle3 = Eagle3Drafter(config.draft_model_path, self.model, attention_backend=config.attention_backend,
+                                        deterministic=config.deterministic)
         elif spec is not None:
             self.draft_model = DraftModel(config.draft_model_path, mapping, device=self.device, dtype=self.dtype,
                                           exchange=self.exchange, target_config=self.model.config,

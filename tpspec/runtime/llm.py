@@ -299,7 +299,8 @@ class LLM:
             from ..model.eagle3 import Eagle3Config
 
             draft_path = resolve_model(spec.model, kind="eagle3")
-            Eagle3Config.from_pretrained(draft_path, self.model_config)  # CheckpointError before any worker
+            head_cfg = Eagle3Config.from_pretrained(draft_path, self.model_config)  # CheckpointError before any worker
+            _check_layout(head_cfg, tp_size, attention_dp, draft_path, deterministic)
         k = spec.num_speculative_tokens if spec is not None else 0
         if max_model_len is None:
             max_model_len = self.model_config.max_position_embeddings
@@ -903,13 +904,19 @@ def _generate_on_rank(ctx: RankContext, requests: list[Request]) -> list[Sequenc
 
 
 def _check_layout(config: Any, tp_size: int, attention_dp: bool, path: str, deterministic: bool = False) -> None:
-    """The model splits over ``tp_size`` ranks (checked here, before any worker starts)."""
+    """The model (a :class:`ModelConfig`) or EAGLE-3 head (an :class:`Eagle3Config`) splits over
+    ``tp_size`` ranks (checked here, before any worker starts)."""
     from ..mapping import Mapping
+    from ..model.eagle3 import Eagle3Config
     from ..model.llama import check_split
 
     for rank in range(tp_size):
+        mapping = Mapping(tp_size, rank, tp_size, attention_dp)
         try:
-            check_split(config, Mapping(tp_size, rank, tp_size, attention_dp), deterministic=deterministic)
+            if isinstance(config, Eagle3Config):
+                config.check_split(mapping, deterministic=deterministic)
+            else:
+                check_split(config, mapping, deterministic=deterministic)
         except ValueError as exc:
             raise ValueError(f"{path} cannot run at tensor_parallel_size={tp_size}: {exc}") from None
 
