@@ -3,7 +3,6 @@ was trained on, and n-gram drafts are accepted on it at a realistic rate."""
 
 from __future__ import annotations
 
-
 from tpspec import LLM, SamplingParams
 from tpspec.runtime.generate_cli import DEFAULT_PROMPTS
 from tpspec.runtime.llm import tiny_model_path
