@@ -114,6 +114,25 @@ def pages_needed(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
 
 
+def check_paged_batch(batch: Any, num_pages: int, page_size: int, vocab_size: int) -> None:
+    """What a paged model checks before a forward: ``batch`` is a :class:`ForwardBatch`, the
+    cache is allocated (``num_pages > 0``), every sequence's block table holds the pages its
+    cached and new tokens need, with ids in ``[0, num_pages)``, and its token ids lie in
+    ``[0, vocab_size)``. Raises ``ValueError`` (``RuntimeError`` for a missing cache)."""
+    if not isinstance(batch, ForwardBatch):
+        raise ValueError(f"expected a ForwardBatch, got {type(batch).__name__}")
+    if not num_pages:
+        raise RuntimeError("call allocate_kv_cache(num_pages, page_size) before the first forward")
+    for i, (table, cached, new) in enumerate(zip(batch.block_tables, batch.cache_lens, batch.query_lens)):
+        need = pages_needed(cached + new, page_size)
+        if len(table) < need:
+            raise ValueError(f"sequence {i}: cache_len {cached} + query_len {new} needs {need} pages of "
+                             f"{page_size} tokens, its block table has {len(table)}")
+        if any(p >= num_pages for p in table[:need]):
+            raise ValueError(f"sequence {i}: page ids must lie in [0, {num_pages}), got {table[:need]}")
+    batch.check_token_range(vocab_size)
+
+
 @dataclass
 class AttentionMetadata:
     """Index tensors shared by every attention layer of one step (built on the host once).

@@ -58,10 +58,11 @@ from torch import nn
 
 from ..exchange.base import Channel, KeyExchange
 from ..mapping import Mapping
+from ..validation import check_int
 from ..vocab_parallel import VocabShardedLogits, vocab_shard_bounds
 from . import deterministic as det
 from .attention import choose_attention_backend, make_attention_backend
-from .batch import AttentionMetadata, ForwardBatch
+from .batch import AttentionMetadata, ForwardBatch, check_paged_batch
 from .config import ModelConfig
 from .kv_cache import KVPages, page_bytes
 from .layers import MLP, Attention, RMSNorm, RotaryEmbedding, RowParallelLinear, ShardSpec, split_evenly, \
@@ -289,9 +290,8 @@ class Eagle3Drafter(nn.Module):
     def allocate_kv_cache(self, num_pages: int, page_size: int) -> None:
         """(Re)allocate the head's paged cache: ``k``/``v`` ``[num_pages, page_size, kv_heads_per_rank,
         head_dim]`` (zeros). Draft position ``i`` is the target position whose hidden states it read."""
-        for name, value in (("num_pages", num_pages), ("page_size", page_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_int("num_pages", num_pages, low=1)
+        check_int("page_size", page_size, low=1)
         self.caches = []  # free the old pages before allocating the new ones
         self.caches = [KVPages(num_pages, page_size, self.self_attn.num_kv_heads, self.config.layer.head_dim,
                                dtype=self.dtype, device=self.device)]
@@ -302,16 +302,7 @@ class Eagle3Drafter(nn.Module):
         return AttentionMetadata.build(batch, self.device, self.page_size, kv_pages)
 
     def _check_batch(self, batch: ForwardBatch) -> None:
-        if not isinstance(batch, ForwardBatch):
-            raise ValueError(f"expected a ForwardBatch, got {type(batch).__name__}")
-        if not self.caches:
-            raise RuntimeError("call allocate_kv_cache(num_pages, page_size) before the first forward")
-        for i, (table, cached, new) in enumerate(zip(batch.block_tables, batch.cache_lens, batch.query_lens)):
-            need = -(-(cached + new) // self.page_size)
-            if len(table) < need or any(p >= self.num_pages for p in table[:need]):
-                raise ValueError(f"sequence {i}: cache_len {cached} + query_len {new} needs {need} pages in "
-                                 f"[0, {self.num_pages}) of the draft cache, its block table is {table[:need]}")
-        batch.check_token_range(self.config.target_vocab_size)
+        check_paged_batch(batch, self.num_pages if self.caches else 0, self.page_size, self.config.target_vocab_size)
 
     # ------------------------------------------------------------------ forward
     @torch.no_grad()

@@ -27,7 +27,7 @@ from ..validation import check_int
 from ..vocab_parallel import VocabParallelHead, VocabShardedLogits, vocab_shard_bounds
 from . import deterministic as det
 from .attention import AttendFn, choose_attention_backend, make_attention_backend
-from .batch import AttentionMetadata, ForwardBatch
+from .batch import AttentionMetadata, ForwardBatch, check_paged_batch
 from .comm import LocalKeyExchange, VarlenRows, exchange_counts
 from .config import ModelConfig
 from .kv_cache import KVPages, page_bytes
@@ -277,18 +277,7 @@ class TPLlamaForCausalLM(nn.Module):
         self.num_pages, self.page_size = num_pages, page_size
 
     def _check_batch(self, batch: ForwardBatch) -> None:
-        if not isinstance(batch, ForwardBatch):
-            raise ValueError(f"expected a ForwardBatch, got {type(batch).__name__}")
-        if not self.caches:
-            raise RuntimeError("call allocate_kv_cache(num_pages, page_size) before the first forward")
-        for i, (table, cached, new) in enumerate(zip(batch.block_tables, batch.cache_lens, batch.query_lens)):
-            need = -(-(cached + new) // self.page_size)
-            if len(table) < need:
-                raise ValueError(f"sequence {i}: cache_len {cached} + query_len {new} needs {need} pages of "
-                                 f"{self.page_size} tokens, its block table has {len(table)}")
-            if any(p >= self.num_pages for p in table[:need]):
-                raise ValueError(f"sequence {i}: page ids must lie in [0, {self.num_pages}), got {table[:need]}")
-        batch.check_token_range(self.config.vocab_size)
+        check_paged_batch(batch, self.num_pages if self.caches else 0, self.page_size, self.config.vocab_size)
 
     def build_metadata(self, batch: ForwardBatch, kv_pages: int | None = None) -> AttentionMetadata:
         """The attention metadata of ``batch`` for this model's pages (see
