@@ -46,6 +46,21 @@ def bench_device(device: str | None, command: str) -> str:
         raise SystemExit(f"{command}: --device: {exc}") from None
 
 
+def model_shape_path(args: argparse.Namespace, command: str) -> str | None:
+    """The ``shape:`` model path of ``--model-shape`` (with ``--num-layers`` / ``--vocab-size``),
+    None without it; ``SystemExit`` naming the command when ``--model`` is given too."""
+    from ..model.shapes import shape_path
+
+    if args.model_shape is None:
+        return None
+    if args.model != "tiny":
+        raise SystemExit(f"{command}: give --model or --model-shape, not both")
+    try:
+        return shape_path(args.model_shape, args.num_layers, args.vocab_size)
+    except ValueError as exc:
+        raise SystemExit(f"{command}: {exc}") from None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK")
     sub.required = True

@@ -38,7 +38,7 @@ from typing import Any, Callable
 import torch
 
 from ..speculative.forced import FORCE_ENV, ForcedAcceptanceWarning
-from . import bench_device, number_list, report
+from . import bench_device, model_shape_path, number_list, report
 
 DEFAULT_RATES = (0.0, 1.5, 3.0)
 COLUMNS = ["config", "forced_rate", "draft_len", "requests", "tokens", "wall_s", "tokens_per_s",
@@ -178,18 +178,10 @@ def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
 
 def model_argument(args: argparse.Namespace) -> str:
     """``--model``, or the ``shape:`` path of ``--model-shape`` (``SystemExit`` on a bad mix)."""
-    from ..model.shapes import shape_path
-
-    if args.model_shape is None:
-        if args.num_layers is not None or args.vocab_size is not None:
-            raise SystemExit("tpspec bench generate: --num-layers / --vocab-size need --model-shape")
-        return args.model
-    if args.model != "tiny":
-        raise SystemExit("tpspec bench generate: give --model or --model-shape, not both")
-    try:
-        return shape_path(args.model_shape, args.num_layers, args.vocab_size)
-    except ValueError as exc:
-        raise SystemExit(f"tpspec bench generate: {exc}") from None
+    path = model_shape_path(args, "tpspec bench generate")
+    if path is None and (args.num_layers is not None or args.vocab_size is not None):
+        raise SystemExit("tpspec bench generate: --num-layers / --vocab-size need --model-shape")
+    return args.model if path is None else path
 
 
 def run(args: argparse.Namespace) -> int:

@@ -54,7 +54,7 @@ from typing import Any, Callable
 import torch
 
 from ..validation import resolve_dtype, torch_dtype
-from . import bench_device, number_list, report
+from . import bench_device, model_shape_path, number_list, report
 
 DEFAULT_BATCHES = (1, 8, 32)
 QUICK_BATCHES = (1, 4)
@@ -408,18 +408,10 @@ def add_roofline_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _model_path(args: argparse.Namespace, vocab: int) -> str:
-    from ..model.shapes import shape_path
-
-    if args.model_shape is None:
-        if args.num_layers is not None:
-            raise SystemExit("tpspec bench step: --num-layers needs --model-shape")
-        return resolve_model(args.model, vocab)
-    if args.model != "tiny":
-        raise SystemExit("tpspec bench step: give --model or --model-shape, not both")
-    try:
-        return shape_path(args.model_shape, args.num_layers, args.vocab_size)
-    except ValueError as exc:
-        raise SystemExit(f"tpspec bench step: {exc}") from None
+    path = model_shape_path(args, "tpspec bench step")
+    if path is None and args.num_layers is not None:
+        raise SystemExit("tpspec bench step: --num-layers needs --model-shape")
+    return resolve_model(args.model, vocab) if path is None else path
 
 
 def roofline_config(args: argparse.Namespace, device: str) -> dict:
