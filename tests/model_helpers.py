@@ -1,11 +1,12 @@
-"""Shared helpers of the tests/test_model_*.py files: reference decode loops over a
-TPLlamaForCausalLM (every rank calls them the same number of times)."""
+"""Shared helpers of the tests: reference decode loops over a TPLlamaForCausalLM (every rank
+calls them the same number of times), and a rank's slice of full logits."""
 
 from __future__ import annotations
 
 import torch
 
 from tpspec.model import ForwardBatch
+from tpspec.vocab_parallel import VocabShardedLogits, vocab_shard_bounds
 
 # The tests address the paged cache through "slots": slot s owns PAGES_PER_SLOT pages of PAGE_SIZE
 # tokens, scattered over the pool and in descending order, so paging is exercised for real.
@@ -109,3 +110,13 @@ def mixed_reference(model, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
     lc = all_logits_stepwise(model, MIXED_C, slot)
     lr = all_logits_stepwise(model, MIXED_B_REWOUND, slot)
     return torch.cat([la[5:10], lb[8:12], lc[6:7]]), lr[10:12]
+
+
+def sharded(full: torch.Tensor, world: int, rank: int, exchange) -> VocabShardedLogits:
+    """Rank ``rank``'s slice of the full ``[R, V]`` logits at TP = ``world``; the padding
+    columns of the last shard hold a high value that must never win."""
+    vocab = full.shape[1]
+    offset, width, real = vocab_shard_bounds(vocab, world, rank)
+    local = torch.full((full.shape[0], width), 50.0)
+    local[:, :real] = full[:, offset:offset + real]
+    return VocabShardedLogits(local, offset, vocab, exchange)

@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tpspec import SamplingParams, VocabShardedLogits
+from model_helpers import sharded
+from tpspec import SamplingParams
 from tpspec.exchange import AllGatherKeyExchange
 from tpspec.sampling.penalties import OccurrenceCounts, apply_penalties
 from tpspec.speculative import SpecMetadata, SpecWorker
@@ -66,11 +67,6 @@ def logits_for(name: str, rows: int) -> torch.Tensor:
     return x
 
 
-def sharded(full: torch.Tensor, world: int, rank: int, ex) -> VocabShardedLogits:
-    offset, width, real = vocab_shard_bounds(VOCAB, world, rank)
-    local = torch.full((full.shape[0], width), 50.0)  # padding must never win
-    local[:, :real] = full[:, offset:offset + real]
-    return VocabShardedLogits(local, offset, VOCAB, ex)
 
 
 def fill_counts(counts: OccurrenceCounts) -> None:

@@ -8,11 +8,11 @@ import dataclasses
 import pytest
 import torch
 
+from model_helpers import sharded
 from tpspec import SamplingParams, VocabShardedLogits
 from tpspec.exchange import AllGatherKeyExchange
 from tpspec.sampling import select_tokens
 from tpspec.speculative import SpecMetadata, SpecWorker, select_draft_tokens
-from tpspec.vocab_parallel import vocab_shard_bounds
 
 VOCAB = 1001  # uneven: the last shard is padded at TP = 2, 4
 D = 3
@@ -40,11 +40,6 @@ def logits_for(name: str, rows: int) -> torch.Tensor:
     return x
 
 
-def sharded(full: torch.Tensor, world: int, rank: int, ex) -> VocabShardedLogits:
-    offset, width, real = vocab_shard_bounds(VOCAB, world, rank)
-    local = torch.full((full.shape[0], width), 50.0)  # padding must never win
-    local[:, :real] = full[:, offset:offset + real]
-    return VocabShardedLogits(local, offset, VOCAB, ex)
 
 
 def tp_worker(rank: int, world: int, group=None) -> dict:
