@@ -21,7 +21,8 @@
 #
 # Environment: PYTHON (default python3); GPU_RUN_COMMIT; TPSPEC_LL_SOURCE_DIR (a copy of csrc/ll_exchange
 # to check and time instead of the checkout's); FLASHINFER_WHEELS (a folder of wheels: flashinfer-python
-# is installed from it, offline, before the first step).
+# is installed from it, offline, before the first step); GPU_RUN_MAX_STEP_S (caps every step's time limit,
+# for a machine that runs one command only so long).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -193,6 +194,7 @@ trap stop_mps EXIT
 all_ok=1
 for i in "${selected[@]}"; do
     name=${STEP_NAME[$i]} limit=${STEP_LIMIT[$i]} cmd=${STEP_CMD[$i]}
+    if [ -n "${GPU_RUN_MAX_STEP_S:-}" ] && [ "$GPU_RUN_MAX_STEP_S" -lt "$limit" ]; then limit=$GPU_RUN_MAX_STEP_S; fi
     log=$OUT/$name.log
     printf '$ %s\n\n' "$cmd" > "$log"
     start=$(date +%s)
