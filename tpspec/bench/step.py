@@ -461,9 +461,11 @@ def _roofline_cells(model: Any, cfg: dict, device: torch.device) -> list[dict]:
         model.allocate_kv_cache(max(cfg["roofline_batches"]) * per_seq, PAGE_SIZE)  # zeros: no prefill needed
         for batch in cfg["roofline_batches"]:
             tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
+            # Every row needs logits; the rows live on the device, so a graph capture copies nothing from the host.
             step = ForwardBatch(torch.full((batch,), 7, dtype=torch.int64, device=device),
                                 torch.full((batch,), context, dtype=torch.int64, device=device),
-                                tables, [context] * batch, [1] * batch)
+                                tables, [context] * batch, [1] * batch,
+                                logits_rows=torch.arange(batch, dtype=torch.int64, device=device))
             forward_ms, select_ms = [], []
             for it in range(cfg["warmup"] + cfg["iters"]):
                 box: dict[str, Any] = {}

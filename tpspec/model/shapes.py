@@ -24,7 +24,7 @@ SHAPE_PREFIX = "shape:"
 
 _LLAMA3 = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "rope_theta": 500000.0,
            "rms_norm_eps": 1e-5, "max_position_embeddings": 8192, "bos_token_id": 128000, "eos_token_id": 128001,
-           "hidden_act": "silu", "num_key_value_heads": 8, "tie_word_embeddings": False}
+           "hidden_act": "silu", "num_key_value_heads": 8, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
 MODEL_SHAPES: dict[str, dict[str, Any]] = {
     "llama-3-8b": dict(_LLAMA3, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                        num_attention_heads=32),
@@ -34,7 +34,8 @@ MODEL_SHAPES: dict[str, dict[str, Any]] = {
                    "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
                    "num_key_value_heads": 4, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
                    "max_position_embeddings": 32768, "hidden_act": "silu", "tie_word_embeddings": False,
-                   "use_sliding_window": False, "bos_token_id": 151643, "eos_token_id": 151643},
+                   "use_sliding_window": False, "bos_token_id": 151643, "eos_token_id": 151643,
+                   "torch_dtype": "bfloat16"},
 }
 
 
