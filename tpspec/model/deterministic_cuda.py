@@ -1,0 +1,183 @@
+"""Deterministic mode's contractions on CUDA: a fixed-order segment GEMM in Triton.
+
+A contraction of global length ``K`` is cut into ``G = min(MAX_SEGMENTS, K & -K)`` segments of
+``K / G`` consecutive columns (:func:`cuda_segments`); ``G`` divides ``K`` and, with
+``MAX_SEGMENTS = 8``, every power-of-two TP size up to 8 holds whole segments. Each
+segment's float32 sum is computed by one Triton kernel whose K loop walks the segment in
+one fixed order: fixed ``BLOCK_M``/``BLOCK_N``/``BLOCK_K`` tiles, fixed warps and pipeline
+stages, no split-K, no autotuning, the tail of a segment that is not a multiple of
+``BLOCK_K`` masked to zeros. An output element is therefore accumulated by the same
+instructions over the same columns whatever the number of rows ``M``, the row's place in
+its tile, the number of output columns, which rank holds the segment or how many segments
+one launch covers. The segments of a rank are then summed by the adjacent-pairs tree
+(inside the kernel when a program covers several of them, else by elementwise float32 adds
+in torch: both are the same correctly rounded additions in the same order), and the ranks'
+partials by the top of the same tree (:func:`tpspec.model.deterministic.tree_sum_ranks`).
+
+Why our own kernel: the batch-invariant matmuls of Thinking Machines' ``batch_invariant_ops``
+(which vLLM and SGLang ship in their batch-invariant modes) fix the reduction order of the
+whole ``K`` inside one GEMM, which makes a row's result independent of the batch but not of
+the TP size: a row-parallel layer's ranks each hold ``K / tp`` columns, and one ordered
+reduction over ``K`` cannot be cut at a rank boundary. Summing fixed segments separately
+makes the cut points part of the tree, so TP = 1, 2, 4, 8 add the same segment sums in the
+same order.
+
+The bits are the GPU's own: equal across batches, speculation and TP sizes on one device
+and build, not equal to the CPU tree of :mod:`tpspec.model.deterministic`.
+
+Import this module only for CUDA tensors (it needs ``triton``); the dispatch is
+:func:`tpspec.model.deterministic.segment_gemm`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_SEGMENTS = 8  # the widest power-of-two TP split the segments allow
+
+# Fixed launch constants: they never depend on M, N, K or the number of segments (changing
+# any of them changes the bits, equally everywhere).
+BLOCK_M = 64
+BLOCK_N = 64
+BLOCK_K = 64
+NUM_WARPS = 4
+NUM_STAGES = 3
+# A launch sums all of a rank's segments in each program when it has at least this many
+# (M, N) tiles (enough programs to fill the GPU); otherwise one program per segment and the
+# segment tree runs in torch. Either way the same additions in the same order.
+SUM_IN_KERNEL_TILES = 128
+
+
+def cuda_segments(length: int) -> int:
+    """The number of segments ``G`` of a contraction of global ``length`` on CUDA:
+    ``min(MAX_SEGMENTS, largest power of two dividing length)``."""
+    if length < 1:
+        raise ValueError(f"a contraction needs a positive length, got {length}")
+    return min(MAX_SEGMENTS, length & -length)
+
+
+@triton.jit
+def _segment_sum(x_ptr, w_ptr, rows, cols, row_ok, col_ok, stride_xm, stride_wn, k0, SEG_LEN: tl.constexpr,
+                 IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``[BLOCK_M, BLOCK_N]`` float32: the sum over columns ``k0 .. k0 + SEG_LEN - 1`` of
+    ``x[rows] * w[cols]``, from zero, by the K loop in ascending blocks of ``BLOCK_K`` columns
+    (the tail block's missing columns load as zeros)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    ks = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + rows[:, None] * stride_xm
+    w_rows = w_ptr + cols[:, None] * stride_wn
+    for k in range(0, SEG_LEN, BLOCK_K):
+        kk = k0 + k + ks
+        k_ok = (k + ks) < SEG_LEN
+        a = tl.load(x_rows + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_rows + kk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        if IEEE:  # float32 inputs: float32 FMAs, not TF32
+            acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+        else:  # 16-bit inputs: tensor cores, float32 accumulation
+            acc = tl.dot(a, tl.trans(b), acc)
+    return acc
+
+
+@triton.jit(do_not_specialize=["M", "N"])
+def _segment_gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, stride_xm, stride_wn, SEG_LEN: tl.constexpr,
+                         SEGMENTS_PER_PROGRAM: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program ``(i, j, p)``: rows tile ``i``, columns tile ``j``, segments
+    ``p * S .. p * S + S - 1`` (``S = SEGMENTS_PER_PROGRAM``: 1, 2, 4 or 8) summed by the
+    adjacent-pairs tree into ``out[p, rows, cols]`` (``out [G_local / S, M, N]`` float32)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    col_ok = cols < N
+    k0 = pid_s.to(tl.int64) * (SEGMENTS_PER_PROGRAM * SEG_LEN)
+    acc = _segment_sum(x_ptr, w_ptr, rows, cols, row_ok, col_ok, stride_xm, stride_wn, k0,
+                       SEG_LEN, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
+    if SEGMENTS_PER_PROGRAM >= 2:  # s0 + s1
+        acc = acc + _segment_sum(x_ptr, w_ptr, rows, cols, row_ok, col_ok, stride_xm, stride_wn,
+                                 k0 + SEG_LEN, SEG_LEN, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
+    if SEGMENTS_PER_PROGRAM >= 4:  # (s0 + s1) + (s2 + s3)
+        right = _segment_sum(x_ptr, w_ptr, rows, cols, row_ok, col_ok, stride_xm, stride_wn,
+                             k0 + 2 * SEG_LEN, SEG_LEN, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
+        right = right + _segment_sum(x_ptr, w_ptr, rows, cols, row_ok, col_ok, stride_xm, stride_wn,
+                                     k0 + 3 * SEG_LEN, SEG_LEN, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
+        acc = acc + right
+    if SEGMENTS_PER_PROGRAM >= 8:  # ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
+        left = _segment_sum(x_ptr, w_ptr, rows, cols, row_ok, col_ok, stride_xm, stride_wn,
+                            k0 + 4 * SEG_LEN, SEG_LEN, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
+        left = left + _segment_sum(x_ptr, w_ptr, rows, cols, row_ok, col_ok, stride_xm, stride_wn,
+                                   k0 + 5 * SEG_LEN, SEG_LEN, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
+        right = _segment_sum(x_ptr, w_ptr, rows, cols, row_ok, col_ok, stride_xm, stride_wn,
+                             k0 + 6 * SEG_LEN, SEG_LEN, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
+        right = right + _segment_sum(x_ptr, w_ptr, rows, cols, row_ok, col_ok, stride_xm, stride_wn,
+                                     k0 + 7 * SEG_LEN, SEG_LEN, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
+        acc = acc + (left + right)
+    out = out_ptr + pid_s.to(tl.int64) * M * N + rows[:, None] * N + cols[None, :]
+    tl.store(out, acc, mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _operands(x: torch.Tensor, weight: torch.Tensor, seg_len: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x [M, K_local] and weight [N, K_local] expected, got {tuple(x.shape)} and "
+                         f"{tuple(weight.shape)}")
+    k_local = x.shape[1]
+    if seg_len < 1 or k_local % seg_len:
+        raise ValueError(f"K_local={k_local} is not a whole number of segments of {seg_len} columns")
+    local = k_local // seg_len
+    if local & (local - 1) or local > MAX_SEGMENTS:
+        raise ValueError(f"a rank must hold a power-of-two number of segments up to {MAX_SEGMENTS}, got {local}")
+    if x.dtype != weight.dtype:  # one dtype per dot: both in float32 (exact for 16-bit values)
+        x, weight = x.to(torch.float32), weight.to(torch.float32)
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"the segment GEMM takes float16, bfloat16 or float32, got {x.dtype}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    return x, weight, local
+
+
+def segment_sums(x: torch.Tensor, weight: torch.Tensor, seg_len: int, *, segments_per_program: int = 1) -> torch.Tensor:
+    """One launch: ``[local // segments_per_program, M, N]`` float32, entry ``p`` the
+    adjacent-pairs tree over segments ``p * S .. p * S + S - 1`` of the segment sums.
+
+    ``x [M, K_local]`` and ``weight [N, K_local]`` (float16, bfloat16 or float32; mixed dtypes
+    are both taken to float32) on one CUDA device (or CPU tensors under
+    ``TRITON_INTERPRET=1``); ``K_local = local * seg_len`` with ``local`` a power of two up to
+    ``MAX_SEGMENTS``: this rank's whole segments, segment ``s`` being columns
+    ``s * seg_len .. (s + 1) * seg_len - 1``. ``segments_per_program`` (``S``): a power of
+    two dividing ``local``. Each element depends only on its row of ``x``, its row of
+    ``weight`` and ``seg_len`` (one compiled kernel per ``seg_len``, dtype and ``S``).
+    """
+    x, weight, local = _operands(x, weight, seg_len)
+    per = segments_per_program
+    if per < 1 or per & (per - 1) or local % per:
+        raise ValueError(f"segments_per_program must be a power of two dividing {local}, got {per}")
+    m, n = x.shape[0], weight.shape[0]
+    out = torch.empty(local // per, m, n, dtype=torch.float32, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N), local // per)
+    _segment_gemm_kernel[grid](x, weight, out, m, n, x.stride(0), weight.stride(0), SEG_LEN=seg_len,
+                               SEGMENTS_PER_PROGRAM=per, IEEE=x.dtype == torch.float32, BLOCK_M=BLOCK_M,
+                               BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    return out
+
+
+def segment_partial(x: torch.Tensor, weight: torch.Tensor, seg_len: int) -> torch.Tensor:
+    """``[M, N]`` float32: this rank's subtree of the contraction, the adjacent-pairs tree over
+    its segment sums (:func:`segment_sums`; shapes and dtypes as there). The result does not
+    depend on which of the two equal ways of summing the segments is taken (the launch sums
+    them in each program when it has enough tiles to fill the GPU, else torch adds one
+    launch's per-segment sums)."""
+    local = x.shape[1] // seg_len if seg_len > 0 else 0
+    tiles = triton.cdiv(x.shape[0], BLOCK_M) * triton.cdiv(weight.shape[0], BLOCK_N)
+    per = local if tiles >= SUM_IN_KERNEL_TILES else 1
+    sums = segment_sums(x, weight, seg_len, segments_per_program=max(per, 1))
+    while sums.shape[0] > 1:  # adjacent pairs: elementwise float32 adds, fixed order
+        sums = sums[0::2] + sums[1::2]
+    return sums[0]
