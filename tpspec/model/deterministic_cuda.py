@@ -1,12 +1,11 @@
 """Deterministic mode's contractions on CUDA: a fixed-order segment GEMM in Triton.
 
-A contraction of global length ``K`` is cut into ``G = min(MAX_SEGMENTS, K & -K)`` segments of
-``K / G`` consecutive columns (:func:`cuda_segments`); ``G`` divides ``K`` and, with
-``MAX_SEGMENTS = 8``, every power-of-two TP size up to 8 holds whole segments. Each
-segment's float32 sum is computed by one Triton kernel whose K loop walks the segment in
-one fixed order: fixed ``BLOCK_M``/``BLOCK_N``/``BLOCK_K`` tiles, fixed warps and pipeline
-stages, no split-K, no autotuning, the tail of a segment that is not a multiple of
-``BLOCK_K`` masked to zeros. An output element is therefore accumulated by the same
+A contraction of global length ``K`` is cut into ``G = min(8, K & -K)`` segments of ``K / G``
+consecutive columns (:attr:`tpspec.model.deterministic.Contraction.wide_segments`), so every
+power-of-two TP size up to 8 holds whole segments. Each segment's float32 sum is computed
+by one Triton kernel whose K loop walks the segment in one fixed order: fixed
+``BLOCK_M``/``BLOCK_N``/``BLOCK_K`` tiles, fixed warps and pipeline stages, no split-K, no
+autotuning, the tail of a segment that is not a multiple of ``BLOCK_K`` masked to zeros. An output element is therefore accumulated by the same
 instructions over the same columns whatever the number of rows ``M``, the row's place in
 its tile, the number of output columns, which rank holds the segment or how many segments
 one launch covers. The segments of a rank are then summed by the adjacent-pairs tree
@@ -35,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_SEGMENTS = 8  # the widest power-of-two TP split the segments allow
+MAX_LOCAL_SEGMENTS = 8  # segments one launch covers at most (the kernel's tree is written out up to 8)
 
 # Fixed launch constants: they never depend on M, N, K or the number of segments (changing
 # any of them changes the bits, equally everywhere).
@@ -48,14 +47,6 @@ NUM_STAGES = 3
 # (M, N) tiles (enough programs to fill the GPU); otherwise one program per segment and the
 # segment tree runs in torch. Either way the same additions in the same order.
 SUM_IN_KERNEL_TILES = 128
-
-
-def cuda_segments(length: int) -> int:
-    """The number of segments ``G`` of a contraction of global ``length`` on CUDA:
-    ``min(MAX_SEGMENTS, largest power of two dividing length)``."""
-    if length < 1:
-        raise ValueError(f"a contraction needs a positive length, got {length}")
-    return min(MAX_SEGMENTS, length & -length)
 
 
 @triton.jit
@@ -128,8 +119,9 @@ def _operands(x: torch.Tensor, weight: torch.Tensor, seg_len: int) -> tuple[torc
     if seg_len < 1 or k_local % seg_len:
         raise ValueError(f"K_local={k_local} is not a whole number of segments of {seg_len} columns")
     local = k_local // seg_len
-    if local & (local - 1) or local > MAX_SEGMENTS:
-        raise ValueError(f"a rank must hold a power-of-two number of segments up to {MAX_SEGMENTS}, got {local}")
+    if local & (local - 1) or local > MAX_LOCAL_SEGMENTS:
+        raise ValueError(f"a rank must hold a power-of-two number of segments up to {MAX_LOCAL_SEGMENTS}, "
+                         f"got {local}")
     if x.dtype != weight.dtype:  # one dtype per dot: both in float32 (exact for 16-bit values)
         x, weight = x.to(torch.float32), weight.to(torch.float32)
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -148,7 +140,7 @@ def segment_sums(x: torch.Tensor, weight: torch.Tensor, seg_len: int, *, segment
     ``x [M, K_local]`` and ``weight [N, K_local]`` (float16, bfloat16 or float32; mixed dtypes
     are both taken to float32) on one CUDA device (or CPU tensors under
     ``TRITON_INTERPRET=1``); ``K_local = local * seg_len`` with ``local`` a power of two up to
-    ``MAX_SEGMENTS``: this rank's whole segments, segment ``s`` being columns
+    ``MAX_LOCAL_SEGMENTS``: this rank's whole segments, segment ``s`` being columns
     ``s * seg_len .. (s + 1) * seg_len - 1``. ``segments_per_program`` (``S``): a power of
     two dividing ``local``. Each element depends only on its row of ``x``, its row of
     ``weight`` and ``seg_len`` (one compiled kernel per ``seg_len``, dtype and ``S``).
