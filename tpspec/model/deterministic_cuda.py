@@ -41,7 +41,7 @@ MAX_LOCAL_SEGMENTS = 8  # segments one launch covers at most (the kernel's tree 
 BLOCK_M = 64
 BLOCK_N = 64
 BLOCK_K = 64
-NUM_WARPS = 4
+NUM_WARPS = 8
 NUM_STAGES = 3
 # A launch sums all of a rank's segments in each program when it has at least this many
 # (M, N) tiles (enough programs to fill the GPU); otherwise one program per segment and the
@@ -50,24 +50,26 @@ SUM_IN_KERNEL_TILES = 128
 
 
 @triton.jit
-def _segment_sum(x_ptr, w_ptr, rows, cols, row_ok, col_ok, stride_xm, stride_wn, k0, SEG_LEN: tl.constexpr,
+def _segment_sum(x_tile, w_tile, row_ok, col_ok, stride_xm, stride_wn, k0, SEG_LEN: tl.constexpr,
                  IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``[BLOCK_M, BLOCK_N]`` float32: the sum over columns ``k0 .. k0 + SEG_LEN - 1`` of
-    ``x[rows] * w[cols]``, from zero, by the K loop in ascending blocks of ``BLOCK_K`` columns
-    (the tail block's missing columns load as zeros)."""
+    """``[BLOCK_M, BLOCK_N]`` float32: the sum over columns ``k0 .. k0 + SEG_LEN - 1`` of the
+    tile's rows of ``x`` (from ``x_tile``) times its rows of ``w`` (from ``w_tile``), from
+    zero, by the K loop in ascending blocks of ``BLOCK_K`` columns (the tail block's missing
+    columns load as zeros)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     ks = tl.arange(0, BLOCK_K)
-    x_rows = x_ptr + rows[:, None] * stride_xm
-    w_rows = w_ptr + cols[:, None] * stride_wn
+    x_ptrs = x_tile + k0 + tl.arange(0, BLOCK_M)[:, None] * stride_xm + ks[None, :]
+    w_ptrs = w_tile + k0 + tl.arange(0, BLOCK_N)[:, None] * stride_wn + ks[None, :]
     for k in range(0, SEG_LEN, BLOCK_K):
-        kk = k0 + k + ks
         k_ok = (k + ks) < SEG_LEN
-        a = tl.load(x_rows + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(w_rows + kk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         if IEEE:  # float32 inputs: float32 FMAs, not TF32
             acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
         else:  # 16-bit inputs: tensor cores, float32 accumulation
             acc = tl.dot(a, tl.trans(b), acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
     return acc
 
 
@@ -81,33 +83,38 @@ def _segment_gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, stride_xm, stride_wn, SEG_
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
-    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < M
-    col_ok = cols < N
-    k0 = pid_s.to(tl.int64) * (SEGMENTS_PER_PROGRAM * SEG_LEN)
-    acc = _segment_sum(x_ptr, w_ptr, rows, cols, row_ok, col_ok, stride_xm, stride_wn, k0,
+    # 64-bit offsets of the tile's first row and column (a big weight passes 2^31 elements);
+    # offsets inside the tile stay 32-bit.
+    row0 = pid_m.to(tl.int64) * BLOCK_M
+    col0 = pid_n.to(tl.int64) * BLOCK_N
+    x_tile = x_ptr + row0 * stride_xm
+    w_tile = w_ptr + col0 * stride_wn
+    row_ok = tl.arange(0, BLOCK_M) < M - row0
+    col_ok = tl.arange(0, BLOCK_N) < N - col0
+    k0 = pid_s * (SEGMENTS_PER_PROGRAM * SEG_LEN)
+    acc = _segment_sum(x_tile, w_tile, row_ok, col_ok, stride_xm, stride_wn, k0,
                        SEG_LEN, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
     if SEGMENTS_PER_PROGRAM >= 2:  # s0 + s1
-        acc = acc + _segment_sum(x_ptr, w_ptr, rows, cols, row_ok, col_ok, stride_xm, stride_wn,
+        acc = acc + _segment_sum(x_tile, w_tile, row_ok, col_ok, stride_xm, stride_wn,
                                  k0 + SEG_LEN, SEG_LEN, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
     if SEGMENTS_PER_PROGRAM >= 4:  # (s0 + s1) + (s2 + s3)
-        right = _segment_sum(x_ptr, w_ptr, rows, cols, row_ok, col_ok, stride_xm, stride_wn,
+        right = _segment_sum(x_tile, w_tile, row_ok, col_ok, stride_xm, stride_wn,
                              k0 + 2 * SEG_LEN, SEG_LEN, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
-        right = right + _segment_sum(x_ptr, w_ptr, rows, cols, row_ok, col_ok, stride_xm, stride_wn,
+        right = right + _segment_sum(x_tile, w_tile, row_ok, col_ok, stride_xm, stride_wn,
                                      k0 + 3 * SEG_LEN, SEG_LEN, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
         acc = acc + right
     if SEGMENTS_PER_PROGRAM >= 8:  # ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
-        left = _segment_sum(x_ptr, w_ptr, rows, cols, row_ok, col_ok, stride_xm, stride_wn,
+        left = _segment_sum(x_tile, w_tile, row_ok, col_ok, stride_xm, stride_wn,
                             k0 + 4 * SEG_LEN, SEG_LEN, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
-        left = left + _segment_sum(x_ptr, w_ptr, rows, cols, row_ok, col_ok, stride_xm, stride_wn,
+        left = left + _segment_sum(x_tile, w_tile, row_ok, col_ok, stride_xm, stride_wn,
                                    k0 + 5 * SEG_LEN, SEG_LEN, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
-        right = _segment_sum(x_ptr, w_ptr, rows, cols, row_ok, col_ok, stride_xm, stride_wn,
+        right = _segment_sum(x_tile, w_tile, row_ok, col_ok, stride_xm, stride_wn,
                              k0 + 6 * SEG_LEN, SEG_LEN, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
-        right = right + _segment_sum(x_ptr, w_ptr, rows, cols, row_ok, col_ok, stride_xm, stride_wn,
+        right = right + _segment_sum(x_tile, w_tile, row_ok, col_ok, stride_xm, stride_wn,
                                      k0 + 7 * SEG_LEN, SEG_LEN, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
         acc = acc + (left + right)
-    out = out_ptr + pid_s.to(tl.int64) * M * N + rows[:, None] * N + cols[None, :]
+    out_tile = out_ptr + (pid_s.to(tl.int64) * M + row0) * N + col0
+    out = out_tile + tl.arange(0, BLOCK_M)[:, None] * N + tl.arange(0, BLOCK_N)[None, :]
     tl.store(out, acc, mask=row_ok[:, None] & col_ok[None, :])
 
 
