@@ -94,8 +94,9 @@ def check_matches_reference(device: str, dtype: torch.dtype) -> None:
 
 def check_rows_invariant(device: str, dtype: torch.dtype) -> None:
     """X's row at position ``p`` has the same bits decoded alone, as row ``j`` of a 4-row
-    verification, inside a prefill chunk, in a batch beside longer neighbours, and with a
-    page table padded far past what X reads (more splits launched)."""
+    verification, inside a prefill chunk (launched at once or a row at a time), in a batch
+    beside longer neighbours, and with a page table padded far past what X reads (more splits
+    launched)."""
     c = Cache(device, dtype)
     q = c.x_queries
     other = c.other_table
@@ -109,9 +110,20 @@ def check_rows_invariant(device: str, dtype: torch.dtype) -> None:
             "batch": c.run([(other, 2 * split + 40, q[:3]), (c.x_table, p, q[p : p + 1]),
                             (other, 10, q[:2])])[3],
             "padded pages": c.run([(c.x_table, p, q[p : p + 1])], kv_pages=len(c.x_table) + 40)[0],
+            "chunk, one row a launch": _one_row_per_launch(
+                lambda: c.run([(c.x_table, p // 3, q[p // 3 : p + 1])])[p - p // 3]),
         }
         for name, got in views.items():
             assert torch.equal(_bits(got), _bits(alone)), f"position {p}: {name} differs from decoding alone"
+
+
+def _one_row_per_launch(fn):
+    saved = kernels.PARTIALS_BYTES
+    kernels.PARTIALS_BYTES = 1
+    try:
+        return fn()
+    finally:
+        kernels.PARTIALS_BYTES = saved
 
 
 def run_all(device: str, dtypes: list[torch.dtype]) -> None:

@@ -41,6 +41,7 @@ import triton.language as tl
 SPLIT_SIZE = 512  # KV positions per split (fixed: a row's tree of splits depends on it)
 BLOCK_N = 64  # KV positions per tl.dot inside a split (SPLIT_SIZE is a multiple)
 NUM_WARPS = 4
+PARTIALS_BYTES = 1 << 28  # float32 split partials one launch may hold; more rows launch in chunks
 _LOG2E = 1.4426950408889634
 _MIN_DOT = 16  # tl.dot's smallest M, N and K
 
@@ -172,7 +173,9 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
 
     Returns ``[N, H, head_dim]`` in ``q``'s dtype: row ``t`` is a function of ``q[t]`` and the keys
     and values at positions ``[0, tok_visible[t])`` of its sequence only (bit for bit, on one GPU
-    model and build). Launch sizes come from ``N`` and ``kv_pages`` only: no host sync.
+    model and build). Launch sizes come from ``N`` and ``kv_pages`` only: no host sync. Rows are
+    launched in chunks whose split partials fit ``PARTIALS_BYTES`` (each row's programs are the
+    same in any chunk).
     """
     n, num_heads, head_dim = q.shape
     _, page_size, kv_heads, _ = k_pages.shape
@@ -188,17 +191,22 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     group_pad = _pow2_at_least(group, _MIN_DOT)
     head_pad = _pow2_at_least(head_dim, _MIN_DOT)
     num_splits = triton.cdiv(page_table.shape[1] * page_size, SPLIT_SIZE)
+    rows_per_launch = max(1, min(n, PARTIALS_BYTES // (4 * num_heads * num_splits * (head_pad + 2))))
     f32 = torch.float32
-    part_acc = torch.empty(n * num_heads * num_splits * head_pad, dtype=f32, device=q.device)
-    part_m = torch.empty(n * num_heads * num_splits, dtype=f32, device=q.device)
+    part_acc = torch.empty(rows_per_launch * num_heads * num_splits * head_pad, dtype=f32, device=q.device)
+    part_m = torch.empty(rows_per_launch * num_heads * num_splits, dtype=f32, device=q.device)
     part_l = torch.empty_like(part_m)
     consts = dict(GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_PAD=head_pad, SPLIT=SPLIT_SIZE)
-    _split_kernel[(n, kv_heads, num_splits)](
-        q, k_pages, v_pages, page_table, tok_seq, tok_visible, part_acc, part_m, part_l, scale * _LOG2E, num_heads,
-        num_splits, page_size, q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
-        v_pages.stride(0), v_pages.stride(1), v_pages.stride(2), page_table.stride(0),
-        BLOCK=BLOCK_N, IEEE=q.dtype == f32, num_warps=NUM_WARPS, **consts)
-    _combine_kernel[(n, kv_heads)](part_acc, part_m, part_l, tok_visible, out, num_heads, num_splits, out.stride(0),
-                                   out.stride(1), num_warps=NUM_WARPS, **consts)
+    for start in range(0, n, rows_per_launch):
+        rows = slice(start, min(n, start + rows_per_launch))
+        q_rows, seq_rows, visible_rows, out_rows = q[rows], tok_seq[rows], tok_visible[rows], out[rows]
+        count = q_rows.shape[0]
+        _split_kernel[(count, kv_heads, num_splits)](
+            q_rows, k_pages, v_pages, page_table, seq_rows, visible_rows, part_acc, part_m, part_l, scale * _LOG2E,
+            num_heads, num_splits, page_size, q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1),
+            k_pages.stride(2), v_pages.stride(0), v_pages.stride(1), v_pages.stride(2), page_table.stride(0),
+            BLOCK=BLOCK_N, IEEE=q.dtype == f32, num_warps=NUM_WARPS, **consts)
+        _combine_kernel[(count, kv_heads)](part_acc, part_m, part_l, visible_rows, out_rows, num_heads, num_splits,
+                                           out.stride(0), out.stride(1), num_warps=NUM_WARPS, **consts)
     return out
 
