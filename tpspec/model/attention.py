@@ -134,8 +134,8 @@ class DeterministicPagedAttention:
     sequence or the pages the step reads.
 
     On CUDA with Triton: :func:`deterministic_attention_cuda.paged_attention` (fixed splits of
-    the KV axis by absolute position, merged by a fixed tree over splits; two launches sized
-    by the metadata, so ``supports_graphs`` is ``True``). Elsewhere (CPU, or CUDA without
+    the KV axis by absolute position, merged by a fixed tree over splits; launches sized by
+    the metadata, no host sync, so ``supports_graphs`` is ``True``). Elsewhere (CPU, or CUDA without
     Triton): each sequence alone by :func:`det.attend_sequence` over the cache rows its pages
     hold, a loop on the host (``supports_graphs`` is ``False``). The two paths' bits differ;
     each is invariant on its own."""
