@@ -398,6 +398,8 @@ class Engine:
             self.graphs = None
         if self.exchange is not None:
             self.exchange.close()
+        for model in self.paged_models:  # the pages go now, not when a reference cycle is collected
+            model.caches = []
 
     # ------------------------------------------------------------------ scheduling
     def _new_seq(self, req: Request, index: int, owner: int) -> _Seq:

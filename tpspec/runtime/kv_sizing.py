@@ -15,6 +15,7 @@ which depend on it, agree everywhere.
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -100,6 +101,9 @@ def _gpu_bytes_for_pages(config: Any, models: list[Any], util: float, device: to
     torch holds after one profiled step (weights + activations) and a graph reserve equal to
     the activations."""
     torch.cuda.synchronize(device)
+    # An engine this process made before (closed, or dropped but still in a reference cycle) must not
+    # count as this one's memory.
+    gc.collect()
     torch.cuda.empty_cache()
     before = torch.cuda.memory_reserved(device)
     torch.cuda.reset_peak_memory_stats(device)
