@@ -65,9 +65,12 @@ def plan_kv_cache(config: Any, models: list[Any], group: Any, device: torch.devi
         source = f"kv_cache_bytes={config.kv_cache_bytes}"
     elif device.type == "cuda":
         util = config.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
-        free = _gpu_bytes_for_pages(config, models, util, device)
+        free, detail = _gpu_bytes_for_pages(config, models, util, device)
+        if free < page_bytes:
+            raise ValueError(f"gpu_memory_utilization={util:g} leaves no room for a KV page of {page_bytes} bytes "
+                             f"({detail}); raise gpu_memory_utilization, free the GPU or give kv_cache_bytes")
         pages = plan_num_pages(page_bytes=page_bytes, free_bytes=free) - scratch
-        source = f"gpu_memory_utilization={util:g} ({free / 2**30:.2f} GiB left for pages)"
+        source = f"gpu_memory_utilization={util:g} ({free / 2**30:.2f} GiB left for pages: {detail})"
     else:
         pages = config.max_batch_size * pages_needed(config.max_seq_len - 1 + k, page_size)
         source = f"max_batch_size={config.max_batch_size} requests of max_seq_len={config.max_seq_len}"
@@ -96,10 +99,11 @@ def _ranks_per_gpu(config: Any) -> int:
 
 
 @torch.inference_mode()
-def _gpu_bytes_for_pages(config: Any, models: list[Any], util: float, device: torch.device) -> int:
+def _gpu_bytes_for_pages(config: Any, models: list[Any], util: float, device: torch.device) -> tuple[int, str]:
     """Bytes this rank may give to pages: its share of ``util`` of the GPU, less the memory
     torch holds after one profiled step (weights + activations) and a graph reserve equal to
-    the activations."""
+    the activations, and at most what the device has free; with the figures behind it, for the
+    start-up summary and errors."""
     torch.cuda.synchronize(device)
     # An engine this process made before (closed, or dropped but still in a reference cycle) must not
     # count as this one's memory.
@@ -117,8 +121,12 @@ def _gpu_bytes_for_pages(config: Any, models: list[Any], util: float, device: to
     activations = max(0, peak - before)
     free, total = torch.cuda.mem_get_info(device)
     share = util * total / _ranks_per_gpu(config)
-    budget = share - peak - (activations if config.use_cuda_graphs else 0)
-    return int(max(0, min(budget, free - FREE_MEMORY_HEADROOM)))
+    reserve = activations if config.use_cuda_graphs else 0
+    budget = share - peak - reserve
+    gib = 2**30
+    detail = (f"share {share / gib:.2f} GiB of {total / gib:.2f}, held by this process {peak / gib:.2f} GiB, "
+              f"graph reserve {reserve / gib:.2f} GiB, free on the device {free / gib:.2f} GiB")
+    return int(max(0, min(budget, free - FREE_MEMORY_HEADROOM))), detail
 
 
 def _profile_step(model: Any, config: Any) -> None:
