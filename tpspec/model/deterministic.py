@@ -41,7 +41,8 @@ linear and LM head) runs the segment GEMM of :mod:`tpspec.model.deterministic_cu
 forming the products: the contraction is cut into ``min(8, S)`` wide segments, each summed by
 the GEMM's fixed K loop, then the same adjacent-pairs tree over segments and ranks. Its bits are
 the GPU's own (equal across batches, speculation and TP sizes; not equal to the CPU's). Norms
-and attention run the plain-torch trees on CUDA too (correct, not fast).
+run the plain-torch trees on CUDA too; attention on CUDA is the Triton kernels of
+:mod:`tpspec.model.deterministic_attention_cuda` (chosen by ``DeterministicPagedAttention``).
 """
 
 from __future__ import annotations
