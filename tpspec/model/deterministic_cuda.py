@@ -8,10 +8,9 @@ by one Triton kernel whose K loop walks the segment in one fixed order: fixed
 autotuning, the tail of a segment that is not a multiple of ``BLOCK_K`` masked to zeros. An output element is therefore accumulated by the same
 instructions over the same columns whatever the number of rows ``M``, the row's place in
 its tile, the number of output columns, which rank holds the segment or how many segments
-one launch covers. The segments of a rank are then summed by the adjacent-pairs tree
-(inside the kernel when a program covers several of them, else by elementwise float32 adds
-in torch: both are the same correctly rounded additions in the same order), and the ranks'
-partials by the top of the same tree (:func:`tpspec.model.deterministic.tree_sum_ranks`).
+one launch covers. The segments of a rank are then summed by the adjacent-pairs tree in
+torch (elementwise float32 adds), and the ranks' partials by the top of the same tree
+(:func:`tpspec.model.deterministic.tree_sum_ranks`).
 
 Why our own kernel: the batch-invariant matmuls of Thinking Machines' ``batch_invariant_ops``
 (which vLLM and SGLang ship in their batch-invariant modes) fix the reduction order of the
@@ -34,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_LOCAL_SEGMENTS = 8  # segments one launch covers at most (the kernel's tree is written out up to 8)
+MAX_LOCAL_SEGMENTS = 8  # segments of one rank (the wide segments of a contraction, at TP = 1)
 
 # Fixed launch constants: they never depend on M, N, K or the number of segments (changing
 # any of them changes the bits, equally everywhere).
@@ -43,10 +42,6 @@ BLOCK_N = 64
 BLOCK_K = 64
 NUM_WARPS = 8
 NUM_STAGES = 3
-# A launch sums all of a rank's segments in each program when it has at least this many
-# (M, N) tiles (enough programs to fill the GPU); otherwise one program per segment and the
-# segment tree runs in torch. Either way the same additions in the same order.
-SUM_IN_KERNEL_TILES = 128
 
 
 @triton.jit
@@ -75,11 +70,14 @@ def _segment_sum(x_tile, w_tile, row_ok, col_ok, stride_xm, stride_wn, k0, SEG_L
 
 @triton.jit(do_not_specialize=["M", "N"])
 def _segment_gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, stride_xm, stride_wn, SEG_LEN: tl.constexpr,
-                         SEGMENTS_PER_PROGRAM: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Program ``(i, j, p)``: rows tile ``i``, columns tile ``j``, segments
-    ``p * S .. p * S + S - 1`` (``S = SEGMENTS_PER_PROGRAM``: 1, 2, 4 or 8) summed by the
-    adjacent-pairs tree into ``out[p, rows, cols]`` (``out [G_local / S, M, N]`` float32)."""
+                         IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program ``(i, j, s)``: rows tile ``i``, columns tile ``j``, segment ``s``, its sum written to
+    ``out[s, rows, cols]`` (``out [G_local, M, N]`` float32).
+
+    One segment a program, never two: adding a second segment's sum to the first inside the
+    kernel lets the compiler fold the addition into that segment's first tile product (the
+    product then starts from the first sum instead of from zero), which rounds differently from
+    the adjacent-pairs tree; the segments are therefore added outside, in torch."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -91,28 +89,9 @@ def _segment_gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, stride_xm, stride_wn, SEG_
     w_tile = w_ptr + col0 * stride_wn
     row_ok = tl.arange(0, BLOCK_M) < M - row0
     col_ok = tl.arange(0, BLOCK_N) < N - col0
-    k0 = pid_s * (SEGMENTS_PER_PROGRAM * SEG_LEN)
+    k0 = pid_s * SEG_LEN
     acc = _segment_sum(x_tile, w_tile, row_ok, col_ok, stride_xm, stride_wn, k0,
                        SEG_LEN, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
-    if SEGMENTS_PER_PROGRAM >= 2:  # s0 + s1
-        acc = acc + _segment_sum(x_tile, w_tile, row_ok, col_ok, stride_xm, stride_wn,
-                                 k0 + SEG_LEN, SEG_LEN, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
-    if SEGMENTS_PER_PROGRAM >= 4:  # (s0 + s1) + (s2 + s3)
-        right = _segment_sum(x_tile, w_tile, row_ok, col_ok, stride_xm, stride_wn,
-                             k0 + 2 * SEG_LEN, SEG_LEN, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
-        right = right + _segment_sum(x_tile, w_tile, row_ok, col_ok, stride_xm, stride_wn,
-                                     k0 + 3 * SEG_LEN, SEG_LEN, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
-        acc = acc + right
-    if SEGMENTS_PER_PROGRAM >= 8:  # ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
-        left = _segment_sum(x_tile, w_tile, row_ok, col_ok, stride_xm, stride_wn,
-                            k0 + 4 * SEG_LEN, SEG_LEN, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
-        left = left + _segment_sum(x_tile, w_tile, row_ok, col_ok, stride_xm, stride_wn,
-                                   k0 + 5 * SEG_LEN, SEG_LEN, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
-        right = _segment_sum(x_tile, w_tile, row_ok, col_ok, stride_xm, stride_wn,
-                             k0 + 6 * SEG_LEN, SEG_LEN, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
-        right = right + _segment_sum(x_tile, w_tile, row_ok, col_ok, stride_xm, stride_wn,
-                                     k0 + 7 * SEG_LEN, SEG_LEN, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
-        acc = acc + (left + right)
     out_tile = out_ptr + (pid_s.to(tl.int64) * M + row0) * N + col0
     out = out_tile + tl.arange(0, BLOCK_M)[:, None] * N + tl.arange(0, BLOCK_N)[None, :]
     tl.store(out, acc, mask=row_ok[:, None] & col_ok[None, :])
@@ -140,43 +119,32 @@ def _operands(x: torch.Tensor, weight: torch.Tensor, seg_len: int) -> tuple[torc
     return x, weight, local
 
 
-def segment_sums(x: torch.Tensor, weight: torch.Tensor, seg_len: int, *, segments_per_program: int = 1) -> torch.Tensor:
-    """One launch: ``[local // segments_per_program, M, N]`` float32, entry ``p`` the
-    adjacent-pairs tree over segments ``p * S .. p * S + S - 1`` of the segment sums.
+def segment_sums(x: torch.Tensor, weight: torch.Tensor, seg_len: int) -> torch.Tensor:
+    """One launch: ``[local, M, N]`` float32, entry ``s`` the sum of segment ``s``.
 
     ``x [M, K_local]`` and ``weight [N, K_local]`` (float16, bfloat16 or float32; mixed dtypes
     are both taken to float32) on one CUDA device (or CPU tensors under
     ``TRITON_INTERPRET=1``); ``K_local = local * seg_len`` with ``local`` a power of two up to
     ``MAX_LOCAL_SEGMENTS``: this rank's whole segments, segment ``s`` being columns
-    ``s * seg_len .. (s + 1) * seg_len - 1``. ``segments_per_program`` (``S``): a power of
-    two dividing ``local``. Each element depends only on its row of ``x``, its row of
-    ``weight`` and ``seg_len`` (one compiled kernel per ``seg_len``, dtype and ``S``).
+    ``s * seg_len .. (s + 1) * seg_len - 1``. Each element depends only on its row of ``x``,
+    its row of ``weight`` and ``seg_len`` (one compiled kernel per ``seg_len`` and dtype).
     """
     x, weight, local = _operands(x, weight, seg_len)
-    per = segments_per_program
-    if per < 1 or per & (per - 1) or local % per:
-        raise ValueError(f"segments_per_program must be a power of two dividing {local}, got {per}")
     m, n = x.shape[0], weight.shape[0]
-    out = torch.empty(local // per, m, n, dtype=torch.float32, device=x.device)
+    out = torch.empty(local, m, n, dtype=torch.float32, device=x.device)
     if m == 0 or n == 0:
         return out
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N), local // per)
+    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N), local)
     _segment_gemm_kernel[grid](x, weight, out, m, n, x.stride(0), weight.stride(0), SEG_LEN=seg_len,
-                               SEGMENTS_PER_PROGRAM=per, IEEE=x.dtype == torch.float32, BLOCK_M=BLOCK_M,
-                               BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+                               IEEE=x.dtype == torch.float32, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+                               num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return out
 
 
 def segment_partial(x: torch.Tensor, weight: torch.Tensor, seg_len: int) -> torch.Tensor:
     """``[M, N]`` float32: this rank's subtree of the contraction, the adjacent-pairs tree over
-    its segment sums (:func:`segment_sums`; shapes and dtypes as there). The result does not
-    depend on which of the two equal ways of summing the segments is taken (the launch sums
-    them in each program when it has enough tiles to fill the GPU, else torch adds one
-    launch's per-segment sums)."""
-    local = x.shape[1] // seg_len if seg_len > 0 else 0
-    tiles = triton.cdiv(x.shape[0], BLOCK_M) * triton.cdiv(weight.shape[0], BLOCK_N)
-    per = local if tiles >= SUM_IN_KERNEL_TILES else 1
-    sums = segment_sums(x, weight, seg_len, segments_per_program=max(per, 1))
+    its segment sums (:func:`segment_sums`; shapes and dtypes as there), added in torch."""
+    sums = segment_sums(x, weight, seg_len)
     while sums.shape[0] > 1:  # adjacent pairs: elementwise float32 adds, fixed order
         sums = sums[0::2] + sums[1::2]
     return sums[0]
