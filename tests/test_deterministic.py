@@ -242,6 +242,19 @@ def test_tp_size_must_be_a_power_of_two():
         det.check_contraction_split("k", 96, 3)
 
 
+def test_tp_size_must_divide_the_wide_segments():
+    """At most 8 wide segments (the CUDA segment GEMM's): TP 16 is refused on every device even
+    where the CPU tree alone would split, so a layout valid on one device is valid on the other;
+    CPU contractions never take the CUDA path."""
+    assert [det.Contraction.of(k).wide_segments for k in (4096, 96, 12, 7)] == [8, 8, 4, 1]
+    det.check_contraction_split("k", 4096, 8)
+    with pytest.raises(ValueError, match="8 wide segment"):
+        det.check_contraction_split("k", 4096, 16)
+    with pytest.raises(ValueError, match="4 wide segment"):
+        det.check_contraction_split("k", 12, 8)
+    assert det.segment_gemm(torch.device("cpu")) is None
+
+
 def test_portable_exp_is_accurate_and_position_free():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(5000, generator=gen) * 20
@@ -386,8 +399,8 @@ def test_embedding_turns_negative_zero_positive_at_every_tp():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_deterministic_on_cuda(dtype):
-    """On CUDA (the same fixed-order code): every scenario's logits equal the request's alone,
-    in float32 and bfloat16 (products of bf16 inputs are exact in float32)."""
+    """On CUDA (the segment GEMM where triton imports, else the element tree): every
+    scenario's logits equal the request's alone, in float32 and bfloat16."""
     model = load_model(tiny_model_path(), device="cuda", dtype=dtype, deterministic=True)
     allocate_slots(model)
     res = run_scenarios(model)

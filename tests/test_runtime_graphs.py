@@ -102,3 +102,27 @@ def test_a_capture_failure_anywhere_sends_every_rank_eager_but_a_warmup_failure_
     assert captured is None and error is None and votes == [0, 1]
     captured, error = _capture_protocol(None, peers_vote=1, votes=votes)
     assert captured == "graph" and error is None and votes == [0, 1, 1]
+
+
+def test_graphs_follow_the_attention_backends_ability(monkeypatch):
+    """Whether steps are graphed depends on the target's attention backend (its
+    ``supports_graphs``), not on the mode: the deterministic backend's host loop is refused,
+    a backend that declares it can be captured is not."""
+    from types import SimpleNamespace
+
+    from tpspec.model.attention import DeterministicPagedAttention, TorchPagedAttention
+    from tpspec.runtime.cuda_graphs import graphs_unavailable_reason
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the decision past the device check
+    kw = dict(num_heads=4, num_kv_heads=2, head_dim=8, scale=0.5, dtype=torch.float32, device=torch.device("cpu"))
+
+    def reason(attention):
+        model = SimpleNamespace(attention=attention)
+        return graphs_unavailable_reason(SimpleNamespace(device=torch.device("cuda", 0), dp_size=1, eagle3=None,
+                                                         group=None, model=model))
+
+    assert reason(TorchPagedAttention(**kw)) is None
+    det = DeterministicPagedAttention(**kw)  # on CPU: the host loop
+    assert "'deterministic' attention" in reason(det)
+    monkeypatch.setattr(det, "supports_graphs", True, raising=False)  # a backend whose attend can be captured
+    assert reason(det) is None

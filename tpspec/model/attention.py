@@ -7,7 +7,8 @@ the fixed-order path (:class:`DeterministicPagedAttention`). All treat grouped-q
 heads without copying keys or values per query head, and all give token ``i`` of a
 sequence the keys ``[0, cache_len + i]``.
 
-A backend is used in two steps: ``plan(meta)`` once per step (host work: FlashInfer's
+A backend says whether its ``attend`` can be captured in a CUDA graph (``supports_graphs``)
+and is used in two steps: ``plan(meta)`` once per step (host work: FlashInfer's
 schedule; nothing for torch) and ``bind(meta)``, once per forward, returning
 ``attend(q, pages) -> out`` that every layer calls. Under a CUDA graph the plan happens
 before capture and before every replay, ``bind`` and ``attend`` inside the graph.
@@ -79,6 +80,7 @@ class TorchPagedAttention:
     ``group * q_max`` rows against that head's keys, so keys and values are never repeated."""
 
     name = "torch"
+    supports_graphs = True
 
     def __init__(self, *, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -114,26 +116,50 @@ class TorchPagedAttention:
         return out[0] if b == 1 else out[meta.tok_seq, meta.tok_qi]
 
 
+def _deterministic_cuda_kernels(device: torch.device | str) -> Any:
+    """The Triton module of deterministic attention when ``device`` is CUDA and ``triton``
+    imports, else ``None`` (a CPU run never imports Triton)."""
+    if torch.device(device).type != "cuda" or importlib.util.find_spec("triton") is None:
+        return None
+    try:
+        from . import deterministic_attention_cuda
+    except ImportError:
+        return None
+    return deterministic_attention_cuda
+
+
 class DeterministicPagedAttention:
-    """Deterministic mode: each sequence alone, by :func:`det.attend_sequence` over the cache
-    rows its pages hold (a per-sequence loop on the host: no CUDA graphs). Every query row's
-    result depends only on that row and the keys/values it sees, in a fixed order."""
+    """Deterministic mode: every query row's result depends only on that row and the
+    keys/values it sees, in a fixed order, whatever the batch, the number of query rows of its
+    sequence or the pages the step reads.
+
+    On CUDA with Triton: :func:`deterministic_attention_cuda.paged_attention` (fixed splits of
+    the KV axis by absolute position, merged by a fixed tree over splits; launches sized by
+    the metadata, no host sync, so ``supports_graphs`` is ``True``). Elsewhere (CPU, or CUDA without
+    Triton): each sequence alone by :func:`det.attend_sequence` over the cache rows its pages
+    hold, a loop on the host (``supports_graphs`` is ``False``). The two paths' bits differ;
+    each is invariant on its own."""
 
     name = "deterministic"
 
     def __init__(self, *, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, dtype: torch.dtype,
                  device: torch.device) -> None:
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.cuda_kernels = _deterministic_cuda_kernels(device)
+        self.supports_graphs = self.cuda_kernels is not None
 
     def plan(self, meta: AttentionMetadata, *, graph: bool = False) -> None:
-        """Nothing to plan; a CUDA graph cannot hold the host loop over sequences."""
-        if graph:
-            raise RuntimeError("deterministic attention does not run under CUDA graphs")
+        """Nothing to plan; ``graph`` needs the CUDA path (a graph cannot hold the host loop)."""
+        if graph and not self.supports_graphs:
+            raise RuntimeError("deterministic attention runs under CUDA graphs only on CUDA with triton installed")
 
     def bind(self, meta: AttentionMetadata) -> AttendFn:
         return lambda q, pages: self._attend(q, pages, meta)
 
     def _attend(self, q: torch.Tensor, pages: KVPages, meta: AttentionMetadata) -> torch.Tensor:
+        if q.is_cuda and self.cuda_kernels is not None:
+            return self.cuda_kernels.paged_attention(q, pages.k, pages.v, meta.page_table, meta.tok_seq,
+                                                     meta.tok_visible, self.scale)
         out = torch.empty_like(q)
         page_size, kvh, hd = meta.page_size, self.num_kv_heads, self.head_dim
         flat_k, flat_v = pages.k.view(-1, kvh, hd), pages.v.view(-1, kvh, hd)
@@ -156,6 +182,7 @@ class FlashInferPagedAttention:
     planned before every replay."""
 
     name = "flashinfer"
+    supports_graphs = True
 
     def __init__(self, *, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, dtype: torch.dtype,
                  device: torch.device) -> None:

@@ -143,7 +143,8 @@ class AttentionMetadata:
     Reads: sequence ``b`` reads pages ``page_table[b, :]`` (``[B, kv_pages]``, only the pages
     its ``kv_lens[b]`` tokens occupy, padded with page 0 up to the batch's longest; a CUDA
     graph passes a fixed, bucketed ``kv_pages``). Token ``t`` is query row
-    ``(tok_seq[t], tok_qi[t])`` of the padded ``[B, q_max]`` layout; ``mask[b, 0, i, j]`` allows
+    ``(tok_seq[t], tok_qi[t])`` of the padded ``[B, q_max]`` layout and sees the cache's first
+    ``tok_visible[t] = cache_lens[b] + i + 1`` positions; ``mask[b, 0, i, j]`` allows
     key ``j`` (of the ``kv_pages * page_size`` gathered rows) iff ``j <= cache_lens[b] + i``.
     ``qo_indptr``/``kv_indptr``/``kv_indices``/``kv_last_page_len`` are the same pages in the
     compressed-row form paged attention kernels take (int32; ``kv_indices`` on ``device``, the
@@ -158,6 +159,7 @@ class AttentionMetadata:
     write_index: torch.Tensor  # [N] int64
     tok_seq: torch.Tensor  # [N] int64
     tok_qi: torch.Tensor  # [N] int64
+    tok_visible: torch.Tensor  # [N] int64
     page_table: torch.Tensor  # [B, kv_pages] int64
     mask: torch.Tensor  # [B, 1, q_max, kv_pages * page_size] bool
     qo_indptr: torch.Tensor  # [B + 1] int32
@@ -200,6 +202,7 @@ class AttentionMetadata:
                              dtype=torch.int64).view(b, kv_pages)
         tok_seq = [i for i, q in enumerate(qlens) for _ in range(q)]
         tok_qi = [j for q in qlens for j in range(q)]
+        tok_visible = [c + j + 1 for c, q in zip(clens, qlens) for j in range(q)]
         write_index = [t[(c + j) // page_size] * page_size + (c + j) % page_size
                        for t, c, q in zip(tables, clens, qlens) for j in range(q)]
         q_max = max(qlens, default=0)
@@ -220,6 +223,7 @@ class AttentionMetadata:
             write_index=torch.tensor(write_index, dtype=i64).to(device),
             tok_seq=torch.tensor(tok_seq, dtype=i64).to(device),
             tok_qi=torch.tensor(tok_qi, dtype=i64).to(device),
+            tok_visible=torch.tensor(tok_visible, dtype=i64).to(device),
             page_table=table.to(device),
             mask=mask[:, None],
             qo_indptr=torch.tensor([0, *itertools.accumulate(qlens)], dtype=torch.int32),
@@ -238,7 +242,7 @@ class AttentionMetadata:
         for name in ("num_tokens", "num_seqs", "page_size", "q_max", "kv_pages"):
             if getattr(self, name) != getattr(other, name):
                 raise ValueError(f"metadata shapes differ: {name} {getattr(self, name)} != {getattr(other, name)}")
-        for name in ("write_index", "tok_seq", "tok_qi", "page_table", "mask"):
+        for name in ("write_index", "tok_seq", "tok_qi", "tok_visible", "page_table", "mask"):
             getattr(self, name).copy_(getattr(other, name), non_blocking=True)
         for name in ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len", "kv_lens", "query_lens"):
             setattr(self, name, getattr(other, name))

@@ -15,8 +15,9 @@ cache, bit for bit:
   the binary tree of adjacent pairs. A TP rank of a row-parallel layer holds ``S / tp`` whole
   segments — an aligned subtree — so it sums its subtree, the ranks all-gather those partials
   and sum them by the top of the same tree (:func:`tree_sum_ranks`; never an all-reduce).
-  TP 1, 2, 4, ... give the same bits; a TP size that is not a power of two dividing ``S``
-  raises ``ValueError`` (:func:`check_contraction_split`).
+  TP 1, 2, 4, 8 give the same bits; a TP size that is not a power of two dividing
+  ``min(8, S)`` raises ``ValueError`` (:func:`check_contraction_split`; the bound is the CUDA
+  path's, below, and holds on every device so a layout valid on one is valid on the other).
 * **Attention** runs per sequence and per query row: scores by the tree over ``head_dim``,
   the max over the visible keys (exact), ``exp`` by :func:`portable_exp` (basic IEEE
   operations only), and the softmax denominator and the weighted sum of values by the tree
@@ -26,15 +27,22 @@ cache, bit for bit:
 * **Elementwise functions** whose CPU kernels differ between their vectorized body and the
   scalar tail (so an element's result could depend on the tensor's size): ``exp`` (softmax,
   SiLU) is :func:`portable_exp`; rotary ``cos``/``sin`` are computed per fixed block of
-  positions (:func:`rotary_cos_sin`), so a position's angles always meet the same kernel call.
+  positions on CPU (:func:`rotary_cos_sin`), so a position's angles always meet the same
+  kernel call (CUDA's elementwise kernels need no such care).
 
 Memory per call stays bounded: products are formed in blocks of rows and columns, and
 attention's in aligned power-of-two chunks of KV positions (``BLOCK_ELEMENTS`` at most,
 ``CUDA_BLOCK_ELEMENTS`` on CUDA; one attention row still holds its ``[kv_heads, n]``
 scores); blocking never changes an element's tree.
 
-Every function here is plain torch and runs on CPU and CUDA alike (on CUDA it is correct but
-not fast: it forms the products explicitly).
+Every function here is plain torch and runs on CPU and CUDA alike. One exception, by one rule
+(:func:`segment_gemm`): on CUDA with ``triton`` importable, :class:`FixedOrderMatmul` (every
+linear and LM head) runs the segment GEMM of :mod:`tpspec.model.deterministic_cuda` instead of
+forming the products: the contraction is cut into ``min(8, S)`` wide segments, each summed by
+the GEMM's fixed K loop, then the same adjacent-pairs tree over segments and ranks. Its bits are
+the GPU's own (equal across batches, speculation and TP sizes; not equal to the CPU's). Norms
+run the plain-torch trees on CUDA too; attention on CUDA is the Triton kernels of
+:mod:`tpspec.model.deterministic_attention_cuda` (chosen by ``DeterministicPagedAttention``).
 """
 
 from __future__ import annotations
@@ -54,7 +62,8 @@ CUDA_BLOCK_ELEMENTS = 1 << 24  # on CUDA (64 MiB): few enough launches to keep t
 
 def _block(device: torch.device) -> int:
     return CUDA_BLOCK_ELEMENTS if device.type == "cuda" else BLOCK_ELEMENTS
-ROTARY_BLOCK = 64  # positions whose angles one cos/sin call computes
+ROTARY_BLOCK = 64  # positions whose angles one cos/sin call computes (CPU)
+MAX_WIDE_SEGMENTS = 8  # the CUDA segment GEMM's segments per contraction: TP up to 8 holds whole ones
 
 
 def _next_pow2(n: int) -> int:
@@ -93,6 +102,12 @@ class Contraction:
         seg_len = length // segments
         return cls(length, segments, seg_len, _next_pow2(seg_len))
 
+    @property
+    def wide_segments(self) -> int:
+        """The segments of the CUDA segment GEMM: ``min(MAX_WIDE_SEGMENTS, segments)``, each
+        ``length // wide_segments`` columns (a whole number of the CPU tree's segments)."""
+        return min(MAX_WIDE_SEGMENTS, self.segments)
+
     def local_leaves(self, tp_size: int) -> int:
         return self.segments // tp_size * self.seg_padded
 
@@ -117,14 +132,16 @@ def leaf_source(length: int, tp_size: int, device: torch.device) -> torch.Tensor
 
 def check_contraction_split(name: str, length: int, tp_size: int) -> None:
     """``ValueError`` unless a contraction of global ``length`` can be split over ``tp_size``
-    ranks in deterministic mode: ``tp_size`` a power of two dividing ``length``'s largest
-    power-of-two factor (each rank then holds whole segments of the tree)."""
+    ranks in deterministic mode on every device: ``tp_size`` a power of two dividing
+    :attr:`Contraction.wide_segments` (``min(8, largest power of two dividing length)``), so
+    each rank holds whole segments of the CPU tree and of the CUDA segment GEMM's alike."""
     if tp_size < 1 or tp_size & (tp_size - 1):
         raise ValueError(f"deterministic mode needs a power-of-two tp_size, got {tp_size}")
-    segments = Contraction.of(length).segments
+    segments = Contraction.of(length).wide_segments
     if segments % tp_size:
         raise ValueError(f"deterministic mode cannot split {name}={length} over tp_size={tp_size}: its "
-                         f"fixed-order tree has {segments} segment(s), a rank must hold whole ones")
+                         f"fixed-order tree has {segments} wide segment(s) (at most {MAX_WIDE_SEGMENTS}), "
+                         f"a rank must hold whole ones")
 
 
 def _halve(t: torch.Tensor) -> torch.Tensor:
@@ -142,14 +159,34 @@ def _gather_leaves(x: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
     return xf.index_select(1, source).t().contiguous()
 
 
+@functools.lru_cache(maxsize=None)
+def _import_segment_gemm() -> Any:
+    try:
+        from . import deterministic_cuda
+    except ImportError:  # no triton: the element tree everywhere
+        return None
+    return deterministic_cuda
+
+
+def segment_gemm(device: torch.device) -> Any:
+    """The one dispatch rule of deterministic contractions: on a CUDA ``device`` with
+    ``triton`` importable, the module :mod:`tpspec.model.deterministic_cuda` (the segment
+    GEMM); otherwise ``None`` (the element tree of :class:`FixedOrderMatmul`)."""
+    return _import_segment_gemm() if device.type == "cuda" else None
+
+
 class FixedOrderMatmul:
     """``x [M, K_local] @ W^T`` for a weight ``W [N, K_local]`` holding this rank's
     ``K_local = K / tp_size`` contraction columns (a column-parallel or head layer:
-    ``tp_size = 1``), every output element the tree sum of its float32 products.
+    ``tp_size = 1``) in deterministic order.
 
-    ``partial(x, weight)`` returns this rank's ``[M, N]`` float32 subtree sums. The weight is
-    laid out once per weight version (a float32 copy in leaf order, kept beside the parameter;
-    laid out again when the parameter is modified in place).
+    ``partial(x, weight)`` returns this rank's ``[M, N]`` float32 subtree sums, to be summed
+    over ranks by :func:`tree_sum_ranks`. Where :func:`segment_gemm` gives the CUDA segment
+    GEMM, the subtree is the adjacent-pairs tree over this rank's ``wide_segments / tp_size``
+    segments, each summed by the GEMM's fixed K loop (the weight used as it is). Otherwise every
+    output element is the tree sum of its float32 products; the weight is then laid out once
+    per weight version (a float32 copy in leaf order, kept beside the parameter; laid out again
+    when the parameter is modified in place).
     """
 
     def __init__(self, contraction: Contraction, tp_size: int) -> None:
@@ -166,6 +203,9 @@ class FixedOrderMatmul:
         return self._leaves
 
     def partial(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        gemm = segment_gemm(x.device)
+        if gemm is not None:
+            return gemm.segment_partial(x, weight, self.contraction.length // self.contraction.wide_segments)
         m, n = x.shape[0], weight.shape[0]
         out = torch.empty(m, n, dtype=torch.float32, device=x.device)
         if m == 0 or n == 0:
@@ -241,10 +281,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(cos, sin)`` ``[N, head_dim]`` of ``positions [N]``, the same values as the default
-    formula, but computed per block of ``ROTARY_BLOCK`` consecutive positions: every position's
-    angles always go through a cos/sin call of the same shape at the same place in it."""
+    """``(cos, sin)`` ``[N, head_dim]`` of ``positions [N]``, the values of the default formula,
+    each position's independent of the others. On CPU they are computed per block of
+    ``ROTARY_BLOCK`` consecutive positions: every position's angles always go through a
+    cos/sin call of the same shape at the same place in it."""
     device = positions.device
+    if device.type == "cuda":
+        # A CUDA elementwise kernel computes every element by the same device function whatever
+        # the tensor's size or the element's place (no vectorized body beside a scalar tail), so
+        # the plain formula is position-free here; it also needs no host sync (CUDA graphs).
+        angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+        emb = torch.cat((angles, angles), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
     if positions.numel() == 0:
         empty = torch.empty(0, 2 * inv_freq.shape[0], dtype=dtype, device=device)
         return empty, empty.clone()

@@ -289,6 +289,11 @@ def graphs_unavailable_reason(engine: Any) -> str | None:
     if D.group_size(engine.group) > 1 and backend != "nccl":
         # gloo moves CUDA tensors through the host: its collectives cannot be captured.
         return f"the TP group's collectives run on {backend}, which CUDA graphs cannot capture (NCCL can)"
+    attention = engine.model.attention
+    # Each attention backend declares whether its attend can be captured (the deterministic one's
+    # host loop over sequences cannot).
+    if not attention.supports_graphs:
+        return f"the {attention.name!r} attention backend cannot run under CUDA graphs here"
     return None
 
 

@@ -203,8 +203,7 @@ class Engine:
         self._running: list[_Seq] = []
         self._admitted = 0
         self.graphs = None
-        # Deterministic attention walks the sequences on the host: no CUDA graphs in that mode.
-        if self.device.type == "cuda" and config.use_cuda_graphs and not config.deterministic:
+        if self.device.type == "cuda" and config.use_cuda_graphs:
             from .cuda_graphs import GenerationGraphs
 
             self.graphs = GenerationGraphs.maybe_create(self)

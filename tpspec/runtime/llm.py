@@ -208,10 +208,11 @@ class LLM:
 
     ``deterministic``: run the model with fixed reduction orders (``docs/determinism.md``): a
     request's logits, hence its logprobs and tokens, are bit-identical alone or in any batch,
-    with or without speculation, and at every power-of-two TP size. Slower; no CUDA graphs, no
-    attention DP, ``attention_backend`` must stay ``"auto"``; a TP size that is not a power of
-    two, or that does not split the model's contractions along their fixed trees, raises
-    ``ValueError``.
+    with or without speculation, and at every power-of-two TP size up to 8. Slower (on CUDA
+    with ``triton`` the linears run a fixed-order segment GEMM); CUDA graphs only where its
+    attention backend can run under them; no attention DP, ``attention_backend`` must stay
+    ``"auto"``; a TP size that is not a power of two, or that does not split the model's
+    contractions along their fixed trees, raises ``ValueError``.
 
     Every argument is checked before a worker starts (``ValueError`` naming it). Use as a
     context manager or call :meth:`shutdown`. One ``LLM`` may be shared between threads:

@@ -1,0 +1,101 @@
+"""Deterministic mode's Triton attention: close to a float64 reference, and each query row's bits
+the same alone, in verification, in a prefill chunk, beside longer neighbours and with more
+splits launched. On CPU through Triton's interpreter (a subprocess sets ``TRITON_INTERPRET=1``
+before Triton is imported; skipped without ``triton``), on CUDA directly (``gpu`` marks).
+The checks live in ``det_attention_cases.py``."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tpspec.model.attention import DeterministicPagedAttention
+
+TESTS = Path(__file__).parent
+ROOT = TESTS.parent
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+
+
+def _interpret(*dtypes: str) -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(TESTS / "det_attention_cases.py"), *dtypes], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert all(f"torch.{d}: ok" in proc.stdout for d in dtypes), proc.stdout
+
+
+@needs_triton
+def test_interpreted_kernel_float32():
+    _interpret("float32")
+
+
+@needs_triton
+@pytest.mark.slow
+def test_interpreted_kernel_float16():
+    _interpret("float16")
+
+
+def test_cpu_backend_keeps_the_host_loop_and_refuses_graphs():
+    attn = DeterministicPagedAttention(num_heads=4, num_kv_heads=2, head_dim=8, scale=0.5, dtype=torch.float32,
+                                       device=torch.device("cpu"))
+    assert attn.cuda_kernels is None and attn.supports_graphs is False
+    with pytest.raises(RuntimeError, match="CUDA graphs"):
+        attn.plan(None, graph=True)
+
+
+@pytest.mark.gpu
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_cuda_kernel_matches_reference_and_rows_are_invariant(dtype):
+    import det_attention_cases as cases
+
+    cases.check_matches_reference("cuda", dtype)
+    cases.check_rows_invariant("cuda", dtype)
+
+
+@pytest.mark.gpu
+@needs_triton
+def test_cuda_backend_is_the_kernel_and_captures_in_a_graph():
+    """On CUDA the backend runs the Triton path; captured in a CUDA graph and replayed with the
+    next step's metadata copied in, it gives the bits of an eager run of that step."""
+    import det_attention_cases as cases
+    from tpspec.model.batch import AttentionMetadata, ForwardBatch
+    from tpspec.model.kv_cache import KVPages
+
+    attn = DeterministicPagedAttention(num_heads=cases.HEADS, num_kv_heads=cases.KV_HEADS, head_dim=cases.HEAD_DIM,
+                                       scale=cases.SCALE, dtype=torch.bfloat16, device=torch.device("cuda"))
+    assert attn.supports_graphs
+    c = cases.Cache("cuda", torch.bfloat16)
+    pages = KVPages(1, 1, 1, 1, dtype=torch.bfloat16, device="cuda")
+    pages.k, pages.v = c.k, c.v
+
+    def meta_of(cache_lens: list[int]) -> AttentionMetadata:
+        tables = [c.x_table, c.other_table]
+        batch = ForwardBatch(token_ids=torch.zeros(8, dtype=torch.int64), positions=torch.zeros(8, dtype=torch.int64),
+                             block_tables=tables, cache_lens=cache_lens, query_lens=[4, 4])
+        return AttentionMetadata.build(batch, "cuda", cases.PAGE, kv_pages=len(c.other_table))
+
+    q = c.x_queries[:8].clone()
+    static = meta_of([3, 900])
+    attn.plan(static, graph=True)
+    attend = attn.bind(static)
+    attend(q, pages)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attend(q, pages)
+    nxt = meta_of([1200, 40])
+    static.copy_(nxt)
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = attn.bind(nxt)(q, pages)
+    assert torch.equal(out.view(torch.int16), eager.view(torch.int16))
+    ref = c.reference(c.x_table, 1200 + 1, q[0])
+    assert (out[0].double() - ref).abs().max().item() < 3e-2

@@ -1,0 +1,54 @@
+"""Deterministic mode's CUDA segment GEMM run by Triton's interpreter on CPU tensors: segment
+sums against float64, a row's bits alone vs at other places of other batches and with the
+columns cut in two, TP = 1 vs 2/4/8 partials (``segment_gemm_checks``; there, why the
+interpreter's ``tl.dot`` is made a per-element sum). Each check runs in a subprocess with
+``TRITON_INTERPRET=1``, so the interpreter never reaches other tests. Skipped without
+``triton``; the same checks run on CUDA in ``test_deterministic_gpu.py``."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")]
+
+
+@pytest.mark.parametrize("check", ["reference", "batch_invariance", "tp_invariance"])
+def test_segment_gemm_under_the_interpreter(check):
+    path = os.pathsep.join(p for p in (ROOT, TESTS, os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, os.path.join(TESTS, "segment_gemm_checks.py"), check, "cpu",
+                           "float32", "float16"], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"{check} on cpu: ok" in proc.stdout
+
+
+@pytest.mark.parametrize("dtype,instruction", [("bf16", "wgmma"), ("fp16", "wgmma"), ("fp32", "fma.rn.f32")])
+def test_segment_gemm_compiles_for_hopper(dtype, instruction):
+    """The kernel compiles to Hopper machine code without a GPU (Triton's own ptxas): the tensor
+    cores' wgmma for 16-bit inputs, float32 FMAs (never TF32) for float32 ones."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from tpspec.model import deterministic_cuda as dc
+
+    signature = {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "out_ptr": "*fp32", "M": "i32", "N": "i32",
+                 "stride_xm": "i32", "stride_wn": "i32"}
+    constants = {"SEG_LEN": 80, "IEEE": dtype == "fp32", "BLOCK_M": dc.BLOCK_M,
+                 "BLOCK_N": dc.BLOCK_N, "BLOCK_K": dc.BLOCK_K}
+    signature.update({name: "constexpr" for name in constants})
+    kernel = triton.compile(ASTSource(dc._segment_gemm_kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": dc.NUM_WARPS, "num_stages": dc.NUM_STAGES})
+    ptx = kernel.asm["ptx"]
+    assert instruction in ptx and "cubin" in kernel.asm
+    if dtype == "fp32":
+        assert "wgmma" not in ptx and "mma.sync" not in ptx and "tf32" not in ptx

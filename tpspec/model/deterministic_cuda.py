@@ -1,0 +1,150 @@
+"""Deterministic mode's contractions on CUDA: a fixed-order segment GEMM in Triton.
+
+A contraction of global length ``K`` is cut into ``G = min(8, K & -K)`` segments of ``K / G``
+consecutive columns (:attr:`tpspec.model.deterministic.Contraction.wide_segments`), so every
+power-of-two TP size up to 8 holds whole segments. Each segment's float32 sum is computed
+by one Triton kernel whose K loop walks the segment in one fixed order: fixed
+``BLOCK_M``/``BLOCK_N``/``BLOCK_K`` tiles, fixed warps and pipeline stages, no split-K, no
+autotuning, the tail of a segment that is not a multiple of ``BLOCK_K`` masked to zeros. An output element is therefore accumulated by the same
+instructions over the same columns whatever the number of rows ``M``, the row's place in
+its tile, the number of output columns, which rank holds the segment or how many segments
+one launch covers. The segments of a rank are then summed by the adjacent-pairs tree in
+torch (elementwise float32 adds), and the ranks' partials by the top of the same tree
+(:func:`tpspec.model.deterministic.tree_sum_ranks`).
+
+Why our own kernel: the batch-invariant matmuls of Thinking Machines' ``batch_invariant_ops``
+(which vLLM and SGLang ship in their batch-invariant modes) fix the reduction order of the
+whole ``K`` inside one GEMM, which makes a row's result independent of the batch but not of
+the TP size: a row-parallel layer's ranks each hold ``K / tp`` columns, and one ordered
+reduction over ``K`` cannot be cut at a rank boundary. Summing fixed segments separately
+makes the cut points part of the tree, so TP = 1, 2, 4, 8 add the same segment sums in the
+same order.
+
+The bits are the GPU's own: equal across batches, speculation and TP sizes on one device
+and build, not equal to the CPU tree of :mod:`tpspec.model.deterministic`.
+
+Import this module only for CUDA tensors (it needs ``triton``); the dispatch is
+:func:`tpspec.model.deterministic.segment_gemm`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_LOCAL_SEGMENTS = 8  # segments of one rank (the wide segments of a contraction, at TP = 1)
+
+# Fixed launch constants: they never depend on M, N, K or the number of segments (changing
+# any of them changes the bits, equally everywhere).
+BLOCK_M = 64
+BLOCK_N = 64
+BLOCK_K = 64
+NUM_WARPS = 8
+NUM_STAGES = 3
+
+
+@triton.jit
+def _segment_sum(x_tile, w_tile, row_ok, col_ok, stride_xm, stride_wn, k0, SEG_LEN: tl.constexpr,
+                 IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``[BLOCK_M, BLOCK_N]`` float32: the sum over columns ``k0 .. k0 + SEG_LEN - 1`` of the
+    tile's rows of ``x`` (from ``x_tile``) times its rows of ``w`` (from ``w_tile``), from
+    zero, by the K loop in ascending blocks of ``BLOCK_K`` columns (the tail block's missing
+    columns load as zeros)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    ks = tl.arange(0, BLOCK_K)
+    x_ptrs = x_tile + k0 + tl.arange(0, BLOCK_M)[:, None] * stride_xm + ks[None, :]
+    w_ptrs = w_tile + k0 + tl.arange(0, BLOCK_N)[:, None] * stride_wn + ks[None, :]
+    for k in range(0, SEG_LEN, BLOCK_K):
+        k_ok = (k + ks) < SEG_LEN
+        a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        if IEEE:  # float32 inputs: float32 FMAs, not TF32
+            acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+        else:  # 16-bit inputs: tensor cores, float32 accumulation
+            acc = tl.dot(a, tl.trans(b), acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    return acc
+
+
+@triton.jit(do_not_specialize=["M", "N"])
+def _segment_gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, stride_xm, stride_wn, SEG_LEN: tl.constexpr,
+                         IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program ``(i, j, s)``: rows tile ``i``, columns tile ``j``, segment ``s``, its sum written to
+    ``out[s, rows, cols]`` (``out [G_local, M, N]`` float32).
+
+    One segment a program, never two: adding a second segment's sum to the first inside the
+    kernel lets the compiler fold the addition into that segment's first tile product (the
+    product then starts from the first sum instead of from zero), which rounds differently from
+    the adjacent-pairs tree; the segments are therefore added outside, in torch."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    # 64-bit offsets of the tile's first row and column (a big weight passes 2^31 elements);
+    # offsets inside the tile stay 32-bit.
+    row0 = pid_m.to(tl.int64) * BLOCK_M
+    col0 = pid_n.to(tl.int64) * BLOCK_N
+    x_tile = x_ptr + row0 * stride_xm
+    w_tile = w_ptr + col0 * stride_wn
+    row_ok = tl.arange(0, BLOCK_M) < M - row0
+    col_ok = tl.arange(0, BLOCK_N) < N - col0
+    k0 = pid_s * SEG_LEN
+    acc = _segment_sum(x_tile, w_tile, row_ok, col_ok, stride_xm, stride_wn, k0,
+                       SEG_LEN, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
+    out_tile = out_ptr + (pid_s.to(tl.int64) * M + row0) * N + col0
+    out = out_tile + tl.arange(0, BLOCK_M)[:, None] * N + tl.arange(0, BLOCK_N)[None, :]
+    tl.store(out, acc, mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _operands(x: torch.Tensor, weight: torch.Tensor, seg_len: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x [M, K_local] and weight [N, K_local] expected, got {tuple(x.shape)} and "
+                         f"{tuple(weight.shape)}")
+    k_local = x.shape[1]
+    if seg_len < 1 or k_local % seg_len:
+        raise ValueError(f"K_local={k_local} is not a whole number of segments of {seg_len} columns")
+    local = k_local // seg_len
+    if local & (local - 1) or local > MAX_LOCAL_SEGMENTS:
+        raise ValueError(f"a rank must hold a power-of-two number of segments up to {MAX_LOCAL_SEGMENTS}, "
+                         f"got {local}")
+    if x.dtype != weight.dtype:  # one dtype per dot: both in float32 (exact for 16-bit values)
+        x, weight = x.to(torch.float32), weight.to(torch.float32)
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"the segment GEMM takes float16, bfloat16 or float32, got {x.dtype}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    return x, weight, local
+
+
+def segment_sums(x: torch.Tensor, weight: torch.Tensor, seg_len: int) -> torch.Tensor:
+    """One launch: ``[local, M, N]`` float32, entry ``s`` the sum of segment ``s``.
+
+    ``x [M, K_local]`` and ``weight [N, K_local]`` (float16, bfloat16 or float32; mixed dtypes
+    are both taken to float32) on one CUDA device (or CPU tensors under
+    ``TRITON_INTERPRET=1``); ``K_local = local * seg_len`` with ``local`` a power of two up to
+    ``MAX_LOCAL_SEGMENTS``: this rank's whole segments, segment ``s`` being columns
+    ``s * seg_len .. (s + 1) * seg_len - 1``. Each element depends only on its row of ``x``,
+    its row of ``weight`` and ``seg_len`` (one compiled kernel per ``seg_len`` and dtype).
+    """
+    x, weight, local = _operands(x, weight, seg_len)
+    m, n = x.shape[0], weight.shape[0]
+    out = torch.empty(local, m, n, dtype=torch.float32, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N), local)
+    _segment_gemm_kernel[grid](x, weight, out, m, n, x.stride(0), weight.stride(0), SEG_LEN=seg_len,
+                               IEEE=x.dtype == torch.float32, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+                               num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    return out
+
+
+def segment_partial(x: torch.Tensor, weight: torch.Tensor, seg_len: int) -> torch.Tensor:
+    """``[M, N]`` float32: this rank's subtree of the contraction, the adjacent-pairs tree over
+    its segment sums (:func:`segment_sums`; shapes and dtypes as there), added in torch."""
+    sums = segment_sums(x, weight, seg_len)
+    while sums.shape[0] > 1:  # adjacent pairs: elementwise float32 adds, fixed order
+        sums = sums[0::2] + sums[1::2]
+    return sums[0]
