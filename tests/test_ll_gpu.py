@@ -580,3 +580,37 @@ def _epoch_cycle_worker(rank, world):
 
 def test_ll_epoch_wrap_clears_stale_lines():
     assert run_ranks(_epoch_cycle_worker, 2, backend="gloo", timeout_s=300) == [[], []]
+
+
+def _gather_rows_worker(rank: int, world: int) -> int:
+    """LL gather_rows / sum_rows against the all-gather (one launch while rows * C fits the
+    slots, the all-gather beyond), then the sharded filters through the LL exchange against
+    the full-row reference."""
+    from test_sampling_sharded import VOCAB, adversarial_batch, reference_tokens, shard
+
+    from tpspec.sampling.select import sample_filtered
+    from tpspec.vocab_parallel import VocabShardedLogits
+
+    _, ll, ag = _exchanges(rank, max_rows=256)
+    gen = torch.Generator().manual_seed(7)
+    bad = 0
+    for rows, width in ((1, 1), (3, 64), (4, 64), (5, 64), (256, 1), (300, 1)):  # 4 x 64 = 256 slots fit
+        values = (torch.randint(-(2**62), 2**62, (rows, width), generator=gen) + rank).to(ll.device)
+        for channel in (0, 1):
+            bad += int((ll.gather_rows(values, channel=channel) != ag.gather_rows(values, channel=channel)).sum())
+            column = values[:, 0].contiguous()
+            bad += int((ll.sum_rows(column, channel=channel) != ag.sum_rows(column, channel=channel)).sum())
+    batch = adversarial_batch()
+    local, offset = shard(batch["logits"], world, rank)
+    logits = VocabShardedLogits(local.to(ll.device), offset, VOCAB, ll)
+    rows = K.SamplingRows(*(batch[k].to(ll.device) for k in ("temperature", "seeds", "offsets")),
+                          **{k: batch[k].to(ll.device) for k in ("top_k", "top_p", "min_p")})
+    bad += int((sample_filtered(logits, rows).cpu() != reference_tokens(batch)).sum())
+    ll.check()
+    ll.close()
+    return bad
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ll_gather_rows_sum_rows_and_filters_on_shards(world):
+    assert run_ranks(_gather_rows_worker, world, backend="gloo", timeout_s=600) == [0] * world

@@ -252,6 +252,8 @@ def test_filtered_draws_follow_the_exact_truncated_distribution(case):
 
 
 def test_gather_rows_and_sum_rows_contract():
+    from tpspec.exchange import cuda_module, ll_plan
+
     values = torch.arange(6, dtype=torch.int64).reshape(2, 3)
     for ex in (LocalKeyExchange(), AllGatherKeyExchange()):  # a group of one: the values themselves
         assert torch.equal(ex.gather_rows(values), values)
@@ -264,3 +266,5 @@ def test_gather_rows_and_sum_rows_contract():
             ex.sum_rows(values)
         with pytest.raises(ValueError, match="channel"):
             ex.sum_rows(values[:, 0], channel=7)
+    for world in range(1, 9):  # the LL exchange has a gather kernel for every world size
+        assert ll_plan.gather_rows_kernel(world) in cuda_module.KERNEL_NAMES

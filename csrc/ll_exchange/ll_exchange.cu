@@ -4,7 +4,8 @@
 // Compiled at run time by NVRTC (tpspec/exchange/cuda_module.py) with --fmad=false and
 // -std=c++17; the CI compiles it with nvcc -arch=sm_90 using the same flags. The headers
 // beside it hold one concern each (ll_constants.h: what the host shares; ll_common.h;
-// ll_philox_gumbel.h; ll_line_protocol.h; ll_greedy.h; ll_sampled.h; ll_collector.h);
+// ll_philox_gumbel.h; ll_line_protocol.h; ll_greedy.h; ll_sampled.h; ll_collector.h;
+// ll_gather_rows.h: the sharded filters' gather and sum);
 // cuda_module inlines them for NVRTC, so both compilers see the same text. This file holds
 // the kernels the host launches; which one, with which grid, tpspec/exchange/ll_plan.py
 // decides.
@@ -22,6 +23,7 @@
 // (EMPTY_KEY = -2^63) is 0 and a plain unsigned 64-bit max reduces.
 
 #include "ll_collector.h"
+#include "ll_gather_rows.h"
 #include "ll_greedy.h"
 #include "ll_line_protocol.h"
 #include "ll_sampled.h"
@@ -99,6 +101,11 @@ __device__ __forceinline__ void exchange_keys_impl(int mode, const i64* keys, co
 LL_EXCHANGE_KEYS_KERNEL(ll_exchange_keys_1, 1)  // world 1-2 (ll_plan.exchange_keys_kernel picks by world)
 LL_EXCHANGE_KEYS_KERNEL(ll_exchange_keys_4, 4)  // world 3-5
 LL_EXCHANGE_KEYS_KERNEL(ll_exchange_keys_8, 8)  // world 6+
+
+// gather_rows / sum_rows of the sharded filters (ll_gather_rows.h), by world size as above.
+LL_GATHER_ROWS_KERNEL(ll_gather_rows_1, 1)  // world 1-2 (ll_plan.gather_rows_kernel)
+LL_GATHER_ROWS_KERNEL(ll_gather_rows_4, 4)  // world 3-5
+LL_GATHER_ROWS_KERNEL(ll_gather_rows_8, 8)  // world 6+
 
 // grid = rows * chunks blocks, one work item each; item w reduces columns
 // [chunk * (w % chunks), ...) of row w / chunks. Item 0, the collector, runs in the last

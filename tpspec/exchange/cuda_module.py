@@ -29,6 +29,7 @@ SOURCE_FILE = "ll_exchange.cu"  # the exchange's kernels
 FLOORS_FILE = "ll_floors.cu"  # benchmark references, compiled only by the bench
 CONSTANTS_FILE = "ll_constants.h"  # constants shared by host and kernels
 KERNEL_NAMES = ("ll_exchange_keys_1", "ll_exchange_keys_4", "ll_exchange_keys_8",
+                "ll_gather_rows_1", "ll_gather_rows_4", "ll_gather_rows_8",
                 "ll_argmax_logits_f32", "ll_argmax_logits_bf16", "ll_argmax_logits_f16",
                 "ll_argmax_logits_f32_one_tile", "ll_argmax_logits_bf16_one_tile", "ll_argmax_logits_f16_one_tile",
                 "ll_argmax_logits_f32_columns", "ll_argmax_logits_bf16_columns", "ll_argmax_logits_f16_columns")

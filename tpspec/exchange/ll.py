@@ -34,7 +34,7 @@ from .. import distributed as D
 from .. import keys as K
 from ..validation import check_int, is_real
 from . import cuda_module
-from .ll_plan import exchange_keys_kernel, kernel_constants, max_grid_blocks, plan
+from .ll_plan import exchange_keys_kernel, gather_rows_kernel, kernel_constants, max_grid_blocks, plan
 from .allgather import AllGatherKeyExchange
 from .base import UNSEEDED_STREAM_SEED, Channel, KeyExchange
 
@@ -295,6 +295,7 @@ class LLKeyExchange(KeyExchange):
             self._module = cuda_module.load_module(self.device.index)
             self._kernels = {name: self._module.get_function(name) for name in cuda_module.KERNEL_NAMES}
         self._exchange_kernel = exchange_keys_kernel(self.world_size)  # max_keys / argmax_tokens
+        self._gather_kernel = gather_rows_kernel(self.world_size)  # gather_rows / sum_rows
 
     @staticmethod
     def _try(fn: Any) -> str | None:
@@ -402,14 +403,34 @@ class LLKeyExchange(KeyExchange):
         return out
 
     def gather_rows(self, values: torch.Tensor, *, channel: int = Channel.DRAFT) -> torch.Tensor:
-        """See :meth:`KeyExchange.gather_rows` (through the all-gather exchange)."""
-        self._raise_if_failed()
-        return self._fallback.gather_rows(values, channel=channel)
+        """See :meth:`KeyExchange.gather_rows`: one launch when ``rows * C <= max_rows``
+        (every element rides one slot line), else the all-gather."""
+        self.check_int64_rows("values", values, 2)
+        self.check_channel(channel)
+        rows, width = values.shape
+        out = torch.empty(rows, self.world_size * width, dtype=torch.int64, device=self.device)
+        return self._gather_or_sum(values.reshape(-1), width, 0, out, channel, self._fallback.gather_rows, values)
 
     def sum_rows(self, values: torch.Tensor, *, channel: int = Channel.DRAFT) -> torch.Tensor:
-        """See :meth:`KeyExchange.sum_rows` (through the all-gather exchange)."""
+        """See :meth:`KeyExchange.sum_rows`: one launch when ``rows <= max_rows``, else the all-gather."""
+        self.check_int64_rows("values", values, 1)
+        self.check_channel(channel)
+        out = torch.empty_like(values, device=self.device)
+        return self._gather_or_sum(values, 1, 1, out, channel, self._fallback.sum_rows, values)
+
+    def _gather_or_sum(self, flat: torch.Tensor, width: int, sum_mode: int, out: torch.Tensor, channel: int,
+                       fallback: Any, values: torch.Tensor) -> torch.Tensor:
         self._raise_if_failed()
-        return self._fallback.sum_rows(values, channel=channel)
+        count = flat.numel()
+        if count > self.MAX_ROWS:
+            return fallback(values, channel=channel)
+        if count == 0:
+            return out
+        flat = flat.contiguous()
+        args = (_p(flat.data_ptr()), np.int32(count), np.int32(width), np.int32(sum_mode), _p(out.data_ptr()),
+                *self._exchange_args(channel))
+        self._launch(self._gather_kernel, 1, 0, args)
+        return out
 
     def argmax_tokens(
         self, local_max: torch.Tensor, local_argmax: torch.Tensor, vocab_offset: int, *, channel: int = Channel.DRAFT

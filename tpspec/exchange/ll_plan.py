@@ -234,6 +234,12 @@ def max_grid_blocks(max_rows: int, sms: int) -> int:
     return max(max_rows, SAMPLED_BLOCKS_PER_SM * max(1, sms))
 
 
+def gather_rows_kernel(world: int) -> str:
+    """The ``gather_rows`` / ``sum_rows`` kernel for a world size (the same polling widths as
+    :func:`exchange_keys_kernel`)."""
+    return "ll_gather_rows_1" if world <= 2 else ("ll_gather_rows_4" if world <= 5 else "ll_gather_rows_8")
+
+
 def exchange_keys_kernel(world: int) -> str:
     """The ``max_keys`` / ``argmax_tokens`` kernel for a world size: each polls as many peer
     lines at once as the world needs (1 for 1-2 ranks, 4 for 3-5, 8 beyond), and each world
