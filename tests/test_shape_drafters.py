@@ -47,7 +47,7 @@ def test_llama_3_2_1b_shape_fields():
     assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
             cfg.head_dim, cfg.vocab_size) == (2048, 8192, 16, 32, 8, 64, 128256)
     assert cfg.tie_word_embeddings and cfg.rope_theta == 500000.0 and cfg.rope_scaling["rope_type"] == "llama3"
-    assert cfg.vocab_size == shape_config(DRAFT_SHAPES["llama-3-8b"]).vocab_size == shape_config("llama-3-8b").vocab_size
+    assert DRAFT_SHAPES["llama-3-8b"] == "llama-3.2-1b" and cfg.vocab_size == shape_config("llama-3-8b").vocab_size
     assert shape_path("llama-3.2-1b", 1, 4096) == DRAFT
 
 
@@ -57,7 +57,8 @@ def test_eagle3_shape_config_sizes_the_head_for_the_target():
     assert cfg.hidden_size == 4096 and cfg.layer.num_heads == 32 and cfg.layer.num_kv_heads == 8
     assert cfg.draft_vocab_size == 32000 and cfg.target_vocab_size == 128256
     assert cfg.aux_layer_ids == (2, 16, 29) and cfg.layer.num_layers == 1
-    small = Eagle3Config.from_pretrained("shape-eagle3:llama-3-8b,draft_vocab_size=100", shape_config("llama-3-8b", 1, 4096))
+    small = Eagle3Config.from_pretrained("shape-eagle3:llama-3-8b,draft_vocab_size=100",
+                                         shape_config("llama-3-8b", 1, 4096))
     assert small.draft_vocab_size == 100 and small.aux_layer_ids == (0, 0, 0)
     ids = spread_draft_ids(32000, 128256)
     assert ids[0] == 0 and int(ids[-1]) < 128256 and bool((ids[1:] > ids[:-1]).all()) and ids.dtype == torch.int64

@@ -68,12 +68,12 @@ __all__ = [
     "TPLlamaForCausalLM",
     "check_split",
     "choose_attention_backend",
+    "eagle3_shape_path",
     "load_model",
     "load_weights",
     "make_tiny_checkpoint",
     "pages_needed",
     "random_model",
-    "eagle3_shape_path",
     "shape_config",
     "shape_path",
 ]

@@ -1,9 +1,10 @@
 """Real model shapes with random weights, built on each rank without a checkpoint.
 
 ``MODEL_SHAPES`` holds the ``config.json`` fields of a few public models (Llama 3 8B / 70B,
-Llama 3.2 1B, a draft model for the Llama 3 targets with their vocabulary, Qwen2.5 7B). :func:`random_model` builds this rank's shard of such a model directly on the
-device (only its slices, never the whole model) and fills it with random values, so a
-benchmark sees the real weight and KV-cache sizes in seconds, with no download.
+Qwen2.5 7B, and Llama 3.2 1B: a draft model with the Llama 3 vocabulary, ``DRAFT_SHAPES``).
+:func:`random_model` builds this rank's shard of such a model directly on the device (only its
+slices, never the whole model) and fills it with random values, so a benchmark sees the real
+weight and KV-cache sizes in seconds, with no download.
 
 A model path ``"shape:NAME"`` names such a model wherever the runtime accepts a checkpoint
 directory; ``"shape:NAME,num_layers=2,vocab_size=4096"`` shrinks it for quick checks.
