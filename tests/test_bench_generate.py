@@ -54,3 +54,26 @@ def test_bench_generate_eagle3_forced(tmp_path):
     assert rows["forced=3"]["accepted_per_step"] == round((generated - steps) / steps, 3)
     with pytest.raises(SystemExit, match="--spec eagle3 needs --draft-model DIR"):
         main(["bench", "generate", "--device", "cpu", "--quick", "--spec", "eagle3", "--model", str(tmp_path)])
+
+
+@pytest.mark.parametrize("spec,drafter", [("draft_model", "shape:llama-3.2-1b,num_layers=1,vocab_size=4096"),
+                                          ("eagle3", "shape-eagle3:llama-3-8b")])
+def test_bench_generate_model_shape_default_drafters(tmp_path, spec, drafter):
+    """A model shape drafts without --draft-model: the Llama 3.2 1B shape (shrunk alike) or a random
+    EAGLE-3 head of the target shape; the forced rate still reaches the ranks."""
+    out = tmp_path / "bench"
+    assert main(["bench", "generate", "--device", "cpu", "--quick", "--model-shape", "llama-3-8b", "--num-layers", "1",
+                 "--vocab-size", "4096", "--dtype", "float32", "--spec", spec, "--rates", "3", "--tp", "1",
+                 "--out", str(out)]) == 0
+    report = json.loads((out / "generate.json").read_text())
+    rows = {r[0]: dict(zip(report["columns"], r)) for r in report["rows"]}
+    assert list(rows) == ["no-spec", "forced=3"] and report["meta"]["draft_model"] == drafter
+    generated = report["meta"]["max_new_tokens"] - 1
+    steps = -(-generated // 4)
+    assert rows["forced=3"]["accepted_per_step"] == round((generated - steps) / steps, 3)
+
+
+def test_bench_generate_model_shape_without_draft_shape():
+    with pytest.raises(SystemExit, match="--spec draft_model needs --draft-model with --model-shape qwen2.5-7b"):
+        main(["bench", "generate", "--device", "cpu", "--quick", "--model-shape", "qwen2.5-7b", "--spec",
+              "draft_model"])

@@ -50,6 +50,26 @@ def test_dry_run_lists_every_step_and_runs_nothing(tmp_path):
     assert "NOT ACCEPTED" not in text
 
 
+def test_generate_steps_find_their_drafters(tmp_path):
+    """The draft-model and EAGLE-3 steps pass no --draft-model: the target shape's defaults stand in
+    (the Llama 3.2 1B shape, a random EAGLE-3 head of the target shape)."""
+    import shlex
+
+    from tpspec.bench.generate import default_draft_model
+    from tpspec.cli import build_parser
+
+    result = run_script("--dry-run", str(tmp_path / "out"), "generate")
+    assert result.returncode == 0, result.stderr
+    drafters = {}
+    for line in result.stdout.splitlines():
+        if "bench generate" in line and "--spec" in line:
+            argv = shlex.split(line.split(" -m tpspec ", 1)[1])
+            args = build_parser(argv).parse_args(argv)
+            assert args.draft_model is None
+            drafters[args.spec] = default_draft_model(args)
+    assert drafters == {"draft_model": "shape:llama-3.2-1b", "eagle3": "shape-eagle3:llama-3-8b"}
+
+
 def test_selection_by_group_and_step_name(tmp_path):
     result = run_script("--dry-run", str(tmp_path / "out"), "exchange", "ll-kernel-check")
     assert result.returncode == 0, result.stderr

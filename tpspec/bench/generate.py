@@ -19,9 +19,11 @@ configuration builds a fresh ``LLM``, makes one warm-up call, then the timed ``g
 The table reports tokens/s, measured accepted drafts per step (a check that forcing took
 effect) and the speed-up over ``no-spec``. On CPU only the ratios mean something.
 
-``--model-shape llama-3-8b | llama-3-70b | qwen2.5-7b`` runs a real model shape with random
-weights built on each rank instead of a checkpoint (``--num-layers`` / ``--vocab-size``
-shrink it for quick checks).
+``--model-shape llama-3-8b | llama-3-70b | llama-3.2-1b | qwen2.5-7b`` runs a real model shape with
+random weights built on each rank instead of a checkpoint (``--num-layers`` / ``--vocab-size``
+shrink it for quick checks). Its drafter without ``--draft-model``: ``--spec draft_model`` the
+Llama 3.2 1B shape for the Llama 3 targets (its layers shrunk in proportion to ``--num-layers``),
+``--spec eagle3`` a random EAGLE-3 head of the target shape (``shape-eagle3:NAME``).
 
 ``--deterministic`` runs every configuration twice, in the default mode and in deterministic
 mode (``LLM(deterministic=True)``, rows suffixed `` det``); ``vs_default`` is a deterministic
@@ -154,7 +156,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--spec", choices=("ngram", "draft_model", "eagle3"), default="ngram",
                         help="the drafter of the forced configurations (default ngram)")
     parser.add_argument("--draft-model", default=None, help="draft checkpoint or EAGLE-3 head of --spec draft_model / "
-                                                            "eagle3 (default: the tiny one when --model tiny)")
+                                                            "eagle3 (default: the tiny one when --model tiny; with "
+                                                            "--model-shape a random shape drafter)")
     parser.add_argument("--num-prompts", type=int, default=None, help="requests (default 8; --quick 2)")
     parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 64; --quick 8)")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="tokens per request (default 128; --quick 12)")
@@ -184,6 +187,34 @@ def model_argument(args: argparse.Namespace) -> str:
     return args.model if path is None else path
 
 
+def default_draft_model(args: argparse.Namespace) -> str:
+    """The drafter of ``--spec draft_model`` / ``eagle3`` without ``--draft-model``: the tiny one for
+    ``--model tiny``; for ``--model-shape`` the shape's draft-model shape
+    (:data:`~tpspec.model.shapes.DRAFT_SHAPES`, with ``--vocab-size``, and ``--num-layers`` scaled by
+    its share of the target's layers) or a random EAGLE-3 head of the shape. ``SystemExit`` otherwise."""
+    from ..model.shapes import DRAFT_SHAPES, MODEL_SHAPES, eagle3_shape_path, shape_path
+
+    if args.model_shape is None:
+        if args.model != "tiny":
+            raise SystemExit(f"tpspec bench generate: --spec {args.spec} needs --draft-model DIR with a model "
+                             f"other than the tiny one")
+        return "tiny"
+    if args.spec == "eagle3":
+        return eagle3_shape_path(args.model_shape)
+    draft = DRAFT_SHAPES.get(args.model_shape)
+    if draft is None:
+        raise SystemExit(f"tpspec bench generate: --spec draft_model needs --draft-model with --model-shape "
+                         f"{args.model_shape} (draft shapes exist for {', '.join(sorted(DRAFT_SHAPES))})")
+    layers = None
+    if args.num_layers is not None:
+        draft_layers = MODEL_SHAPES[draft]["num_hidden_layers"]
+        layers = max(1, args.num_layers * draft_layers // MODEL_SHAPES[args.model_shape]["num_hidden_layers"])
+    try:
+        return shape_path(draft, layers, args.vocab_size)
+    except ValueError as exc:
+        raise SystemExit(f"tpspec bench generate: {exc}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     device = bench_device(args.device, "tpspec bench generate")
     if args.draft_len < 1:
@@ -196,10 +227,7 @@ def run(args: argparse.Namespace) -> int:
     if args.spec == "ngram" and draft_model is not None:
         raise SystemExit("tpspec bench generate: --draft-model needs --spec draft_model or eagle3")
     if args.spec != "ngram" and draft_model is None:
-        if args.model != "tiny" or args.model_shape is not None:
-            raise SystemExit(f"tpspec bench generate: --spec {args.spec} needs --draft-model DIR with a model "
-                             f"other than the tiny one")
-        draft_model = "tiny"
+        draft_model = default_draft_model(args)
     num_prompts = args.num_prompts or (2 if args.quick else 8)
     cfg = {
         "model": model_argument(args), "tp": tp, "launcher": args.launcher, "device": device, "dtype": args.dtype,

@@ -48,7 +48,7 @@ from .drafters import DraftModel, NgramDrafter
 from .llama import StackedRowsLogits, TPLlamaForCausalLM, check_split
 from .loader import CheckpointError, CheckpointReader, LoadStats, load_model, load_weights
 from .kv_cache import KVPages
-from .shapes import MODEL_SHAPES, random_model, shape_config, shape_path
+from .shapes import MODEL_SHAPES, eagle3_shape_path, random_model, shape_config, shape_path
 from .tiny import make_tiny_checkpoint
 
 __all__ = [
@@ -68,6 +68,7 @@ __all__ = [
     "TPLlamaForCausalLM",
     "check_split",
     "choose_attention_backend",
+    "eagle3_shape_path",
     "load_model",
     "load_weights",
     "make_tiny_checkpoint",

@@ -19,6 +19,7 @@ from ..mapping import Mapping
 from .config import ModelConfig
 from .llama import TPLlamaForCausalLM
 from .loader import load_weights
+from .shapes import config_from_path, fill_random, is_shape_path
 
 class NgramDrafter:
     """Prompt-lookup drafting: for ``n`` from ``max_ngram`` down to ``min_ngram``, match the
@@ -56,7 +57,9 @@ class NgramDrafter:
 
 class DraftModel(TPLlamaForCausalLM):
     """A draft checkpoint loaded as a TP-sharded model (same API as the target:
-    ``allocate_kv_cache``, ``forward(ForwardBatch) -> VocabShardedLogits``).
+    ``allocate_kv_cache``, ``forward(ForwardBatch) -> VocabShardedLogits``). A ``"shape:..."``
+    path builds a real model shape with random weights instead (:mod:`tpspec.model.shapes`,
+    ``load_stats`` None).
 
     ``target_config``: when given, the draft's vocabulary must match it (``ValueError``
     otherwise). Pass the target's ``exchange`` to share it; picks of draft tokens use
@@ -75,7 +78,7 @@ class DraftModel(TPLlamaForCausalLM):
         attention_backend: str = "auto",
         deterministic: bool = False,
     ) -> None:
-        config = ModelConfig.from_pretrained(path)
+        config = config_from_path(os.fspath(path))
         if target_config is not None and config.vocab_size != target_config.vocab_size:
             raise ValueError(
                 f"draft model {os.fspath(path)!r} has vocab_size={config.vocab_size}, "
@@ -83,6 +86,10 @@ class DraftModel(TPLlamaForCausalLM):
             )
         super().__init__(config, mapping, device=device, dtype=dtype, exchange=exchange,
                          attention_backend=attention_backend, deterministic=deterministic)
-        self.load_stats = load_weights(self, path)
+        if is_shape_path(os.fspath(path)):
+            fill_random(self, seed=1)
+            self.load_stats = None
+        else:
+            self.load_stats = load_weights(self, path)
         self.path = os.fspath(path)
 

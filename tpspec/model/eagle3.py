@@ -40,6 +40,9 @@ draft's scores sit on the same rank as the target's scores of the same token.
 head) in the fixed order of :mod:`tpspec.model.deterministic`, like a target in that mode; the
 head's shapes must then split along their trees (:meth:`Eagle3Config.check_split`).
 
+A path ``"shape-eagle3:NAME"`` stands for a random head sized for target shape ``NAME``, built on
+each rank without a file (:mod:`tpspec.model.shapes`).
+
 ``tpspec convert-eagle3 IN OUT`` turns a ``pytorch_model.bin`` head into this layout in safetensors
 (read with ``torch.load(weights_only=True)``, never a full unpickle).
 """
@@ -69,6 +72,8 @@ from .layers import MLP, Attention, RMSNorm, RotaryEmbedding, RowParallelLinear,
     split_heads
 from .llama import StackedRowsLogits, TPLlamaForCausalLM, plan_step
 from .loader import CheckpointError, CheckpointReader, check_draft_vocab_map, load_weights
+from .shapes import DEFAULT_EAGLE3_DRAFT_VOCAB, eagle3_shape_config, fill_random, is_eagle3_shape_path, \
+    spread_draft_ids
 
 NUM_AUX_HIDDEN_STATES = 3
 
@@ -111,11 +116,37 @@ class Eagle3Config:
         ids that are not three layers of the target; ``ValueError`` for what the decoder layer
         itself cannot run (see :meth:`ModelConfig.from_dict`).
         """
+        if is_eagle3_shape_path(path):
+            return cls.from_shape(os.fspath(path), target)
         config_file = os.path.join(os.fspath(path), "config.json")
         if not os.path.isfile(config_file):
             raise CheckpointError(f"no config.json in {os.fspath(path)!r}: not an EAGLE-3 head directory")
         with open(config_file) as f:
             raw = json.load(f)
+        return cls.from_dict(raw, target, config_file)
+
+    @classmethod
+    def from_shape(cls, path: str, target: ModelConfig) -> "Eagle3Config":
+        """The config of a random head ``"shape-eagle3:NAME[,draft_vocab_size=V]"``
+        (:mod:`tpspec.model.shapes`) for ``target``: shape ``NAME``'s layer, the target's vocabulary
+        (a shrunken shape's too), ``V`` draft tokens (default ``min(32000, vocab // 2)``, at least 1)
+        and the default aux layers, or ``(0, L // 2, L - 1)`` for a target of fewer than 5 layers.
+        Checked like a head directory's config (:meth:`from_dict`)."""
+        raw, draft_vocab = eagle3_shape_config(path)
+        vocab = target.vocab_size
+        if draft_vocab is None:
+            draft_vocab = max(1, min(DEFAULT_EAGLE3_DRAFT_VOCAB, vocab // 2))
+        layers = target.num_layers
+        aux = default_aux_layer_ids(layers) if layers >= 5 else (0, layers // 2, layers - 1)
+        raw.update(num_hidden_layers=1, vocab_size=vocab, draft_vocab_size=draft_vocab,
+                   eagle_aux_hidden_state_layer_ids=list(aux))
+        return cls.from_dict(raw, target, path)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], target: ModelConfig, where: str) -> "Eagle3Config":
+        """Check a head's ``config.json`` fields ``raw`` against ``target`` (errors name ``where``);
+        see :meth:`from_pretrained`."""
+        config_file = where
         layers = raw.get("num_hidden_layers", 1)
         if layers != 1:
             raise CheckpointError(f"{config_file}: num_hidden_layers={layers!r}, an EAGLE-3 head has one layer")
@@ -229,6 +260,11 @@ class Eagle3Drafter(nn.Module):
     own sequence alone, bit for bit, at every batch and every power-of-two TP size. Pair it with a
     deterministic target (whose embedding and hidden states the head reads).
 
+    ``path``: a head directory, or ``"shape-eagle3:NAME[,draft_vocab_size=V]"`` for a random head of
+    target shape ``NAME`` (:meth:`Eagle3Config.from_shape`; its draft ids spread evenly over the
+    target's vocabulary, weights drawn per rank like :func:`~tpspec.model.shapes.random_model`'s,
+    ``load_stats`` None).
+
     Raises :class:`CheckpointError` naming a missing or misshapen tensor, a bad ``d2t``/``t2d`` or a
     config that does not fit the target; ``ValueError`` when the head cannot be split over the TP group
     (:meth:`Eagle3Config.check_split`).
@@ -271,12 +307,20 @@ class Eagle3Drafter(nn.Module):
             choose_attention_backend(self.device, layer.head_dim, attention_backend, deterministic=deterministic),
             num_heads=self.self_attn.num_heads, num_kv_heads=self.self_attn.num_kv_heads, head_dim=layer.head_dim,
             scale=layer.head_dim**-0.5, dtype=self.dtype, device=self.device)
-        with CheckpointReader(path) as reader:
-            d2t = check_draft_vocab_map(reader, cfg.draft_vocab_size, cfg.target_vocab_size)
+        random_head = is_eagle3_shape_path(self.path)
+        if random_head:
+            d2t = spread_draft_ids(cfg.draft_vocab_size, cfg.target_vocab_size) - torch.arange(cfg.draft_vocab_size)
+        else:
+            with CheckpointReader(path) as reader:
+                d2t = check_draft_vocab_map(reader, cfg.draft_vocab_size, cfg.target_vocab_size)
         self.draft_to_target = d2t.to(self.device)
         self.lm_head = DraftVocabHead("lm_head.weight", hidden, torch.arange(cfg.draft_vocab_size) + d2t,
                                       cfg.target_vocab_size, mapping, target.exchange, **dkw)
-        self.load_stats = load_weights(self, path)
+        if random_head:
+            fill_random(self, seed=1)
+            self.load_stats = None
+        else:
+            self.load_stats = load_weights(self, path)
         target.capture_aux_hidden_states(cfg.aux_layer_ids)
         self.aux_hidden_width = NUM_AUX_HIDDEN_STATES * hidden  # what a catch-up forward reads a token
         self.caches: list[KVPages] = []  # one layer's pages (a list, like the target's)

@@ -183,7 +183,7 @@ def load_model(
     Collective over the TP group when the LM head is sharded and no ``exchange`` is given
     (the exchange is created then). The result has ``load_stats`` (a :class:`LoadStats`)
     and ``path``; call ``allocate_kv_cache(num_pages, page_size)`` before the first forward.
-    A ``"shape:NAME[:LAYERS]"`` path builds a real model shape with random weights instead
+    A ``"shape:NAME[,num_layers=N,vocab_size=V]"`` path builds a real model shape with random weights instead
     (:mod:`tpspec.model.shapes`; ``load_stats`` is None).
     ``deterministic``: see :class:`TPLlamaForCausalLM` (fixed reduction orders: batch- and
     TP-invariant logits).

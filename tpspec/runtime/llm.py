@@ -94,15 +94,22 @@ def tiny_model_path(kind: str = "target") -> str:
 
 
 def resolve_model(model: str | os.PathLike, kind: str = "target") -> str:
-    """``"tiny"`` -> the cached tiny checkpoint; ``"shape:NAME[:LAYERS]"`` -> a real model shape
-    with random weights (:mod:`tpspec.model.shapes`, no checkpoint); anything else must be a
+    """``"tiny"`` -> the cached tiny checkpoint; ``"shape:NAME[,num_layers=N,vocab_size=V]"`` -> a real
+    model shape with random weights (:mod:`tpspec.model.shapes`, no checkpoint); with
+    ``kind="eagle3"`` also ``"shape-eagle3:NAME[,draft_vocab_size=V]"`` -> a random EAGLE-3 head for
+    that shape; anything else must be a
     Hugging Face model directory (``config.json`` + safetensors). Raises ``ValueError`` otherwise."""
-    from ..model.shapes import config_from_path, is_shape_path
+    from ..model.shapes import config_from_path, eagle3_shape_config, is_eagle3_shape_path, is_shape_path
 
     if str(model) == TINY:
         return tiny_model_path(kind)
     if is_shape_path(model):
         config_from_path(model)  # a bad name raises here
+        return model
+    if is_eagle3_shape_path(model):
+        if kind != "eagle3":
+            raise ValueError(f"model {model!r} is a random EAGLE-3 head: it drafts with method 'eagle3' only")
+        eagle3_shape_config(model)  # a bad name raises here
         return model
     path = os.fspath(model)
     if not os.path.isfile(os.path.join(path, "config.json")):
@@ -290,7 +297,8 @@ class LLM:
         draft_path = None
         if spec is not None and spec.method == "draft_model":
             draft_path = resolve_model(spec.model, kind="draft")
-            verify_checkpoint(draft_path)
+            if not is_shape_path(draft_path):
+                verify_checkpoint(draft_path)
             draft_cfg = config_from_path(draft_path)
             if draft_cfg.vocab_size != self.model_config.vocab_size:
                 raise ValueError(f"the draft model's vocab_size {draft_cfg.vocab_size} differs from the target's "
