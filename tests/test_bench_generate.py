@@ -56,18 +56,29 @@ def test_bench_generate_eagle3_forced(tmp_path):
         main(["bench", "generate", "--device", "cpu", "--quick", "--spec", "eagle3", "--model", str(tmp_path)])
 
 
-@pytest.mark.parametrize("spec,drafter", [("draft_model", "shape:llama-3.2-1b,num_layers=1,vocab_size=4096"),
-                                          ("eagle3", "shape-eagle3:llama-3-8b")])
-def test_bench_generate_model_shape_default_drafters(tmp_path, spec, drafter):
+def test_bench_generate_model_shape_default_drafters(tmp_path):
     """A model shape drafts without --draft-model: the Llama 3.2 1B shape (shrunk alike) or a random
-    EAGLE-3 head of the target shape; the forced rate still reaches the ranks."""
+    EAGLE-3 head of the target shape (which tests/test_shape_drafters.py runs end to end); the
+    forced rate still reaches the ranks."""
+    from tpspec.bench.generate import default_draft_model
+    from tpspec.cli import build_parser
+
+    def drafter(*argv: str) -> str:
+        argv = ["bench", "generate", "--model-shape", "llama-3-8b", *argv]
+        return default_draft_model(build_parser(argv).parse_args(argv))
+
+    assert drafter("--spec", "eagle3") == "shape-eagle3:llama-3-8b"
+    assert drafter("--spec", "draft_model") == "shape:llama-3.2-1b"
+    assert drafter("--spec", "draft_model", "--num-layers", "4", "--vocab-size", "4096") == \
+        "shape:llama-3.2-1b,num_layers=2,vocab_size=4096"
     out = tmp_path / "bench"
     assert main(["bench", "generate", "--device", "cpu", "--quick", "--model-shape", "llama-3-8b", "--num-layers", "1",
-                 "--vocab-size", "4096", "--dtype", "float32", "--spec", spec, "--rates", "3", "--tp", "1",
+                 "--vocab-size", "4096", "--dtype", "float32", "--spec", "draft_model", "--rates", "3", "--tp", "1",
                  "--out", str(out)]) == 0
     report = json.loads((out / "generate.json").read_text())
     rows = {r[0]: dict(zip(report["columns"], r)) for r in report["rows"]}
-    assert list(rows) == ["no-spec", "forced=3"] and report["meta"]["draft_model"] == drafter
+    assert list(rows) == ["no-spec", "forced=3"]
+    assert report["meta"]["draft_model"] == "shape:llama-3.2-1b,num_layers=1,vocab_size=4096"
     generated = report["meta"]["max_new_tokens"] - 1
     steps = -(-generated // 4)
     assert rows["forced=3"]["accepted_per_step"] == round((generated - steps) / steps, 3)
