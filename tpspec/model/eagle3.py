@@ -68,7 +68,7 @@ from .attention import choose_attention_backend, make_attention_backend
 from .batch import AttentionMetadata, ForwardBatch, check_paged_batch
 from .config import ModelConfig
 from .kv_cache import KVPages, page_bytes
-from .layers import MLP, Attention, RMSNorm, RotaryEmbedding, RowParallelLinear, ShardSpec, split_evenly, \
+from .layers import MLP, Attention, RMSNorm, RotaryEmbedding, RowParallelLinear, ShardSpec, shard_plan, split_evenly, \
     split_heads
 from .llama import StackedRowsLogits, TPLlamaForCausalLM, plan_step
 from .loader import CheckpointError, CheckpointReader, check_draft_vocab_map, load_weights
@@ -388,11 +388,7 @@ class Eagle3Drafter(nn.Module):
 
     def shard_plan(self) -> list[tuple[str, nn.Parameter, list[ShardSpec]]]:
         """Every parameter with the checkpoint slices that fill it: ``(name, param, specs)``."""
-        out = []
-        for mod_name, module in self.named_modules():
-            for pname, specs in getattr(module, "plan", {}).items():
-                out.append((f"{mod_name}.{pname}" if mod_name else pname, getattr(module, pname), specs))
-        return out
+        return shard_plan(self)
 
 
 # ------------------------------------------------------------------------- conversion

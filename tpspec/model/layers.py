@@ -44,6 +44,16 @@ class ShardSpec:
     dest_start: int = 0
 
 
+def shard_plan(model: nn.Module) -> list[tuple[str, nn.Parameter, list[ShardSpec]]]:
+    """Every parameter of ``model`` that a submodule's ``plan`` (parameter name -> its
+    :class:`ShardSpec` list) names, with those slices: ``(qualified name, param, specs)``."""
+    out = []
+    for mod_name, module in model.named_modules():
+        for pname, specs in getattr(module, "plan", {}).items():
+            out.append((f"{mod_name}.{pname}" if mod_name else pname, getattr(module, pname), specs))
+    return out
+
+
 @dataclass(frozen=True)
 class HeadSplit:
     """Which attention heads one rank holds: query heads ``[q_start, q_start + q_heads)``,

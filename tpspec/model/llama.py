@@ -31,8 +31,8 @@ from .batch import AttentionMetadata, ForwardBatch, check_paged_batch
 from .comm import LocalKeyExchange, VarlenRows, exchange_counts
 from .config import ModelConfig
 from .kv_cache import KVPages, page_bytes
-from .layers import MLP, Attention, RMSNorm, RotaryEmbedding, ShardSpec, VocabParallelEmbedding, split_evenly, \
-    split_heads
+from .layers import MLP, Attention, RMSNorm, RotaryEmbedding, ShardSpec, VocabParallelEmbedding, shard_plan, \
+    split_evenly, split_heads
 
 
 def check_split(config: ModelConfig, mapping: Mapping, *, deterministic: bool = False) -> None:
@@ -341,8 +341,4 @@ class TPLlamaForCausalLM(nn.Module):
 
     def shard_plan(self) -> list[tuple[str, nn.Parameter, list[ShardSpec]]]:
         """Every parameter with the checkpoint slices that fill it: ``(name, param, specs)``."""
-        out = []
-        for mod_name, module in self.named_modules():
-            for pname, specs in getattr(module, "plan", {}).items():
-                out.append((f"{mod_name}.{pname}" if mod_name else pname, getattr(module, pname), specs))
-        return out
+        return shard_plan(self)
