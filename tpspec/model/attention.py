@@ -116,18 +116,6 @@ class TorchPagedAttention:
         return out[0] if b == 1 else out[meta.tok_seq, meta.tok_qi]
 
 
-def _deterministic_cuda_kernels(device: torch.device | str) -> Any:
-    """The Triton module of deterministic attention when ``device`` is CUDA and ``triton``
-    imports, else ``None`` (a CPU run never imports Triton)."""
-    if torch.device(device).type != "cuda" or importlib.util.find_spec("triton") is None:
-        return None
-    try:
-        from . import deterministic_attention_cuda
-    except ImportError:
-        return None
-    return deterministic_attention_cuda
-
-
 class DeterministicPagedAttention:
     """Deterministic mode: every query row's result depends only on that row and the
     keys/values it sees, in a fixed order, whatever the batch, the number of query rows of its
@@ -145,7 +133,7 @@ class DeterministicPagedAttention:
     def __init__(self, *, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, dtype: torch.dtype,
                  device: torch.device) -> None:
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
-        self.cuda_kernels = _deterministic_cuda_kernels(device)
+        self.cuda_kernels = det.attention_kernels(torch.device(device))
         self.supports_graphs = self.cuda_kernels is not None
 
     def plan(self, meta: AttentionMetadata, *, graph: bool = False) -> None:

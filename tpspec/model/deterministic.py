@@ -48,6 +48,7 @@ run the plain-torch trees on CUDA too; attention on CUDA is the Triton kernels o
 from __future__ import annotations
 
 import functools
+import importlib
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -160,19 +161,26 @@ def _gather_leaves(x: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def _import_segment_gemm() -> Any:
+def _triton_module(name: str) -> Any:
+    """The Triton module ``tpspec.model.<name>``, or None where ``triton`` does not import."""
     try:
-        from . import deterministic_cuda
-    except ImportError:  # no triton: the element tree everywhere
+        return importlib.import_module(f"{__package__}.{name}")
+    except ImportError:  # no triton: the plain-torch trees everywhere
         return None
-    return deterministic_cuda
 
 
 def segment_gemm(device: torch.device) -> Any:
     """The one dispatch rule of deterministic contractions: on a CUDA ``device`` with
     ``triton`` importable, the module :mod:`tpspec.model.deterministic_cuda` (the segment
     GEMM); otherwise ``None`` (the element tree of :class:`FixedOrderMatmul`)."""
-    return _import_segment_gemm() if device.type == "cuda" else None
+    return _triton_module("deterministic_cuda") if device.type == "cuda" else None
+
+
+def attention_kernels(device: torch.device) -> Any:
+    """The same rule for attention: on a CUDA ``device`` with ``triton`` importable, the module
+    :mod:`tpspec.model.deterministic_attention_cuda`; otherwise ``None`` (:func:`attend_sequence`
+    per sequence on the host). A CPU run never imports Triton."""
+    return _triton_module("deterministic_attention_cuda") if device.type == "cuda" else None
 
 
 class FixedOrderMatmul:
