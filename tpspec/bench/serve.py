@@ -259,19 +259,19 @@ def _session(max_concurrency: int | None, timeout_s: float) -> Any:
     return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout_s))
 
 
-async def _check_server(target: Target, request: Any) -> None:
-    """One request before the run: a server that does not answer is reported, not timed."""
+async def _check_server(target: Target, prompt: str | list[int]) -> None:
+    """One short request before the run: a server that does not answer is reported, not timed."""
     async with _session(1, target.timeout_s) as session:
-        result = await send_request(session, target.url, target.payload(request.prompt, request.output_len),
-                                    request.prompt_len)
+        result = await send_request(session, target.url, target.payload(prompt, 1), 0)
     if not result.success:
         raise _fail(f"the test request to {target.url} failed: {result.error}")
 
 
 async def run_rate(target: Target, requests: Sequence[Any], request_rate: float, *, burstiness: float,
                    max_concurrency: int | None, seed: int, progress: bool) -> tuple[list[RequestResult], float]:
-    """Send ``requests`` at ``request_rate``; return every request's result (in dataset order)
-    and the run's duration (from its start to the last response)."""
+    """Send ``requests`` at ``request_rate``; return every request's result (in dataset order,
+    ``start_time`` in seconds from the run's start) and the run's duration (from its start to
+    the last response)."""
     from tqdm import tqdm
 
     times = arrival_times(len(requests), request_rate, burstiness=burstiness, seed=seed)
@@ -300,6 +300,8 @@ async def run_rate(target: Target, requests: Sequence[Any], request_rate: float,
         results = list(await asyncio.gather(*tasks))
         duration = time.perf_counter() - start
     bar.close()
+    for r in results:
+        r.start_time -= start
     return results, duration
 
 
@@ -407,7 +409,7 @@ def _percentiles(text: str) -> list[float]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (default http://127.0.0.1:8000)")
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (default: %(default)s)")
     parser.add_argument("--endpoint", default="/v1/completions",
                         help="/v1/completions (default) or /v1/chat/completions")
     parser.add_argument("--backend", choices=("openai", "openai-chat"), default=None,
@@ -457,6 +459,8 @@ def _validate(args: argparse.Namespace) -> tuple[bool, list[float], list[float]]
         raise _fail(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     if not args.burstiness > 0:
         raise _fail(f"--burstiness must be > 0, got {args.burstiness}")
+    if args.seed < 0:
+        raise _fail(f"--seed must be >= 0, got {args.seed}")
     if not args.request_timeout > 0:
         raise _fail(f"--request-timeout must be > 0, got {args.request_timeout}")
     if args.vocab_size is not None:
@@ -543,7 +547,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"tpspec bench serve: {target.url}, model {model!r}, dataset {args.dataset}, {args.num_prompts} prompts "
           f"a rate ({'text' if maker.text else 'token ids'}), rates {','.join(str(_rate_value(r)) for r in rates)}, "
           f"max concurrency {args.max_concurrency}, burstiness {args.burstiness:g}")
-    asyncio.run(_check_server(target, datasets[0][0]))
+    # The test request's prompt is none of the timed ones (nor a prefix of them).
+    check = maker.random_ids(np.random.default_rng([args.seed, len(rates)]), max(1, 8 - maker.num_special))
+    asyncio.run(_check_server(target, maker.prompt(check)[0]))
 
     results = []
     for i, (rate, requests) in enumerate(zip(rates, datasets)):
@@ -554,8 +560,8 @@ def run(args: argparse.Namespace) -> int:
         result = result_of_rate(rate, args.max_concurrency, outcome, duration, percentiles)
         print_result(result, percentiles)
         if result["input_len_mismatches"] and not chat:  # chat prompts gain the chat template's tokens
-            print(f"note: the server counted other prompt lengths than the dataset for {result['input_len_mismatches']} "
-                  "requests (its tokenizer or chat template differs); the results use the server's counts")
+            print(f"note: the server counted other prompt lengths than the dataset for "
+                  f"{result['input_len_mismatches']} requests (its tokenizer differs); the results use its counts")
         results.append(result)
 
     meta = {"base_url": base_url, "endpoint": args.endpoint, "model": model, "chat": chat, "dataset": args.dataset,
