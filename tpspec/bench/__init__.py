@@ -2,7 +2,8 @@
 
 Each benchmark is a module of this package exposing ``add_arguments(parser)`` and
 ``run(args) -> int``; it prints a table and writes ``<out>/<name>.json`` and
-``<out>/<name>.png`` through :mod:`tpspec.bench.report`.
+``<out>/<name>.png`` through :mod:`tpspec.bench.report`. Only the chosen benchmark's module is
+imported, when its name is parsed (``bench serve``, a client, never imports torch).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "exchange": ("tpspec.bench.exchange", "LL exchange vs all-gather of keys vs all-gather of full logits"),
     "step": ("tpspec.bench.step", "one speculative decode step: sharded selection vs full-logit gather"),
     "generate": ("tpspec.bench.generate", "end-to-end tokens/s with and without speculation"),
+    "serve": ("tpspec.bench.serve", "an OpenAI-compatible server under load: throughput, TTFT, TPOT, ITL, E2EL"),
 }
 
 
@@ -61,18 +63,31 @@ def model_shape_path(args: argparse.Namespace, command: str) -> str | None:
         raise SystemExit(f"{command}: {exc}") from None
 
 
+class _ChosenBenchmark(argparse._SubParsersAction):
+    """The BENCHMARK positional: adds a benchmark's own options when its name is parsed, so only
+    the chosen module is imported."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        cmd = self._name_parser_map.get(values[0])
+        if cmd is not None and not getattr(cmd, "_tpspec_loaded", False):
+            cmd._tpspec_loaded = True
+            try:
+                module = importlib.import_module(BENCHMARKS[values[0]][0])
+            except ImportError:
+                pass  # not built yet: running it reports so
+            else:
+                module.add_arguments(cmd)
+        super().__call__(parser, namespace, values, option_string)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK")
+    sub = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK", action=_ChosenBenchmark)
     sub.required = True
     for name, (module_name, help_text) in BENCHMARKS.items():
         cmd = sub.add_parser(name, help=help_text, description=help_text)
         cmd.set_defaults(_bench_module=module_name)
         cmd.add_argument("--out", default="bench-out", help="folder for the JSON and PNG (default: bench-out)")
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            continue  # not built yet: running it reports so
-        module.add_arguments(cmd)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -6,21 +6,22 @@ import datetime
 import json
 import os
 import platform
+import sys
 from typing import Any, Sequence
-
-import torch
 
 
 def machine_description() -> dict[str, Any]:
-    """What the numbers were measured on."""
+    """What the numbers were measured on. torch's version and GPUs when the benchmark uses
+    torch (a client benchmark such as ``bench serve`` never imports it)."""
+    torch = sys.modules.get("torch")
     info: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "host": platform.node(),
         "python": platform.python_version(),
-        "torch": torch.__version__,
+        "torch": torch.__version__ if torch is not None else None,
         "cpu_count": os.cpu_count(),
     }
-    if torch.cuda.is_available():
+    if torch is not None and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
         info["gpu_count"] = torch.cuda.device_count()
     return info
