@@ -195,3 +195,13 @@ def test_roofline_rows_take_the_slowest_rank_and_the_column_ratios():
                            "logprobs <= 1.05x greedy: PASS")
     assert roofline.path_of(5, 5) == "graph" and roofline.path_of(0, 5) == "eager"
     assert roofline.path_of(2, 5) == "graph 2/5"
+
+
+def test_attention_backends_are_validated_by_the_runtime():
+    from tpspec.runtime.config import EngineConfig
+
+    assert roofline.accepted_attention_backends(["torch", "nope", "auto"], "cpu") == ["torch", "auto"]
+    error = roofline.attention_backend_error("nope", "cpu")
+    with pytest.raises(ValueError) as info:
+        EngineConfig(model_path="-", tp_size=1, device="cpu", dtype="float32", attention_backend="nope")
+    assert error == str(info.value)

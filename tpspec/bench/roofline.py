@@ -122,15 +122,22 @@ def path_of(graphed_steps: int, timed_steps: int) -> str:
 
 # ------------------------------------------------------------------------ arguments
 
-def check_attention_backend(name: str, device: str) -> None:
-    """``SystemExit`` unless the runtime's config accepts ``attention_backend=name`` (the runtime
-    validates; this only reports it before any rank starts)."""
+def attention_backend_error(name: str, device: str) -> str | None:
+    """Why the runtime's config refuses ``attention_backend=name`` on ``device``, or None when it
+    accepts it (the runtime validates; this only asks it before any rank starts)."""
     from ..runtime.config import EngineConfig
 
     try:
         EngineConfig(model_path="-", tp_size=1, device=device, dtype="float32", attention_backend=name)
     except ValueError as exc:
-        raise SystemExit(f"tpspec bench step: --attention-backends: {exc}") from None
+        return str(exc)
+    return None
+
+
+def accepted_attention_backends(names: Sequence[str], device: str = "cuda") -> list[str]:
+    """The ``names`` the runtime accepts as ``attention_backend`` (``launch/gpu_run.sh`` asks it
+    which backends its quick roofline can put side by side)."""
+    return [name for name in names if attention_backend_error(name, device) is None]
 
 
 # ------------------------------------------------------------------------ on each rank

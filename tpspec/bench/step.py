@@ -454,7 +454,9 @@ def roofline_config(args: argparse.Namespace, device: str) -> dict:
         raise SystemExit(f"tpspec bench step: --attention-backends: expected distinct names, got "
                          f"{args.attention_backends!r}")
     for name in backends:
-        roofline.check_attention_backend(name, device)
+        error = roofline.attention_backend_error(name, device)
+        if error is not None:
+            raise SystemExit(f"tpspec bench step: --attention-backends: {error}")
     if args.verify_batch == "none":
         verify: list[int] = []
     else:
