@@ -68,10 +68,9 @@ def generation_config(max_new_tokens: int, compile: bool) -> Any:
     return config
 
 
-@torch.inference_mode()
 def hf_generate(model: Any, prompts: list[list[int]], config: Any) -> tuple[float, list[list[int]]]:
     """``(wall seconds, generated ids per prompt)`` of one ``model.generate`` over ``prompts``
-    (equal lengths: no padding)."""
+    (equal lengths: no padding). ``generate`` runs under ``torch.no_grad`` by itself, as users call it."""
     ids = torch.tensor(prompts, dtype=torch.int64, device=model.device)
     sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
     sync()

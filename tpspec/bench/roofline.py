@@ -179,7 +179,7 @@ def roofline_cells(rank: int, world_size: int, cfg: dict, device: torch.device) 
         if cfg["verify_batches"]:
             plans.append((cfg["draft_len"], cfg["verify_batches"], ("greedy",)))
         for num_draft, batches, columns in plans:
-            engine = _build_engine(rank, world_size, cfg, backend, num_draft, max(batches))
+            engine = _build_engine(rank, world_size, cfg, backend, num_draft, max(batches), device)
             try:
                 out += _engine_cells(engine, cfg, backend, batches, columns, bandwidth, device)
             finally:
@@ -189,7 +189,8 @@ def roofline_cells(rank: int, world_size: int, cfg: dict, device: torch.device) 
     return out
 
 
-def _build_engine(rank: int, world_size: int, cfg: dict, backend: str, num_draft: int, max_batch: int) -> Any:
+def _build_engine(rank: int, world_size: int, cfg: dict, backend: str, num_draft: int, max_batch: int,
+                  device: torch.device) -> Any:
     from ..mapping import Mapping
     from ..runtime.config import EngineConfig, SpeculativeConfig
     from ..runtime.engine import Engine
@@ -201,7 +202,7 @@ def _build_engine(rank: int, world_size: int, cfg: dict, backend: str, num_draft
         max_batch_size=max_batch, max_seq_len=max(cfg["contexts"]) + _new_tokens(steps, num_draft) + num_draft + 1,
         max_num_tokens=max(512, max_batch * (num_draft + 1)), use_cuda_graphs=cfg["graphs"],
         exchange=cfg["exchange"], page_size=PAGE_SIZE, attention_backend=backend)
-    return Engine(config, Mapping(world_size, rank), cfg["device"])
+    return Engine(config, Mapping(world_size, rank), device)
 
 
 def _new_tokens(steps: int, num_draft: int) -> int:
