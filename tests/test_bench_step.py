@@ -70,13 +70,16 @@ def _check_roofline(out, contexts, batches, verify_batches, *, warmup=1, iters=3
     assert (out / "step_roofline.png").read_bytes()[:8] == PNG_MAGIC
 
 
-def test_bench_step_roofline_only_several_attention_backends(tmp_path):
-    """--roofline-only writes the roofline alone; each backend of --attention-backends gets its rows."""
+def test_bench_step_roofline_only_several_attention_backends(tmp_path, capsys):
+    """--roofline-only writes the roofline alone; each backend of --attention-backends gets its rows, in its
+    own rank processes: one that fails (FlashInfer needs CUDA) is named in the JSON, the others' rows stay,
+    and the command exits 1."""
     out = tmp_path / "bench"
     assert main(["bench", "step", "--device", "cpu", "--quick", "--tp", "1", "--roofline-only",
-                 "--attention-backends", "torch,auto", "--roofline-batch", "2", "--contexts", "16",
+                 "--attention-backends", "torch,flashinfer,auto", "--roofline-batch", "2", "--contexts", "16",
                  "--verify-batch", "none", "--roofline-columns", "greedy,logprobs", "--iters", "1",
-                 "--out", str(out)]) == 0
+                 "--out", str(out)]) == 1
+    assert "the roofline failed for attention backend(s) flashinfer" in capsys.readouterr().out
     assert not (out / "step.json").exists()
     report = json.loads((out / "step_roofline.json").read_text())
     rows = [dict(zip(report["columns"], r)) for r in report["rows"]]
@@ -85,7 +88,9 @@ def test_bench_step_roofline_only_several_attention_backends(tmp_path):
     for r in rows:
         assert r["greedy_ms"] > 0 and r["logprobs_ms"] > 0 and r["defaults_ms"] == "-"
         assert r["paths"] == "eager/-/eager"
-    assert report["meta"]["attention_backends"] == ["torch", "auto"]
+    meta = report["meta"]
+    assert meta["attention_backends"] == ["torch", "flashinfer", "auto"]
+    assert list(meta["failed"]) == ["flashinfer"] and "needs CUDA" in meta["failed"]["flashinfer"]
 
 
 @pytest.mark.slow

@@ -322,9 +322,14 @@ def run(args: argparse.Namespace) -> int:
     vocab = config_from_path(model).vocab_size
     hf_cfg = {"model": model, "device": device, "dtype": dtype, "max_new_tokens": cfg["max_new_tokens"],
               "compile": hf_compile, "prompts": {b: _prompts(b, cfg["prompt_len"], vocab) for b in batches}}
-    from ..testing import rank_backend, run_ranks
+    from ..testing import RankError, rank_backend, run_ranks
 
-    hf = run_ranks(hf_worker, 1, hf_cfg, backend=rank_backend(device, 1), timeout_s=args.timeout)[0]
+    try:
+        hf = run_ranks(hf_worker, 1, hf_cfg, backend=rank_backend(device, 1), timeout_s=args.timeout)[0]
+    except RankError as exc:
+        print(f"error: the transformers baseline failed: {exc}")
+        _write(args.out, names, batches, results, None, dict(meta, baseline_status=f"failed: {exc}"))
+        return 1
     equal = {}
     if hf["same_weights"]:
         for res in hf["results"]:

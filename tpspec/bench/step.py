@@ -377,31 +377,57 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"tpspec bench step: --contexts up to {max(cfg['contexts'])} need {longest} positions, "
                              f"the model has {model_config.max_position_embeddings}")
     backend = rank_backend(device, args.tp)
-    with shared_gpu_mps(device, args.tp) as mps_note:
-        per_rank = run_ranks(_step_worker, args.tp, cfg, backend=backend, timeout_s=args.timeout)
     meta = {
         "command": "tpspec bench step", "tp": args.tp, "device": device, "dtype": dtype, "model": args.model,
         "model_path": cfg["model"], "vocab_size": model_config.vocab_size,
         "draft_len": args.draft_len, "iters": cfg["iters"], "warmup": cfg["warmup"], "backend": backend,
         "exchange": args.exchange, "quick": args.quick,
-        "mps": mps_note or ("running" if device == "cuda" and backend == "gloo" else None),
     }
     equal: dict[str, bool] = {}
-    if cfg["step_table"]:
-        rows, equal = summarize(per_rank, args.draft_len)
-        table_meta = dict(meta, context_len=cfg["context_len"], tokens_equal=equal,
-                          note="medians over iters, slowest rank; select = token selection + strict acceptance "
-                               "(rejection mode: rejection sampling). On CPU only ratios are meaningful.")
-        report.write_report(args.out, "step", columns=COLUMNS, rows=rows, meta=table_meta, plot=_plot(rows))
-    if cfg["roofline"]:
-        roofline_meta = dict(meta, contexts=cfg["contexts"], roofline_batches=cfg["roofline_batches"],
-                             verify_batches=cfg["verify_batches"], columns=list(cfg["columns"]),
-                             attention_backends=cfg["attention_backends"], cuda_graphs=cfg["graphs"])
-        roofline.write_roofline_report(args.out, roofline.roofline_rows(per_rank), roofline_meta)
+    failed: dict[str, str] = {}
+    with shared_gpu_mps(device, args.tp) as mps_note:
+        meta["mps"] = mps_note or ("running" if device == "cuda" and backend == "gloo" else None)
+        if cfg["step_table"]:
+            per_rank = run_ranks(_step_worker, args.tp, dict(cfg, roofline=False), backend=backend,
+                                 timeout_s=args.timeout)
+            rows, equal = summarize(per_rank, args.draft_len)
+            table_meta = dict(meta, context_len=cfg["context_len"], tokens_equal=equal,
+                              note="medians over iters, slowest rank; select = token selection + strict acceptance "
+                                   "(rejection mode: rejection sampling). On CPU only ratios are meaningful.")
+            report.write_report(args.out, "step", columns=COLUMNS, rows=rows, meta=table_meta, plot=_plot(rows))
+        if cfg["roofline"]:
+            failed = _run_roofline(args, cfg, meta, backend)
     if not all(equal.values()):
         print(f"error: sharded and gather paths picked different tokens: {equal}")
         return 1
+    if failed:
+        print(f"error: the roofline failed for attention backend(s) {', '.join(failed)} (see the JSON's 'failed')")
+        return 1
     return 0
+
+
+def _run_roofline(args: argparse.Namespace, cfg: dict, meta: dict, backend: str) -> dict[str, str]:
+    """The roofline, one attention backend after the other, each in rank processes of its own (a
+    backend that fails, even with a broken CUDA context, leaves the others' rows), the JSON
+    rewritten after each. Returns ``{backend: error}`` of those that failed."""
+    from ..testing import RankError, run_ranks
+
+    per_rank: list[list[dict]] = [[] for _ in range(args.tp)]
+    failed: dict[str, str] = {}
+    for name in cfg["attention_backends"]:
+        one = dict(cfg, step_table=False, attention_backends=[name])
+        try:
+            results = run_ranks(_step_worker, args.tp, one, backend=backend, timeout_s=args.timeout)
+        except RankError as exc:
+            failed[name] = str(exc)
+            print(f"attention backend {name!r}: the roofline failed: {exc}")
+        else:
+            per_rank = [mine + new for mine, new in zip(per_rank, results)]
+        roofline_meta = dict(meta, contexts=cfg["contexts"], roofline_batches=cfg["roofline_batches"],
+                             verify_batches=cfg["verify_batches"], columns=list(cfg["columns"]),
+                             attention_backends=cfg["attention_backends"], cuda_graphs=cfg["graphs"], failed=failed)
+        roofline.write_roofline_report(args.out, roofline.roofline_rows(per_rank), roofline_meta)
+    return failed
 
 
 # -------------------------------------------------------------------------- roofline
