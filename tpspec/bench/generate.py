@@ -53,7 +53,7 @@ import torch
 
 from ..speculative.forced import FORCE_ENV, ForcedAcceptanceWarning
 from . import bench_device, model_shape_path, number_list, report
-from .hf_baseline import hf_worker
+from .hf_baseline import hf_worker, transformers_problem
 
 DEFAULT_RATES = (0.0, 1.5, 3.0)
 COLUMNS = ["config", "forced_rate", "draft_len", "requests", "tokens", "wall_s", "tokens_per_s",
@@ -270,6 +270,9 @@ def run(args: argparse.Namespace) -> int:
     if args.baseline is not None:
         if args.launcher != "mp":
             raise SystemExit("tpspec bench generate: --baseline runs with --launcher mp")
+        problem = transformers_problem()
+        if problem is not None:
+            raise SystemExit(f"tpspec bench generate: --baseline hf: {problem}")
         if hf_compile and device != "cuda":
             raise SystemExit("tpspec bench generate: --hf-compile: transformers compiles its static-cache decoding "
                              "on CUDA devices only")

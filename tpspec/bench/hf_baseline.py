@@ -22,6 +22,24 @@ import torch
 
 from ..validation import torch_dtype
 
+# ``dtype=`` in ``from_config`` / ``from_pretrained`` and generate's own torch.compile of a static cache.
+MIN_TRANSFORMERS = (4, 56)
+
+
+def transformers_problem() -> str | None:
+    """Why the installed transformers cannot run the baseline (None when it can)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        installed = version("transformers")
+    except PackageNotFoundError:
+        return "transformers is not installed"
+    parts = tuple(int(p) for p in installed.split(".")[:2] if p.isdigit())
+    if parts < MIN_TRANSFORMERS:
+        need = ".".join(map(str, MIN_TRANSFORMERS))
+        return f"transformers {installed} is installed; the baseline needs transformers >= {need}"
+    return None
+
 
 def hf_config(model_path: str) -> Any:
     """The transformers config of a ``shape:`` model path (its ``config.json`` fields, layers and
