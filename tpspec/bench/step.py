@@ -35,7 +35,8 @@ verification steps — at contexts ``--contexts`` and batches ``--roofline-batch
 ``--verify-batch``, per attention backend of ``--attention-backends``, beside its floor
 ``(weight bytes of the rank + KV bytes the step reads) / measured copy bandwidth``, with PASS/FAIL
 against the targets. ``--roofline-only`` skips the sharded-vs-gather table; ``--no-roofline`` the
-roofline.
+roofline. The table runs in one set of rank processes, then each attention backend's roofline in
+rank processes of its own (the JSON is rewritten after each; a backend that fails is named there).
 
 ``--model-shape llama-3-8b | llama-3-70b | qwen2.5-7b`` runs a real model shape with random
 weights built on each rank (its shard only; bf16 on GPU); ``--num-layers`` and
