@@ -3,9 +3,11 @@
 #
 # Usage: bash launch/gpu_run.sh [--dry-run] OUT_DIR [GROUP_OR_STEP ...]
 #
-#   Groups, in run order (default: all of them): correctness, exchange, sampling, runtime, generate.
-#   A step's name runs that step alone (`--dry-run` lists them all). Steps run in the order this script
-#   lists them, whatever the order of the arguments.
+#   Groups, in run order: quick (only when named), correctness, exchange, sampling, runtime, generate
+#   (default: all but quick). quick: the GPU tests, the roofline table, tpspec against transformers and
+#   deterministic mode's cost at the Llama 3 8B shape, in under 9 minutes on one GPU.
+#   A step's name runs that step alone (`--dry-run` lists the selected ones). Steps run in the order
+#   this script lists them, whatever the order of the arguments.
 #   --dry-run  print each selected step's time limit and command, and whether this build's `tpspec`
 #              accepts its arguments; run nothing (needs no GPU).
 #
@@ -44,6 +46,26 @@ step() {  # group name limit_s command
 o=$(printf %q "$OUT")
 T="$PY -m tpspec"
 
+# 0. Quick (one GPU, under 9 minutes, each limit below the share it may take): every GPU-marked test; the
+#    roofline table at the Llama 3 8B shape, TP=1, with the torch attention backend beside triton where the
+#    runtime accepts it; tpspec against Hugging Face transformers (static cache, compiled) at batch 1, 8 and
+#    32; deterministic mode beside the default at the same shape.
+quick_backends=torch
+for want in "$@"; do
+    case "$want" in
+        quick|quick-roofline-*)
+            quick_backends=$("$PY" -c 'from tpspec.bench.roofline import accepted_attention_backends as accepted
+print(",".join(accepted(["torch", "triton"])))' 2>/dev/null) || quick_backends=torch
+            [ -n "$quick_backends" ] || quick_backends=torch
+            break ;;
+    esac
+done
+S8B="--device cuda --tp 1 --model-shape llama-3-8b"
+step quick quick-gpu-tests 140 "$PY -m pytest -m gpu -v -rfE --durations=15 -p no:cacheprovider tests"
+step quick quick-roofline-llama-3-8b 130 "$T bench step $S8B --roofline-only --attention-backends $quick_backends --iters 10 --warmup 2 --timeout 120 --out $o/quick-roofline-llama-3-8b"
+step quick quick-hf-llama-3-8b 165 "$T bench generate $S8B --baseline hf --num-prompts 1,8,32 --prompt-len 128 --max-new-tokens 64 --timeout 150 --out $o/quick-hf-llama-3-8b"
+step quick quick-deterministic-llama-3-8b 75 "$T bench generate $S8B --rates none --deterministic --num-prompts 1,8,32 --prompt-len 128 --max-new-tokens 64 --timeout 70 --out $o/quick-deterministic-llama-3-8b"
+
 # 1. Correctness: every GPU-marked test; the determinism suite with N rank processes on the GPU(s); the LL
 #    kernel bit for bit against the CPU reference.
 step correctness gpu-tests 540 "$PY -m pytest -m gpu -v -rfE -p no:cacheprovider tests"
@@ -64,9 +86,9 @@ for tp in 2 4 8; do
     step sampling step-sampling-tp$tp 300 "$T bench step --device cuda --tp $tp --vocab-size 131072 --batch 1,2,8,16,64 --modes greedy,sampled,top_p,defaults --timeout 280 --out $o/step-sampling-tp$tp"
 done
 
-# 4. The runtime at a real model's shape: decode steps against the roofline floor (contexts 1K and 4K, batch
-#    1/8/32/64; the attention backend is FlashInfer where installed, else torch), at TP=1, then TP=2 and 4 rank
-#    processes.
+# 4. The runtime at a real model's shape: its decode and verification steps against the roofline floor
+#    (contexts 1K and 4K, batch 1/8/32/64; the attention backend the runtime picks), at TP=1, then TP=2 and 4
+#    rank processes.
 for tp in 1 2 4; do
     step runtime step-llama-3-8b-tp$tp 400 "$T bench step --device cuda --tp $tp --model-shape llama-3-8b --batch 1,8,32,64 --modes greedy --timeout 380 --out $o/step-llama-3-8b-tp$tp"
 done
@@ -82,7 +104,9 @@ step generate generate-llama-3-8b-deterministic 400 "$T bench generate --device 
 # ------------------------------------------------------------------------------------------- the selection
 selected=()
 if [ $# -eq 0 ]; then
-    selected=("${!STEP_NAME[@]}")
+    for i in "${!STEP_NAME[@]}"; do
+        [ "${STEP_GROUP[$i]}" = quick ] || selected+=("$i")
+    done
 else
     for want in "$@"; do
         found=0
@@ -90,7 +114,7 @@ else
             [ "${STEP_GROUP[$i]}" = "$want" ] || [ "${STEP_NAME[$i]}" = "$want" ] && found=1
         done
         if [ $found = 0 ]; then
-            echo "gpu_run.sh: no group or step named '$want' (groups: correctness exchange sampling runtime generate;" \
+            echo "gpu_run.sh: no group or step named '$want' (groups: quick correctness exchange sampling runtime generate;" \
                  "steps: bash launch/gpu_run.sh --dry-run OUT)" >&2
             exit 2
         fi

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tpspec.bench import step
+from tpspec.bench import roofline, step
 from tpspec.cli import main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -31,22 +31,66 @@ def test_bench_step_quick_cpu_writes_json_and_png(tmp_path):
         assert 0 < r["select_share_%"] < 100
         assert r["rows"] == r["batch"] * (r["draft_len"] + 1)
     assert (out / "step.png").read_bytes()[:8] == PNG_MAGIC
-    _check_roofline(out, step.QUICK_ROOFLINE_CONTEXTS, step.QUICK_ROOFLINE_BATCHES)
+    _check_roofline(out, roofline.QUICK_ROOFLINE_CONTEXTS, roofline.QUICK_ROOFLINE_BATCHES,
+                    roofline.QUICK_VERIFY_BATCHES)
 
 
-def _check_roofline(out, contexts, batches):
+def _check_roofline(out, contexts, batches, verify_batches, *, warmup=1, iters=3):
+    """The roofline JSON of a quick CPU run of the tiny bench model (2 layers, 1 KV head of 16 dims a rank at
+    TP = 2, fp32: 256 KV bytes a token and rank)."""
     report = json.loads((out / "step_roofline.json").read_text())
-    assert report["columns"] == step.ROOFLINE_COLUMNS
+    assert report["columns"] == roofline.TABLE_COLUMNS
     rows = [dict(zip(report["columns"], r)) for r in report["rows"]]
-    assert {(r["context"], r["batch"]) for r in rows} == {(c, b) for c in contexts for b in batches}
+    expected = {("decode", c, b) for c in contexts for b in batches} | {("verify", c, b) for c in contexts
+                                                                        for b in verify_batches}
+    assert {(r["step"], r["context"], r["batch"]) for r in rows} == expected
+    middle = warmup + (iters - 1) / 2  # tokens a request gained before the average timed step (decode)
     for r in rows:
-        assert r["step_ms"] > 0 and r["floor_ms"] > 0 and 0 < r["select_share_%"] < 100
-        assert abs(r["ratio"] - r["step_ms"] / r["floor_ms"]) < 0.01 * r["ratio"] + 0.01
-        # The floor's KV bytes on a rank: every request reads context + 1 entries of 2 layers x K and V x
-        # 1 KV head (2 over TP = 2) x 16 dims, fp32 (the table rounds to 10 kB).
-        assert abs(r["kv_read_MB"] - r["batch"] * (r["context"] + 1) * 2 * 2 * 1 * 16 * 4 / 1e6) <= 0.006
-        assert r["graphed"] is False  # CPU: eager
+        assert r["attention"] == "auto->torch" and r["floor_ms"] > 0 and r["greedy_ms"] > 0
+        assert abs(r["ratio"] - r["greedy_ms"] / r["floor_ms"]) < 0.01 * r["ratio"] + 0.01
+        if r["step"] == "decode":
+            assert r["rows"] == 1 and r["paths"] == "eager/eager/eager"  # CPU: no CUDA graphs
+            # Every request reads its cached entries and the one it writes (the table rounds to 10 kB).
+            assert abs(r["kv_read_MB"] - r["batch"] * (r["context"] + middle + 1) * 256 / 1e6) <= 0.006
+            for column in ("defaults", "logprobs"):
+                assert abs(r[f"{column}_vs_greedy"] - r[f"{column}_ms"] / r["greedy_ms"]) < 0.01 * r[
+                    f"{column}_vs_greedy"] + 0.01
+        else:  # 3 drafts: 4 rows a request, 1 to 4 tokens emitted a step
+            assert r["rows"] == 4 and r["paths"] == "eager/-/-" and r["defaults_ms"] == "-"
+            low = r["batch"] * (r["context"] + middle + 4) * 256 / 1e6
+            high = r["batch"] * (r["context"] + 4 * middle + 4) * 256 / 1e6
+            assert low - 0.006 <= r["kv_read_MB"] <= high + 0.006
+        target = (roofline.DECODE_TARGETS if r["step"] == "decode" else roofline.VERIFY_TARGETS).get(r["batch"])
+        if target is None:
+            assert r["verdict"] == "-" and r["checks"] == ""
+        else:
+            assert r["verdict"] == ("PASS" if r["ratio"] <= target else "FAIL")
+            assert r["checks"] == f"greedy <= {target:g}x floor: {r['verdict']}"
+    assert report["meta"]["attention_backends"] == ["auto"]
     assert (out / "step_roofline.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_bench_step_roofline_only_several_attention_backends(tmp_path, capsys):
+    """--roofline-only writes the roofline alone; each backend of --attention-backends gets its rows, in its
+    own rank processes: one that fails (FlashInfer needs CUDA) is named in the JSON, the others' rows stay,
+    and the command exits 1."""
+    out = tmp_path / "bench"
+    assert main(["bench", "step", "--device", "cpu", "--quick", "--tp", "1", "--roofline-only",
+                 "--attention-backends", "torch,flashinfer,auto", "--roofline-batch", "2", "--contexts", "16",
+                 "--verify-batch", "none", "--roofline-columns", "greedy,logprobs", "--iters", "1",
+                 "--out", str(out)]) == 1
+    assert "the roofline failed for attention backend(s) flashinfer" in capsys.readouterr().out
+    assert not (out / "step.json").exists()
+    report = json.loads((out / "step_roofline.json").read_text())
+    rows = [dict(zip(report["columns"], r)) for r in report["rows"]]
+    assert [(r["attention"], r["step"], r["batch"]) for r in rows] == [("torch", "decode", 2),
+                                                                       ("auto->torch", "decode", 2)]
+    for r in rows:
+        assert r["greedy_ms"] > 0 and r["logprobs_ms"] > 0 and r["defaults_ms"] == "-"
+        assert r["paths"] == "eager/-/eager"
+    meta = report["meta"]
+    assert meta["attention_backends"] == ["torch", "flashinfer", "auto"]
+    assert list(meta["failed"]) == ["flashinfer"] and "needs CUDA" in meta["failed"]["flashinfer"]
 
 
 @pytest.mark.slow
@@ -56,12 +100,12 @@ def test_bench_step_real_shape_with_fewer_layers(tmp_path):
     out = tmp_path / "shape"
     assert main(["bench", "step", "--device", "cpu", "--quick", "--tp", "1", "--model-shape", "qwen2.5-7b",
                  "--num-layers", "1", "--vocab-size", "2048", "--modes", "greedy", "--batch", "1",
-                 "--roofline-batch", "2", "--contexts", "16", "--iters", "1", "--warmup", "0",
+                 "--roofline-batch", "2", "--contexts", "16", "--verify-batch", "none", "--iters", "1", "--warmup", "0",
                  "--out", str(out)]) == 0
     meta = json.loads((out / "step.json").read_text())["meta"]
     assert meta["model_path"] == "shape:qwen2.5-7b,num_layers=1,vocab_size=2048" and meta["vocab_size"] == 2048
     assert all(meta["tokens_equal"].values())
-    row = dict(zip(step.ROOFLINE_COLUMNS, json.loads((out / "step_roofline.json").read_text())["rows"][0]))
+    row = dict(zip(roofline.TABLE_COLUMNS, json.loads((out / "step_roofline.json").read_text())["rows"][0]))
     # One Qwen2.5-7B layer + the 2048-row LM head, fp32, without the embedding table.
     layer = 3584 * (3584 + 2 * 512) + (3584 + 2 * 512) + 3584 * 3584 + 3 * 3584 * 18944 + 2 * 3584
     assert abs(row["weight_MB"] - (layer + 2048 * 3584 + 3584) * 4 / 1e6) < 0.1
@@ -78,6 +122,16 @@ def test_bench_step_rejects_bad_arguments(tmp_path):
         main(["bench", "step", "--device", "cpu", "--quick", "--batch", "0", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="--num-layers needs --model-shape"):
         main(["bench", "step", "--device", "cpu", "--quick", "--num-layers", "2", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="attention_backend must be"):
+        main(["bench", "step", "--device", "cpu", "--quick", "--attention-backends", "torch,nope", "--out",
+              str(tmp_path)])
+    with pytest.raises(SystemExit, match="--roofline-columns"):
+        main(["bench", "step", "--device", "cpu", "--quick", "--roofline-columns", "beam", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="leave nothing to run"):
+        main(["bench", "step", "--device", "cpu", "--quick", "--roofline-only", "--no-roofline", "--out",
+              str(tmp_path)])
+    with pytest.raises(SystemExit, match="need .* positions"):
+        main(["bench", "step", "--device", "cpu", "--quick", "--contexts", "100000", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="num_layers must be a positive int"):
         main(["bench", "step", "--device", "cpu", "--quick", "--model-shape", "llama-3-8b", "--num-layers", "0",
               "--out", str(tmp_path)])
@@ -99,3 +153,87 @@ def test_tokens_equal_compares_both_paths_on_every_rank():
     assert equal == {"B=1 greedy": False}
     _, equal = step.summarize([records(same, other_rank), records(same, same)], draft_len=2)
     assert equal == {"B=1 greedy": False}
+
+
+def test_roofline_floor_and_kv_bytes():
+    # 2 requests with 10 and 20 cached entries, 4 rows each, 100 bytes a token: (14 + 24) x 100.
+    assert roofline.kv_bytes_read([10, 20], 4, 100) == 3800
+    assert roofline.floor_ms(weight_bytes=3e9, kv_bytes=1e9, bandwidth=2e12) == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("step_kind,batch,ratio,vs_greedy,expected", [
+    ("decode", 1, 1.11, {}, [("greedy <= 1.12x floor", True)]),
+    ("decode", 1, 1.13, {}, [("greedy <= 1.12x floor", False)]),
+    ("decode", 8, 1.29, {}, [("greedy <= 1.3x floor", True)]),
+    ("decode", 32, 1.31, {}, [("greedy <= 1.3x floor", False)]),
+    ("decode", 4, 9.0, {"defaults": 2.0}, []),  # no target at batch 4, none for the sampled columns below 64
+    ("decode", 8, 1.0, {"defaults": 2.0, "logprobs": 2.0}, [("greedy <= 1.3x floor", True)]),
+    ("decode", 64, 1.2, {"defaults": 1.06, "logprobs": 1.04},
+     [("greedy <= 1.3x floor", True), ("defaults <= 1.05x greedy", False), ("logprobs <= 1.05x greedy", True)]),
+    ("decode", 64, None, {"defaults": None, "logprobs": 1.0}, [("logprobs <= 1.05x greedy", True)]),
+    ("verify", 1, 1.19, {}, [("greedy <= 1.2x floor", True)]),
+    ("verify", 8, 1.21, {}, [("greedy <= 1.2x floor", False)]),
+    ("verify", 64, 1.0, {"defaults": 9.0}, []),
+])
+def test_roofline_targets(step_kind, batch, ratio, vs_greedy, expected):
+    checks = roofline.roofline_checks(step_kind, batch, ratio, vs_greedy)
+    assert checks == expected
+    assert roofline.verdict(checks) == ("-" if not expected else "PASS" if all(ok for _, ok in expected) else "FAIL")
+
+
+def test_roofline_rows_take_the_slowest_rank_and_the_column_ratios():
+    def rec(column, step_ms, rank_floor, path="graph"):
+        return {"kind": "roofline", "attention": "auto", "resolved": "torch", "step": "decode", "column": column,
+                "context": 1024, "batch": 64, "rows": 1, "step_ms": step_ms, "floor_ms": rank_floor,
+                "weight_bytes": 1e9, "kv_bytes": 2e6, "bandwidth": 3e12, "path": path}
+
+    rank0 = [rec("greedy", 10.0, 8.0), rec("defaults", 10.4, 8.0, "eager"), rec("logprobs", 11.0, 8.0, "eager")]
+    rank1 = [rec("greedy", 12.0, 8.5), rec("defaults", 12.0, 8.5, "eager"), rec("logprobs", 12.5, 8.5, "eager")]
+    (row,) = roofline.roofline_rows([rank0, rank1])
+    r = dict(zip(roofline.TABLE_COLUMNS, row))
+    assert r["attention"] == "auto->torch" and r["greedy_ms"] == 12.0 and r["floor_ms"] == 8.5
+    assert r["ratio"] == round(12.0 / 8.5, 3)
+    assert r["defaults_vs_greedy"] == 1.0 and r["logprobs_vs_greedy"] == round(12.5 / 12.0, 3)
+    assert r["paths"] == "graph/eager/eager" and r["copy_GBps"] == 3000.0
+    assert r["verdict"] == "FAIL"  # 1.41x the floor; the sampled columns pass
+    assert r["checks"] == ("greedy <= 1.3x floor: FAIL; defaults <= 1.05x greedy: PASS; "
+                           "logprobs <= 1.05x greedy: PASS")
+    assert roofline.path_of(5, 5) == "graph" and roofline.path_of(0, 5) == "eager"
+    assert roofline.path_of(2, 5) == "graph 2/5"
+
+
+def test_attention_backends_are_validated_by_the_runtime():
+    from tpspec.runtime.config import EngineConfig
+
+    assert roofline.accepted_attention_backends(["torch", "nope", "auto"], "cpu") == ["torch", "auto"]
+    error = roofline.attention_backend_error("nope", "cpu")
+    with pytest.raises(ValueError) as info:
+        EngineConfig(model_path="-", tp_size=1, device="cpu", dtype="float32", attention_backend="nope")
+    assert error == str(info.value)
+
+
+def test_graphed_steps_count_what_the_runtime_graphs_ran():
+    """The roofline's `paths` column counts the steps the engine's CUDA graphs ran: it wraps
+    `GenerationGraphs.run(gen, drafts)`, which returns None for a step that runs eagerly (CPU runs
+    have no graphs, so this is where the wrapping is checked without a GPU)."""
+    import inspect
+
+    from tpspec.runtime.cuda_graphs import GenerationGraphs
+
+    assert list(inspect.signature(GenerationGraphs.run).parameters)[:3] == ["self", "gen", "drafts"]
+
+    class Graphs:  # stands in for GenerationGraphs: a graphed step returns its tokens, an eager one None
+        def run(self, gen, drafts):
+            return None if gen == "eager" else {0: [1]}
+
+    class Engine:
+        graphs = Graphs()
+
+    engine = Engine()
+    counter = roofline._GraphedSteps(engine)
+    assert engine.graphs.run("eager", []) is None and counter.graphed == 0
+    assert engine.graphs.run("graphed", []) == {0: [1]} and counter.graphed == 1
+    counter.reset()
+    assert counter.graphed == 0
+    Engine.graphs = None
+    assert roofline._GraphedSteps(Engine()).graphed == 0

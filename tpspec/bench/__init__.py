@@ -14,8 +14,10 @@ from typing import Any, Sequence
 
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "exchange": ("tpspec.bench.exchange", "LL exchange vs all-gather of keys vs all-gather of full logits"),
-    "step": ("tpspec.bench.step", "one speculative decode step: sharded selection vs full-logit gather"),
-    "generate": ("tpspec.bench.generate", "end-to-end tokens/s with and without speculation"),
+    "step": ("tpspec.bench.step", "one speculative decode step: sharded selection vs full-logit gather; the "
+                                  "runtime's steps against the roofline"),
+    "generate": ("tpspec.bench.generate", "end-to-end tokens/s with and without speculation, and against "
+                                          "Hugging Face transformers"),
     "serve": ("tpspec.bench.serve", "an OpenAI-compatible server under load: throughput, TTFT, TPOT, ITL, E2EL"),
 }
 

@@ -29,14 +29,14 @@ the selection and their sum, the share of the step spent selecting tokens (slowe
 rank), and for the sharded path the share of rows that fell back to gathering. On CPU only
 the ratios mean something; absolute times are meaningful on GPUs.
 
-Roofline (``step_roofline.json``/``.png``): per context (``--contexts``, default 1K and 4K)
-and batch (``--roofline-batch``, default 1, 8, 32, 64), one plain decode step (one new token
-per request, greedy, the sharded exchange), as a CUDA graph where the TP group allows it, beside
-its floor ``(weight bytes of the rank + KV bytes the step reads) / measured copy bandwidth``
-(the rank's weights are about ``1/tp`` of the model; the embedding table is not counted, a
-decode step reads only its rows) and their ratio, plus the share of the step spent choosing
-tokens (eager: selection / (forward + selection)). The caches hold zeros: attention reads
-the same bytes whatever they hold, so no prefill is needed.
+Roofline (``step_roofline.json``/``.png``, :mod:`tpspec.bench.roofline`): the runtime's own
+``Engine.step()`` — decode steps in greedy, ``defaults`` and ``logprobs=5`` columns, and
+verification steps — at contexts ``--contexts`` and batches ``--roofline-batch`` /
+``--verify-batch``, per attention backend of ``--attention-backends``, beside its floor
+``(weight bytes of the rank + KV bytes the step reads) / measured copy bandwidth``, with PASS/FAIL
+against the targets. ``--roofline-only`` skips the sharded-vs-gather table; ``--no-roofline`` the
+roofline. The table runs in one set of rank processes, then each attention backend's roofline in
+rank processes of its own (the JSON is rewritten after each; a backend that fails is named there).
 
 ``--model-shape llama-3-8b | llama-3-70b | qwen2.5-7b`` runs a real model shape with random
 weights built on each rank (its shard only; bf16 on GPU); ``--num-layers`` and
@@ -54,7 +54,8 @@ from typing import Any, Callable
 import torch
 
 from ..validation import resolve_dtype, torch_dtype
-from . import bench_device, model_shape_path, number_list, report
+from . import bench_device, model_shape_path, number_list, report, roofline
+from .roofline import PAGE_SIZE, QWEN25_DEFAULTS
 
 DEFAULT_BATCHES = (1, 8, 32)
 QUICK_BATCHES = (1, 4)
@@ -113,7 +114,7 @@ def mode_params(mode: str, index: int) -> Any:
         return SamplingParams(temperature=0.8, seed=seed)
     if mode == "top_p":
         return SamplingParams(temperature=0.6, top_p=0.9, seed=seed)
-    return SamplingParams(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05, seed=seed)
+    return SamplingParams(**QWEN25_DEFAULTS, seed=seed)
 
 
 def _gather_select(logits: Any, meta: Any, drafts: torch.Tensor, greedy: bool) -> torch.Tensor:
@@ -160,8 +161,21 @@ def _sharded_select(worker: Any, logits: Any, meta: Any, drafts: torch.Tensor) -
                       out.target_tokens if worker.acceptance == "strict" else out.num_accepted])
 
 
-@torch.inference_mode()
 def _step_worker(rank: int, world_size: int, cfg: dict) -> list[dict]:
+    """On every rank: the sharded-vs-gather table (its own model), then the roofline cells (the
+    runtime's engines, built after that model is gone)."""
+    if cfg["device"] == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    records = _step_table(rank, world_size, cfg, device) if cfg["step_table"] else []
+    cells = roofline.roofline_cells(rank, world_size, cfg, device) if cfg["roofline"] else []
+    return records + cells
+
+
+@torch.inference_mode()
+def _step_table(rank: int, world_size: int, cfg: dict, device: torch.device) -> list[dict]:
     from .. import distributed as D
     from ..exchange import make_key_exchange
     from ..mapping import Mapping
@@ -170,11 +184,6 @@ def _step_worker(rank: int, world_size: int, cfg: dict) -> list[dict]:
     from ..sampling.select import SamplingStats
     from ..speculative import RequestEntry, SpecMetadata, SpecWorker
 
-    if cfg["device"] == "cuda":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
     dtype = torch_dtype(cfg["dtype"])
     exchange = make_key_exchange(D.tp_group(), prefer=cfg["exchange"], device=device)
     model = load_model(cfg["model"], Mapping(world_size, rank), device=device, dtype=dtype, exchange=exchange)
@@ -243,9 +252,8 @@ def _step_worker(rank: int, world_size: int, cfg: dict) -> list[dict]:
                     "first_output": outputs[0],
                     "gathered_pct": 100.0 if path == "gather" else (100.0 * st.rows_gathered / drawn if drawn else 0.0),
                 })
-    roofline = _roofline_cells(model, cfg, device) if cfg.get("roofline") else []
     exchange.close()
-    return [dict(r, kind="step") for r in records] + roofline
+    return [dict(r, kind="step") for r in records]
 
 
 # --------------------------------------------------------------------------- summary
@@ -336,6 +344,8 @@ def run(args: argparse.Namespace) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or any(m not in MODES for m in modes):
         raise SystemExit(f"tpspec bench step: --modes must name some of {MODES}, got {args.modes!r}")
+    if args.roofline_only and args.no_roofline:
+        raise SystemExit("tpspec bench step: --roofline-only and --no-roofline leave nothing to run")
     try:
         dtype = resolve_dtype(args.dtype, device)
     except ValueError as exc:
@@ -345,6 +355,7 @@ def run(args: argparse.Namespace) -> int:
         "model": _model_path(args, vocab),
         "device": device,
         "dtype": dtype,
+        "step_table": not args.roofline_only,
         "batches": number_list(args.batch, QUICK_BATCHES if args.quick else DEFAULT_BATCHES,
                                option="tpspec bench step: --batch"),
         "draft_len": args.draft_len,
@@ -356,55 +367,100 @@ def run(args: argparse.Namespace) -> int:
         "warmup": args.warmup if args.warmup is not None else (1 if args.quick else 3),
         **roofline_config(args, device),
     }
-    backend = rank_backend(device, args.tp)
-    with shared_gpu_mps(device, args.tp) as mps_note:
-        per_rank = run_ranks(_step_worker, args.tp, cfg, backend=backend, timeout_s=args.timeout)
-    rows, equal = summarize(per_rank, args.draft_len)
+    if cfg["iters"] < 1 or cfg["warmup"] < 0:
+        raise SystemExit("tpspec bench step: --iters must be >= 1 and --warmup >= 0")
     from ..model.shapes import config_from_path
 
+    model_config = config_from_path(cfg["model"])
+    if cfg["roofline"]:
+        longest = max(cfg["contexts"]) + 2 + (cfg["warmup"] + cfg["iters"] + 1) * (args.draft_len + 1)
+        if longest > model_config.max_position_embeddings:
+            raise SystemExit(f"tpspec bench step: --contexts up to {max(cfg['contexts'])} need {longest} positions, "
+                             f"the model has {model_config.max_position_embeddings}")
+    backend = rank_backend(device, args.tp)
     meta = {
         "command": "tpspec bench step", "tp": args.tp, "device": device, "dtype": dtype, "model": args.model,
-        "model_path": cfg["model"], "vocab_size": config_from_path(cfg["model"]).vocab_size,
-        "draft_len": args.draft_len, "context_len": cfg["context_len"], "iters": cfg["iters"],
-        "warmup": cfg["warmup"], "backend": backend, "exchange": args.exchange, "quick": args.quick,
-        "tokens_equal": equal, "mps": mps_note or ("running" if device == "cuda" and backend == "gloo" else None),
-        "note": "medians over iters, slowest rank; select = token selection + strict acceptance (rejection mode: "
-                "rejection sampling). On CPU only ratios are meaningful.",
+        "model_path": cfg["model"], "vocab_size": model_config.vocab_size,
+        "draft_len": args.draft_len, "iters": cfg["iters"], "warmup": cfg["warmup"], "backend": backend,
+        "exchange": args.exchange, "quick": args.quick,
     }
-    report.write_report(args.out, "step", columns=COLUMNS, rows=rows, meta=meta, plot=_plot(rows))
-    if cfg["roofline"]:
-        write_roofline_report(args.out, per_rank, meta)
+    equal: dict[str, bool] = {}
+    failed: dict[str, str] = {}
+    with shared_gpu_mps(device, args.tp) as mps_note:
+        meta["mps"] = mps_note or ("running" if device == "cuda" and backend == "gloo" else None)
+        if cfg["step_table"]:
+            per_rank = run_ranks(_step_worker, args.tp, dict(cfg, roofline=False), backend=backend,
+                                 timeout_s=args.timeout)
+            rows, equal = summarize(per_rank, args.draft_len)
+            table_meta = dict(meta, context_len=cfg["context_len"], tokens_equal=equal,
+                              note="medians over iters, slowest rank; select = token selection + strict acceptance "
+                                   "(rejection mode: rejection sampling). On CPU only ratios are meaningful.")
+            report.write_report(args.out, "step", columns=COLUMNS, rows=rows, meta=table_meta, plot=_plot(rows))
+        if cfg["roofline"]:
+            failed = _run_roofline(args, cfg, meta, backend)
     if not all(equal.values()):
         print(f"error: sharded and gather paths picked different tokens: {equal}")
+        return 1
+    if failed:
+        print(f"error: the roofline failed for attention backend(s) {', '.join(failed)} (see the JSON's 'failed')")
         return 1
     return 0
 
 
+def _run_roofline(args: argparse.Namespace, cfg: dict, meta: dict, backend: str) -> dict[str, str]:
+    """The roofline, one attention backend after the other, each in rank processes of its own (a
+    backend that fails, even with a broken CUDA context, leaves the others' rows), the JSON
+    rewritten after each. Returns ``{backend: error}`` of those that failed."""
+    from ..testing import RankError, run_ranks
+
+    per_rank: list[list[dict]] = [[] for _ in range(args.tp)]
+    failed: dict[str, str] = {}
+    for name in cfg["attention_backends"]:
+        one = dict(cfg, step_table=False, attention_backends=[name])
+        try:
+            results = run_ranks(_step_worker, args.tp, one, backend=backend, timeout_s=args.timeout)
+        except RankError as exc:
+            failed[name] = str(exc)
+            print(f"attention backend {name!r}: the roofline failed: {exc}")
+        else:
+            per_rank = [mine + new for mine, new in zip(per_rank, results)]
+        roofline_meta = dict(meta, contexts=cfg["contexts"], roofline_batches=cfg["roofline_batches"],
+                             verify_batches=cfg["verify_batches"], columns=list(cfg["columns"]),
+                             attention_backends=cfg["attention_backends"], cuda_graphs=cfg["graphs"], failed=failed)
+        roofline.write_roofline_report(args.out, roofline.roofline_rows(per_rank), roofline_meta)
+    return failed
+
+
 # -------------------------------------------------------------------------- roofline
-
-PAGE_SIZE = 16
-ROOFLINE_BATCHES = (1, 8, 32, 64)
-ROOFLINE_CONTEXTS = (1024, 4096)
-QUICK_ROOFLINE_BATCHES = (1, 4)
-QUICK_ROOFLINE_CONTEXTS = (32, 64)
-ROOFLINE_COLUMNS = ["context", "batch", "step_ms", "floor_ms", "ratio", "select_share_%", "weight_MB", "kv_read_MB",
-                    "copy_GBps", "graphed"]
-
 
 def add_roofline_arguments(parser: argparse.ArgumentParser) -> None:
     from ..model.shapes import MODEL_SHAPES
+
+    def listed(values: tuple) -> str:
+        return ",".join(map(str, values))
 
     parser.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default=None,
                         help="a real model shape with random weights built on each rank (instead of --model)")
     parser.add_argument("--num-layers", type=int, default=None, help="with --model-shape: fewer layers (quick checks)")
     parser.add_argument("--contexts", default=None,
-                        help=f"roofline contexts (default {','.join(map(str, ROOFLINE_CONTEXTS))}; --quick "
-                             f"{','.join(map(str, QUICK_ROOFLINE_CONTEXTS))})")
+                        help=f"roofline contexts: cached tokens a request (default {listed(roofline.ROOFLINE_CONTEXTS)}"
+                             f"; --quick {listed(roofline.QUICK_ROOFLINE_CONTEXTS)})")
     parser.add_argument("--roofline-batch", default=None,
-                        help=f"roofline batch sizes (default {','.join(map(str, ROOFLINE_BATCHES))}; --quick "
-                             f"{','.join(map(str, QUICK_ROOFLINE_BATCHES))})")
+                        help=f"roofline decode batch sizes (default {listed(roofline.ROOFLINE_BATCHES)}; --quick "
+                             f"{listed(roofline.QUICK_ROOFLINE_BATCHES)})")
+    parser.add_argument("--verify-batch", default=None,
+                        help=f"roofline verification batch sizes, --draft-len drafts a request (default "
+                             f"{listed(roofline.VERIFY_BATCHES)}; --quick {listed(roofline.QUICK_VERIFY_BATCHES)}; "
+                             f"'none': no verification rows)")
+    parser.add_argument("--roofline-columns", default=",".join(roofline.COLUMNS),
+                        help="roofline decode columns: greedy, defaults (Qwen2.5's sampling defaults on every "
+                             "request), logprobs (greedy, logprobs=5); default all")
+    parser.add_argument("--attention-backends", default="auto",
+                        help="comma-separated attention backends the roofline runs side by side (any the runtime's "
+                             "attention_backend accepts; default auto: the runtime's pick)")
+    parser.add_argument("--roofline-only", action="store_true", help="skip the sharded-vs-gather table")
     parser.add_argument("--no-roofline", action="store_true", help="skip the roofline table")
-    parser.add_argument("--no-cuda-graphs", action="store_true", help="time roofline steps eagerly on GPU")
+    parser.add_argument("--no-cuda-graphs", action="store_true", help="roofline engines without CUDA graphs")
 
 
 def _model_path(args: argparse.Namespace, vocab: int) -> str:
@@ -415,143 +471,32 @@ def _model_path(args: argparse.Namespace, vocab: int) -> str:
 
 
 def roofline_config(args: argparse.Namespace, device: str) -> dict:
+    """The roofline part of the rank config (``SystemExit`` naming a bad option)."""
+    columns = [c.strip() for c in args.roofline_columns.split(",") if c.strip()]
+    if not columns or any(c not in roofline.COLUMNS for c in columns) or len(set(columns)) != len(columns):
+        raise SystemExit(f"tpspec bench step: --roofline-columns must name some of {roofline.COLUMNS}, "
+                         f"got {args.roofline_columns!r}")
+    backends = [b.strip() for b in args.attention_backends.split(",") if b.strip()]
+    if not backends or len(set(backends)) != len(backends):
+        raise SystemExit(f"tpspec bench step: --attention-backends: expected distinct names, got "
+                         f"{args.attention_backends!r}")
+    for name in backends:
+        error = roofline.attention_backend_error(name, device)
+        if error is not None:
+            raise SystemExit(f"tpspec bench step: --attention-backends: {error}")
+    if args.verify_batch == "none":
+        verify: list[int] = []
+    else:
+        verify = number_list(args.verify_batch, roofline.QUICK_VERIFY_BATCHES if args.quick
+                             else roofline.VERIFY_BATCHES, option="tpspec bench step: --verify-batch")
     return {
         "roofline": not args.no_roofline,
-        "roofline_batches": number_list(args.roofline_batch, QUICK_ROOFLINE_BATCHES if args.quick
-                                        else ROOFLINE_BATCHES, option="tpspec bench step: --roofline-batch"),
-        "contexts": number_list(args.contexts, QUICK_ROOFLINE_CONTEXTS if args.quick else ROOFLINE_CONTEXTS,
-                                option="tpspec bench step: --contexts"),
+        "roofline_batches": number_list(args.roofline_batch, roofline.QUICK_ROOFLINE_BATCHES if args.quick
+                                        else roofline.ROOFLINE_BATCHES, option="tpspec bench step: --roofline-batch"),
+        "verify_batches": verify,
+        "contexts": number_list(args.contexts, roofline.QUICK_ROOFLINE_CONTEXTS if args.quick
+                                else roofline.ROOFLINE_CONTEXTS, option="tpspec bench step: --contexts"),
+        "columns": [c for c in roofline.COLUMNS if c in columns],
+        "attention_backends": backends,
         "graphs": device == "cuda" and not args.no_cuda_graphs,
     }
-
-
-def copy_bandwidth(device: torch.device, nbytes: int | None = None, iters: int = 10) -> float:
-    """Measured bytes/s of a device-to-device copy (read + write counted), the floor's bandwidth."""
-    nbytes = nbytes or (1 << 30 if device.type == "cuda" else 1 << 26)
-    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    _sync(device)
-    start = time.perf_counter()
-    for _ in range(iters):
-        dst.copy_(src)
-    _sync(device)
-    return 2 * nbytes * iters / (time.perf_counter() - start)
-
-
-def _graphs_allowed(cfg: dict) -> bool:
-    from .. import distributed as D
-
-    group = D.tp_group()
-    return cfg["graphs"] and (D.group_size(group) == 1 or D.group_backend(group) == "nccl")
-
-
-def _roofline_cells(model: Any, cfg: dict, device: torch.device) -> list[dict]:
-    """Time one plain decode step per (context, batch) and compute its floor on this rank."""
-    from ..model import ForwardBatch
-
-    bandwidth = copy_bandwidth(device)
-    weight_bytes = sum(p.numel() * p.element_size() for name, p, _ in model.shard_plan()
-                       if not name.startswith("embed_tokens"))
-    per_token_kv = model.page_bytes(PAGE_SIZE) // PAGE_SIZE
-    graphed = _graphs_allowed(cfg)
-    out = []
-    for context in cfg["contexts"]:
-        per_seq = -(-(context + 1) // PAGE_SIZE)
-        model.allocate_kv_cache(max(cfg["roofline_batches"]) * per_seq, PAGE_SIZE)  # zeros: no prefill needed
-        for batch in cfg["roofline_batches"]:
-            tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
-            # Every row needs logits; the rows live on the device, so a graph capture copies nothing from the host.
-            step = ForwardBatch(torch.full((batch,), 7, dtype=torch.int64, device=device),
-                                torch.full((batch,), context, dtype=torch.int64, device=device),
-                                tables, [context] * batch, [1] * batch,
-                                logits_rows=torch.arange(batch, dtype=torch.int64, device=device))
-            forward_ms, select_ms = [], []
-            for it in range(cfg["warmup"] + cfg["iters"]):
-                box: dict[str, Any] = {}
-                _sync(device)
-                t0 = time.perf_counter()
-                box["logits"] = model(step)
-                _sync(device)
-                t1 = time.perf_counter()
-                box["logits"].argmax()
-                _sync(device)
-                t2 = time.perf_counter()
-                if it >= cfg["warmup"]:
-                    forward_ms.append((t1 - t0) * 1e3)
-                    select_ms.append((t2 - t1) * 1e3)
-            eager_ms = statistics.median(forward_ms) + statistics.median(select_ms)
-            step_ms = _graphed_step_ms(model, step, cfg, device) if graphed else eager_ms
-            kv_bytes = batch * (context + 1) * per_token_kv
-            out.append({"kind": "roofline", "context": context, "batch": batch, "step_ms": step_ms,
-                        "select_share": statistics.median(select_ms) / eager_ms if eager_ms > 0 else 0.0,
-                        "weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "bandwidth": bandwidth,
-                        "floor_ms": (weight_bytes + kv_bytes) / bandwidth * 1e3, "graphed": graphed})
-    model.caches = []
-    return out
-
-
-def _graphed_step_ms(model: Any, step: Any, cfg: dict, device: torch.device) -> float:
-    """Median replay time of the step (forward + greedy selection) captured as one CUDA graph."""
-    meta = model.build_metadata(step)
-    model.attention.plan(meta, graph=True)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            model(step, meta).argmax()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        model(step, meta).argmax()
-    times = []
-    for it in range(cfg["warmup"] + cfg["iters"]):
-        _sync(device)
-        start = time.perf_counter()
-        graph.replay()
-        _sync(device)
-        if it >= cfg["warmup"]:
-            times.append((time.perf_counter() - start) * 1e3)
-    if model.exchange is not None and hasattr(model.exchange, "check"):
-        model.exchange.check(sync=False)
-    return statistics.median(times)
-
-
-def roofline_rows(per_rank: list[list[dict]]) -> list[list[Any]]:
-    """One row per (context, batch): the slowest rank's step beside the largest floor."""
-    cells: dict[tuple[int, int], list[dict]] = {}
-    for records in per_rank:
-        for rec in records:
-            if rec.get("kind") == "roofline":
-                cells.setdefault((rec["context"], rec["batch"]), []).append(rec)
-    rows = []
-    for (context, batch), recs in cells.items():
-        step_ms = max(r["step_ms"] for r in recs)
-        floor_ms = max(r["floor_ms"] for r in recs)
-        worst = max(recs, key=lambda r: r["step_ms"])
-        rows.append([context, batch, round(step_ms, 4), round(floor_ms, 4), round(step_ms / floor_ms, 2),
-                     round(100.0 * worst["select_share"], 2), round(worst["weight_bytes"] / 1e6, 1),
-                     round(worst["kv_bytes"] / 1e6, 2), round(min(r["bandwidth"] for r in recs) / 1e9, 1),
-                     worst["graphed"]])
-    return rows
-
-
-def write_roofline_report(out_dir: str, per_rank: list[list[dict]], meta: dict) -> None:
-    rows = roofline_rows(per_rank)
-
-    def draw(ax: Any) -> None:
-        labels = [f"{r[0]}\nB={r[1]}" for r in rows]
-        x = range(len(rows))
-        ax.bar([i - 0.2 for i in x], [r[2] for r in rows], width=0.4, color="tab:blue", label="decode step")
-        ax.bar([i + 0.2 for i in x], [r[3] for r in rows], width=0.4, color="lightgray", label="roofline floor")
-        ax.set_xticks(list(x))
-        ax.set_xticklabels(labels, fontsize=7)
-        ax.set_ylabel("ms per decode step (slowest rank)")
-        ax.set_title("decode step vs (weights / tp + KV read) / copy bandwidth")
-        ax.legend(fontsize=8)
-
-    note = ("plain decode step (1 token per request, greedy); floor = (rank's weight bytes without the embedding "
-            "+ KV bytes read) / measured device copy bandwidth; ratio = step / floor; select share from eager "
-            "timings. On CPU only ratios mean something.")
-    report.write_report(out_dir, "step_roofline", columns=ROOFLINE_COLUMNS, rows=rows,
-                        meta=dict(meta, note=note), plot=draw)
