@@ -708,13 +708,19 @@ def check_seeded_streams(ctx: SuiteContext) -> CheckResult:
             params: SamplingParams = x_params) -> torch.Tensor:
         """X's tokens over ``steps`` steps; ``history`` earlier steps of another request in X's slot."""
         meta = SpecMetadata(8, draft_len, device=ctx.device)
-        schedule = [[(100, x_slot, SamplingParams(temperature=1.0, seed=5), t == 0)] for t in range(history)]
-        schedule += [[*neighbours, (x_tag, x_slot, params, t == 0)] for t in range(steps)]
+
+        def position(t: int) -> int:  # the output position of step t's first token (every draft kept)
+            return 0 if t == 0 else 1 + (t - 1) * (draft_len + 1)
+
+        schedule = [[(100, x_slot, SamplingParams(temperature=1.0, seed=5), t == 0, position(t))]
+                    for t in range(history)]
+        schedule += [[*(n + (position(t),) for n in neighbours), (x_tag, x_slot, params, t == 0, position(t))]
+                     for t in range(steps)]
         out = []
         for step, requests in enumerate(schedule):
             meta.prepare(requests, draft_len)
             rows = []
-            for rid, _, _, is_ctx in requests:
+            for rid, _, _, is_ctx, _ in requests:
                 own_step = step - history if rid == x_tag else step
                 rows += [_request_logits(rid, own_step, i, vocab) for i in range(1 if is_ctx else draft_len + 1)]
             full = torch.stack(rows)

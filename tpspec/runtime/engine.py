@@ -1,4 +1,4 @@
-"""The engine loop that runs on every rank: admission (a sampling-stream slot and KV pages
+"""The engine loop that runs on every rank: admission (a slot and KV pages
 per request), chunked context, speculative generation steps, verification, stop
 conditions, slot and page reuse.
 
@@ -87,7 +87,7 @@ class _Seq:
     owner: int  # attention-DP rank that runs it (0 under plain TP)
     tokens: list[int]
     num_prompt: int
-    slot: int = -1  # the request's sampling-stream slot while it runs
+    slot: int = -1  # its slot while it runs (penalty counts, stored draft logits)
     pages: list[int] = field(default_factory=list)  # its block table (grows; shared by all paged models)
     target_cached: int = 0
     draft_cached: int = 0
@@ -107,6 +107,12 @@ class _Seq:
     @property
     def num_generated(self) -> int:
         return len(self.tokens) - self.num_prompt
+
+    def entry(self, is_context: bool) -> RequestEntry:
+        """This step's :class:`RequestEntry`: its noise is that of its next output position, in
+        its own stream (an unseeded one: its admission number, the same on every rank)."""
+        return RequestEntry(self.req.request_id, self.slot, self.req.sampling, is_context,
+                            position=self.num_generated, stream=self.index)
 
 
 @dataclass
@@ -339,9 +345,8 @@ class Engine:
             self._running.append(seq)
 
     def _release(self, seq: _Seq) -> None:
-        """A running sequence leaves: its slot's streams restart for the next owner, its pages
-        go back to the pool."""
-        self.meta.release_slot(seq.slot)
+        """A running sequence leaves: its pages go back to the pool. (Its random stream is its
+        own, keyed by its seed or admission number: nothing to hand back.)"""
         self.pages.free(seq.index)
         self._running.remove(seq)
 
@@ -653,10 +658,10 @@ class Engine:
     @staticmethod
     def _requests(plan: _Plan, use_dummy: bool) -> list[RequestEntry]:
         """The step's requests in logits-row order: final context chunks, the dummy, generation."""
-        reqs = [RequestEntry(s.req.request_id, s.slot, s.req.sampling, True) for s, _ in plan.final_ctx]
+        reqs = [s.entry(True) for s, _ in plan.final_ctx]
         if use_dummy:
             reqs.append(RequestEntry(_DUMMY_REQUEST_ID, -1, None, True))  # padding: greedy, no stream
-        return reqs + [RequestEntry(s.req.request_id, s.slot, s.req.sampling, False) for s in plan.gen]
+        return reqs + [s.entry(False) for s in plan.gen]
 
     def _pick_drafts(self, logits, previous: list[torch.Tensor], slots: list[int]) -> torch.Tensor:
         """The next draft step's tokens from the drafter's ``logits`` (rows: this rank's generation

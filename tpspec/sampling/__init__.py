@@ -4,8 +4,8 @@ Public names:
 
 * :class:`SamplingParams` (``params``): per-request ``temperature, top_k, top_p,
   min_p, seed``, penalties and ``logprobs``, validated and normalized.
-* ``streams``: the window layout (:class:`WindowLayout`,
-  :class:`StreamAllocator`) and :func:`uniforms` from a request's stream.
+* ``streams``: where each draw of a request lives (its stream and the output position
+  it decides: :data:`SLOT_SPAN`, the lanes, :class:`StreamAllocator`) and :func:`uniforms`.
 * ``ops``: :func:`sample_from_logits`, :func:`filtered_probs`, :func:`greedy_tokens`
   on full logits: the reference every draw follows (``docs/determinism.md``).
 * ``select``: :func:`select_tokens` and :func:`sample_filtered` on ``VocabShardedLogits``
@@ -23,7 +23,7 @@ from .params import GREEDY_SENTINEL_TEMPERATURE, TOP_K_DISABLED, SamplingParams
 from .penalties import OccurrenceCounts, apply_penalties
 from ..keys import SamplingRows
 from .select import SamplingStats, sample_filtered, select_tokens
-from .streams import SLOT_SPAN, UNSEEDED_OFFSET_BASE, UNSEEDED_SEED, StreamAllocator, WindowLayout, uniforms
+from .streams import SLOT_SPAN, UNSEEDED_OFFSET_BASE, StreamAllocator, position_offset, uniforms
 
 __all__ = [
     "GREEDY_SENTINEL_TEMPERATURE",
@@ -31,12 +31,10 @@ __all__ = [
     "SLOT_SPAN",
     "TOP_K_DISABLED",
     "UNSEEDED_OFFSET_BASE",
-    "UNSEEDED_SEED",
     "SamplingParams",
     "SamplingRows",
     "SamplingStats",
     "StreamAllocator",
-    "WindowLayout",
     "apply_penalties",
     "filtered_logits",
     "emitted_logprobs",
@@ -46,5 +44,6 @@ __all__ = [
     "sample_filtered",
     "sample_from_logits",
     "select_tokens",
+    "position_offset",
     "uniforms",
 ]
