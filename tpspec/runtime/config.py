@@ -150,8 +150,7 @@ class EngineConfig:
 @dataclass(frozen=True)
 class Request:
     """One sequence as the ranks see it (one sample of a user request). ``request_id`` is
-    unique over the life of an ``LLM`` (the per-slot random streams restart when a new id
-    takes a slot). ``max_new_tokens`` and ``stop_token_ids`` are resolved by the driver
+    unique over the life of an ``LLM``. ``max_new_tokens`` and ``stop_token_ids`` are resolved by the driver
     (the model's EOS ids included unless ``ignore_eos``); before ``sampling.min_tokens``
     tokens, stop tokens do not end it."""
 
