@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from ..sampling.logprobs import Logprob
 from ..sampling.params import SamplingParams
 from ..validation import check_bool, check_int, is_real
 
@@ -202,9 +203,10 @@ class CompletionOutput:
     (``max_tokens`` or the model length reached), or None while the sample runs.
     ``stop_reason``: the stop string or stop token id that ended it (None for EOS or length).
     ``logprobs``: None unless the request asked (``SamplingParams(logprobs=N)``); then one
-    ``{token id: logprob}`` per generated token: the token's own and its row's N most likely
-    tokens' (log-softmax of the raw logits, before penalties and temperature), and
-    ``cumulative_logprob`` is the sum of the generated tokens' logprobs. ``stats``: tpspec's speculative
+    ``{token id: Logprob}`` per generated token (vLLM's ``Logprob(logprob, rank,
+    decoded_token)``, ``tpspec.Logprob``): the token's own and its row's N most likely tokens'
+    (log-softmax of the raw logits, before penalties and temperature; the token first, then the
+    N ranked 1 .. N), and ``cumulative_logprob`` is the sum of the generated tokens' logprobs. ``stats``: tpspec's speculative
     decoding statistics of this sample (:class:`RequestStats`).
     In a stream, ``text`` and ``token_ids`` hold only what the last step added.
     """
@@ -213,7 +215,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     stats: RequestStats = field(default_factory=RequestStats)

@@ -40,6 +40,7 @@ from .. import distributed as D
 from ..exchange.base import Channel
 from ..mapping import Mapping
 from ..log import get_logger
+from ..sampling.logprobs import Logprob
 from ..sampling.penalties import OccurrenceCounts
 from ..speculative.forced import FORCE_ENV, ForcedAcceptanceWarning
 from ..speculative.metadata import RequestEntry
@@ -64,7 +65,7 @@ class SequenceResult:
     token_ids: list[int]
     finish_reason: str
     stats: RequestStats
-    logprobs: list[dict[int, float]] | None = None  # per generated token, when the request asked
+    logprobs: list[dict[int, Logprob]] | None = None  # per generated token, when the request asked
 
 
 @dataclass
@@ -77,7 +78,7 @@ class SequenceUpdate:
     new_token_ids: list[int]
     finish_reason: str | None = None
     stats: RequestStats | None = None
-    new_logprobs: list[dict[int, float]] | None = None  # one per new token, when the request asked
+    new_logprobs: list[dict[int, Logprob]] | None = None  # one per new token, when the request asked
 
 
 @dataclass
@@ -97,8 +98,8 @@ class _Seq:
     finished: bool = False
     finish_reason: str = ""
     stats: RequestStats = field(default_factory=RequestStats)
-    logprobs: list[dict[int, float]] | None = None
-    step_logprobs: list[dict[int, float]] | None = None  # this step's, one per emitted token
+    logprobs: list[dict[int, Logprob]] | None = None
+    step_logprobs: list[dict[int, Logprob]] | None = None  # this step's, one per emitted token
 
     @property
     def in_context(self) -> bool:

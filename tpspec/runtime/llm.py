@@ -31,6 +31,7 @@ import torch
 
 from ..log import get_logger
 from ..model.loader import verify_checkpoint
+from ..sampling.logprobs import Logprob
 from ..sampling.params import SamplingParams
 from ..speculative.forced import read_forced_rate
 from ..validation import check_bool, check_int, check_real, is_int, resolve_device, resolve_dtype
@@ -543,7 +544,7 @@ class LLM:
                 text += sample.finish(u.finish_reason)
             if u.stats is not None:
                 live.stats[owner[1]] = u.stats
-            logprobs = None if u.new_logprobs is None else u.new_logprobs[:len(kept)]
+            logprobs = None if u.new_logprobs is None else sample.decoded(u.new_logprobs[:len(kept)])
             changed.setdefault(owner[0], []).append(CompletionOutput(
                 index=sample.index, text=text, token_ids=kept, logprobs=logprobs,
                 finish_reason=sample.finish_reason, stop_reason=sample.stop_reason, stats=live.stats[owner[1]]))
@@ -748,6 +749,7 @@ class _Sample:
         self.index = index
         self.req = req
         self.params = params
+        self.tokenizer = tokenizer
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -787,12 +789,20 @@ class _Sample:
             self.stop_reason = last
         return tail
 
-    def output(self, stats: RequestStats, logprobs: list[dict[int, float]] | None = None) -> CompletionOutput:
+    def decoded(self, logprobs: list[dict[int, Logprob]]) -> list[dict[int, Logprob]]:
+        """``logprobs`` with each entry's ``decoded_token`` (each id decoded alone, as vLLM does;
+        left None without a tokenizer)."""
+        if self.tokenizer is None:
+            return logprobs
+        return [{t: dataclasses.replace(lp, decoded_token=self.tokenizer.decode([t])) for t, lp in entry.items()}
+                for entry in logprobs]
+
+    def output(self, stats: RequestStats, logprobs: list[dict[int, Logprob]] | None = None) -> CompletionOutput:
         """The sample as it stands; ``logprobs`` (one dict per engine token) is cut to the kept tokens."""
         cumulative = None
         if logprobs is not None:
-            logprobs = logprobs[:len(self.token_ids)]
-            cumulative = sum(entry[t] for entry, t in zip(logprobs, self.token_ids))
+            logprobs = self.decoded(logprobs[:len(self.token_ids)])
+            cumulative = sum(entry[t].logprob for entry, t in zip(logprobs, self.token_ids))
         return CompletionOutput(index=self.index, text=self.text, token_ids=list(self.token_ids),
                                 cumulative_logprob=cumulative, logprobs=logprobs, finish_reason=self.finish_reason,
                                 stop_reason=self.stop_reason, stats=stats)

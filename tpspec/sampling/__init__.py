@@ -13,12 +13,13 @@ Public names:
   :class:`SamplingStats`; the rows it draws are a ``keys.SamplingRows``.
 * ``penalties``: :class:`OccurrenceCounts` (a rank's per-slot counts of its columns),
   :func:`apply_penalties` (repetition / presence / frequency on a slice or a full row).
-* ``logprobs``: :func:`emitted_logprobs` (raw log-softmax of the emitted tokens and the top N, per step;
-  computed on the shards by ``VocabShardedLogits.logprobs``).
+* ``logprobs``: :class:`Logprob` (vLLM's) and :func:`emitted_logprobs` (raw log-softmax of the
+  emitted tokens and the top N with their ranks, per step; computed on the shards by
+  ``VocabShardedLogits.logprobs``).
 """
 
 from .ops import filtered_logits, filtered_probs, greedy_tokens, keep_mask, sample_from_logits
-from .logprobs import emitted_logprobs
+from .logprobs import Logprob, emitted_logprobs
 from .params import GREEDY_SENTINEL_TEMPERATURE, TOP_K_DISABLED, SamplingParams
 from .penalties import OccurrenceCounts, apply_penalties
 from ..keys import SamplingRows
@@ -27,6 +28,7 @@ from .streams import SLOT_SPAN, UNSEEDED_OFFSET_BASE, StreamAllocator, position_
 
 __all__ = [
     "GREEDY_SENTINEL_TEMPERATURE",
+    "Logprob",
     "OccurrenceCounts",
     "SLOT_SPAN",
     "TOP_K_DISABLED",

@@ -186,16 +186,22 @@ def _logprobs(c: Any, kind: str, tokenizer: Any) -> dict:
         content = []
         for tok, entry in zip(c.token_ids, c.logprobs):
             text = _token_text(tokenizer, tok)
-            content.append({"token": text, "logprob": entry.get(tok, float("-inf")),
+            content.append({"token": text, "logprob": entry[tok].logprob,
                             "bytes": list(text.encode()),
-                            "top_logprobs": [{"token": _token_text(tokenizer, t), "logprob": lp,
+                            "top_logprobs": [{"token": _token_text(tokenizer, t), "logprob": lp.logprob,
                                               "bytes": list(_token_text(tokenizer, t).encode())}
-                                             for t, lp in entry.items() if t != tok or len(entry) > 1]})
+                                             for t, lp in _by_rank(entry) if t != tok or len(entry) > 1]})
         return {"content": content}
     return {"tokens": [_token_text(tokenizer, t) for t in c.token_ids],
-            "token_logprobs": [entry.get(t, float("-inf")) for t, entry in zip(c.token_ids, c.logprobs)],
-            "top_logprobs": [{_token_text(tokenizer, t): lp for t, lp in entry.items()} for entry in c.logprobs],
+            "token_logprobs": [entry[t].logprob for t, entry in zip(c.token_ids, c.logprobs)],
+            "top_logprobs": [{_token_text(tokenizer, t): lp.logprob for t, lp in _by_rank(entry)}
+                             for entry in c.logprobs],
             "text_offset": []}
+
+
+def _by_rank(entry: dict) -> list:
+    """A position's ``(token id, Logprob)`` pairs, most likely first."""
+    return sorted(entry.items(), key=lambda item: item[1].rank)
 
 
 def _merge_logprobs(old: dict | None, new: dict) -> dict:
