@@ -224,7 +224,8 @@ def test_logprobs_of_raw_logits(plain, spec_tp2, reference_model):
 
 def test_attention_dp_refuses_penalties_and_logprobs(ckpt):
     with LLM(ckpt, tensor_parallel_size=2, attention_dp=True, max_num_seqs=2) as llm:
-        for params in (SamplingParams(presence_penalty=0.5, max_tokens=4), SamplingParams(logprobs=1, max_tokens=4)):
+        for params in (SamplingParams(presence_penalty=0.5, max_tokens=4), SamplingParams(logprobs=1, max_tokens=4),
+                       SamplingParams(prompt_logprobs=1, max_tokens=4)):
             with pytest.raises(ValueError, match="attention DP"):
                 llm.generate([PROMPTS[0]], params)
         out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=4))[0].outputs[0]

@@ -240,7 +240,11 @@ class RequestOutput:
 
     ``request_id``: a string unique over the life of the ``LLM``. ``prompt``: the prompt text
     (None when given as token ids). ``prompt_token_ids``: what the model saw. ``finished``:
-    every sample has ended. ``metrics``: :class:`RequestMetrics`.
+    every sample has ended. ``metrics``: :class:`RequestMetrics`. ``prompt_logprobs``: None
+    unless the request asked (``SamplingParams(prompt_logprobs=N)``); then vLLM's list: None for
+    the first prompt token, then one ``{token id: Logprob}`` per prompt token (its own entry, then
+    the N most likely at that position), as for generated tokens; in a stream, on the first output
+    of the request only.
     """
 
     request_id: str
@@ -249,4 +253,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = True
     metrics: RequestMetrics | None = None
-    prompt_logprobs: None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -452,16 +452,19 @@ class LLM:
         outputs = []
         for entry in batch:
             samples = []
+            prompt_logprobs = None
             for i, req in enumerate(entry.requests):
                 res = by_seq[req.request_id]
                 state = _Sample(i, req, entry.params, self.tokenizer)
                 state.feed(res.token_ids)
                 state.finish(res.finish_reason)
                 samples.append(state.output(res.stats, res.logprobs))
+                if res.prompt_logprobs is not None:
+                    prompt_logprobs = state.decoded(res.prompt_logprobs)
             entry.metrics.first_token_time = entry.metrics.last_token_time = entry.metrics.finished_time = now
             outputs.append(RequestOutput(request_id=entry.request_id, prompt=entry.prompt_text,
                                          prompt_token_ids=list(entry.prompt_ids), outputs=samples,
-                                         finished=True, metrics=entry.metrics))
+                                         finished=True, metrics=entry.metrics, prompt_logprobs=prompt_logprobs))
         self.last_stats = GenerateStats.of(outputs, wall, self.config.forced_acceptance_rate)
         return outputs
 
@@ -529,6 +532,7 @@ class LLM:
         updates = self._executor.call(_step_on_rank, new, aborts)[self.rank]
         now = time.time()
         changed: dict[str, list[CompletionOutput]] = {}
+        prompt_logprobs: dict[str, list] = {}
         for u in updates:
             owner = self._seq_owner.get(u.request_id)
             if owner is None:  # aborted meanwhile
@@ -537,6 +541,8 @@ class LLM:
             sample = live.samples[owner[1]]
             if sample.finish_reason is not None:
                 continue
+            if u.prompt_logprobs is not None:
+                prompt_logprobs[owner[0]] = sample.decoded(u.prompt_logprobs)
             kept, text = sample.feed(u.new_token_ids)
             if sample.finish_reason is not None and u.finish_reason is None:  # a stop string: leave the batch
                 self._aborts.append(u.request_id)
@@ -564,7 +570,7 @@ class LLM:
             outputs.append(RequestOutput(request_id=rid, prompt=live.entry.prompt_text,
                                          prompt_token_ids=list(live.entry.prompt_ids),
                                          outputs=sorted(deltas, key=lambda c: c.index), finished=finished,
-                                         metrics=metrics))
+                                         metrics=metrics, prompt_logprobs=prompt_logprobs.get(rid)))
         return outputs
 
     def _register(self, entry: "_Entry") -> None:
@@ -635,7 +641,8 @@ class LLM:
         """Validate every prompt and parameter, then make one :class:`Request` per sample."""
         parsed = self._prompts(prompts)
         params = self._sampling_list(sampling_params, len(parsed))
-        if self.config.attention_dp and any(p.has_penalties or p.logprobs is not None for p in params):
+        if self.config.attention_dp and any(p.has_penalties or p.logprobs is not None or p.prompt_logprobs is not None
+                                            for p in params):
             raise ValueError("penalties and logprobs are not supported with attention DP")
         entries = []
         for (text, ids), sp in zip(parsed, params):
@@ -648,9 +655,11 @@ class LLM:
             requests = []
             for i in range(sp.n):
                 seed = base_seed if base_seed is None or i == 0 else _mix_seed(base_seed, i)
+                # The samples share their prompt: the first one scores it.
+                scored = sp.prompt_logprobs if i == 0 else None
                 requests.append(Request(request_id=next(self._sequence_ids), prompt=tuple(ids),
-                                        sampling=dataclasses.replace(sp, n=1, seed=seed), max_new_tokens=budget,
-                                        stop_token_ids=stops))
+                                        sampling=dataclasses.replace(sp, n=1, seed=seed, prompt_logprobs=scored),
+                                        max_new_tokens=budget, stop_token_ids=stops))
             entries.append(_Entry(str(user_index), text, ids, sp, requests, RequestMetrics(time.time())))
         return entries
 
@@ -789,12 +798,14 @@ class _Sample:
             self.stop_reason = last
         return tail
 
-    def decoded(self, logprobs: list[dict[int, Logprob]]) -> list[dict[int, Logprob]]:
-        """``logprobs`` with each entry's ``decoded_token`` (each id decoded alone, as vLLM does;
-        left None without a tokenizer)."""
+    def decoded(self, logprobs: list) -> list:
+        """``logprobs`` (``{token id: Logprob}`` per position, or None for a position without)
+        with each entry's ``decoded_token`` (each id decoded alone, as vLLM does; left None
+        without a tokenizer)."""
         if self.tokenizer is None:
             return logprobs
-        return [{t: dataclasses.replace(lp, decoded_token=self.tokenizer.decode([t])) for t, lp in entry.items()}
+        return [None if entry is None else
+                {t: dataclasses.replace(lp, decoded_token=self.tokenizer.decode([t])) for t, lp in entry.items()}
                 for entry in logprobs]
 
     def output(self, stats: RequestStats, logprobs: list[dict[int, Logprob]] | None = None) -> CompletionOutput:
