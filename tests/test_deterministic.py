@@ -297,9 +297,10 @@ def test_deterministic_mode_errors():
 
 # --- through the runtime: tokens and logprobs ------------------------------------------------
 #
-# A sampled request's tokens depend on the speculative configuration by design (its Philox
-# windows are laid out per step), so sampled runs are compared within one configuration and
-# greedy runs (with logprobs: the log-softmax of the raw logits) across all of them.
+# Under rejection acceptance a sampled request's tokens depend on the drafts by design, so
+# sampled runs are compared within one configuration and greedy runs (with logprobs: the
+# log-softmax of the raw logits) across all of them. (Strict acceptance keeps seeded tokens
+# across speculative configurations: tests/test_runtime_seeded_spec.py.)
 
 GREEDY = dict(temperature=0, max_tokens=8, logprobs=3, ignore_eos=True)
 SEEDED = dict(temperature=0.8, seed=243696, max_tokens=8, logprobs=3, ignore_eos=True)

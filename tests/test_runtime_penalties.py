@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from tpspec import LLM, SamplingParams, SpeculativeConfig
+from tpspec import LLM, Logprob, SamplingParams, SpeculativeConfig
 from tpspec.model import ForwardBatch, load_model
 from tpspec.model.tiny import make_tiny_checkpoint, make_tiny_eagle3_head
 
@@ -193,26 +193,39 @@ def test_counts_restart_when_a_slot_changes_owner(spec_tp2):
 def test_logprobs_of_raw_logits(plain, spec_tp2, reference_model):
     out = plain[0]
     assert plain[1].logprobs is None and plain[2].logprobs is None and plain[1].cumulative_logprob is None
-    assert out.cumulative_logprob == pytest.approx(sum(e[t] for e, t in zip(out.logprobs, out.token_ids)), abs=1e-9)
+    assert out.cumulative_logprob == pytest.approx(sum(e[t].logprob for e, t in zip(out.logprobs, out.token_ids)),
+                                                   abs=1e-9)
     assert len(out.logprobs) == len(out.token_ids) == MAX_NEW
     prompt = PROMPTS[0]
     for j, (tok, entry) in enumerate(zip(out.token_ids, out.logprobs)):
-        logp = torch.log_softmax(torch.from_numpy(full_row(reference_model, prompt + out.token_ids[:j])).double(), -1)
+        row = torch.from_numpy(full_row(reference_model, prompt + out.token_ids[:j]))
+        logp = torch.log_softmax(row.double(), -1)
         top = logp.topk(3).indices.tolist()
-        assert set(entry) == set(top) | {tok}
+        assert set(entry) == set(top) | {tok} and next(iter(entry)) == tok  # vLLM's order: the token first
         for t, v in entry.items():
-            assert abs(v - float(logp[t])) < 1e-5
-    # logprobs=0: only the chosen token; the same values at TP = 2 with speculation.
+            assert isinstance(v, Logprob) and abs(v.logprob - float(logp[t])) < 1e-5
+            assert isinstance(v.decoded_token, str)  # each id decoded alone (the driver fills it in)
+        assert [entry[t].rank for t in top] == [1, 2, 3]
+    # logprobs=0: only the chosen token, ranked by the raw logits at least its own (vLLM's count: the
+    # penalised greedy token need not be the raw argmax); the same values at TP = 2 with speculation.
     assert [list(e) for e in plain[3].logprobs] == [[t] for t in plain[3].token_ids]
+    ranks = []
+    for j, (tok, entry) in enumerate(zip(plain[3].token_ids, plain[3].logprobs)):
+        row = torch.from_numpy(full_row(reference_model, PROMPTS[3] + plain[3].token_ids[:j]))
+        ranks.append(entry[tok].rank)
+        assert ranks[-1] == int((row >= row[tok]).sum())
+    assert max(ranks) > 1
     spec = completions(spec_tp2.generate(PROMPTS[3], PARAMS[3]))[0]
     assert spec.token_ids == plain[3].token_ids
     for a, b in zip(spec.logprobs, plain[3].logprobs):
-        assert list(a) == list(b) and all(abs(a[t] - b[t]) < 1e-5 for t in a)
+        assert list(a) == list(b) and all(abs(a[t].logprob - b[t].logprob) < 1e-5 and a[t].rank == b[t].rank
+                                          for t in a)
 
 
 def test_attention_dp_refuses_penalties_and_logprobs(ckpt):
     with LLM(ckpt, tensor_parallel_size=2, attention_dp=True, max_num_seqs=2) as llm:
-        for params in (SamplingParams(presence_penalty=0.5, max_tokens=4), SamplingParams(logprobs=1, max_tokens=4)):
+        for params in (SamplingParams(presence_penalty=0.5, max_tokens=4), SamplingParams(logprobs=1, max_tokens=4),
+                       SamplingParams(prompt_logprobs=1, max_tokens=4)):
             with pytest.raises(ValueError, match="attention DP"):
                 llm.generate([PROMPTS[0]], params)
         out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=4))[0].outputs[0]

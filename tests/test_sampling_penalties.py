@@ -239,7 +239,7 @@ def test_logprobs_match_float64_log_softmax():
     full[3, :5] = full[3].max() + 1  # a tie at the top
     tokens = torch.tensor([0, 5, 36, 4, 17, 9])
     logits = sharded(full, 1, 0, AllGatherKeyExchange(None))
-    lp, ids, top = logits.logprobs(tokens, top_n=4)
+    lp, ids, top, _ = logits.logprobs(tokens, top_n=4)
     want = torch.log_softmax(full.double(), dim=-1)
     assert torch.allclose(lp.double(), want[torch.arange(6), tokens], atol=1e-5, rtol=0)
     assert torch.allclose(top.double(), want.gather(1, ids), atol=1e-5, rtol=0)

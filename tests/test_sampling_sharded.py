@@ -173,8 +173,11 @@ def test_tp1_equals_reference_and_counts_the_fallback(reference):
 def test_logprobs_match_float64_log_softmax():
     full, tok = logprob_inputs()
     ref = torch.log_softmax(full.double(), dim=1)
-    token_lp, top_ids, top_lp = VocabShardedLogits(full, 0, VOCAB, LocalKeyExchange()).logprobs(tok, top_n=20)
+    token_lp, top_ids, top_lp, ranks = VocabShardedLogits(full, 0, VOCAB, LocalKeyExchange()).logprobs(tok, top_n=20)
     assert (token_lp - ref.gather(1, tok.reshape(-1, 1)).reshape(-1)).abs().max() < 1e-5
+    # vLLM's rank: the columns whose logit is at least the token's (the flat row: every column).
+    assert torch.equal(ranks, (full >= full.gather(1, tok.reshape(-1, 1))).sum(dim=1))
+    assert int(ranks[0]) == VOCAB and int(ranks.min()) >= 1
     top_ref = torch.topk(ref, 20, dim=1)
     assert (top_lp - top_ref.values).abs().max() < 1e-5
     assert torch.equal(top_ids[1:], top_ref.indices[1:])

@@ -68,6 +68,7 @@ def _alive(pid: int) -> bool:
 
 class Server:
     def __init__(self, ckpt: str, log_path: Path) -> None:
+        self.ckpt = ckpt
         self.port = _free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, TPSPEC_NUM_THREADS="1", PYTHONPATH=str(REPO))
@@ -183,6 +184,40 @@ def test_n_samples_stop_strings_and_logprobs(server):
                                      temperature=0, logprobs=True, top_logprobs=2)
     content = chat.choices[0].logprobs.content
     assert len(content) == 4 and all(t.logprob <= 0 for t in content)
+
+
+def test_echo_with_logprobs_as_vllm(server):
+    """``echo`` puts the prompt in front of the text, and with ``logprobs`` the prompt tokens'
+    logprobs (None for the first) in front of the generated ones; the prompt's values equal
+    ``LLM(prompt_logprobs=N)``'s, streamed or not, for every sample (within 1e-5: the default
+    mode's batches and TP sizes round differently)."""
+    from tpspec import LLM, SamplingParams
+
+    c = server.client
+    prompt = "one two three four"
+    plain = c.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, logprobs=2).choices[0]
+    got = c.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, logprobs=2, echo=True, n=2)
+    with LLM(server.ckpt, max_model_len=256) as llm:
+        ref = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2))[0]
+    num_prompt = len(ref.prompt_token_ids)
+    for choice in got.choices:
+        lps = choice.logprobs
+        assert choice.text == prompt + plain.text
+        assert len(lps.tokens) == len(lps.token_logprobs) == len(lps.top_logprobs) == num_prompt + 4
+        assert lps.token_logprobs[0] is None and lps.top_logprobs[0] is None
+        want = [e[t].logprob for t, e in zip(ref.prompt_token_ids[1:], ref.prompt_logprobs[1:])]
+        assert lps.token_logprobs[1:num_prompt] == pytest.approx(want, abs=1e-5)  # TP 2 vs 1: rounding
+        assert lps.token_logprobs[num_prompt:] == pytest.approx(plain.logprobs.token_logprobs, abs=1e-5)
+        assert all(1 <= len(top) <= 3 for top in lps.top_logprobs[1:])
+    streamed = c.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, logprobs=2, echo=True,
+                                    stream=True)
+    chunks = list(streamed)
+    assert "".join(ch.choices[0].text for ch in chunks) == prompt + plain.text
+    values = [v for ch in chunks for v in ch.choices[0].logprobs.token_logprobs]
+    assert values[0] is None and values[1:] == pytest.approx(got.choices[0].logprobs.token_logprobs[1:], abs=1e-5)
+    # echo without logprobs: the text only.
+    bare = c.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, echo=True).choices[0]
+    assert bare.text == prompt + plain.text and bare.logprobs is None
 
 
 def test_concurrent_streams_each_equal_the_request_alone(server):

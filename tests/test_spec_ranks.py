@@ -69,21 +69,17 @@ def adp_check(rank: int, pair) -> dict:
     out.update(calls=list(spy.calls), tokens=tokens, argmax=full.argmax(dim=1))
     # Unseeded streams of the two ranks never overlap.
     meta.prepare([("n", 2, SamplingParams(temperature=1.0), True)], draft_len=ADP_D)
-    out["unseeded_window"] = int(meta.request_windows[0])
+    out["unseeded_stream"] = int(meta.request_seeds[0])
     # A bad batch on one rank of the pair: every rank raises (no rank is left in the
-    # flag all-reduce), no stream advances, and the next good step works on both.
-    before = int(meta.request_windows[0])
+    # flag all-reduce), no stream is numbered, and the next good step works on both.
     bad_slot = 99 if tp_rank == 1 else 2
     try:
-        meta.prepare([("n", bad_slot, SamplingParams(temperature=1.0), True)], draft_len=ADP_D)
+        meta.prepare([("m", bad_slot, SamplingParams(temperature=1.0), True)], draft_len=ADP_D)
         out["bad_step"] = "no error"
     except (ValueError, RuntimeError) as exc:
         out["bad_step"] = f"{type(exc).__name__}: {exc}"
-    windows = [before]
-    for _ in range(2):
-        meta.prepare([("n", 2, SamplingParams(temperature=1.0), True)], draft_len=ADP_D)
-        windows.append(int(meta.request_windows[0]))
-    out["windows_around_bad_step"] = windows
+    meta.prepare([("k", 2, SamplingParams(temperature=1.0), True)], draft_len=ADP_D)
+    out["streams_around_bad_step"] = [out["unseeded_stream"], int(meta.request_seeds[0])]
     return out
 
 
@@ -141,13 +137,13 @@ def test_all_greedy_sync_under_attention_dp(results):
         assert greedy["calls"] == sampling["calls"] == ["gather", "gather"]
         # The greedy rank's rows still get the argmax through the full-logit path.
         assert torch.equal(greedy["tokens"], greedy["argmax"])
-        assert greedy["unseeded_window"] != sampling["unseeded_window"]
-        assert abs(greedy["unseeded_window"] - sampling["unseeded_window"]) >= 2**40
+        # The same request id on the two ranks: streams in disjoint ranges (the partition bits).
+        assert (greedy["unseeded_stream"] ^ sampling["unseeded_stream"]) >> 55 != 0
         assert greedy["bad_step"].startswith("RuntimeError: SpecMetadata.prepare failed on another rank")
         assert sampling["bad_step"].startswith("ValueError: slot_id=99")
         for r in (greedy, sampling):
-            w = r["windows_around_bad_step"]
-            assert w[1] - w[0] == w[2] - w[1] > 0  # the failed step advanced nothing
+            first, after = r["streams_around_bad_step"]
+            assert after == first + 1  # the failed step numbered no stream
 
 
 def test_forced_acceptance_identical_on_every_rank(results):

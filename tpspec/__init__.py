@@ -20,6 +20,7 @@ _EXPORTS = {
     "GREEDY_TEMPERATURE_THRESHOLD": "tpspec.keys",
     "KeyExchange": "tpspec.exchange",
     "LLM": "tpspec.runtime",
+    "Logprob": "tpspec.sampling",
     "Mapping": "tpspec.mapping",
     "RequestOutput": "tpspec.runtime",
     "SamplingParams": "tpspec.sampling",

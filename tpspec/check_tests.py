@@ -592,7 +592,8 @@ def check_filters_exact(ctx: SuiteContext) -> CheckResult:
 
 def check_logprobs_exact(ctx: SuiteContext) -> CheckResult:
     """``VocabShardedLogits.logprobs`` on the group's shards: the token's and the top-20
-    logprobs within 1e-5 of float64 ``torch.log_softmax``, and bit-identical to TP = 1."""
+    logprobs within 1e-5 of float64 ``torch.log_softmax``, the token's rank (vLLM's count), and
+    everything bit-identical to TP = 1."""
     ex = ctx.allgather_exchange()
     gen = ctx.generator(90_000)
     vocab = 1000 if ctx.quick else 32003
@@ -609,10 +610,13 @@ def check_logprobs_exact(ctx: SuiteContext) -> CheckResult:
     ref = torch.log_softmax(full.double(), dim=1)
     err = max(float((got[0].cpu() - ref.gather(1, tokens.reshape(-1, 1)).reshape(-1)).abs().max()),
               float((got[2].cpu() - torch.topk(ref, 20, dim=1).values).abs().max()))
+    # The token's rank: the columns whose logit is at least its own (vLLM's count).
+    bad_ranks = int((got[3].cpu() != (full >= full.gather(1, tokens.reshape(-1, 1))).sum(dim=1)).sum())
     differ = sum(int((a.cpu() != b.cpu()).sum()) for a, b in zip(got, single))
-    ok = err < 1e-5 and differ == 0
-    return CheckResult("logprobs_exact", PASS if ok else FAIL, num_rows * 21, differ,
-                       detail=f"V={vocab}, max |error| {err:.1e} (limit 1e-5); {differ} values differ from TP=1")
+    ok = err < 1e-5 and differ == 0 and bad_ranks == 0
+    return CheckResult("logprobs_exact", PASS if ok else FAIL, num_rows * 22, differ + bad_ranks,
+                       detail=f"V={vocab}, max |error| {err:.1e} (limit 1e-5); {bad_ranks} token ranks wrong; "
+                       f"{differ} values differ from TP=1")
 
 
 def small_vocab(world_size: int, preferred: int = 37) -> int:
@@ -708,13 +712,19 @@ def check_seeded_streams(ctx: SuiteContext) -> CheckResult:
             params: SamplingParams = x_params) -> torch.Tensor:
         """X's tokens over ``steps`` steps; ``history`` earlier steps of another request in X's slot."""
         meta = SpecMetadata(8, draft_len, device=ctx.device)
-        schedule = [[(100, x_slot, SamplingParams(temperature=1.0, seed=5), t == 0)] for t in range(history)]
-        schedule += [[*neighbours, (x_tag, x_slot, params, t == 0)] for t in range(steps)]
+
+        def position(t: int) -> int:  # the output position of step t's first token (every draft kept)
+            return 0 if t == 0 else 1 + (t - 1) * (draft_len + 1)
+
+        schedule = [[(100, x_slot, SamplingParams(temperature=1.0, seed=5), t == 0, position(t))]
+                    for t in range(history)]
+        schedule += [[*(n + (position(t),) for n in neighbours), (x_tag, x_slot, params, t == 0, position(t))]
+                     for t in range(steps)]
         out = []
         for step, requests in enumerate(schedule):
             meta.prepare(requests, draft_len)
             rows = []
-            for rid, _, _, is_ctx in requests:
+            for rid, _, _, is_ctx, _ in requests:
                 own_step = step - history if rid == x_tag else step
                 rows += [_request_logits(rid, own_step, i, vocab) for i in range(1 if is_ctx else draft_len + 1)]
             full = torch.stack(rows)

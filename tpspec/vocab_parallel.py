@@ -164,17 +164,21 @@ class VocabShardedLogits:
 
     def logprobs(
         self, tokens: torch.Tensor, *, top_n: int = 0, channel: int = Channel.TARGET
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Log-softmax of the raw logits, without gathering them.
 
         ``tokens``: ``[R]`` int64 global token ids (one per row); ``top_n``: N in ``[0, 20]``.
         Returns ``(token_logprobs [R] float64, top_ids [R, N] int64, top_logprobs [R, N]
-        float64)``: the logprob of each row's token and the N best columns of the row (key
-        order: ties to the lower id) with theirs. ``logprob(x) = (x - m) - ln(Z * 2**-40)`` in
+        float64, token_ranks [R] int64)``: the logprob of each row's token and the N best
+        columns of the row (key order: ties to the lower id) with theirs, and the token's rank:
+        the number of columns whose raw logit is at least the token's (vLLM's count, so a tie
+        ranks every tied column last among them; 1 = nothing above it), each rank counting its
+        own columns, summed exactly. ``logprob(x) = (x - m) - ln(Z * 2**-40)`` in
         float64, ``m`` the row max and ``Z`` the exact int64 sum of every column's mass
         ``floor(exp(l - m) * 2**40)`` (``keys.column_masses``): within 1e-5 of float64
         ``torch.log_softmax``, identical at every TP size. Rows whose max is NaN or infinite
-        get NaN. Collective: two small exchanges (``[R, N + 1]`` keys, ``[R]`` sums).
+        get NaN logprobs (ranks then follow the key order: NaN above ``+inf``). Collective: two
+        small exchanges (``[R, N + 1]`` keys, ``[2R]`` sums).
         """
         top_n = check_int("top_n", top_n, low=0, high=MAX_TOP_LOGPROBS)
         if top_n > self.vocab_size:
@@ -206,14 +210,18 @@ class VocabShardedLogits:
         token_value, _ = K.unpack_keys(gathered[:, :, best].max(dim=1).values)
         row_max, _ = K.unpack_keys(ranked[:, 0])
         masses = torch.where(real, K.column_masses(values, row_max), torch.zeros((), dtype=torch.int64, device=device))
-        total = self.exchange.sum_rows(masses.sum(dim=1), channel=channel)
+        # The token's rank: this rank's columns at or above the token's value (the key's high half).
+        token_high = gathered[:, :, best].max(dim=1).values >> 32
+        at_or_above = (real & ((keys >> 32) >= token_high.reshape(-1, 1))).sum(dim=1)
+        sums = self.exchange.sum_rows(torch.cat([masses.sum(dim=1), at_or_above]), channel=channel)
+        total, ranks = sums[:rows], sums[rows:]
         log_z = torch.log(total.to(torch.float64)) - K.MASS_BITS * math.log(2.0)
         shift = torch.where(torch.isfinite(row_max), row_max.to(torch.float64) + log_z,
                             torch.full((), float("nan"), dtype=torch.float64, device=device)).reshape(-1, 1)
         top_values, top_ids = K.unpack_keys(ranked[:, :top_n])
         token_logprobs = (token_value.to(torch.float64).reshape(-1, 1) - shift).reshape(-1)
         top_logprobs = top_values.to(torch.float64) - shift
-        return token_logprobs, top_ids, top_logprobs
+        return token_logprobs, top_ids, top_logprobs, ranks
 
     def gather(self) -> torch.Tensor:
         """The full ``[R, vocab_size]`` logits on every rank (one all-gather), padding removed."""

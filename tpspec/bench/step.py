@@ -146,7 +146,7 @@ def _gather_reject(logits: Any, meta: Any, drafts: torch.Tensor) -> torch.Tensor
 
     full = logits.gather()
     whole = VocabShardedLogits(full, 0, logits.vocab_size, LocalKeyExchange(full.device))
-    offsets = meta.acceptance_offsets()
+    offsets = meta.request_offsets
     accepted, num = sharded_rejection_sample(
         whole, meta.request_row_index.to(full.device), meta.request_sampling(offsets).temperature, drafts,
         meta.request_draft_len, meta.request_seeds, offsets)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from ..sampling.logprobs import Logprob
 from ..sampling.params import SamplingParams
 from ..validation import check_bool, check_int, is_real
 
@@ -150,8 +151,7 @@ class EngineConfig:
 @dataclass(frozen=True)
 class Request:
     """One sequence as the ranks see it (one sample of a user request). ``request_id`` is
-    unique over the life of an ``LLM`` (the per-slot random streams restart when a new id
-    takes a slot). ``max_new_tokens`` and ``stop_token_ids`` are resolved by the driver
+    unique over the life of an ``LLM``. ``max_new_tokens`` and ``stop_token_ids`` are resolved by the driver
     (the model's EOS ids included unless ``ignore_eos``); before ``sampling.min_tokens``
     tokens, stop tokens do not end it."""
 
@@ -203,9 +203,10 @@ class CompletionOutput:
     (``max_tokens`` or the model length reached), or None while the sample runs.
     ``stop_reason``: the stop string or stop token id that ended it (None for EOS or length).
     ``logprobs``: None unless the request asked (``SamplingParams(logprobs=N)``); then one
-    ``{token id: logprob}`` per generated token: the token's own and its row's N most likely
-    tokens' (log-softmax of the raw logits, before penalties and temperature), and
-    ``cumulative_logprob`` is the sum of the generated tokens' logprobs. ``stats``: tpspec's speculative
+    ``{token id: Logprob}`` per generated token (vLLM's ``Logprob(logprob, rank,
+    decoded_token)``, ``tpspec.Logprob``): the token's own and its row's N most likely tokens'
+    (log-softmax of the raw logits, before penalties and temperature; the token first, then the
+    N ranked 1 .. N), and ``cumulative_logprob`` is the sum of the generated tokens' logprobs. ``stats``: tpspec's speculative
     decoding statistics of this sample (:class:`RequestStats`).
     In a stream, ``text`` and ``token_ids`` hold only what the last step added.
     """
@@ -214,7 +215,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     stats: RequestStats = field(default_factory=RequestStats)
@@ -239,7 +240,11 @@ class RequestOutput:
 
     ``request_id``: a string unique over the life of the ``LLM``. ``prompt``: the prompt text
     (None when given as token ids). ``prompt_token_ids``: what the model saw. ``finished``:
-    every sample has ended. ``metrics``: :class:`RequestMetrics`.
+    every sample has ended. ``metrics``: :class:`RequestMetrics`. ``prompt_logprobs``: None
+    unless the request asked (``SamplingParams(prompt_logprobs=N)``); then vLLM's list: None for
+    the first prompt token, then one ``{token id: Logprob}`` per prompt token (its own entry, then
+    the N most likely at that position), as for generated tokens; in a stream, on the first output
+    of the request only.
     """
 
     request_id: str
@@ -248,4 +253,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = True
     metrics: RequestMetrics | None = None
-    prompt_logprobs: None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -110,7 +110,7 @@ class GenerationGraphs:
         key = (padded, all_greedy, temperature_only, any(p.is_seeded and not p.is_greedy for p in params), kv_pages)
         if key in self.failed:
             return None
-        reqs = [RequestEntry(s.req.request_id, s.slot, s.req.sampling, False) for s in gen]
+        reqs = [s.entry(False) for s in gen]
         reqs += [RequestEntry(-1 - i, -1) for i in range(padded - b)]
         eng.meta.prepare(requests=reqs, draft_len=k)
         host = self._host_batch(gen, drafts, padded - b)

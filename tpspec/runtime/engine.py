@@ -1,4 +1,4 @@
-"""The engine loop that runs on every rank: admission (a sampling-stream slot and KV pages
+"""The engine loop that runs on every rank: admission (a slot and KV pages
 per request), chunked context, speculative generation steps, verification, stop
 conditions, slot and page reuse.
 
@@ -40,6 +40,7 @@ from .. import distributed as D
 from ..exchange.base import Channel
 from ..mapping import Mapping
 from ..log import get_logger
+from ..sampling.logprobs import Logprob
 from ..sampling.penalties import OccurrenceCounts
 from ..speculative.forced import FORCE_ENV, ForcedAcceptanceWarning
 from ..speculative.metadata import RequestEntry
@@ -64,20 +65,22 @@ class SequenceResult:
     token_ids: list[int]
     finish_reason: str
     stats: RequestStats
-    logprobs: list[dict[int, float]] | None = None  # per generated token, when the request asked
+    logprobs: list[dict[int, Logprob]] | None = None  # per generated token, when the request asked
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # vLLM's: None, then one per prompt token
 
 
 @dataclass
 class SequenceUpdate:
     """What one sequence gained in one step: ``new_token_ids`` (possibly none) and their
     ``new_logprobs`` (when asked), and when it ended, its ``finish_reason`` (``"stop"`` or
-    ``"length"``) and ``stats``."""
+    ``"length"``) and ``stats``. ``prompt_logprobs`` (when asked) comes once, with the first tokens."""
 
     request_id: int
     new_token_ids: list[int]
     finish_reason: str | None = None
     stats: RequestStats | None = None
-    new_logprobs: list[dict[int, float]] | None = None  # one per new token, when the request asked
+    new_logprobs: list[dict[int, Logprob]] | None = None  # one per new token, when the request asked
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass
@@ -87,7 +90,7 @@ class _Seq:
     owner: int  # attention-DP rank that runs it (0 under plain TP)
     tokens: list[int]
     num_prompt: int
-    slot: int = -1  # the request's sampling-stream slot while it runs
+    slot: int = -1  # its slot while it runs (penalty counts, stored draft logits)
     pages: list[int] = field(default_factory=list)  # its block table (grows; shared by all paged models)
     target_cached: int = 0
     draft_cached: int = 0
@@ -97,8 +100,11 @@ class _Seq:
     finished: bool = False
     finish_reason: str = ""
     stats: RequestStats = field(default_factory=RequestStats)
-    logprobs: list[dict[int, float]] | None = None
-    step_logprobs: list[dict[int, float]] | None = None  # this step's, one per emitted token
+    logprobs: list[dict[int, Logprob]] | None = None
+    step_logprobs: list[dict[int, Logprob]] | None = None  # this step's, one per emitted token
+    # vLLM's prompt logprobs: None, then one per prompt token, filled chunk by chunk; reported once.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs_sent: bool = False
 
     @property
     def in_context(self) -> bool:
@@ -107,6 +113,12 @@ class _Seq:
     @property
     def num_generated(self) -> int:
         return len(self.tokens) - self.num_prompt
+
+    def entry(self, is_context: bool) -> RequestEntry:
+        """This step's :class:`RequestEntry`: its noise is that of its next output position, in
+        its own stream (an unseeded one: its admission number, the same on every rank)."""
+        return RequestEntry(self.req.request_id, self.slot, self.req.sampling, is_context,
+                            position=self.num_generated, stream=self.index)
 
 
 @dataclass
@@ -259,7 +271,8 @@ class Engine:
         slots free up). Every rank must add the same requests in the same order between the
         same steps: the attention-DP owner of a sequence is its admission number modulo the
         DP size. Raises ``ValueError`` for an empty or too long prompt or a reused id."""
-        if self.dp_size > 1 and any(r.sampling.has_penalties or r.sampling.logprobs is not None for r in requests):
+        if self.dp_size > 1 and any(r.sampling.has_penalties or r.sampling.logprobs is not None
+                                    or r.sampling.prompt_logprobs is not None for r in requests):
             raise ValueError("penalties and logprobs are not supported with attention DP")
         if self._forced_warning_due:  # on every rank's first request
             self._forced_warning_due = False
@@ -310,7 +323,7 @@ class Engine:
             if new or s.finished:
                 logprobs = None if s.logprobs is None else s.logprobs[before[rid][1]:]
                 updates.append(SequenceUpdate(rid, new, s.finish_reason if s.finished else None,
-                                              s.stats if s.finished else None, logprobs))
+                                              s.stats if s.finished else None, logprobs, self._take_prompt_logprobs(s)))
             if s.finished:
                 self._forget(s)
         return updates
@@ -339,9 +352,8 @@ class Engine:
             self._running.append(seq)
 
     def _release(self, seq: _Seq) -> None:
-        """A running sequence leaves: its slot's streams restart for the next owner, its pages
-        go back to the pool."""
-        self.meta.release_slot(seq.slot)
+        """A running sequence leaves: its pages go back to the pool. (Its random stream is its
+        own, keyed by its seed or admission number: nothing to hand back.)"""
         self.pages.free(seq.index)
         self._running.remove(seq)
 
@@ -361,6 +373,7 @@ class Engine:
         self.add_requests(requests)
         tokens: dict[int, list[int]] = {r.request_id: [] for r in requests}
         logprobs: dict[int, list] = {r.request_id: [] for r in requests}
+        prompt_logprobs: dict[int, list | None] = {r.request_id: None for r in requests}
         done: dict[int, SequenceUpdate] = {}
         steps = 0
 
@@ -368,6 +381,8 @@ class Engine:
             for u in updates:
                 tokens[u.request_id] += u.new_token_ids
                 logprobs[u.request_id] += u.new_logprobs or []
+                if u.prompt_logprobs is not None:
+                    prompt_logprobs[u.request_id] = u.prompt_logprobs
                 if u.finish_reason is not None:
                     done[u.request_id] = u
 
@@ -378,7 +393,8 @@ class Engine:
                 on_progress(steps, sum(len(t) for t in tokens.values()))
         take(self.step())  # sequences that needed no step (a zero budget) finish here
         results = [SequenceResult(tokens[r.request_id], done[r.request_id].finish_reason, done[r.request_id].stats,
-                                  None if r.sampling.logprobs is None else logprobs[r.request_id])
+                                  None if r.sampling.logprobs is None else logprobs[r.request_id],
+                                  prompt_logprobs[r.request_id])
                    for r in requests]
         self._check_ranks_agree(results)
         return results
@@ -405,7 +421,8 @@ class Engine:
     def _new_seq(self, req: Request, index: int, owner: int) -> _Seq:
         self.config.check_prompt_len(len(req.prompt), f"request {req.request_id}'s prompt")
         seq = _Seq(req=req, index=index, owner=owner, tokens=list(req.prompt), num_prompt=len(req.prompt),
-                   logprobs=None if req.sampling.logprobs is None else [])
+                   logprobs=None if req.sampling.logprobs is None else [],
+                   prompt_logprobs=None if req.sampling.prompt_logprobs is None else [None])
         seq.stats.num_prompt_tokens = len(req.prompt)
         return seq
 
@@ -460,7 +477,10 @@ class Engine:
         query_lens: list[int] = []
         rows: list[int] = []
 
-        def add(pages: list[int], start: int, chunk: list[int], logit_rows: int) -> None:
+        prompt_rows: list[int] = []  # rows whose logits score the next prompt token (prompt logprobs)
+        prompt_next: list[tuple[_Seq, int]] = []  # (sequence, the prompt token each of those rows scores)
+
+        def add(pages: list[int], start: int, chunk: list[int], logit_rows: int, seq: _Seq | None = None) -> None:
             first = len(tokens)
             tokens.extend(chunk)
             positions.extend(range(start, start + len(chunk)))
@@ -468,16 +488,21 @@ class Engine:
             cache_lens.append(start)
             query_lens.append(len(chunk))
             rows.extend(range(first + len(chunk) - logit_rows, first + len(chunk)))
+            if seq is not None and seq.prompt_logprobs is not None:
+                # Row of position p scores prompt token p + 1 (the prompt's last row scores an output token).
+                for p in range(start, min(start + len(chunk), seq.num_prompt - 1)):
+                    prompt_rows.append(first + p - start)
+                    prompt_next.append((seq, seq.tokens[p + 1]))
 
         in_batch: list[tuple[_Seq | None, bool]] = []  # per query_lens entry: (sequence or None = dummy, is gen)
         for seq, n in plan.final_ctx:
-            add(seq.pages, seq.target_cached, seq.tokens[seq.target_cached:seq.target_cached + n], 1)
+            add(seq.pages, seq.target_cached, seq.tokens[seq.target_cached:seq.target_cached + n], 1, seq)
             in_batch.append((seq, False))
         if use_dummy:
             add(self.scratch_table, 0, [0], 1)
             in_batch.append((None, False))
         for seq, n in plan.partial_ctx:
-            add(seq.pages, seq.target_cached, seq.tokens[seq.target_cached:seq.target_cached + n], 0)
+            add(seq.pages, seq.target_cached, seq.tokens[seq.target_cached:seq.target_cached + n], 0, seq)
             in_batch.append((seq, False))
         for seq, d in zip(plan.gen, drafts):
             last = len(seq.tokens) - 1
@@ -492,14 +517,14 @@ class Engine:
                 block_tables=tables,
                 cache_lens=cache_lens,
                 query_lens=query_lens,
-                logits_rows=torch.tensor(rows, dtype=torch.int64, device=self.device),
+                logits_rows=torch.tensor(rows + prompt_rows, dtype=torch.int64, device=self.device),
             )
             for seq, n in plan.final_ctx + plan.partial_ctx:
                 seq.target_cached += n
             if rows:
-                emitted = self._verify(plan, batch, drafts, use_dummy)
+                emitted = self._verify(plan, batch, drafts, use_dummy, prompt_next)
             else:  # only partial context chunks: fill the cache, no token is due
-                self.model(batch)
+                self._score_prompts(self.model(batch), prompt_next)
             if self.eagle3 is not None:
                 self._keep_hidden_states(in_batch, query_lens, emitted)
         if dp:
@@ -623,13 +648,15 @@ class Engine:
             s.pending_hidden = []
         return [[int(t) for t in row] for row in table]
 
-    def _verify(self, plan: _Plan, batch, drafts: list[list[int]], use_dummy: bool) -> dict[int, list[int]]:
-        """Target forward, token selection and acceptance. Returns ``{seq index: tokens}``."""
+    def _verify(self, plan: _Plan, batch, drafts: list[list[int]], use_dummy: bool,
+                prompt_next: list[tuple[_Seq, int]]) -> dict[int, list[int]]:
+        """Target forward, token selection and acceptance (and the prompt logprobs of the rows
+        ``prompt_next`` scores, after the selection rows). Returns ``{seq index: tokens}``."""
         k = self.num_draft
         reqs = self._requests(plan, use_dummy)
         if not self._prepared:
             self.meta.prepare(requests=reqs, draft_len=k)
-        logits = self.model(batch)
+        logits = self._score_prompts(self.model(batch), prompt_next)
         draft_table = None
         if k:
             draft_table = torch.zeros(len(reqs), k, dtype=torch.int64, device=self.device)
@@ -653,10 +680,10 @@ class Engine:
     @staticmethod
     def _requests(plan: _Plan, use_dummy: bool) -> list[RequestEntry]:
         """The step's requests in logits-row order: final context chunks, the dummy, generation."""
-        reqs = [RequestEntry(s.req.request_id, s.slot, s.req.sampling, True) for s, _ in plan.final_ctx]
+        reqs = [s.entry(True) for s, _ in plan.final_ctx]
         if use_dummy:
             reqs.append(RequestEntry(_DUMMY_REQUEST_ID, -1, None, True))  # padding: greedy, no stream
-        return reqs + [RequestEntry(s.req.request_id, s.slot, s.req.sampling, False) for s in plan.gen]
+        return reqs + [s.entry(False) for s in plan.gen]
 
     def _pick_drafts(self, logits, previous: list[torch.Tensor], slots: list[int]) -> torch.Tensor:
         """The next draft step's tokens from the drafter's ``logits`` (rows: this rank's generation
@@ -689,6 +716,35 @@ class Engine:
                                  out.num_accepted.cpu()[pick], [emitting[b].req.sampling.logprobs for b in asking])
         for b, step in zip(asking, found):
             emitting[b].step_logprobs = step
+
+    def _score_prompts(self, logits, prompt_next: list[tuple[_Seq, int]]):
+        """Prompt logprobs from the last ``len(prompt_next)`` rows of ``logits`` (each scores the
+        prompt token it names, on the shards); returns the rows before them (the selection's)."""
+        if not prompt_next:
+            return logits
+        from ..sampling.logprobs import position_logprobs
+        from ..vocab_parallel import VocabShardedLogits
+
+        head = logits.local.shape[0] - len(prompt_next)
+
+        def part(rows):
+            return VocabShardedLogits(logits.local[rows], logits.vocab_offset, logits.vocab_size, logits.exchange)
+
+        top_n = max(s.req.sampling.prompt_logprobs for s, _ in prompt_next)
+        targets = torch.tensor([t for _, t in prompt_next], dtype=torch.int64, device=logits.local.device)
+        token_lp, top_ids, top_lp, ranks = part(slice(head, None)).logprobs(targets, top_n=top_n)
+        token_lp, top_ids, top_lp, ranks = token_lp.tolist(), top_ids.tolist(), top_lp.tolist(), ranks.tolist()
+        for i, (seq, t) in enumerate(prompt_next):
+            n = seq.req.sampling.prompt_logprobs
+            seq.prompt_logprobs.append(position_logprobs(t, token_lp[i], ranks[i], top_ids[i][:n], top_lp[i][:n]))
+        return part(slice(0, head))
+
+    def _take_prompt_logprobs(self, seq: _Seq) -> list[dict[int, Logprob] | None] | None:
+        """The sequence's prompt logprobs once its prompt is scored (with its first tokens), then None."""
+        if seq.prompt_logprobs is None or seq.prompt_logprobs_sent or len(seq.prompt_logprobs) < seq.num_prompt:
+            return None
+        seq.prompt_logprobs_sent = True
+        return seq.prompt_logprobs
 
     def _all_gather_emitted(self, emitted: dict[int, list[int]]) -> dict[int, list[int]]:
         """Attention DP: every rank learns every rank's emitted tokens (one all-gather of a

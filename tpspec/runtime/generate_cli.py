@@ -9,6 +9,8 @@ and rank 0 prints.
 
 from __future__ import annotations
 
+import dataclasses
+
 import argparse
 import json
 import os
@@ -167,7 +169,8 @@ def run(args: argparse.Namespace) -> int:
                                       "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                                       "steps": c.stats.num_steps,
                                       "accepted_drafts_per_step": c.stats.accepted_drafts_per_step,
-                                      **({"logprobs": c.logprobs} if c.logprobs is not None else {})}
+                                      **({"logprobs": [{t: dataclasses.asdict(lp) for t, lp in e.items()} for e in c.logprobs]}
+                                         if c.logprobs is not None else {})}
                                      for c in o.outputs]} for o in outputs],
             "summary": {"requests": stats.num_requests, "generated_tokens": stats.num_generated_tokens,
                         "wall_s": stats.wall_s, "tokens_per_s": stats.tokens_per_s,

@@ -31,6 +31,7 @@ import torch
 
 from ..log import get_logger
 from ..model.loader import verify_checkpoint
+from ..sampling.logprobs import Logprob
 from ..sampling.params import SamplingParams
 from ..speculative.forced import read_forced_rate
 from ..validation import check_bool, check_int, check_real, is_int, resolve_device, resolve_dtype
@@ -451,16 +452,19 @@ class LLM:
         outputs = []
         for entry in batch:
             samples = []
+            prompt_logprobs = None
             for i, req in enumerate(entry.requests):
                 res = by_seq[req.request_id]
                 state = _Sample(i, req, entry.params, self.tokenizer)
                 state.feed(res.token_ids)
                 state.finish(res.finish_reason)
                 samples.append(state.output(res.stats, res.logprobs))
+                if res.prompt_logprobs is not None:
+                    prompt_logprobs = state.decoded(res.prompt_logprobs)
             entry.metrics.first_token_time = entry.metrics.last_token_time = entry.metrics.finished_time = now
             outputs.append(RequestOutput(request_id=entry.request_id, prompt=entry.prompt_text,
                                          prompt_token_ids=list(entry.prompt_ids), outputs=samples,
-                                         finished=True, metrics=entry.metrics))
+                                         finished=True, metrics=entry.metrics, prompt_logprobs=prompt_logprobs))
         self.last_stats = GenerateStats.of(outputs, wall, self.config.forced_acceptance_rate)
         return outputs
 
@@ -528,6 +532,7 @@ class LLM:
         updates = self._executor.call(_step_on_rank, new, aborts)[self.rank]
         now = time.time()
         changed: dict[str, list[CompletionOutput]] = {}
+        prompt_logprobs: dict[str, list] = {}
         for u in updates:
             owner = self._seq_owner.get(u.request_id)
             if owner is None:  # aborted meanwhile
@@ -536,6 +541,8 @@ class LLM:
             sample = live.samples[owner[1]]
             if sample.finish_reason is not None:
                 continue
+            if u.prompt_logprobs is not None:
+                prompt_logprobs[owner[0]] = sample.decoded(u.prompt_logprobs)
             kept, text = sample.feed(u.new_token_ids)
             if sample.finish_reason is not None and u.finish_reason is None:  # a stop string: leave the batch
                 self._aborts.append(u.request_id)
@@ -543,7 +550,7 @@ class LLM:
                 text += sample.finish(u.finish_reason)
             if u.stats is not None:
                 live.stats[owner[1]] = u.stats
-            logprobs = None if u.new_logprobs is None else u.new_logprobs[:len(kept)]
+            logprobs = None if u.new_logprobs is None else sample.decoded(u.new_logprobs[:len(kept)])
             changed.setdefault(owner[0], []).append(CompletionOutput(
                 index=sample.index, text=text, token_ids=kept, logprobs=logprobs,
                 finish_reason=sample.finish_reason, stop_reason=sample.stop_reason, stats=live.stats[owner[1]]))
@@ -563,7 +570,7 @@ class LLM:
             outputs.append(RequestOutput(request_id=rid, prompt=live.entry.prompt_text,
                                          prompt_token_ids=list(live.entry.prompt_ids),
                                          outputs=sorted(deltas, key=lambda c: c.index), finished=finished,
-                                         metrics=metrics))
+                                         metrics=metrics, prompt_logprobs=prompt_logprobs.get(rid)))
         return outputs
 
     def _register(self, entry: "_Entry") -> None:
@@ -634,7 +641,8 @@ class LLM:
         """Validate every prompt and parameter, then make one :class:`Request` per sample."""
         parsed = self._prompts(prompts)
         params = self._sampling_list(sampling_params, len(parsed))
-        if self.config.attention_dp and any(p.has_penalties or p.logprobs is not None for p in params):
+        if self.config.attention_dp and any(p.has_penalties or p.logprobs is not None or p.prompt_logprobs is not None
+                                            for p in params):
             raise ValueError("penalties and logprobs are not supported with attention DP")
         entries = []
         for (text, ids), sp in zip(parsed, params):
@@ -647,9 +655,11 @@ class LLM:
             requests = []
             for i in range(sp.n):
                 seed = base_seed if base_seed is None or i == 0 else _mix_seed(base_seed, i)
+                # The samples share their prompt: the first one scores it.
+                scored = sp.prompt_logprobs if i == 0 else None
                 requests.append(Request(request_id=next(self._sequence_ids), prompt=tuple(ids),
-                                        sampling=dataclasses.replace(sp, n=1, seed=seed), max_new_tokens=budget,
-                                        stop_token_ids=stops))
+                                        sampling=dataclasses.replace(sp, n=1, seed=seed, prompt_logprobs=scored),
+                                        max_new_tokens=budget, stop_token_ids=stops))
             entries.append(_Entry(str(user_index), text, ids, sp, requests, RequestMetrics(time.time())))
         return entries
 
@@ -748,6 +758,7 @@ class _Sample:
         self.index = index
         self.req = req
         self.params = params
+        self.tokenizer = tokenizer
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -787,12 +798,22 @@ class _Sample:
             self.stop_reason = last
         return tail
 
-    def output(self, stats: RequestStats, logprobs: list[dict[int, float]] | None = None) -> CompletionOutput:
+    def decoded(self, logprobs: list) -> list:
+        """``logprobs`` (``{token id: Logprob}`` per position, or None for a position without)
+        with each entry's ``decoded_token`` (each id decoded alone, as vLLM does; left None
+        without a tokenizer)."""
+        if self.tokenizer is None:
+            return logprobs
+        return [None if entry is None else
+                {t: dataclasses.replace(lp, decoded_token=self.tokenizer.decode([t])) for t, lp in entry.items()}
+                for entry in logprobs]
+
+    def output(self, stats: RequestStats, logprobs: list[dict[int, Logprob]] | None = None) -> CompletionOutput:
         """The sample as it stands; ``logprobs`` (one dict per engine token) is cut to the kept tokens."""
         cumulative = None
         if logprobs is not None:
-            logprobs = logprobs[:len(self.token_ids)]
-            cumulative = sum(entry[t] for entry, t in zip(logprobs, self.token_ids))
+            logprobs = self.decoded(logprobs[:len(self.token_ids)])
+            cumulative = sum(entry[t].logprob for entry, t in zip(logprobs, self.token_ids))
         return CompletionOutput(index=self.index, text=self.text, token_ids=list(self.token_ids),
                                 cumulative_logprob=cumulative, logprobs=logprobs, finish_reason=self.finish_reason,
                                 stop_reason=self.stop_reason, stats=stats)

@@ -4,8 +4,8 @@ Public names:
 
 * :class:`SamplingParams` (``params``): per-request ``temperature, top_k, top_p,
   min_p, seed``, penalties and ``logprobs``, validated and normalized.
-* ``streams``: the window layout (:class:`WindowLayout`,
-  :class:`StreamAllocator`) and :func:`uniforms` from a request's stream.
+* ``streams``: where each draw of a request lives (its stream and the output position
+  it decides: :data:`SLOT_SPAN`, the lanes, :class:`StreamAllocator`) and :func:`uniforms`.
 * ``ops``: :func:`sample_from_logits`, :func:`filtered_probs`, :func:`greedy_tokens`
   on full logits: the reference every draw follows (``docs/determinism.md``).
 * ``select``: :func:`select_tokens` and :func:`sample_filtered` on ``VocabShardedLogits``
@@ -13,30 +13,30 @@ Public names:
   :class:`SamplingStats`; the rows it draws are a ``keys.SamplingRows``.
 * ``penalties``: :class:`OccurrenceCounts` (a rank's per-slot counts of its columns),
   :func:`apply_penalties` (repetition / presence / frequency on a slice or a full row).
-* ``logprobs``: :func:`emitted_logprobs` (raw log-softmax of the emitted tokens and the top N, per step;
-  computed on the shards by ``VocabShardedLogits.logprobs``).
+* ``logprobs``: :class:`Logprob` (vLLM's) and :func:`emitted_logprobs` (raw log-softmax of the
+  emitted tokens and the top N with their ranks, per step; computed on the shards by
+  ``VocabShardedLogits.logprobs``).
 """
 
 from .ops import filtered_logits, filtered_probs, greedy_tokens, keep_mask, sample_from_logits
-from .logprobs import emitted_logprobs
+from .logprobs import Logprob, emitted_logprobs
 from .params import GREEDY_SENTINEL_TEMPERATURE, TOP_K_DISABLED, SamplingParams
 from .penalties import OccurrenceCounts, apply_penalties
 from ..keys import SamplingRows
 from .select import SamplingStats, sample_filtered, select_tokens
-from .streams import SLOT_SPAN, UNSEEDED_OFFSET_BASE, UNSEEDED_SEED, StreamAllocator, WindowLayout, uniforms
+from .streams import SLOT_SPAN, UNSEEDED_OFFSET_BASE, StreamAllocator, position_offset, uniforms
 
 __all__ = [
     "GREEDY_SENTINEL_TEMPERATURE",
+    "Logprob",
     "OccurrenceCounts",
     "SLOT_SPAN",
     "TOP_K_DISABLED",
     "UNSEEDED_OFFSET_BASE",
-    "UNSEEDED_SEED",
     "SamplingParams",
     "SamplingRows",
     "SamplingStats",
     "StreamAllocator",
-    "WindowLayout",
     "apply_penalties",
     "filtered_logits",
     "emitted_logprobs",
@@ -46,5 +46,6 @@ __all__ = [
     "sample_filtered",
     "sample_from_logits",
     "select_tokens",
+    "position_offset",
     "uniforms",
 ]

@@ -85,7 +85,8 @@ class SamplingParams:
     temperature and filters, greedy requests included (``tpspec.sampling.penalties``).
     ``logprobs``: None, or N in [0, 20]: report, for every generated token, its logprob and
     the N most likely tokens' (log-softmax of the raw logits, before penalties and
-    temperature).
+    temperature). ``prompt_logprobs``: None, or N in [0, 20]: the same for every prompt token
+    after the first (``RequestOutput.prompt_logprobs``).
 
     Raises ``ValueError`` naming the bad field. The normalized values are properties
     (:attr:`is_greedy`, :attr:`norm_temperature`, :attr:`norm_top_k`, ...).
@@ -108,6 +109,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not is_int(self.n) or self.n < 1:
@@ -177,11 +179,12 @@ class SamplingParams:
         object.__setattr__(self, "repetition_penalty", r)
         for name in ("presence_penalty", "frequency_penalty"):
             object.__setattr__(self, name, _real_in(name, getattr(self, name), -2.0, 2.0, "in [-2, 2] (0 = off)"))
-        n = self.logprobs
-        if n is not None:
-            if not is_int(n) or not 0 <= int(n) <= MAX_LOGPROBS:
-                raise ValueError(f"SamplingParams.logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {n!r}")
-            object.__setattr__(self, "logprobs", int(n))
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is not None:
+                if not is_int(n) or not 0 <= int(n) <= MAX_LOGPROBS:
+                    raise ValueError(f"SamplingParams.{name} must be None or an int in [0, {MAX_LOGPROBS}], got {n!r}")
+                object.__setattr__(self, name, int(n))
 
     @property
     def has_penalties(self) -> bool:

@@ -1,143 +1,123 @@
 """Per-request Philox streams: which ``(seed, offset)`` every random draw uses.
 
 A draw is keyed by a 64-bit seed and a 64-bit offset (plus the global column, see
-``tpspec.keys``). Each step a request gets a *window* of offsets: one *slot* of
-:data:`SLOT_SPAN` offsets for every row it samples, in a fixed layout that depends only
-on ``max_draft_len`` (so a request's draws never depend on the rest of the batch)::
+``tpspec.keys``). Every draw of a request belongs to one **output position** ``p`` (0 for its
+first generated token) and one *lane*; the offset is::
 
-    slot i            target row i            (i = 0 .. max_draft_len)
-    slot D+1+j        draft step j            (j = 0 .. max_draft_len-1, D = max_draft_len)
-    slot 2D+1         the acceptance kernel   (sub-offset 0: uniforms, 1: residual/bonus draw)
+    offset = stream_base + p * SLOT_SPAN + lane
 
-Seeded requests use their own seed and a counter per KV slot: window ``n`` of a
-request starts at offset ``n * window_span``, and the counter restarts at 0 when a new
-request takes the slot. So, given identical logits, a seeded request draws the same tokens
-whatever its batch, batch position or slot history (a request keeps its KV slot for its whole life).
+    lane TARGET_LANE            the target's token at position p (a target logits row)
+    lane DRAFT_LANE             the sampled draft step that proposes position p
+    lane ACCEPT_UNIFORM_LANE    the acceptance uniform of the draft at position p (column 0)
+    lane ACCEPT_RESIDUAL_LANE   the residual (or bonus) race that emits position p
 
-Unseeded requests use seed :data:`UNSEEDED_SEED` (42) and take consecutive windows
-from one shared counter starting at :data:`UNSEEDED_OFFSET_BASE` (2**62), far past any
-offset a seeded request reaches, so no user seed (42 included) replays them and no two
-unseeded requests ever share a window. Under attention DP each rank of a TP group owns
-its requests; its unseeded windows live in a disjoint sub-range (``partition``).
+So the noise of position ``p`` depends only on the request's stream and ``p``: not on the
+step, the batch, the number of drafts a step carries, or how many steps it took to reach
+``p``. Under strict acceptance a seeded request therefore draws the same tokens with or
+without speculation, at any draft length, given identical logits (``docs/determinism.md``).
+
+Seeded requests: ``seed`` is the user's seed (its 64-bit pattern), ``stream_base`` 0.
+Unseeded requests: ``seed`` is the request's stream number (the engine: its admission
+number; else one the metadata hands each new request id, see :class:`StreamAllocator`), and
+``stream_base`` :data:`UNSEEDED_OFFSET_BASE` (2**62), beyond every offset a seeded request
+reaches (positions stay below :data:`MAX_POSITION`), so no user seed replays an unseeded
+request and no two unseeded requests share a stream.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Hashable, Sequence
 
 import torch
 
 from ..keys import philox_words
+from ..validation import is_int
 
 SLOT_SPAN = 32
-"""Philox offsets reserved for one sampled row of one step (sub-streams of the row)."""
+"""Philox offsets reserved for one output position (its lanes; the rest are spare)."""
 
-UNSEEDED_SEED = 42
+TARGET_LANE = 0
+DRAFT_LANE = 1
+ACCEPT_UNIFORM_LANE = 2
+ACCEPT_RESIDUAL_LANE = 3
+
 UNSEEDED_OFFSET_BASE = 1 << 62
-PARTITION_SHIFT = 54
-"""Unseeded windows of partition ``p`` start at ``UNSEEDED_OFFSET_BASE + (p << PARTITION_SHIFT)``."""
-MAX_PARTITIONS = 1 << (62 - PARTITION_SHIFT)
+MAX_POSITION = 1 << 56
+"""Output positions must lie below this (offsets of seeded requests stay below 2**61)."""
+MAX_STREAM = 1 << 63
+"""Explicit stream numbers of unseeded requests lie in ``[0, 2**63)``."""
+PARTITION_SHIFT = 55
+MAX_PARTITIONS = 1 << 8
+"""Streams the allocator numbers itself: ``2**63 | partition << 55 | counter`` (negative as int64)."""
 
+PADDING_SEED = 0
 PADDING_OFFSET = -1
-"""Offset given to padding requests (they are greedy: their noise is never used)."""
-
-ACCEPT_UNIFORM_SUBSTREAM = 0
-ACCEPT_RESIDUAL_SUBSTREAM = 1
+"""Stream of padding requests (they are greedy: their noise is never used)."""
 
 
-@dataclass(frozen=True)
-class WindowLayout:
-    """Where each sampled row of a step lives inside a request's window (offsets)."""
-
-    max_draft_len: int
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.max_draft_len, int) or self.max_draft_len < 0:
-            raise ValueError(f"max_draft_len must be an int >= 0, got {self.max_draft_len!r}")
-
-    @property
-    def num_slots(self) -> int:
-        return 2 * self.max_draft_len + 2
-
-    @property
-    def span(self) -> int:
-        """Offsets one window takes."""
-        return self.num_slots * SLOT_SPAN
-
-    def target_row(self, i: int) -> int:
-        """Offset (inside the window) of target row ``i`` (0 .. max_draft_len)."""
-        if not 0 <= i <= self.max_draft_len:
-            raise ValueError(f"target row {i} is out of range [0, {self.max_draft_len}]")
-        return i * SLOT_SPAN
-
-    def draft_step(self, j: int) -> int:
-        """Offset (inside the window) of draft step ``j`` (0 .. max_draft_len - 1)."""
-        if not 0 <= j < self.max_draft_len:
-            raise ValueError(f"draft step {j} is out of range [0, {self.max_draft_len})")
-        return (self.max_draft_len + 1 + j) * SLOT_SPAN
-
-    @property
-    def acceptance(self) -> int:
-        """Offset (inside the window) of the acceptance kernel's slot."""
-        return (2 * self.max_draft_len + 1) * SLOT_SPAN
+def position_offset(base: int, position: int, lane: int = TARGET_LANE) -> int:
+    """The offset of ``lane`` at output ``position`` of a stream starting at ``base``."""
+    return base + position * SLOT_SPAN + lane
 
 
 class StreamAllocator:
-    """Host-side window counters: per KV slot for seeded requests, one shared for unseeded.
+    """Each request's stream ``(seed, stream_base)``.
 
-    ``begin_step(requests)`` hands every request of a step its ``(seed, window_base)``
-    and advances the counters. Deterministic: ranks that see the same sequence of
-    batches (every rank of a TP group without attention DP) compute the same windows.
+    Seeded requests use their seed. Unseeded ones use their explicit stream number when the
+    caller gives one (the engine does: the request's admission number, equal on every rank,
+    kept through a request's whole life) or, without one, a number handed to each new
+    request id in order of first sight (``release`` forgets an id); under attention DP each
+    rank of a TP group numbers its own requests in a disjoint range (``partition``).
+    Deterministic: ranks that see the same sequence of batches get the same streams.
     """
 
-    def __init__(self, num_slots: int, layout: WindowLayout, partition: int = 0) -> None:
-        if num_slots < 1:
-            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+    def __init__(self, partition: int = 0) -> None:
         if not 0 <= partition < MAX_PARTITIONS:
             raise ValueError(f"partition={partition} is out of range [0, {MAX_PARTITIONS})")
-        self.num_slots = num_slots
-        self.layout = layout
         self.partition = partition
-        self.slot_owner: list[Hashable | None] = [None] * num_slots
-        self.slot_counter: list[int] = [0] * num_slots
-        self.unseeded_counter = 0
+        self.numbered: dict[Hashable, int] = {}
+        self.counter = 0
 
-    def begin_step(self, requests: Sequence[tuple[Hashable, int, int | None]]) -> list[tuple[int, int]]:
-        """``requests``: ``(request_id, slot_id, seed_int64 or None)``; ``slot_id = -1`` marks a
-        padding request. Returns ``(seed, window_base)`` per request (int64 bit patterns).
-
-        Raises ``ValueError`` for a slot out of range or used twice in one step.
-        """
-        seen: set[int] = set()
+    def streams(self, requests: Sequence[tuple[Hashable, bool, int | None, int | None]]) -> list[tuple[int, int]]:
+        """``requests``: ``(request_id, is_padding, seed_int64 or None, stream or None)``.
+        Returns ``(seed, stream_base)`` per request, int64 bit patterns."""
         out: list[tuple[int, int]] = []
-        span = self.layout.span
-        for request_id, slot, seed in requests:
-            if slot == -1:
-                out.append((UNSEEDED_SEED, PADDING_OFFSET))
-                continue
-            if not 0 <= slot < self.num_slots:
-                raise ValueError(f"slot_id={slot} of request {request_id!r} is out of range [0, {self.num_slots})")
-            if slot in seen:
-                raise ValueError(f"slot_id={slot} is used by two requests in one step")
-            seen.add(slot)
-            if self.slot_owner[slot] != request_id:
-                # A new request took the slot: its stream starts from the beginning.
-                self.slot_owner[slot] = request_id
-                self.slot_counter[slot] = 0
-            if seed is not None:
-                out.append((seed, self.slot_counter[slot] * span))
+        for request_id, is_padding, seed, stream in requests:
+            if is_padding:
+                out.append((PADDING_SEED, PADDING_OFFSET))
+            elif seed is not None:
+                out.append((seed, 0))
             else:
-                base = UNSEEDED_OFFSET_BASE + (self.partition << PARTITION_SHIFT)
-                out.append((UNSEEDED_SEED, base + self.unseeded_counter * span))
-                self.unseeded_counter += 1
-            self.slot_counter[slot] += 1
+                if stream is None:
+                    stream = self.numbered.get(request_id)
+                    if stream is None:
+                        if self.counter >= 1 << PARTITION_SHIFT:
+                            raise RuntimeError("the stream allocator ran out of stream numbers")
+                        stream = (1 << 63 | self.partition << PARTITION_SHIFT | self.counter) - (1 << 64)
+                        self.counter += 1
+                        self.numbered[request_id] = stream
+                out.append((stream, UNSEEDED_OFFSET_BASE))
         return out
 
-    def release(self, slot: int) -> None:
-        """Forget the slot's owner (the next request that takes it restarts its stream anyway)."""
-        self.slot_owner[slot] = None
-        self.slot_counter[slot] = 0
+    def release(self, request_id: Hashable) -> None:
+        """Forget the number given to ``request_id`` (it finished); unknown ids are ignored."""
+        self.numbered.pop(request_id, None)
+
+
+def check_position(name: str, value: object) -> int:
+    """``value`` as an output position in ``[0, MAX_POSITION)`` (``ValueError`` otherwise)."""
+    if not is_int(value) or not 0 <= value < MAX_POSITION:
+        raise ValueError(f"{name} must be an int in [0, 2**56), got {value!r}")
+    return int(value)
+
+
+def check_stream(name: str, value: object) -> int | None:
+    """``value`` as an explicit stream number in ``[0, 2**63)`` or None (``ValueError`` otherwise)."""
+    if value is None:
+        return None
+    if not is_int(value) or not 0 <= value < MAX_STREAM:
+        raise ValueError(f"{name} must be None or an int in [0, 2**63), got {value!r}")
+    return int(value)
 
 
 def uniforms(seeds: torch.Tensor, offsets: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
@@ -148,3 +128,22 @@ def uniforms(seeds: torch.Tensor, offsets: torch.Tensor, columns: torch.Tensor) 
     """
     words = philox_words(seeds, offsets, columns)
     return (words.to(torch.float64) + 0.5) * (2.0**-32)
+
+
+def acceptance_uniforms(seeds: torch.Tensor, offsets: torch.Tensor, num_drafts: int) -> torch.Tensor:
+    """``[B, D]`` float64 acceptance uniforms: draft ``j`` of a request whose first emitted
+    position this step has stream offset ``offsets[b]`` (its target lane) reads lane
+    :data:`ACCEPT_UNIFORM_LANE` of position ``p + j`` (column 0). ``seeds``/``offsets``: ``[B]``."""
+    batch = seeds.shape[0]
+    device = offsets.device
+    steps = torch.arange(num_drafts, dtype=torch.int64, device=device) * SLOT_SPAN + (ACCEPT_UNIFORM_LANE - TARGET_LANE)
+    at = (offsets.to(torch.int64).reshape(-1, 1) + steps.reshape(1, -1)).reshape(-1)
+    column = torch.zeros(1, dtype=torch.int64, device=device)
+    u = uniforms(seeds.to(torch.int64).repeat_interleave(num_drafts), at, column)
+    return u.reshape(batch, num_drafts)
+
+
+def residual_offsets(offsets: torch.Tensor, emitted_at: torch.Tensor) -> torch.Tensor:
+    """``[B]`` int64 offsets of the residual race emitting position ``p + n`` (``emitted_at`` =
+    ``n``, ``[B]``), for requests whose position ``p`` has stream offset ``offsets``."""
+    return offsets.to(torch.int64) + emitted_at.to(torch.int64) * SLOT_SPAN + (ACCEPT_RESIDUAL_LANE - TARGET_LANE)

@@ -50,12 +50,14 @@ def build_app(engine: EngineLoop, model_name: str) -> FastAPI:
         if body.model != model_name:
             return _error(f"model {body.model!r} does not exist; this server serves {model_name!r}", 404,
                           kind="NotFoundError", param="model")
-        if body.echo or body.best_of not in (None, 1) or body.suffix is not None:
-            return _error("echo, best_of > 1 and suffix are not supported", 400)
+        if body.best_of not in (None, 1) or body.suffix is not None:
+            return _error("best_of > 1 and suffix are not supported", 400)
         prompts = _prompt_list(body.prompt)
         kwargs = body.sampling_kwargs(body.max_tokens, body.logprobs)
+        if body.echo and body.logprobs is not None:  # vLLM: echoed prompt tokens carry their logprobs
+            kwargs["prompt_logprobs"] = body.logprobs
         return await _serve(engine, raw, model_name, "text_completion", "cmpl", prompts, kwargs, body.stream,
-                            _usage_in_stream(body))
+                            _usage_in_stream(body), echo=body.echo)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, raw: Request) -> Any:
@@ -118,7 +120,7 @@ def _prepare(prompt: Any, kwargs: dict[str, Any]):
 
 
 async def _serve(engine: EngineLoop, raw: Request, model_name: str, kind: str, id_prefix: str, prompts: list[Any],
-                 kwargs: dict[str, Any], stream: bool, usage_in_stream: bool) -> Any:
+                 kwargs: dict[str, Any], stream: bool, usage_in_stream: bool, *, echo: bool = False) -> Any:
     """Submit every prompt, then answer with one JSON body or an SSE stream."""
     response_id = f"{id_prefix}-{uuid.uuid4().hex}"
     created = int(time.time())
@@ -136,16 +138,19 @@ async def _serve(engine: EngineLoop, raw: Request, model_name: str, kind: str, i
     tokenizer = engine.llm.get_tokenizer()
     if stream:
         return StreamingResponse(_sse(engine, submitted, n, kind, response_id, created, model_name, tokenizer,
-                                      usage_in_stream), media_type="text/event-stream")
+                                      usage_in_stream, echo), media_type="text/event-stream")
     choices: dict[int, dict] = {}
     usage = {"prompt_tokens": 0, "completion_tokens": 0}
     try:
         for p, (_, outputs) in enumerate(submitted):  # noqa: B007
+            echoed = _Echo(echo, tokenizer)
             async for out in outputs:
                 if p * n not in choices:
                     usage["prompt_tokens"] += len(out.prompt_token_ids)
                 for c in out.outputs:
-                    choice = choices.setdefault(p * n + c.index, _empty_choice(kind, p * n + c.index))
+                    if p * n + c.index not in choices:
+                        choices[p * n + c.index] = echoed.prepend(_empty_choice(kind, p * n + c.index), out)
+                    choice = choices[p * n + c.index]
                     _append(choice, c, kind, tokenizer)
                     usage["completion_tokens"] += len(c.token_ids)
     except EngineDead as exc:
@@ -186,16 +191,54 @@ def _logprobs(c: Any, kind: str, tokenizer: Any) -> dict:
         content = []
         for tok, entry in zip(c.token_ids, c.logprobs):
             text = _token_text(tokenizer, tok)
-            content.append({"token": text, "logprob": entry.get(tok, float("-inf")),
+            content.append({"token": text, "logprob": entry[tok].logprob,
                             "bytes": list(text.encode()),
-                            "top_logprobs": [{"token": _token_text(tokenizer, t), "logprob": lp,
+                            "top_logprobs": [{"token": _token_text(tokenizer, t), "logprob": lp.logprob,
                                               "bytes": list(_token_text(tokenizer, t).encode())}
-                                             for t, lp in entry.items() if t != tok or len(entry) > 1]})
+                                             for t, lp in _by_rank(entry) if t != tok or len(entry) > 1]})
         return {"content": content}
     return {"tokens": [_token_text(tokenizer, t) for t in c.token_ids],
-            "token_logprobs": [entry.get(t, float("-inf")) for t, entry in zip(c.token_ids, c.logprobs)],
-            "top_logprobs": [{_token_text(tokenizer, t): lp for t, lp in entry.items()} for entry in c.logprobs],
+            "token_logprobs": [entry[t].logprob for t, entry in zip(c.token_ids, c.logprobs)],
+            "top_logprobs": [{_token_text(tokenizer, t): lp.logprob for t, lp in _by_rank(entry)}
+                             for entry in c.logprobs],
             "text_offset": []}
+
+
+def _by_rank(entry: dict) -> list:
+    """A position's ``(token id, Logprob)`` pairs, most likely first."""
+    return sorted(entry.items(), key=lambda item: item[1].rank)
+
+
+class _Echo:
+    """``echo`` of the completions API (vLLM's shape): each sample's text starts with the prompt's,
+    and with ``logprobs`` its logprobs start with the prompt tokens' (None for the first token)."""
+
+    def __init__(self, echo: bool, tokenizer: Any) -> None:
+        self.echo = echo
+        self.tokenizer = tokenizer
+        self.prompt_logprobs = None  # the request's, from the output that brings them
+
+    def prepend(self, choice: dict, out: Any) -> dict:
+        """``choice`` (a completion choice or chunk) with the prompt's text and logprobs in front."""
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+        if not self.echo:
+            return choice
+        ids = out.prompt_token_ids
+        text = out.prompt
+        if text is None:
+            text = self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+        choice["text"] = text + choice["text"]
+        if choice["logprobs"] is not None or self.prompt_logprobs is not None:
+            lps = self.prompt_logprobs or [None] * len(ids)
+            tok = self.tokenizer
+            prompt = {"tokens": [_token_text(tok, t) for t in ids],
+                      "token_logprobs": [None if e is None else e[t].logprob for t, e in zip(ids, lps)],
+                      "top_logprobs": [None if e is None else {_token_text(tok, t): lp.logprob for t, lp in _by_rank(e)}
+                                       for e in lps],
+                      "text_offset": []}
+            choice["logprobs"] = prompt if choice["logprobs"] is None else _merge_logprobs(prompt, choice["logprobs"])
+        return choice
 
 
 def _merge_logprobs(old: dict | None, new: dict) -> dict:
@@ -205,7 +248,8 @@ def _merge_logprobs(old: dict | None, new: dict) -> dict:
 
 
 async def _sse(engine: EngineLoop, submitted: list[tuple[str, AsyncIterator[Any]]], n: int, kind: str, response_id: str,
-               created: int, model_name: str, tokenizer: Any, usage_in_stream: bool) -> AsyncIterator[str]:
+               created: int, model_name: str, tokenizer: Any, usage_in_stream: bool,
+               echo: bool = False) -> AsyncIterator[str]:
     """One ``data:`` event per sample delta (prompts one after another), then ``[DONE]``."""
     chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
     usage = {"prompt_tokens": 0, "completion_tokens": 0}
@@ -220,6 +264,7 @@ async def _sse(engine: EngineLoop, submitted: list[tuple[str, AsyncIterator[Any]
                           "finish_reason": None} for i in range(n * len(submitted))])
         for p, (_, outputs) in enumerate(submitted):
             first = True
+            echoed, started = _Echo(echo, tokenizer), set()
             async for out in outputs:
                 if first:
                     usage["prompt_tokens"] += len(out.prompt_token_ids)
@@ -234,6 +279,9 @@ async def _sse(engine: EngineLoop, submitted: list[tuple[str, AsyncIterator[Any]
                         choice["delta"] = {"content": c.text}
                     else:
                         choice["text"] = c.text
+                        if c.index not in started:  # a sample's first chunk carries the echoed prompt
+                            started.add(c.index)
+                            echoed.prepend(choice, out)
                     if c.finish_reason is not None:
                         choice["stop_reason"] = c.stop_reason
                     choices.append(choice)

@@ -10,9 +10,11 @@ The interface the runtime codes against::
     meta.prepare(requests=[RequestEntry(request_id, slot_id, sampling_params, is_context), ...], draft_len=D)
     #   rows: requests in this order; context request -> 1 logits row, generation -> D+1 rows
     #   (its last accepted token, then its D drafts); slot_id -1 = padding request (greedy).
+    #   RequestEntry(..., position=p, stream=s): p = the output position of the first token
+    #   this step emits; s = an unseeded request's stream number (None: numbered per request id).
     #   Fills stable device buffers (params refilled only when the batch changes), gives
-    #   each request its Philox window (seeded: per-slot counter, reset when a new request
-    #   takes the slot; unseeded: seed 42 + one shared counter from offset 2**62), and the
+    #   every row the Philox offset of the output position it emits (seeded: the user's seed;
+    #   unseeded: its own stream, offsets from 2**62; tpspec.sampling.streams), and the
     #   flags meta.is_all_greedy / meta.temperature_only (ANDed over the TP group under
     #   attention DP: one tiny all-reduce in prepare, so prepare is collective there).
 
@@ -34,7 +36,8 @@ Every rank gets the same tensors. Lower-level pieces:
 * ``strict_accept(target_tokens [rows], draft_tokens, num_contexts, batch_size)`` (contexts
   first) and ``accept_from_targets(target [B, D+1], drafts [B, D], draft_lens)``;
 * ``rejection_sample(draft_probs|None, draft_token_ids, target_probs, seeds, offsets, draft_lens=None)``
-  with ``offsets = meta.acceptance_offsets()`` and ``seeds = meta.request_seeds``;
+  with ``offsets = meta.request_offsets`` (each request's first emitted position) and
+  ``seeds = meta.request_seeds``;
 * ``ForcedAcceptance`` (``TPSPEC_FORCE_NUM_ACCEPTED_TOKENS``), used by ``SpecWorker``;
 * ``select_draft_tokens(draft_logits, meta, step, sample=False, first_request=0, previous_drafts=None)``
   (``Channel.DRAFT``; sampled drafts on the shards, with the requests' penalties, counting

@@ -16,7 +16,7 @@ import torch
 
 from ..keys import gumbel_noise
 from ..sampling.ops import key_argmax
-from ..sampling.streams import ACCEPT_RESIDUAL_SUBSTREAM, ACCEPT_UNIFORM_SUBSTREAM, uniforms
+from ..sampling.streams import acceptance_uniforms, residual_offsets
 
 PAD_TOKEN = -1
 
@@ -144,14 +144,16 @@ def rejection_sample(
     ``draft_probs``: ``[B, D, V]`` the draft distributions q the drafts were drawn from,
     or ``None`` for a deterministic drafter (q = one-hot at the draft token: still
     lossless); ``draft_token_ids``: ``[B, D]`` int in ``[0, V)``; ``target_probs``:
-    ``[B, D+1, V]`` the target distributions p; ``seeds``/``offsets``: ``[B]`` int64, the
-    request's acceptance stream (the acceptance slot of its window). ``draft_lens``:
+    ``[B, D+1, V]`` the target distributions p; ``seeds``/``offsets``: ``[B]`` int64, each
+    request's stream and the offset of the first output position it emits
+    (``SpecMetadata.request_offsets``). ``draft_lens``:
     ``[B]`` drafts that count (default D; 0 = emit one token drawn from p_0).
 
     Draft ``i`` is accepted when ``u_i * q(x_i) < p(x_i)`` (i.e. with probability
-    ``min(1, p/q)``), ``u_i`` = Philox uniform of column ``i`` at ``offset + 0``; at the
-    first rejection the token is drawn from ``norm(max(0, p - q))``, after all drafts
-    from ``p_D`` — by Gumbel-max with the noise of ``offset + 1``. Returns
+    ``min(1, p/q)``), ``u_i`` = the Philox uniform of the acceptance lane of position
+    ``p + i``; at the first rejection ``n`` the token is drawn from ``norm(max(0, p - q))``,
+    after all drafts from ``p_D`` — by Gumbel-max with the noise of the residual lane of
+    position ``p + n`` (``tpspec.sampling.streams``). Returns
     ``(accepted_tokens [B, D+1] padded with -1, num_accepted [B] int64)``, the same for
     the same inputs on every rank and device type. flashinfer's
     ``chain_speculative_sampling`` is used only with ``needs_reproducible_streams=False``
@@ -201,8 +203,7 @@ def rejection_sample(
         q_x = torch.ones_like(p_x)
     else:
         q_x = draft_probs.gather(2, safe_drafts.unsqueeze(2)).squeeze(2).to(torch.float64)
-    columns = torch.arange(num_drafts, dtype=torch.int64, device=device)
-    u = uniforms(seeds, offsets + ACCEPT_UNIFORM_SUBSTREAM, columns)
+    u = acceptance_uniforms(seeds, offsets, num_drafts)
     accept = (u * q_x < p_x) & counted
     n = torch.cumprod(accept.to(torch.int64), dim=1).sum(dim=1)  # drafts accepted per request
 
@@ -224,7 +225,7 @@ def rejection_sample(
     empty = residual.sum(dim=1, keepdim=True) <= 0
     residual = torch.where(empty, p_n, residual)
     vocab_columns = torch.arange(vocab, dtype=torch.int64, device=device)
-    scores = torch.log(residual) + gumbel_noise(seeds, offsets + ACCEPT_RESIDUAL_SUBSTREAM, vocab_columns)
+    scores = torch.log(residual) + gumbel_noise(seeds, residual_offsets(offsets, n), vocab_columns)
     final = key_argmax(scores)
 
     padded_drafts = torch.cat([drafts, torch.full((batch, 1), PAD_TOKEN, dtype=torch.int64, device=device)], dim=1)

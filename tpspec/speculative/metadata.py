@@ -2,8 +2,8 @@
 
 ``SpecMetadata.prepare(requests, draft_len)`` runs once per step, before the forward.
 It scans the requests' sampling parameters (only when the batch changed), fills
-stable device buffers (per request and per logits row), hands every request its
-Philox window and computes the batch flags
+stable device buffers (per request and per logits row), gives every row the Philox
+offset of the output position it emits (``tpspec.sampling.streams``) and computes the batch flags
 that choose code paths: ``is_all_greedy`` and ``temperature_only``. Under attention
 DP every rank of a TP group holds different requests, so the flags are ANDed across
 the group (one small all-reduce per step) before any path that runs a collective is
@@ -17,7 +17,7 @@ A ``slot_id`` of -1 marks a padding request (greedy, no stream).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Hashable, Sequence
 
 import torch
@@ -29,11 +29,12 @@ from ..sampling.params import GREEDY, SamplingParams
 from ..keys import SamplingRows
 from ..sampling.penalties import OccurrenceCounts, RowPenalties, preceding_drafts
 from ..sampling.streams import (
-    ACCEPT_RESIDUAL_SUBSTREAM,
-    ACCEPT_UNIFORM_SUBSTREAM,
+    DRAFT_LANE,
     SLOT_SPAN,
+    TARGET_LANE,
     StreamAllocator,
-    WindowLayout,
+    check_position,
+    check_stream,
 )
 
 
@@ -43,14 +44,22 @@ class RequestEntry:
 
     ``slot_id``: its KV slot, or -1 for a padding request (always greedy, no stream);
     ``params``: its :class:`SamplingParams` (None = greedy); ``is_context``: a context
-    request owns one logits row, a generation request ``draft_len + 1``. Checked and
-    normalized when built (raises ``ValueError`` naming the request).
+    request owns one logits row, a generation request ``draft_len + 1``.
+    ``position``: the output position of the first token this step emits (the number of
+    tokens the request generated before it): row ``i`` draws the noise of position
+    ``position + i``, draft step ``j`` that of ``position + j``. ``stream``: an unseeded
+    request's stream number in ``[0, 2**63)``, unique per request (the engine gives its
+    admission number); None: the metadata numbers each new request id itself (see
+    ``tpspec.sampling.streams``). Neither field is part of the batch's parameters (equality
+    ignores them). Checked and normalized when built (raises ``ValueError`` naming the request).
     """
 
     request_id: Hashable
     slot_id: int
     params: SamplingParams | None = None
     is_context: bool = False
+    position: int = field(default=0, compare=False)
+    stream: int | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         params = GREEDY if self.params is None else self.params
@@ -63,6 +72,8 @@ class RequestEntry:
             params = GREEDY  # padding requests never sample
         object.__setattr__(self, "params", params)
         object.__setattr__(self, "is_context", bool(self.is_context))
+        object.__setattr__(self, "position", check_position(f"request {self.request_id!r}: position", self.position))
+        object.__setattr__(self, "stream", check_stream(f"request {self.request_id!r}: stream", self.stream))
 
 
 class SpecMetadata:
@@ -71,7 +82,7 @@ class SpecMetadata:
     ``max_num_requests``: most requests a step may hold; ``max_draft_len``: most
     draft tokens a generation request carries; ``device``: where the buffers live;
     ``mapping``: this rank's :class:`Mapping` (attention DP turns on the group sync and
-    gives each rank its own unseeded sub-stream); ``group``: the group the flags are
+    gives each rank its own range of unseeded stream numbers); ``group``: the group the flags are
     ANDed over (default: the TP group under attention DP, none otherwise);
     ``max_num_slots``: KV slots (default ``max_num_requests``). ``occurrences``: this rank's
     :class:`~tpspec.sampling.penalties.OccurrenceCounts` over those slots, needed once a
@@ -94,7 +105,8 @@ class SpecMetadata:
     ) -> None:
         if not isinstance(max_num_requests, int) or max_num_requests < 1:
             raise ValueError(f"max_num_requests must be a positive int, got {max_num_requests!r}")
-        self.layout = WindowLayout(max_draft_len)
+        if not isinstance(max_draft_len, int) or max_draft_len < 0:
+            raise ValueError(f"max_draft_len must be an int >= 0, got {max_draft_len!r}")
         self.max_num_requests = max_num_requests
         self.max_draft_len = max_draft_len
         self.max_num_rows = max_num_requests * (max_draft_len + 1)
@@ -103,8 +115,10 @@ class SpecMetadata:
         adp = self.mapping.enable_attention_dp
         self.group = group if group is not None else (D.tp_group() if adp else None)
         self.sync_flags = adp or group is not None
-        num_slots = max_num_slots if max_num_slots is not None else max_num_requests
-        self.streams = StreamAllocator(num_slots, self.layout, partition=self.mapping.tp_rank if adp else 0)
+        self.num_slots = max_num_slots if max_num_slots is not None else max_num_requests
+        if self.num_slots < 1:
+            raise ValueError(f"max_num_slots must be >= 1, got {self.num_slots}")
+        self.streams = StreamAllocator(partition=self.mapping.tp_rank if adp else 0)
         self.occurrences = occurrences
 
         B, R, dev = max_num_requests, self.max_num_rows, self.device
@@ -119,7 +133,7 @@ class SpecMetadata:
         self._req_row_start = torch.zeros(B, dtype=i64, device=dev)
         self._req_draft_len = torch.zeros(B, dtype=i64, device=dev)
         self._req_seed = torch.zeros(B, dtype=i64, device=dev)
-        self._req_window = torch.zeros(B, dtype=i64, device=dev)
+        self._req_offset = torch.zeros(B, dtype=i64, device=dev)
         self._req_row_index = torch.zeros(B, max_draft_len + 1, dtype=i64, device=dev)
         self._req_repetition = torch.ones(B, dtype=f32, device=dev)
         self._req_presence = torch.zeros(B, dtype=f32, device=dev)
@@ -158,8 +172,9 @@ class SpecMetadata:
         fields is taken as one). ``draft_len``: drafts per
         generation request this step (``0 .. max_draft_len``).
 
-        Advances the request streams (call exactly once per step, on every rank of the
-        group, in the same order). Under attention DP this is collective over the group.
+        Call once per step, on every rank of the group, in the same order (an unseeded
+        request without an explicit ``stream`` is numbered at its first step). Under attention
+        DP this is collective over the group.
         Raises ``ValueError`` for bad input (nothing is changed then); under attention DP
         the ranks still meet in the flag sync, so a bad batch on one rank makes every rank
         raise (the others a ``RuntimeError``, their streams not advanced either) instead of
@@ -175,7 +190,7 @@ class SpecMetadata:
             raise error
         if not group_ok:
             raise RuntimeError("SpecMetadata.prepare failed on another rank of the group (bad requests there)")
-        self._fill_streams()  # only once every rank is good: a failed step advances no stream
+        self._fill_streams()  # only once every rank is good: a failed step numbers no stream
         self._prepared = True
         return self
 
@@ -189,14 +204,15 @@ class SpecMetadata:
         if key != self._param_key:
             self._fill_params(entries, draft_len)
             self._param_key = key
+        self.entries = entries  # positions and streams change every step (not part of the key)
 
     @staticmethod
     def _entry(request: Any) -> RequestEntry:
         if isinstance(request, RequestEntry):
             return request
-        if not isinstance(request, (tuple, list)) or len(request) != 4:
+        if not isinstance(request, (tuple, list)) or not 4 <= len(request) <= 6:
             raise ValueError(f"each request must be a RequestEntry (or its fields request_id, slot_id, "
-                             f"sampling_params, is_context as a tuple), got {request!r}")
+                             f"sampling_params, is_context[, position[, stream]] as a tuple), got {request!r}")
         return RequestEntry(*request)
 
     def _fill_params(self, entries: list[RequestEntry], draft_len: int) -> None:
@@ -206,8 +222,8 @@ class SpecMetadata:
         if len(set(slots)) != len(slots):
             raise ValueError("two requests of one step share a slot_id")
         for e in entries:
-            if e.slot_id != -1 and not 0 <= e.slot_id < self.streams.num_slots:
-                raise ValueError(f"slot_id={e.slot_id} of request {e.request_id!r} is out of range [0, {self.streams.num_slots})")
+            if e.slot_id != -1 and not 0 <= e.slot_id < self.num_slots:
+                raise ValueError(f"slot_id={e.slot_id} of request {e.request_id!r} is out of range [0, {self.num_slots})")
         if any(e.params.has_penalties for e in entries):
             if self.occurrences is None:
                 raise ValueError("a request has penalties but this SpecMetadata has no occurrence counts "
@@ -267,18 +283,21 @@ class SpecMetadata:
         self.param_refills += 1
 
     def _fill_streams(self) -> None:
-        windows = self.streams.begin_step([(e.request_id, e.slot_id, e.params.seed_int64) for e in self.entries])
-        if not windows:
+        streams = self.streams.streams([(e.request_id, e.slot_id == -1, e.params.seed_int64, e.stream)
+                                        for e in self.entries])
+        if not streams:
             return
-        seeds = torch.tensor([w[0] for w in windows], dtype=torch.int64)
-        bases = torch.tensor([w[1] for w in windows], dtype=torch.int64)
-        B, R = len(windows), self.num_rows
+        seeds = torch.tensor([s for s, _ in streams], dtype=torch.int64)
+        # The target lane of the request's first emitted position; padding keeps its marker.
+        offsets = torch.tensor([base if e.slot_id == -1 else base + e.position * SLOT_SPAN + TARGET_LANE
+                                for (_, base), e in zip(streams, self.entries)], dtype=torch.int64)
+        B, R = len(streams), self.num_rows
         self._req_seed[:B].copy_(seeds.to(self.device))
-        self._req_window[:B].copy_(bases.to(self.device))
+        self._req_offset[:B].copy_(offsets.to(self.device))
         row_req = self._row_request[:R]
         self._row_seed[:R].copy_(self._req_seed[:B][row_req])
-        # Target row i of a request sits at slot i of its window.
-        self._row_offset[:R].copy_(self._req_window[:B][row_req] + self._row_position[:R] * SLOT_SPAN)
+        # Target row i of a request emits position ``position + i``.
+        self._row_offset[:R].copy_(self._req_offset[:B][row_req] + self._row_position[:R] * SLOT_SPAN)
 
     def _sync_flags(self, ok: bool = True) -> bool:
         """Set the batch flags (ANDed over the group when syncing); returns whether every
@@ -351,9 +370,11 @@ class SpecMetadata:
         return self._req_seed[: self.num_requests]
 
     @property
-    def request_windows(self) -> torch.Tensor:
-        """``[B]`` int64 first offset of each request's window this step."""
-        return self._req_window[: self.num_requests]
+    def request_offsets(self) -> torch.Tensor:
+        """``[B]`` int64: each request's stream offset of the first output position it emits this
+        step (the target lane; ``tpspec.sampling.streams``). The acceptance functions take it as
+        their ``offsets`` and read the lanes of positions ``p .. p + D`` from it."""
+        return self._req_offset[: self.num_requests]
 
     def _sampling_rows(self, n: int, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                        min_p: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor) -> SamplingRows:
@@ -431,18 +452,14 @@ class SpecMetadata:
                             self._req_presence[pick], self._req_frequency[pick])
 
     def draft_offsets(self, step: int) -> torch.Tensor:
-        """``[B]`` int64 offsets of draft step ``step`` (0-based) of every request."""
+        """``[B]`` int64 offsets of draft step ``step`` (0-based) of every request: the draft lane
+        of the position that step proposes (``position + step``)."""
         self._check_prepared()
-        return self.request_windows + self.layout.draft_step(step)
+        if not is_int(step) or not 0 <= step < self.max_draft_len:
+            raise ValueError(f"draft step {step!r} is out of range [0, {self.max_draft_len})")
+        return self.request_offsets + (step * SLOT_SPAN + DRAFT_LANE - TARGET_LANE)
 
-    def acceptance_offsets(self, substream: int = ACCEPT_UNIFORM_SUBSTREAM) -> torch.Tensor:
-        """``[B]`` int64 offsets of the acceptance kernel's slot (``substream`` 0: uniforms,
-        1: residual/bonus draw; the acceptance functions add the sub-stream themselves)."""
-        self._check_prepared()
-        if substream not in (ACCEPT_UNIFORM_SUBSTREAM, ACCEPT_RESIDUAL_SUBSTREAM):
-            raise ValueError(f"substream must be 0 or 1, got {substream}")
-        return self.request_windows + (self.layout.acceptance + substream)
-
-    def release_slot(self, slot_id: int) -> None:
-        """Tell the streams a request left ``slot_id`` (optional: a new owner resets it anyway)."""
-        self.streams.release(slot_id)
+    def release(self, request_id: Hashable) -> None:
+        """Forget the stream number the metadata gave an unseeded ``request_id`` without an
+        explicit ``stream`` (it finished; a request that comes back keeps it if not released)."""
+        self.streams.release(request_id)

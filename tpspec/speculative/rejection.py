@@ -10,12 +10,14 @@ learns, in one exact int64 sum over the group, each row's total ``Z`` and the ma
 alike:
 
 * draft ``j`` is accepted when ``u_j * Q(x_j) * Z_p < P(x_j) * Z_q`` (products of the exact
-  integers in float64; ``u_j`` the request's acceptance uniform ``j``), i.e. with probability
-  ``min(1, p(x)/q(x))``;
+  integers in float64; ``u_j`` the request's acceptance uniform of the position draft ``j``
+  proposes), i.e. with probability ``min(1, p(x)/q(x))``;
 * at the first rejection ``n`` the token is drawn from ``max(0, p_n - q_n)``, after all drafts
   from ``p_D`` (``q = 0``), by an exponential race: each rank scores its columns
   ``r_i / E_i`` (``r_i = P_i / Z_p - Q_i / Z_q`` in float64, ``E_i`` the Philox exponential of
-  the request's residual stream and the global column) and one key exchange takes the max.
+  the residual lane of the emitted position and the global column) and one key exchange takes
+  the max. Every draw is keyed by the output position it decides (``tpspec.sampling.streams``),
+  so no draw is used for two decisions of a request.
   Should rounding leave no residual mass anywhere, the race runs on ``p_n``.
 
 Filters (top-k, top-p, min-p; ``docs/determinism.md``'s semantics) cut each target row to
@@ -56,7 +58,7 @@ from ..keys import (
 )
 from ..sampling.ops import filter_flags, scaled_scores, sorted_filter_mask
 from ..sampling.select import DEFAULT_CANDIDATES
-from ..sampling.streams import ACCEPT_RESIDUAL_SUBSTREAM, ACCEPT_UNIFORM_SUBSTREAM, uniforms
+from ..sampling.streams import acceptance_uniforms, residual_offsets
 from ..vocab_parallel import VocabShardedLogits
 from .accept import PAD_TOKEN
 
@@ -143,8 +145,9 @@ def sharded_rejection_sample(
     ``row_index``: ``[B, D+1]`` int64 rows of each request's positions; ``temperature``: ``[B]``
     (the request's; below the greedy threshold = greedy); ``draft_tokens``: ``[B, D]`` target ids;
     ``draft_lens``: ``[B]`` drafts that count (0 for a context request: one token from ``p_0``);
-    ``seeds``/``offsets``: ``[B]`` int64, the request's acceptance stream (uniforms at
-    ``offset + 0``, the residual race at ``offset + 1``); ``draft_logits``: ``[B, D, W]`` this
+    ``seeds``/``offsets``: ``[B]`` int64, each request's stream and the offset of the first
+    output position it emits this step (``SpecMetadata.request_offsets``; the uniforms and the
+    residual race read the lanes of positions ``p .. p + D``); ``draft_logits``: ``[B, D, W]`` this
     rank's columns of the draft logits each sampled draft was drawn from at the request's
     temperature, or None (every draft one-hot). Greedy requests' drafts are one-hot.
     ``top_k``/``top_p``/``min_p``: ``[B]`` filters of each request, or None (off): they cut its
@@ -225,7 +228,7 @@ def sharded_rejection_sample(
 
     positions = torch.arange(num_drafts + 1, dtype=torch.int64, device=device)
     counted = positions[:num_drafts].reshape(1, -1) < lens.reshape(-1, 1)
-    u = uniforms(seeds, offsets + ACCEPT_UNIFORM_SUBSTREAM, positions[:num_drafts])
+    u = acceptance_uniforms(seeds, offsets, num_drafts)
     accept = (u * q_x.to(torch.float64) * z_p[:, :num_drafts].to(torch.float64)
               < p_x.to(torch.float64) * z_q.to(torch.float64)) & counted
     n = torch.cumprod(accept.to(torch.int64), dim=1).sum(dim=1)
@@ -241,7 +244,7 @@ def sharded_rejection_sample(
     else:
         q_n = torch.zeros_like(p_n)
     residual = (p_n - q_n).clamp(min=0.0)
-    race = exponential_from_words(philox_words(seeds, offsets + ACCEPT_RESIDUAL_SUBSTREAM, columns)).to(torch.float64)
+    race = exponential_from_words(philox_words(seeds, residual_offsets(offsets, n), columns)).to(torch.float64)
     keys = torch.cat([_keys((residual / race).to(torch.float32), columns, real & (residual > 0)),
                       _keys((p_n / race).to(torch.float32), columns, real & (p_n > 0))])
     won = exchange.max_keys(keys, channel=channel)

@@ -148,7 +148,7 @@ class SpecWorker:
             self.sampling_stats.rows_gathered += meta.num_rows  # rejection sampling needs the full laws
             probs = filtered_probs(full, rs.temperature, rs.top_k, rs.top_p, rs.min_p)
             accepted, num = rejection_sample(
-                draft_probs, drafts, probs[row_index], meta.request_seeds, meta.acceptance_offsets(),
+                draft_probs, drafts, probs[row_index], meta.request_seeds, meta.request_offsets,
                 # Only rows with fewer drafts need lengths (without them flashinfer may serve).
                 draft_lens=None if meta.every_request_has_full_drafts else lens,
                 needs_reproducible_streams=meta.any_seeded,
@@ -188,7 +188,7 @@ class SpecWorker:
         batch, num_drafts, width = draft_logits.shape
         rows = VocabShardedLogits(draft_logits.reshape(-1, width), target_logits.vocab_offset,
                                   target_logits.vocab_size, target_logits.exchange)
-        req = meta.request_sampling(meta.acceptance_offsets())
+        req = meta.request_sampling(meta.request_offsets)
 
         def per_row(f):
             return None if f is None else f.repeat_interleave(num_drafts)
@@ -202,11 +202,11 @@ class SpecWorker:
         """Rejection sampling on the shards (penalties applied to each rank's slice first), or None
         when a filtered row cannot be decided there (every rank alike)."""
         logits = penalized_logits(target_logits, rs.penalties)
-        req = meta.request_sampling(meta.acceptance_offsets())
+        req = meta.request_sampling(meta.request_offsets)
         device = logits.local.device
         return sharded_rejection_sample(
             logits, meta.request_row_index.to(device), req.temperature, drafts, meta.request_draft_len.to(device),
-            meta.request_seeds, meta.acceptance_offsets(), draft_logits, top_k=req.top_k, top_p=req.top_p,
+            meta.request_seeds, meta.request_offsets, draft_logits, top_k=req.top_k, top_p=req.top_p,
             min_p=req.min_p, channel=self.channel)
 
     @staticmethod
