@@ -7,7 +7,7 @@ import torch
 
 from tpspec import SamplingParams, VocabShardedLogits
 from tpspec.exchange import AllGatherKeyExchange
-from tpspec.sampling import SLOT_SPAN, UNSEEDED_OFFSET_BASE, UNSEEDED_SEED, WindowLayout
+from tpspec.sampling import SLOT_SPAN, UNSEEDED_OFFSET_BASE, UNSEEDED_SEED, WindowLayout, select_tokens
 from tpspec.speculative import SpecMetadata
 
 D = 2
@@ -33,7 +33,7 @@ def run_history(batches):
         meta.prepare(requests, draft_len=D)
         rs = meta.row_sampling()
         logits = VocabShardedLogits(step_logits(len(seen), meta.num_rows), 0, VOCAB, ex)
-        tokens = logits.select_tokens(meta)
+        tokens = select_tokens(logits, meta)
         b = [r[0] for r in requests].index("r") if any(r[0] == "r" for r in requests) else None
         if b is None:
             continue
@@ -78,7 +78,7 @@ def test_unseeded_requests_never_share_a_stream():
     meta.prepare([("a", 0, UNSEEDED, True), ("b", 1, UNSEEDED, True)], draft_len=0)
     rs = meta.row_sampling()
     logits = torch.zeros(2, 5000)  # uniform rows: a shared stream would show as equal tokens
-    tokens = VocabShardedLogits(logits, 0, 5000, AllGatherKeyExchange()).select_tokens(meta)
+    tokens = select_tokens(VocabShardedLogits(logits, 0, 5000, AllGatherKeyExchange()), meta)
     assert tokens[0] != tokens[1]
     assert rs.offsets[0] != rs.offsets[1]
 

@@ -488,7 +488,7 @@ def check_filters_sharded(ctx: SuiteContext) -> CheckResult:
     for i in range(4):  # top-p on the flat rows, so they must gather
         params["top_k"][-1 - i], params["top_p"][-1 - i], params["temperature"][-1 - i] = 2**31 - 1, 0.5, 1.0
     reference = sample_from_logits(full, params["temperature"], params["seeds"], params["offsets"], params["top_k"],
-                                   params["top_p"], params["min_p"], backend="torch")
+                                   params["top_p"], params["min_p"])
     details, mism = [], 0
     stats = SamplingStats()
     order = torch.randperm(num_rows, generator=gen)
@@ -549,7 +549,7 @@ def _penalised_mismatches(ctx: SuiteContext, full: torch.Tensor, params: dict[st
                                 drafts=None, repetition=whole.repetition, presence=whole.presence,
                                 frequency=whole.frequency)
     reference = sample_from_logits(penalised, params["temperature"], params["seeds"], params["offsets"],
-                                   params["top_k"], params["top_p"], params["min_p"], backend="torch")
+                                   params["top_k"], params["top_p"], params["min_p"])
     return _mismatches(tokens, reference)
 
 
@@ -698,6 +698,7 @@ def check_seeded_streams(ctx: SuiteContext) -> CheckResult:
     request runs twice: with a temperature only, and with top-k, top-p and min-p."""
     require_module("tpspec.speculative")
     from .sampling.params import SamplingParams
+    from .sampling.select import select_tokens
     from .speculative import SpecMetadata
 
     vocab, draft_len, steps = 1000, 3, 5
@@ -719,7 +720,7 @@ def check_seeded_streams(ctx: SuiteContext) -> CheckResult:
                 rows += [_request_logits(rid, own_step, i, vocab) for i in range(1 if is_ctx else draft_len + 1)]
             full = torch.stack(rows)
             local, offset = shard_slice(full.to(ctx.device), tp, rank)
-            tokens = VocabShardedLogits(local, offset, vocab, exchange).select_tokens(meta)
+            tokens = select_tokens(VocabShardedLogits(local, offset, vocab, exchange), meta)
             if tp == ctx.world_size:
                 ctx.record(tokens)
             b = len(requests) - 1  # X is last

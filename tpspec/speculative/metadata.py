@@ -314,12 +314,6 @@ class SpecMetadata:
         return self.num_requests - self.num_contexts
 
     @property
-    def every_request_has_full_drafts(self) -> bool:
-        """True when every request verifies ``draft_len`` drafts: no context and no
-        padding request (both verify none). A host fact of this rank's batch."""
-        return not any(e.is_context or e.slot_id == -1 for e in self.entries)
-
-    @property
     def slot_ids(self) -> torch.Tensor:
         """``[B]`` int64 KV slots (-1 = padding)."""
         return self._req_slot[: self.num_requests]
