@@ -93,7 +93,6 @@ class EngineConfig:
     max_num_tokens: int = 512
     use_cuda_graphs: bool = True
     exchange: str = "auto"
-    progress_interval_s: float = 0.25
     page_size: int = 16
     kv_cache_bytes: int | None = None
     gpu_memory_utilization: float | None = None
@@ -239,7 +238,8 @@ class RequestOutput:
 
     ``request_id``: a string unique over the life of the ``LLM``. ``prompt``: the prompt text
     (None when given as token ids). ``prompt_token_ids``: what the model saw. ``finished``:
-    every sample has ended. ``metrics``: :class:`RequestMetrics`.
+    every sample has ended. ``metrics``: :class:`RequestMetrics`. ``prompt_logprobs``: vLLM's
+    field, not yet computed here: always None.
     """
 
     request_id: str
