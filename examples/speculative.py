@@ -1,7 +1,8 @@
 """Speculative decoding: n-gram and draft-model drafts, strict and rejection acceptance.
 
-Greedy requests give exactly the tokens of plain decoding; what changes is how many
-tokens each step emits. Runs plain decoding first, then each speculative configuration, and
+Greedy requests give the tokens of plain decoding (given the same logits: always in deterministic
+mode; the tiny model's greedy choices are far from ties); what changes is how many tokens each step
+emits. Runs plain decoding first, then each speculative configuration, and
 prints whether it emitted plain decoding's tokens and its acceptance statistics.
 
     python examples/speculative.py              # tiny model + its tiny draft, TP = 2, CPU

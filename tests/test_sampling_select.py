@@ -1,4 +1,4 @@
-"""Token selection on vocab shards (``VocabShardedLogits.select_tokens``) and a full
+"""Token selection on vocab shards (``tpspec.sampling.select_tokens``) and a full
 ``SpecWorker`` step at TP = 1: which path each batch takes, greedy semantics, and the
 same token for a row drawn on shards or on gathered logits. ``tp_worker`` is also run
 on 2 and 4 gloo ranks by ``test_spec_ranks.py`` (one spawn for all multi-rank checks)."""
