@@ -106,7 +106,7 @@ def test_param_buffers_refill_only_when_batch_changes():
     meta.prepare(batch + [("c", 2, SEEDED_TOPK, True)], draft_len=D)
     assert meta.param_refills == 2
     assert meta.row_sampling().temperature.data_ptr() == temp_ptr  # stable buffers
-    assert not meta.temperature_only and not meta.is_all_greedy and meta.any_seeded
+    assert not meta.temperature_only and not meta.is_all_greedy
     meta.prepare([("a", 0, None, False), ("p", -1, UNSEEDED, False)], draft_len=D)
     assert meta.is_all_greedy  # padding requests are greedy
     assert meta.request_draft_len.tolist() == [D, 0]
