@@ -206,6 +206,20 @@ def test_bad_filter_parameters_raise_naming_the_field(kwargs, field):
         sample_tokens(logits, 1.0, torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64), **kwargs)
 
 
+def test_filters_on_a_logits_subclass_raise_instead_of_reading_the_wrong_rows():
+    """A subclass (attention DP's stacked rows) holds rows other than its own in ``local``: filtered
+    draws refuse it with a clear error; its unfiltered draws are its own ``sample``."""
+
+    class Stacked(VocabShardedLogits):
+        pass
+
+    logits = Stacked(torch.randn(3, 10), 0, 10, LocalKeyExchange())
+    z = torch.zeros(3, dtype=torch.int64)
+    with pytest.raises(ValueError, match="select_tokens"):
+        sample_tokens(logits, 1.0, z, z, top_k=2)
+    assert torch.equal(sample_tokens(logits, 1.0, z, z), logits.sample(1.0, z, z))
+
+
 def test_bad_logprobs_arguments_raise():
     logits = VocabShardedLogits(torch.zeros(3, 10), 0, 10, LocalKeyExchange())
     with pytest.raises(ValueError, match="top_n"):

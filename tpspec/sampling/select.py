@@ -159,9 +159,10 @@ def sample_tokens(
     (``VocabShardedLogits.sample``). Collective over the logits' exchange group.
 
     Raises ``ValueError`` naming the field for a NaN or infinite temperature or a filter value
-    out of range. Tensor values are checked on the host (one sync; not while a CUDA graph is
-    being captured); ``check_values=False`` skips the temperature check for callers whose
-    temperatures are already validated.
+    out of range, and for filters on a subclass such as attention DP's stacked rows. Tensor values
+    are checked on the host (one sync; not while a CUDA graph is being captured);
+    ``check_values=False`` skips the temperature check for callers whose temperatures are already
+    validated.
     """
     rows, device = logits.num_rows, logits.local.device
     temperature = logits.temperature_rows(temperature, check_values=check_values)
@@ -173,6 +174,10 @@ def sample_tokens(
     sampling = SamplingRows(temperature, seeds, offsets, **filters)
     if not sampling.has_filters:
         return logits.sample(temperature, seeds, offsets, channel=channel, check_values=False)
+    if type(logits) is not VocabShardedLogits:  # every rank alike: the type and the filters are the group's
+        raise ValueError(f"top-k / top-p / min-p draws here need a plain VocabShardedLogits, got "
+                         f"{type(logits).__name__} (stacked attention-DP rows take their filters through "
+                         "tpspec.sampling.select_tokens)")
     logits.exchange.validate_logits_call(logits.local, logits.vocab_offset, logits.vocab_size, sampling, channel)
     return sample_filtered(logits, sampling, channel=channel)
 
