@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -18,6 +19,7 @@ def test_check_tp2_mp_cpu_passes(tmp_path, capsys):
     assert code == 0, text
     report = json.loads(out.read_text())
     rows = {r["key"]: r for r in report["results"]}
+    assert report["passed"] and not report["complete"]  # the CUDA rows cannot run on CPU
     assert [k for k, _ in C.PROPERTIES] == list(rows)[: len(C.PROPERTIES)]
     for key in ("ranks_agree", "greedy_argmax", "seeded_tp_invariant", "seeded_streams", "gumbel_exact",
                 "rejection_exact", "deterministic_logits", "generate_tp"):
@@ -73,6 +75,31 @@ def test_merge_marks_a_property_failed_when_any_rank_fails():
     table = C.order_results([merged])
     assert C.exit_code(table) == 1
     assert C.exit_code([C.CheckResult("x", C.SKIP), C.CheckResult("y", C.PASS)]) == 0
+
+
+def test_a_row_passes_only_when_every_part_ran():
+    """Two parts of one row (the exchange-level and the runtime-level CUDA-graph checks): PASS
+    needs both; one skipped makes the row PARTIAL, saying what did not run and why; the table,
+    the JSON and the pytest tests keep it apart from PASS, and it does not fail the run."""
+    ran = C.CheckResult("cuda_graph", C.PASS, rows=768, detail="LLKeyExchange: 4 replays")
+    skipped = C.CheckResult("cuda_graph", C.SKIP, detail="generation with graphs vs eager (1 < 2 GPUs)")
+    failed = C.CheckResult("cuda_graph", C.FAIL, rows=5, mismatches=1, detail="requests [0] differ")
+    for a, b in ((ran, skipped), (skipped, ran)):
+        row = C.combine(a, b)
+        assert row.status == C.PARTIAL and row.rows == 768
+        assert row.detail == "LLKeyExchange: 4 replays; not run: generation with graphs vs eager (1 < 2 GPUs)"
+    assert C.combine(ran, ran).status == C.PASS and C.combine(ran, ran).rows == 2 * 768
+    assert C.combine(skipped, skipped).status == C.SKIP and C.combine(skipped, skipped).detail == skipped.detail
+    assert C.combine(failed, skipped).status == C.FAIL and C.combine(skipped, failed).status == C.FAIL
+    assert C.combine(C.combine(ran, skipped), ran).status == C.PARTIAL
+    # Ranks that skipped what others ran: PARTIAL too.
+    (merged,) = C.merge_rank_results([[ran], [dataclasses.replace(ran, status=C.SKIP)]])
+    assert merged.status == C.PARTIAL
+    table = C.order_results([C.combine(ran, skipped)])
+    text = C.format_results(table)
+    assert "PARTIAL" in next(line for line in text.splitlines() if line.startswith(C.TITLES["cuda_graph"]))
+    assert "0 passed, 1 partial, 0 failed" in text
+    assert C.exit_code(table) == 0
 
 
 def test_torchrun_launcher_without_environment_is_a_clear_error(monkeypatch):

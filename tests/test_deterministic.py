@@ -1,5 +1,5 @@
 """Deterministic mode: a request's logits are bit-identical alone, in any batch, verified with
-drafts or decoded one at a time, and at TP 1/2/4; the default mode differs (so the mode does
+drafts or decoded one at a time, and at TP 1/2/4/8; the default mode differs (so the mode does
 the work). Plus the fixed-order primitives and the clear errors."""
 
 from __future__ import annotations
@@ -189,6 +189,29 @@ def test_deterministic_tp4_equals_tp1(tp1):
     det4 = run_ranks(_rank_scenarios, 4, (True,), tiny_model_path())[0][True]
     for name in SCENARIOS + ("alone",):
         assert torch.equal(det4[name], tp1[True]["alone"]), name
+
+
+def _rank_few_scenarios(rank: int, world: int, path: str) -> dict | None:
+    """X alone, last among prefills then first among decodes, and verified in one forward, in
+    deterministic mode at TP = ``world`` (the smallest set that covers batching and verification)."""
+    from tpspec.mapping import Mapping
+
+    model = load_model(path, Mapping(world, rank, world), deterministic=True)
+    out = {}
+    for name in ("positions", "verify_all", "alone"):
+        allocate_slots(model)
+        out[name] = {"positions": scenario_positions, "alone": _alone,
+                     "verify_all": lambda m: scenario_verify_drafts(m, [GEN[1:]])}[name](model)
+    return out if rank == 0 else None
+
+
+@pytest.mark.slow
+def test_deterministic_tp8_equals_tp1(tp1):
+    """TP = 8 (eight gloo ranks, one attention head and a 64-column LM-head slice each) gives the
+    TP = 1 logits bit for bit: alone, batched and verified."""
+    det8 = run_ranks(_rank_few_scenarios, 8, tiny_model_path(), timeout_s=600)[0]
+    for name, rows in det8.items():
+        assert torch.equal(rows, tp1[True]["alone"]), name
 
 
 @pytest.mark.slow

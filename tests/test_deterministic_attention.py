@@ -1,7 +1,8 @@
 """Deterministic mode's Triton attention: close to a float64 reference, and each query row's bits
 the same alone, in verification, in a prefill chunk, beside longer neighbours and with more
 splits launched. On CPU through Triton's interpreter (a subprocess sets ``TRITON_INTERPRET=1``
-before Triton is imported; skipped without ``triton``), on CUDA directly (``gpu`` marks).
+before Triton is imported; skipped without ``triton``), on CUDA directly (``gpu`` marks: skipped
+only without CUDA, failed on a CUDA machine without ``triton``).
 The checks live in ``det_attention_cases.py``."""
 
 from __future__ import annotations
@@ -50,10 +51,18 @@ def test_cpu_backend_keeps_the_host_loop_and_refuses_graphs():
         attn.plan(None, graph=True)
 
 
+@pytest.fixture
+def cuda_triton():
+    """GPU tests skip only without CUDA (conftest): on a CUDA machine a missing triton is a broken
+    install (torch's CUDA wheels bring it) and fails them."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.fail("triton is missing on a CUDA machine: deterministic mode's attention needs it "
+                    "(pip install -e '.[triton]')")
+
+
 @pytest.mark.gpu
-@needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_cuda_kernel_matches_reference_and_rows_are_invariant(dtype):
+def test_cuda_kernel_matches_reference_and_rows_are_invariant(cuda_triton, dtype):
     import det_attention_cases as cases
 
     cases.check_matches_reference("cuda", dtype)
@@ -61,8 +70,7 @@ def test_cuda_kernel_matches_reference_and_rows_are_invariant(dtype):
 
 
 @pytest.mark.gpu
-@needs_triton
-def test_cuda_backend_is_the_kernel_and_captures_in_a_graph():
+def test_cuda_backend_is_the_kernel_and_captures_in_a_graph(cuda_triton):
     """On CUDA the backend runs the Triton path; captured in a CUDA graph and replayed with the
     next step's metadata copied in, it gives the bits of an eager run of that step."""
     import det_attention_cases as cases

@@ -3,11 +3,14 @@ under torchrun (each in its own processes, as a user would start it)."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from tpspec.distributed import find_free_port
 
@@ -26,22 +29,58 @@ def _torchrun(nproc: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={port}"]
 
 
+def _samples(out: str) -> list[list[tuple[str, list[int], str]]]:
+    """generate.py's output: per prompt, its samples' ``(text, token ids, finish reason)``."""
+    prompts: list[list[tuple[str, list[int], str]]] = []
+    text = None
+    for line in out.splitlines():
+        if line.startswith("prompt "):
+            prompts.append([])
+        elif line.startswith("  ["):
+            text = ast.literal_eval(line.split("] ", 1)[1])
+        elif line.strip().startswith("tokens ["):
+            ids, rest = line.strip()[len("tokens "):].split("], finish: ", 1)
+            prompts[-1].append((text, ast.literal_eval(ids + "]"), rest.split(",")[0]))
+    return prompts
+
+
 def test_generate_example(tmp_path):
-    out = _run([sys.executable, str(REPO / "examples" / "generate.py")], tmp_path)
-    assert out.strip(), "the example printed nothing"
+    """Three prompts: a greedy one, two seeded samples of another, a top_k=1 one (greedy too):
+    the same tokens as the same requests run here in one process (TP = 1, the example runs TP = 2)."""
+    from tpspec import LLM, SamplingParams
+
+    got = _samples(_run([sys.executable, str(REPO / "examples" / "generate.py")], tmp_path))
+    assert [len(samples) for samples in got] == [1, 2, 1], got
+    for samples in got:
+        for text, ids, finish in samples:
+            assert 0 < len(ids) <= 24 and text and finish in ("length", "stop"), (text, ids, finish)
+    prompts = ["The capital of France is", "def add(a, b):", {"prompt_token_ids": [5, 6, 7, 8, 5, 6, 7]}]
+    params = [SamplingParams(temperature=0, max_tokens=24), SamplingParams(temperature=0.8, seed=1, n=2, max_tokens=24),
+              SamplingParams(temperature=0, max_tokens=24)]  # top_k=1 in the example: greedy
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TPSPEC_NUM_THREADS", "1")
+        with LLM("tiny", tensor_parallel_size=1) as llm:
+            want = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert [[ids for _, ids, _ in samples] for samples in got] == want
+    assert want[1][0] != want[1][1]  # two samples, not one twice
 
 
 def test_speculative_example_reproduces_plain_decoding(tmp_path):
+    """Every speculative configuration emits plain decoding's tokens (the example compares them with
+    the plain run, which it marks as the reference), and the draft-model ones do so while
+    accepting drafts (more than one token a step), so the comparison covers verification."""
     out = _run([sys.executable, str(REPO / "examples" / "speculative.py")], tmp_path)
-    rows = [line.split() for line in out.splitlines() if line.split()[:1] and line.split()[0] in
-            ("plain", "ngram/strict", "draft/strict", "draft/rejection")]
-    assert [r[0] for r in rows] == ["plain", "ngram/strict", "draft/strict", "draft/rejection"], out
-    assert all(r[1] == "True" for r in rows), out  # every configuration emits plain greedy's tokens
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split()[:1] and line.split()[0] in
+            ("plain", "ngram/strict", "draft/strict", "draft/rejection")}
+    assert list(rows) == ["plain", "ngram/strict", "draft/strict", "draft/rejection"], out
+    assert rows["plain"][1] == "reference", out
+    assert all(rows[name][1] == "True" for name in ("ngram/strict", "draft/strict", "draft/rejection")), out
+    assert all(float(rows[name][2]) > 1.0 for name in ("draft/strict", "draft/rejection")), out
 
 
 def test_torchrun_example(tmp_path):
     out = _run(_torchrun(2) + [str(REPO / "examples" / "torchrun_generate.py")], tmp_path)
-    assert "tokens/s on 2 ranks" in out
+    assert "every rank got the same tokens: True" in out and "tokens/s on 2 ranks" in out, out
 
 
 def test_check_under_torchrun(tmp_path):

@@ -20,29 +20,26 @@ from tpspec.testing import run_ranks
 pytestmark = pytest.mark.gpu
 
 
-def _cupy_ok() -> bool:
-    try:
-        import cupy  # noqa: F401
-
-        return True
-    except Exception:  # noqa: BLE001
-        return False
-
-
 @pytest.fixture(scope="module", autouse=True)
 def mps():
-    """Start MPS or skip: ranks sharing a GPU must run concurrently, or every exchange
-    waits for a time slice. (This process creates no CUDA context itself.)"""
+    """Skip only without a CUDA device. On a CUDA machine a cupy that does not import, or an MPS
+    daemon that does not start, fails every test here with the cause: ranks sharing a GPU must
+    run concurrently, or every exchange waits for a time slice. (This process creates no CUDA
+    context itself.)"""
     from tpspec.testing import MPSDaemon
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    if not _cupy_ok():
-        pytest.skip("needs cupy (pip install 'tpspec[cuda]')")
+    try:
+        import cupy  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any import failure is the install's fault here
+        pytest.fail(f"CUDA is available but cupy does not import ({type(exc).__name__}: {exc}); install the cuda "
+                    "extra: pip install -e '.[cuda]' (cupy-cuda13x instead on CUDA 13, never both)")
     daemon = MPSDaemon()
     reason = daemon.start()
     if reason is not None:
-        pytest.skip(f"needs NVIDIA MPS for several rank processes on one GPU: {reason}")
+        pytest.fail(f"CUDA is available but NVIDIA MPS did not start ({reason}); several rank processes share "
+                    "a GPU here and need it")
     yield daemon
     daemon.stop()
 

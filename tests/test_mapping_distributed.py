@@ -5,6 +5,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +13,8 @@ import torch
 from tpspec import Mapping
 from tpspec import distributed as D
 from tpspec.testing import RankError, run_ranks
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_mapping_layout():
@@ -82,25 +85,30 @@ def test_tp_groups_reduce_within_their_group():
 
 
 def test_torchrun_environment_bootstrap(tmp_path):
+    """Two plain processes with torchrun's variables join one group, running this checkout's tpspec
+    (the script lives elsewhere, so PYTHONPATH names the checkout and the script checks it)."""
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent("""
         import torch
+        import tpspec
         from tpspec import distributed as D
         m = D.init_distributed(backend="gloo")
         t = torch.tensor([float(m.rank)])
         D.all_reduce_(t)
-        print(f"rank={m.rank} world={m.world_size} sum={t.item()}")
+        print(f"rank={m.rank} world={m.world_size} sum={t.item()} from={tpspec.__file__}")
         D.destroy_distributed()
     """))
     port = D.find_free_port()
     procs = []
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, text=True))
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=str(REPO))
+        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, text=True,
+                                      cwd=tmp_path))
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0]
     assert "rank=0 world=2 sum=1.0" in outs[0] and "rank=1 world=2 sum=1.0" in outs[1]
+    assert all(f"from={REPO / 'tpspec' / '__init__.py'}" in out for out in outs), outs
 
 
 def failing_worker(rank, world):

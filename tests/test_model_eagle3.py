@@ -1,7 +1,9 @@
 """The EAGLE-3 drafter: the sharded head against an EAGLE-3 forward written here in plain, unsharded
 torch from the checkpoint layout (over the target's hidden states from transformers), at TP 1 and 2;
 the engine's drafts step by step against the same reference; bad checkpoints; conversion from
-``pytorch_model.bin``; the ``make-tiny-model --eagle3`` command."""
+``pytorch_model.bin``; the ``make-tiny-model --eagle3`` command; and the layout of a public head
+(Llama 3.1 8B's, names, shapes and dtypes written here) loading at full size and, shrunk, drafting
+like the reference."""
 
 from __future__ import annotations
 
@@ -278,3 +280,124 @@ def test_head_is_a_paged_model_the_engine_can_size(ckpt):
     assert head.page_bytes(16) * model.config.num_layers == model.page_bytes(16)  # one layer of the same shape
     _profile_step(head, SimpleNamespace(max_num_tokens=40, page_size=16, max_batch_size=2, num_draft_tokens=3))
     assert head.caches and head.num_pages == 3
+
+
+# ------------------------------------------------------------------ a public head's layout
+# The EAGLE-3 head for Llama 3.1 8B Instruct as SafeAILab publishes it (EAGLE3-LLaMA3.1-Instruct-8B):
+# its config.json (the fields of SafeAILab/EAGLE's eagle/traineagle3/config.json, under the head's
+# architecture name) and the names, shapes and dtypes of its tensors (the state dict of EAGLE's
+# EAGLE-3 model in eagle/model/cnets.py: fc, the one decoder layer "midlayer" whose attention reads
+# [embedding, hidden] of width 2H, norm, lm_head over 32000 draft ids, the d2t / t2d buffers; no
+# token embedding: the target's is used). Written here by hand, never by tpspec's own writer.
+PUBLIC_EAGLE3_CONFIG = {
+    "architectures": ["LlamaForCausalLMEagle3"], "bos_token_id": 128000, "draft_vocab_size": 32000,
+    "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+    "intermediate_size": 14336, "max_position_embeddings": 2048, "model_type": "llama", "num_attention_heads": 32,
+    "num_hidden_layers": 1, "num_key_value_heads": 8, "pad_token_id": 0, "rms_norm_eps": 1e-05,
+    "tie_word_embeddings": False, "torch_dtype": "float16", "transformers_version": "4.28.1", "use_cache": True,
+    "vocab_size": 128256,
+}
+PUBLIC_EAGLE3_TENSORS = {
+    "fc.weight": ((4096, 12288), "F16"),
+    "midlayer.hidden_norm.weight": ((4096,), "F16"),
+    "midlayer.input_layernorm.weight": ((4096,), "F16"),
+    "midlayer.post_attention_layernorm.weight": ((4096,), "F16"),
+    "midlayer.self_attn.q_proj.weight": ((4096, 8192), "F16"),
+    "midlayer.self_attn.k_proj.weight": ((1024, 8192), "F16"),
+    "midlayer.self_attn.v_proj.weight": ((1024, 8192), "F16"),
+    "midlayer.self_attn.o_proj.weight": ((4096, 4096), "F16"),
+    "midlayer.mlp.gate_proj.weight": ((14336, 4096), "F16"),
+    "midlayer.mlp.up_proj.weight": ((14336, 4096), "F16"),
+    "midlayer.mlp.down_proj.weight": ((4096, 14336), "F16"),
+    "norm.weight": ((4096,), "F16"),
+    "lm_head.weight": ((32000, 4096), "F16"),
+    "d2t": ((32000,), "I64"),
+    "t2d": ((128256,), "BOOL"),
+}
+_SAFETENSORS_DTYPES = {"F16": (torch.float16, 2), "I64": (torch.int64, 8), "BOOL": (torch.bool, 1)}
+
+
+def _public_d2t_t2d(draft_vocab: int, vocab: int, stride: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A valid draft vocabulary for the layout: every ``stride``-th target id."""
+    ids = torch.arange(draft_vocab, dtype=torch.int64) * stride
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[ids] = True
+    return ids - torch.arange(draft_vocab), t2d
+
+
+def _write_sparse_safetensors(path: str, tensors: dict, data: dict[str, torch.Tensor]) -> None:
+    """A safetensors file declaring ``tensors`` (name -> (shape, dtype name)) whose bytes are zero
+    except ``data``'s: the header written by hand, the zeros left as a hole (a sparse file), so a
+    full-size checkpoint costs no disk."""
+    header, offset = {}, 0
+    for name, (shape, dtype) in tensors.items():
+        size = math.prod(shape) * _SAFETENSORS_DTYPES[dtype][1]
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little"))
+        f.write(blob)
+        start = 8 + len(blob)
+        for name, t in data.items():
+            f.seek(start + header[name]["data_offsets"][0])
+            f.write(t.contiguous().numpy().tobytes())
+        f.truncate(start + offset)
+
+
+def test_public_eagle3_head_layout_loads_at_full_size(tmp_path):
+    """The public Llama 3.1 8B head's names, shapes and dtypes, at full size (zeros in a sparse
+    file), load into a head for the Llama 3 8B shape (on the meta device: nothing is kept): every
+    tensor of the layout is read, under the name and with the shape the loader derives from the
+    config, and the default aux layers of a 32-layer target apply."""
+    from tpspec.model.llama import TPLlamaForCausalLM
+    from tpspec.model.shapes import shape_config
+
+    d2t, t2d = _public_d2t_t2d(32000, 128256, 4)
+    _write_sparse_safetensors(str(tmp_path / "model.safetensors"), PUBLIC_EAGLE3_TENSORS, {"d2t": d2t, "t2d": t2d})
+    (tmp_path / "config.json").write_text(json.dumps(PUBLIC_EAGLE3_CONFIG))
+    target = TPLlamaForCausalLM(shape_config("llama-3-8b"), None, device="meta", dtype=torch.float16)
+    head = Eagle3Drafter(tmp_path, target)
+    read = {spec.name: spec.full_shape for _, _, specs in head.shard_plan() for spec in specs}
+    want = {name: shape for name, (shape, _) in PUBLIC_EAGLE3_TENSORS.items() if name not in ("d2t", "t2d")}
+    assert {name: tuple(shape) for name, shape in read.items()} == want
+    assert head.load_stats.bytes_read == sum(math.prod(s) * 2 for s in want.values())
+    assert head.config.aux_layer_ids == (2, 16, 29) and target.aux_layer_ids == (2, 16, 29)
+
+
+def test_public_eagle3_head_layout_drafts_like_the_reference(tmp_path):
+    """The same layout shrunk (every dimension mapped to a small one, the names, dtypes and the
+    relations between dimensions kept: 3H, 2H, heads x head_dim) beside a tiny target of the shrunk
+    shape: the head loads from float16 and drafts what the plain-torch reference computes from the
+    stored tensors."""
+    small = {4096: 64, 12288: 192, 8192: 128, 1024: 16, 14336: 224, 32000: 128, 128256: 512}
+    target_dir = make_tiny_checkpoint(tmp_path / "target", seed=3, vocab_size=512, hidden_size=64,
+                                      intermediate_size=224, num_layers=8, num_heads=4, num_kv_heads=1)
+    gen = torch.Generator().manual_seed(4)
+    d2t, t2d = _public_d2t_t2d(128, 512, 4)
+    tensors = {}
+    for name, (shape, dtype) in PUBLIC_EAGLE3_TENSORS.items():
+        shape = tuple(small[d] for d in shape)
+        if name == "d2t":
+            tensors[name] = d2t
+        elif name == "t2d":
+            tensors[name] = t2d
+        elif name.endswith("norm.weight"):
+            tensors[name] = (1.0 + 0.1 * torch.randn(shape, generator=gen)).to(torch.float16)
+        else:
+            tensors[name] = (torch.randn(shape, generator=gen) * shape[-1] ** -0.5).to(torch.float16)
+        assert tensors[name].dtype == _SAFETENSORS_DTYPES[dtype][0] and tuple(tensors[name].shape) == shape
+    head_dir = tmp_path / "head"
+    head_dir.mkdir()
+    save_file(tensors, str(head_dir / "model.safetensors"))
+    config = dict(PUBLIC_EAGLE3_CONFIG, hidden_size=64, intermediate_size=224, num_attention_heads=4,
+                  num_key_value_heads=1, draft_vocab_size=128, vocab_size=512)
+    (head_dir / "config.json").write_text(json.dumps(config))
+    got = _draft_prompts(0, 1, str(target_dir), str(head_dir), PROMPTS, K)
+    reference = ReferenceEagle3(str(target_dir), str(head_dir))
+    # What the published config leaves out takes its defaults: head_dim H / heads, rope_theta
+    # 10000, the aux layers (2, L // 2, L - 3) of the 8-layer target.
+    reference.cfg.update(head_dim=16, rope_theta=10000.0, eagle_aux_hidden_state_layer_ids=[2, 4, 5])
+    assert got == [reference.drafts(p, K) for p in PROMPTS]
+    assert all(bool(t2d[t]) for row in got for t in row)

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from model_helpers import sharded
 from tpspec import SamplingParams
 from tpspec.exchange import AllGatherKeyExchange
+from tpspec.sampling import select_tokens
 from tpspec.sampling.penalties import OccurrenceCounts, apply_penalties
 from tpspec.speculative import SpecMetadata, SpecWorker
 from tpspec.testing import run_ranks
@@ -101,7 +102,7 @@ def penalty_worker(rank: int, world: int, group=None) -> dict:
             logits = sharded(full, world, rank, ex)
             rs = meta.row_sampling(draft_tokens=DRAFTS[: meta.num_requests])
             out["penalised"] = rs.penalties.apply(logits.local, offset)
-            out["tokens"] = logits.select_tokens(rs) if mode == "strict" else out["tokens"]
+            out["tokens"] = select_tokens(logits, rs) if mode == "strict" else out["tokens"]
             step = SpecWorker(mode, forced=None).step(logits, DRAFTS[: meta.num_requests], meta)
             out[mode] = (step.accepted_tokens, step.num_accepted)
         out["row_request"] = meta._row_request[: meta.num_rows].clone()
@@ -183,7 +184,7 @@ def test_penalties_change_tokens(tp1):
                 for i, s, p, c in BATCHES["sharded"]]
     meta = SpecMetadata(4, D).prepare(requests, draft_len=D)
     logits = sharded(logits_for("sharded", meta.num_rows), 1, 0, AllGatherKeyExchange(None))
-    assert not torch.equal(logits.select_tokens(meta), tp1["sharded"]["tokens"])
+    assert not torch.equal(select_tokens(logits, meta), tp1["sharded"]["tokens"])
 
 
 def test_counts_restart_with_the_slot_owner():

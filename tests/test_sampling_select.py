@@ -1,4 +1,4 @@
-"""Token selection on vocab shards (``VocabShardedLogits.select_tokens``) and a full
+"""Token selection on vocab shards (``tpspec.sampling.select_tokens``) and a full
 ``SpecWorker`` step at TP = 1: which path each batch takes, greedy semantics, and the
 same token for a row drawn on shards or on gathered logits. ``tp_worker`` is also run
 on 2 and 4 gloo ranks by ``test_spec_ranks.py`` (one spawn for all multi-rank checks)."""
@@ -51,7 +51,7 @@ def tp_worker(rank: int, world: int, group=None) -> dict:
         logits = sharded(full, world, rank, ex)
         out[name] = {
             "flags": (meta.is_all_greedy, meta.temperature_only),
-            "tokens": logits.select_tokens(meta),
+            "tokens": select_tokens(logits, meta),
             "argmax": full.argmax(dim=1),
             "row_index": meta.request_row_index.clone(),
         }
@@ -117,6 +117,6 @@ def test_row_count_mismatch_raises():
     meta = SpecMetadata(4, 1).prepare([("a", 0, None, True)], draft_len=1)
     logits = VocabShardedLogits(torch.zeros(3, 10), 0, 10, AllGatherKeyExchange())
     with pytest.raises(ValueError, match="rows"):
-        logits.select_tokens(meta)
+        select_tokens(logits, meta)
     with pytest.raises(ValueError, match="SpecMetadata"):
         select_tokens(logits, object())

@@ -15,7 +15,7 @@ from scipy import stats
 from tpspec import keys as K
 from tpspec.exchange import AllGatherKeyExchange, LocalKeyExchange
 from tpspec.sampling.ops import keep_mask, sample_from_logits
-from tpspec.sampling.select import SamplingStats, sample_filtered
+from tpspec.sampling.select import SamplingStats, sample_filtered, sample_tokens
 from tpspec.vocab_parallel import VocabShardedLogits, vocab_shard_bounds
 
 VOCAB = 1201  # odd: every TP size pads its last shard; wider than 4 x 65 candidates at TP <= 4
@@ -84,7 +84,7 @@ def adversarial_batch(seed: int = 0) -> dict:
 
 def reference_tokens(batch: dict) -> torch.Tensor:
     return sample_from_logits(batch["logits"], batch["temperature"], batch["seeds"], batch["offsets"],
-                              batch["top_k"], batch["top_p"], batch["min_p"], backend="torch")
+                              batch["top_k"], batch["top_p"], batch["min_p"])
 
 
 def shard(full: torch.Tensor, world: int, rank: int) -> tuple[torch.Tensor, int]:
@@ -194,7 +194,7 @@ def test_no_filter_rows_give_todays_token_and_neutral_filters_change_nothing():
     logits = VocabShardedLogits(full, 0, VOCAB, LocalKeyExchange())
     today = K.unpack_indices(K.local_row_keys(full, 0, vocab_size=VOCAB, rows=K.SamplingRows(t, seeds, offsets)))
     assert torch.equal(logits.sample(t, seeds, offsets), today)
-    assert torch.equal(logits.sample(t, seeds, offsets, top_k=VOCAB, top_p=1.0, min_p=0.0), today)
+    assert torch.equal(sample_tokens(logits, t, seeds, offsets, top_k=VOCAB, top_p=1.0, min_p=0.0), today)
 
 
 @pytest.mark.parametrize("kwargs,field", [
@@ -206,7 +206,21 @@ def test_no_filter_rows_give_todays_token_and_neutral_filters_change_nothing():
 def test_bad_filter_parameters_raise_naming_the_field(kwargs, field):
     logits = VocabShardedLogits(torch.zeros(3, 10), 0, 10, LocalKeyExchange())
     with pytest.raises(ValueError, match=field):
-        logits.sample(1.0, torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64), **kwargs)
+        sample_tokens(logits, 1.0, torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64), **kwargs)
+
+
+def test_filters_on_a_logits_subclass_raise_instead_of_reading_the_wrong_rows():
+    """A subclass (attention DP's stacked rows) holds rows other than its own in ``local``: filtered
+    draws refuse it with a clear error; its unfiltered draws are its own ``sample``."""
+
+    class Stacked(VocabShardedLogits):
+        pass
+
+    logits = Stacked(torch.randn(3, 10), 0, 10, LocalKeyExchange())
+    z = torch.zeros(3, dtype=torch.int64)
+    with pytest.raises(ValueError, match="select_tokens"):
+        sample_tokens(logits, 1.0, z, z, top_k=2)
+    assert torch.equal(sample_tokens(logits, 1.0, z, z), logits.sample(1.0, z, z))
 
 
 def test_bad_logprobs_arguments_raise():
@@ -243,7 +257,7 @@ def test_filtered_draws_follow_the_exact_truncated_distribution(case):
     expected = _truncated_law(row, case)
     logits = VocabShardedLogits(row.reshape(1, -1).expand(n, -1).contiguous(), 0, vocab, LocalKeyExchange())
     full = lambda v, dt: torch.full((n,), v, dtype=dt)  # noqa: E731
-    tokens = logits.sample(full(case["t"], torch.float32), torch.arange(n, dtype=torch.int64) * 7919 + 3,
+    tokens = sample_tokens(logits, full(case["t"], torch.float32), torch.arange(n, dtype=torch.int64) * 7919 + 3,
                            full(9, torch.int64), top_k=full(case["k"], torch.int64),
                            top_p=full(case["p"], torch.float32), min_p=full(case["m"], torch.float32))
     counts = np.bincount(tokens.numpy(), minlength=vocab)

@@ -1,7 +1,10 @@
 """Speculative drafters for real model shapes with random weights: the Llama 3.2 1B draft-model
 shape and random EAGLE-3 heads (``shape-eagle3:NAME``), shrunk to one layer and a small
-vocabulary, reproduce plain greedy decoding of a shrunken target on CPU (the 1B shape itself, the
-smallest Llama 3 shape, keeps the tests quick; the 8B pairing is checked by its sizes)."""
+vocabulary, on a shrunken target on CPU (the 1B shape itself, the smallest Llama 3 shape, keeps
+the tests quick; the 8B pairing is checked by its sizes). Random drafts are almost never
+accepted, so strict acceptance reproducing plain greedy decoding shows only that rejected drafts
+change nothing; forced acceptance then makes every draft accepted, and each token the target
+emits after accepted drafts must be plain greedy decoding's next token after them."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import torch
 from tpspec import LLM, SamplingParams
 from tpspec.model.eagle3 import Eagle3Config
 from tpspec.model.shapes import DRAFT_SHAPES, eagle3_shape_path, shape_config, shape_path, spread_draft_ids
+from tpspec.speculative import FORCE_ENV
 
 TARGET = "shape:llama-3.2-1b,num_layers=1,vocab_size=4096"
 DRAFT = "shape:llama-3.2-1b,num_layers=1,vocab_size=4096"
@@ -41,6 +45,36 @@ def baseline() -> list[list[int]]:
 def test_shape_drafter_greedy_equals_plain_greedy(baseline, method, model):
     got = _generate({"method": method, "model": model, "num_speculative_tokens": 3})
     assert got == baseline and all(len(t) == GREEDY.max_tokens for t in got)
+
+
+@pytest.mark.filterwarnings("ignore::tpspec.speculative.forced.ForcedAcceptanceWarning")
+@pytest.mark.parametrize("method,model", [("draft_model", DRAFT), ("eagle3", "shape-eagle3:llama-3.2-1b")],
+                         ids=["draft_model", "eagle3"])
+def test_shape_drafter_accepted_drafts_are_verified(monkeypatch, method, model):
+    """Every draft accepted (forced, 3 a step): the drafts enter the KV cache and the target's token
+    after them is its greedy token given them, i.e. plain greedy decoding of the prompt followed by
+    everything emitted before it. The reference's best token beats its second by a margin far above
+    rounding, so the default mode's verification-vs-prefill rounding cannot flip it."""
+    k, max_tokens = 3, 9
+    monkeypatch.setenv(FORCE_ENV, str(k))
+    with LLM(TARGET, dtype="float32", device="cpu", max_num_seqs=2, max_model_len=64,
+             speculative_config={"method": method, "model": model, "num_speculative_tokens": k}) as llm:
+        outs = [o.outputs[0] for o in llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=max_tokens))]
+    monkeypatch.delenv(FORCE_ENV)
+    prefixes, emitted = [], []
+    for prompt, out in zip(PROMPTS, outs):
+        assert out.stats.accepted_drafts_per_step == [k, k] and len(out.token_ids) == max_tokens, out.stats
+        # The prefill emits token 0; each step then emits k accepted drafts and the target's token.
+        for j in (0, k + 1, 2 * k + 2):
+            prefixes.append(prompt + out.token_ids[:j])
+            emitted.append(out.token_ids[j])
+    with LLM(TARGET, dtype="float32", device="cpu", max_num_seqs=len(prefixes), max_model_len=64) as llm:
+        refs = [o.outputs[0] for o in llm.generate(prefixes, SamplingParams(temperature=0.0, max_tokens=1,
+                                                                            logprobs=2))]
+    assert [r.token_ids[0] for r in refs] == emitted
+    for r in refs:
+        best, second = sorted(r.logprobs[0].values(), reverse=True)[:2]
+        assert best - second > 1e-4, r.logprobs[0]
 
 
 def test_llama_3_2_1b_shape_fields():

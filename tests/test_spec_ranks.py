@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from tpspec import Mapping, SamplingParams, VocabShardedLogits
 from tpspec.exchange import AllGatherKeyExchange
+from tpspec.sampling import select_tokens
 from tpspec.speculative import ForcedAcceptance, SpecMetadata, SpecWorker
 from tpspec.testing import run_ranks
 
@@ -63,7 +64,7 @@ def adp_check(rank: int, pair) -> dict:
     offset_logits = sharded(full, 2, tp_rank, AllGatherKeyExchange(pair))
     spy = SpyLogits(offset_logits.local, offset_logits.vocab_offset, offset_logits.vocab_size, offset_logits.exchange)
     spy.calls = []
-    tokens = spy.select_tokens(meta)
+    tokens = select_tokens(spy, meta)
     drafts = torch.zeros(2, ADP_D, dtype=torch.int64)
     SpecWorker("rejection", forced=None).step(spy, drafts, meta)
     out.update(calls=list(spy.calls), tokens=tokens, argmax=full.argmax(dim=1))

@@ -8,7 +8,7 @@ import torch
 
 from tpspec import SamplingParams, VocabShardedLogits
 from tpspec.exchange import AllGatherKeyExchange
-from tpspec.sampling import SLOT_SPAN, UNSEEDED_OFFSET_BASE, position_offset
+from tpspec.sampling import SLOT_SPAN, UNSEEDED_OFFSET_BASE, position_offset, select_tokens
 from tpspec.sampling.streams import ACCEPT_RESIDUAL_LANE, ACCEPT_UNIFORM_LANE, DRAFT_LANE, TARGET_LANE
 from tpspec.speculative import RequestEntry, SpecMetadata
 
@@ -38,7 +38,7 @@ def run_history(schedule, max_draft_len=D):
         for e in meta.entries:
             n = 1 if e.is_context else draft_len + 1
             rows += [position_logits(e.position + i) for i in range(n)]
-        tokens = VocabShardedLogits(torch.stack(rows), 0, VOCAB, ex).select_tokens(meta)
+        tokens = select_tokens(VocabShardedLogits(torch.stack(rows), 0, VOCAB, ex), meta)
         for b, e in enumerate(meta.entries):
             if e.request_id != "r":
                 continue
@@ -95,7 +95,7 @@ def test_unseeded_requests_never_share_a_stream():
     # Two unseeded requests of one step with the same logits draw differently.
     meta.prepare([("a", 0, UNSEEDED, True), ("b", 1, UNSEEDED, True)], draft_len=0)
     logits = torch.zeros(2, 5000)  # uniform rows: a shared stream would show as equal tokens
-    tokens = VocabShardedLogits(logits, 0, 5000, AllGatherKeyExchange()).select_tokens(meta)
+    tokens = select_tokens(VocabShardedLogits(logits, 0, 5000, AllGatherKeyExchange()), meta)
     assert tokens[0] != tokens[1]
     # A released id is a new request: a new stream.
     before = int(meta.request_seeds[0])
@@ -116,7 +116,7 @@ def test_param_buffers_refill_only_when_batch_changes():
     meta.prepare(batch + [("c", 2, SEEDED_TOPK, True)], draft_len=D)
     assert meta.param_refills == 2
     assert meta.row_sampling().temperature.data_ptr() == temp_ptr  # stable buffers
-    assert not meta.temperature_only and not meta.is_all_greedy and meta.any_seeded
+    assert not meta.temperature_only and not meta.is_all_greedy
     meta.prepare([("a", 0, None, False), ("p", -1, UNSEEDED, False)], draft_len=D)
     assert meta.is_all_greedy  # padding requests are greedy
     assert meta.request_draft_len.tolist() == [D, 0]

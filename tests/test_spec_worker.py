@@ -7,7 +7,7 @@ from scipy import stats
 
 from tpspec import SamplingParams, VocabShardedLogits
 from tpspec.exchange import AllGatherKeyExchange
-from tpspec.sampling import filtered_probs
+from tpspec.sampling import filtered_probs, sample_tokens
 from tpspec.sampling.penalties import OccurrenceCounts, apply_penalties
 from tpspec.speculative import FORCE_ENV, SpecMetadata, SpecWorker, select_draft_tokens, strict_accept
 
@@ -72,6 +72,34 @@ def test_worker_rejection_step_is_lossless():
     assert stats.chisquare(counts[live], expected).pvalue > 1e-3
 
 
+def test_gathered_rejection_path_draws_each_request_from_its_own_stream():
+    """Full draft laws send rejection sampling down the gathered path; there every request
+    draws with its own Philox stream: its tokens alone equal its tokens in a batch of requests
+    with other seeds (one batch-wide seed would give request i the stream of request 0)."""
+    n, d, vocab = 16, 2, 32
+    gen = torch.Generator().manual_seed(12)
+    rows = torch.randn(n, d + 1, vocab, generator=gen) * 0.5  # flat rows: the draws vary with the stream
+    q = torch.softmax(torch.randn(n, d, vocab, generator=gen) * 0.5, dim=2)
+    drafts = torch.randint(0, vocab, (n, d), generator=gen)
+    params = [SamplingParams(temperature=1.0, seed=1000 + 7 * i) for i in range(n)]
+
+    def run(picks: list[int], seeds: list[SamplingParams]) -> tuple[torch.Tensor, SpecWorker]:
+        meta = SpecMetadata(n, d).prepare([(i, slot, seeds[i], False) for slot, i in enumerate(picks)], draft_len=d)
+        worker = SpecWorker("rejection", forced=None)
+        lg = VocabShardedLogits(rows[picks].reshape(-1, vocab), 0, vocab, EX)
+        out = worker.step(lg, drafts[picks], meta, draft_probs=q[picks])
+        return out.accepted_tokens, worker
+
+    batched, worker = run(list(range(n)), params)
+    assert worker.sampling_stats.rows_gathered == n * (d + 1) and worker.sampling_stats.rows_sharded == 0
+    for i in range(n):
+        alone, _ = run([i], params)
+        assert torch.equal(alone[0], batched[i]), i
+    # The data tells streams apart: the batch under other seeds emits other tokens.
+    reseeded, _ = run(list(range(n)), [SamplingParams(temperature=1.0, seed=5000 + i) for i in range(n)])
+    assert not torch.equal(reseeded, batched)
+
+
 def test_forced_acceptance_from_env(monkeypatch):
     monkeypatch.setenv(FORCE_ENV, "2")
     meta = SpecMetadata(4, 3).prepare([("g", 0, None, False), ("c", 1, None, True)], draft_len=3)
@@ -116,7 +144,7 @@ def test_draft_selection():
     pick = select_draft_tokens(lf, filtered, 0, sample=True)
     rf = filtered.request_sampling(filtered.draft_offsets(0))
     assert pick.logits is lf.local
-    assert pick.tokens[0] == lf.sample(rf.temperature, rf.seeds, rf.offsets, top_k=rf.top_k, channel=0)[0]
+    assert pick.tokens[0] == sample_tokens(lf, rf.temperature, rf.seeds, rf.offsets, top_k=rf.top_k, channel=0)[0]
     assert pick.tokens[0] in torch.topk(lf.local[0], 5).indices
 
 

@@ -2,9 +2,11 @@
 
 Every property (numbered by the rules of docs/determinism.md) is one row of a pass/fail table,
 with its evidence (rows compared, mismatches, p-values). The exit code is 0 only when
-no row fails; a row whose layer is missing from this build or does not apply on this
-device (the LL exchange and CUDA graphs on CPU) reads SKIP with the reason and does
-not fail.
+no row fails. A row reads PASS only when every part of it ran; a row whose layer is
+missing from this build or does not apply on this device (the LL exchange and CUDA graphs
+on CPU) reads SKIP with the reason, and a row of which only a part could run (the
+exchange-level half of the CUDA-graph row when the runtime's half needs more GPUs than
+there are) reads PARTIAL with what did not run and why. Neither fails the run.
 
 Three ways to run it:
 
@@ -42,6 +44,7 @@ from .check_tests import (
     EMULATED_TP_SIZES,
     FAIL,
     P_VALUE_THRESHOLD,
+    PARTIAL,
     PASS,
     PERTURB_ENV,
     PROPERTIES,
@@ -62,7 +65,7 @@ from .check_tests import (
 )
 
 __all__ = [  # the suite's public names, most of them defined in tpspec.check_tests
-    "DEFAULT_SEED", "EMULATED_TP_SIZES", "FAIL", "P_VALUE_THRESHOLD", "PASS", "PERTURB_ENV", "PROPERTIES",
+    "DEFAULT_SEED", "EMULATED_TP_SIZES", "FAIL", "PARTIAL", "P_VALUE_THRESHOLD", "PASS", "PERTURB_ENV", "PROPERTIES",
     "RANK_CHECKS", "SKIP", "TITLES", "CheckResult", "PerturbedExchange", "Skip",
     "SuiteContext", "adversarial_logits", "chi_square", "combine", "driver_checks", "emulated_tokens",
     "exit_code", "format_results", "merge_rank_results", "order_results", "run_mp", "run_ray", "run_suite",
@@ -74,7 +77,8 @@ __all__ = [  # the suite's public names, most of them defined in tpspec.check_te
 
 def merge_rank_results(per_rank: list[list[dict[str, Any]]]) -> list[CheckResult]:
     """One result per property from every rank's: FAIL when any rank failed (its detail
-    first), SKIP when every rank skipped; rows from rank 0, mismatches summed, smallest p."""
+    first), SKIP when every rank skipped, PARTIAL when a rank reported PARTIAL or some ranks
+    skipped what others ran, else PASS; rows from rank 0, mismatches summed, smallest p."""
     by_key: dict[str, list[CheckResult]] = {}
     for rank_results in per_rank:
         for r in rank_results:
@@ -84,7 +88,12 @@ def merge_rank_results(per_rank: list[list[dict[str, Any]]]) -> list[CheckResult
     for key, results in by_key.items():
         failed = [(i, r) for i, r in enumerate(results) if r.status == FAIL]
         statuses = {r.status for r in results}
-        status = FAIL if failed else (SKIP if statuses == {SKIP} else PASS)
+        if failed:
+            status = FAIL
+        elif statuses == {SKIP}:
+            status = SKIP
+        else:
+            status = PASS if statuses == {PASS} else PARTIAL
         if failed and key != "ranks_agree" and len(results) > 1:
             detail = "; ".join(f"rank {i}: {r.detail}" for i, r in failed[:2])
         else:
@@ -99,13 +108,17 @@ def merge_rank_results(per_rank: list[list[dict[str, Any]]]) -> list[CheckResult
 
 
 def combine(a: CheckResult, b: CheckResult) -> CheckResult:
-    """Two results of one property (e.g. the exchange-level and the generate-level CUDA-graph
-    checks): FAIL if either failed, SKIP only if both skipped; evidence added up."""
-    if a.status == SKIP and b.status != SKIP:
-        return b if b.status == FAIL or not a.detail else dataclasses.replace(b, detail=f"{b.detail}; {a.detail}")
-    if b.status == SKIP:
-        return a if a.status == SKIP or not b.detail else dataclasses.replace(a, detail=f"{a.detail}; {b.detail}")
-    status = FAIL if FAIL in (a.status, b.status) else PASS
+    """Two parts of one property (e.g. the exchange-level and the runtime-level CUDA-graph
+    checks): FAIL if either failed; SKIP only if both skipped; PASS only if both passed;
+    otherwise PARTIAL, whose detail says what did not run and why. Evidence added up."""
+    if a.status == SKIP and b.status == SKIP:
+        return CheckResult(a.key, SKIP, detail="; ".join(dict.fromkeys(d for d in (a.detail, b.detail) if d)))
+    if SKIP in (a.status, b.status):
+        ran, skipped = (a, b) if b.status == SKIP else (b, a)
+        status = FAIL if ran.status == FAIL else PARTIAL
+        return dataclasses.replace(ran, status=status, detail=f"{ran.detail}; not run: {skipped.detail}")
+    statuses = {a.status, b.status}
+    status = FAIL if FAIL in statuses else (PASS if statuses == {PASS} else PARTIAL)
     ps = [p for p in (a.p_value, b.p_value) if p is not None]
     return CheckResult(a.key, status, a.rows + b.rows, a.mismatches + b.mismatches, min(ps) if ps else None,
                        f"{a.detail}; {b.detail}")
@@ -128,7 +141,7 @@ def format_results(results: list[CheckResult], *, color: bool = False) -> str:
              str(r.mismatches) if r.status != SKIP else "-",
              f"{r.p_value:.3g}" if r.p_value is not None else "-", r.detail] for r in results]
     widths = [max(len(h), *(len(row[i]) for row in body)) for i, h in enumerate(header[:-1])]
-    paint = {PASS: "\033[32m", FAIL: "\033[31;1m", SKIP: "\033[33m"}
+    paint = {PASS: "\033[32m", PARTIAL: "\033[33m", FAIL: "\033[31;1m", SKIP: "\033[33m"}
 
     def line(cells: list[str], status: str | None = None) -> str:
         parts = []
@@ -141,14 +154,13 @@ def format_results(results: list[CheckResult], *, color: bool = False) -> str:
 
     lines = [line(header), "  ".join("-" * w for w in widths) + "  ------"]
     lines += [line(row, r.status) for row, r in zip(body, results)]
-    failed = sum(r.status == FAIL for r in results)
-    skipped = sum(r.status == SKIP for r in results)
-    lines.append(f"{len(results) - failed - skipped} passed, {failed} failed, {skipped} skipped")
+    counts = {status: sum(r.status == status for r in results) for status in (PASS, PARTIAL, FAIL, SKIP)}
+    lines.append(f"{counts[PASS]} passed, {counts[PARTIAL]} partial, {counts[FAIL]} failed, {counts[SKIP]} skipped")
     return "\n".join(lines)
 
 
 def exit_code(results: list[CheckResult]) -> int:
-    """0 when no property failed (SKIP does not fail), else 1."""
+    """0 when no property failed (PARTIAL and SKIP do not fail), else 1."""
     return 1 if any(r.status == FAIL for r in results) else 0
 
 
@@ -270,6 +282,7 @@ def run(args: argparse.Namespace) -> int:
             with open(args.json, "w") as f:
                 json.dump({"tp": tp, "launcher": args.launcher, "device": device, "quick": args.quick,
                            "seed": args.seed, "passed": code == 0,
+                           "complete": all(r.status == PASS for r in results),
                            "results": [dataclasses.asdict(r) | {"title": r.title} for r in results]}, f, indent=2)
     if args.launcher == "torchrun":
         D.destroy_distributed()
@@ -299,6 +312,8 @@ def _make_pytest_test(key: str) -> Callable[[], None]:
         result = _pytest_results()[key]
         if result.status == SKIP:
             pytest.skip(result.detail)
+        if result.status == PARTIAL:  # what ran held, but the property is not fully checked here
+            pytest.skip(f"partial: {result.detail}")
         assert result.status == PASS, f"{result.title}: {result.mismatches} mismatches; {result.detail}"
 
     test.__name__ = test.__qualname__ = f"test_{key}"

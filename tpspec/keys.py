@@ -428,7 +428,7 @@ class SamplingRows:
     * ``penalties``: None, or the step's penalties (a :class:`PenaltyStep`) that
       ``tpspec.sampling.select.select_tokens`` applies to each rank's raw logits slice
       before the draw (the exchanges never apply them).
-    * ``is_all_greedy`` / ``any_seeded``: batch facts that choose code paths; they must be
+    * ``is_all_greedy``: a batch fact that chooses code paths; it must be
       equal on every rank of the group (``SpecMetadata`` syncs them under attention DP), and
       so must be which filters are None.
     """
@@ -442,7 +442,6 @@ class SamplingRows:
     min_p: torch.Tensor | None = None
     penalties: PenaltyStep | None = None
     is_all_greedy: bool = False
-    any_seeded: bool = True
 
     @property
     def num_rows(self) -> int:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 from torch import nn
@@ -15,39 +14,11 @@ from .exchange.local import LocalKeyExchange
 from . import keys as K
 from .keys import SamplingRows
 from .mapping import Mapping
-from .validation import check_int, is_int, is_real
+from .validation import check_int, is_real
 
 
 MAX_TOP_LOGPROBS = 20
 """The most top logprobs :meth:`VocabShardedLogits.logprobs` reports per row."""
-
-
-def _filter_rows(name: str, value: Any, rows: int, device: torch.device, dtype: torch.dtype, low: float,
-                 high: float | None, *, low_open: bool = False) -> torch.Tensor | None:
-    """A filter parameter as a ``[rows]`` tensor (None stays None), its values checked on the
-    host: ``ValueError`` naming ``name`` when one is out of range."""
-    if value is None:
-        return None
-    integer = dtype == torch.int64
-    if isinstance(value, torch.Tensor):
-        if value.dim() != 1 or value.shape[0] != rows:
-            raise ValueError(f"{name} must be a scalar or a [{rows}] tensor, got shape {tuple(value.shape)}")
-        if integer and value.is_floating_point():
-            raise ValueError(f"{name} must hold integers, got {value.dtype}")
-        tensor = value.to(device=device, dtype=dtype)
-    else:
-        ok = is_int(value) if integer else is_real(value)
-        if not ok:
-            raise ValueError(f"{name} must be {'an int' if integer else 'a float'} or a [{rows}] tensor, got {value!r}")
-        tensor = torch.full((rows,), value, dtype=dtype, device=device)
-    checked = tensor.to(torch.float64)
-    bad = torch.isnan(checked) | (checked <= low if low_open else checked < low)
-    if high is not None:
-        bad |= checked > high
-    if bool(bad.any()):
-        span = f"{'(' if low_open else '['}{low:g}, {'inf)' if high is None else f'{high:g}]'}"
-        raise ValueError(f"{name} must lie in {span}, got {tensor[bad].tolist()[:8]}")
-    return tensor
 
 
 def vocab_shard_bounds(vocab_size: int, tp_size: int, tp_rank: int) -> tuple[int, int, int]:
@@ -108,39 +79,37 @@ class VocabShardedLogits:
         seeds: torch.Tensor | None = None,
         offsets: torch.Tensor | None = None,
         *,
-        top_k: torch.Tensor | int | None = None,
-        top_p: torch.Tensor | float | None = None,
-        min_p: torch.Tensor | float | None = None,
         channel: int = Channel.TARGET,
         check_values: bool = True,
     ) -> torch.Tensor:
-        """Draws from softmax(logits / T) per row, optionally filtered: ``[R]`` int64.
+        """Gumbel-max draws from softmax(logits / T), one per row: ``[R]`` int64.
 
         ``temperature``: a float or ``[R]`` tensor (rows below the greedy threshold take the
         argmax). ``seeds``/``offsets``: ``[R]`` int64 streams; without them the exchange's
-        step counter seeds the rows. ``top_k`` (int >= 1; ``>= vocab_size`` = off), ``top_p``
-        (in (0, 1]; 1 = off), ``min_p`` (in [0, 1]; 0 = off): a scalar for every row, a ``[R]``
-        tensor, or None (off); their meaning is ``docs/determinism.md``'s. The same streams
-        give the same tokens at every TP size, on every exchange backend, and equal
-        ``tpspec.sampling.ops.sample_from_logits`` on the gathered rows. Rows with a filter
-        are drawn from certified candidates (``tpspec.sampling.select.sample_filtered``; a
-        row gathers its logits only when they cannot decide it); without filters the draw is
-        one key exchange.
+        step counter seeds the rows. The same streams give the same tokens at every TP size,
+        on every exchange backend, and equal ``tpspec.sampling.ops.sample_from_logits`` on the
+        gathered rows. One key exchange. Top-k / top-p / min-p draws are
+        :func:`tpspec.sampling.sample_tokens` (the sampling layer).
 
-        Raises ``ValueError`` naming the field for a NaN or infinite temperature or a filter
-        value out of range. Tensor values are checked on the host (one sync; not while a CUDA
-        graph is being captured); ``check_values=False`` skips the temperature check for
-        callers whose temperatures are already validated (``select_tokens``).
+        Raises ``ValueError`` for a NaN or infinite temperature. Tensor values are checked on
+        the host (one sync; not while a CUDA graph is being captured); ``check_values=False``
+        skips the check for callers whose temperatures are already validated.
         """
-        rows = self.num_rows
-        device = self.local.device
+        temperature = self.temperature_rows(temperature, check_values=check_values)
+        return self.exchange.argmax_logits(self.local, self.vocab_offset, vocab_size=self.vocab_size,
+                                           rows=SamplingRows(temperature, seeds, offsets), channel=channel)
+
+    def temperature_rows(self, temperature: torch.Tensor | float, *, check_values: bool = True) -> torch.Tensor:
+        """``temperature`` as a ``[R]`` float tensor on the logits' device (a float fills every row);
+        ``ValueError`` for a non-number or a NaN or infinite value (tensor values checked on the host
+        unless ``check_values=False`` or a CUDA graph is being captured)."""
         if not isinstance(temperature, torch.Tensor):
             if not is_real(temperature):
                 raise ValueError(f"temperature must be a float or a [rows] tensor, got {type(temperature).__name__}")
             if not math.isfinite(temperature):
                 raise ValueError(f"temperature must be finite, got {temperature}")
-            temperature = torch.full((rows,), float(temperature), dtype=torch.float32, device=device)
-        elif (
+            return torch.full((self.num_rows,), float(temperature), dtype=torch.float32, device=self.local.device)
+        if (
             check_values
             and temperature.is_floating_point()
             and not (temperature.is_cuda and torch.cuda.is_current_stream_capturing())  # no host sync in a capture
@@ -148,19 +117,7 @@ class VocabShardedLogits:
         ):
             # Every rank holds the same temperatures, so every rank raises here (no collective has started).
             raise ValueError(f"temperature has NaN or infinite values: {temperature.tolist()[:8]}")
-        filters = {
-            "top_k": _filter_rows("top_k", top_k, rows, device, torch.int64, 1, None),
-            "top_p": _filter_rows("top_p", top_p, rows, device, torch.float32, 0.0, 1.0, low_open=True),
-            "min_p": _filter_rows("min_p", min_p, rows, device, torch.float32, 0.0, 1.0),
-        }
-        sampling = SamplingRows(temperature, seeds, offsets, **filters)
-        if sampling.has_filters:
-            self.exchange.validate_logits_call(self.local, self.vocab_offset, self.vocab_size, sampling, channel)
-            from .sampling.select import sample_filtered  # sampling sits below this layer: import at call time
-
-            return sample_filtered(self, sampling, channel=channel)
-        return self.exchange.argmax_logits(self.local, self.vocab_offset, vocab_size=self.vocab_size, rows=sampling,
-                                           channel=channel)
+        return temperature
 
     def logprobs(
         self, tokens: torch.Tensor, *, top_n: int = 0, channel: int = Channel.TARGET
@@ -233,12 +190,6 @@ class VocabShardedLogits:
         D.all_gather_into(out, local.reshape(-1), self.exchange.group)
         full = out.view(world, self.num_rows, self.shard_width).permute(1, 0, 2)
         return full.reshape(self.num_rows, world * self.shard_width)[:, : self.vocab_size]  # no -1: rows may be 0
-
-    def select_tokens(self, spec_metadata: Any) -> torch.Tensor:
-        """Tokens for every row under a step's sampling parameters (see ``tpspec.sampling.select``)."""
-        from .sampling.select import select_tokens  # sampling sits below this layer: import at call time
-
-        return select_tokens(self, spec_metadata)
 
 
 class VocabParallelHead(nn.Module):

@@ -13,26 +13,19 @@ typedef unsigned short u16;
 
 // ----------------------------------------------------------------- IEEE float32 helpers
 
-__device__ __forceinline__ float f_add(float a, float b) {
-    float r;
-    asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-}
-__device__ __forceinline__ float f_sub(float a, float b) {
-    float r;
-    asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-}
-__device__ __forceinline__ float f_mul(float a, float b) {
-    float r;
-    asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-}
-__device__ __forceinline__ float f_div(float a, float b) {
-    float r;
-    asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-}
+// NAME(a, b): one PTX instruction of two operands and one result, each in a register of
+// constraint C ("f": float32, "r": 32 bits), of C type T.
+#define LL_BINARY_INSTRUCTION(NAME, T, C, INSTRUCTION)                    \
+    __device__ __forceinline__ T NAME(T a, T b) {                         \
+        T r;                                                              \
+        asm(INSTRUCTION " %0, %1, %2;" : "=" C(r) : C(a), C(b));          \
+        return r;                                                         \
+    }
+
+LL_BINARY_INSTRUCTION(f_add, float, "f", "add.rn.f32")
+LL_BINARY_INSTRUCTION(f_sub, float, "f", "sub.rn.f32")
+LL_BINARY_INSTRUCTION(f_mul, float, "f", "mul.rn.f32")
+LL_BINARY_INSTRUCTION(f_div, float, "f", "div.rn.f32")
 __device__ __forceinline__ bool f_ge(float a, float b) {  // a >= b, IEEE (false on NaN), no ftz
     u32 r;
     asm("{ .reg .pred p; setp.ge.f32 p, %1, %2; selp.u32 %0, 1, 0, p; }" : "=r"(r) : "f"(a), "f"(b));
@@ -108,21 +101,9 @@ __device__ __forceinline__ uint4 load_pack(const void* address) {  // read-only 
 }
 
 // --- NaN-propagating maxima (sm_80+; no .ftz, so subnormals compare exactly)
-__device__ __forceinline__ float f_max_nan(float a, float b) {
-    float r;
-    asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-}
-__device__ __forceinline__ u32 bf16x2_max_nan(u32 a, u32 b) {
-    u32 r;
-    asm("max.NaN.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-    return r;
-}
-__device__ __forceinline__ u32 f16x2_max_nan(u32 a, u32 b) {
-    u32 r;
-    asm("max.NaN.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-    return r;
-}
+LL_BINARY_INSTRUCTION(f_max_nan, float, "f", "max.NaN.f32")
+LL_BINARY_INSTRUCTION(bf16x2_max_nan, u32, "r", "max.NaN.bf16x2")
+LL_BINARY_INSTRUCTION(f16x2_max_nan, u32, "r", "max.NaN.f16x2")
 
 // float32 bits of the largest value of a pack (any NaN in it -> a NaN). Which zero or
 // which NaN comes back does not matter: the caller canonicalizes.

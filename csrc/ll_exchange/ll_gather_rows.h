@@ -49,35 +49,9 @@ __device__ void gather_rows_impl(const i64* values, int count, int width, int su
         if (!sum_mode) row_out[(i64)x.rank * width] = mine;
         u64 missing = 0ull;
         for (int first = 0; first < peers; first += WAIT_BATCH) {
-            u32 pending = 0u;
-#pragma unroll
-            for (int j = 0; j < WAIT_BATCH; ++j) {
-                if (first + j < peers) pending |= 1u << j;
-            }
-            WaitClock clock;
-            while (pending) {
-                uint4 v[WAIT_BATCH];
-#pragma unroll
-                for (int j = 0; j < WAIT_BATCH; ++j) {
-                    const int src = peer_rank(first + j, x.rank);
-                    if ((pending >> j) & 1u) v[j] = load_line(slot_address(own, parity, src, i, world, x.max_rows));
-                }
-#pragma unroll
-                for (int j = 0; j < WAIT_BATCH; ++j) {
-                    if (((pending >> j) & 1u) && v[j].y == epoch && v[j].w == epoch) {
-                        const u64 value = ((u64)v[j].z << 32) | (u64)v[j].x;
-                        if (sum_mode) total += value;
-                        else row_out[(i64)peer_rank(first + j, x.rank) * width] = (i64)value;
-                        pending &= ~(1u << j);
-                    }
-                }
-                if (!pending || fail_fast) break;
-                if (*(volatile u32*)&s_gave_up) break;
-                if (clock.expired(x.timeout_ns)) {
-                    *(volatile u32*)&s_gave_up = 1u;
-                    break;
-                }
-            }
+            u32 pending;
+            LL_WAIT_PEER_LINES(pending, i, if (sum_mode) total += value;
+                               else row_out[(i64)peer_rank(first + j, x.rank) * width] = (i64)value;)
 #pragma unroll
             for (int j = 0; j < WAIT_BATCH; ++j) {
                 if ((pending >> j) & 1u) {
@@ -91,32 +65,9 @@ __device__ void gather_rows_impl(const i64* values, int count, int width, int su
         if (sum_mode) out[i] = missing ? -1 : (i64)total;
     }
     __syncthreads();
-
-    // The end of an epoch cycle clears this parity's lines, as exchange_rows does (the
-    // block lines belong to the fused kernel; the call of epoch 0xffffffff clears them too).
-    if (epoch >= 0xfffffffeu) {
-        const u64 parity_lines = slot_address(own, parity, 0, 0, world, x.max_rows);
-        for (int i = threadIdx.x; i < world * x.max_rows; i += blockDim.x) {
-            store_line(parity_lines + 16ull * (u64)i, 0u, 0u, 0u, 0u);
-        }
-        if (epoch == 0xffffffffu) {
-            for (int i = threadIdx.x; i < x.block_line_count; i += blockDim.x) {
-                store_line(x.block_lines + 16ull * (u64)i, 0u, 0u, 0u, 0u);
-            }
-        }
-    }
-    const u64 missing = s_missing_ranks;
-    if (threadIdx.x == 0 && missing && start.failed_before == 0u) {
-        if (atomicCAS(&x.ctrl->error, 0u, 1u) == 0u) {
-            x.ctrl->error_epoch = epoch;
-            x.ctrl->missing = missing;
-            x.host_error->epoch = epoch;
-            x.host_error->missing = missing;
-            __threadfence_system();
-            *(volatile u32*)&x.host_error->error = 1u;
-            __threadfence_system();
-        }
-    }
+    // The end of an epoch cycle clears this parity's lines (and the block lines), and a missing
+    // line is recorded, as in exchange_rows.
+    end_call(x, start, own, parity);
 }
 
 #define LL_GATHER_ROWS_KERNEL(NAME, WAIT_BATCH)                                                                  \

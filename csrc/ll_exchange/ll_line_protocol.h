@@ -162,6 +162,78 @@ __device__ __forceinline__ ExchangeStart exchange_prologue(const Exchange& x) {
 // small world polls no more lines than it has peers. The fused kernel uses 4: its register
 // budget is set by its row reduction.
 
+// The end of every call that waited on slot lines, after a barrier: the last two calls of an
+// epoch cycle clear what they have read (see the header): every line of this parity in this
+// rank's slots, and at the very end the block lines. Then thread 0 records the ranks whose
+// lines never arrived, once per channel (the first timeout only).
+__device__ __forceinline__ void end_call(const Exchange& x, const ExchangeStart& start, u64 own, int parity) {
+    const u32 epoch = start.epoch;
+    if (epoch >= 0xfffffffeu) {
+        const u64 parity_lines = slot_address(own, parity, 0, 0, x.world, x.max_rows);
+        for (int i = threadIdx.x; i < x.world * x.max_rows; i += blockDim.x) {
+            store_line(parity_lines + 16ull * (u64)i, 0u, 0u, 0u, 0u);
+        }
+        if (epoch == 0xffffffffu) {
+            for (int i = threadIdx.x; i < x.block_line_count; i += blockDim.x) {
+                store_line(x.block_lines + 16ull * (u64)i, 0u, 0u, 0u, 0u);
+            }
+        }
+    }
+
+    const u64 missing = s_missing_ranks;
+    if (threadIdx.x == 0) {
+        if (missing && start.failed_before == 0u) {
+            if (atomicCAS(&x.ctrl->error, 0u, 1u) == 0u) {
+                x.ctrl->error_epoch = epoch;
+                x.ctrl->missing = missing;
+                x.host_error->epoch = epoch;
+                x.host_error->missing = missing;
+                __threadfence_system();
+                *(volatile u32*)&x.host_error->error = 1u;
+                __threadfence_system();
+            }
+        }
+    }
+}
+
+// One thread's bounded wait for slot row SLOT of the peers first .. first + WAIT_BATCH - 1 (of
+// `peers`), their lines in flight at once: ON_LINE runs for each line that arrives with this call's
+// epoch, with `j` its peer's index in the batch and `value` its 64 bits; PENDING (a u32) ends with
+// the bits of the peers whose lines did not arrive. Reads x, own, parity, world, peers, epoch, first
+// and fail_fast of the caller. A macro so that the two waits (exchange_rows, gather_rows_impl)
+// share one text and still compile as they did when each was written out.
+#define LL_WAIT_PEER_LINES(PENDING, SLOT, ON_LINE)                                                          \
+    PENDING = 0u;                                                                                          \
+    _Pragma("unroll") for (int j = 0; j < WAIT_BATCH; ++j) {                                                \
+        if (first + j < peers) PENDING |= 1u << j;                                                          \
+    }                                                                                                      \
+    {                                                                                                      \
+        WaitClock clock;                                                                                   \
+        while (PENDING) {                                                                                  \
+            uint4 v[WAIT_BATCH];                                                                           \
+            _Pragma("unroll") for (int j = 0; j < WAIT_BATCH; ++j) {                                        \
+                const int src = peer_rank(first + j, x.rank);                                              \
+                if ((PENDING >> j) & 1u)                                                                   \
+                    v[j] = load_line(slot_address(own, parity, src, SLOT, world, x.max_rows));             \
+            }                                                                                              \
+            _Pragma("unroll") for (int j = 0; j < WAIT_BATCH; ++j) {                                        \
+                if (((PENDING >> j) & 1u) && v[j].y == epoch && v[j].w == epoch) {                          \
+                    const u64 value = ((u64)v[j].z << 32) | (u64)v[j].x;                                   \
+                    ON_LINE                                                                                \
+                    PENDING &= ~(1u << j);                                                                 \
+                }                                                                                          \
+            }                                                                                              \
+            if (!PENDING || fail_fast) break;                                                              \
+            /* Only the clock and a shared flag between polls: a global load here would add a memory */   \
+            /* round trip to every poll, and so to the latency of the wait. */                             \
+            if (*(volatile u32*)&s_gave_up) break;                                                         \
+            if (clock.expired(x.timeout_ns)) {                                                             \
+                *(volatile u32*)&s_gave_up = 1u;                                                           \
+                break;                                                                                     \
+            }                                                                                              \
+        }                                                                                                  \
+    }
+
 // Run by exactly one block after exchange_prologue. s_keys[row] holds this rank's
 // unsigned key of each row (written by this block; this function syncs before reading).
 // Advances the epoch and, when asked, the step counter, publishes the keys to every other
@@ -202,36 +274,8 @@ __device__ void exchange_rows(const Exchange& x, const ExchangeStart& start, con
         u64 best = s_keys[row];
         u64 missing = 0ull;
         for (int first = 0; first < peers; first += WAIT_BATCH) {
-            u32 pending = 0u;
-#pragma unroll
-            for (int j = 0; j < WAIT_BATCH; ++j) {
-                if (first + j < peers) pending |= 1u << j;
-            }
-            WaitClock clock;
-            while (pending) {
-                uint4 v[WAIT_BATCH];
-#pragma unroll
-                for (int j = 0; j < WAIT_BATCH; ++j) {
-                    const int src = peer_rank(first + j, x.rank);
-                    if ((pending >> j) & 1u) v[j] = load_line(slot_address(own, parity, src, row, world, x.max_rows));
-                }
-#pragma unroll
-                for (int j = 0; j < WAIT_BATCH; ++j) {
-                    if (((pending >> j) & 1u) && v[j].y == epoch && v[j].w == epoch) {
-                        const u64 key = ((u64)v[j].z << 32) | (u64)v[j].x;
-                        best = key > best ? key : best;
-                        pending &= ~(1u << j);
-                    }
-                }
-                if (!pending || fail_fast) break;
-                // Only the clock and a shared flag between polls: a global load here would
-                // add a memory round trip to every poll, and so to the latency of the wait.
-                if (*(volatile u32*)&s_gave_up) break;
-                if (clock.expired(x.timeout_ns)) {
-                    *(volatile u32*)&s_gave_up = 1u;
-                    break;
-                }
-            }
+            u32 pending;
+            LL_WAIT_PEER_LINES(pending, row, best = value > best ? value : best;)
 #pragma unroll
             for (int j = 0; j < WAIT_BATCH; ++j) {
                 if ((pending >> j) & 1u) missing |= 1ull << peer_rank(first + j, x.rank);
@@ -244,35 +288,7 @@ __device__ void exchange_rows(const Exchange& x, const ExchangeStart& start, con
                                           : (i64)(best ^ 0x8000000000000000ull));
     }
     __syncthreads();
-
-    // The last two calls of an epoch cycle clear what they have read (see the header):
-    // every line of this parity in this rank's slots, and at the very end the block lines.
-    if (epoch >= 0xfffffffeu) {
-        const u64 parity_lines = slot_address(own, parity, 0, 0, world, x.max_rows);
-        for (int i = threadIdx.x; i < world * x.max_rows; i += blockDim.x) {
-            store_line(parity_lines + 16ull * (u64)i, 0u, 0u, 0u, 0u);
-        }
-        if (epoch == 0xffffffffu) {
-            for (int i = threadIdx.x; i < x.block_line_count; i += blockDim.x) {
-                store_line(x.block_lines + 16ull * (u64)i, 0u, 0u, 0u, 0u);
-            }
-        }
-    }
-
-    const u64 missing = s_missing_ranks;
-    if (threadIdx.x == 0) {
-        if (missing && start.failed_before == 0u) {
-            if (atomicCAS(&x.ctrl->error, 0u, 1u) == 0u) {
-                x.ctrl->error_epoch = epoch;
-                x.ctrl->missing = missing;
-                x.host_error->epoch = epoch;
-                x.host_error->missing = missing;
-                __threadfence_system();
-                *(volatile u32*)&x.host_error->error = 1u;
-                __threadfence_system();
-            }
-        }
-    }
+    end_call(x, start, own, parity);
 }
 
 #endif  // TPSPEC_LL_LINE_PROTOCOL_H

@@ -130,8 +130,7 @@ def _gather_select(logits: Any, meta: Any, drafts: torch.Tensor, greedy: bool) -
     if greedy:
         rows = greedy_tokens(full)
     else:
-        rows = sample_from_logits(full, rs.temperature, rs.seeds, rs.offsets, rs.top_k, rs.top_p, rs.min_p,
-                                  backend="torch")
+        rows = sample_from_logits(full, rs.temperature, rs.seeds, rs.offsets, rs.top_k, rs.top_p, rs.min_p)
     index = meta.request_row_index.to(full.device)
     accepted, _ = accept_from_targets(rows[index], drafts, meta.request_draft_len.to(full.device))
     return torch.cat([accepted.reshape(-1), rows])

@@ -203,8 +203,7 @@ class DraftVocabHead(nn.Module):
 
     ``target_ids``: ``[draft_vocab]`` strictly increasing target ids of the draft ids. This rank holds
     the rows of the draft ids whose target ids lie in its target shard (all of them when the target's
-    head is not sharded), a contiguous range ``[draft_start, draft_start + num_rows)`` that may be
-    empty. ``forward(hidden [R, H]) -> VocabShardedLogits``: ``[R, target shard width]`` in the target's
+    head is not sharded): a contiguous range of draft ids, possibly empty. ``forward(hidden [R, H]) -> VocabShardedLogits``: ``[R, target shard width]`` in the target's
     layout, the draft scores at their target columns and ``-inf`` elsewhere; collective picks return
     target ids. ``deterministic``: each score is the fixed-order tree sum over ``H``
     (:class:`~tpspec.model.deterministic.FixedOrderMatmul`), so a row's scores do not depend on the
@@ -224,7 +223,6 @@ class DraftVocabHead(nn.Module):
         ids = target_ids.to(torch.int64).cpu()
         lo = int(torch.searchsorted(ids, self.vocab_offset))
         hi = int(torch.searchsorted(ids, self.vocab_offset + real))
-        self.draft_start, self.num_rows = lo, hi - lo
         self.register_buffer("columns", (ids[lo:hi] - self.vocab_offset).to(device), persistent=False)
         self.weight = nn.Parameter(torch.zeros(hi - lo, hidden_size, dtype=dtype, device=device), requires_grad=False)
         self.plan = {"weight": [ShardSpec(name, (ids.numel(), hidden_size), 0, lo, hi - lo)] if hi > lo else []}

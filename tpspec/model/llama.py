@@ -132,8 +132,9 @@ class StackedRowsLogits(VocabShardedLogits):
     rank's rows (``num_rows`` of them); per-row ``temperature``/``seeds``/``offsets`` are
     this rank's rows too (stacked internally). ``local`` is the stacked ``[total, shard]``
     slice and ``stacked`` the plain :class:`VocabShardedLogits` over all rows.
-    ``select_tokens`` (inherited) works through these methods; like them it needs every rank
-    of the group to take the same path (AND the all-greedy flag across the group).
+    ``tpspec.sampling.select_tokens`` works through these methods (its filtered rows gather);
+    like them it needs every rank of the group to take the same path (AND the all-greedy flag
+    across the group).
     """
 
     def __init__(self, stacked: VocabShardedLogits, rows: VarlenRows) -> None:

@@ -36,11 +36,10 @@ class CheckpointError(ValueError):
 
 @dataclass
 class LoadStats:
-    """What a load read: ``bytes_read`` (sum of the slices read), ``tensors_read`` (slice
-    reads) and ``checkpoint_bytes`` (tensor data of the whole checkpoint, for comparison)."""
+    """What a load read: ``bytes_read`` (sum of the slices read) and ``checkpoint_bytes``
+    (tensor data of the whole checkpoint, for comparison)."""
 
     bytes_read: int = 0
-    tensors_read: int = 0
     checkpoint_bytes: int = 0
 
 
@@ -122,7 +121,6 @@ class CheckpointReader:
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise CheckpointError(f"tensor {spec.name!r} in {fname!r} holds NaN or infinite values")
         self.stats.bytes_read += t.numel() * t.element_size()
-        self.stats.tensors_read += 1
         return t
 
     def close(self) -> None:

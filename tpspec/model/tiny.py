@@ -122,50 +122,43 @@ def make_tiny_checkpoint(
     path: str | os.PathLike,
     *,
     seed: int = 0,
-    vocab_size: int = 512,
-    hidden_size: int = 128,
-    intermediate_size: int = 256,
-    num_layers: int = 2,
-    num_heads: int = 8,
-    num_kv_heads: int = 2,
-    max_position_embeddings: int = 4096,
-    rope_theta: float = 10000.0,
-    tie_word_embeddings: bool = False,
     dtype: torch.dtype = torch.float32,
     draft: bool = False,
     draft_num_layers: int = 1,
     tokenizer: bool = True,
+    **shape: Any,
 ) -> str:
     """Write a random Llama checkpoint (``config.json``, ``generation_config.json``,
     ``model.safetensors``, and ``tokenizer.json`` when the ``tokenizers`` package is
     installed and ``vocab_size >= 259``) into ``path``; return ``path``.
 
-    Deterministic: the same arguments give the same bytes. With ``draft=True`` the
+    ``shape``: keyword arguments of :func:`tiny_config_dict` (``vocab_size``, ``hidden_size``,
+    ``intermediate_size``, ``num_layers``, ``num_heads``, ``num_kv_heads``,
+    ``max_position_embeddings``, ``rope_theta``, ``tie_word_embeddings``), its defaults for the
+    ones left out. Deterministic: the same arguments give the same bytes. With ``draft=True`` the
     checkpoint is the draft of the target written with the same other arguments: its
     first ``draft_num_layers`` layers, same vocab, embeddings, final norm and LM head.
     Raises ``ValueError`` for sizes that do not form a valid model.
     """
-    if hidden_size % num_heads != 0:
-        raise ValueError(f"hidden_size={hidden_size} must be a multiple of num_heads={num_heads}")
-    if num_heads % num_kv_heads != 0:
-        raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
-    if vocab_size <= NUM_SPECIAL:
-        raise ValueError(f"vocab_size={vocab_size} must exceed the {NUM_SPECIAL} special tokens")
-    if draft and not 1 <= draft_num_layers <= num_layers:
-        raise ValueError(f"draft_num_layers={draft_num_layers} must lie in [1, num_layers={num_layers}]")
     dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype)
     if dtype_name is None:
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
-    cfg = tiny_config_dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-                           num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                           max_position_embeddings=max_position_embeddings, rope_theta=rope_theta,
-                           tie_word_embeddings=tie_word_embeddings, dtype=dtype_name)
+    cfg = tiny_config_dict(**shape, dtype=dtype_name)
+    hidden, heads, kv_heads = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    if hidden % heads != 0:
+        raise ValueError(f"hidden_size={hidden} must be a multiple of num_heads={heads}")
+    if heads % kv_heads != 0:
+        raise ValueError(f"num_heads={heads} must be a multiple of num_kv_heads={kv_heads}")
+    if cfg["vocab_size"] <= NUM_SPECIAL:
+        raise ValueError(f"vocab_size={cfg['vocab_size']} must exceed the {NUM_SPECIAL} special tokens")
+    if draft and not 1 <= draft_num_layers <= cfg["num_hidden_layers"]:
+        raise ValueError(f"draft_num_layers={draft_num_layers} must lie in [1, num_layers={cfg['num_hidden_layers']}]")
     weights = _random_weights(cfg, seed)
     if draft:
         cfg, weights = _first_layers(cfg, weights, draft_num_layers)
     path = _write_checkpoint(path, cfg, weights, dtype)
     if tokenizer:
-        write_tiny_tokenizer(path, vocab_size)
+        write_tiny_tokenizer(path, cfg["vocab_size"])
     return path
 
 
@@ -398,14 +391,13 @@ def write_tiny_tokenizer(path: str, vocab_size: int) -> bool:
 
 # ------------------------------------------------------------------------- CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = tiny_config_dict()
     parser.add_argument("dir", help="directory to write the checkpoint into (created if missing)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--vocab-size", type=int, default=512)
-    parser.add_argument("--hidden-size", type=int, default=128)
-    parser.add_argument("--intermediate-size", type=int, default=256)
-    parser.add_argument("--num-layers", type=int, default=2)
-    parser.add_argument("--num-heads", type=int, default=8)
-    parser.add_argument("--num-kv-heads", type=int, default=2)
+    for flag, field in (("--vocab-size", "vocab_size"), ("--hidden-size", "hidden_size"),
+                        ("--intermediate-size", "intermediate_size"), ("--num-layers", "num_hidden_layers"),
+                        ("--num-heads", "num_attention_heads"), ("--num-kv-heads", "num_key_value_heads")):
+        parser.add_argument(flag, type=int, default=defaults[field])
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     parser.add_argument("--draft", metavar="DRAFT_DIR", default=None,
                         help="also write the matching draft model (the target's first layers) into DRAFT_DIR")

@@ -94,7 +94,6 @@ class EngineConfig:
     max_num_tokens: int = 512
     use_cuda_graphs: bool = True
     exchange: str = "auto"
-    progress_interval_s: float = 0.25
     page_size: int = 16
     kv_cache_bytes: int | None = None
     gpu_memory_utilization: float | None = None

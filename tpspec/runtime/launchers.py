@@ -97,8 +97,11 @@ class GroupSpec:
         """Torch intra-op threads of a rank that shares this host with ``local_ranks`` ranks."""
         if self.num_threads is not None:
             return self.num_threads
-        if os.environ.get("TPSPEC_NUM_THREADS"):
-            return max(1, int(os.environ["TPSPEC_NUM_THREADS"]))
+        raw = os.environ.get("TPSPEC_NUM_THREADS", "")
+        if raw.strip():
+            if not raw.strip().isdigit() or int(raw) < 1:
+                raise ValueError(f"TPSPEC_NUM_THREADS must be a positive integer, got {raw!r}")
+            return int(raw)
         return max(1, (os.cpu_count() or 1) // max(1, local_ranks))
 
 

@@ -8,9 +8,11 @@ Public names:
   it decides: :data:`SLOT_SPAN`, the lanes, :class:`StreamAllocator`) and :func:`uniforms`.
 * ``ops``: :func:`sample_from_logits`, :func:`filtered_probs`, :func:`greedy_tokens`
   on full logits: the reference every draw follows (``docs/determinism.md``).
-* ``select``: :func:`select_tokens` and :func:`sample_filtered` on ``VocabShardedLogits``
-  (imported lazily by ``VocabShardedLogits.select_tokens`` / ``sample``), with
-  :class:`SamplingStats`; the rows it draws are a ``keys.SamplingRows``.
+* ``select``: :func:`sample_tokens` (a temperature, streams and top-k / top-p / min-p given
+  directly), :func:`select_tokens` (a step's per-row parameters) and :func:`sample_filtered`
+  on ``VocabShardedLogits``, with :class:`SamplingStats`; the rows it draws are a
+  ``keys.SamplingRows``. ``VocabShardedLogits`` itself offers the reductions (argmax, the
+  unfiltered Gumbel-max ``sample``, logprobs, gather) and imports nothing from this layer.
 * ``penalties``: :class:`OccurrenceCounts` (a rank's per-slot counts of its columns),
   :func:`apply_penalties` (repetition / presence / frequency on a slice or a full row).
 * ``logprobs``: :class:`Logprob` (vLLM's) and :func:`emitted_logprobs` (raw log-softmax of the
@@ -23,7 +25,7 @@ from .logprobs import Logprob, emitted_logprobs
 from .params import GREEDY_SENTINEL_TEMPERATURE, TOP_K_DISABLED, SamplingParams
 from .penalties import OccurrenceCounts, apply_penalties
 from ..keys import SamplingRows
-from .select import SamplingStats, sample_filtered, select_tokens
+from .select import SamplingStats, sample_filtered, sample_tokens, select_tokens
 from .streams import SLOT_SPAN, UNSEEDED_OFFSET_BASE, StreamAllocator, position_offset, uniforms
 
 __all__ = [
@@ -45,6 +47,7 @@ __all__ = [
     "keep_mask",
     "sample_filtered",
     "sample_from_logits",
+    "sample_tokens",
     "select_tokens",
     "position_offset",
     "uniforms",

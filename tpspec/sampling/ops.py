@@ -17,13 +17,10 @@ path (``tpspec.sampling.select``) is tested against it. Per row:
 
 ``top_k``: ``[R]`` int (``>= V`` or INT32_MAX: off); ``top_p``: ``[R]`` float (``>= 1``: off);
 ``min_p``: ``[R]`` float (``0``: off); ``None``: off for every row.
-flashinfer's sampler draws with its own generator and filter arithmetic: it is used only
-when asked for (``backend="flashinfer"``), never by the runtime.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -232,16 +229,6 @@ def filtered_probs(
 
 # ---------------------------------------------------------------------------- sampling
 
-def _flashinfer_sampling() -> Any:
-    if os.environ.get("TPSPEC_DISABLE_FLASHINFER", "") not in ("", "0"):
-        return None
-    try:
-        import flashinfer.sampling as fs  # type: ignore[import-not-found]
-    except Exception:  # noqa: BLE001 - any import problem means "not available"
-        return None
-    return fs
-
-
 def sample_from_logits(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -250,22 +237,15 @@ def sample_from_logits(
     top_k: torch.Tensor | None = None,
     top_p: torch.Tensor | None = None,
     min_p: torch.Tensor | None = None,
-    *,
-    needs_reproducible_streams: bool = True,
-    backend: str = "auto",
 ) -> torch.Tensor:
     """One token per row of full logits ``[R, V]`` -> ``[R]`` int64 (see the module docstring).
 
     ``temperature``: ``[R]`` float (below the greedy threshold: argmax);
     ``seeds``/``offsets``: ``[R]`` int64 Philox streams; ``top_k``/``top_p``/``min_p``:
-    ``[R]`` or None (off). ``backend``: ``"auto"`` and ``"torch"`` are the reference;
-    ``"flashinfer"`` draws with flashinfer's own generator (an error when it cannot be used).
-    ``needs_reproducible_streams`` is accepted for callers that pass it; the reference always
-    draws from each row's own stream. Deterministic: equal inputs give equal tokens on every rank.
+    ``[R]`` or None (off). Every row draws from its own stream. Deterministic: equal inputs
+    give equal tokens on every rank.
     """
     _check_logits(logits)
-    if backend not in ("auto", "torch", "flashinfer"):
-        raise ValueError(f"backend must be 'auto', 'torch' or 'flashinfer', got {backend!r}")
     rows, vocab = logits.shape
     device = logits.device
     t = _rows(temperature, rows, "temperature", device, torch.float32)
@@ -281,34 +261,8 @@ def sample_from_logits(
     if all_greedy:
         return key_argmax(logits)
     safe_t = torch.where(greedy, torch.ones_like(t), t)
-    if backend == "flashinfer":
-        fs = _flashinfer_sampling()
-        if fs is None or device.type != "cuda" or (min_p is not None and bool((min_p > 0).any())):
-            raise RuntimeError("flashinfer sampling cannot be used here: it needs flashinfer installed, CUDA logits "
-                               "and no min-p (it draws with its own generator from seed[0]/offset[0])")
-        first = int(torch.nonzero(~greedy)[0])
-        sampled = _flashinfer_sample(fs, logits, safe_t, top_k, top_p, int(seeds[first]), int(offsets[first]))
-    else:
-        keep = keep_mask(logits, safe_t, top_k, top_p, min_p)
-        columns = torch.arange(vocab, dtype=torch.int64, device=device)
-        keys = pack_keys(gumbel_scores(logits, columns, safe_t, seeds, offsets), columns.reshape(1, -1))
-        sampled = unpack_indices(torch.where(keep, keys, torch.full_like(keys, EMPTY_KEY)).max(dim=1).values)
+    keep = keep_mask(logits, safe_t, top_k, top_p, min_p)
+    columns = torch.arange(vocab, dtype=torch.int64, device=device)
+    keys = pack_keys(gumbel_scores(logits, columns, safe_t, seeds, offsets), columns.reshape(1, -1))
+    sampled = unpack_indices(torch.where(keep, keys, torch.full_like(keys, EMPTY_KEY)).max(dim=1).values)
     return torch.where(greedy, key_argmax(logits), sampled)
-
-
-def _flashinfer_sample(
-    fs: Any,
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor | None,
-    top_p: torch.Tensor | None,
-    seed: int,
-    offset: int,
-) -> torch.Tensor:
-    rows, vocab = logits.shape
-    scaled = logits.to(torch.float32) / temperature.reshape(-1, 1)
-    k = torch.full((rows,), vocab, dtype=torch.int32, device=logits.device) if top_k is None else top_k
-    k = k.clamp(max=min(vocab, TOP_K_DISABLED)).to(torch.int32)
-    p = torch.ones(rows, dtype=torch.float32, device=logits.device) if top_p is None else top_p.to(torch.float32)
-    tokens = fs.top_k_top_p_sampling_from_logits(scaled, k, p, deterministic=True, seed=seed, offset=offset)
-    return tokens.to(torch.int64)

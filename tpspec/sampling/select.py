@@ -1,6 +1,8 @@
 """Token selection on vocab-sharded logits, every sampling option included.
 
-``select_tokens(sharded_logits, spec_metadata)`` picks one token per logits row and
+``sample_tokens`` draws one token per row of a ``VocabShardedLogits`` under a temperature,
+streams and top-k / top-p / min-p given directly (checked here). ``select_tokens(sharded_logits,
+spec_metadata)`` picks one token per logits row under a step's per-row parameters and
 returns the same ``[R]`` int64 tensor on every rank of the exchange's group. Rows with
 repetition / presence / frequency penalties are first penalised on each rank's slice,
 locally (:mod:`tpspec.sampling.penalties`). Then, from batch facts equal on every rank:
@@ -57,7 +59,7 @@ from ..keys import (
     unpack_indices,
     unpack_keys,
 )
-from ..validation import check_int
+from ..validation import check_int, is_int, is_real
 from ..vocab_parallel import VocabShardedLogits
 from .ops import filter_flags, sample_from_logits, scaled_scores, sorted_filter_mask
 from .params import TOP_K_DISABLED
@@ -102,6 +104,84 @@ def _sampling_rows(spec_metadata: Any) -> SamplingRows:
     return getter()
 
 
+def _filter_rows(name: str, value: Any, rows: int, device: torch.device, dtype: torch.dtype, low: float,
+                 high: float | None, *, low_open: bool = False) -> torch.Tensor | None:
+    """A filter parameter as a ``[rows]`` tensor (None stays None), its values checked on the
+    host: ``ValueError`` naming ``name`` when one is out of range."""
+    if value is None:
+        return None
+    integer = dtype == torch.int64
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 1 or value.shape[0] != rows:
+            raise ValueError(f"{name} must be a scalar or a [{rows}] tensor, got shape {tuple(value.shape)}")
+        if integer and value.is_floating_point():
+            raise ValueError(f"{name} must hold integers, got {value.dtype}")
+        tensor = value.to(device=device, dtype=dtype)
+    else:
+        ok = is_int(value) if integer else is_real(value)
+        if not ok:
+            raise ValueError(f"{name} must be {'an int' if integer else 'a float'} or a [{rows}] tensor, got {value!r}")
+        tensor = torch.full((rows,), value, dtype=dtype, device=device)
+    checked = tensor.to(torch.float64)
+    bad = torch.isnan(checked) | (checked <= low if low_open else checked < low)
+    if high is not None:
+        bad |= checked > high
+    if bool(bad.any()):
+        span = f"{'(' if low_open else '['}{low:g}, {'inf)' if high is None else f'{high:g}]'}"
+        raise ValueError(f"{name} must lie in {span}, got {tensor[bad].tolist()[:8]}")
+    return tensor
+
+
+def sample_tokens(
+    logits: VocabShardedLogits,
+    temperature: torch.Tensor | float,
+    seeds: torch.Tensor | None = None,
+    offsets: torch.Tensor | None = None,
+    *,
+    top_k: torch.Tensor | int | None = None,
+    top_p: torch.Tensor | float | None = None,
+    min_p: torch.Tensor | float | None = None,
+    channel: int = Channel.TARGET,
+    check_values: bool = True,
+) -> torch.Tensor:
+    """Draws from softmax(logits / T) per row of ``logits`` (a ``VocabShardedLogits``),
+    optionally filtered: ``[R]`` int64, equal on every rank.
+
+    ``temperature``: a float or ``[R]`` tensor (rows below the greedy threshold take the
+    argmax). ``seeds``/``offsets``: ``[R]`` int64 streams; without them the exchange's step
+    counter seeds the rows. ``top_k`` (int >= 1; ``>= vocab_size`` = off), ``top_p`` (in
+    (0, 1]; 1 = off), ``min_p`` (in [0, 1]; 0 = off): a scalar for every row, a ``[R]`` tensor,
+    or None (off); their meaning is ``docs/determinism.md``'s. The same streams give the same
+    tokens at every TP size, on every exchange backend, and equal
+    ``tpspec.sampling.ops.sample_from_logits`` on the gathered rows. Rows with a filter are
+    drawn from certified candidates (:func:`sample_filtered`; a row gathers its logits only
+    when they cannot decide it); without filters the draw is one key exchange
+    (``VocabShardedLogits.sample``). Collective over the logits' exchange group.
+
+    Raises ``ValueError`` naming the field for a NaN or infinite temperature or a filter value
+    out of range, and for filters on a subclass such as attention DP's stacked rows. Tensor values
+    are checked on the host (one sync; not while a CUDA graph is being captured);
+    ``check_values=False`` skips the temperature check for callers whose temperatures are already
+    validated.
+    """
+    rows, device = logits.num_rows, logits.local.device
+    temperature = logits.temperature_rows(temperature, check_values=check_values)
+    filters = {
+        "top_k": _filter_rows("top_k", top_k, rows, device, torch.int64, 1, None),
+        "top_p": _filter_rows("top_p", top_p, rows, device, torch.float32, 0.0, 1.0, low_open=True),
+        "min_p": _filter_rows("min_p", min_p, rows, device, torch.float32, 0.0, 1.0),
+    }
+    sampling = SamplingRows(temperature, seeds, offsets, **filters)
+    if not sampling.has_filters:
+        return logits.sample(temperature, seeds, offsets, channel=channel, check_values=False)
+    if type(logits) is not VocabShardedLogits:  # every rank alike: the type and the filters are the group's
+        raise ValueError(f"top-k / top-p / min-p draws here need a plain VocabShardedLogits, got "
+                         f"{type(logits).__name__} (stacked attention-DP rows take their filters through "
+                         "tpspec.sampling.select_tokens)")
+    logits.exchange.validate_logits_call(logits.local, logits.vocab_offset, logits.vocab_size, sampling, channel)
+    return sample_filtered(logits, sampling, channel=channel)
+
+
 def select_tokens(
     sharded_logits: Any, spec_metadata: Any, *, channel: int = Channel.TARGET, stats: SamplingStats | None = None
 ) -> torch.Tensor:
@@ -130,7 +210,7 @@ def select_tokens(
         if stats is not None:
             stats.rows_gathered += rs.num_rows
         return sample_from_logits(sharded_logits.gather(), rs.temperature, rs.seeds, rs.offsets, rs.top_k, rs.top_p,
-                                  rs.min_p, backend="torch")
+                                  rs.min_p)
     else:
         return sample_filtered(sharded_logits, rs, channel=channel, stats=stats)
     if stats is not None:
@@ -367,4 +447,4 @@ def _gather_and_sample(logits: VocabShardedLogits, rows: _Rows) -> torch.Tensor:
     return sample_from_logits(full, rows.temperature, rows.seeds, rows.offsets,
                               torch.where(rows.k_on, rows.top_k, torch.full_like(rows.top_k, TOP_K_DISABLED)),
                               torch.where(rows.p_on, rows.top_p, torch.ones_like(rows.top_p)),
-                              torch.where(rows.m_on, rows.min_p, torch.zeros_like(rows.min_p)), backend="torch")
+                              torch.where(rows.m_on, rows.min_p, torch.zeros_like(rows.min_p)))

@@ -9,9 +9,6 @@ same tensors without any communication.
 
 from __future__ import annotations
 
-import os
-from typing import Any
-
 import torch
 
 from ..keys import gumbel_noise
@@ -118,16 +115,6 @@ def strict_accept(
     return accept_from_targets(targets, drafts, lens)
 
 
-def _flashinfer_chain() -> Any:
-    if os.environ.get("TPSPEC_DISABLE_FLASHINFER", "") not in ("", "0"):
-        return None
-    try:
-        from flashinfer.sampling import chain_speculative_sampling  # type: ignore[import-not-found]
-    except Exception:  # noqa: BLE001
-        return None
-    return chain_speculative_sampling
-
-
 def rejection_sample(
     draft_probs: torch.Tensor | None,
     draft_token_ids: torch.Tensor,
@@ -136,8 +123,6 @@ def rejection_sample(
     offsets: torch.Tensor,
     *,
     draft_lens: torch.Tensor | None = None,
-    needs_reproducible_streams: bool = True,
-    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative (rejection) sampling, Leviathan et al. 2023: lossless.
 
@@ -155,13 +140,10 @@ def rejection_sample(
     after all drafts from ``p_D`` — by Gumbel-max with the noise of the residual lane of
     position ``p + n`` (``tpspec.sampling.streams``). Returns
     ``(accepted_tokens [B, D+1] padded with -1, num_accepted [B] int64)``, the same for
-    the same inputs on every rank and device type. flashinfer's
-    ``chain_speculative_sampling`` is used only with ``needs_reproducible_streams=False``
-    (it reads one seed for the whole batch), CUDA tensors, explicit ``draft_probs`` and
-    no ``draft_lens``.
+    the same inputs on every rank and device type. Every request draws from its own stream
+    (``seeds[b]``, ``offsets[b]``): its tokens do not depend on the other requests of the
+    batch or on its place in it.
     """
-    if backend not in ("auto", "torch", "flashinfer"):
-        raise ValueError(f"backend must be 'auto', 'torch' or 'flashinfer', got {backend!r}")
     if draft_token_ids.dim() != 2:
         raise ValueError(f"draft_token_ids must be [B, D], got shape {tuple(draft_token_ids.shape)}")
     batch, num_drafts = draft_token_ids.shape
@@ -180,19 +162,6 @@ def rejection_sample(
     counted = positions[:num_drafts].reshape(1, -1) < lens.reshape(-1, 1)
     if bool(((drafts < 0) | (drafts >= vocab))[counted].any()):
         raise ValueError(f"draft_token_ids must lie in [0, {vocab}) (map draft-vocab ids to target ids first)")
-
-    chain = _flashinfer_chain() if backend in ("auto", "flashinfer") else None
-    fi_ok = chain is not None and device.type == "cuda" and not needs_reproducible_streams and draft_probs is not None and draft_lens is None
-    if backend == "flashinfer" and not fi_ok:
-        raise RuntimeError(
-            "flashinfer chain_speculative_sampling cannot be used here: it needs flashinfer, CUDA tensors, "
-            "draft_probs, no draft_lens and needs_reproducible_streams=False"
-        )
-    if fi_ok:
-        out = chain(draft_probs, drafts.to(torch.int32), target_probs, deterministic=True,
-                    seed=int(seeds[0]), offset=int(offsets[0]))
-        out = out.to(torch.int64)
-        return out, (out != PAD_TOKEN).sum(dim=1)
 
     seeds = seeds.to(device=device, dtype=torch.int64)
     offsets = offsets.to(device=device, dtype=torch.int64)

@@ -26,6 +26,7 @@ import torch
 
 from ..exchange.base import Channel
 from ..sampling.penalties import penalized_logits
+from ..sampling.select import sample_tokens
 
 
 @dataclass
@@ -79,8 +80,9 @@ def select_draft_tokens(
     def part(f):
         return None if f is None else f[pick]
 
-    tokens = draft_logits.sample(rs.temperature[pick], rs.seeds[pick], rs.offsets[pick], top_k=part(rs.top_k),
-                                 top_p=part(rs.top_p), min_p=part(rs.min_p), channel=channel, check_values=False)
+    tokens = sample_tokens(draft_logits, rs.temperature[pick], rs.seeds[pick], rs.offsets[pick],
+                           top_k=part(rs.top_k), top_p=part(rs.top_p), min_p=part(rs.min_p), channel=channel,
+                           check_values=False)
     return DraftSelection(tokens, draft_logits.local)
 
 

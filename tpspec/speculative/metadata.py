@@ -157,11 +157,9 @@ class SpecMetadata:
         self.num_rows = 0
         self.local_is_all_greedy = True
         self.local_temperature_only = True
-        self.local_any_seeded = False
         self.local_any_penalties = False  # no group sync: penalties are applied locally, no path depends on it
         self.is_all_greedy = True
         self.temperature_only = True
-        self.any_seeded = False
         self.param_refills = 0  # how often the parameter buffers were rewritten (tests, metrics)
         self._param_key: tuple | None = None
         self._prepared = False
@@ -278,7 +276,6 @@ class SpecMetadata:
             self._req_row_index[:B].copy_(index.to(dev))
         self.local_is_all_greedy = all(e.params.is_greedy for e in entries)
         self.local_temperature_only = all(e.params.is_temperature_only for e in entries)
-        self.local_any_seeded = any(e.params.is_seeded and not e.params.is_greedy for e in entries)
         self.local_any_penalties = any(e.params.has_penalties for e in entries)
         self.param_refills += 1
 
@@ -302,7 +299,7 @@ class SpecMetadata:
     def _sync_flags(self, ok: bool = True) -> bool:
         """Set the batch flags (ANDed over the group when syncing); returns whether every
         rank of the group prepared its batch (``ok``). Flags are left alone when one did not."""
-        flags = [self.local_is_all_greedy, self.local_temperature_only, not self.local_any_seeded, ok]
+        flags = [self.local_is_all_greedy, self.local_temperature_only, ok]
         if self.sync_flags and D.group_size(self.group) > 1:
             # Every rank must take the same path: AND the flags (min over 0/1) across the group.
             device = self.device if D.group_backend(self.group) == "nccl" else torch.device("cpu")
@@ -311,8 +308,7 @@ class SpecMetadata:
             flags = [bool(v) for v in t.tolist()]
         all_ok = flags.pop()
         if all_ok:
-            self.is_all_greedy, self.temperature_only, none_seeded = flags
-            self.any_seeded = not none_seeded
+            self.is_all_greedy, self.temperature_only = flags
         return all_ok
 
     # ------------------------------------------------------------------ views
@@ -331,12 +327,6 @@ class SpecMetadata:
     @property
     def num_generations(self) -> int:
         return self.num_requests - self.num_contexts
-
-    @property
-    def every_request_has_full_drafts(self) -> bool:
-        """True when every request verifies ``draft_len`` drafts: no context and no
-        padding request (both verify none). A host fact of this rank's batch."""
-        return not any(e.is_context or e.slot_id == -1 for e in self.entries)
 
     @property
     def slot_ids(self) -> torch.Tensor:
@@ -384,7 +374,7 @@ class SpecMetadata:
         return SamplingRows(
             temperature[:n], seeds[:n], offsets,
             top_k=top_k[:n] if filtered else None, top_p=top_p[:n] if filtered else None,
-            min_p=min_p[:n] if filtered else None, is_all_greedy=self.is_all_greedy, any_seeded=self.any_seeded,
+            min_p=min_p[:n] if filtered else None, is_all_greedy=self.is_all_greedy,
         )
 
     def request_sampling(self, offsets: torch.Tensor) -> SamplingRows:

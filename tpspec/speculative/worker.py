@@ -75,7 +75,6 @@ class SpecWorker:
         self.acceptance = acceptance
         self.channel = channel
         self.sampling_stats = SamplingStats()  # rows drawn on shards / gathered, over every step
-        self._forced_spec = forced
         self._forced: ForcedAcceptance | None = forced if isinstance(forced, ForcedAcceptance) else None
         self._forced_ready = forced != "env"
 
@@ -147,19 +146,13 @@ class SpecWorker:
             full = penalized_logits(target_logits, rs.penalties).gather()
             self.sampling_stats.rows_gathered += meta.num_rows  # rejection sampling needs the full laws
             probs = filtered_probs(full, rs.temperature, rs.top_k, rs.top_p, rs.min_p)
-            accepted, num = rejection_sample(
-                draft_probs, drafts, probs[row_index], meta.request_seeds, meta.request_offsets,
-                # Only rows with fewer drafts need lengths (without them flashinfer may serve).
-                draft_lens=None if meta.every_request_has_full_drafts else lens,
-                needs_reproducible_streams=meta.any_seeded,
-            )
+            accepted, num = rejection_sample(draft_probs, drafts, probs[row_index], meta.request_seeds,
+                                             meta.request_offsets, draft_lens=lens)
             if meta.num_contexts or use_forced:
                 # Context requests (and forced acceptance) take the target's own per-row
                 # draw, the token strict acceptance would emit for them too.
-                row_tokens = sample_from_logits(
-                    full, rs.temperature, rs.seeds, rs.offsets, rs.top_k, rs.top_p, rs.min_p,
-                    needs_reproducible_streams=meta.any_seeded,
-                )
+                row_tokens = sample_from_logits(full, rs.temperature, rs.seeds, rs.offsets, rs.top_k, rs.top_p,
+                                                rs.min_p)
                 ctx = meta.is_context.to(device).reshape(-1, 1)
                 ctx_accepted = torch.full_like(accepted, PAD_TOKEN)
                 ctx_accepted[:, 0] = row_tokens[row_index[:, 0]]
