@@ -440,18 +440,25 @@ class Engine:
         k = self.num_draft
         use_dummy = dp and not plan.emitting  # this rank has no row, others may: keep collectives paired
         self._prepared = self._drafts_sampled = False
+        graph_step = None
+        if self.graphs is not None and plan.gen and not plan.final_ctx and not plan.partial_ctx:
+            graph_step = self.graphs.plan(plan.gen)  # None: this step runs eagerly (on every rank alike)
         if self.draft_store is not None and (dp or any(not s.req.sampling.is_greedy for s in plan.gen)):
             # Sampled drafts read this step's streams: prepare before drafting. (The same
             # decision on every rank: plain TP ranks hold the same plan; under attention DP
-            # every rank prepares, a collective.) Such steps are never graphed.
-            self.meta.prepare(requests=self._requests(plan, use_dummy), draft_len=k)
+            # every rank prepares, a collective.) A graphed step's requests are its padded batch.
+            reqs = graph_step.requests if graph_step is not None else self._requests(plan, use_dummy)
+            self.meta.prepare(requests=reqs, draft_len=k)
             self._prepared = True
         drafts = self._propose(plan, always_run_model=dp)
-        if self.graphs is not None and plan.gen and not plan.final_ctx and not plan.partial_ctx:
-            graphed = self.graphs.run(plan.gen, drafts)  # None: not graphed, nothing changed
-            if graphed is not None:
-                self._commit_step(graphed)
-                return
+        if graph_step is not None:
+            result = self.graphs.run(graph_step, plan.gen, drafts, prepared=self._prepared,
+                                     drafts_sampled=self._drafts_sampled)
+            if self.eagle3 is not None:
+                self._keep_hidden_states([(s, True) for s in plan.gen], [k + 1] * len(plan.gen), result.emitted,
+                                         result.hidden)
+            self._commit_step(result.emitted)
+            return
 
         tokens: list[int] = []
         positions: list[int] = []
@@ -501,17 +508,17 @@ class Engine:
             else:  # only partial context chunks: fill the cache, no token is due
                 self.model(batch)
             if self.eagle3 is not None:
-                self._keep_hidden_states(in_batch, query_lens, emitted)
+                self._keep_hidden_states(in_batch, query_lens, emitted, self.model.aux_hidden_states)
         if dp:
             emitted = self._all_gather_emitted(emitted)
         self._commit_step(emitted)
 
     def _keep_hidden_states(self, in_batch: list[tuple[_Seq | None, bool]], query_lens: list[int],
-                            emitted: dict[int, list[int]]) -> None:
+                            emitted: dict[int, list[int]], captured: torch.Tensor) -> None:
         """EAGLE-3: queue the target hidden states of this step's tokens that are now part of their
         sequence (a context chunk: all of them; a generation request that emits n tokens: its last
-        committed token and the n - 1 accepted drafts) for the head's next catch-up forward."""
-        captured = self.model.aux_hidden_states
+        committed token and the n - 1 accepted drafts) for the head's next catch-up forward.
+        ``captured``: the step's hidden states, rows in ``in_batch`` order (``query_lens`` each)."""
         start = 0
         for (seq, is_gen), n in zip(in_batch, query_lens):
             if seq is not None:

@@ -10,22 +10,25 @@ Public names:
   on full logits: the reference every draw follows (``docs/determinism.md``).
 * ``select``: :func:`select_tokens` and :func:`sample_filtered` on ``VocabShardedLogits``
   (imported lazily by ``VocabShardedLogits.select_tokens`` / ``sample``), with
-  :class:`SamplingStats`; the rows it draws are a ``keys.SamplingRows``.
+  :class:`SamplingStats`; the rows it draws are a ``keys.SamplingRows``. Without a host sync
+  (CUDA graphs): :func:`select_tokens_deferred` with a :class:`FilterPlan`.
 * ``penalties``: :class:`OccurrenceCounts` (a rank's per-slot counts of its columns),
   :func:`apply_penalties` (repetition / presence / frequency on a slice or a full row).
 * ``logprobs``: :func:`emitted_logprobs` (raw log-softmax of the emitted tokens and the top N, per step;
-  computed on the shards by ``VocabShardedLogits.logprobs``).
+  computed on the shards by ``VocabShardedLogits.logprobs``): :func:`step_logprobs` on the device
+  (no host sync) and :func:`logprob_dicts` on the host.
 """
 
 from .ops import filtered_logits, filtered_probs, greedy_tokens, keep_mask, sample_from_logits
-from .logprobs import emitted_logprobs
+from .logprobs import emitted_logprobs, logprob_dicts, step_logprobs
 from .params import GREEDY_SENTINEL_TEMPERATURE, TOP_K_DISABLED, SamplingParams
 from .penalties import OccurrenceCounts, apply_penalties
 from ..keys import SamplingRows
-from .select import SamplingStats, sample_filtered, select_tokens
+from .select import FilterPlan, SamplingStats, sample_filtered, select_tokens, select_tokens_deferred
 from .streams import SLOT_SPAN, UNSEEDED_OFFSET_BASE, UNSEEDED_SEED, StreamAllocator, WindowLayout, uniforms
 
 __all__ = [
+    "FilterPlan",
     "GREEDY_SENTINEL_TEMPERATURE",
     "OccurrenceCounts",
     "SLOT_SPAN",
@@ -43,8 +46,11 @@ __all__ = [
     "filtered_probs",
     "greedy_tokens",
     "keep_mask",
+    "logprob_dicts",
     "sample_filtered",
     "sample_from_logits",
     "select_tokens",
+    "select_tokens_deferred",
+    "step_logprobs",
     "uniforms",
 ]

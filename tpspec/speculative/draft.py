@@ -97,9 +97,9 @@ class DraftLogitsStore:
         self.max_draft_len = max_draft_len
         self.buffer = torch.zeros(num_slots + 1, max_draft_len, shard_width, dtype=torch.float32, device=device)
 
-    def _rows(self, slot_ids: torch.Tensor | list[int]) -> torch.Tensor:
+    def _rows(self, slot_ids: torch.Tensor | list[int], check: bool = True) -> torch.Tensor:
         slots = torch.as_tensor(slot_ids, dtype=torch.int64).to(self.buffer.device)
-        if bool(((slots < -1) | (slots >= self.num_slots)).any()):
+        if check and bool(((slots < -1) | (slots >= self.num_slots)).any()):
             raise ValueError(f"slot ids must lie in [-1, {self.num_slots})")
         return torch.where(slots == -1, self.num_slots, slots)
 
@@ -112,8 +112,10 @@ class DraftLogitsStore:
             raise ValueError(f"logits must be [{rows.shape[0]}, {self.buffer.shape[2]}], got {tuple(logits.shape)}")
         self.buffer[rows, step] = logits.to(self.buffer.dtype)
 
-    def read(self, slot_ids: torch.Tensor | list[int], draft_len: int) -> torch.Tensor:
-        """``[B, draft_len, shard_width]`` float32 columns of the given slots' drafts."""
+    def read(self, slot_ids: torch.Tensor | list[int], draft_len: int, *, check: bool = True) -> torch.Tensor:
+        """``[B, draft_len, shard_width]`` float32 columns of the given slots' drafts.
+        ``check=False``: the slot ids are not range-checked on the host (no sync; a CUDA graph
+        reads the store with the step's metadata slots, which ``SpecMetadata`` checked)."""
         if not 0 <= draft_len <= self.max_draft_len:
             raise ValueError(f"draft_len={draft_len} is out of range [0, {self.max_draft_len}]")
-        return self.buffer[self._rows(slot_ids), :draft_len]
+        return self.buffer[self._rows(slot_ids, check), :draft_len]
