@@ -173,9 +173,9 @@ class Engine:
                                           attention_backend=config.attention_backend,
                                           deterministic=config.deterministic)
         self.load_s = time.perf_counter() - started
-        self._allocate_pages()
 
-        # Penalties: this rank's columns' occurrences per slot (allocated when first used).
+        # The per-slot buffers first, so that the KV sizing sees them. Penalties: this rank's
+        # columns' occurrences per slot (allocated when first used: held back from the pages).
         head = self.model.lm_head
         self.occurrences = OccurrenceCounts(config.max_batch_size, vocab_offset=head.vocab_offset,
                                             width=head.shard_width, device=self.device)
@@ -194,6 +194,7 @@ class Engine:
         if self.worker.acceptance == "rejection" and (self.draft_model is not None or self.eagle3 is not None):
             self.draft_store = DraftLogitsStore(config.max_batch_size, self.num_draft, head.shard_width,
                                                 device=self.device)
+        self._allocate_pages()
         self._prepared = False  # meta prepared for the current step (before drafting)
         self._drafts_sampled = False  # this step's drafts were sampled (their logits are in draft_store)
         # Sequences by request id, in admission order; index -> sequence; this rank's queue.
@@ -220,7 +221,8 @@ class Engine:
         """Size the pages (collective), allocate them in every paged model, and check that a
         request of ``max_seq_len`` tokens fits the pool (``ValueError`` otherwise)."""
         cfg = self.config
-        self.kv = plan_kv_cache(cfg, self.paged_models, self.group, self.device)
+        self.kv = plan_kv_cache(cfg, self.paged_models, self.group, self.device,
+                                reserve_bytes=self.occurrences.table_bytes)
         self.pages = PageAllocator(self.kv.num_pages, cfg.page_size)
         longest = cfg.max_seq_len - 1 + self.num_draft
         if self.pages.pages_for(longest) > self.kv.num_pages:  # the same verdict on every rank
@@ -244,13 +246,16 @@ class Engine:
             blocker = None if "LL" in exchange else local_ll_blocker(self.device)
             why = ("auto: every rank on one node with CUDA and cupy" if "LL" in exchange
                    else f"auto: no LL exchange, {blocker or 'the ranks span several nodes or one lacks it'}")
-        graphs = "off" if self.graphs is None else "on (captured per batch bucket on first use)"
+        graphs = "off"
+        if self.graphs is not None:
+            graphs = f"on (captured on first use, batch buckets {self.graphs.buckets[0]}..{self.graphs.buckets[-1]})"
         kv = self.kv
         return (f"engine ready: model {cfg.model_path} ({self.model.config.architecture}, "
                 f"{self.model.config.num_layers} layers, {self.dtype}), TP={self.mapping.tp_size}"
                 f"{' attention-DP' if self.dp_size > 1 else ''} on {self.device}; exchange {exchange} ({why}); "
-                f"attention {self.model.attention.name}; KV {kv.num_pages} pages x {kv.page_size} tokens = "
-                f"{kv.num_tokens} tokens per rank, {kv.total_bytes / 2**20:.1f} MiB ({kv.source}); "
+                f"attention {self.model.attention.name}; KV cache holds {kv.num_tokens} tokens per rank "
+                f"({kv.num_pages} pages x {kv.page_size} tokens, {kv.total_bytes / 2**20:.1f} MiB; {kv.source}); "
+                f"max_num_seqs={cfg.max_batch_size}, max_num_batched_tokens={cfg.max_num_tokens}; "
                 f"CUDA graphs {graphs}; weights loaded in {self.load_s:.2f} s")
 
     # ------------------------------------------------------------------ public
