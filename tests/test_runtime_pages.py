@@ -225,3 +225,19 @@ def test_default_batch_serves_many_requests_and_llm_reports_the_cache(ckpt):
         outs = llm.generate([[i + 1, i + 2, i + 3] for i in range(40)], SamplingParams(temperature=0.0, max_tokens=4))
     assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
     assert max(running) == 40  # every request ran at once
+
+
+def test_the_profiled_step_runs_on_every_paged_model(ckpt):
+    """The step ``gpu_memory_utilization`` sizing profiles on CUDA (a forward of
+    ``max_num_tokens`` tokens, then the heaviest selection: penalties, every filter, the most
+    logprobs), run here on CPU through the target and a draft model."""
+    from tpspec.runtime.kv_sizing import _profile_step
+
+    spec = SpeculativeConfig("draft_model", 3, model="x")
+    cfg = EngineConfig(ckpt[0], 1, "cpu", "float32", speculative=spec, draft_model_path=ckpt[1], max_seq_len=96,
+                       max_batch_size=4, max_num_tokens=64)
+    engine = Engine(cfg, Mapping())
+    for model in engine.paged_models:
+        _profile_step(model, cfg)
+        assert model.num_pages == 4  # the profiling pages: 64 tokens of 16
+    engine.close()
