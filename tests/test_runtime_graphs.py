@@ -60,14 +60,15 @@ def _assert_logprobs_close(got, ref) -> None:
             assert all(math.isclose(dg[t], dr[t], abs_tol=1e-5) for t in dr)
 
 
-@pytest.mark.parametrize("name", ["plain", "ngram", "ngram-rejection", "draft_model-rejection", "eagle3",
-                                  "eagle3-rejection"])
+@pytest.mark.parametrize("name", ["plain", "ngram", "ngram-rejection", "draft_model", "draft_model-rejection",
+                                  "eagle3", "eagle3-rejection"])
 def test_graphed_steps_give_the_eager_tokens_on_cpu(models, name):
     """What a graph replays, run eagerly on CPU (``capture=False``): batches padded to the bucket
     size with padding requests first, attention over bucketed page tables, the deferred selection
     (no host sync) with the key's filter plan, logprobs and EAGLE-3 hidden states from the step's
-    outputs, and the eager repeat of steps with an undecided row. Tokens must equal the eager
-    steps', logprobs too (within 1e-5)."""
+    outputs, the drafting chain of a draft model or EAGLE-3 head (sampled drafts' logits written
+    to the store inside it), and the eager repeat of steps and chains with an undecided row.
+    Tokens must equal the eager steps', logprobs too (within 1e-5)."""
     with LLM(models["target"], distributed_executor_backend="external_launcher", tensor_parallel_size=1,
              device="cpu", speculative_config=_spec(name, models), max_num_seqs=8) as llm:
         engine = llm._executor.ctx.state["engine"]  # noqa: SLF001
@@ -86,6 +87,9 @@ def test_graphed_steps_give_the_eager_tokens_on_cpu(models, name):
     assert all(k.penalties and k.top_logprobs == 5 for k in filtered)
     assert all(k.hidden_states == name.startswith("eagle3") for k in keys)
     assert any(k.draft_logits for k in filtered) == (name in ("draft_model-rejection", "eagle3-rejection"))
+    chains = set(graphs.draft_graphs)
+    assert bool(chains) == name.startswith(("draft_model", "eagle3"))
+    assert all(c.sampled == name.endswith("rejection") for c in chains if c.step.sampling != "greedy")
     assert graphs.num_repeated > 0  # the flat top-p row's steps were repeated eagerly, to the same tokens
 
 
@@ -141,7 +145,7 @@ def _graphed_engine_worker(rank, world, target, spec_method, spec_model):
         runs.append(([r.token_ids for r in results], [r.logprobs for r in results]))
     engine.graphs = None
     engine.close()
-    return runs, sorted(map(repr, graphs.graphs)), graphs.num_repeated
+    return runs, sorted(map(repr, graphs.graphs)) + sorted(map(repr, graphs.draft_graphs)), graphs.num_repeated
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
@@ -157,6 +161,7 @@ def test_graphed_steps_agree_across_ranks(models, method):
     assert results[0] == results[1]
     (eager, graphed), keys, repeated = results[0]
     assert graphed[0] == eager[0] and keys and repeated > 0
+    assert any(k.startswith("DraftKey") for k in keys) == (method == "draft_model")
     _assert_logprobs_close(graphed[1], eager[1])
 
 

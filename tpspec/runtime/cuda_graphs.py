@@ -159,6 +159,37 @@ class _StepOut:
         return [self.accepted, self.num, self.decided, *(self.logprobs or (None,) * 3), self.hidden]
 
 
+@dataclass(frozen=True)
+class DraftKey:
+    """What a captured drafting chain (draft steps 1 .. K-1) is captured for: the ``step`` key of
+    the generation step it drafts for (batch and page buckets, the requests' sampling facts) and
+    whether its drafts are sampled (``SpecMetadata`` prepared before drafting) or greedy."""
+
+    step: StepKey
+    sampled: bool
+
+
+@dataclass
+class _ChainOut:
+    """The device outputs of a drafting chain: ``drafts`` ``[Bp, K - 1]`` and ``decided``."""
+
+    drafts: torch.Tensor
+    decided: torch.Tensor | None
+
+    def tensors(self) -> list[torch.Tensor | None]:
+        return [self.drafts, self.decided]
+
+
+@dataclass
+class _ChainGraph:
+    graph: Any
+    first: torch.Tensor  # [Bp] int64: the catch-up forward's picks
+    positions: list[torch.Tensor]  # K - 1 of [Bp] int64
+    metas: list[Any]  # K - 1 attention metadata
+    hidden: torch.Tensor | None  # [Bp, H]: the EAGLE-3 head's last catch-up outputs
+    out: _ChainOut
+
+
 @dataclass
 class _Graph:
     graph: Any  # torch.cuda.CUDAGraph, or an _EagerReplay
@@ -176,7 +207,7 @@ class _EagerReplay:
     graph captures, on the same static inputs, and copies its outputs into the first run's
     tensors, as a replay refreshes a graph's outputs."""
 
-    def __init__(self, step: Callable[[bool], _StepOut]) -> None:
+    def __init__(self, step: Callable[[bool], Any]) -> None:
         self.step = step
         self.out = step(True)  # as a warm-up: no forced acceptance drawn
 
@@ -199,7 +230,8 @@ class GenerationGraphs:
         self.capture = capture
         self.buckets = bucket_sizes(engine.config.max_batch_size)
         self.graphs: dict[StepKey, _Graph] = {}
-        self.failed: set[StepKey] = set()
+        self.draft_graphs: dict[DraftKey, _ChainGraph] = {}
+        self.failed: set[StepKey | DraftKey] = set()
         self.num_repeated = 0  # steps run again eagerly because a filtered row was undecided
         self.pool = torch.cuda.graph_pool_handle() if capture else None
 
@@ -216,6 +248,7 @@ class GenerationGraphs:
 
     def close(self) -> None:
         self.graphs.clear()
+        self.draft_graphs.clear()
 
     # ------------------------------------------------------------------ per step
     def plan(self, gen: list[Any]) -> GraphStep | None:
@@ -278,7 +311,99 @@ class GenerationGraphs:
             eng.exchange.check(sync=False)
         return self._result(gen, step.num_padding, out, accepted)
 
+    def draft_chain(self, step: GraphStep, first: torch.Tensor, ends: list[int], tables: list[list[int]],
+                    hidden: torch.Tensor | None, *, sampled: bool) -> torch.Tensor | None:
+        """Draft steps 1 .. K-1 of the graphed step ``step`` through a graph (the engine's
+        ``draft_chain_steps`` on the padded batch, padding rows first in scratch pages): the
+        ``[len(first), K]`` drafts, ``first`` (the catch-up forward's picks ``[B]``) included; or
+        None when the chain runs eagerly instead (its capture failed, or a sampled filtered row was
+        undecided: the same verdict on every rank). ``ends``: each request's first chained
+        position; ``hidden``: the EAGLE-3 head's catch-up outputs ``[B, H]`` (None for a draft
+        model); ``sampled``: the drafts are sampled (the metadata was prepared before drafting)."""
+        eng = self.engine
+        key = DraftKey(step.key, sampled)
+        if key in self.failed:
+            return None
+        pad, k = step.num_padding, eng.num_draft
+        ends_p = [1] * pad + list(ends)  # padding rows chain at positions 1 .. K - 1 of the scratch pages
+        tables_p = [eng.scratch_table] * pad + list(tables)
+        dev = eng.device
+        first_p = torch.cat([torch.zeros(pad, dtype=torch.int64, device=dev), first.to(torch.int64)])
+        hidden_p = None
+        if hidden is not None:
+            hidden_p = torch.cat([torch.zeros(pad, hidden.shape[1], dtype=hidden.dtype, device=dev), hidden])
+        positions, metas = self._chain_inputs(step.key, ends_p, tables_p)
+        graph = self.draft_graphs.get(key)
+        if graph is None:
+            graph = self._capture_chain(key, first_p, positions, metas, hidden_p, ends_p, tables_p)
+            if graph is None:
+                return None
+        else:
+            graph.first.copy_(first_p)
+            for static, new in zip(graph.positions, positions):
+                static.copy_(new, non_blocking=True)
+            for static, new in zip(graph.metas, metas):
+                static.copy_(new)
+                self._drafter().attention.plan(static, graph=True)
+            if hidden_p is not None:
+                graph.hidden.copy_(hidden_p)
+        graph.graph.replay()
+        out = graph.out
+        if out.decided is not None and not bool(out.decided.cpu()):
+            self.num_repeated += 1
+            return None  # the engine drafts this step eagerly: the same drafts as an eager step
+        return torch.cat([first.reshape(-1, 1), out.drafts[pad:]], dim=1)
+
     # ------------------------------------------------------------------ helpers
+    def _drafter(self) -> Any:
+        eng = self.engine
+        return eng.eagle3 if eng.eagle3 is not None else eng.draft_model
+
+    def _chain_inputs(self, key: StepKey, ends: list[int], tables: list[list[int]]) -> tuple[list, list]:
+        """Each chained draft step's positions ``[Bp]`` (on the device) and attention metadata, its
+        page table as wide as the step key's (the chain reads fewer pages than the verification)."""
+        from ..model.batch import ForwardBatch
+
+        drafter, dev = self._drafter(), self.engine.device
+        positions, metas = [], []
+        for j in range(1, self.engine.num_draft):
+            at = [e + j - 1 for e in ends]
+            pos = torch.tensor(at, dtype=torch.int64)
+            batch = ForwardBatch(token_ids=torch.zeros(len(at), dtype=torch.int64), positions=pos,
+                                 block_tables=tables, cache_lens=at, query_lens=[1] * len(at))
+            positions.append(pos.to(dev))
+            metas.append(drafter.build_metadata(batch, kv_pages=key.kv_pages))
+        return positions, metas
+
+    def _capture_chain(self, key: DraftKey, first: torch.Tensor, positions: list, metas: list,
+                       hidden: torch.Tensor | None, ends: list[int], tables: list[list[int]]) -> _ChainGraph | None:
+        eng = self.engine
+        drafter = self._drafter()
+        for meta in metas:
+            drafter.attention.plan(meta, graph=True)
+        rows = torch.arange(first.shape[0], dtype=torch.int64, device=eng.device)
+        slots = eng.meta.slot_ids if key.sampled else [-1] * first.shape[0]
+        filters = key.step.filters
+        if filters is not None and filters.any_top_p_total:  # as for strict acceptance: fewer repeats
+            filters = dataclasses.replace(filters, candidates=max(filters.candidates, DEFAULT_CANDIDATES * RETRY_FACTOR))
+
+        def step(is_warmup: bool) -> _ChainOut:
+            drafts, decided = eng.draft_chain_steps(first, ends, tables, slots, hidden, positions=positions,
+                                                    metas=metas, logits_rows=rows, deferred=True,
+                                                    filter_plan=filters)
+            return _ChainOut(torch.stack(drafts[1:], dim=1), decided)
+
+        recorded = self._record(key, step)
+        if recorded is None:
+            return None
+        graph, out = recorded
+        g = _ChainGraph(graph, first, positions, metas, hidden, out)
+        self.draft_graphs[key] = g
+        if D.group_rank(eng.group) == 0:
+            log.info("captured CUDA graph of draft steps 1..%d: batch bucket %d, sampled %s", eng.num_draft - 1,
+                     key.step.batch, key.sampled)
+        return g
+
     def _result(self, gen: list[Any], num_padding: int, out: _StepOut, accepted: torch.Tensor) -> StepResult:
         real = slice(num_padding, num_padding + len(gen))
         acc = accepted[real]
@@ -378,6 +503,24 @@ class GenerationGraphs:
             return self._forward_and_select(key, static_batch, static_meta, static_drafts, deferred=True,
                                             is_warmup=is_warmup)
 
+        recorded = self._record(key, step)
+        if recorded is None:
+            return None
+        graph, out = recorded
+        g = _Graph(graph, static_batch.token_ids, static_batch.positions, static_drafts, static_meta, out,
+                   static_batch)
+        self.graphs[key] = g
+        if D.group_rank(self.engine.group) == 0:
+            log.info("captured CUDA graph %d: batch bucket %d, %d pages a request, key %s", len(self.graphs),
+                     key.batch, key.kv_pages, key)
+        return g
+
+    def _record(self, key: Any, step: Callable[[bool], Any]) -> tuple[Any, Any] | None:
+        """Warm ``step`` up, capture it (an :class:`_EagerReplay` without ``capture``) and vote:
+        ``(graph, static outputs)``, or None on every rank when some rank's capture failed (the key
+        joins ``failed``: it runs eagerly from now on)."""
+        dev = self.engine.device
+
         def warm_up() -> None:
             if not self.capture:
                 return
@@ -404,8 +547,8 @@ class GenerationGraphs:
 
         captured, error = capture_or_fall_back(warm_up, capture, min_over_ranks)
         if error is not None:
-            warnings.warn(f"CUDA graph capture of generation step {key} failed, running it eagerly: {error}",
-                          RuntimeWarning, stacklevel=2)
+            warnings.warn(f"CUDA graph capture of {key} failed, running it eagerly: {error}", RuntimeWarning,
+                          stacklevel=3)
             if self.capture:
                 torch.cuda.synchronize()
                 # A capture that failed midway can leave its memory pool marked as recording; later
@@ -413,15 +556,7 @@ class GenerationGraphs:
                 self.pool = torch.cuda.graph_pool_handle()
         if captured is None:
             self.failed.add(key)
-            return None
-        graph, out = captured
-        g = _Graph(graph, static_batch.token_ids, static_batch.positions, static_drafts, static_meta, out,
-                   static_batch)
-        self.graphs[key] = g
-        if D.group_rank(self.engine.group) == 0:
-            log.info("captured CUDA graph %d: batch bucket %d, %d pages a request, key %s", len(self.graphs),
-                     key.batch, key.kv_pages, key)
-        return g
+        return captured
 
     def _load(self, g: _Graph, host: Any) -> None:
         batch, drafts = host

@@ -197,6 +197,7 @@ class Engine:
         self._allocate_pages()
         self._prepared = False  # meta prepared for the current step (before drafting)
         self._drafts_sampled = False  # this step's drafts were sampled (their logits are in draft_store)
+        self._graph_step = None  # the graphed generation step now running (cuda_graphs.GraphStep), if any
         # Sequences by request id, in admission order; index -> sequence; this rank's queue.
         self._seqs: dict[int, _Seq] = {}
         self._by_index: dict[int, _Seq] = {}
@@ -445,9 +446,10 @@ class Engine:
         k = self.num_draft
         use_dummy = dp and not plan.emitting  # this rank has no row, others may: keep collectives paired
         self._prepared = self._drafts_sampled = False
-        graph_step = None
+        graph_step = self._graph_step = None
         if self.graphs is not None and plan.gen and not plan.final_ctx and not plan.partial_ctx:
             graph_step = self.graphs.plan(plan.gen)  # None: this step runs eagerly (on every rank alike)
+            self._graph_step = graph_step
         if self.draft_store is not None and (dp or any(not s.req.sampling.is_greedy for s in plan.gen)):
             # Sampled drafts read this step's streams: prepare before drafting. (The same
             # decision on every rank: plain TP ranks hold the same plan; under attention DP
@@ -552,7 +554,8 @@ class Engine:
 
     def _draft_with_model(self, gen: list[_Seq]) -> list[list[int]]:
         """Drafts from the draft model (picked by :meth:`_pick_drafts`): one catch-up forward (tokens
-        the draft cache has not seen, last row -> first draft), then K-1 one-token forwards."""
+        the draft cache has not seen, last row -> first draft), then K-1 one-token forwards
+        (:meth:`_draft_chain`)."""
         from ..model.batch import ForwardBatch
 
         k = self.num_draft
@@ -571,19 +574,9 @@ class Engine:
         batch = ForwardBatch(token_ids=torch.tensor(toks, dtype=torch.int64, device=dev),
                              positions=torch.tensor(pos, dtype=torch.int64, device=dev),
                              block_tables=tables, cache_lens=starts, query_lens=lens, logits_rows=last_rows)
-        drafts: list[torch.Tensor] = []
-        cur = self._pick_drafts(self.draft_model(batch), drafts, slots)
-        drafts.append(cur)
-        ends = [st + n for st, n in zip(starts, lens)]
-        for j in range(1, k):
-            batch = ForwardBatch(token_ids=cur.to(torch.int64),
-                                 positions=torch.tensor([e + j - 1 for e in ends], dtype=torch.int64, device=dev),
-                                 block_tables=tables, cache_lens=[e + j - 1 for e in ends],
-                                 query_lens=[1] * len(tables),
-                                 logits_rows=None)
-            cur = self._pick_drafts(self.draft_model(batch), drafts, slots)
-            drafts.append(cur)
-        table = torch.stack(drafts, dim=1).cpu().tolist() if gen else []
+        cur, _ = self._pick_drafts(self.draft_model(batch), [], slots)
+        drafts = self._draft_chain(cur, [st + n for st, n in zip(starts, lens)], tables, slots, None)
+        table = drafts.cpu().tolist() if gen else []
         for s in gen:  # the cache now holds the committed tokens plus drafts 1..K-1
             s.draft_cached = len(s.tokens) + k - 1
         return [[int(t) for t in row] for row in table]
@@ -593,10 +586,9 @@ class Engine:
         the target's hidden states at ``i`` and token ``i + 1``: one catch-up forward over the
         positions whose hidden states arrived since the last drafting (the last row gives the first
         draft), then K - 1 one-token forwards, each reading the previous row's output instead of
-        target hidden states."""
+        target hidden states (:meth:`_draft_chain`)."""
         from ..model.batch import ForwardBatch
 
-        k = self.num_draft
         dev = self.device
         head = self.eagle3
         width = head.aux_hidden_width
@@ -619,21 +611,57 @@ class Engine:
                              positions=torch.tensor(pos, dtype=torch.int64, device=dev),
                              block_tables=tables, cache_lens=starts, query_lens=lens, logits_rows=last_rows)
         logits, out = head(batch, hidden)
-        drafts: list[torch.Tensor] = []
-        cur = self._pick_drafts(logits, drafts, slots)
-        drafts.append(cur)
-        for j in range(1, k):
-            at = [e + j - 1 for e in ends]
-            batch = ForwardBatch(token_ids=cur, positions=torch.tensor(at, dtype=torch.int64, device=dev),
-                                 block_tables=tables, cache_lens=at, query_lens=[1] * len(slots), logits_rows=None)
-            logits, out = head(batch, out)
-            cur = self._pick_drafts(logits, drafts, slots)
-            drafts.append(cur)
-        table = torch.stack(drafts, dim=1).cpu().tolist() if gen else []
+        cur, _ = self._pick_drafts(logits, [], slots)
+        drafts = self._draft_chain(cur, ends, tables, slots, out)
+        table = drafts.cpu().tolist() if gen else []
         for s, e in zip(gen, ends):  # chained positions [e, e + K - 1) are overwritten next time
             s.draft_cached = e
             s.pending_hidden = []
         return [[int(t) for t in row] for row in table]
+
+    def _draft_chain(self, first: torch.Tensor, ends: list[int], tables: list[list[int]], slots: list[int],
+                     hidden: torch.Tensor | None) -> torch.Tensor:
+        """``[rows, K]`` drafts: ``first`` (the catch-up forward's pick) and draft steps 1 .. K-1, run
+        through a CUDA graph when this step is graphed (:meth:`GenerationGraphs.draft_chain`), else
+        by :meth:`draft_chain_steps`."""
+        if self.num_draft > 1 and self._graph_step is not None:
+            chained = self.graphs.draft_chain(self._graph_step, first, ends, tables, hidden, sampled=self._prepared)
+            if chained is not None:
+                return chained
+        drafts, _ = self.draft_chain_steps(first, ends, tables, slots, hidden)
+        return torch.stack(drafts, dim=1)
+
+    def draft_chain_steps(self, first: torch.Tensor, ends: list[int], tables: list[list[int]],
+                          slots: list[int] | torch.Tensor, hidden: torch.Tensor | None, *,
+                          positions: list[torch.Tensor] | None = None, metas: list | None = None,
+                          logits_rows: torch.Tensor | None = None, deferred: bool = False,
+                          filter_plan=None) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """Draft steps 1 .. K-1 after the catch-up pick ``first`` (``[rows]``): one-token forwards of
+        the drafter at positions ``ends[i] + j - 1`` (``tables``: the rows' block tables), each
+        feeding the previous pick (an EAGLE-3 head also the previous row's output, starting from
+        ``hidden``). Returns the K drafts ``[rows]`` each and, when ``deferred``, whether every sampled
+        row was decided (see :meth:`_pick_drafts`). ``positions``/``metas``/``logits_rows``: static
+        tensors and attention metadata of each step (what a CUDA graph captures); built here
+        without them. The step function of both the eager chain and its graph."""
+        from ..model.batch import ForwardBatch
+
+        dev = self.device
+        drafts, decided = [first], None
+        for j in range(1, self.num_draft):
+            at = [e + j - 1 for e in ends]
+            pos = positions[j - 1] if positions is not None else torch.tensor(at, dtype=torch.int64, device=dev)
+            batch = ForwardBatch(token_ids=drafts[-1], positions=pos, block_tables=tables, cache_lens=at,
+                                 query_lens=[1] * len(tables), logits_rows=logits_rows)
+            meta = metas[j - 1] if metas is not None else None
+            if self.eagle3 is not None:
+                logits, hidden = self.eagle3(batch, hidden, meta)
+            else:
+                logits = self.draft_model(batch, meta)
+            cur, ok = self._pick_drafts(logits, drafts, slots, deferred=deferred, filter_plan=filter_plan)
+            if ok is not None:
+                decided = ok if decided is None else decided & ok
+            drafts.append(cur)
+        return drafts, decided
 
     def _verify(self, plan: _Plan, batch, drafts: list[list[int]], use_dummy: bool) -> dict[int, list[int]]:
         """Target forward, token selection and acceptance. Returns ``{seq index: tokens}``."""
@@ -670,26 +698,30 @@ class Engine:
             reqs.append(RequestEntry(_DUMMY_REQUEST_ID, -1, None, True))  # padding: greedy, no stream
         return reqs + [RequestEntry(s.req.request_id, s.slot, s.req.sampling, False) for s in plan.gen]
 
-    def _pick_drafts(self, logits, previous: list[torch.Tensor], slots: list[int]) -> torch.Tensor:
+    def _pick_drafts(self, logits, previous: list[torch.Tensor], slots: list[int] | torch.Tensor, *,
+                     deferred: bool = False, filter_plan=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The next draft step's tokens from the drafter's ``logits`` (rows: this rank's generation
         requests at their stream ``slots``, or its one dummy row at slot -1; ``previous``: the
         chain's drafts so far, ``[rows]`` each): sampled on the shards with each request's
         penalties (counting ``previous`` as output), temperature and filters when the step
         prepared its streams first and some request samples (the logits then wait in
-        ``draft_store``), else greedy."""
+        ``draft_store``), else greedy. ``deferred``: no host sync (a CUDA graph; ``slots`` a device
+        tensor, ``filter_plan`` the filters' facts); the second value says then whether every
+        filtered row was decided (None: no filter), else it is None."""
         from ..speculative import select_draft_tokens
 
         if not self._prepared:
-            return logits.argmax(channel=Channel.DRAFT)
+            return logits.argmax(channel=Channel.DRAFT), None
         # The drafted rows are the step's last requests: its generation requests, or the dummy.
         first = self.meta.num_requests - len(slots)
         step = len(previous)
         sel = select_draft_tokens(logits, self.meta, step, sample=True, first_request=first,
-                                  previous_drafts=torch.stack(previous, dim=1) if previous else None)
+                                  previous_drafts=torch.stack(previous, dim=1) if previous else None,
+                                  deferred=deferred, filter_plan=filter_plan)
         if sel.logits is not None:
-            self.draft_store.write(slots, step, sel.logits)
+            self.draft_store.write(slots, step, sel.logits, check=not deferred)
             self._drafts_sampled = True
-        return sel.tokens
+        return sel.tokens, sel.decided
 
     def _step_logprobs(self, logits, out, emitting: list[_Seq | None]) -> None:
         """Sets ``step_logprobs`` of the requests asking for logprobs (from the raw logits)."""
