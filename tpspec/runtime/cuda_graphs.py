@@ -34,9 +34,17 @@ Padding requests come first in the padded batch (the generation requests stay th
 last requests, where drafting writes its draft logits), write into the engine's scratch
 pages (nothing reads them for real) and use slot -1 in the metadata (greedy, no stream).
 
+The drafting of a graphed step (a draft model or an EAGLE-3 head) runs its catch-up forward
+eagerly — it reads what each request's draft cache lacks, a ragged count (the whole prompt
+the first time, then 1 or 2 tokens for a draft model, 1 to K + 1 hidden-state rows for an
+EAGLE-3 head) — and then draft steps 1 .. K-1, one token a request each, through one graph
+per :class:`DraftKey` (the step's key, sampled or greedy drafts): the drafter's forwards, the
+picks (penalties, sampled drafts on the shards with the same deferred filtered draw) and the
+writes of the sampled drafts' logits into the ``DraftLogitsStore``. An undecided filtered row
+there makes the engine draft that step eagerly instead.
+
 Not graphed (eager): steps with a context chunk, attention DP, TP groups on gloo, attention
-backends that cannot be captured, and the drafting forwards of a draft model or an EAGLE-3
-head (their catch-up forward reads a varying number of new tokens per request each step).
+backends that cannot be captured, and the drafters' catch-up forwards.
 
 Every rank takes the same decisions: whether a step is graphed, and its key, depend only on
 the batch (replicated) and the configuration; a capture failure on any rank disables that
@@ -322,7 +330,7 @@ class GenerationGraphs:
         model); ``sampled``: the drafts are sampled (the metadata was prepared before drafting)."""
         eng = self.engine
         key = DraftKey(step.key, sampled)
-        if key in self.failed:
+        if key in self.failed or not self._drafter().attention.supports_graphs:
             return None
         pad, k = step.num_padding, eng.num_draft
         ends_p = [1] * pad + list(ends)  # padding rows chain at positions 1 .. K - 1 of the scratch pages
