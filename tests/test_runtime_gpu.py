@@ -25,7 +25,7 @@ MIXED = [SamplingParams(temperature=0.0, max_tokens=24), SamplingParams(temperat
          SamplingParams(temperature=0.0, max_tokens=24), SamplingParams(temperature=0.0, max_tokens=24),
          SamplingParams(temperature=1.0, seed=4, max_tokens=24)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
-SPECS = ["plain", "ngram", "ngram-rejection", "draft_model-rejection", "eagle3", "eagle3-rejection"]
+SPECS = ["plain", "ngram", "ngram-rejection", "draft_model", "draft_model-rejection", "eagle3", "eagle3-rejection"]
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +51,9 @@ def _outputs(outs) -> tuple[list[list[int]], list]:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("name", SPECS)
 def test_cuda_graphs_match_eager(models, name):
-    """Every step shape replayed from CUDA graphs gives the eager steps' tokens (logprobs within
-    1e-4: padding a batch to its bucket may move the logits' last bits)."""
+    """Every step shape replayed from CUDA graphs (and the drafters' chained draft steps) gives the
+    eager steps' tokens (logprobs within 1e-4: padding a batch to its bucket may move the logits'
+    last bits)."""
     results, graphs = {}, None
     for use_graphs in (False, True):
         # In-process (a single plain process is rank 0 of a TP group of 1): the engine is inspectable.
@@ -75,6 +76,7 @@ def test_cuda_graphs_match_eager(models, name):
     assert filtered and all(k.penalties and k.top_logprobs == 5 for k in filtered)
     assert all(k.hidden_states == name.startswith("eagle3") for k in graphs.graphs)
     assert any(k.draft_logits for k in filtered) == (name in ("draft_model-rejection", "eagle3-rejection"))
+    assert bool(graphs.draft_graphs) == name.startswith(("draft_model", "eagle3"))  # draft steps 2..K graphed
     assert graphs.num_repeated > 0  # the flat top-p row's undecided steps, repeated eagerly
 
 
