@@ -165,8 +165,11 @@ def _profile_selection(logits: Any) -> None:
     from ..sampling.penalties import OccurrenceCounts, RowPenalties, penalized_logits
     from ..sampling.select import FilterPlan, draw_filtered
     from ..keys import SamplingRows
-    from ..vocab_parallel import MAX_TOP_LOGPROBS
+    from ..vocab_parallel import MAX_TOP_LOGPROBS, VocabShardedLogits
 
+    if type(logits) is not VocabShardedLogits:  # attention DP's stacked rows: no penalties, no filters there
+        logits.argmax()
+        return
     rows, dev = logits.num_rows, logits.local.device
     counts = OccurrenceCounts(1, vocab_offset=logits.vocab_offset, width=logits.shard_width, device=dev)
 
