@@ -332,7 +332,7 @@ class GenerationGraphs:
         key = DraftKey(step.key, sampled)
         if key in self.failed or not self._drafter().attention.supports_graphs:
             return None
-        pad, k = step.num_padding, eng.num_draft
+        pad = step.num_padding
         ends_p = [1] * pad + list(ends)  # padding rows chain at positions 1 .. K - 1 of the scratch pages
         tables_p = [eng.scratch_table] * pad + list(tables)
         dev = eng.device
@@ -393,7 +393,8 @@ class GenerationGraphs:
         slots = eng.meta.slot_ids if key.sampled else [-1] * first.shape[0]
         filters = key.step.filters
         if filters is not None and filters.any_top_p_total:  # as for strict acceptance: fewer repeats
-            filters = dataclasses.replace(filters, candidates=max(filters.candidates, DEFAULT_CANDIDATES * RETRY_FACTOR))
+            filters = dataclasses.replace(filters, candidates=max(filters.candidates,
+                                                                  DEFAULT_CANDIDATES * RETRY_FACTOR))
 
         def step(is_warmup: bool) -> _ChainOut:
             drafts, decided = eng.draft_chain_steps(first, ends, tables, slots, hidden, positions=positions,

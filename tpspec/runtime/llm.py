@@ -197,9 +197,9 @@ class LLM:
     EOS ids; ``"vllm"`` ignores the file; a directory reads that directory's file.
     ``max_num_seqs``: sequences running at once (per rank under attention DP; default 256, as
     vLLM). ``max_num_batched_tokens``: tokens one step feeds (context chunks fill what generation
-    leaves; default ``max(2048, max_num_seqs * (num_speculative_tokens + 1))``). ``enforce_eager``: no CUDA graphs. ``distributed_executor_backend``: ``"mp"``
-    (local worker processes), ``"ray"`` (one actor per rank) or ``"external_launcher"``
-    (this process is a rank, started by torchrun: every rank runs the same program);
+    leaves; default ``max(2048, max_num_seqs * (num_speculative_tokens + 1))``).
+    ``enforce_eager``: no CUDA graphs. ``distributed_executor_backend``: ``"mp"`` (local worker
+    processes), ``"ray"`` (one actor per rank) or ``"external_launcher"`` (this process is a rank, started by torchrun: every rank runs the same program);
     default ``"external_launcher"`` in a process torchrun started, else ``"mp"``.
 
     tpspec's own options: ``device`` (``"auto"``: cuda when available), ``attention_dp``
@@ -211,8 +211,8 @@ class LLM:
     pages per rank (any device; ``gpu_memory_utilization`` then has no effect, nor on CPU: a
     warning says so); on CPU without it, pages for ``min(max_num_seqs, 8)`` requests of
     ``max_model_len`` (at most 4 GiB). ``kv_cache_tokens``: the tokens the cache holds per
-    rank (``num_kv_pages`` pages of ``page_size``), known once the engine is up. Requests wait (in order) for pages; one that could
-    never fit raises ``ValueError``. ``attention_backend``: ``"auto"``
+    rank (``num_kv_pages`` pages of ``page_size``), known once the engine is up. Requests wait
+    (in order) for pages; one that could never fit raises ``ValueError``. ``attention_backend``: ``"auto"``
     (FlashInfer on CUDA when installed, else torch), ``"torch"`` or ``"flashinfer"``.
 
     ``deterministic``: run the model with fixed reduction orders (``docs/determinism.md``): a
