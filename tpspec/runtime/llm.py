@@ -199,8 +199,9 @@ class LLM:
     vLLM). ``max_num_batched_tokens``: tokens one step feeds (context chunks fill what generation
     leaves; default ``max(2048, max_num_seqs * (num_speculative_tokens + 1))``).
     ``enforce_eager``: no CUDA graphs. ``distributed_executor_backend``: ``"mp"`` (local worker
-    processes), ``"ray"`` (one actor per rank) or ``"external_launcher"`` (this process is a rank, started by torchrun: every rank runs the same program);
-    default ``"external_launcher"`` in a process torchrun started, else ``"mp"``.
+    processes), ``"ray"`` (one actor per rank) or ``"external_launcher"`` (this process is a rank,
+    started by torchrun: every rank runs the same program); default ``"external_launcher"`` in a
+    process torchrun started, else ``"mp"``.
 
     tpspec's own options: ``device`` (``"auto"``: cuda when available), ``attention_dp``
     (attention data-parallel: each rank runs its own requests), ``exchange`` (``"auto"``,
