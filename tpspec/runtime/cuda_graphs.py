@@ -178,24 +178,29 @@ class DraftKey:
 
 
 @dataclass
-class _ChainOut:
-    """The device outputs of a drafting chain: ``drafts`` ``[Bp, K - 1]`` and ``decided``."""
+class _ChainStepOut:
+    """The device outputs of one chained draft step: its picks ``[Bp]``, the EAGLE-3 head's row
+    outputs ``[Bp, H]`` (None for a draft model) and ``decided``."""
 
-    drafts: torch.Tensor
+    tokens: torch.Tensor
+    hidden: torch.Tensor | None
     decided: torch.Tensor | None
 
     def tensors(self) -> list[torch.Tensor | None]:
-        return [self.drafts, self.decided]
+        return [self.tokens, self.hidden, self.decided]
 
 
 @dataclass
 class _ChainGraph:
-    graph: Any
+    """Draft steps 1 .. K-1 of one :class:`DraftKey`: one graph each (a backend plans each step's
+    attention on the host before its replay), each reading the previous one's static outputs."""
+
+    graphs: list[Any]
+    outs: list[_ChainStepOut]
     first: torch.Tensor  # [Bp] int64: the catch-up forward's picks
     positions: list[torch.Tensor]  # K - 1 of [Bp] int64
     metas: list[Any]  # K - 1 attention metadata
     hidden: torch.Tensor | None  # [Bp, H]: the EAGLE-3 head's last catch-up outputs
-    out: _ChainOut
 
 
 @dataclass
@@ -321,8 +326,8 @@ class GenerationGraphs:
 
     def draft_chain(self, step: GraphStep, first: torch.Tensor, ends: list[int], tables: list[list[int]],
                     hidden: torch.Tensor | None, *, sampled: bool) -> torch.Tensor | None:
-        """Draft steps 1 .. K-1 of the graphed step ``step`` through a graph (the engine's
-        ``draft_chain_steps`` on the padded batch, padding rows first in scratch pages): the
+        """Draft steps 1 .. K-1 of the graphed step ``step`` through graphs (the engine's
+        ``draft_chain_step`` on the padded batch, padding rows first in scratch pages): the
         ``[len(first), K]`` drafts, ``first`` (the catch-up forward's picks ``[B]``) included; or
         None when the chain runs eagerly instead (its capture failed, or a sampled filtered row was
         undecided: the same verdict on every rank). ``ends``: each request's first chained
@@ -341,26 +346,28 @@ class GenerationGraphs:
         if hidden is not None:
             hidden_p = torch.cat([torch.zeros(pad, hidden.shape[1], dtype=hidden.dtype, device=dev), hidden])
         positions, metas = self._chain_inputs(step.key, ends_p, tables_p)
-        graph = self.draft_graphs.get(key)
-        if graph is None:
-            graph = self._capture_chain(key, first_p, positions, metas, hidden_p, ends_p, tables_p)
-            if graph is None:
+        chain = self.draft_graphs.get(key)
+        if chain is None:
+            # Captured step by step, each replayed before the next is captured (its outputs are the
+            # next step's inputs): this step's drafting happens on the way.
+            chain = self._capture_chain(key, first_p, positions, metas, hidden_p, ends_p, tables_p)
+            if chain is None:
                 return None
         else:
-            graph.first.copy_(first_p)
-            for static, new in zip(graph.positions, positions):
+            chain.first.copy_(first_p)
+            if hidden_p is not None:
+                chain.hidden.copy_(hidden_p)
+            for static, new in zip(chain.positions, positions):
                 static.copy_(new, non_blocking=True)
-            for static, new in zip(graph.metas, metas):
+            for graph, static, new in zip(chain.graphs, chain.metas, metas):
                 static.copy_(new)
                 self._drafter().attention.plan(static, graph=True)
-            if hidden_p is not None:
-                graph.hidden.copy_(hidden_p)
-        graph.graph.replay()
-        out = graph.out
-        if out.decided is not None and not bool(out.decided.cpu()):
+                graph.replay()
+        decided = [o.decided for o in chain.outs if o.decided is not None]
+        if decided and not bool(torch.stack(decided).all().cpu()):
             self.num_repeated += 1
             return None  # the engine drafts this step eagerly: the same drafts as an eager step
-        return torch.cat([first.reshape(-1, 1), out.drafts[pad:]], dim=1)
+        return torch.stack([first.to(torch.int64)] + [o.tokens[pad:] for o in chain.outs], dim=1)
 
     # ------------------------------------------------------------------ helpers
     def _drafter(self) -> Any:
@@ -387,31 +394,36 @@ class GenerationGraphs:
                        hidden: torch.Tensor | None, ends: list[int], tables: list[list[int]]) -> _ChainGraph | None:
         eng = self.engine
         drafter = self._drafter()
-        for meta in metas:
-            drafter.attention.plan(meta, graph=True)
         rows = torch.arange(first.shape[0], dtype=torch.int64, device=eng.device)
         slots = eng.meta.slot_ids if key.sampled else [-1] * first.shape[0]
         filters = key.step.filters
         if filters is not None and filters.any_top_p_total:  # as for strict acceptance: fewer repeats
             filters = dataclasses.replace(filters, candidates=max(filters.candidates,
                                                                   DEFAULT_CANDIDATES * RETRY_FACTOR))
+        graphs, outs, drafts, last_hidden = [], [], [first], hidden
+        for j in range(1, eng.num_draft):
+            def step(is_warmup: bool, j: int = j, chain: tuple = tuple(drafts),
+                     hid: torch.Tensor | None = last_hidden) -> _ChainStepOut:
+                return _ChainStepOut(*eng.draft_chain_step(j, list(chain), ends, tables, slots, hid,
+                                                           position=positions[j - 1], meta=metas[j - 1],
+                                                           logits_rows=rows, deferred=True, filter_plan=filters))
 
-        def step(is_warmup: bool) -> _ChainOut:
-            drafts, decided = eng.draft_chain_steps(first, ends, tables, slots, hidden, positions=positions,
-                                                    metas=metas, logits_rows=rows, deferred=True,
-                                                    filter_plan=filters)
-            return _ChainOut(torch.stack(drafts[1:], dim=1), decided)
-
-        recorded = self._record(key, step)
-        if recorded is None:
-            return None
-        graph, out = recorded
-        g = _ChainGraph(graph, first, positions, metas, hidden, out)
-        self.draft_graphs[key] = g
+            drafter.attention.plan(metas[j - 1], graph=True)
+            recorded = self._record(key, step)
+            if recorded is None:
+                return None
+            graph, out = recorded
+            graph.replay()  # this step, for real: the next capture reads its outputs
+            graphs.append(graph)
+            outs.append(out)
+            drafts.append(out.tokens)
+            last_hidden = out.hidden
+        chain = _ChainGraph(graphs, outs, first, positions, metas, hidden)
+        self.draft_graphs[key] = chain
         if D.group_rank(eng.group) == 0:
-            log.info("captured CUDA graph of draft steps 1..%d: batch bucket %d, sampled %s", eng.num_draft - 1,
+            log.info("captured CUDA graphs of draft steps 1..%d: batch bucket %d, sampled %s", eng.num_draft - 1,
                      key.step.batch, key.sampled)
-        return g
+        return chain
 
     def _result(self, gen: list[Any], num_padding: int, out: _StepOut, accepted: torch.Tensor) -> StepResult:
         real = slice(num_padding, num_padding + len(gen))

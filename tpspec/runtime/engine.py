@@ -622,46 +622,50 @@ class Engine:
     def _draft_chain(self, first: torch.Tensor, ends: list[int], tables: list[list[int]], slots: list[int],
                      hidden: torch.Tensor | None) -> torch.Tensor:
         """``[rows, K]`` drafts: ``first`` (the catch-up forward's pick) and draft steps 1 .. K-1, run
-        through a CUDA graph when this step is graphed (:meth:`GenerationGraphs.draft_chain`), else
+        through CUDA graphs when this step is graphed (:meth:`GenerationGraphs.draft_chain`), else
         by :meth:`draft_chain_steps`."""
         if self.num_draft > 1 and self._graph_step is not None:
             chained = self.graphs.draft_chain(self._graph_step, first, ends, tables, hidden, sampled=self._prepared)
             if chained is not None:
                 return chained
-        drafts, _ = self.draft_chain_steps(first, ends, tables, slots, hidden)
-        return torch.stack(drafts, dim=1)
+        return torch.stack(self.draft_chain_steps(first, ends, tables, slots, hidden), dim=1)
 
     def draft_chain_steps(self, first: torch.Tensor, ends: list[int], tables: list[list[int]],
-                          slots: list[int] | torch.Tensor, hidden: torch.Tensor | None, *,
-                          positions: list[torch.Tensor] | None = None, metas: list | None = None,
-                          logits_rows: torch.Tensor | None = None, deferred: bool = False,
-                          filter_plan=None) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-        """Draft steps 1 .. K-1 after the catch-up pick ``first`` (``[rows]``): one-token forwards of
-        the drafter at positions ``ends[i] + j - 1`` (``tables``: the rows' block tables), each
-        feeding the previous pick (an EAGLE-3 head also the previous row's output, starting from
-        ``hidden``). Returns the K drafts ``[rows]`` each and, when ``deferred``, whether every sampled
-        row was decided (see :meth:`_pick_drafts`). ``positions``/``metas``/``logits_rows``: static
-        tensors and attention metadata of each step (what a CUDA graph captures); built here
-        without them. The step function of both the eager chain and its graph."""
+                          slots: list[int], hidden: torch.Tensor | None) -> list[torch.Tensor]:
+        """Draft steps 1 .. K-1 after the catch-up pick ``first`` (``[rows]``), eagerly: the K drafts
+        ``[rows]`` each (see :meth:`draft_chain_step`)."""
+        drafts = [first]
+        for j in range(1, self.num_draft):
+            cur, hidden, _ = self.draft_chain_step(j, drafts, ends, tables, slots, hidden)
+            drafts.append(cur)
+        return drafts
+
+    def draft_chain_step(self, j: int, drafts: list[torch.Tensor], ends: list[int], tables: list[list[int]],
+                         slots: list[int] | torch.Tensor, hidden: torch.Tensor | None, *,
+                         position: torch.Tensor | None = None, meta=None, logits_rows: torch.Tensor | None = None,
+                         deferred: bool = False, filter_plan=None) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                                             torch.Tensor | None]:
+        """Draft step ``j`` (1 .. K-1): a one-token forward of the drafter at positions
+        ``ends[i] + j - 1`` (``tables``: the rows' block tables) feeding ``drafts[-1]`` (an EAGLE-3
+        head also ``hidden``, the previous row outputs), then the pick (:meth:`_pick_drafts`, which
+        counts ``drafts`` as the chain so far). Returns ``(tokens [rows], the head's outputs or None,
+        decided)``; ``decided`` as :meth:`_pick_drafts` gives it. ``position``/``meta``/
+        ``logits_rows``: the step's static positions ``[rows]``, attention metadata and logits rows
+        (what a CUDA graph captures); built here without them. The step function of the eager
+        chain and of its graphs."""
         from ..model.batch import ForwardBatch
 
-        dev = self.device
-        drafts, decided = [first], None
-        for j in range(1, self.num_draft):
-            at = [e + j - 1 for e in ends]
-            pos = positions[j - 1] if positions is not None else torch.tensor(at, dtype=torch.int64, device=dev)
-            batch = ForwardBatch(token_ids=drafts[-1], positions=pos, block_tables=tables, cache_lens=at,
-                                 query_lens=[1] * len(tables), logits_rows=logits_rows)
-            meta = metas[j - 1] if metas is not None else None
-            if self.eagle3 is not None:
-                logits, hidden = self.eagle3(batch, hidden, meta)
-            else:
-                logits = self.draft_model(batch, meta)
-            cur, ok = self._pick_drafts(logits, drafts, slots, deferred=deferred, filter_plan=filter_plan)
-            if ok is not None:
-                decided = ok if decided is None else decided & ok
-            drafts.append(cur)
-        return drafts, decided
+        at = [e + j - 1 for e in ends]
+        if position is None:
+            position = torch.tensor(at, dtype=torch.int64, device=self.device)
+        batch = ForwardBatch(token_ids=drafts[-1], positions=position, block_tables=tables, cache_lens=at,
+                             query_lens=[1] * len(tables), logits_rows=logits_rows)
+        if self.eagle3 is not None:
+            logits, hidden = self.eagle3(batch, hidden, meta)
+        else:
+            logits = self.draft_model(batch, meta)
+        cur, decided = self._pick_drafts(logits, drafts, slots, deferred=deferred, filter_plan=filter_plan)
+        return cur, hidden, decided
 
     def _verify(self, plan: _Plan, batch, drafts: list[list[int]], use_dummy: bool) -> dict[int, list[int]]:
         """Target forward, token selection and acceptance. Returns ``{seq index: tokens}``."""
