@@ -37,11 +37,12 @@ pages (nothing reads them for real) and use slot -1 in the metadata (greedy, no 
 The drafting of a graphed step (a draft model or an EAGLE-3 head) runs its catch-up forward
 eagerly — it reads what each request's draft cache lacks, a ragged count (the whole prompt
 the first time, then 1 or 2 tokens for a draft model, 1 to K + 1 hidden-state rows for an
-EAGLE-3 head) — and then draft steps 1 .. K-1, one token a request each, through one graph
-per :class:`DraftKey` (the step's key, sampled or greedy drafts): the drafter's forwards, the
-picks (penalties, sampled drafts on the shards with the same deferred filtered draw) and the
-writes of the sampled drafts' logits into the ``DraftLogitsStore``. An undecided filtered row
-there makes the engine draft that step eagerly instead.
+EAGLE-3 head) — and then draft steps 1 .. K-1, one token a request each, through graphs of
+a :class:`DraftKey` (the step's key, sampled or greedy drafts), one per draft step (the
+attention of each is planned on the host before its replay): the drafter's forward, the pick
+(penalties, sampled drafts on the shards with the same deferred filtered draw) and the write
+of the sampled drafts' logits into the ``DraftLogitsStore``. An undecided filtered row there
+makes the engine draft that step eagerly instead.
 
 Not graphed (eager): steps with a context chunk, attention DP, TP groups on gloo, attention
 backends that cannot be captured, and the drafters' catch-up forwards.
