@@ -73,7 +73,7 @@ def test_cuda_graphs_match_eager(models, name):
             for dg, dr in zip(g or [], r or []):
                 assert list(dg) == list(dr) and all(math.isclose(dg[t], dr[t], abs_tol=1e-4) for t in dr)
     filtered = [k for k in graphs.graphs if k.sampling == "filtered"]
-    assert filtered and all(k.penalties and k.top_logprobs == 5 for k in filtered)
+    assert filtered and all(k.penalties and k.top_logprobs == 8 for k in filtered)
     assert all(k.hidden_states == name.startswith("eagle3") for k in graphs.graphs)
     assert any(k.draft_logits for k in filtered) == (name in ("draft_model-rejection", "eagle3-rejection"))
     assert bool(graphs.draft_graphs) == name.startswith(("draft_model", "eagle3"))  # draft steps 2..K graphed

@@ -84,7 +84,7 @@ def test_graphed_steps_give_the_eager_tokens_on_cpu(models, name):
     assert {k.sampling for k in keys} == {"greedy", "filtered"} and not graphs.failed
     assert {k.batch for k in keys} >= {8, 4}  # the batch shrank through the buckets
     filtered = [k for k in keys if k.sampling == "filtered"]
-    assert all(k.penalties and k.top_logprobs == 5 for k in filtered)
+    assert all(k.penalties and k.top_logprobs == 8 for k in filtered)
     assert all(k.hidden_states == name.startswith("eagle3") for k in keys)
     assert any(k.draft_logits for k in filtered) == (name in ("draft_model-rejection", "eagle3-rejection"))
     chains = set(graphs.draft_graphs)
@@ -97,20 +97,23 @@ def test_step_keys_come_from_the_parameters():
     """The key of a step is a pure function of its requests' parameters: Qwen's defaults with
     logprobs=5 are a filtered step with penalties whose draw needs no plain exchange, no total and
     no masked draw; a top-p row without top-k sends 4 x 64 candidates under strict acceptance and
-    the eager path's count (at least the largest top-k) under rejection sampling; disabled filters
-    leave a temperature-only step, a greedy batch a greedy one."""
+    the eager path's count (the largest top-k rounded up to a power of two) under rejection
+    sampling; logprobs round up to a power of two; disabled filters leave a temperature-only step,
+    a greedy batch a greedy one."""
     qwen = SamplingParams(**QWEN, logprobs=5)
     key = step_key([qwen] * 3, batch=4, kv_pages=2, acceptance="strict", vocab_size=32000)
     assert key == StepKey(batch=4, kv_pages=2, sampling="filtered", penalties=True,
                           filters=FilterPlan(candidates=64, any_plain=False, any_filtered=True, any_top_p_total=False,
-                                             any_min_p_only=False), top_logprobs=5)
+                                             any_min_p_only=False), top_logprobs=8)
     mixed = [SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=0.0, logprobs=2),
              SamplingParams(temperature=1.0, top_k=100, min_p=0.1)]
     strict = step_key(mixed, batch=4, kv_pages=1, acceptance="strict", vocab_size=32000)
     assert strict.filters == FilterPlan(candidates=256, any_plain=True, any_filtered=True, any_top_p_total=True,
                                         any_min_p_only=False) and strict.top_logprobs == 2 and not strict.penalties
     rejection = step_key(mixed, batch=4, kv_pages=1, acceptance="rejection", vocab_size=32000, draft_logits=True)
-    assert rejection.filters.candidates == 100 and rejection.draft_logits
+    assert rejection.filters.candidates == 128 and rejection.draft_logits  # top-k 100, rounded up
+    assert step_key([SamplingParams(temperature=1.0, top_k=20, logprobs=n) for n in (3, 1)], batch=2, kv_pages=1,
+                    acceptance="strict", vocab_size=50).top_logprobs == 4
     off = [SamplingParams(temperature=0.8, top_k=-1, top_p=1.0), SamplingParams(temperature=0.8, min_p=0.0)]
     assert step_key(off, batch=2, kv_pages=1, acceptance="strict", vocab_size=50).sampling == "temperature"
     whole_vocab = step_key([SamplingParams(temperature=0.8, top_k=50)], batch=1, kv_pages=1, acceptance="strict",

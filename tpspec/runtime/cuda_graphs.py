@@ -67,7 +67,8 @@ from .. import distributed as D
 from ..log import get_logger
 from ..sampling.logprobs import logprob_dicts, step_logprobs
 from ..sampling.params import SamplingParams
-from ..sampling.select import DEFAULT_CANDIDATES, RETRY_FACTOR, FilterPlan
+from ..sampling.select import DEFAULT_CANDIDATES, RETRY_FACTOR, FilterPlan, candidate_bucket
+from ..vocab_parallel import MAX_TOP_LOGPROBS
 from ..speculative.metadata import RequestEntry
 
 log = get_logger(__name__)
@@ -93,8 +94,8 @@ class StepKey:
     ``batch``: the padded batch (a bucket); ``kv_pages``: the page-table width; ``sampling``:
     ``"greedy"``, ``"temperature"`` or ``"filtered"`` (some sampled request has top-k, top-p or
     min-p); ``penalties``: some request has penalties; ``filters``: the filtered draw's plan
-    (None unless filtered); ``top_logprobs``: the largest ``logprobs=N`` asked (None: no request
-    asks); ``draft_logits``: rejection sampling reads the sampled drafts' logits;
+    (None unless filtered); ``top_logprobs``: the top logprobs computed, at least the largest
+    ``logprobs=N`` asked (None: no request asks); ``draft_logits``: rejection sampling reads the sampled drafts' logits;
     ``hidden_states``: the target's EAGLE-3 hidden states come out of the step.
     """
 
@@ -111,11 +112,14 @@ class StepKey:
 def step_key(params: Sequence[SamplingParams], *, batch: int, kv_pages: int, acceptance: str, vocab_size: int,
              draft_logits: bool = False, hidden_states: bool = False) -> StepKey:
     """The :class:`StepKey` of a generation step whose requests have these ``params`` (padding
-    requests excluded; they are greedy). ``acceptance``: ``"strict"`` or ``"rejection"``; under
-    rejection sampling the filter plan's candidate count is the eager path's (it decides which
-    rows are verified on the shards), under strict acceptance a batch with a top-p row without
-    top-k sends ``RETRY_FACTOR`` times more candidates at once (every decided row gets the same
-    token whatever the count, and fewer steps are repeated). A pure function of its arguments."""
+    requests excluded; they are greedy). ``acceptance``: ``"strict"`` or ``"rejection"``. The
+    filter plan sends ``candidate_bucket`` of the largest top-k; under rejection sampling that is
+    the eager path's count (it decides which rows are verified on the shards), under strict
+    acceptance a batch with a top-p row without top-k sends ``RETRY_FACTOR`` times the default at
+    once (every decided row gets the same token whatever the count, and fewer steps are
+    repeated). ``top_logprobs``: the largest ``logprobs=N`` rounded up to a power of two (at most
+    20). Counts are rounded so that few graphs serve many parameter mixes. A pure function of
+    its arguments."""
     if all(p.is_greedy for p in params):
         sampling = "greedy"
     elif all(p.is_temperature_only for p in params):
@@ -125,13 +129,17 @@ def step_key(params: Sequence[SamplingParams], *, batch: int, kv_pages: int, acc
     filters = None
     if sampling == "filtered":
         filters = FilterPlan.of_params([p.normalized() for p in params], vocab_size)
+        count = candidate_bucket(filters.candidates)
         if acceptance == "strict" and filters.any_top_p_total:
-            filters = dataclasses.replace(filters, candidates=max(filters.candidates,
-                                                                  DEFAULT_CANDIDATES * RETRY_FACTOR))
+            count = max(count, DEFAULT_CANDIDATES * RETRY_FACTOR)
+        filters = dataclasses.replace(filters, candidates=count)
     asked = [p.logprobs for p in params if p.logprobs is not None]
+    top_logprobs = None
+    if asked:  # a power of two (at most 20): each request reads its own N of the sorted top
+        top_logprobs = 0 if max(asked) == 0 else min(MAX_TOP_LOGPROBS, 1 << (max(asked) - 1).bit_length())
     return StepKey(batch=batch, kv_pages=kv_pages, sampling=sampling, penalties=any(p.has_penalties for p in params),
-                   filters=filters, top_logprobs=max(asked) if asked else None,
-                   draft_logits=draft_logits and sampling != "greedy", hidden_states=hidden_states)
+                   filters=filters, top_logprobs=top_logprobs, draft_logits=draft_logits and sampling != "greedy",
+                   hidden_states=hidden_states)
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,13 @@ RETRY_FACTOR = 4
 """An uncertified top-p row retries once with this many times more candidates."""
 
 
+def candidate_bucket(count: int) -> int:
+    """``count`` candidates rounded up to a power of two (at least ``DEFAULT_CANDIDATES``): what
+    rejection sampling sends and CUDA graphs are keyed by, so that batches with different
+    top-k share a count."""
+    return 1 << (max(count, DEFAULT_CANDIDATES) - 1).bit_length()
+
+
 @dataclass
 class SamplingStats:
     """How rows were drawn, accumulated over calls.

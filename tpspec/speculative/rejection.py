@@ -55,7 +55,7 @@ from ..keys import (
     unpack_keys,
 )
 from ..sampling.ops import filter_flags, scaled_scores, sorted_filter_mask
-from ..sampling.select import DEFAULT_CANDIDATES, FilterPlan
+from ..sampling.select import FilterPlan, candidate_bucket
 from ..sampling.streams import ACCEPT_RESIDUAL_SUBSTREAM, ACCEPT_UNIFORM_SUBSTREAM, uniforms
 from ..vocab_parallel import VocabShardedLogits
 from .accept import PAD_TOKEN
@@ -126,7 +126,8 @@ def _filter_keep(exchange, keys: torch.Tensor, masses: torch.Tensor, row_max: to
 def rejection_filter_plan(top_k: torch.Tensor | None, top_p: torch.Tensor | None, min_p: torch.Tensor | None,
                           vocab_size: int) -> FilterPlan:
     """The :class:`FilterPlan` :func:`sharded_rejection_sample` runs with, read from the
-    requests' ``[B]`` filters (one host transfer; None = off)."""
+    requests' ``[B]`` filters (one host transfer; None = off): every rank sends
+    ``candidate_bucket`` of the largest top-k (at least 64) candidate keys a row."""
     any_on = torch.zeros((), dtype=torch.bool)
     k_max = 0
     if top_k is not None or top_p is not None or min_p is not None:
@@ -138,7 +139,7 @@ def rejection_filter_plan(top_k: torch.Tensor | None, top_p: torch.Tensor | None
         host = torch.stack([(k_on | p_on | m_on).any().to(torch.int64),
                             k_value.max() if rows else torch.zeros((), dtype=torch.int64, device=device)]).cpu()
         any_on, k_max = bool(host[0]), int(host[1])
-    return FilterPlan(candidates=max(DEFAULT_CANDIDATES, k_max), any_filtered=bool(any_on))
+    return FilterPlan(candidates=candidate_bucket(k_max), any_filtered=bool(any_on))
 
 
 def sharded_rejection_sample(
