@@ -1,40 +1,101 @@
-"""CUDA-graph generation steps give the tokens of eager steps (GPU; the logic around the
-graphs is tested on CPU in test_runtime_graphs.py)."""
+"""CUDA-graph generation steps give the tokens of eager steps, for every graphed step shape
+(GPU; the logic around the graphs is tested on CPU in test_runtime_graphs.py)."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 
 from tpspec import LLM, SamplingParams, SpeculativeConfig
-from tpspec.model.tiny import make_tiny_checkpoint
+from tpspec.model.tiny import make_tiny_checkpoint, make_tiny_eagle3_head
 
-PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [100, 200, 300], [42] * 12, [7, 8], [9]]
-PARAMS = [SamplingParams(temperature=0.0, max_tokens=24), SamplingParams(temperature=0.8, seed=3, max_tokens=24),
-          SamplingParams(temperature=0.0, max_tokens=24), SamplingParams(temperature=0.0, max_tokens=24),
-          SamplingParams(temperature=1.0, seed=4, max_tokens=24)]
+PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [100, 200, 300], [42] * 12, [7, 8], [9], [11, 12, 13]]
+QWEN = dict(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05)  # Qwen2.5's generation defaults
+# Every step shape: penalties with logprobs, Qwen's defaults with logprobs=5, temperature only,
+# min-p only, top-p only, and a flat top-p row whose undecided steps are repeated eagerly.
+PARAMS = [SamplingParams(temperature=0.0, max_tokens=16, repetition_penalty=0.7, presence_penalty=-0.5, logprobs=3),
+          SamplingParams(**QWEN, seed=1, max_tokens=24, logprobs=5),
+          SamplingParams(temperature=0.9, seed=2, max_tokens=8, logprobs=0),
+          SamplingParams(temperature=1.0, min_p=0.2, seed=3, max_tokens=12),
+          SamplingParams(temperature=1.0, top_p=0.9, seed=4, max_tokens=14),
+          SamplingParams(temperature=3.0, top_p=0.99, seed=5, max_tokens=10)]
+MIXED = [SamplingParams(temperature=0.0, max_tokens=24), SamplingParams(temperature=0.8, seed=3, max_tokens=24),
+         SamplingParams(temperature=0.0, max_tokens=24), SamplingParams(temperature=0.0, max_tokens=24),
+         SamplingParams(temperature=1.0, seed=4, max_tokens=24)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+SPECS = ["plain", "ngram", "ngram-rejection", "draft_model", "draft_model-rejection", "eagle3", "eagle3-rejection"]
 
 
-def _tokens(outs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outs]
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gpu_graph_models")
+    target = make_tiny_checkpoint(root / "tiny", seed=0)
+    return {"target": str(target), "draft_model": str(make_tiny_checkpoint(root / "draft", seed=0, draft=True)),
+            "eagle3": str(make_tiny_eagle3_head(root / "head", target))}
+
+
+def _spec(name: str, models: dict) -> SpeculativeConfig | None:
+    if name == "plain":
+        return None
+    method, _, acceptance = name.partition("-")
+    return SpeculativeConfig(method, 3, model=models.get(method), acceptance=acceptance or "strict")
+
+
+def _outputs(outs) -> tuple[list[list[int]], list]:
+    return [o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("spec", [None, SpeculativeConfig("ngram", 4)], ids=["plain", "ngram"])
-def test_cuda_graphs_match_eager(tmp_path, spec):
-    path = make_tiny_checkpoint(tmp_path / "tiny", seed=0)
-    results = {}
-    for graphs in (False, True):
+@pytest.mark.parametrize("name", SPECS)
+def test_cuda_graphs_match_eager(models, name):
+    """Every step shape replayed from CUDA graphs (and the drafters' chained draft steps) gives the
+    eager steps' tokens (logprobs within 1e-4: padding a batch to its bucket may move the logits'
+    last bits)."""
+    results, graphs = {}, None
+    for use_graphs in (False, True):
         # In-process (a single plain process is rank 0 of a TP group of 1): the engine is inspectable.
-        with LLM(path, distributed_executor_backend="external_launcher", tensor_parallel_size=1, device="cuda",
-                 dtype="float32", speculative_config=spec, max_num_seqs=4, enforce_eager=not graphs) as llm:
-            greedy = _tokens(llm.generate(PROMPTS, GREEDY))
-            mixed = _tokens(llm.generate(PROMPTS, PARAMS))
-            engine = llm._executor.ctx.state["engine"]  # noqa: SLF001
-            if graphs:
-                assert engine.graphs is not None and engine.graphs.graphs, "no generation step was graphed"
-                assert not engine.graphs.failed, f"captures failed: {engine.graphs.failed}"
-            results[graphs] = (greedy, mixed)
+        with LLM(models["target"], distributed_executor_backend="external_launcher", tensor_parallel_size=1,
+                 device="cuda", dtype="float32", speculative_config=_spec(name, models), max_num_seqs=8,
+                 enforce_eager=not use_graphs) as llm:
+            results[use_graphs] = (_outputs(llm.generate(PROMPTS, GREEDY)), _outputs(llm.generate(PROMPTS, MIXED)),
+                                   _outputs(llm.generate(PROMPTS, PARAMS)))
+            if use_graphs:
+                graphs = llm._executor.ctx.state["engine"].graphs  # noqa: SLF001
+                assert graphs is not None and graphs.graphs, "no generation step was graphed"
+                assert not graphs.failed, f"captures failed: {graphs.failed}"
+    for got, ref in zip(results[True], results[False]):
+        assert got[0] == ref[0]
+        for g, r in zip(got[1], ref[1]):
+            assert (g is None) == (r is None)
+            for dg, dr in zip(g or [], r or []):
+                assert list(dg) == list(dr) and all(math.isclose(dg[t].logprob, dr[t].logprob, abs_tol=1e-4)
+                                                   for t in dr)
+    filtered = [k for k in graphs.graphs if k.sampling == "filtered"]
+    assert filtered and all(k.penalties and k.top_logprobs == 8 for k in filtered)
+    assert all(k.hidden_states == name.startswith("eagle3") for k in graphs.graphs)
+    assert any(k.draft_logits for k in filtered) == (name in ("draft_model-rejection", "eagle3-rejection"))
+    assert bool(graphs.draft_graphs) == name.startswith(("draft_model", "eagle3"))  # draft steps 2..K graphed
+    assert graphs.num_repeated > 0  # the flat top-p row's undecided steps, repeated eagerly
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_qwen_defaults_and_logprobs_at_batch_64_stay_in_the_graph(models):
+    """64 requests on Qwen2.5's defaults (T 0.7, top-p 0.8, top-k 20, repetition penalty 1.05)
+    with logprobs=5 run from the graph of bucket 64, never repeated eagerly (top-k decides every
+    row from the candidates), and give the eager tokens."""
+    prompts = [[(7 * i + j) % 500 + 1 for j in range(4 + i % 5)] for i in range(64)]
+    params = [SamplingParams(**QWEN, seed=i, max_tokens=12, ignore_eos=True, logprobs=5) for i in range(64)]
+    results = {}
+    for use_graphs in (False, True):
+        with LLM(models["target"], distributed_executor_backend="external_launcher", tensor_parallel_size=1,
+                 device="cuda", dtype="float32", max_num_seqs=64, enforce_eager=not use_graphs) as llm:
+            results[use_graphs] = _outputs(llm.generate(prompts, params))[0]
+            if use_graphs:
+                graphs = llm._executor.ctx.state["engine"].graphs  # noqa: SLF001
+                assert any(k.batch == 64 and k.sampling == "filtered" for k in graphs.graphs)
+                assert graphs.num_repeated == 0 and not graphs.failed
     assert results[True] == results[False]

@@ -1,47 +1,172 @@
-"""The logic around CUDA-graph generation steps, on CPU: the padded step a graph replays,
-when graphs are off, and the capture fallback every rank takes alike."""
+"""The logic around CUDA-graph generation steps, on CPU: the padded step a graph replays (run
+eagerly through ``GenerationGraphs(capture=False)``: the same keys, static buffers and step
+function) gives the eager step's tokens for every step shape (penalties, logprobs, top-k /
+top-p / min-p rows, rejection sampling, draft-model and EAGLE-3 drafts), the undecided-row
+repeat included, at TP = 1 and 2; the keys come from the requests' parameters; when graphs are
+off; and the capture fallback every rank takes alike."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 
 from tpspec import LLM, SamplingParams, SpeculativeConfig
-from tpspec.model.tiny import make_tiny_checkpoint
-from tpspec.runtime.cuda_graphs import capture_or_fall_back
+from tpspec.model.tiny import make_tiny_checkpoint, make_tiny_eagle3_head
+from tpspec.runtime.cuda_graphs import GenerationGraphs, StepKey, capture_or_fall_back, step_key
+from tpspec.sampling.select import FilterPlan
 
-PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [100, 200, 300], [42] * 12, [7, 8], [9]]
-PARAMS = [SamplingParams(temperature=0.0, max_tokens=24), SamplingParams(temperature=0.8, seed=3, max_tokens=24),
-          SamplingParams(temperature=0.0, max_tokens=24), SamplingParams(temperature=0.0, max_tokens=24),
-          SamplingParams(temperature=1.0, seed=4, max_tokens=24)]
+PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [100, 200, 300], [42] * 12, [7, 8], [9], [11, 12, 13]]
+QWEN = dict(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05)  # Qwen2.5's generation defaults
+# Every step shape in one batch, with budgets that shrink it through the buckets: penalties with
+# logprobs, Qwen's defaults with logprobs=5, temperature only, min-p only, top-p only, and a flat
+# top-p row (T 3, p 0.99: its nucleus outgrows the candidates, so its steps are repeated eagerly).
+PARAMS = [SamplingParams(temperature=0.0, max_tokens=12, repetition_penalty=0.7, presence_penalty=-0.5, logprobs=3),
+          SamplingParams(**QWEN, seed=1, max_tokens=14, logprobs=5),
+          SamplingParams(temperature=0.9, seed=2, max_tokens=6, logprobs=0),
+          SamplingParams(temperature=1.0, min_p=0.2, seed=3, max_tokens=9),
+          SamplingParams(temperature=1.0, top_p=0.9, seed=4, max_tokens=10),
+          SamplingParams(temperature=3.0, top_p=0.99, seed=5, max_tokens=8)]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 
 
-def _tokens(outs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outs]
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("graph_models")
+    target = make_tiny_checkpoint(root / "tiny", seed=0)
+    return {"target": str(target), "draft_model": str(make_tiny_checkpoint(root / "draft", seed=0, draft=True)),
+            "eagle3": str(make_tiny_eagle3_head(root / "head", target))}
 
 
-def test_graph_step_inputs_on_cpu(tmp_path):
-    """What a graph replays, run eagerly on CPU: batches padded to the bucket size with free
-    slots and padding requests, attention over the whole cache, the strict selection path.
-    It must give the tokens of the ordinary eager step."""
-    from tpspec.runtime.cuda_graphs import GenerationGraphs
+def _spec(name: str, models: dict) -> SpeculativeConfig | None:
+    if name == "plain":
+        return None
+    method, _, acceptance = name.partition("-")
+    return SpeculativeConfig(method, 3, model=models.get(method), acceptance=acceptance or "strict")
 
-    path = make_tiny_checkpoint(tmp_path / "tiny", seed=0)
-    spec = SpeculativeConfig("ngram", 4)
-    with LLM(path, distributed_executor_backend="external_launcher", tensor_parallel_size=1, device="cpu",
-             speculative_config=spec, max_num_seqs=8) as llm:
-        ref = _tokens(llm.generate(PROMPTS, PARAMS))
+
+def _outputs(outs) -> tuple[list[list[int]], list]:
+    return [o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs]
+
+
+def _assert_logprobs_close(got, ref) -> None:
+    """The same tokens, values within 1e-5: padding a batch to its bucket may move the logits'
+    last bits (the tokens stay the same)."""
+    for g, r in zip(got, ref):
+        assert (g is None) == (r is None)
+        for dg, dr in zip(g or [], r or []):
+            assert list(dg) == list(dr)
+            assert all(math.isclose(dg[t].logprob, dr[t].logprob, abs_tol=1e-5) and dg[t].rank == dr[t].rank
+                       for t in dr)
+
+
+@pytest.mark.parametrize("name", ["plain", "ngram", "ngram-rejection", "draft_model", "draft_model-rejection",
+                                  "eagle3", "eagle3-rejection"])
+def test_graphed_steps_give_the_eager_tokens_on_cpu(models, name):
+    """What a graph replays, run eagerly on CPU (``capture=False``): batches padded to the bucket
+    size with padding requests first, attention over bucketed page tables, the deferred selection
+    (no host sync) with the key's filter plan, logprobs and EAGLE-3 hidden states from the step's
+    outputs, the drafting chain of a draft model or EAGLE-3 head (sampled drafts' logits written
+    to the store inside it), and the eager repeat of steps and chains with an undecided row.
+    Tokens must equal the eager steps', logprobs too (within 1e-5)."""
+    with LLM(models["target"], distributed_executor_backend="external_launcher", tensor_parallel_size=1,
+             device="cpu", speculative_config=_spec(name, models), max_num_seqs=8) as llm:
         engine = llm._executor.ctx.state["engine"]  # noqa: SLF001
-        graphs = GenerationGraphs.__new__(GenerationGraphs)  # no CUDA here: never capture, run the padded step
-        graphs.engine, graphs.buckets, graphs.graphs, graphs.failed = engine, [8], {}, set()
-        graphs._capture = lambda key, host: None
-        eager, calls = graphs._eager, []
-        graphs._eager = lambda host: calls.append(1) or eager(host)
-        engine.graphs = graphs
-        got = _tokens(llm.generate(PROMPTS, PARAMS))
+        ref = _outputs(llm.generate(PROMPTS, PARAMS))
+        ref_greedy = _outputs(llm.generate(PROMPTS[:3], GREEDY))
+        engine.graphs = graphs = GenerationGraphs(engine, capture=False)
+        got = _outputs(llm.generate(PROMPTS, PARAMS))
+        got_greedy = _outputs(llm.generate(PROMPTS[:3], GREEDY))
         engine.graphs = None
-    assert calls, "no step took the padded graph path"
-    assert got == ref
+    assert got[0] == ref[0] and got_greedy == ref_greedy
+    _assert_logprobs_close(got[1], ref[1])
+    keys = set(graphs.graphs)
+    assert {k.sampling for k in keys} == {"greedy", "filtered"} and not graphs.failed
+    assert {k.batch for k in keys} >= {8, 4}  # the batch shrank through the buckets
+    filtered = [k for k in keys if k.sampling == "filtered"]
+    assert all(k.penalties and k.top_logprobs == 8 for k in filtered)
+    assert all(k.hidden_states == name.startswith("eagle3") for k in keys)
+    assert any(k.draft_logits for k in filtered) == (name in ("draft_model-rejection", "eagle3-rejection"))
+    chains = set(graphs.draft_graphs)
+    assert bool(chains) == name.startswith(("draft_model", "eagle3"))
+    assert all(c.sampled == name.endswith("rejection") for c in chains if c.step.sampling != "greedy")
+    assert graphs.num_repeated > 0  # the flat top-p row's steps were repeated eagerly, to the same tokens
+
+
+def test_step_keys_come_from_the_parameters():
+    """The key of a step is a pure function of its requests' parameters: Qwen's defaults with
+    logprobs=5 are a filtered step with penalties whose draw needs no plain exchange, no total and
+    no masked draw; a top-p row without top-k sends 4 x 64 candidates under strict acceptance and
+    the eager path's count (the largest top-k rounded up to a power of two) under rejection
+    sampling; logprobs round up to a power of two; disabled filters leave a temperature-only step,
+    a greedy batch a greedy one."""
+    qwen = SamplingParams(**QWEN, logprobs=5)
+    key = step_key([qwen] * 3, batch=4, kv_pages=2, acceptance="strict", vocab_size=32000)
+    assert key == StepKey(batch=4, kv_pages=2, sampling="filtered", penalties=True,
+                          filters=FilterPlan(candidates=64, any_plain=False, any_filtered=True, any_top_p_total=False,
+                                             any_min_p_only=False), top_logprobs=8)
+    mixed = [SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=0.0, logprobs=2),
+             SamplingParams(temperature=1.0, top_k=100, min_p=0.1)]
+    strict = step_key(mixed, batch=4, kv_pages=1, acceptance="strict", vocab_size=32000)
+    assert strict.filters == FilterPlan(candidates=256, any_plain=True, any_filtered=True, any_top_p_total=True,
+                                        any_min_p_only=False) and strict.top_logprobs == 2 and not strict.penalties
+    rejection = step_key(mixed, batch=4, kv_pages=1, acceptance="rejection", vocab_size=32000, draft_logits=True)
+    assert rejection.filters.candidates == 128 and rejection.draft_logits  # top-k 100, rounded up
+    assert step_key([SamplingParams(temperature=1.0, top_k=20, logprobs=n) for n in (3, 1)], batch=2, kv_pages=1,
+                    acceptance="strict", vocab_size=50).top_logprobs == 4
+    off = [SamplingParams(temperature=0.8, top_k=-1, top_p=1.0), SamplingParams(temperature=0.8, min_p=0.0)]
+    assert step_key(off, batch=2, kv_pages=1, acceptance="strict", vocab_size=50).sampling == "temperature"
+    whole_vocab = step_key([SamplingParams(temperature=0.8, top_k=50)], batch=1, kv_pages=1, acceptance="strict",
+                           vocab_size=50)  # a top-k of the whole vocabulary filters nothing: the plain draw
+    assert whole_vocab.filters == FilterPlan(candidates=64, any_plain=True, any_filtered=False, any_top_p_total=False,
+                                             any_min_p_only=False)
+    assert step_key([SamplingParams(temperature=0.0, top_k=5)], batch=1, kv_pages=1, acceptance="rejection",
+                    vocab_size=50, draft_logits=True) == StepKey(batch=1, kv_pages=1, sampling="greedy")
+    only_min_p = step_key([SamplingParams(temperature=1.0, min_p=0.3)], batch=1, kv_pages=1, acceptance="strict",
+                          vocab_size=50)
+    assert only_min_p.filters == FilterPlan(candidates=64, any_plain=False, any_filtered=True,
+                                            any_top_p_total=False, any_min_p_only=True)
+
+
+def _graphed_engine_worker(rank, world, target, spec_method, spec_model):
+    """Eager, then graphed (``capture=False``) generation on one rank of a TP group: tokens,
+    logprobs, the keys used and the repeated steps."""
+    from tpspec.mapping import Mapping
+    from tpspec.runtime.config import EngineConfig, Request
+    from tpspec.runtime.engine import Engine
+
+    spec = SpeculativeConfig(spec_method, 3, model=spec_model, acceptance="rejection")
+    cfg = EngineConfig(model_path=target, tp_size=world, device="cpu", dtype="float32", speculative=spec,
+                       draft_model_path=spec_model, max_batch_size=8, max_seq_len=64, max_num_tokens=64)
+    engine = Engine(cfg, Mapping(world, rank))
+    runs = []
+    for graphs in (None, GenerationGraphs(engine, capture=False)):
+        engine.graphs = graphs
+        reqs = [Request(len(runs) * 100 + i, tuple(p), params, params.max_tokens)
+                for i, (p, params) in enumerate(zip(PROMPTS, PARAMS))]
+        results = engine.generate(reqs)
+        runs.append(([r.token_ids for r in results], [r.logprobs for r in results]))
+    engine.graphs = None
+    engine.close()
+    return runs, sorted(map(repr, graphs.graphs)) + sorted(map(repr, graphs.draft_graphs)), graphs.num_repeated
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_graphed_steps_agree_across_ranks(models, method):
+    """At TP = 2 (gloo) every rank takes the same graph keys and repeats the same undecided steps
+    (a rank that did not would meet its peer in another collective and fail), and the graphed
+    steps give the eager steps' tokens, with rejection sampling on the shards, filters, penalties
+    and logprobs."""
+    from tpspec.testing import run_ranks
+
+    model = models["draft_model"] if method == "draft_model" else None
+    results = run_ranks(_graphed_engine_worker, 2, models["target"], method, model, timeout_s=240)
+    assert results[0] == results[1]
+    (eager, graphed), keys, repeated = results[0]
+    assert graphed[0] == eager[0] and keys and repeated > 0
+    assert any(k.startswith("DraftKey") for k in keys) == (method == "draft_model")
+    _assert_logprobs_close(graphed[1], eager[1])
 
 
 def _graph_reason_worker(rank, world):
@@ -51,7 +176,7 @@ def _graph_reason_worker(rank, world):
     from tpspec.runtime.cuda_graphs import graphs_unavailable_reason
 
     torch.cuda.is_available = lambda: True  # this process only: the decision past the device check
-    engine = SimpleNamespace(device=torch.device("cuda", 0), dp_size=1, eagle3=None, group=D.tp_group())
+    engine = SimpleNamespace(device=torch.device("cuda", 0), dp_size=1, group=D.tp_group())
     plain = graphs_unavailable_reason(engine)
     engine.dp_size = world
     return plain, graphs_unavailable_reason(engine)
@@ -118,8 +243,8 @@ def test_graphs_follow_the_attention_backends_ability(monkeypatch):
 
     def reason(attention):
         model = SimpleNamespace(attention=attention)
-        return graphs_unavailable_reason(SimpleNamespace(device=torch.device("cuda", 0), dp_size=1, eagle3=None,
-                                                         group=None, model=model))
+        return graphs_unavailable_reason(SimpleNamespace(device=torch.device("cuda", 0), dp_size=1, group=None,
+                                                         model=model))
 
     assert reason(TorchPagedAttention(**kw)) is None
     det = DeterministicPagedAttention(**kw)  # on CPU: the host loop

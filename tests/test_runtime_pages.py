@@ -102,7 +102,7 @@ def test_kv_memory_is_the_pages_asked_for(ckpt):
     per_layer = total * PAGE * engine.model.num_kv_heads_per_rank * engine.model.config.head_dim * 4 * 2
     assert sum(c.nbytes for c in engine.model.caches) == engine.model.config.num_layers * per_layer
     assert sum(c.nbytes for c in engine.model.caches) == engine.kv.total_bytes == engine.config.kv_cache_bytes
-    assert "30 pages x 4 tokens = 120 tokens" in engine.summary()
+    assert "KV cache holds 120 tokens per rank (30 pages x 4 tokens" in engine.summary()
 
 
 def test_page_allocator_accounting():
@@ -201,5 +201,43 @@ def test_startup_summary_is_logged_at_the_level_asked(ckpt):
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert ("INFO tpspec.runtime.engine: engine ready" in proc.stderr) == shown, proc.stderr[-2000:]
         if shown:
-            assert "KV 64 pages x 8 tokens = 512 tokens per rank" in proc.stderr
+            # The CPU default: 8 requests of max_seq_len (63 tokens: 8 pages of 8 each).
+            assert "KV cache holds 512 tokens per rank (64 pages x 8 tokens" in proc.stderr
+            assert "max_num_seqs=256, max_num_batched_tokens=2048" in proc.stderr
             assert "attention torch" in proc.stderr and "weights loaded in" in proc.stderr
+
+
+def test_default_batch_serves_many_requests_and_llm_reports_the_cache(ckpt):
+    """``max_num_seqs`` defaults to vLLM's 256 with a step budget of at least 2048 tokens; on CPU
+    the default cache holds 8 requests of ``max_model_len`` (the same memory as before), and short
+    requests beyond 8 still run together. ``LLM`` reports the tokens its cache holds."""
+    from tpspec.model.batch import pages_needed
+
+    with LLM(ckpt[0], distributed_executor_backend="external_launcher", tensor_parallel_size=1, device="cpu",
+             max_model_len=256) as llm:
+        engine = llm._executor.ctx.state["engine"]  # noqa: SLF001
+        assert (llm.config.max_batch_size, llm.config.max_num_tokens) == (256, 2048)
+        assert llm.num_kv_pages == engine.kv.num_pages == 8 * pages_needed(255, 16)
+        assert llm.kv_cache_tokens == llm.num_kv_pages * 16 == engine.kv.num_tokens
+        running = []
+        schedule = engine._schedule
+        engine._schedule = lambda seqs: running.append(len(seqs)) or schedule(seqs)
+        outs = llm.generate([[i + 1, i + 2, i + 3] for i in range(40)], SamplingParams(temperature=0.0, max_tokens=4))
+    assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
+    assert max(running) == 40  # every request ran at once
+
+
+def test_the_profiled_step_runs_on_every_paged_model(ckpt):
+    """The step ``gpu_memory_utilization`` sizing profiles on CUDA (a forward of
+    ``max_num_tokens`` tokens, then the heaviest selection: penalties, every filter, the most
+    logprobs), run here on CPU through the target and a draft model."""
+    from tpspec.runtime.kv_sizing import _profile_step
+
+    spec = SpeculativeConfig("draft_model", 3, model="x")
+    cfg = EngineConfig(ckpt[0], 1, "cpu", "float32", speculative=spec, draft_model_path=ckpt[1], max_seq_len=96,
+                       max_batch_size=4, max_num_tokens=64)
+    engine = Engine(cfg, Mapping())
+    for model in engine.paged_models:
+        _profile_step(model, cfg)
+        assert model.num_pages == 4  # the profiling pages: 64 tokens of 16
+    engine.close()

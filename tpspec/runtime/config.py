@@ -11,6 +11,10 @@ from ..sampling.params import SamplingParams
 from ..validation import check_bool, check_int, is_real
 
 SPEC_METHODS = ("ngram", "draft_model", "eagle3")
+DEFAULT_MAX_BATCH_SIZE = 256
+"""Sequences running at once by default (vLLM's ``max_num_seqs``)."""
+MIN_DEFAULT_MAX_NUM_TOKENS = 2048
+"""The default token budget of a step is at least this (context chunks fill what generation leaves)."""
 ACCEPTANCE_MODES = ("strict", "rejection")
 LAUNCHERS = ("mp", "external_launcher", "ray")
 
@@ -73,12 +77,16 @@ class EngineConfig:
     """Everything a rank needs to build its :class:`~tpspec.runtime.engine.Engine`; the same
     on every rank. Paths are resolved (no ``"tiny"``), dtype is a torch dtype name.
 
+    ``max_batch_size``: sequences running at once (default 256); ``max_num_tokens``: tokens one
+    step feeds (default: ``max(2048, max_batch_size * (num_draft_tokens + 1))``, so a full
+    generation step always fits).
+
     KV cache: pages of ``page_size`` tokens. ``kv_cache_bytes`` (any device): bytes of pages
     per rank, all paged models together (it overrides ``gpu_memory_utilization``). Else on
     CUDA ``gpu_memory_utilization`` (None = 0.9; not used on CPU): the share of the GPU the
     engine may use (split between ranks sharing a GPU); what weights and a profiled step
-    leave goes to pages. Else (CPU): pages for ``max_batch_size``
-    requests of ``max_seq_len`` tokens, at most 4 GiB. ``attention_backend``: ``"auto"``
+    leave goes to pages. Else (CPU): pages for ``min(max_batch_size, 8)`` requests of
+    ``max_seq_len`` tokens, at most 4 GiB. ``attention_backend``: ``"auto"``
     (FlashInfer on CUDA when installed), ``"torch"`` or ``"flashinfer"``.
     """
 
@@ -89,9 +97,9 @@ class EngineConfig:
     attention_dp: bool = False
     speculative: SpeculativeConfig | None = None
     draft_model_path: str | None = None
-    max_batch_size: int = 8
+    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
     max_seq_len: int = 512
-    max_num_tokens: int = 512
+    max_num_tokens: int | None = None  # None: see default_max_num_tokens
     use_cuda_graphs: bool = True
     exchange: str = "auto"
     page_size: int = 16
@@ -102,6 +110,10 @@ class EngineConfig:
     deterministic: bool = False  # fixed-order forward: batch- and TP-invariant logits
 
     def __post_init__(self) -> None:
+        check_int("max_batch_size", self.max_batch_size, low=1)
+        if self.max_num_tokens is None:
+            object.__setattr__(self, "max_num_tokens", default_max_num_tokens(self.max_batch_size,
+                                                                              self.num_draft_tokens))
         for name in ("tp_size", "max_batch_size", "max_num_tokens", "page_size"):
             check_int(name, getattr(self, name), low=1)
         check_int("max_seq_len", self.max_seq_len, low=2)  # one prompt token and one generated token
@@ -145,6 +157,12 @@ class EngineConfig:
         if num_tokens >= self.max_seq_len:
             raise ValueError(f"{what} has {num_tokens} tokens; max_model_len={self.max_seq_len} leaves no room to "
                              f"generate (prompts must be shorter than max_model_len)")
+
+
+def default_max_num_tokens(max_batch_size: int, num_draft_tokens: int) -> int:
+    """The default token budget of a step: at least ``MIN_DEFAULT_MAX_NUM_TOKENS``, and a full
+    generation step (``max_batch_size * (num_draft_tokens + 1)`` tokens) always fits."""
+    return max(MIN_DEFAULT_MAX_NUM_TOKENS, max_batch_size * (num_draft_tokens + 1))
 
 
 @dataclass(frozen=True)

@@ -1,38 +1,74 @@
 """CUDA graphs for generation steps (GPU only; the CPU path is always eager).
 
-A pure generation step of plain TP — every request verifies K drafts, no context
-chunk — has the same shapes every time once the batch is padded to a bucket size:
-``Bp * (K + 1)`` tokens, and attention over page tables of a bucketed width (the next
-power of two of the pages the longest request reads: real lengths, never
-``max_seq_len``; FlashInfer is planned on the host with the exact lengths before each
-replay). One graph per (batch bucket, page bucket, sampling path) captures the target
-forward, the token selection (the exchange, whose device-side counters advance inside
-the graph) and the acceptance.
+A pure generation step of plain TP — every request verifies K drafts, no context chunk —
+has the same shapes every time once the batch is padded to a bucket size (1, 2, 4, then
+multiples of 8 up to ``max_num_seqs``): ``Bp * (K + 1)`` tokens, and attention over page
+tables of a bucketed width (the next power of two of the pages the longest request reads:
+real lengths, never ``max_seq_len``; FlashInfer is planned on the host with the exact
+lengths before each replay). One graph per :class:`StepKey` captures the target forward,
+the penalties, the token selection (the exchange, whose device-side counters advance inside
+the graph), the acceptance (strict, or rejection sampling on the shards, reading the sampled
+drafts' logits from the ``DraftLogitsStore``), the logprobs of the emitted tokens and, for
+EAGLE-3, the target hidden states the head reads next. Graphs are captured lazily, the
+first time a key comes up.
+
+The key holds every host fact the step's code paths read: the batch and page buckets, the
+sampling kind (all greedy, temperature only, filtered), whether a request has penalties,
+the :class:`~tpspec.sampling.select.FilterPlan` of filtered batches (which collectives the
+draw runs and how many candidate keys a rank sends), the largest ``logprobs=N`` asked, and
+whether sampled drafts' logits are read. All of it comes from the requests' parameters
+(:func:`step_key`), so it is known before the step runs and equal on every rank.
+
+Filtered rows whose candidates cannot decide them (a top-p row without top-k whose prefix
+reaches past every rank's candidates — rare with ``4 * 64`` candidates a rank; under rejection
+sampling the eager path's 64) are the one data-dependent case: the graph outputs a ``decided``
+flag beside the tokens (equal on every rank: it comes from exchanged values), and when it is
+False the host runs that step again eagerly — the same forward and the full selection, with
+the retry and the gathered fallback. Draws are keyed by (seed, offset, column), the streams
+were advanced once by ``SpecMetadata.prepare`` before the replay, and a forced-acceptance
+draw is rewound, so the repeated step gives exactly the tokens an eager step gives.
+
 Before a replay the host refreshes the static inputs in place (token ids, positions,
 drafts, attention metadata; ``SpecMetadata.prepare`` refills its stable buffers).
-Graphed: all-greedy batches, and temperature-only batches under strict acceptance.
-Rejection sampling, top-k/top-p/min-p rows and requests with penalties or logprobs run
-eagerly.
+Padding requests come first in the padded batch (the generation requests stay the step's
+last requests, where drafting writes its draft logits), write into the engine's scratch
+pages (nothing reads them for real) and use slot -1 in the metadata (greedy, no stream).
 
-Padding requests write into the engine's scratch pages (nothing reads them for real) and
-use slot -1 in the metadata (greedy, no stream).
+The drafting of a graphed step (a draft model or an EAGLE-3 head) runs its catch-up forward
+eagerly — it reads what each request's draft cache lacks, a ragged count (the whole prompt
+the first time, then 1 or 2 tokens for a draft model, 1 to K + 1 hidden-state rows for an
+EAGLE-3 head) — and then draft steps 1 .. K-1, one token a request each, through graphs of
+a :class:`DraftKey` (the step's key, sampled or greedy drafts), one per draft step (the
+attention of each is planned on the host before its replay): the drafter's forward, the pick
+(penalties, sampled drafts on the shards with the same deferred filtered draw) and the write
+of the sampled drafts' logits into the ``DraftLogitsStore``. An undecided filtered row there
+makes the engine draft that step eagerly instead.
 
-Every rank takes the same decisions: whether a step is graphed depends only on the
-batch (replicated) and a capture failure on any rank disables that graph on all ranks
-(one all-reduce at capture time), so the ranks never split between graph and eager. A
-failure in the eager warm-up before a capture is an error of the step, raised as such.
+Not graphed (eager): steps with a context chunk, attention DP, TP groups on gloo, attention
+backends that cannot be captured, and the drafters' catch-up forwards.
+
+Every rank takes the same decisions: whether a step is graphed, and its key, depend only on
+the batch (replicated) and the configuration; a capture failure on any rank disables that
+key on all ranks (one all-reduce at capture time), so the ranks never split between graph
+and eager. A failure in the eager warm-up before a capture is an error of the step, raised
+as such.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
 from .. import distributed as D
 from ..log import get_logger
+from ..sampling.logprobs import logprob_dicts, step_logprobs
+from ..sampling.params import SamplingParams
+from ..sampling.select import DEFAULT_CANDIDATES, RETRY_FACTOR, FilterPlan, candidate_bucket
+from ..vocab_parallel import MAX_TOP_LOGPROBS
 from ..speculative.metadata import RequestEntry
 
 log = get_logger(__name__)
@@ -51,27 +87,175 @@ def bucket_sizes(max_batch_size: int) -> list[int]:
     return sorted(set(sizes + [max_batch_size]))
 
 
+@dataclass(frozen=True)
+class StepKey:
+    """What one captured generation step is captured for (the host facts its code reads).
+
+    ``batch``: the padded batch (a bucket); ``kv_pages``: the page-table width; ``sampling``:
+    ``"greedy"``, ``"temperature"`` or ``"filtered"`` (some sampled request has top-k, top-p or
+    min-p); ``penalties``: some request has penalties; ``filters``: the filtered draw's plan
+    (None unless filtered); ``top_logprobs``: the top logprobs computed, at least the largest
+    ``logprobs=N`` asked (None: no request asks); ``draft_logits``: rejection sampling reads the sampled drafts' logits;
+    ``hidden_states``: the target's EAGLE-3 hidden states come out of the step.
+    """
+
+    batch: int
+    kv_pages: int
+    sampling: str
+    penalties: bool = False
+    filters: FilterPlan | None = None
+    top_logprobs: int | None = None
+    draft_logits: bool = False
+    hidden_states: bool = False
+
+
+def step_key(params: Sequence[SamplingParams], *, batch: int, kv_pages: int, acceptance: str, vocab_size: int,
+             draft_logits: bool = False, hidden_states: bool = False) -> StepKey:
+    """The :class:`StepKey` of a generation step whose requests have these ``params`` (padding
+    requests excluded; they are greedy). ``acceptance``: ``"strict"`` or ``"rejection"``. The
+    filter plan sends ``candidate_bucket`` of the largest top-k; under rejection sampling that is
+    the eager path's count (it decides which rows are verified on the shards), under strict
+    acceptance a batch with a top-p row without top-k sends ``RETRY_FACTOR`` times the default at
+    once (every decided row gets the same token whatever the count, and fewer steps are
+    repeated). ``top_logprobs``: the largest ``logprobs=N`` rounded up to a power of two (at most
+    20). Counts are rounded so that few graphs serve many parameter mixes. A pure function of
+    its arguments."""
+    if all(p.is_greedy for p in params):
+        sampling = "greedy"
+    elif all(p.is_temperature_only for p in params):
+        sampling = "temperature"
+    else:
+        sampling = "filtered"
+    filters = None
+    if sampling == "filtered":
+        filters = FilterPlan.of_params([p.normalized() for p in params], vocab_size)
+        count = candidate_bucket(filters.candidates)
+        if acceptance == "strict" and filters.any_top_p_total:
+            count = max(count, DEFAULT_CANDIDATES * RETRY_FACTOR)
+        filters = dataclasses.replace(filters, candidates=count)
+    asked = [p.logprobs for p in params if p.logprobs is not None]
+    top_logprobs = None
+    if asked:  # a power of two (at most 20): each request reads its own N of the sorted top
+        top_logprobs = 0 if max(asked) == 0 else min(MAX_TOP_LOGPROBS, 1 << (max(asked) - 1).bit_length())
+    return StepKey(batch=batch, kv_pages=kv_pages, sampling=sampling, penalties=any(p.has_penalties for p in params),
+                   filters=filters, top_logprobs=top_logprobs, draft_logits=draft_logits and sampling != "greedy",
+                   hidden_states=hidden_states)
+
+
+@dataclass(frozen=True)
+class GraphStep:
+    """One generation step as a graph runs it: its ``key``, the padded ``requests`` in the
+    order ``SpecMetadata.prepare`` takes them (``num_padding`` padding requests first)."""
+
+    key: StepKey
+    requests: list[RequestEntry]
+    num_padding: int
+
+
+@dataclass
+class StepResult:
+    """What a graphed step gives the engine: ``emitted`` ``{seq index: tokens}`` and, for
+    EAGLE-3, ``hidden`` ``[len(gen) * (K + 1), width]`` (the generation requests' rows of the
+    target hidden states, a copy)."""
+
+    emitted: dict[int, list[int]]
+    hidden: torch.Tensor | None = None
+
+
+@dataclass
+class _StepOut:
+    """The device outputs of one step (a graph's static outputs)."""
+
+    accepted: torch.Tensor  # [Bp, K + 1] int64
+    num: torch.Tensor  # [Bp] int64
+    decided: torch.Tensor | None  # 0-dim bool, or None when the step is always decided
+    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None  # see step_logprobs
+    hidden: torch.Tensor | None  # [Bp * (K + 1), width] EAGLE-3 hidden states
+
+    def tensors(self) -> list[torch.Tensor | None]:
+        return [self.accepted, self.num, self.decided, *(self.logprobs or (None,) * 3), self.hidden]
+
+
+@dataclass(frozen=True)
+class DraftKey:
+    """What a captured drafting chain (draft steps 1 .. K-1) is captured for: the ``step`` key of
+    the generation step it drafts for (batch and page buckets, the requests' sampling facts) and
+    whether its drafts are sampled (``SpecMetadata`` prepared before drafting) or greedy."""
+
+    step: StepKey
+    sampled: bool
+
+
+@dataclass
+class _ChainStepOut:
+    """The device outputs of one chained draft step: its picks ``[Bp]``, the EAGLE-3 head's row
+    outputs ``[Bp, H]`` (None for a draft model) and ``decided``."""
+
+    tokens: torch.Tensor
+    hidden: torch.Tensor | None
+    decided: torch.Tensor | None
+
+    def tensors(self) -> list[torch.Tensor | None]:
+        return [self.tokens, self.hidden, self.decided]
+
+
+@dataclass
+class _ChainGraph:
+    """Draft steps 1 .. K-1 of one :class:`DraftKey`: one graph each (a backend plans each step's
+    attention on the host before its replay), each reading the previous one's static outputs."""
+
+    graphs: list[Any]
+    outs: list[_ChainStepOut]
+    first: torch.Tensor  # [Bp] int64: the catch-up forward's picks
+    positions: list[torch.Tensor]  # K - 1 of [Bp] int64
+    metas: list[Any]  # K - 1 attention metadata
+    hidden: torch.Tensor | None  # [Bp, H]: the EAGLE-3 head's last catch-up outputs
+
+
 @dataclass
 class _Graph:
-    graph: Any
+    graph: Any  # torch.cuda.CUDAGraph, or an _EagerReplay
     tokens: torch.Tensor  # [Bp * (K + 1)] int64
     positions: torch.Tensor
     drafts: torch.Tensor | None  # [Bp, K] int64
     attn_meta: Any
-    accepted: torch.Tensor  # [Bp, K + 1] int64 (graph output)
-    num_accepted: torch.Tensor  # [Bp] int64 (graph output)
+    out: _StepOut
     batch: Any = None  # the static ForwardBatch, kept alive with the graph
 
 
-class GenerationGraphs:
-    """Captured generation steps of one :class:`~tpspec.runtime.engine.Engine`."""
+class _EagerReplay:
+    """Stands in for a captured graph where CUDA graphs do not run (``GenerationGraphs(...,
+    capture=False)``: the CPU tests of this module): :meth:`replay` runs the very step function a
+    graph captures, on the same static inputs, and copies its outputs into the first run's
+    tensors, as a replay refreshes a graph's outputs."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, step: Callable[[bool], Any]) -> None:
+        self.step = step
+        self.out = step(True)  # as a warm-up: no forced acceptance drawn
+
+    def replay(self) -> None:
+        fresh = self.step(False)
+        for static, new in zip(self.out.tensors(), fresh.tensors()):
+            if static is not None:
+                static.copy_(new)
+
+
+class GenerationGraphs:
+    """Captured generation steps of one :class:`~tpspec.runtime.engine.Engine`.
+
+    ``capture=False`` runs every step through the same padded batches, keys and step function
+    without CUDA graphs (:class:`_EagerReplay`): how the CPU tests check the graphed path.
+    """
+
+    def __init__(self, engine: Any, *, capture: bool = True) -> None:
         self.engine = engine
+        self.capture = capture
         self.buckets = bucket_sizes(engine.config.max_batch_size)
-        self.graphs: dict[tuple, _Graph] = {}
-        self.failed: set[tuple] = set()
-        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[StepKey, _Graph] = {}
+        self.draft_graphs: dict[DraftKey, _ChainGraph] = {}
+        self.failed: set[StepKey | DraftKey] = set()
+        self.num_repeated = 0  # steps run again eagerly because a filtered row was undecided
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
 
     @classmethod
     def maybe_create(cls, engine: Any) -> "GenerationGraphs | None":
@@ -86,66 +270,205 @@ class GenerationGraphs:
 
     def close(self) -> None:
         self.graphs.clear()
+        self.draft_graphs.clear()
 
     # ------------------------------------------------------------------ per step
-    def run(self, gen: list[Any], drafts: list[list[int]]) -> dict[int, list[int]] | None:
-        """Run a pure generation step through a graph; ``{seq index: emitted tokens}``, or
-        None when this step is not graphed (the caller runs it eagerly; no state changed)."""
+    def plan(self, gen: list[Any]) -> GraphStep | None:
+        """How the pure generation step of ``gen`` (the engine's sequences) runs through a graph,
+        or None when it does not (more requests than the largest bucket, or its key failed to
+        capture): the caller runs it eagerly. The same answer on every rank."""
         b = len(gen)
         padded = next((s for s in self.buckets if s >= b), None)
         if padded is None or b == 0:
             return None
-        params = [s.req.sampling for s in gen]
-        # The sampling path of the step, known before prepare (plain TP: no group sync needed).
-        all_greedy = all(p.is_greedy for p in params)
-        temperature_only = all(p.is_temperature_only for p in params)
-        if not (all_greedy or (temperature_only and eng_strict(self.engine))):
-            return None  # rejection sampling / filtered rows: eager (they sync with the host)
-        if any(p.has_penalties or p.logprobs is not None for p in params):
-            return None  # penalties read the step's drafts, logprobs the raw logits: eager
         eng = self.engine
         k = eng.num_draft
-        # The attention metadata's sizes belong to the key (kept last: the sampling part stays as it was).
-        kv_pages = page_bucket(max(eng.pages.pages_for(len(s.tokens) + k) for s in gen))
-        key = (padded, all_greedy, temperature_only, any(p.is_seeded and not p.is_greedy for p in params), kv_pages)
+        params = [s.req.sampling for s in gen]
+        key = step_key(params, batch=padded,
+                       kv_pages=page_bucket(max(eng.pages.pages_for(len(s.tokens) + k) for s in gen)),
+                       acceptance=eng.worker.acceptance, vocab_size=eng.model.lm_head.vocab_size,
+                       draft_logits=eng.draft_store is not None and any(not p.is_greedy for p in params),
+                       hidden_states=eng.eagle3 is not None)
         if key in self.failed:
             return None
-        reqs = [s.entry(False) for s in gen]
-        reqs += [RequestEntry(-1 - i, -1) for i in range(padded - b)]
-        eng.meta.prepare(requests=reqs, draft_len=k)
-        host = self._host_batch(gen, drafts, padded - b)
+        reqs = [RequestEntry(-1 - i, -1) for i in range(padded - b)]
+        reqs += [s.entry(False) for s in gen]
+        return GraphStep(key, reqs, padded - b)
+
+    def run(self, step: GraphStep, gen: list[Any], drafts: list[list[int]], *, prepared: bool = False,
+            drafts_sampled: bool = False) -> StepResult:
+        """Run the planned step: replay its graph (capturing it first when its key is new), or run
+        it eagerly when the capture failed or a filtered row was undecided. ``prepared``: the
+        engine already prepared ``SpecMetadata`` with ``step.requests`` (before drafting);
+        ``drafts_sampled``: the drafts were sampled and their logits wait in the store. Sets the
+        step's logprobs on the sequences that ask (``step_logprobs``)."""
+        eng = self.engine
+        key = step.key
+        if not prepared:
+            eng.meta.prepare(requests=step.requests, draft_len=eng.num_draft)
+        _check_key(key, eng.meta, drafts_sampled)
+        host = self._host_batch(gen, drafts, step.num_padding)
         graph = self.graphs.get(key)
         if graph is None:
             graph = self._capture(key, host)
-            if graph is None:  # capture failed on some rank: this step (and key) eagerly
-                out = self._eager(host)
-                return self._emitted(gen, out[0], out[1])
-        self._load(graph, host)
-        graph.graph.replay()
-        emitted = self._emitted(gen, graph.accepted, graph.num_accepted)  # synchronizes with the replay
+        if graph is None:  # the capture failed on some rank: this key runs eagerly from now on
+            out = self._eager(key, host)
+        else:
+            self._load(graph, host)
+            graph.graph.replay()
+            out = graph.out
+        accepted = out.accepted.cpu()  # synchronizes with the replay
+        if out.decided is not None and not bool(out.decided.cpu()):
+            # A filtered row the candidates could not decide (the same verdict on every rank): the
+            # step again, eagerly, with the retry and the gathered fallback.
+            self.num_repeated += 1
+            out = self._eager(key, host, repeat=True)
+            accepted = out.accepted.cpu()
+        elif graph is not None:
+            rows = len(gen) * (eng.num_draft + 1)  # the real rows, all drawn on the shards
+            eng.worker.sampling_stats.rows_sharded += rows
         # A replay calls no Python: a peer timeout inside it is only recorded on the device
         # (its rows read -1). Raise it now, before those tokens reach a request.
         if eng.exchange is not None:  # None: the LM head is not vocabulary-sharded, nothing exchanged
             eng.exchange.check(sync=False)
-        return emitted
+        return self._result(gen, step.num_padding, out, accepted)
+
+    def draft_chain(self, step: GraphStep, first: torch.Tensor, ends: list[int], tables: list[list[int]],
+                    hidden: torch.Tensor | None, *, sampled: bool) -> torch.Tensor | None:
+        """Draft steps 1 .. K-1 of the graphed step ``step`` through graphs (the engine's
+        ``draft_chain_step`` on the padded batch, padding rows first in scratch pages): the
+        ``[len(first), K]`` drafts, ``first`` (the catch-up forward's picks ``[B]``) included; or
+        None when the chain runs eagerly instead (its capture failed, or a sampled filtered row was
+        undecided: the same verdict on every rank). ``ends``: each request's first chained
+        position; ``hidden``: the EAGLE-3 head's catch-up outputs ``[B, H]`` (None for a draft
+        model); ``sampled``: the drafts are sampled (the metadata was prepared before drafting)."""
+        eng = self.engine
+        key = DraftKey(step.key, sampled)
+        if key in self.failed or not self._drafter().attention.supports_graphs:
+            return None
+        pad = step.num_padding
+        ends_p = [1] * pad + list(ends)  # padding rows chain at positions 1 .. K - 1 of the scratch pages
+        tables_p = [eng.scratch_table] * pad + list(tables)
+        dev = eng.device
+        first_p = torch.cat([torch.zeros(pad, dtype=torch.int64, device=dev), first.to(torch.int64)])
+        hidden_p = None
+        if hidden is not None:
+            hidden_p = torch.cat([torch.zeros(pad, hidden.shape[1], dtype=hidden.dtype, device=dev), hidden])
+        positions, metas = self._chain_inputs(step.key, ends_p, tables_p)
+        chain = self.draft_graphs.get(key)
+        if chain is None:
+            # Captured step by step, each replayed before the next is captured (its outputs are the
+            # next step's inputs): this step's drafting happens on the way.
+            chain = self._capture_chain(key, first_p, positions, metas, hidden_p, ends_p, tables_p)
+            if chain is None:
+                return None
+        else:
+            chain.first.copy_(first_p)
+            if hidden_p is not None:
+                chain.hidden.copy_(hidden_p)
+            for static, new in zip(chain.positions, positions):
+                static.copy_(new, non_blocking=True)
+            for graph, static, new in zip(chain.graphs, chain.metas, metas):
+                static.copy_(new)
+                self._drafter().attention.plan(static, graph=True)
+                graph.replay()
+        decided = [o.decided for o in chain.outs if o.decided is not None]
+        if decided and not bool(torch.stack(decided).all().cpu()):
+            self.num_repeated += 1
+            return None  # the engine drafts this step eagerly: the same drafts as an eager step
+        return torch.stack([first.to(torch.int64)] + [o.tokens[pad:] for o in chain.outs], dim=1)
 
     # ------------------------------------------------------------------ helpers
+    def _drafter(self) -> Any:
+        eng = self.engine
+        return eng.eagle3 if eng.eagle3 is not None else eng.draft_model
+
+    def _chain_inputs(self, key: StepKey, ends: list[int], tables: list[list[int]]) -> tuple[list, list]:
+        """Each chained draft step's positions ``[Bp]`` (on the device) and attention metadata, its
+        page table as wide as the step key's (the chain reads fewer pages than the verification)."""
+        from ..model.batch import ForwardBatch
+
+        drafter, dev = self._drafter(), self.engine.device
+        positions, metas = [], []
+        for j in range(1, self.engine.num_draft):
+            at = [e + j - 1 for e in ends]
+            pos = torch.tensor(at, dtype=torch.int64)
+            batch = ForwardBatch(token_ids=torch.zeros(len(at), dtype=torch.int64), positions=pos,
+                                 block_tables=tables, cache_lens=at, query_lens=[1] * len(at))
+            positions.append(pos.to(dev))
+            metas.append(drafter.build_metadata(batch, kv_pages=key.kv_pages))
+        return positions, metas
+
+    def _capture_chain(self, key: DraftKey, first: torch.Tensor, positions: list, metas: list,
+                       hidden: torch.Tensor | None, ends: list[int], tables: list[list[int]]) -> _ChainGraph | None:
+        eng = self.engine
+        drafter = self._drafter()
+        rows = torch.arange(first.shape[0], dtype=torch.int64, device=eng.device)
+        slots = eng.meta.slot_ids if key.sampled else [-1] * first.shape[0]
+        filters = key.step.filters
+        if filters is not None and filters.any_top_p_total:  # as for strict acceptance: fewer repeats
+            filters = dataclasses.replace(filters, candidates=max(filters.candidates,
+                                                                  DEFAULT_CANDIDATES * RETRY_FACTOR))
+        graphs, outs, drafts, last_hidden = [], [], [first], hidden
+        for j in range(1, eng.num_draft):
+            def step(is_warmup: bool, j: int = j, chain: tuple = tuple(drafts),
+                     hid: torch.Tensor | None = last_hidden) -> _ChainStepOut:
+                return _ChainStepOut(*eng.draft_chain_step(j, list(chain), ends, tables, slots, hid,
+                                                           position=positions[j - 1], meta=metas[j - 1],
+                                                           logits_rows=rows, deferred=True, filter_plan=filters))
+
+            drafter.attention.plan(metas[j - 1], graph=True)
+            recorded = self._record(key, step)
+            if recorded is None:
+                return None
+            graph, out = recorded
+            graph.replay()  # this step, for real: the next capture reads its outputs
+            graphs.append(graph)
+            outs.append(out)
+            drafts.append(out.tokens)
+            last_hidden = out.hidden
+        chain = _ChainGraph(graphs, outs, first, positions, metas, hidden)
+        self.draft_graphs[key] = chain
+        if D.group_rank(eng.group) == 0:
+            log.info("captured CUDA graphs of draft steps 1..%d: batch bucket %d, sampled %s", eng.num_draft - 1,
+                     key.step.batch, key.sampled)
+        return chain
+
+    def _result(self, gen: list[Any], num_padding: int, out: _StepOut, accepted: torch.Tensor) -> StepResult:
+        real = slice(num_padding, num_padding + len(gen))
+        acc = accepted[real]
+        num = out.num[real].cpu()
+        emitted = {s.index: [int(t) for t in row[: int(n)]] for s, row, n in zip(gen, acc.tolist(), num.tolist())}
+        asking = [i for i, s in enumerate(gen) if s.logprobs is not None]
+        if asking:
+            pick = torch.tensor(asking, dtype=torch.int64) + num_padding
+            token_lp, top_ids, top_lp, ranks = (t.cpu()[pick] for t in out.logprobs)
+            found = logprob_dicts(token_lp, top_ids, top_lp, ranks, accepted[pick], num[pick - num_padding],
+                                  [gen[i].req.sampling.logprobs for i in asking])
+            for i, lp in zip(asking, found):
+                gen[i].step_logprobs = lp
+        hidden = None
+        if out.hidden is not None:
+            width = self.engine.num_draft + 1
+            hidden = out.hidden[num_padding * width:(num_padding + len(gen)) * width].clone()
+        return StepResult(emitted, hidden)
+
     def _host_batch(self, gen: list[Any], drafts: list[list[int]], num_padding: int) -> Any:
         from ..model.batch import ForwardBatch
 
         k = self.engine.num_draft
         tokens, positions, tables, cache_lens = [], [], [], []
+        for _ in range(num_padding):
+            tokens += [0] * (k + 1)
+            positions += list(range(k + 1))
+            tables.append(self.engine.scratch_table)
+            cache_lens.append(0)
         for seq, d in zip(gen, drafts):
             last = len(seq.tokens) - 1
             tokens += [seq.tokens[-1]] + list(d)
             positions += list(range(last, last + k + 1))
             tables.append(seq.pages)
             cache_lens.append(last)
-        for _ in range(num_padding):
-            tokens += [0] * (k + 1)
-            positions += list(range(k + 1))
-            tables.append(self.engine.scratch_table)
-            cache_lens.append(0)
         n = len(tokens)
         dev = self.engine.device
         batch = ForwardBatch(
@@ -156,7 +479,7 @@ class GenerationGraphs:
         )
         draft_table = None
         if k:
-            rows = [list(d) for d in drafts] + [[0] * k for _ in range(num_padding)]
+            rows = [[0] * k for _ in range(num_padding)] + [list(d) for d in drafts]
             draft_table = torch.tensor(rows, dtype=torch.int64)
         return batch, draft_table
 
@@ -172,23 +495,33 @@ class GenerationGraphs:
         """Host-side planning of a graphed step's attention (FlashInfer), before capture and replay."""
         self.engine.model.attention.plan(meta, graph=True)
 
-    def _forward_and_select(self, batch: Any, attn_meta: Any, drafts: torch.Tensor | None,
-                            is_warmup: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Target forward, then ``SpecWorker.step`` (its strict path: no host sync, so it can
-        be captured): each row's token, the drafts that match, forced acceptance when the
-        benchmark asks for it."""
+    def _forward_and_select(self, key: StepKey, batch: Any, attn_meta: Any, drafts: torch.Tensor | None, *,
+                            deferred: bool, is_warmup: bool = False, repeat: bool = False) -> _StepOut:
+        """The step function a graph captures: target forward, then ``SpecWorker.step`` (penalties,
+        selection, strict acceptance or rejection sampling on the shards, forced acceptance when
+        the benchmark asks for it), the emitted tokens' logprobs and the EAGLE-3 hidden states, as
+        the key says. ``deferred``: no host sync (a graph); else the eager step, whose selection
+        retries and gathers undecided rows itself."""
         eng = self.engine
-        out = eng.worker.step(eng.model(batch, attn_meta), drafts, eng.meta, is_warmup=is_warmup)
-        return out.accepted_tokens, out.num_accepted
+        k = eng.num_draft
+        logits = eng.model(batch, attn_meta)
+        draft_logits = eng.draft_store.read(eng.meta.slot_ids, k, check=False) if key.draft_logits else None
+        out = eng.worker.step(logits, drafts, eng.meta, draft_logits=draft_logits, is_warmup=is_warmup,
+                              deferred=deferred, filter_plan=key.filters, repeat=repeat)
+        logprobs = None
+        if key.top_logprobs is not None:
+            logprobs = step_logprobs(logits, eng.meta.request_row_index, out.accepted_tokens, key.top_logprobs)
+        hidden = eng.model.aux_hidden_states if key.hidden_states else None
+        return _StepOut(out.accepted_tokens, out.num_accepted, out.decided if deferred else None, logprobs, hidden)
 
-    def _eager(self, host: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def _eager(self, key: StepKey, host: Any, *, repeat: bool = False) -> _StepOut:
         batch, drafts = host
         dev = self.engine.device
         dev_batch = _on_device(batch, dev)
-        return self._forward_and_select(dev_batch, self._attn_meta(batch),
-                                        None if drafts is None else drafts.to(dev), False)
+        return self._forward_and_select(key, dev_batch, self._attn_meta(batch),
+                                        None if drafts is None else drafts.to(dev), deferred=False, repeat=repeat)
 
-    def _capture(self, key: tuple, host: Any) -> _Graph | None:
+    def _capture(self, key: StepKey, host: Any) -> _Graph | None:
         batch, drafts = host
         dev = self.engine.device
         static_batch = _on_device(batch, dev)
@@ -196,19 +529,46 @@ class GenerationGraphs:
         self._plan_attention(static_meta)
         static_drafts = None if drafts is None else drafts.to(dev)
 
+        def step(is_warmup: bool) -> _StepOut:
+            return self._forward_and_select(key, static_batch, static_meta, static_drafts, deferred=True,
+                                            is_warmup=is_warmup)
+
+        recorded = self._record(key, step)
+        if recorded is None:
+            return None
+        graph, out = recorded
+        g = _Graph(graph, static_batch.token_ids, static_batch.positions, static_drafts, static_meta, out,
+                   static_batch)
+        self.graphs[key] = g
+        if D.group_rank(self.engine.group) == 0:
+            log.info("captured CUDA graph %d: batch bucket %d, %d pages a request, key %s", len(self.graphs),
+                     key.batch, key.kv_pages, key)
+        return g
+
+    def _record(self, key: Any, step: Callable[[bool], Any]) -> tuple[Any, Any] | None:
+        """Warm ``step`` up, capture it (an :class:`_EagerReplay` without ``capture``) and vote:
+        ``(graph, static outputs)``, or None on every rank when some rank's capture failed (the key
+        joins ``failed``: it runs eagerly from now on)."""
+        dev = self.engine.device
+
         def warm_up() -> None:
+            if not self.capture:
+                return
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # eager warm-up (allocations, lazy inits), no forced acceptance
                 for _ in range(WARMUP_RUNS):
-                    self._forward_and_select(static_batch, static_meta, static_drafts, True)
+                    step(True)
             torch.cuda.current_stream().wait_stream(side)
 
         def capture() -> tuple:
+            if not self.capture:
+                replay = _EagerReplay(step)
+                return replay, replay.out
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                accepted, num = self._forward_and_select(static_batch, static_meta, static_drafts, False)
-            return graph, accepted, num
+                out = step(False)
+            return graph, out
 
         def min_over_ranks(vote: int) -> int:
             flag = torch.tensor([vote], dtype=torch.int64, device=dev)
@@ -217,23 +577,16 @@ class GenerationGraphs:
 
         captured, error = capture_or_fall_back(warm_up, capture, min_over_ranks)
         if error is not None:
-            warnings.warn(f"CUDA graph capture of generation step {key} failed, running it eagerly: {error}",
-                          RuntimeWarning, stacklevel=2)
-            torch.cuda.synchronize()
-            # A capture that failed midway can leave its memory pool marked as recording; later
-            # captures into it would fail too. The next capture gets a fresh pool.
-            self.pool = torch.cuda.graph_pool_handle()
+            warnings.warn(f"CUDA graph capture of {key} failed, running it eagerly: {error}", RuntimeWarning,
+                          stacklevel=3)
+            if self.capture:
+                torch.cuda.synchronize()
+                # A capture that failed midway can leave its memory pool marked as recording; later
+                # captures into it would fail too. The next capture gets a fresh pool.
+                self.pool = torch.cuda.graph_pool_handle()
         if captured is None:
             self.failed.add(key)
-            return None
-        graph, accepted, num = captured
-        g = _Graph(graph, static_batch.token_ids, static_batch.positions, static_drafts, static_meta, accepted, num,
-                   static_batch)
-        self.graphs[key] = g
-        if D.group_rank(self.engine.group) == 0:
-            log.info("captured CUDA graph %d: batch bucket %d, %d pages a request, key %s", len(self.graphs), key[0],
-                     key[-1], key)
-        return g
+        return captured
 
     def _load(self, g: _Graph, host: Any) -> None:
         batch, drafts = host
@@ -244,11 +597,15 @@ class GenerationGraphs:
         g.attn_meta.copy_(self._attn_meta(batch))
         self._plan_attention(g.attn_meta)
 
-    @staticmethod
-    def _emitted(gen: list[Any], accepted: torch.Tensor, num: torch.Tensor) -> dict[int, list[int]]:
-        acc = accepted[: len(gen)].cpu().tolist()
-        counts = num[: len(gen)].cpu().tolist()
-        return {s.index: [int(t) for t in row[: int(n)]] for s, row, n in zip(gen, acc, counts)}
+
+def _check_key(key: StepKey, meta: Any, drafts_sampled: bool) -> None:
+    """The prepared metadata takes the code paths the key was captured for (host facts only)."""
+    expected = (key.sampling == "greedy", key.sampling != "filtered", key.penalties, key.draft_logits)
+    found = (meta.is_all_greedy, meta.temperature_only, meta.local_any_penalties, drafts_sampled)
+    if expected != found or meta.num_requests != key.batch:
+        raise RuntimeError(f"graph step bookkeeping: key {key} expects (all greedy, temperature only, penalties, "
+                           f"sampled drafts) = {expected} for {key.batch} requests, the step has {found} for "
+                           f"{meta.num_requests}")
 
 
 def capture_or_fall_back(warm_up: Callable[[], None], capture: Callable[[], Any],
@@ -283,8 +640,6 @@ def graphs_unavailable_reason(engine: Any) -> str | None:
         return "not on a CUDA device"
     if engine.dp_size > 1:
         return "attention DP (per-rank batch sizes differ)"
-    if engine.eagle3 is not None:
-        return "EAGLE-3 drafting reads the target's hidden states of every step, which graphed steps do not keep"
     backend = D.group_backend(engine.group)
     if D.group_size(engine.group) > 1 and backend != "nccl":
         # gloo moves CUDA tensors through the host: its collectives cannot be captured.
@@ -295,10 +650,6 @@ def graphs_unavailable_reason(engine: Any) -> str | None:
     if not attention.supports_graphs:
         return f"the {attention.name!r} attention backend cannot run under CUDA graphs here"
     return None
-
-
-def eng_strict(engine: Any) -> bool:
-    return engine.worker.acceptance == "strict"
 
 
 def _on_device(batch: Any, device: torch.device) -> Any:

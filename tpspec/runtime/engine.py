@@ -185,9 +185,9 @@ class Engine:
                                           attention_backend=config.attention_backend,
                                           deterministic=config.deterministic)
         self.load_s = time.perf_counter() - started
-        self._allocate_pages()
 
-        # Penalties: this rank's columns' occurrences per slot (allocated when first used).
+        # The per-slot buffers first, so that the KV sizing sees them. Penalties: this rank's
+        # columns' occurrences per slot (allocated when first used: held back from the pages).
         head = self.model.lm_head
         self.occurrences = OccurrenceCounts(config.max_batch_size, vocab_offset=head.vocab_offset,
                                             width=head.shard_width, device=self.device)
@@ -206,8 +206,10 @@ class Engine:
         if self.worker.acceptance == "rejection" and (self.draft_model is not None or self.eagle3 is not None):
             self.draft_store = DraftLogitsStore(config.max_batch_size, self.num_draft, head.shard_width,
                                                 device=self.device)
+        self._allocate_pages()
         self._prepared = False  # meta prepared for the current step (before drafting)
         self._drafts_sampled = False  # this step's drafts were sampled (their logits are in draft_store)
+        self._graph_step = None  # the graphed generation step now running (cuda_graphs.GraphStep), if any
         # Sequences by request id, in admission order; index -> sequence; this rank's queue.
         self._seqs: dict[int, _Seq] = {}
         self._by_index: dict[int, _Seq] = {}
@@ -232,7 +234,8 @@ class Engine:
         """Size the pages (collective), allocate them in every paged model, and check that a
         request of ``max_seq_len`` tokens fits the pool (``ValueError`` otherwise)."""
         cfg = self.config
-        self.kv = plan_kv_cache(cfg, self.paged_models, self.group, self.device)
+        self.kv = plan_kv_cache(cfg, self.paged_models, self.group, self.device,
+                                reserve_bytes=self.occurrences.table_bytes)
         self.pages = PageAllocator(self.kv.num_pages, cfg.page_size)
         longest = cfg.max_seq_len - 1 + self.num_draft
         if self.pages.pages_for(longest) > self.kv.num_pages:  # the same verdict on every rank
@@ -256,13 +259,16 @@ class Engine:
             blocker = None if "LL" in exchange else local_ll_blocker(self.device)
             why = ("auto: every rank on one node with CUDA and cupy" if "LL" in exchange
                    else f"auto: no LL exchange, {blocker or 'the ranks span several nodes or one lacks it'}")
-        graphs = "off" if self.graphs is None else "on (captured per batch bucket on first use)"
+        graphs = "off"
+        if self.graphs is not None:
+            graphs = f"on (captured on first use, batch buckets {self.graphs.buckets[0]}..{self.graphs.buckets[-1]})"
         kv = self.kv
         return (f"engine ready: model {cfg.model_path} ({self.model.config.architecture}, "
                 f"{self.model.config.num_layers} layers, {self.dtype}), TP={self.mapping.tp_size}"
                 f"{' attention-DP' if self.dp_size > 1 else ''} on {self.device}; exchange {exchange} ({why}); "
-                f"attention {self.model.attention.name}; KV {kv.num_pages} pages x {kv.page_size} tokens = "
-                f"{kv.num_tokens} tokens per rank, {kv.total_bytes / 2**20:.1f} MiB ({kv.source}); "
+                f"attention {self.model.attention.name}; KV cache holds {kv.num_tokens} tokens per rank "
+                f"({kv.num_pages} pages x {kv.page_size} tokens, {kv.total_bytes / 2**20:.1f} MiB; {kv.source}); "
+                f"max_num_seqs={cfg.max_batch_size}, max_num_batched_tokens={cfg.max_num_tokens}; "
                 f"CUDA graphs {graphs}; weights loaded in {self.load_s:.2f} s")
 
     # ------------------------------------------------------------------ public
@@ -457,18 +463,26 @@ class Engine:
         k = self.num_draft
         use_dummy = dp and not plan.emitting  # this rank has no row, others may: keep collectives paired
         self._prepared = self._drafts_sampled = False
+        graph_step = self._graph_step = None
+        if self.graphs is not None and plan.gen and not plan.final_ctx and not plan.partial_ctx:
+            graph_step = self.graphs.plan(plan.gen)  # None: this step runs eagerly (on every rank alike)
+            self._graph_step = graph_step
         if self.draft_store is not None and (dp or any(not s.req.sampling.is_greedy for s in plan.gen)):
             # Sampled drafts read this step's streams: prepare before drafting. (The same
             # decision on every rank: plain TP ranks hold the same plan; under attention DP
-            # every rank prepares, a collective.) Such steps are never graphed.
-            self.meta.prepare(requests=self._requests(plan, use_dummy), draft_len=k)
+            # every rank prepares, a collective.) A graphed step's requests are its padded batch.
+            reqs = graph_step.requests if graph_step is not None else self._requests(plan, use_dummy)
+            self.meta.prepare(requests=reqs, draft_len=k)
             self._prepared = True
         drafts = self._propose(plan, always_run_model=dp)
-        if self.graphs is not None and plan.gen and not plan.final_ctx and not plan.partial_ctx:
-            graphed = self.graphs.run(plan.gen, drafts)  # None: not graphed, nothing changed
-            if graphed is not None:
-                self._commit_step(graphed)
-                return
+        if graph_step is not None:
+            result = self.graphs.run(graph_step, plan.gen, drafts, prepared=self._prepared,
+                                     drafts_sampled=self._drafts_sampled)
+            if self.eagle3 is not None:
+                self._keep_hidden_states([(s, True) for s in plan.gen], [k + 1] * len(plan.gen), result.emitted,
+                                         result.hidden)
+            self._commit_step(result.emitted)
+            return
 
         tokens: list[int] = []
         positions: list[int] = []
@@ -526,17 +540,17 @@ class Engine:
             else:  # only partial context chunks: fill the cache, no token is due
                 self._score_prompts(self.model(batch), prompt_next)
             if self.eagle3 is not None:
-                self._keep_hidden_states(in_batch, query_lens, emitted)
+                self._keep_hidden_states(in_batch, query_lens, emitted, self.model.aux_hidden_states)
         if dp:
             emitted = self._all_gather_emitted(emitted)
         self._commit_step(emitted)
 
     def _keep_hidden_states(self, in_batch: list[tuple[_Seq | None, bool]], query_lens: list[int],
-                            emitted: dict[int, list[int]]) -> None:
+                            emitted: dict[int, list[int]], captured: torch.Tensor) -> None:
         """EAGLE-3: queue the target hidden states of this step's tokens that are now part of their
         sequence (a context chunk: all of them; a generation request that emits n tokens: its last
-        committed token and the n - 1 accepted drafts) for the head's next catch-up forward."""
-        captured = self.model.aux_hidden_states
+        committed token and the n - 1 accepted drafts) for the head's next catch-up forward.
+        ``captured``: the step's hidden states, rows in ``in_batch`` order (``query_lens`` each)."""
         start = 0
         for (seq, is_gen), n in zip(in_batch, query_lens):
             if seq is not None:
@@ -565,7 +579,8 @@ class Engine:
 
     def _draft_with_model(self, gen: list[_Seq]) -> list[list[int]]:
         """Drafts from the draft model (picked by :meth:`_pick_drafts`): one catch-up forward (tokens
-        the draft cache has not seen, last row -> first draft), then K-1 one-token forwards."""
+        the draft cache has not seen, last row -> first draft), then K-1 one-token forwards
+        (:meth:`_draft_chain`)."""
         from ..model.batch import ForwardBatch
 
         k = self.num_draft
@@ -584,19 +599,9 @@ class Engine:
         batch = ForwardBatch(token_ids=torch.tensor(toks, dtype=torch.int64, device=dev),
                              positions=torch.tensor(pos, dtype=torch.int64, device=dev),
                              block_tables=tables, cache_lens=starts, query_lens=lens, logits_rows=last_rows)
-        drafts: list[torch.Tensor] = []
-        cur = self._pick_drafts(self.draft_model(batch), drafts, slots)
-        drafts.append(cur)
-        ends = [st + n for st, n in zip(starts, lens)]
-        for j in range(1, k):
-            batch = ForwardBatch(token_ids=cur.to(torch.int64),
-                                 positions=torch.tensor([e + j - 1 for e in ends], dtype=torch.int64, device=dev),
-                                 block_tables=tables, cache_lens=[e + j - 1 for e in ends],
-                                 query_lens=[1] * len(tables),
-                                 logits_rows=None)
-            cur = self._pick_drafts(self.draft_model(batch), drafts, slots)
-            drafts.append(cur)
-        table = torch.stack(drafts, dim=1).cpu().tolist() if gen else []
+        cur, _ = self._pick_drafts(self.draft_model(batch), [], slots)
+        drafts = self._draft_chain(cur, [st + n for st, n in zip(starts, lens)], tables, slots, None)
+        table = drafts.cpu().tolist() if gen else []
         for s in gen:  # the cache now holds the committed tokens plus drafts 1..K-1
             s.draft_cached = len(s.tokens) + k - 1
         return [[int(t) for t in row] for row in table]
@@ -606,10 +611,9 @@ class Engine:
         the target's hidden states at ``i`` and token ``i + 1``: one catch-up forward over the
         positions whose hidden states arrived since the last drafting (the last row gives the first
         draft), then K - 1 one-token forwards, each reading the previous row's output instead of
-        target hidden states."""
+        target hidden states (:meth:`_draft_chain`)."""
         from ..model.batch import ForwardBatch
 
-        k = self.num_draft
         dev = self.device
         head = self.eagle3
         width = head.aux_hidden_width
@@ -632,21 +636,61 @@ class Engine:
                              positions=torch.tensor(pos, dtype=torch.int64, device=dev),
                              block_tables=tables, cache_lens=starts, query_lens=lens, logits_rows=last_rows)
         logits, out = head(batch, hidden)
-        drafts: list[torch.Tensor] = []
-        cur = self._pick_drafts(logits, drafts, slots)
-        drafts.append(cur)
-        for j in range(1, k):
-            at = [e + j - 1 for e in ends]
-            batch = ForwardBatch(token_ids=cur, positions=torch.tensor(at, dtype=torch.int64, device=dev),
-                                 block_tables=tables, cache_lens=at, query_lens=[1] * len(slots), logits_rows=None)
-            logits, out = head(batch, out)
-            cur = self._pick_drafts(logits, drafts, slots)
-            drafts.append(cur)
-        table = torch.stack(drafts, dim=1).cpu().tolist() if gen else []
+        cur, _ = self._pick_drafts(logits, [], slots)
+        drafts = self._draft_chain(cur, ends, tables, slots, out)
+        table = drafts.cpu().tolist() if gen else []
         for s, e in zip(gen, ends):  # chained positions [e, e + K - 1) are overwritten next time
             s.draft_cached = e
             s.pending_hidden = []
         return [[int(t) for t in row] for row in table]
+
+    def _draft_chain(self, first: torch.Tensor, ends: list[int], tables: list[list[int]], slots: list[int],
+                     hidden: torch.Tensor | None) -> torch.Tensor:
+        """``[rows, K]`` drafts: ``first`` (the catch-up forward's pick) and draft steps 1 .. K-1, run
+        through CUDA graphs when this step is graphed (:meth:`GenerationGraphs.draft_chain`), else
+        by :meth:`draft_chain_steps`."""
+        if self.num_draft > 1 and self._graph_step is not None:
+            chained = self.graphs.draft_chain(self._graph_step, first, ends, tables, hidden, sampled=self._prepared)
+            if chained is not None:
+                return chained
+        return torch.stack(self.draft_chain_steps(first, ends, tables, slots, hidden), dim=1)
+
+    def draft_chain_steps(self, first: torch.Tensor, ends: list[int], tables: list[list[int]],
+                          slots: list[int], hidden: torch.Tensor | None) -> list[torch.Tensor]:
+        """Draft steps 1 .. K-1 after the catch-up pick ``first`` (``[rows]``), eagerly: the K drafts
+        ``[rows]`` each (see :meth:`draft_chain_step`)."""
+        drafts = [first]
+        for j in range(1, self.num_draft):
+            cur, hidden, _ = self.draft_chain_step(j, drafts, ends, tables, slots, hidden)
+            drafts.append(cur)
+        return drafts
+
+    def draft_chain_step(self, j: int, drafts: list[torch.Tensor], ends: list[int], tables: list[list[int]],
+                         slots: list[int] | torch.Tensor, hidden: torch.Tensor | None, *,
+                         position: torch.Tensor | None = None, meta=None, logits_rows: torch.Tensor | None = None,
+                         deferred: bool = False, filter_plan=None) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                                             torch.Tensor | None]:
+        """Draft step ``j`` (1 .. K-1): a one-token forward of the drafter at positions
+        ``ends[i] + j - 1`` (``tables``: the rows' block tables) feeding ``drafts[-1]`` (an EAGLE-3
+        head also ``hidden``, the previous row outputs), then the pick (:meth:`_pick_drafts`, which
+        counts ``drafts`` as the chain so far). Returns ``(tokens [rows], the head's outputs or None,
+        decided)``; ``decided`` as :meth:`_pick_drafts` gives it. ``position``/``meta``/
+        ``logits_rows``: the step's static positions ``[rows]``, attention metadata and logits rows
+        (what a CUDA graph captures); built here without them. The step function of the eager
+        chain and of its graphs."""
+        from ..model.batch import ForwardBatch
+
+        at = [e + j - 1 for e in ends]
+        if position is None:
+            position = torch.tensor(at, dtype=torch.int64, device=self.device)
+        batch = ForwardBatch(token_ids=drafts[-1], positions=position, block_tables=tables, cache_lens=at,
+                             query_lens=[1] * len(tables), logits_rows=logits_rows)
+        if self.eagle3 is not None:
+            logits, hidden = self.eagle3(batch, hidden, meta)
+        else:
+            logits = self.draft_model(batch, meta)
+        cur, decided = self._pick_drafts(logits, drafts, slots, deferred=deferred, filter_plan=filter_plan)
+        return cur, hidden, decided
 
     def _verify(self, plan: _Plan, batch, drafts: list[list[int]], use_dummy: bool,
                 prompt_next: list[tuple[_Seq, int]]) -> dict[int, list[int]]:
@@ -685,26 +729,30 @@ class Engine:
             reqs.append(RequestEntry(_DUMMY_REQUEST_ID, -1, None, True))  # padding: greedy, no stream
         return reqs + [s.entry(False) for s in plan.gen]
 
-    def _pick_drafts(self, logits, previous: list[torch.Tensor], slots: list[int]) -> torch.Tensor:
+    def _pick_drafts(self, logits, previous: list[torch.Tensor], slots: list[int] | torch.Tensor, *,
+                     deferred: bool = False, filter_plan=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The next draft step's tokens from the drafter's ``logits`` (rows: this rank's generation
         requests at their stream ``slots``, or its one dummy row at slot -1; ``previous``: the
         chain's drafts so far, ``[rows]`` each): sampled on the shards with each request's
         penalties (counting ``previous`` as output), temperature and filters when the step
         prepared its streams first and some request samples (the logits then wait in
-        ``draft_store``), else greedy."""
+        ``draft_store``), else greedy. ``deferred``: no host sync (a CUDA graph; ``slots`` a device
+        tensor, ``filter_plan`` the filters' facts); the second value says then whether every
+        filtered row was decided (None: no filter), else it is None."""
         from ..speculative import select_draft_tokens
 
         if not self._prepared:
-            return logits.argmax(channel=Channel.DRAFT)
+            return logits.argmax(channel=Channel.DRAFT), None
         # The drafted rows are the step's last requests: its generation requests, or the dummy.
         first = self.meta.num_requests - len(slots)
         step = len(previous)
         sel = select_draft_tokens(logits, self.meta, step, sample=True, first_request=first,
-                                  previous_drafts=torch.stack(previous, dim=1) if previous else None)
+                                  previous_drafts=torch.stack(previous, dim=1) if previous else None,
+                                  deferred=deferred, filter_plan=filter_plan)
         if sel.logits is not None:
-            self.draft_store.write(slots, step, sel.logits)
+            self.draft_store.write(slots, step, sel.logits, check=not deferred)
             self._drafts_sampled = True
-        return sel.tokens
+        return sel.tokens, sel.decided
 
     def _step_logprobs(self, logits, out, emitting: list[_Seq | None]) -> None:
         """Sets ``step_logprobs`` of the requests asking for logprobs (from the raw logits)."""

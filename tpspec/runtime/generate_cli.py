@@ -61,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how many built-in prompts to run when no --prompt is given (default 8; "
                              "more repeat them)")
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--max-num-seqs", type=int, default=8)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's EOS token")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: eager generation steps on GPU")

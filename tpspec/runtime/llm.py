@@ -35,9 +35,10 @@ from ..sampling.logprobs import Logprob
 from ..sampling.params import SamplingParams
 from ..speculative.forced import read_forced_rate
 from ..validation import check_bool, check_int, check_real, is_int, resolve_device, resolve_dtype
-from .config import (LAUNCHERS, CompletionOutput, EngineConfig, Request, RequestMetrics, RequestOutput, RequestStats,
-                     SpeculativeConfig)
+from .config import (DEFAULT_MAX_BATCH_SIZE, LAUNCHERS, CompletionOutput, EngineConfig, Request, RequestMetrics,
+                     RequestOutput, RequestStats, SpeculativeConfig, default_max_num_tokens)
 from .engine import Engine, SequenceResult, SequenceUpdate
+from .kv_sizing import KVPlan
 from .launchers import Executor, GroupSpec, RankContext, make_executor
 from .tokenizer import IncrementalDetokenizer, load_tokenizer
 
@@ -195,12 +196,13 @@ class LLM:
     checkpoint's ``generation_config.json`` sampling defaults (temperature, top_p, top_k,
     min_p, max_new_tokens -> max_tokens) when ``generate`` gets no sampling params, and its
     EOS ids; ``"vllm"`` ignores the file; a directory reads that directory's file.
-    ``max_num_seqs``: sequences running at once (per rank under attention DP).
-    ``max_num_batched_tokens``: tokens one step feeds (context chunks fill what generation
-    leaves). ``enforce_eager``: no CUDA graphs. ``distributed_executor_backend``: ``"mp"``
-    (local worker processes), ``"ray"`` (one actor per rank) or ``"external_launcher"``
-    (this process is a rank, started by torchrun: every rank runs the same program);
-    default ``"external_launcher"`` in a process torchrun started, else ``"mp"``.
+    ``max_num_seqs``: sequences running at once (per rank under attention DP; default 256, as
+    vLLM). ``max_num_batched_tokens``: tokens one step feeds (context chunks fill what generation
+    leaves; default ``max(2048, max_num_seqs * (num_speculative_tokens + 1))``).
+    ``enforce_eager``: no CUDA graphs. ``distributed_executor_backend``: ``"mp"`` (local worker
+    processes), ``"ray"`` (one actor per rank) or ``"external_launcher"`` (this process is a rank,
+    started by torchrun: every rank runs the same program); default ``"external_launcher"`` in a
+    process torchrun started, else ``"mp"``.
 
     tpspec's own options: ``device`` (``"auto"``: cuda when available), ``attention_dp``
     (attention data-parallel: each rank runs its own requests), ``exchange`` (``"auto"``,
@@ -209,9 +211,10 @@ class LLM:
 
     KV cache (paged): ``page_size`` tokens a page (default 16); ``kv_cache_bytes``: bytes of
     pages per rank (any device; ``gpu_memory_utilization`` then has no effect, nor on CPU: a
-    warning says so); on CPU without it, pages for ``max_num_seqs`` requests of
-    ``max_model_len`` (at most 4 GiB). Requests wait (in order) for pages; one that could
-    never fit raises ``ValueError``. ``attention_backend``: ``"auto"``
+    warning says so); on CPU without it, pages for ``min(max_num_seqs, 8)`` requests of
+    ``max_model_len`` (at most 4 GiB). ``kv_cache_tokens``: the tokens the cache holds per
+    rank (``num_kv_pages`` pages of ``page_size``), known once the engine is up. Requests wait
+    (in order) for pages; one that could never fit raises ``ValueError``. ``attention_backend``: ``"auto"``
     (FlashInfer on CUDA when installed, else torch), ``"torch"`` or ``"flashinfer"``.
 
     ``deterministic``: run the model with fixed reduction orders (``docs/determinism.md``): a
@@ -239,7 +242,7 @@ class LLM:
         gpu_memory_utilization: float | None = None,
         speculative_config: SpeculativeConfig | dict | None = None,
         generation_config: str = "auto",
-        max_num_seqs: int = 8,
+        max_num_seqs: int = DEFAULT_MAX_BATCH_SIZE,
         max_num_batched_tokens: int | None = None,
         enforce_eager: bool = False,
         distributed_executor_backend: str | None = None,
@@ -319,7 +322,7 @@ class LLM:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
                              f"{self.model_config.max_position_embeddings} (positions past it were never trained)")
         if max_num_batched_tokens is None:
-            max_num_batched_tokens = max(512, max_num_seqs * (k + 1))
+            max_num_batched_tokens = default_max_num_tokens(max_num_seqs, k)
 
         memory_share = gpu_memory_utilization
         if memory_share is not None and (device != "cuda" or kv_cache_bytes is not None):
@@ -365,11 +368,15 @@ class LLM:
             executor.start()
             if getattr(executor, "num_nodes", 1) > 1:  # the LL exchange is one node only
                 self.config = dataclasses.replace(self.config, exchange="allgather")
-            executor.call(_start_engine, self.config, timeout_s=init_timeout_s)
+            kv = next(r for r in executor.call(_start_engine, self.config, timeout_s=init_timeout_s) if r is not None)
         except BaseException:
             executor.shutdown()
             raise
         self._executor = executor
+        self.num_kv_pages: int = kv.num_pages
+        """KV pages each rank holds for requests (vLLM's ``num_gpu_blocks``), of ``page_size`` tokens."""
+        self.kv_cache_tokens: int = kv.num_tokens
+        """Tokens the KV cache holds per rank: ``num_kv_pages * page_size``."""
 
     # ------------------------------------------------------------------ public
     @property
@@ -909,9 +916,12 @@ def _integer_array(values: torch.Tensor | np.ndarray) -> bool:
     return values.dtype.kind in "iu"
 
 
-def _start_engine(ctx: RankContext, config: EngineConfig) -> None:
-    """On every rank: build the rank's engine (loads its shard of the weights)."""
-    ctx.state["engine"] = Engine(config, ctx.mapping, ctx.device)
+def _start_engine(ctx: RankContext, config: EngineConfig) -> KVPlan:
+    """On every rank: build the rank's engine (loads its shard of the weights); its KV plan (the
+    same on every rank)."""
+    engine = Engine(config, ctx.mapping, ctx.device)
+    ctx.state["engine"] = engine
+    return engine.kv
 
 
 def _noop_on_rank(ctx: RankContext) -> None:

@@ -56,6 +56,11 @@ class OccurrenceCounts:
         self._counts: torch.Tensor | None = None  # [num_slots + 1, width + 1] int32; last row/column: sinks
         self._seen: torch.Tensor | None = None  # [num_slots + 1, width + 1] bool
 
+    @property
+    def table_bytes(self) -> int:
+        """Bytes the tables take once allocated (int32 counts and bool flags, a sink row and column)."""
+        return (self.num_slots + 1) * (self.width + 1) * (4 + 1)
+
     def _tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._counts is None or self._seen is None:
             shape = (self.num_slots + 1, self.width + 1)

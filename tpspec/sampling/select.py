@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -69,6 +69,13 @@ DEFAULT_CANDIDATES = 64
 """Candidate keys each rank sends per filtered row (raised to the batch's largest top-k)."""
 RETRY_FACTOR = 4
 """An uncertified top-p row retries once with this many times more candidates."""
+
+
+def candidate_bucket(count: int) -> int:
+    """``count`` candidates rounded up to a power of two (at least ``DEFAULT_CANDIDATES``): what
+    rejection sampling sends and CUDA graphs are keyed by, so that batches with different
+    top-k share a count."""
+    return 1 << (max(count, DEFAULT_CANDIDATES) - 1).bit_length()
 
 
 @dataclass
@@ -218,6 +225,105 @@ def select_tokens(
     return tokens
 
 
+def select_tokens_deferred(
+    sharded_logits: Any, spec_metadata: Any, plan: "FilterPlan | None", *, channel: int = Channel.TARGET
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`select_tokens` without a host sync (what a CUDA graph captures): ``(tokens [R]
+    int64, decided)``.
+
+    ``plan``: the :class:`FilterPlan` of the rows' filters, known on the host ahead (from the
+    requests' parameters, :meth:`FilterPlan.of_params`); None when no row has a filter.
+    ``decided``: None when every row is decided (greedy and temperature-only batches), else a
+    0-dim bool tensor, equal on every rank: False when a filtered row could not be decided from
+    its candidates (its token is then meaningless; the caller runs :func:`select_tokens` for
+    the whole step instead, which gives that row its retry and its gathered fallback). Decided
+    rows hold exactly the tokens :func:`select_tokens` returns. Collective over the exchange group.
+    """
+    rs = _sampling_rows(spec_metadata)
+    if rs.num_rows != sharded_logits.num_rows:
+        raise ValueError(
+            f"the logits have {sharded_logits.num_rows} rows but the sampling metadata describes {rs.num_rows}"
+        )
+    if rs.has_filters:
+        if plan is None:
+            raise ValueError("rows with filters need their FilterPlan to select without a host sync")
+        if type(sharded_logits) is not VocabShardedLogits:
+            raise ValueError(f"deferred selection needs the plain VocabShardedLogits of one batch, got "
+                             f"{type(sharded_logits).__name__}")
+        if rs.seeds is None:
+            seeds, offsets = sharded_logits.exchange.unseeded_streams(rs.num_rows)
+            rs = dataclasses.replace(rs, seeds=seeds, offsets=offsets)
+        tokens, decided = draw_filtered(penalized_logits(sharded_logits, rs.penalties), rs, plan, channel=channel)
+        return tokens, decided.all()
+    return select_tokens(sharded_logits, rs, channel=channel), None
+
+
+@dataclass(frozen=True)
+class FilterPlan:
+    """Which collectives the filtered draw of one batch runs: host facts, equal on every rank.
+
+    ``candidates``: keys each rank sends per row (at least every top-k that is on);
+    ``any_plain``: some row has no filter (greedy or temperature only: one Gumbel-max key
+    exchange); ``any_filtered``: some sampled row has a filter (the candidate exchange);
+    ``any_top_p_total``: a top-p row without top-k (its exact total, one int64 sum);
+    ``any_min_p_only``: a min-p row without top-k or top-p (its masked draw, one key exchange).
+    A plan may claim more than the rows need (it then only runs a collective more); never less.
+    Read from the rows (:meth:`of_rows`, one host sync) or known ahead from the requests'
+    parameters (:meth:`of_params`: what a CUDA graph is captured for).
+    """
+
+    candidates: int = DEFAULT_CANDIDATES
+    any_plain: bool = True
+    any_filtered: bool = True
+    any_top_p_total: bool = True
+    any_min_p_only: bool = True
+
+    @classmethod
+    def of_flags(cls, k_on: torch.Tensor, p_on: torch.Tensor, m_on: torch.Tensor, k_value: torch.Tensor,
+                 candidates: int = DEFAULT_CANDIDATES) -> "FilterPlan":
+        """From host ``[R]`` row flags (filters on, already limited to sampled rows) and ``k_value``
+        (top-k where on, else 0): ``candidates`` raised to the largest top-k."""
+        filtered = k_on | p_on | m_on
+        k_max = int(k_value.max()) if k_value.numel() else 0
+        return cls(candidates=max(candidates, k_max), any_plain=bool((~filtered).any()),
+                   any_filtered=bool(filtered.any()), any_top_p_total=bool((p_on & ~k_on).any()),
+                   any_min_p_only=bool((m_on & ~k_on & ~p_on).any()))
+
+    @classmethod
+    def of_rows(cls, rows: SamplingRows, vocab_size: int, device: torch.device,
+                candidates: int = DEFAULT_CANDIDATES) -> "FilterPlan":
+        """The plan of ``rows`` (one host transfer of their flags)."""
+        k_on, p_on, m_on, k_value = _row_filters(rows, vocab_size, device)
+        host = torch.stack([k_on.to(torch.int64), p_on.to(torch.int64), m_on.to(torch.int64), k_value], dim=1).cpu()
+        return cls.of_flags(host[:, 0] == 1, host[:, 1] == 1, host[:, 2] == 1, host[:, 3], candidates)
+
+    @classmethod
+    def of_params(cls, params: Sequence[tuple[float, int, float, float]], vocab_size: int,
+                  candidates: int = DEFAULT_CANDIDATES) -> "FilterPlan":
+        """The plan of requests with these normalized ``(temperature, top_k, top_p, min_p)``
+        (``SamplingParams.normalized()``), without touching a device: the flags come from the
+        same float32 values and comparisons the rows' tensors get."""
+        t, k, p, m = zip(*params) if params else ((), (), (), ())
+        rows = SamplingRows(torch.tensor(t, dtype=torch.float32), top_k=torch.tensor(k, dtype=torch.int64),
+                            top_p=torch.tensor(p, dtype=torch.float32), min_p=torch.tensor(m, dtype=torch.float32))
+        k_on, p_on, m_on, k_value = _row_filters(rows, vocab_size, torch.device("cpu"))
+        return cls.of_flags(k_on, p_on, m_on, k_value, candidates)
+
+
+def _row_filters(rows: SamplingRows, vocab_size: int, device: torch.device) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(k_on, p_on, m_on, k_value)`` ``[R]`` of ``rows``: which filters are on (sampled rows
+    only) and the top-k where it is on (else 0)."""
+    num_rows = rows.num_rows
+    sampled = rows.temperature.to(device=device, dtype=torch.float32) >= rows.greedy_threshold
+    k_on, p_on, m_on = filter_flags(num_rows, vocab_size, device, rows.top_k, rows.top_p, rows.min_p)
+    k_on, p_on, m_on = k_on & sampled, p_on & sampled, m_on & sampled
+    k_value = torch.zeros(num_rows, dtype=torch.int64, device=device)
+    if rows.top_k is not None:
+        k_value = torch.where(k_on, rows.top_k.to(device, torch.int64), k_value)
+    return k_on, p_on, m_on, k_value
+
+
 def sample_filtered(
     logits: VocabShardedLogits,
     rows: SamplingRows,
@@ -234,7 +340,8 @@ def sample_filtered(
     does). ``candidates``: keys each rank sends per filtered row at first. Without ``rows.seeds``
     the exchange's step counter seeds the rows (advanced once). Bit for bit the tokens of
     ``tpspec.sampling.ops.sample_from_logits`` on the gathered rows. Collective; reads the
-    parameters and the exchanged candidates on the host.
+    parameters and the verdicts on the host: :func:`draw_filtered` over every row, then the
+    undecided rows once more with ``RETRY_FACTOR`` times the candidates, then gathered.
     """
     check_int("candidates", candidates, low=1)
     ex = logits.exchange
@@ -243,31 +350,23 @@ def sample_filtered(
         seeds, offsets = ex.unseeded_streams(num_rows)
         rows = dataclasses.replace(rows, seeds=seeds, offsets=offsets)
     stats = stats if stats is not None else SamplingStats()
-    temperature = rows.temperature.to(device=device, dtype=torch.float32)
-    sampled = temperature >= rows.greedy_threshold
-    k_on, p_on, m_on = filter_flags(num_rows, logits.vocab_size, device, rows.top_k, rows.top_p, rows.min_p)
-    k_on, p_on, m_on = k_on & sampled, p_on & sampled, m_on & sampled
-    k_value = torch.zeros(num_rows, dtype=torch.int64, device=device)
-    if rows.top_k is not None:
-        k_value = torch.where(k_on, rows.top_k.to(device, torch.int64), k_value)
-    # Every host fact of the call in one transfer: which rows filter how, and the largest k.
-    host = torch.stack([k_on.to(torch.int64), p_on.to(torch.int64), m_on.to(torch.int64), k_value], dim=1).cpu()
-    filtered = host[:, :3].any(dim=1)
-    filtered_rows = torch.nonzero(filtered).flatten().tolist()
-    plain_rows = torch.nonzero(~filtered).flatten().tolist()
-    tokens = torch.empty(num_rows, dtype=torch.int64, device=device)
-    if plain_rows:
-        plain = _index(device, plain_rows)
-        sub = SamplingRows(temperature[plain], rows.seeds[plain], rows.offsets[plain],
-                           greedy_threshold=rows.greedy_threshold)
-        local = logits.local if len(plain_rows) == num_rows else logits.local[plain]
-        tokens[plain] = ex.argmax_logits(local.detach(), logits.vocab_offset, vocab_size=logits.vocab_size,
-                                         rows=sub, channel=channel)
-        stats.rows_sharded += len(plain_rows)
-    if filtered_rows:
-        pick = _index(device, filtered_rows)
-        taken = _Rows.take(rows, temperature, k_on, p_on, m_on, pick, host[filtered_rows])
-        tokens[pick] = _filtered_tokens(logits, taken, channel, candidates, stats)
+    plan = FilterPlan.of_rows(rows, logits.vocab_size, device, candidates)
+    tokens, decided = draw_filtered(logits, rows, plan, channel=channel)
+    left = torch.nonzero(~decided.cpu()).flatten().tolist()  # the call's one sync after the exchange
+    stats.rows_sharded += num_rows - len(left)
+    if left and plan.candidates < logits.shard_width:
+        stats.rows_retried += len(left)
+        at = _index(device, left)
+        retry = dataclasses.replace(plan, candidates=plan.candidates * RETRY_FACTOR, any_plain=False)
+        retried, ok = draw_filtered(_picked(logits, at), _take_rows(rows, at), retry, channel=channel)
+        tokens[at] = retried
+        ok_host = ok.cpu()
+        stats.rows_sharded += int(ok_host.sum())
+        left = [r for r, good in zip(left, ok_host.tolist()) if not good]
+    if left:
+        at = _index(device, left)
+        tokens[at] = _gather_and_sample(_picked(logits, at), _take_rows(rows, at))
+        stats.rows_gathered += len(left)
     return tokens
 
 
@@ -277,41 +376,20 @@ def _index(device: torch.device, rows: list[int]) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int64, device=device)
 
 
-@dataclass
-class _Rows:
-    """Filtered rows: their rows of the logits (``index``) and parameters (``[F]`` each;
-    a filter's values are read only where it is on); ``host``: ``[F, 4]`` int64 on the CPU,
-    (top-k on, top-p on, min-p on, k), so that choosing what to exchange needs no sync."""
+def _take_rows(rows: SamplingRows, index: torch.Tensor) -> SamplingRows:
+    """The rows at ``index`` (a device tensor) of ``rows`` (filters and streams; no penalties)."""
 
-    index: torch.Tensor
-    temperature: torch.Tensor
-    seeds: torch.Tensor
-    offsets: torch.Tensor
-    k_on: torch.Tensor
-    p_on: torch.Tensor
-    m_on: torch.Tensor
-    top_k: torch.Tensor
-    top_p: torch.Tensor
-    min_p: torch.Tensor
-    host: torch.Tensor
+    def part(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(index.device)[index]
 
-    @classmethod
-    def take(cls, rows: SamplingRows, temperature: torch.Tensor, k_on: torch.Tensor, p_on: torch.Tensor,
-             m_on: torch.Tensor, pick: torch.Tensor, host: torch.Tensor) -> "_Rows":
-        n, dev = pick.shape[0], pick.device
+    return SamplingRows(part(rows.temperature), part(rows.seeds), part(rows.offsets),
+                        greedy_threshold=rows.greedy_threshold, top_k=part(rows.top_k), top_p=part(rows.top_p),
+                        min_p=part(rows.min_p))
 
-        def param(t: torch.Tensor | None, fill: float, dtype: torch.dtype) -> torch.Tensor:
-            return torch.full((n,), fill, dtype=dtype, device=dev) if t is None else t.to(dev, dtype)[pick]
 
-        return cls(pick, temperature[pick], rows.seeds.to(dev)[pick], rows.offsets.to(dev)[pick], k_on[pick],
-                   p_on[pick], m_on[pick], param(rows.top_k, TOP_K_DISABLED, torch.int64),
-                   param(rows.top_p, 1.0, torch.float32), param(rows.min_p, 0.0, torch.float32), host)
-
-    def subset(self, pick: list[int]) -> "_Rows":
-        """These rows at positions ``pick`` (host indices)."""
-        index = torch.tensor(pick, dtype=torch.int64, device=self.index.device)
-        return _Rows(*(getattr(self, f.name)[torch.tensor(pick, dtype=torch.int64) if f.name == "host" else index]
-                       for f in dataclasses.fields(self)))
+def _picked(logits: VocabShardedLogits, index: torch.Tensor) -> VocabShardedLogits:
+    return VocabShardedLogits(logits.local.detach()[index].contiguous(), logits.vocab_offset, logits.vocab_size,
+                              logits.exchange)
 
 
 def _local_keys(logits: VocabShardedLogits, local: torch.Tensor, temperature: torch.Tensor) -> tuple[
@@ -326,7 +404,7 @@ def _local_keys(logits: VocabShardedLogits, local: torch.Tensor, temperature: to
 
 
 def _candidates(ex: Any, keys: torch.Tensor, count: int, channel: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(ranked [F, tp * count], floor [F])``: every rank's ``count`` best keys, best first,
+    """``(ranked [R, tp * count], floor [R])``: every rank's ``count`` best keys, best first,
     and the largest of the ranks' ``count``-th keys: every column missing from ``ranked`` lies
     below it (``EMPTY_KEY`` when every rank sent all of its columns)."""
     width = keys.shape[1]
@@ -343,67 +421,74 @@ def _candidates(ex: Any, keys: torch.Tensor, count: int, channel: int) -> tuple[
     return torch.sort(gathered, dim=1, descending=True).values, floor
 
 
-def _filtered_tokens(logits: VocabShardedLogits, rows: _Rows, channel: int, count: int, stats: SamplingStats, *,
-                     total: torch.Tensor | None = None, retry: bool = True) -> torch.Tensor:
-    """Tokens of the filtered ``rows`` (``[F]`` int64), equal on every rank."""
+def draw_filtered(logits: VocabShardedLogits, rows: SamplingRows, plan: FilterPlan, *,
+                  channel: int = Channel.TARGET) -> tuple[torch.Tensor, torch.Tensor]:
+    """One pass of the filtered draw over every row, without a host sync: ``(tokens [R] int64,
+    decided [R] bool)``, equal on every rank.
+
+    Rows without a filter take the exchange's draw (greedy or Gumbel-max); filtered rows are
+    decided from ``plan.candidates`` candidate keys a rank (top-k always; top-p when certified;
+    min-p from the candidates when every rank's last sent key lies below the threshold, else by
+    the masked exchange when ``plan.any_min_p_only``). An undecided row (``decided`` False) holds
+    no token. Decided rows hold the tokens of ``sample_from_logits`` on the gathered rows.
+    ``rows.seeds`` must be set; ``plan`` must cover the rows (see :class:`FilterPlan`).
+    """
     ex = logits.exchange
-    device = logits.local.device
-    num = rows.temperature.shape[0]
-    local = logits.local.detach()[rows.index]
-    scores, keys = _local_keys(logits, local, rows.temperature)
-    count = max(count, int(rows.host[:, 3].max()))  # top-k is exact only when every rank sends at least k
-    ranked, floor = _candidates(ex, keys, count, channel)
+    num_rows, device = logits.num_rows, logits.local.device
+    local = logits.local.detach()
+    temperature = rows.temperature.to(device=device, dtype=torch.float32)
+    k_on, p_on, m_on, _ = _row_filters(rows, logits.vocab_size, device)
+    filtered = k_on | p_on | m_on
+    tokens = torch.zeros(num_rows, dtype=torch.int64, device=device)
+    if plan.any_plain:
+        plain = SamplingRows(temperature, rows.seeds, rows.offsets, greedy_threshold=rows.greedy_threshold)
+        tokens = ex.argmax_logits(local, logits.vocab_offset, vocab_size=logits.vocab_size, rows=plain,
+                                  channel=channel)
+    if not plan.any_filtered:
+        return tokens, ~filtered
+
+    def param(t: torch.Tensor | None, fill: float, dtype: torch.dtype) -> torch.Tensor:
+        return torch.full((num_rows,), fill, dtype=dtype, device=device) if t is None else t.to(device, dtype)
+
+    top_k = param(rows.top_k, TOP_K_DISABLED, torch.int64)
+    top_p = param(rows.top_p, 1.0, torch.float32)
+    min_p = param(rows.min_p, 0.0, torch.float32)
+    seeds, offsets = rows.seeds.to(device), rows.offsets.to(device)
+    scores, keys = _local_keys(logits, local, temperature)
+    ranked, floor = _candidates(ex, keys, plan.candidates, channel)
     best, _ = unpack_keys(ranked[:, 0])
-    # Z of the top-p rows without top-k: the exact sum of every rank's masses.
-    needs_total = torch.nonzero((rows.host[:, 1] == 1) & (rows.host[:, 0] == 0)).flatten().tolist()
-    if total is None and needs_total:
-        total = torch.zeros(num, dtype=torch.int64, device=device)
-        which = _index(device, needs_total)
-        masses = column_masses(scores[which], best[which])
-        masses = torch.where(keys[which] != EMPTY_KEY, masses, torch.zeros_like(masses))
-        total[which] = ex.sum_rows(masses.sum(dim=1), channel=channel)
-    off = torch.zeros_like(rows.k_on)
-    keep_kp = sorted_filter_mask(ranked, rows.k_on, rows.top_k, rows.p_on, rows.top_p, off, None, total=total)
-    keep = keep_kp & sorted_filter_mask(ranked, off, None, off, None, rows.m_on, rows.min_p)
+    total = None
+    if plan.any_top_p_total:
+        # Z of the top-p rows without top-k: the exact sum of every rank's masses (0 elsewhere).
+        needs = (p_on & ~k_on).reshape(-1, 1)
+        masses = column_masses(scores, best)
+        masses = torch.where((keys != EMPTY_KEY) & needs, masses, torch.zeros_like(masses))
+        total = ex.sum_rows(masses.sum(dim=1), channel=channel)
+    off = torch.zeros_like(k_on)
+    keep_kp = sorted_filter_mask(ranked, k_on, top_k, p_on, top_p, off, None, total=total)
+    keep = keep_kp & sorted_filter_mask(ranked, off, None, off, None, m_on, min_p)
     # Which rows the candidates decide. Every input is equal on every rank, so is every verdict.
     degenerate = ~torch.isfinite(best)
     last_kept = ranked.gather(1, (keep_kp.sum(dim=1) - 1).reshape(-1, 1)).reshape(-1)
-    p_certified = _top_p_reached(ranked, keep_kp, best, rows.top_p, total) & (last_kept >= floor)
+    p_certified = _top_p_reached(ranked, keep_kp, best, top_p, total) & (last_kept >= floor)
     floor_value, _ = unpack_keys(floor)
     floor_mass = column_masses(floor_value.reshape(-1, 1), best).reshape(-1)
     floor_mass = torch.where(floor == EMPTY_KEY, torch.full_like(floor_mass, -1), floor_mass)
-    m_within = floor_mass < min_p_threshold(rows.min_p)
-    only_m = rows.m_on & ~rows.k_on & ~rows.p_on
-    from_candidates = degenerate | rows.k_on | (rows.p_on & p_certified) | (only_m & m_within)
-    masked = only_m & ~from_candidates
-    verdicts = torch.stack([from_candidates, masked], dim=1).cpu()  # the call's one sync after the exchange
-    first = torch.nonzero(verdicts[:, 0]).flatten().tolist()
-    second = torch.nonzero(verdicts[:, 1]).flatten().tolist()
-    third = torch.nonzero(~verdicts.any(dim=1)).flatten().tolist()
-    tokens = torch.empty(num, dtype=torch.int64, device=device)
-    if first:
-        at = _index(device, first)
-        tokens[at] = _draw_from_candidates(ranked[at], keep[at], rows.subset(first))
-    if second:
-        at = _index(device, second)
-        tokens[at] = _draw_masked(logits, local[at], scores[at], keys[at], best[at], rows.subset(second), channel)
-    stats.rows_sharded += len(first) + len(second)
-    if third:
-        at = _index(device, third)
-        sub_total = None if total is None else total[at]
-        if retry and count < logits.shard_width:
-            stats.rows_retried += len(third)
-            tokens[at] = _filtered_tokens(logits, rows.subset(third), channel, count * RETRY_FACTOR, stats,
-                                          total=sub_total, retry=False)
-        else:
-            tokens[at] = _gather_and_sample(logits, rows.subset(third))
-            stats.rows_gathered += len(third)
-    return tokens
+    m_within = floor_mass < min_p_threshold(min_p)
+    only_m = m_on & ~k_on & ~p_on
+    decided = degenerate | k_on | (p_on & p_certified) | (only_m & m_within)
+    drawn = _draw_from_candidates(ranked, keep, seeds, offsets)
+    if plan.any_min_p_only:
+        masked = only_m & ~decided
+        drawn = torch.where(masked, _draw_masked(logits, local, scores, keys, best, temperature, min_p, seeds,
+                                                 offsets, channel), drawn)
+        decided = decided | masked
+    return torch.where(filtered, drawn, tokens), decided | ~filtered
 
 
 def _top_p_reached(ranked: torch.Tensor, keep: torch.Tensor, best: torch.Tensor, top_p: torch.Tensor,
                    total: torch.Tensor | None) -> torch.Tensor:
-    """``[F]`` bool: the kept candidates' mass reaches the top-p target (the prefix ends among
+    """``[R]`` bool: the kept candidates' mass reaches the top-p target (the prefix ends among
     them). Read only on top-p rows without top-k, where ``total`` is set."""
     if total is None:
         return torch.zeros(ranked.shape[0], dtype=torch.bool, device=ranked.device)
@@ -414,37 +499,42 @@ def _top_p_reached(ranked: torch.Tensor, keep: torch.Tensor, best: torch.Tensor,
     return kept >= top_p_target(total, top_p_fixed(top_p))
 
 
-def _draw_from_candidates(ranked: torch.Tensor, keep: torch.Tensor, rows: _Rows) -> torch.Tensor:
+def _draw_from_candidates(ranked: torch.Tensor, keep: torch.Tensor, seeds: torch.Tensor,
+                          offsets: torch.Tensor) -> torch.Tensor:
     """Gumbel-max over the surviving candidates, computed alike on every rank (the noise is
     keyed by global column): no exchange."""
     values, columns = unpack_keys(ranked)
     real = ranked != EMPTY_KEY
     columns = torch.where(real, columns, torch.zeros_like(columns))
-    scores = gumbel_scores_at(values, columns, rows.seeds, rows.offsets)
+    scores = gumbel_scores_at(values, columns, seeds, offsets)
     keys = pack_keys(scores, columns)
     return unpack_indices(torch.where(keep & real, keys, torch.full_like(keys, EMPTY_KEY)).max(dim=1).values)
 
 
 def _draw_masked(logits: VocabShardedLogits, local: torch.Tensor, scores: torch.Tensor, keys: torch.Tensor,
-                 best: torch.Tensor, rows: _Rows, channel: int) -> torch.Tensor:
+                 best: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor, seeds: torch.Tensor,
+                 offsets: torch.Tensor, channel: int) -> torch.Tensor:
     """Min-p rows whose survivors reach past the candidates: each rank masks its own columns
     (``q >= floor(min_p * 2**40)``), draws its best Gumbel key, one key exchange picks."""
     width = local.shape[1]
     columns = torch.arange(logits.vocab_offset, logits.vocab_offset + width, dtype=torch.int64, device=local.device)
     masses = column_masses(scores, best)
-    survive = (masses >= min_p_threshold(rows.min_p).reshape(-1, 1)) & (keys != EMPTY_KEY)
-    noisy = gumbel_scores(local, columns, rows.temperature, rows.seeds, rows.offsets,
+    survive = (masses >= min_p_threshold(min_p).reshape(-1, 1)) & (keys != EMPTY_KEY)
+    noisy = gumbel_scores(local, columns, temperature, seeds, offsets,
                           column_range=(logits.vocab_offset, logits.vocab_offset + width - 1))
     local_keys = torch.where(survive, pack_keys(noisy, columns.reshape(1, -1)), torch.full_like(keys, EMPTY_KEY))
     return unpack_indices(logits.exchange.max_keys(local_keys.max(dim=1).values.contiguous(), channel=channel))
 
 
-def _gather_and_sample(logits: VocabShardedLogits, rows: _Rows) -> torch.Tensor:
+def _gather_and_sample(logits: VocabShardedLogits, rows: SamplingRows) -> torch.Tensor:
     """The certified fallback: gather these rows' logits and draw them in full (the reference)."""
-    picked = VocabShardedLogits(logits.local.detach()[rows.index].contiguous(), logits.vocab_offset,
-                                logits.vocab_size, logits.exchange)
-    full = picked.gather()
-    return sample_from_logits(full, rows.temperature, rows.seeds, rows.offsets,
-                              torch.where(rows.k_on, rows.top_k, torch.full_like(rows.top_k, TOP_K_DISABLED)),
-                              torch.where(rows.p_on, rows.top_p, torch.ones_like(rows.top_p)),
-                              torch.where(rows.m_on, rows.min_p, torch.zeros_like(rows.min_p)))
+    device = logits.local.device
+    k_on, p_on, m_on, _ = _row_filters(rows, logits.vocab_size, device)
+
+    def param(t: torch.Tensor | None, on: torch.Tensor, off: float, dtype: torch.dtype) -> torch.Tensor:
+        value = torch.full(on.shape, off, dtype=dtype, device=device)
+        return value if t is None else torch.where(on, t.to(device, dtype), value)
+
+    return sample_from_logits(logits.gather(), rows.temperature.to(device, torch.float32), rows.seeds.to(device),
+                              rows.offsets.to(device), param(rows.top_k, k_on, TOP_K_DISABLED, torch.int64),
+                              param(rows.top_p, p_on, 1.0, torch.float32), param(rows.min_p, m_on, 0.0, torch.float32))

@@ -23,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=8)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
     parser.add_argument("--speculative-config", default=None, help="JSON of LLM(speculative_config=...)")
     parser.add_argument("--generation-config", default="auto")

@@ -25,11 +25,14 @@ The interface the runtime codes against::
                       draft_probs=None,        # [B, D, V] for gathered rejection sampling; None = drafts are
                                                # deterministic (one-hot q): still lossless
                       draft_logits=None,       # [B, D, shard]: this rank's draft logits columns (sampled drafts)
-                      is_warmup=False)         # True during eager CUDA-graph warm-up
+                      is_warmup=False,         # True during eager CUDA-graph warm-up
+                      deferred=False,          # True: no host sync (a CUDA graph); out.decided says
+                      filter_plan=None)        #   whether filtered rows were all decided (FilterPlan)
     out.accepted_tokens    # [B, D+1] int64, padded with -1
     out.num_accepted       # [B] int64 in [1, D+1] (context requests: 1)
     out.next_input_tokens  # [B] int64: each request's last emitted token, the next step's first input
     out.target_tokens      # [R] int64 per-row target tokens when computed (strict/forced), else None
+    out.decided            # deferred steps with filters: 0-dim bool (False: run the step again, not deferred)
 
 Every rank gets the same tensors. Lower-level pieces:
 
@@ -44,7 +47,8 @@ Every rank gets the same tensors. Lower-level pieces:
   ``previous_drafts`` ``[rows, step]`` as output, and filters) and ``DraftLogitsStore`` (each rank's
   columns of the penalised draft logits per KV slot and draft position);
 * ``sharded_rejection_sample(...)``: rejection sampling on the shards, filters included (``SpecWorker``
-  uses it; ``worker.sampling_stats`` counts rows verified on shards and gathered);
+  uses it; ``worker.sampling_stats`` counts rows verified on shards and gathered), and
+  ``sharded_rejection_sample_deferred(...)``, the same without a host sync;
 * ``meta.draft_offsets(step)``, ``meta.row_sampling()``, ``meta.request_sampling(offsets)``,
   ``meta.draft_penalties(previous_drafts, first_request=0)``.
 
@@ -57,7 +61,7 @@ from .accept import PAD_TOKEN, accept_from_targets, rejection_sample, strict_acc
 from .draft import DraftLogitsStore, DraftSelection, select_draft_tokens
 from .forced import FORCE_ENV, ForcedAcceptance, read_forced_rate
 from .metadata import RequestEntry, SpecMetadata
-from .rejection import sharded_rejection_sample
+from .rejection import rejection_filter_plan, sharded_rejection_sample, sharded_rejection_sample_deferred
 from .worker import SpecStepOutput, SpecWorker
 
 __all__ = [
@@ -72,8 +76,10 @@ __all__ = [
     "SpecWorker",
     "accept_from_targets",
     "read_forced_rate",
+    "rejection_filter_plan",
     "rejection_sample",
     "select_draft_tokens",
     "sharded_rejection_sample",
+    "sharded_rejection_sample_deferred",
     "strict_accept",
 ]

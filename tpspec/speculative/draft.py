@@ -25,22 +25,27 @@ from typing import Any
 import torch
 
 from ..exchange.base import Channel
+from ..keys import SamplingRows
 from ..sampling.penalties import penalized_logits
-from ..sampling.select import sample_tokens
+from ..sampling.select import FilterPlan, draw_filtered, sample_tokens
 
 
 @dataclass
 class DraftSelection:
     """``tokens`` ``[M]`` int64 target ids; ``logits`` this rank's ``[M, shard]`` columns of the
-    draft logits the tokens were sampled from, or None (greedy drafts: one-hot q)."""
+    draft logits the tokens were sampled from, or None (greedy drafts: one-hot q); ``decided``:
+    None, or from a deferred selection with filters a 0-dim bool, False when a filtered row could
+    not be decided without a host sync (the tokens then mean nothing)."""
 
     tokens: torch.Tensor
     logits: torch.Tensor | None
+    decided: torch.Tensor | None = None
 
 
 def select_draft_tokens(
     draft_logits: Any, meta: Any, step: int, *, sample: bool = False, first_request: int = 0,
-    previous_drafts: torch.Tensor | None = None, channel: int = Channel.DRAFT,
+    previous_drafts: torch.Tensor | None = None, channel: int = Channel.DRAFT, deferred: bool = False,
+    filter_plan: FilterPlan | None = None,
 ) -> DraftSelection:
     """Draft tokens of draft step ``step`` from ``draft_logits`` (a ``VocabShardedLogits`` whose
     rows are the requests ``first_request, first_request + 1, ...`` of ``meta``, a prepared
@@ -57,6 +62,8 @@ def select_draft_tokens(
     requests take the argmax), and this rank's columns of the penalised logits come back, the
     exact rows the draws were made from (an all-greedy batch: argmax, no logits). ``sample``
     must be the same on every rank (a configuration switch); the batch flags are group-synced.
+    ``deferred``: no host sync (a CUDA graph); ``filter_plan`` gives the filters' host facts when
+    the requests have filters, and ``decided`` says whether every filtered row was decided.
     Every rank returns the same tokens.
     """
     rows = draft_logits.num_rows
@@ -80,6 +87,13 @@ def select_draft_tokens(
     def part(f):
         return None if f is None else f[pick]
 
+    if deferred and rs.has_filters:
+        if filter_plan is None:
+            raise ValueError("deferred draft selection with filters needs their FilterPlan")
+        sub = SamplingRows(rs.temperature[pick], rs.seeds[pick], rs.offsets[pick], top_k=part(rs.top_k),
+                           top_p=part(rs.top_p), min_p=part(rs.min_p))
+        tokens, decided = draw_filtered(draft_logits, sub, filter_plan, channel=channel)
+        return DraftSelection(tokens, draft_logits.local, decided.all())
     tokens = sample_tokens(draft_logits, rs.temperature[pick], rs.seeds[pick], rs.offsets[pick],
                            top_k=part(rs.top_k), top_p=part(rs.top_p), min_p=part(rs.min_p), channel=channel,
                            check_values=False)
@@ -99,23 +113,27 @@ class DraftLogitsStore:
         self.max_draft_len = max_draft_len
         self.buffer = torch.zeros(num_slots + 1, max_draft_len, shard_width, dtype=torch.float32, device=device)
 
-    def _rows(self, slot_ids: torch.Tensor | list[int]) -> torch.Tensor:
+    def _rows(self, slot_ids: torch.Tensor | list[int], check: bool = True) -> torch.Tensor:
         slots = torch.as_tensor(slot_ids, dtype=torch.int64).to(self.buffer.device)
-        if bool(((slots < -1) | (slots >= self.num_slots)).any()):
+        if check and bool(((slots < -1) | (slots >= self.num_slots)).any()):
             raise ValueError(f"slot ids must lie in [-1, {self.num_slots})")
         return torch.where(slots == -1, self.num_slots, slots)
 
-    def write(self, slot_ids: torch.Tensor | list[int], step: int, logits: torch.Tensor) -> None:
-        """Store draft step ``step``'s ``[B, shard_width]`` logits columns of the given slots."""
+    def write(self, slot_ids: torch.Tensor | list[int], step: int, logits: torch.Tensor, *,
+              check: bool = True) -> None:
+        """Store draft step ``step``'s ``[B, shard_width]`` logits columns of the given slots
+        (``check=False``: no host range check of the slot ids, as in :meth:`read`)."""
         if not 0 <= step < self.max_draft_len:
             raise ValueError(f"step={step} is out of range [0, {self.max_draft_len})")
-        rows = self._rows(slot_ids)
+        rows = self._rows(slot_ids, check)
         if logits.shape != (rows.shape[0], self.buffer.shape[2]):
             raise ValueError(f"logits must be [{rows.shape[0]}, {self.buffer.shape[2]}], got {tuple(logits.shape)}")
         self.buffer[rows, step] = logits.to(self.buffer.dtype)
 
-    def read(self, slot_ids: torch.Tensor | list[int], draft_len: int) -> torch.Tensor:
-        """``[B, draft_len, shard_width]`` float32 columns of the given slots' drafts."""
+    def read(self, slot_ids: torch.Tensor | list[int], draft_len: int, *, check: bool = True) -> torch.Tensor:
+        """``[B, draft_len, shard_width]`` float32 columns of the given slots' drafts.
+        ``check=False``: the slot ids are not range-checked on the host (no sync; a CUDA graph
+        reads the store with the step's metadata slots, which ``SpecMetadata`` checked)."""
         if not 0 <= draft_len <= self.max_draft_len:
             raise ValueError(f"draft_len={draft_len} is out of range [0, {self.max_draft_len}]")
-        return self.buffer[self._rows(slot_ids), :draft_len]
+        return self.buffer[self._rows(slot_ids, check), :draft_len]

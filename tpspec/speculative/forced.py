@@ -92,6 +92,11 @@ class ForcedAcceptance:
             self.counter.add_(1)
         return n
 
+    def rewind(self) -> None:
+        """Step the device counter back once: the next step draws what the last one drew (a step
+        that is run again, see ``SpecWorker.step(repeat=True)``)."""
+        self.counter.sub_(1)
+
     def apply(
         self,
         target_tokens: torch.Tensor,

@@ -57,7 +57,7 @@ from ..keys import (
     unpack_keys,
 )
 from ..sampling.ops import filter_flags, scaled_scores, sorted_filter_mask
-from ..sampling.select import DEFAULT_CANDIDATES
+from ..sampling.select import FilterPlan, candidate_bucket
 from ..sampling.streams import acceptance_uniforms, residual_offsets
 from ..vocab_parallel import VocabShardedLogits
 from .accept import PAD_TOKEN
@@ -85,20 +85,21 @@ def _local_mass_at(masses: torch.Tensor, tokens: torch.Tensor, offset: int) -> t
 
 
 def _filter_keep(exchange, keys: torch.Tensor, masses: torch.Tensor, row_max: torch.Tensor, vocab_size: int,
-                 top_k, top_p, min_p, channel: int) -> tuple[torch.Tensor, bool]:
-    """Which of this rank's columns the filters keep, ``[N, W]`` bool, and whether every row was
+                 top_k, top_p, min_p, plan: FilterPlan, channel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which of this rank's columns the filters keep, ``[N, W]`` bool, and ``[N]`` bool: the rows
     decided on the shards (see the module docstring). ``keys``/``masses``: ``[N, W]`` of the rows
-    (padding: ``EMPTY_KEY`` / 0); ``top_k``/``top_p``/``min_p``: ``[N]`` or None."""
+    (padding: ``EMPTY_KEY`` / 0); ``top_k``/``top_p``/``min_p``: ``[N]`` or None; ``plan``: the
+    host facts (``plan.candidates`` keys a rank, at least every top-k; no filter on at all when
+    not ``plan.any_filtered``)."""
     rows, width = keys.shape
     device = keys.device
-    k_on, p_on, m_on = filter_flags(rows, vocab_size, device, top_k, top_p, min_p)
     real = keys != EMPTY_KEY
     keep = real.clone()
-    if not bool((k_on | p_on | m_on).any()):
-        return keep, True
+    if not plan.any_filtered:
+        return keep, torch.ones(rows, dtype=torch.bool, device=device)
+    k_on, p_on, m_on = filter_flags(rows, vocab_size, device, top_k, top_p, min_p)
     total = exchange.sum_rows(masses.sum(dim=1), channel=channel)  # the unfiltered Z of each row
-    k_max = int(torch.where(k_on, top_k, torch.zeros_like(top_k)).max()) if top_k is not None else 0
-    count = min(max(DEFAULT_CANDIDATES, k_max), width)
+    count = min(plan.candidates, width)
     local = torch.sort(keys, dim=1, descending=True).values[:, :count]
     gathered = exchange.gather_rows(local.contiguous(), channel=channel)
     floor = (gathered.view(rows, -1, count)[:, :, count - 1].max(dim=1).values if count < width
@@ -121,7 +122,26 @@ def _filter_keep(exchange, keys: torch.Tensor, masses: torch.Tensor, row_max: to
         total, top_p_fixed(top_p if top_p is not None else torch.ones(rows, device=device)))
     certified = reached & (cut >= floor)
     undecided = p_on & ~k_on & ~certified & torch.isfinite(row_max)
-    return keep, not bool(undecided.any())
+    return keep, ~undecided
+
+
+def rejection_filter_plan(top_k: torch.Tensor | None, top_p: torch.Tensor | None, min_p: torch.Tensor | None,
+                          vocab_size: int) -> FilterPlan:
+    """The :class:`FilterPlan` :func:`sharded_rejection_sample` runs with, read from the
+    requests' ``[B]`` filters (one host transfer; None = off): every rank sends
+    ``candidate_bucket`` of the largest top-k (at least 64) candidate keys a row."""
+    any_on = torch.zeros((), dtype=torch.bool)
+    k_max = 0
+    if top_k is not None or top_p is not None or min_p is not None:
+        device = next(f for f in (top_k, top_p, min_p) if f is not None).device
+        rows = next(f for f in (top_k, top_p, min_p) if f is not None).shape[0]
+        k_on, p_on, m_on = filter_flags(rows, vocab_size, device, top_k, top_p, min_p)
+        k_value = torch.zeros(rows, dtype=torch.int64, device=device) if top_k is None else torch.where(
+            k_on, top_k.to(torch.int64), torch.zeros_like(top_k, dtype=torch.int64))
+        host = torch.stack([(k_on | p_on | m_on).any().to(torch.int64),
+                            k_value.max() if rows else torch.zeros((), dtype=torch.int64, device=device)]).cpu()
+        any_on, k_max = bool(host[0]), int(host[1])
+    return FilterPlan(candidates=candidate_bucket(k_max), any_filtered=bool(any_on))
 
 
 def sharded_rejection_sample(
@@ -155,13 +175,50 @@ def sharded_rejection_sample(
 
     Returns ``(accepted_tokens [B, D+1] int64 padded with -1, num_accepted [B] int64)``, the same
     on every rank, and the same at every TP size for the same logits; None when a filtered row
-    cannot be decided on the shards (every rank returns None alike). Collective over the group.
+    cannot be decided on the shards (every rank returns None alike). Collective over the group;
+    reads the filters' facts and the verdict on the host (:func:`sharded_rejection_sample_deferred`
+    is the same without a host sync).
+    """
+    plan = rejection_filter_plan(top_k, top_p, min_p, target.vocab_size)
+    accepted, num, decided = sharded_rejection_sample_deferred(
+        target, row_index, temperature, draft_tokens, draft_lens, seeds, offsets, draft_logits, plan,
+        top_k=top_k, top_p=top_p, min_p=min_p, channel=channel)
+    if not bool(decided):
+        return None
+    return accepted, num
+
+
+def sharded_rejection_sample_deferred(
+    target: VocabShardedLogits,
+    row_index: torch.Tensor,
+    temperature: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    draft_lens: torch.Tensor,
+    seeds: torch.Tensor,
+    offsets: torch.Tensor,
+    draft_logits: torch.Tensor | None,
+    plan: FilterPlan,
+    *,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
+    channel: int = Channel.TARGET,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`sharded_rejection_sample` without a host sync (what a CUDA graph captures):
+    ``(accepted_tokens, num_accepted, decided)``, ``decided`` a 0-dim bool equal on every rank.
+
+    ``plan``: the filters' host facts, :func:`rejection_filter_plan` of the same filters (or the
+    same facts known ahead from the requests' parameters: ``candidates`` must be the same, since
+    it decides which rows are certified). When ``decided`` is False a filtered row could not be
+    decided on the shards and the first two tensors mean nothing: the caller verifies the step
+    on the gathered rows instead, as it does when :func:`sharded_rejection_sample` returns None.
     """
     filtered = any(f is not None for f in (top_k, top_p, min_p))
     exchange = target.exchange
     local = target.local
     device = local.device
     batch, num_drafts = draft_tokens.shape
+    decided = torch.ones((), dtype=torch.bool, device=device)
     width, offset = target.shard_width, target.vocab_offset
     columns = torch.arange(offset, offset + width, dtype=torch.int64, device=device)
     real = (columns < target.vocab_size).reshape(1, -1)
@@ -203,10 +260,9 @@ def sharded_rejection_sample(
             rows_of = [f.repeat_interleave(num_drafts + 1)] + ([f.repeat_interleave(num_drafts)] if sampled_q else [])
             return torch.cat(rows_of)
 
-        keep, decided = _filter_keep(exchange, keys, masses, row_max, target.vocab_size, per_row(top_k),
-                                     per_row(top_p), per_row(min_p), channel)
-        if not decided:
-            return None
+        keep, row_decided = _filter_keep(exchange, keys, masses, row_max, target.vocab_size, per_row(top_k),
+                                         per_row(top_p), per_row(min_p), plan, channel)
+        decided = row_decided.all()
         masses = torch.where(keep, masses, torch.zeros_like(masses))
     masses = torch.where(one_hot_row.reshape(-1, 1), at_arg, masses)
     p_mass = masses[:p_rows].view(batch, num_drafts + 1, width)
@@ -254,4 +310,4 @@ def sharded_rejection_sample(
     padded = torch.cat([drafts, torch.full((batch, 1), PAD_TOKEN, dtype=torch.int64, device=device)], dim=1)
     accepted = torch.where(positions.reshape(1, -1) < n.reshape(-1, 1), padded, PAD_TOKEN)
     accepted = accepted.scatter(1, n.reshape(-1, 1), final.reshape(-1, 1))
-    return accepted, n + 1
+    return accepted, n + 1, decided

@@ -12,8 +12,11 @@ cannot decide, and attention DP's own rows on a sharded head, gather the target 
 first; ``SpecWorker.sampling_stats`` counts the rows each way.
 
 Host syncs: strict acceptance of an all-greedy or temperature-only batch (and forced
-acceptance) adds none of its own, so it can sit inside a CUDA graph with the exchange.
-Filtered rows (their candidates) and rejection sampling read values on the host (eager only).
+acceptance) adds none of its own. Filtered rows (their candidates) and rejection sampling read
+values on the host, except in a deferred step (``step(deferred=True)``, what a CUDA graph
+captures): the filters' host facts come from the requests' parameters (a ``FilterPlan``), and
+instead of retrying or gathering a row the candidates cannot decide, the step reports
+``decided`` False (equal on every rank) and the caller runs it again without deferring.
 """
 
 from __future__ import annotations
@@ -26,12 +29,12 @@ import torch
 from ..exchange.base import Channel
 from ..sampling.ops import filtered_probs, sample_from_logits
 from ..sampling.penalties import penalized_logits
-from ..sampling.select import SamplingStats, select_tokens
+from ..sampling.select import FilterPlan, SamplingStats, select_tokens, select_tokens_deferred
 from ..vocab_parallel import VocabShardedLogits
 from .accept import PAD_TOKEN, accept_from_targets, rejection_sample
 from .forced import ForcedAcceptance
 from .metadata import SpecMetadata
-from .rejection import sharded_rejection_sample
+from .rejection import sharded_rejection_sample, sharded_rejection_sample_deferred
 
 
 @dataclass
@@ -45,12 +48,17 @@ class SpecStepOutput:
     input of its next step (followed by that step's drafts).
     ``target_tokens``: ``[R]`` int64 the target's token per logits row when the path
     computed it (strict acceptance, forced acceptance), else None.
+    ``decided``: None, except from a deferred step (``SpecWorker.step(filter_plan=...)``) whose
+    rows have filters: a 0-dim bool, False when a filtered row could not be decided on the shards
+    without a host sync (the other tensors then mean nothing; run the step again without
+    ``filter_plan``, on the same logits and metadata).
     """
 
     accepted_tokens: torch.Tensor
     num_accepted: torch.Tensor
     next_input_tokens: torch.Tensor
     target_tokens: torch.Tensor | None = None
+    decided: torch.Tensor | None = None
 
 
 class SpecWorker:
@@ -93,6 +101,9 @@ class SpecWorker:
         *,
         draft_logits: torch.Tensor | None = None,
         is_warmup: bool = False,
+        deferred: bool = False,
+        filter_plan: FilterPlan | None = None,
+        repeat: bool = False,
     ) -> SpecStepOutput:
         """One step. ``target_logits``: ``VocabShardedLogits`` with ``meta.num_rows`` rows
         (context request: 1 row; generation request: ``D+1`` rows, D = ``meta.draft_len``).
@@ -104,8 +115,14 @@ class SpecWorker:
         rejection sampling on the shards (cut by the requests' filters); ``draft_probs``:
         ``[B, D, V]`` full draft distributions for the gathered path. Neither: the drafts are
         treated as deterministic (one-hot q), which is still lossless. ``is_warmup``: eager
-        CUDA-graph warm-up (no forced acceptance, its counter does not advance). Collective over
-        the logits' group.
+        CUDA-graph warm-up (no forced acceptance, its counter does not advance).
+        ``deferred``: no host sync anywhere (what a CUDA graph captures): strict acceptance, or
+        rejection sampling on the shards; ``filter_plan`` (:class:`~tpspec.sampling.select.FilterPlan`)
+        gives the filters' host facts when the rows have filters (for rejection sampling with the
+        candidate count of :func:`~tpspec.speculative.rejection.rejection_filter_plan`), and the
+        output's ``decided`` says whether every row was decided. ``repeat``: this runs the step
+        that was just run (deferred, undecided) again: forced acceptance reuses that step's draw.
+        Collective over the logits' group.
 
         Arguments are checked on each rank before the first collective. Under attention
         DP each rank's batch is its own, so a rank whose drafts have the wrong shape
@@ -121,13 +138,36 @@ class SpecWorker:
         row_index = meta.request_row_index.to(device)
         forced = self.forced_acceptance(device)
         use_forced = forced is not None and not is_warmup
+        if repeat and use_forced:
+            forced.rewind()
 
         rs = meta.row_sampling(draft_tokens=drafts)  # penalised rows count the drafts before them
         row_tokens: torch.Tensor | None = None
+        decided: torch.Tensor | None = None
+
+        def target_tokens(stats: SamplingStats | None = None) -> torch.Tensor:
+            nonlocal decided
+            if not deferred:
+                return select_tokens(target_logits, rs, channel=self.channel, stats=stats)
+            tokens, ok = select_tokens_deferred(target_logits, rs, filter_plan, channel=self.channel)
+            if ok is not None:
+                decided = ok if decided is None else decided & ok
+            return tokens
+
         if self.acceptance == "strict" or meta.is_all_greedy:
-            row_tokens = select_tokens(target_logits, rs, channel=self.channel, stats=self.sampling_stats)
+            row_tokens = target_tokens(self.sampling_stats)
             # Lengths come from the metadata: no value check, so this path has no host sync.
             accepted, num = accept_from_targets(row_tokens[row_index], drafts, lens, check_values=False)
+        elif deferred:
+            if draft_probs is not None or not self._rows_are_shared(target_logits, meta):
+                raise ValueError("a deferred rejection-sampling step verifies on the shards: no draft_probs, "
+                                 "and rows every rank holds alike")
+            if meta.num_contexts:
+                raise ValueError("a deferred rejection-sampling step has no context request")
+            accepted, num, decided = self._reject_on_shards(target_logits, rs, drafts, meta, draft_logits,
+                                                            filter_plan, deferred=True)
+            if use_forced:
+                row_tokens = target_tokens()
         elif (draft_probs is None and self._rows_are_shared(target_logits, meta)
               and (verified := self._reject_on_shards(target_logits, rs, drafts, meta, draft_logits)) is not None):
             accepted, num = verified
@@ -135,7 +175,7 @@ class SpecWorker:
             if meta.num_contexts or use_forced:
                 # Context requests (and forced acceptance) take the target's own per-row draw,
                 # the token strict acceptance would emit for them too.
-                row_tokens = select_tokens(target_logits, rs, channel=self.channel)
+                row_tokens = target_tokens()
                 ctx = meta.is_context.to(device)
                 accepted = torch.where(ctx.reshape(-1, 1), torch.full_like(accepted, PAD_TOKEN), accepted)
                 accepted[:, 0] = torch.where(ctx, row_tokens[row_index[:, 0]], accepted[:, 0])
@@ -163,7 +203,7 @@ class SpecWorker:
             if forced_out is not None:
                 accepted, num = forced_out
         next_input = accepted.gather(1, (num - 1).reshape(-1, 1)).reshape(-1)
-        return SpecStepOutput(accepted, num, next_input, row_tokens)
+        return SpecStepOutput(accepted, num, next_input, row_tokens, decided)
 
     @staticmethod
     def _rows_are_shared(target_logits: Any, meta: SpecMetadata) -> bool:
@@ -191,16 +231,24 @@ class SpecWorker:
         return probs.view(batch, num_drafts, -1)
 
     def _reject_on_shards(self, target_logits: Any, rs: Any, drafts: torch.Tensor, meta: SpecMetadata,
-                          draft_logits: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+                          draft_logits: torch.Tensor | None, filter_plan: FilterPlan | None = None, *,
+                          deferred: bool = False) -> tuple | None:
         """Rejection sampling on the shards (penalties applied to each rank's slice first), or None
-        when a filtered row cannot be decided there (every rank alike)."""
+        when a filtered row cannot be decided there (every rank alike). ``deferred``: without a host
+        sync, ``(accepted, num, decided)`` (see ``sharded_rejection_sample_deferred``)."""
         logits = penalized_logits(target_logits, rs.penalties)
         req = meta.request_sampling(meta.request_offsets)
         device = logits.local.device
-        return sharded_rejection_sample(
-            logits, meta.request_row_index.to(device), req.temperature, drafts, meta.request_draft_len.to(device),
-            meta.request_seeds, meta.request_offsets, draft_logits, top_k=req.top_k, top_p=req.top_p,
-            min_p=req.min_p, channel=self.channel)
+        args = (logits, meta.request_row_index.to(device), req.temperature, drafts, meta.request_draft_len.to(device),
+                meta.request_seeds, meta.request_offsets, draft_logits)
+        filters = dict(top_k=req.top_k, top_p=req.top_p, min_p=req.min_p, channel=self.channel)
+        if not deferred:
+            return sharded_rejection_sample(*args, **filters)
+        if filter_plan is None:
+            if req.has_filters:
+                raise ValueError("rows with filters need their FilterPlan to verify without a host sync")
+            filter_plan = FilterPlan(any_filtered=False)
+        return sharded_rejection_sample_deferred(*args, filter_plan, **filters)
 
     @staticmethod
     def _check_drafts(draft_tokens: torch.Tensor | None, batch: int, num_drafts: int, device: torch.device) -> torch.Tensor:
