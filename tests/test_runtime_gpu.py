@@ -65,6 +65,7 @@ def test_cuda_graphs_match_eager(models, name):
             if use_graphs:
                 graphs = llm._executor.ctx.state["engine"].graphs  # noqa: SLF001
                 assert graphs is not None and graphs.graphs, "no generation step was graphed"
+                assert graphs.num_replayed > 0, "no target step came from a graph replay"
                 assert not graphs.failed, f"captures failed: {graphs.failed}"
     for got, ref in zip(results[True], results[False]):
         assert got[0] == ref[0]

@@ -73,7 +73,7 @@ def test_shape_drafter_accepted_drafts_are_verified(monkeypatch, method, model):
                                                                             logprobs=2))]
     assert [r.token_ids[0] for r in refs] == emitted
     for r in refs:
-        best, second = sorted(r.logprobs[0].values(), reverse=True)[:2]
+        best, second = sorted((lp.logprob for lp in r.logprobs[0].values()), reverse=True)[:2]
         assert best - second > 1e-4, r.logprobs[0]
 
 

@@ -291,25 +291,21 @@ def start_generating(engine: Any, requests: list[Any]) -> None:
 
 
 class _GraphedSteps:
-    """Whether the engine's last step ran one of its CUDA graphs: wraps ``engine.graphs.run``
-    (it returns None when the step runs eagerly). Without graphs every step is eager."""
+    """How many of the engine's target steps since :meth:`reset` came from a CUDA-graph replay
+    (``GenerationGraphs.num_replayed``; a step run eagerly, or repeated eagerly because a
+    filtered row was undecided, does not count). Without graphs every step is eager."""
 
     def __init__(self, engine: Any) -> None:
-        self.graphed = 0
-        graphs = engine.graphs
-        if graphs is None:
-            return
-        run = graphs.run
-
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            result = run(*args, **kwargs)
-            self.graphed += result is not None
-            return result
-
-        graphs.run = counted
+        self.graphs = engine.graphs
+        self.start = 0
+        self.reset()
 
     def reset(self) -> None:
-        self.graphed = 0
+        self.start = 0 if self.graphs is None else self.graphs.num_replayed
+
+    @property
+    def graphed(self) -> int:
+        return 0 if self.graphs is None else self.graphs.num_replayed - self.start
 
 
 # --------------------------------------------------------------------------- table

@@ -255,6 +255,7 @@ class GenerationGraphs:
         self.draft_graphs: dict[DraftKey, _ChainGraph] = {}
         self.failed: set[StepKey | DraftKey] = set()
         self.num_repeated = 0  # steps run again eagerly because a filtered row was undecided
+        self.num_replayed = 0  # target steps whose tokens came from a graph replay
         self.pool = torch.cuda.graph_pool_handle() if capture else None
 
     @classmethod
@@ -325,6 +326,7 @@ class GenerationGraphs:
             out = self._eager(key, host, repeat=True)
             accepted = out.accepted.cpu()
         elif graph is not None:
+            self.num_replayed += 1
             rows = len(gen) * (eng.num_draft + 1)  # the real rows, all drawn on the shards
             eng.worker.sampling_stats.rows_sharded += rows
         # A replay calls no Python: a peer timeout inside it is only recorded on the device
