@@ -62,17 +62,23 @@ def model_shape_path(args: argparse.Namespace, command: str) -> str | None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK")
-    sub.required = True
+    from ..cli import lazy_subcommands
+
+    sub = lazy_subcommands(parser, dest="benchmark", metavar="BENCHMARK")
     for name, (module_name, help_text) in BENCHMARKS.items():
-        cmd = sub.add_parser(name, help=help_text, description=help_text)
+        cmd = sub.add_lazy(name, lambda p, m=module_name: _add_benchmark_arguments(p, m), help=help_text,
+                           description=help_text)
         cmd.set_defaults(_bench_module=module_name)
         cmd.add_argument("--out", default="bench-out", help="folder for the JSON and PNG (default: bench-out)")
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            continue  # not built yet: running it reports so
-        module.add_arguments(cmd)
+
+
+def _add_benchmark_arguments(parser: argparse.ArgumentParser, module_name: str) -> None:
+    """The chosen benchmark's own arguments (its module is imported only now)."""
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        return  # not built yet: running it reports so
+    module.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
