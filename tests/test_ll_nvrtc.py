@@ -18,7 +18,7 @@ from tpspec.exchange import cuda_module
 
 
 def _libnvrtc() -> ctypes.CDLL | None:
-    """NVRTC from the ``nvidia-cuda-nvrtc`` wheel (the ``dev`` extra) or the system, else ``None``."""
+    """NVRTC from the ``nvidia-cuda-nvrtc`` wheel (the ``nvrtc`` extra) or the system, else ``None``."""
     candidates = []
     spec = importlib.util.find_spec("nvidia")
     for root in (spec.submodule_search_locations or []) if spec else []:
@@ -58,7 +58,7 @@ def _nvrtc_compile(lib: ctypes.CDLL, source: str, options: list[str]) -> tuple[i
 NVRTC = _libnvrtc()
 
 
-@pytest.mark.skipif(NVRTC is None, reason="NVRTC is not installed (the dev extra brings nvidia-cuda-nvrtc)")
+@pytest.mark.skipif(NVRTC is None, reason="NVRTC is not installed (pip install -e '.[nvrtc]' brings it)")
 @pytest.mark.parametrize("name", [cuda_module.SOURCE_FILE, cuda_module.FLOORS_FILE])
 def test_kernel_source_compiles_with_nvrtc(name):
     options = [*cuda_module.compile_options(), "--gpu-architecture=sm_90"]
@@ -66,7 +66,7 @@ def test_kernel_source_compiles_with_nvrtc(name):
     assert rc == 0, f"NVRTC could not compile {name}:\n{log}"
 
 
-@pytest.mark.skipif(NVRTC is None, reason="NVRTC is not installed (the dev extra brings nvidia-cuda-nvrtc)")
+@pytest.mark.skipif(NVRTC is None, reason="NVRTC is not installed (pip install -e '.[nvrtc]' brings it)")
 def test_nvrtc_check_fails_on_what_nvrtc_rejects():
     # The check above can fail: a construct nvcc takes and NVRTC does not.
     source = "struct S { int a; int b; };\nstatic_assert(__builtin_offsetof(S, b) == 4, \"layout\");\n"

@@ -18,7 +18,8 @@ from safetensors.torch import load_file, save_file
 
 from tpspec.mapping import Mapping
 from tpspec.model import CheckpointError, ForwardBatch, load_model
-from tpspec.model.eagle3 import Eagle3Drafter, convert_eagle3_checkpoint
+from tpspec.model.eagle3 import Eagle3Drafter
+from tpspec.model.eagle3_convert import convert_eagle3_checkpoint
 from tpspec.model.tiny import make_tiny_checkpoint, make_tiny_eagle3_head
 from tpspec.testing import run_ranks
 

@@ -65,11 +65,39 @@ def test_torchrun_launcher_matches_mp(tmp_path):
 
 
 def test_help_and_version_do_not_import_torch():
-    code = ("import sys\nfrom tpspec.cli import main\nfor argv in (['--help'], ['--version']):\n"
-            "    try:\n        main(argv)\n    except SystemExit as e:\n        assert e.code == 0, e.code\n"
+    """``--help`` of every command, and ``--version``, answer without importing torch (which
+    takes seconds): each command's module is imported only once it is chosen, and imports torch
+    only when it runs."""
+    code = ("import sys\nfrom tpspec.cli import COMMANDS, main\n"
+            "for argv in [['--help'], ['--version']] + [[name, '--help'] for name in COMMANDS]:\n"
+            "    try:\n        main(argv)\n    except SystemExit as e:\n        assert e.code == 0, (argv, e.code)\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     import tpspec
 
     assert f"tpspec {tpspec.__version__}" in proc.stdout and "serve" in proc.stdout
+    for option in ("--speculative-config", "--max-body-bytes", "--launcher", "--draft", "IN", "BENCHMARK"):
+        assert option in proc.stdout, option  # each command's own help, not an empty parser
+
+
+def test_stop_strings_on_the_command_line_take_escapes():
+    """``--stop "\\n"`` (a backslash and an n, as a shell passes it) stops at a newline."""
+    from tpspec.runtime.generate_cli import unescape
+
+    assert unescape(r"\n") == "\n" and unescape(r"\t|\r") == "\t|\r"
+    assert unescape(r"a\\nb") == "a\\nb"  # an escaped backslash stays one backslash
+    assert unescape(r"\x café") == r"\x café"  # other escapes, and non-ASCII text, are left alone
+
+
+def test_summary_counts_are_spelled_right_and_the_random_head_says_so(capsys):
+    """One request, one token: no "1 requests". The tiny EAGLE-3 head is random, and the output
+    says so beside its near-zero acceptance."""
+    from tpspec.cli import main
+
+    argv = ["generate", "-tp", "1", "--prompt", "Once upon a time", "--max-tokens", "1", "--speculative-config",
+            '{"method": "eagle3", "num_speculative_tokens": 2}']
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "summary: 1 request, 1 token in" in out and "1 step," in out, out
+    assert "note: the tiny EAGLE-3 head is random" in out

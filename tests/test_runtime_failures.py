@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 
@@ -61,9 +62,12 @@ def test_broken_worker_raises(ckpt, sig, expect):
             os.kill(pid, 0)
 
 
-def test_worker_error_reaches_the_driver(ckpt, tmp_path):
+@pytest.mark.parametrize("tensor,row", [("model.norm.weight", 3), ("lm_head.weight", 400)],
+                         ids=["every-rank", "rank-1-only"])
+def test_worker_error_reaches_the_driver(ckpt, tmp_path, tensor, row):
     """A rank that raises at start-up reports its traceback; here the load finds a NaN
-    weight, which only the rank reading it can see, and names the tensor."""
+    weight, which only the rank reading it can see (row 400 of the LM head: rank 1's shard).
+    The error's first line says what went wrong: the file and the tensor."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -71,11 +75,33 @@ def test_worker_error_reaches_the_driver(ckpt, tmp_path):
     bad = tmp_path / "nan"
     shutil.copytree(ckpt, bad)
     tensors = load_file(bad / "model.safetensors")
-    tensors["model.norm.weight"][3] = float("nan")
+    tensors[tensor][row] = float("nan")
     save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(WorkerError, match="raised") as info:
+    with pytest.raises(WorkerError) as info:
         LLM(str(bad), tensor_parallel_size=2, init_timeout_s=60.0)
-    assert "'model.norm.weight'" in str(info.value) and "NaN or infinite" in str(info.value)
+    first = str(info.value).splitlines()[0]
+    assert re.match(rf"rank \d raised CheckpointError: tensor '{tensor}' in '.*model\.safetensors' holds NaN or "
+                    rf"infinite values", first), first
+
+
+def _raise_on_rank_1(ctx) -> None:
+    import torch
+    import torch.distributed as dist
+
+    if ctx.rank == 1:
+        raise ValueError("the real cause")
+    dist.all_reduce(torch.ones(4))  # rank 0 waits for a peer that never comes: gloo's error
+
+
+def test_a_peers_collective_error_comes_after_the_cause():
+    """Rank 1 raises; rank 0, in a collective with it, fails with gloo's text. Whichever reaches
+    the driver first, the error leads with rank 1's exception."""
+    from tpspec.runtime.launchers import GroupSpec, MPExecutor
+
+    with MPExecutor(GroupSpec(world_size=2, device="cpu"), timeout_s=60.0) as executor:
+        with pytest.raises(WorkerError) as info:
+            executor.call(_raise_on_rank_1)
+    assert str(info.value).startswith("rank 1 raised ValueError: the real cause"), str(info.value)[:500]
 
 
 def test_corrupt_checkpoint_is_refused_before_any_worker_starts(ckpt, tmp_path):
@@ -88,6 +114,11 @@ def test_corrupt_checkpoint_is_refused_before_any_worker_starts(ckpt, tmp_path):
         (bad / "model.safetensors").write_bytes(damage(data))
         with pytest.raises(ValueError, match=r"cannot read safetensors file .*model\.safetensors"):
             LLM(str(bad), tensor_parallel_size=2, init_timeout_s=60.0)
+    bad = tmp_path / "broken-config"
+    shutil.copytree(ckpt, bad)
+    (bad / "config.json").write_text('{"vocab_size": 512,')
+    with pytest.raises(ValueError, match=r"broken-config/config\.json is not valid JSON: Expecting property name"):
+        LLM(str(bad), tensor_parallel_size=2, init_timeout_s=60.0)
 
 
 def _disagreeing_ranks_worker(rank: int, world_size: int) -> str:

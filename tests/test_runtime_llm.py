@@ -7,6 +7,8 @@ forkserver, so after the first start-up each LLM costs well under a second."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tpspec import LLM, SamplingParams, SpeculativeConfig
@@ -203,13 +205,20 @@ def test_stop_rules_and_per_prompt_budgets(llm_tp2, baseline):
 def test_max_seq_len_ends_requests(ckpt):
     with LLM(ckpt[0], tensor_parallel_size=1, max_model_len=16,
              speculative_config=SpeculativeConfig("ngram", num_speculative_tokens=4)) as llm:
-        outs = llm.generate([[5, 6, 7, 8, 9, 10], list(range(3, 18))], greedy(100))
+        outs = llm.generate([[5, 6, 7, 8, 9, 10], list(range(3, 18))], greedy(None))  # up to the model length
         assert [len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in outs] == [16, 16]
         assert all(o.outputs[0].finish_reason == "length" for o in outs)
-        outs = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=None))  # up to the model length
+        outs = llm.generate([[5, 6, 7]], greedy(13))  # exactly the room left
         assert len(outs[0].outputs[0].token_ids) == 13
         with pytest.raises(ValueError, match="max_model_len"):
             llm.generate([list(range(3, 19))])
+        # A max_tokens that cannot fit beside the prompt: vLLM's 400, word for word.
+        with pytest.raises(ValueError, match=re.escape(
+                "prompt 1: 'max_tokens' or 'max_completion_tokens' is too large: 14. This model's maximum context "
+                "length is 16 tokens and your request has 3 input tokens (14 > 16 - 3).")):
+            llm.generate([[5], [5, 6, 7]], greedy(14))
+        # The checkpoint's default max_tokens (16 here) is cut to the room left instead.
+        assert len(llm.generate([[5, 6, 7, 8, 9, 10]])[0].outputs[0].token_ids) <= 10
 
 
 def test_bad_requests_rejected_without_disturbing_others(llm_tp2, baseline):
@@ -227,6 +236,10 @@ def test_bad_requests_rejected_without_disturbing_others(llm_tp2, baseline):
         ([True, False], None, "prompt 0 must be"),
         ([{"prompt_ids": [1, 2]}], None, "prompt 0: a dict prompt"),
         ([PROMPTS[0]], greedy(stop_token_ids=[100000]), "stop_token_ids: 100000 is outside"),
+        ([PROMPTS[0]], greedy(n=5), "n=5 is more than max_num_seqs=4"),
+        (["ok", "a lone \ud800 surrogate"], None, r"prompt 1 is not valid Unicode text: a lone surrogate '\\ud800'"),
+        # 10 MB of text: refused from its length alone (5 characters at most a token), never tokenized.
+        (["x" * 10**7], None, r"prompt 0 has at least 2000000 tokens \(10000000 characters, at most 5 a token\)"),
     ]
     for prompts, sp, msg in cases:
         with pytest.raises(ValueError, match=msg):
@@ -291,6 +304,10 @@ def test_text_prompts_use_the_tokenizer(llm_tp2):
     assert out.prompt == "Hello, world!" and len(out.outputs[0].token_ids) == 8
     assert out.outputs[0].text == tok.decode(out.outputs[0].token_ids, skip_special_tokens=True)
     assert out.prompt_token_ids == tok.encode("Hello, world!")
+    # A chat output carries the prompt the chat template rendered, as vLLM's does.
+    reply = llm_tp2.chat([{"role": "user", "content": "Hi"}], greedy(4))[0]
+    assert reply.prompt == "User: Hi\nAssistant:"
+    assert reply.prompt_token_ids == tok.encode(reply.prompt, add_special_tokens=False)
 
 
 @pytest.mark.parametrize("method", ["draft_model", "eagle3"])

@@ -1,7 +1,10 @@
 """``tpspec serve``: the real server (FastAPI + uvicorn, the tiny model at TP = 2 on CPU, bound
 to 127.0.0.1), driven by the official ``openai`` client: completions and chat, streamed and
 not, n > 1, stop strings, logprobs; 16 concurrent streams each equal to the request sent
-alone; malformed requests get 400s; a dead rank gets 503; shutdown leaves no rank process."""
+alone; every bad request gets OpenAI's error object with vLLM's status; a 10 MB body gets 413
+while a small request completes; slow clients are cut off; a dead rank gets 503 and ends a
+stream with an error event and [DONE]; SIGTERM with half-sent bodies ends the server and its
+ranks within 5 s."""
 
 from __future__ import annotations
 
@@ -67,7 +70,7 @@ def _alive(pid: int) -> bool:
 
 
 class Server:
-    def __init__(self, ckpt: str, log_path: Path) -> None:
+    def __init__(self, ckpt: str, log_path: Path, *extra: str, tp: int = 2) -> None:
         self.ckpt = ckpt
         self.port = _free_port()
         self.base = f"http://127.0.0.1:{self.port}"
@@ -75,8 +78,8 @@ class Server:
         self.log_path = log_path
         self.log = open(log_path, "w")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tpspec", "serve", ckpt, "--served-model-name", MODEL, "-tp", "2", "--device",
-             "cpu", "--port", str(self.port), "--max-num-seqs", "8"],
+            [sys.executable, "-m", "tpspec", "serve", ckpt, "--served-model-name", MODEL, "-tp", str(tp), "--device",
+             "cpu", "--port", str(self.port), "--max-num-seqs", "8", *extra],
             env=env, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -119,8 +122,8 @@ class Server:
         return [p for p in below if _alive(p)]
 
 
-def _post(base: str, path: str, body: bytes) -> tuple[int, dict]:
-    req = urllib.request.Request(base + path, data=body, headers={"content-type": "application/json"})
+def _post(base: str, path: str, body: bytes | None, method: str = "POST") -> tuple[int, dict]:
+    req = urllib.request.Request(base + path, data=body, headers={"content-type": "application/json"}, method=method)
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
             return r.status, json.loads(r.read())
@@ -135,9 +138,12 @@ def ckpt(tmp_path_factory):
     return tiny_model_path()
 
 
+MAX_BODY = 4_000_000
+
+
 @pytest.fixture(scope="module")
 def server(ckpt, tmp_path_factory):
-    srv = Server(ckpt, tmp_path_factory.mktemp("serve") / "server.log")
+    srv = Server(ckpt, tmp_path_factory.mktemp("serve") / "server.log", "--max-body-bytes", str(MAX_BODY))
     yield srv
     if srv.proc.poll() is None:
         srv.stop()
@@ -180,6 +186,13 @@ def test_n_samples_stop_strings_and_logprobs(server):
     lps = lp.choices[0].logprobs
     assert len(lps.token_logprobs) == 5 and all(v <= 0 for v in lps.token_logprobs)
     assert all(1 <= len(top) <= 3 for top in lps.top_logprobs)
+    # text_offset: where each token's text starts in the choice's text, streamed or not.
+    assert lps.text_offset == [sum(len(t) for t in lps.tokens[:i]) for i in range(5)]
+    assert "".join(lps.tokens) == lp.choices[0].text
+    chunks = list(c.completions.create(model=MODEL, prompt="one two three", max_tokens=5, temperature=0, logprobs=2,
+                                       stream=True))
+    assert [o for ch in chunks if ch.choices and ch.choices[0].logprobs
+            for o in ch.choices[0].logprobs.text_offset] == lps.text_offset
     chat = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                                      temperature=0, logprobs=True, top_logprobs=2)
     content = chat.choices[0].logprobs.content
@@ -246,21 +259,99 @@ def test_concurrent_streams_each_equal_the_request_alone(server):
     assert [got.get(i) for i in range(16)] == alone
 
 
-@pytest.mark.parametrize("body, status, what", [
-    (b"{not json", 400, ""),
-    (json.dumps({"model": MODEL}).encode(), 400, "prompt"),
-    (json.dumps({"model": MODEL, "prompt": "x", "temperature": -1}).encode(), 400, "temperature"),
-    (json.dumps({"model": MODEL, "prompt": "x", "n": 0}).encode(), 400, "n"),
-    (json.dumps({"model": MODEL, "prompt": "x", "top_p": 2}).encode(), 400, "top_p"),
-    (json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 0}).encode(), 400, "max_tokens"),
-    (json.dumps({"model": MODEL, "prompt": [1, 2, 999999]}).encode(), 400, "outside"),
-    (json.dumps({"model": MODEL, "prompt": "x", "bogus_field": 1}).encode(), 400, "bogus_field"),
-    (json.dumps({"model": "other", "prompt": "x"}).encode(), 404, "does not exist"),
+NESTED = b'{"model": "%s", "prompt": ' % MODEL.encode() + b"[" * 100_000 + b"]" * 100_000 + b"}"
+
+
+@pytest.mark.parametrize("path, body, status, what", [
+    ("/v1/completions", b"{not json", 400, "not valid JSON: Expecting property name enclosed in double quotes at line 1 "
+                                          "column 2"),
+    ("/v1/completions", b'{"model": "%s", "prompt": "\xff\xfe"}' % MODEL.encode(), 400, "not valid UTF-8"),
+    ("/v1/completions", NESTED, 400, "nests JSON arrays or objects too deeply"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "a lone \ud800"}).encode(), 400,
+     "prompt is not valid Unicode text: a lone surrogate '\\ud800' at character 7"),
+    ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "\udfff"}]}).encode(),
+     400, "lone surrogate"),
+    ("/v1/completions", json.dumps({"model": MODEL}).encode(), 400, "prompt"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": []}).encode(), 400, "prompt is empty"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "temperature": -1}).encode(), 400, "temperature"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "n": 0}).encode(), 400, "n"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "n": 9}).encode(), 400,
+     "n=9 is more than max_num_seqs=8"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "top_p": 2}).encode(), 400, "top_p"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 0}).encode(), 400, "max_tokens"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 4094}).encode(), 400,
+     "'max_tokens' or 'max_completion_tokens' is too large: 4094. This model's maximum context length is 4096 "
+     "tokens and your request has 3 input tokens (4094 > 4096 - 3)."),
+    ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                         "max_completion_tokens": 5000}).encode(), 400, "is too large: 5000"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": [1, 2, 999999]}).encode(), 400, "outside"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "bogus_field": 1}).encode(), 400, "bogus_field"),
+    ("/v1/completions", json.dumps({"model": "other", "prompt": "x"}).encode(), 404, "does not exist"),
+    ("/v1/nothing", b"{}", 404, "no route POST /v1/nothing"),
+    ("/v1/completions", None, 405, "method GET is not allowed on /v1/completions"),
 ])
-def test_malformed_requests_get_openai_errors(server, body, status, what):
-    code, reply = _post(server.base, "/v1/completions", body)
+def test_bad_requests_get_openai_errors(server, path, body, status, what):
+    code, reply = _post(server.base, path, body, method="GET" if body is None else "POST")
     assert code == status, reply
+    assert set(reply) == {"error"} and set(reply["error"]) == {"message", "type", "param", "code"}, reply
     assert reply["error"]["code"] == status and what in reply["error"]["message"] + str(reply["error"]["param"])
+
+
+def test_a_10_mb_body_gets_413_while_a_small_request_completes(server):
+    """A 10 MB body (above the server's --max-body-bytes) is answered 413 as soon as its headers
+    say so; one sent chunked, once the limit is read; a 3 MB prompt under the limit is refused as
+    too long from its length alone (never tokenized). Meanwhile a small request completes in
+    under 2 s: nothing big reaches the engine thread."""
+    big = json.dumps({"model": MODEL, "prompt": "x " * 5_000_000}).encode()
+    assert len(big) > 10_000_000
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(big))
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
+        sock.sendall(head)
+        sender = threading.Thread(target=_send_quietly, args=(sock, big))
+        sender.start()
+        started = time.monotonic()
+        small = server.client.completions.create(model=MODEL, prompt="The cat", max_tokens=4, temperature=0)
+        took = time.monotonic() - started
+        reply = _read_response(sock)
+        sender.join(timeout=60)
+    assert small.choices[0].text and took < 2.0, took
+    assert reply.startswith(b"HTTP/1.1 413") and b"larger than 4000000 bytes" in reply, reply[:300]
+
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n")
+        chunk = b"a" * 1_000_000
+        _send_quietly(sock, b"".join(b"%x\r\n%s\r\n" % (len(chunk), chunk) for _ in range(5)))
+        assert _read_response(sock).startswith(b"HTTP/1.1 413")
+
+    started = time.monotonic()
+    code, reply = _post(server.base, "/v1/completions",
+                        json.dumps({"model": MODEL, "prompt": "The cat sat. " * 230_000}).encode())
+    assert code == 400 and "has at least" in reply["error"]["message"] and "max_model_len=4096" in \
+        reply["error"]["message"], reply
+    assert time.monotonic() - started < 2.0
+
+
+def _send_quietly(sock: socket.socket, data: bytes) -> None:
+    """Send what the server takes (it closes the connection once it has answered)."""
+    try:
+        sock.sendall(data)
+    except OSError:
+        pass
+
+
+def _read_response(sock: socket.socket) -> bytes:
+    """The bytes the server sends until it closes the connection (or a reset ends it)."""
+    data = b""
+    while True:
+        try:
+            part = sock.recv(65536)
+        except OSError:
+            return data
+        if not part:
+            return data
+        data += part
 
 
 def test_malformed_chat_and_client_errors(server):
@@ -272,21 +363,74 @@ def test_malformed_chat_and_client_errors(server):
     assert server.client.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=0).choices
 
 
-def test_clean_shutdown_leaves_no_rank_process(server):
+def _half_sent_body(port: int) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 1000\r\n\r\n{\"model\": ")
+    return sock
+
+
+def test_slow_clients_are_cut_off(ckpt, tmp_path):
+    """Headers still arriving after --header-timeout-s: the connection is closed; a body still
+    arriving after --body-timeout-s: 408. Other clients are served meanwhile."""
+    srv = Server(ckpt, tmp_path / "server.log", "--header-timeout-s", "1", "--body-timeout-s", "1", tp=1)
+    try:
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as slow_headers, \
+                _half_sent_body(srv.port) as slow_body:
+            slow_headers.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # and never the rest
+            assert srv.client.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=0).choices
+            assert _read_response(slow_headers) == b""  # closed by the server, within the socket's 30 s
+            reply = _read_response(slow_body)
+        assert reply.startswith(b"HTTP/1.1 408") and b"did not arrive within 1 s" in reply, reply[:300]
+    finally:
+        assert srv.stop() == []
+
+
+def test_sigterm_with_half_sent_bodies_exits_within_5_s_and_leaves_nothing(server):
+    """Runs last on the module's server (default timeouts: a body may take 60 s). Five clients
+    hold half-sent bodies; SIGTERM still ends the server within 5 s: the requests get 2 s, then
+    503; the engine stops its ranks (no leaked semaphores); no process is left."""
     ranks = server.ranks()
     assert len(ranks) >= 2, ranks
-    assert server.stop() == []
+    below = _descendants(server.proc.pid)
+    clients = [_half_sent_body(server.port) for _ in range(5)]
+    try:
+        time.sleep(0.5)  # the requests are in: their handlers wait for the bodies
+        started = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        server.proc.wait(timeout=30)
+        took = time.monotonic() - started
+        replies = [_read_response(c) for c in clients]
+    finally:
+        for c in clients:
+            c.close()
+        server.log.close()
+    log = server.log_path.read_text()
+    assert took < 5.0, (took, log[-2000:])
     # uvicorn finishes its shutdown, then exits by the signal it caught (-SIGTERM) or 0.
-    assert server.proc.returncode in (0, -signal.SIGTERM), server.log_path.read_text()[-2000:]
-    assert "Application shutdown complete" in server.log_path.read_text()
-    assert not any(_alive(p) for p in ranks)
+    assert server.proc.returncode in (0, -signal.SIGTERM), log[-2000:]
+    assert all(r.startswith(b"HTTP/1.1 503") and b"shutting down" in r for r in replies), replies
+    assert "Application shutdown complete" in log and "leaked" not in log and "Traceback" not in log, log[-3000:]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_alive(p) for p in below):
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in below + ranks)
 
 
 def test_dead_rank_gets_503(ckpt, tmp_path):
     srv = Server(ckpt, tmp_path / "server.log")
     try:
         assert srv.client.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=0).choices
-        os.kill(srv.ranks()[-1], signal.SIGKILL)
+        # A stream running when the rank dies ends with an error event, then [DONE].
+        body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 3000, "ignore_eos": True, "stream": True})
+        req = urllib.request.Request(srv.base + "/v1/completions", data=body.encode(),
+                                     headers={"content-type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as stream:
+            assert stream.readline().startswith(b"data: {")
+            os.kill(srv.ranks()[-1], signal.SIGKILL)
+            events = [line.strip() for line in stream.read().split(b"\n") if line.strip()]
+        assert events[-1] == b"data: [DONE]" and b'"error"' in events[-2] and b"ranks are gone" in events[-2], \
+            events[-3:]
         code, reply = _post(srv.base, "/v1/completions",
                             json.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 4}).encode())
         if code == 200:  # the request raced the death: the next one must see it

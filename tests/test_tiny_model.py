@@ -1,5 +1,6 @@
 """The embedded default model: every id decodes to printable text, it continues the text it
-was trained on, and n-gram drafts are accepted on it at a realistic rate."""
+was trained on, n-gram drafts are accepted on it at a realistic rate, and making it on first use
+says so and shows its progress."""
 
 from __future__ import annotations
 
@@ -32,3 +33,21 @@ def test_continues_its_text_and_accepts_ngram_drafts(monkeypatch):
     assert texts[0].startswith(" a "), texts  # "... there was a little robot / a small town / a girl ..."
     assert texts[1].startswith(" Paris"), texts
     assert stats.num_accepted_drafts > 0 and stats.mean_tokens_per_step > 1.1, stats
+
+
+def test_first_use_training_says_what_it_does_and_shows_progress(tmp_path, monkeypatch, capfd):
+    """Making the tiny model (a shortened recipe here, so a cache of its own) prints one line that
+    says what runs and that it runs once, then a progress bar of the training steps; the next
+    call finds the model and prints nothing."""
+    from tpspec.model import tiny
+
+    monkeypatch.setenv("TPSPEC_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(tiny, "TRAIN_STEPS", 3)
+    path = tiny_model_path()
+    err = capfd.readouterr().err
+    assert path.startswith(str(tmp_path))
+    assert f"tpspec: training the tiny model once, on first use (3 small steps on the CPU); later runs load it from " \
+           f"{path}" in err
+    assert "training the tiny model: 100%" in err and "3/3" in err
+    assert tiny_model_path() == path and capfd.readouterr().err == ""

@@ -12,7 +12,8 @@ Three ways to run it:
 
 * ``tpspec check --tp N --launcher mp|torchrun|ray [--device cpu|cuda] [--quick]``
   (``mp``: N local processes; ``torchrun``: the command itself runs on every rank,
-  rank 0 prints; ``ray``: one Ray actor per rank, through the runtime's launcher);
+  rank 0 prints; ``ray``: one Ray actor per rank, through the runtime's launcher; the
+  command line lives in :mod:`tpspec.check_cli`);
 * ``pytest --pyargs tpspec.check`` (one test per property; ``TPSPEC_CHECK_TP``,
   ``TPSPEC_CHECK_DEVICE``, ``TPSPEC_CHECK_QUICK`` choose the run);
 * inside any process group: ``run_suite(SuiteContext.create(...))`` on every rank, or
@@ -29,12 +30,9 @@ the suite can show that it catches ranks that disagree.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import os
 import sys
-import time
 from typing import Any, Callable
 
 from . import distributed as D
@@ -229,64 +227,6 @@ def run_ray(tp: int, device: str = "cpu", *, quick: bool = False, seed: int = DE
         per_rank = executor.call(suite_on_rank, quick, seed, frozenset(skip))
     return merge_rank_results(per_rank) + driver_checks(tp, device, quick=quick, seed=seed, launcher="ray",
                                                         skip=skip)
-
-
-# ---------------------------------------------------------------------------------- CLI
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tp", type=int, default=None, help="ranks of the TP group (default: 2; torchrun: WORLD_SIZE)")
-    parser.add_argument("--launcher", choices=("mp", "torchrun", "ray"), default="mp",
-                        help="mp: local processes; torchrun: run under torchrun on every rank; ray: Ray actors")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
-                        help="default: cuda when available, else cpu")
-    parser.add_argument("--quick", action="store_true", help="smaller sizes (seconds)")
-    parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="seed of every input the suite builds")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds before unfinished ranks fail the run")
-    parser.add_argument("--json", default=None, help="also write the results to this JSON file")
-    parser.add_argument("--skip", default="", metavar="KEYS",
-                        help="comma-separated properties not to run: " + ", ".join(k for k, _ in PROPERTIES))
-
-
-def run(args: argparse.Namespace) -> int:
-    try:
-        device = resolve_device(args.device or "auto")
-    except ValueError as exc:
-        raise SystemExit(f"tpspec check: --device: {exc}") from None
-    if args.tp is not None and args.tp < 1:
-        raise SystemExit(f"tpspec check: --tp must be >= 1, got {args.tp}")
-    skip = frozenset(k.strip() for k in args.skip.split(",") if k.strip())
-    unknown = sorted(skip - set(TITLES))
-    if unknown:
-        raise SystemExit(f"tpspec check: unknown --skip keys {unknown}; known: {', '.join(TITLES)}")
-    started = time.monotonic()
-    rank = 0
-    try:
-        if args.launcher == "torchrun":
-            results, rank = run_torchrun(args.tp, device, quick=args.quick, seed=args.seed, skip=skip)
-            tp = D.group_size()
-        elif args.launcher == "ray":
-            tp = args.tp or 2
-            results = run_ray(tp, device, quick=args.quick, seed=args.seed, timeout_s=args.timeout, skip=skip)
-        else:
-            tp = args.tp or 2
-            results = run_mp(tp, device, quick=args.quick, seed=args.seed, timeout_s=args.timeout, skip=skip)
-    except (RuntimeError, ValueError) as exc:  # the launcher could not run the suite at all
-        raise SystemExit(f"tpspec check: {exc}") from None
-    results = order_results(results)
-    code = exit_code(results)
-    if rank == 0:
-        print(f"tpspec check: TP={tp}, launcher={args.launcher}, device={device}, "
-              f"{'quick' if args.quick else 'full'}, seed={args.seed}, {time.monotonic() - started:.1f} s")
-        print(format_results(results, color=sys.stdout.isatty() and "NO_COLOR" not in os.environ))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"tp": tp, "launcher": args.launcher, "device": device, "quick": args.quick,
-                           "seed": args.seed, "passed": code == 0,
-                           "complete": all(r.status == PASS for r in results),
-                           "results": [dataclasses.asdict(r) | {"title": r.title} for r in results]}, f, indent=2)
-    if args.launcher == "torchrun":
-        D.destroy_distributed()
-    return code
 
 
 # ----------------------------------------------------------------- pytest --pyargs tpspec.check

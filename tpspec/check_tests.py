@@ -33,6 +33,7 @@ from . import keys as K
 from .exchange.allgather import AllGatherKeyExchange
 from .exchange.base import Channel, KeyExchange
 from .exchange.local import LocalKeyExchange
+from .log import plural
 from .vocab_parallel import VocabShardedLogits, vocab_shard_bounds
 
 PASS, PARTIAL, FAIL, SKIP = "PASS", "PARTIAL", "FAIL", "SKIP"
@@ -1009,7 +1010,7 @@ def check_ranks_agree(ctx: SuiteContext) -> CheckResult:
         if bad:
             bad_ranks.append(f"rank {r}: {bad}")
         mism += bad
-    detail = (f"{len(ctx.ledger)} selections on {ctx.world_size} ranks"
+    detail = (f"{plural(len(ctx.ledger), 'selection')} on {plural(ctx.world_size, 'rank')}"
               if not bad_ranks else "differ from rank 0: " + ", ".join(bad_ranks))
     return CheckResult("ranks_agree", PASS if mism == 0 else FAIL, int(ref.numel()), mism, detail=detail)
 
@@ -1107,7 +1108,7 @@ def _compare_generations(key: str, got: list[list[int]], ref: list[list[int]], l
     mism = sum(_mismatches(torch.tensor(a), torch.tensor(b)) for a, b in zip(got, ref))
     rows = sum(len(b) for b in ref)
     bad = [i for i, (a, b) in enumerate(zip(got, ref)) if a != b]
-    detail = f"{label}: {len(ref)} requests" if not bad else f"{label}: requests {bad} differ"
+    detail = f"{label}: {plural(len(ref), 'request')}" if not bad else f"{label}: requests {bad} differ"
     return CheckResult(key, PASS if mism == 0 and len(got) == len(ref) else FAIL, rows, mism, detail=detail)
 
 

@@ -2,7 +2,8 @@
 ``TPSPEC_LOG_LEVEL`` (default ``INFO``; e.g. ``WARNING`` silences start-up summaries).
 
 The ``tpspec`` logger gets one stderr handler of its own the first time a module asks for
-a logger, unless the application configured the ``tpspec`` logger already.
+a logger, unless the application configured the ``tpspec`` logger already. :func:`plural`
+spells counts in messages ("1 rank", "2 ranks").
 """
 
 from __future__ import annotations
@@ -12,6 +13,12 @@ import os
 
 LEVEL_ENV = "TPSPEC_LOG_LEVEL"
 _configured = False
+
+
+def plural(count: int, noun: str, nouns: str | None = None) -> str:
+    """``"1 rank"``, ``"2 ranks"``: ``count`` and ``noun``, plural (``nouns``, default ``noun + "s"``)
+    unless ``count`` is 1."""
+    return f"{count} {noun if count == 1 else nouns or noun + 's'}"
 
 
 def get_logger(name: str) -> logging.Logger:

@@ -65,31 +65,24 @@ def model_shape_path(args: argparse.Namespace, command: str) -> str | None:
         raise SystemExit(f"{command}: {exc}") from None
 
 
-class _ChosenBenchmark(argparse._SubParsersAction):
-    """The BENCHMARK positional: adds a benchmark's own options when its name is parsed, so only
-    the chosen module is imported."""
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
-                 option_string: str | None = None) -> None:
-        cmd = self._name_parser_map.get(values[0])
-        if cmd is not None and not getattr(cmd, "_tpspec_loaded", False):
-            cmd._tpspec_loaded = True
-            try:
-                module = importlib.import_module(BENCHMARKS[values[0]][0])
-            except ImportError:
-                pass  # not built yet: running it reports so
-            else:
-                module.add_arguments(cmd)
-        super().__call__(parser, namespace, values, option_string)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK", action=_ChosenBenchmark)
-    sub.required = True
+    from ..cli import lazy_subcommands
+
+    sub = lazy_subcommands(parser, dest="benchmark", metavar="BENCHMARK")
     for name, (module_name, help_text) in BENCHMARKS.items():
-        cmd = sub.add_parser(name, help=help_text, description=help_text)
+        cmd = sub.add_lazy(name, lambda p, m=module_name: _add_benchmark_arguments(p, m), help=help_text,
+                           description=help_text)
         cmd.set_defaults(_bench_module=module_name)
         cmd.add_argument("--out", default="bench-out", help="folder for the JSON and PNG (default: bench-out)")
+
+
+def _add_benchmark_arguments(parser: argparse.ArgumentParser, module_name: str) -> None:
+    """The chosen benchmark's own arguments (its module is imported only now)."""
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        return  # not built yet: running it reports so
+    module.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -40,40 +40,48 @@ Public interface (what the runtime codes against)::
   TP-sharded, same API as the target; greedy drafts with ``draft(batch).argmax(channel=Channel.DRAFT)``.
 """
 
-from .attention import choose_attention_backend
-from .batch import AttentionMetadata, ForwardBatch, pages_needed
-from .comm import LocalKeyExchange
-from .config import SUPPORTED_ARCHITECTURES, ModelConfig
-from .drafters import DraftModel, NgramDrafter
-from .llama import StackedRowsLogits, TPLlamaForCausalLM, check_split
-from .loader import CheckpointError, CheckpointReader, LoadStats, load_model, load_weights
-from .kv_cache import KVPages
-from .shapes import MODEL_SHAPES, eagle3_shape_path, random_model, shape_config, shape_path
-from .tiny import make_tiny_checkpoint
+import importlib
+from typing import Any
 
-__all__ = [
-    "SUPPORTED_ARCHITECTURES",
-    "AttentionMetadata",
-    "CheckpointError",
-    "CheckpointReader",
-    "DraftModel",
-    "KVPages",
-    "MODEL_SHAPES",
-    "ForwardBatch",
-    "LoadStats",
-    "LocalKeyExchange",
-    "ModelConfig",
-    "NgramDrafter",
-    "StackedRowsLogits",
-    "TPLlamaForCausalLM",
-    "check_split",
-    "choose_attention_backend",
-    "eagle3_shape_path",
-    "load_model",
-    "load_weights",
-    "make_tiny_checkpoint",
-    "pages_needed",
-    "random_model",
-    "shape_config",
-    "shape_path",
-]
+# Imported on first use: the ``tpspec`` commands that live in this package (make-tiny-model,
+# convert-eagle3) answer ``--help`` without importing torch.
+_EXPORTS = {
+    "AttentionMetadata": "batch",
+    "CheckpointError": "loader",
+    "CheckpointReader": "loader",
+    "DraftModel": "drafters",
+    "ForwardBatch": "batch",
+    "KVPages": "kv_cache",
+    "LoadStats": "loader",
+    "LocalKeyExchange": "comm",
+    "MODEL_SHAPES": "shapes",
+    "ModelConfig": "config",
+    "NgramDrafter": "drafters",
+    "SUPPORTED_ARCHITECTURES": "config",
+    "StackedRowsLogits": "llama",
+    "TPLlamaForCausalLM": "llama",
+    "check_split": "llama",
+    "choose_attention_backend": "attention",
+    "eagle3_shape_path": "shapes",
+    "load_model": "loader",
+    "load_weights": "loader",
+    "make_tiny_checkpoint": "tiny",
+    "pages_needed": "batch",
+    "random_model": "shapes",
+    "shape_config": "shapes",
+    "shape_path": "shapes",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -19,6 +19,15 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
+def read_json(path: str) -> Any:
+    """The JSON file at ``path``; a ``ValueError`` naming the file when it is not valid JSON."""
+    with open(path, encoding="utf-8") as f:
+        try:
+            return json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{path} is not valid JSON: {exc}") from None
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Shape and numerics of a Llama-family causal LM (all sizes are the full, unsharded ones).
@@ -78,14 +87,14 @@ class ModelConfig:
         config_file = os.path.join(path, "config.json")
         if not os.path.isfile(config_file):
             raise FileNotFoundError(f"no config.json in {path!r}: not a Hugging Face model directory")
-        with open(config_file) as f:
-            raw = json.load(f)
+        raw = read_json(config_file)
+        if not isinstance(raw, dict):
+            raise ValueError(f"{config_file} holds a JSON {type(raw).__name__}, not an object")
         if raw.get("eos_token_id") is None:
             gen_file = os.path.join(path, "generation_config.json")
             if os.path.isfile(gen_file):
-                with open(gen_file) as f:
-                    gen = json.load(f)
-                if gen.get("eos_token_id") is not None:
+                gen = read_json(gen_file)
+                if isinstance(gen, dict) and gen.get("eos_token_id") is not None:
                     raw = dict(raw, eos_token_id=gen["eos_token_id"])
         try:
             return cls.from_dict(raw)

@@ -43,16 +43,13 @@ head's shapes must then split along their trees (:meth:`Eagle3Config.check_split
 A path ``"shape-eagle3:NAME"`` stands for a random head sized for target shape ``NAME``, built on
 each rank without a file (:mod:`tpspec.model.shapes`).
 
-``tpspec convert-eagle3 IN OUT`` turns a ``pytorch_model.bin`` head into this layout in safetensors
-(read with ``torch.load(weights_only=True)``, never a full unpickle).
+``tpspec convert-eagle3 IN OUT`` (:mod:`tpspec.model.eagle3_convert`) turns a ``pytorch_model.bin``
+head into this layout in safetensors (read with ``torch.load(weights_only=True)``, never a full unpickle).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import shutil
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,7 +63,7 @@ from ..vocab_parallel import VocabShardedLogits, vocab_shard_bounds
 from . import deterministic as det
 from .attention import choose_attention_backend, make_attention_backend
 from .batch import AttentionMetadata, ForwardBatch, check_paged_batch
-from .config import ModelConfig
+from .config import ModelConfig, read_json
 from .kv_cache import KVPages, page_bytes
 from .layers import MLP, Attention, RMSNorm, RotaryEmbedding, RowParallelLinear, ShardSpec, shard_plan, split_evenly, \
     split_heads
@@ -121,9 +118,7 @@ class Eagle3Config:
         config_file = os.path.join(os.fspath(path), "config.json")
         if not os.path.isfile(config_file):
             raise CheckpointError(f"no config.json in {os.fspath(path)!r}: not an EAGLE-3 head directory")
-        with open(config_file) as f:
-            raw = json.load(f)
-        return cls.from_dict(raw, target, config_file)
+        return cls.from_dict(read_json(config_file), target, config_file)
 
     @classmethod
     def from_shape(cls, path: str, target: ModelConfig) -> "Eagle3Config":
@@ -387,54 +382,3 @@ class Eagle3Drafter(nn.Module):
     def shard_plan(self) -> list[tuple[str, nn.Parameter, list[ShardSpec]]]:
         """Every parameter with the checkpoint slices that fill it: ``(name, param, specs)``."""
         return shard_plan(self)
-
-
-# ------------------------------------------------------------------------- conversion
-def convert_eagle3_checkpoint(src: str | os.PathLike, dst: str | os.PathLike) -> str:
-    """Write the ``pytorch_model.bin`` EAGLE-3 head in ``src`` (a directory holding it and ``config.json``,
-    or the ``.bin`` file itself with ``config.json`` beside it) into ``dst`` as ``model.safetensors`` plus
-    ``config.json``; return ``dst``. The pickle is read with ``torch.load(weights_only=True)``: tensors
-    and plain containers only, never arbitrary objects. Raises :class:`CheckpointError` when there is no
-    ``.bin``/``config.json``, when it holds something other than a flat dict of tensors, or when a tensor
-    of the layout is missing."""
-    from safetensors.torch import save_file
-
-    src = os.fspath(src)
-    bin_file = os.path.join(src, "pytorch_model.bin") if os.path.isdir(src) else src
-    src_dir = os.path.dirname(bin_file)
-    config_file = os.path.join(src_dir, "config.json")
-    for needed in (bin_file, config_file):
-        if not os.path.isfile(needed):
-            raise CheckpointError(f"no {os.path.basename(needed)} at {needed!r}")
-    try:
-        state = torch.load(bin_file, map_location="cpu", weights_only=True)
-    except Exception as exc:  # a malformed or unsafe pickle: weights_only refuses it
-        raise CheckpointError(f"cannot read {bin_file!r} as plain tensors: {exc}") from exc
-    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
-                                              for k, v in state.items()):
-        raise CheckpointError(f"{bin_file!r} is not a flat dict of named tensors")
-    for name in ("fc.weight", "lm_head.weight", "norm.weight", "midlayer.self_attn.q_proj.weight"):
-        if name not in state:
-            raise CheckpointError(f"{bin_file!r} has no tensor {name!r}: not an EAGLE-3 head")
-    dst = os.fspath(dst)
-    os.makedirs(dst, exist_ok=True)
-    # Tensors may share storage in a pickle; safetensors wants each one whole and contiguous.
-    save_file({k: v.detach().clone().contiguous() for k, v in state.items()}, os.path.join(dst, "model.safetensors"),
-              metadata={"format": "pt"})
-    shutil.copyfile(config_file, os.path.join(dst, "config.json"))
-    return dst
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("src", metavar="IN", help="directory with pytorch_model.bin and config.json (or the .bin)")
-    parser.add_argument("dst", metavar="OUT", help="directory to write model.safetensors and config.json into")
-
-
-def run(args: argparse.Namespace) -> int:
-    try:
-        out = convert_eagle3_checkpoint(args.src, args.dst)
-    except CheckpointError as exc:
-        print(f"error: {exc}")
-        return 2
-    print(f"EAGLE-3 head written to {out}")
-    return 0

@@ -12,7 +12,6 @@ raises an error naming the file and the tensor.
 from __future__ import annotations
 
 import glob
-import json
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +21,7 @@ from safetensors import safe_open
 
 from ..exchange.base import KeyExchange
 from ..mapping import Mapping
-from .config import ModelConfig
+from .config import ModelConfig, read_json
 from .layers import ShardSpec
 from .llama import TPLlamaForCausalLM
 
@@ -56,8 +55,8 @@ class CheckpointReader:
         self._handles: dict[str, Any] = {}
         index_file = os.path.join(self.path, INDEX_FILE)
         if os.path.isfile(index_file):
-            with open(index_file) as f:
-                weight_map = json.load(f).get("weight_map")
+            index = read_json(index_file)
+            weight_map = index.get("weight_map") if isinstance(index, dict) else None
             if not isinstance(weight_map, dict):
                 raise ValueError(f"{index_file} has no 'weight_map'")
             self.files = {name: os.path.join(self.path, fname) for name, fname in weight_map.items()}

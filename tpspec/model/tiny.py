@@ -24,10 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from safetensors.torch import save_file
+if TYPE_CHECKING:
+    import torch
+
+# torch and safetensors are imported where they are used: `tpspec make-tiny-model --help` stays light.
 
 TINY_DESCRIPTION = ("the embedded tiny Llama (vocab 512, hidden 128, 2 layers, 0.4M parameters), trained briefly on "
                     "4 KB of text shipped with tpspec: it continues text it has seen, nothing more")
@@ -84,6 +86,8 @@ def tiny_config_dict(
 
 def _random_weights(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     """Seeded fp32 weights of the full (target) model, in HF names."""
+    import torch
+
     gen = torch.Generator().manual_seed(seed)
     h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
@@ -122,7 +126,7 @@ def make_tiny_checkpoint(
     path: str | os.PathLike,
     *,
     seed: int = 0,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     draft: bool = False,
     draft_num_layers: int = 1,
     tokenizer: bool = True,
@@ -130,7 +134,8 @@ def make_tiny_checkpoint(
 ) -> str:
     """Write a random Llama checkpoint (``config.json``, ``generation_config.json``,
     ``model.safetensors``, and ``tokenizer.json`` when the ``tokenizers`` package is
-    installed and ``vocab_size >= 259``) into ``path``; return ``path``.
+    installed and ``vocab_size >= 259``) into ``path``; return ``path``. ``dtype``: float32
+    (default), bfloat16 or float16.
 
     ``shape``: keyword arguments of :func:`tiny_config_dict` (``vocab_size``, ``hidden_size``,
     ``intermediate_size``, ``num_layers``, ``num_heads``, ``num_kv_heads``,
@@ -140,6 +145,9 @@ def make_tiny_checkpoint(
     first ``draft_num_layers`` layers, same vocab, embeddings, final norm and LM head.
     Raises ``ValueError`` for sizes that do not form a valid model.
     """
+    import torch
+
+    dtype = torch.float32 if dtype is None else dtype
     dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype)
     if dtype_name is None:
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
@@ -170,8 +178,13 @@ def _first_layers(cfg: dict[str, Any], weights: dict[str, torch.Tensor], n: int)
 
 
 def _write_checkpoint(path: str | os.PathLike, cfg: dict[str, Any], weights: dict[str, torch.Tensor],
-                      dtype: torch.dtype = torch.float32) -> str:
-    """``model.safetensors``, ``config.json`` and ``generation_config.json`` into ``path``."""
+                      dtype: torch.dtype | None = None) -> str:
+    """``model.safetensors``, ``config.json`` and ``generation_config.json`` into ``path`` (the
+    weights in ``dtype``, default float32)."""
+    import torch
+    from safetensors.torch import save_file
+
+    dtype = torch.float32 if dtype is None else dtype
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     save_file({k: t.to(dtype).contiguous() for k, t in weights.items()}, os.path.join(path, "model.safetensors"),
@@ -201,6 +214,9 @@ def make_tiny_eagle3_head(
     in increasing order. Deterministic; the dtype is the target's. Raises ``ValueError`` for a
     ``draft_vocab_size`` outside ``[NUM_SPECIAL + 1, vocab_size]``.
     """
+    import torch
+    from safetensors.torch import save_file
+
     with open(os.path.join(os.fspath(target), "config.json")) as f:
         tcfg = json.load(f)
     h, v, layers = tcfg["hidden_size"], tcfg["vocab_size"], tcfg["num_hidden_layers"]
@@ -270,13 +286,18 @@ def make_tiny_eagle3_head(
 
 
 def make_trained_tiny_checkpoint(path: str | os.PathLike, *, draft_path: str | os.PathLike | None = None,
-                                 steps: int = TRAIN_STEPS, seed: int = 0) -> str:
+                                 steps: int = TRAIN_STEPS, seed: int = 0, progress: bool = False) -> str:
     """Write the embedded default model into ``path``: a BPE tokenizer learned from the shipped
     corpus (vocab 512: ``<pad> <s> </s> <unk>``, printable ASCII and merges; every id decodes
     to printable text) and the tiny Llama trained ``steps`` AdamW steps on that corpus (batches
     of 16 windows of 64 tokens). With ``draft_path``, also write its draft there (the first
-    layer of the trained model). Seeded: the same machine writes the same weights. Returns ``path``.
+    layer of the trained model). ``progress``: a progress bar of the steps on stderr. Seeded:
+    the same machine writes the same weights. Returns ``path``.
     """
+    import sys
+
+    import torch
+    from tqdm import tqdm
     from transformers import LlamaConfig, LlamaForCausalLM
 
     with open(CORPUS_PATH) as f:
@@ -294,7 +315,8 @@ def make_trained_tiny_checkpoint(path: str | os.PathLike, *, draft_path: str | o
     gen = torch.Generator().manual_seed(seed)
     window, batch = 64, 16
     model.train()
-    for _ in range(steps):
+    for _ in tqdm(range(steps), desc="training the tiny model", unit="step", file=sys.stderr, disable=not progress,
+                  leave=False):
         starts = torch.randint(0, len(data) - window, (batch,), generator=gen)
         x = torch.stack([data[s:s + window] for s in starts.tolist()])
         loss = model(input_ids=x, labels=x).loss
@@ -408,6 +430,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     common = dict(seed=args.seed, vocab_size=args.vocab_size, hidden_size=args.hidden_size,
                   intermediate_size=args.intermediate_size, num_layers=args.num_layers, num_heads=args.num_heads,
                   num_kv_heads=args.num_kv_heads, dtype=getattr(torch, args.dtype), tokenizer=not args.no_tokenizer)

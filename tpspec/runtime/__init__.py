@@ -1,21 +1,38 @@
 """Runtime: the engine loop every rank runs, the launchers that start the ranks, and
-``LLM``, the user's entry point (``tpspec.LLM``)."""
+``LLM``, the user's entry point (``tpspec.LLM``).
 
-from .config import (CompletionOutput, EngineConfig, Request, RequestMetrics, RequestOutput, RequestStats,
-                     SpeculativeConfig)
-from .launchers import WorkerError
-from .llm import LLM, GenerateStats, tiny_model_path
+The names below are imported on first use: ``tpspec generate --help`` (whose module lives
+here) does not import torch."""
 
-__all__ = [
-    "LLM",
-    "CompletionOutput",
-    "RequestMetrics",
-    "EngineConfig",
-    "GenerateStats",
-    "Request",
-    "RequestOutput",
-    "RequestStats",
-    "SpeculativeConfig",
-    "WorkerError",
-    "tiny_model_path",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "CompletionOutput": "config",
+    "EngineConfig": "config",
+    "GenerateStats": "llm",
+    "LLM": "llm",
+    "Request": "config",
+    "RequestMetrics": "config",
+    "RequestOutput": "config",
+    "RequestStats": "config",
+    "SpeculativeConfig": "config",
+    "WorkerError": "launchers",
+    "tiny_model_path": "llm",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

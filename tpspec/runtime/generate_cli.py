@@ -49,7 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-p", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=None, help="per-request seed (reproducible sampling)")
     parser.add_argument("--n", type=int, default=1, help="samples per prompt")
-    parser.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+    parser.add_argument("--stop", action="append", default=None,
+                        help="a stop string (repeatable); the escapes \\n, \\t, \\r and \\\\ mean a newline, a tab, "
+                             "a carriage return and a backslash, so --stop \"\\n\" stops at a line's end")
     parser.add_argument("--repetition-penalty", type=float, default=1.0, help="> 0; 1 = off (default)")
     parser.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2]; 0 = off (default)")
     parser.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2]; 0 = off (default)")
@@ -71,6 +73,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
                         help="progress bar (auto: when stderr is a terminal, on runs longer than 2 s)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+
+
+def unescape(text: str) -> str:
+    """A command-line stop string with its escapes turned into characters: ``\\n``, ``\\t``,
+    ``\\r``, ``\\\\`` (a shell passes ``"\\n"`` as a backslash and an ``n``); any other
+    backslash stays as it is."""
+    return re.sub(r"\\([ntr\\])", lambda m: ESCAPES[m.group(1)], text)
 
 
 def _parse_prompt(text: str) -> str | list[int]:
@@ -121,6 +133,7 @@ def _speculative_config(text: str, model: str) -> dict | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..log import plural
     from ..model.tiny import TINY_DESCRIPTION
     from ..sampling.params import SamplingParams
     from .launchers import WorkerError
@@ -134,7 +147,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         spec = _speculative_config(args.speculative_config, args.model)
         params = SamplingParams(n=args.n, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens, stop=args.stop,
+                                min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens,
+                                stop=[unescape(s) for s in args.stop] if args.stop else None,
                                 ignore_eos=args.ignore_eos, repetition_penalty=args.repetition_penalty,
                                 presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                                 logprobs=args.logprobs)
@@ -183,6 +197,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"tpspec generate: {desc}")
     if args.model == "tiny":
         print(f"model: {TINY_DESCRIPTION}")
+    if spec is not None and spec.get("method") == "eagle3" and spec.get("model") == "tiny":
+        print("note: the tiny EAGLE-3 head is random (nobody trained one for the tiny model): its drafts are almost "
+              "never accepted, so an acceptance rate near 0 % is expected here")
     for i, o in enumerate(outputs):
         prompt = repr(o.prompt) if o.prompt is not None else _short(o.prompt_token_ids)
         print(f"[{i}] prompt: {prompt[:100]}")
@@ -191,15 +208,15 @@ def run(args: argparse.Namespace) -> int:
             if llm.tokenizer is not None:
                 print(f"{label}text:   {c.text[:100]!r}")
             print(f"{label}tokens: {_short(c.token_ids)} ({len(c.token_ids)}, {c.finish_reason}, "
-                  f"{c.stats.num_steps} steps, accepted {c.stats.num_accepted_drafts}/{c.stats.num_draft_tokens} "
-                  f"drafts)")
-    print(f"summary: {stats.num_requests} requests, {stats.num_generated_tokens} tokens in {stats.wall_s:.2f} s "
-          f"= {stats.tokens_per_s:.1f} tokens/s")
+                  f"{plural(c.stats.num_steps, 'step')}, accepted {c.stats.num_accepted_drafts}/"
+                  f"{plural(c.stats.num_draft_tokens, 'draft')})")
+    print(f"summary: {plural(stats.num_requests, 'request')}, {plural(stats.num_generated_tokens, 'token')} in "
+          f"{stats.wall_s:.2f} s = {stats.tokens_per_s:.1f} tokens/s")
     if stats.forced_acceptance_rate is not None:
         print(f"warning: acceptance was forced at {stats.forced_acceptance_rate:g} drafts a step "
               f"(TPSPEC_FORCE_NUM_ACCEPTED_TOKENS is set): these are not the model's tokens")
     if spec is not None:
         print(f"         mean accepted tokens per step {stats.mean_tokens_per_step:.2f} "
               f"({stats.mean_accepted_drafts_per_step:.2f} drafts + 1), "
-              f"acceptance rate {stats.acceptance_rate:.1%} of {stats.num_draft_tokens} drafts")
+              f"acceptance rate {stats.acceptance_rate:.1%} of {plural(stats.num_draft_tokens, 'draft')}")
     return 0

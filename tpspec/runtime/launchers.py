@@ -42,6 +42,7 @@ from typing import Any, Callable
 import torch
 
 from .. import distributed as D
+from ..log import plural
 from ..mapping import Mapping
 from .config import LAUNCHERS
 
@@ -300,8 +301,8 @@ def _mp_worker_main(rank: int, spec: GroupSpec, port: int, commands: Any, out: A
             value = fn(ctx, *args)
             ctx.begin_call(None)
             out.put(("result", call_id, rank, pickle.dumps(value)))
-    except BaseException:  # noqa: BLE001 - the driver must hear about every failure
-        out.put(("error", None, rank, traceback.format_exc()))
+    except BaseException as exc:  # noqa: BLE001 - the driver must hear about every failure
+        out.put(("error", None, rank, traceback.format_exc(), _summary(exc), _lost_peer(exc)))
     finally:
         try:
             if ctx is not None:
@@ -309,6 +310,30 @@ def _mp_worker_main(rank: int, spec: GroupSpec, port: int, commands: Any, out: A
             D.destroy_distributed()
         except Exception:  # noqa: BLE001
             pass
+
+
+def _summary(exc: BaseException) -> str:
+    """``Type: message`` of an exception, on one line."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _lost_peer(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective that failed because a peer went away (gloo's or NCCL's
+    error): the echo of another rank's failure, not a cause."""
+    import torch.distributed as dist
+
+    echoes = tuple(getattr(dist, name) for name in ("DistBackendError", "DistNetworkError") if hasattr(dist, name))
+    if echoes and isinstance(exc, echoes):
+        return True
+    text = str(exc)
+    return any(mark in text for mark in ("gloo", "NCCL", "Connection closed by peer", "Connection reset by peer"))
+
+
+def _exit_grace(exc: BaseException) -> float:
+    """Seconds the ranks get to exit by themselves after ``exc``: a rank raised (it is exiting;
+    its peers may be stuck in a collective and are killed after this), else none."""
+    return 1.0 if isinstance(exc, WorkerError) and exc.remote_traceback is not None else 0.0
 
 
 def _pid_alive(pid: int) -> bool:
@@ -393,7 +418,8 @@ class MPExecutor(Executor):
         ctx = _worker_context()
         n = self.spec.world_size
         if self.spec.device == "cuda" and torch.cuda.device_count() < n:
-            raise ValueError(f"{n} ranks need {n} GPUs, this host has {torch.cuda.device_count()}")
+            raise ValueError(f"{plural(n, 'rank')} need {plural(n, 'GPU')}, this host has "
+                             f"{torch.cuda.device_count()}")
         self._out = ctx.Queue()
         self._commands = [ctx.Queue() for _ in range(n)]
         port = D.find_free_port()
@@ -417,7 +443,7 @@ class MPExecutor(Executor):
                     ready.add(msg[2])
         except BaseException as exc:
             self._mark_broken(exc)
-            self._abort()
+            self._abort(grace_s=_exit_grace(exc))
             raise
 
     def call(self, fn: Callable[..., Any], *args: Any, on_progress: ProgressFn | None = None,
@@ -452,7 +478,7 @@ class MPExecutor(Executor):
                                           f"{type(exc).__name__}: {exc}", msg[2]) from None
         except BaseException as exc:
             self._mark_broken(exc)
-            self._abort()
+            self._abort(grace_s=_exit_grace(exc))
             raise
         return [results[r] for r in range(len(self.procs))]
 
@@ -469,7 +495,7 @@ class MPExecutor(Executor):
                                       self._suspects(pending)[0] if self._suspects(pending) else None) from None
                 continue
             if msg[0] == "error":
-                self._raise_rank_error(msg[2], msg[3])
+                self._raise_rank_error(msg)
             return msg
 
     def _suspects(self, pending: set[int]) -> list[int]:
@@ -496,19 +522,27 @@ class MPExecutor(Executor):
         return (f"ranks {sorted(pending)} did not finish within {timeout:.0f} s ({waiting_for}: no progress "
                 f"for that long){blame}. {states}")
 
-    def _raise_rank_error(self, rank: int, tb: str) -> None:
-        """A rank raised. When a peer died, that death is the news (the raise is its echo:
-        a collective lost its peer), so name the dead rank first."""
+    def _raise_rank_error(self, msg: tuple) -> None:
+        """A rank raised: the first line of the :class:`WorkerError` says what went wrong (the
+        exception of the rank at fault), a collective's error after it. A rank whose collective
+        lost its peer is an echo: when a peer died, that death is the news; when a peer raised,
+        its error is."""
+        _, _, rank, tb, summary, echo = msg
         deadline = time.monotonic() + 1.0
-        while time.monotonic() < deadline:
+        while echo and time.monotonic() < deadline:
             dead = [(r, p) for r, p in enumerate(self.procs) if r != rank and p.exitcode not in (None, 0)]
             if dead:
                 r, p = dead[0]
-                last = tb.strip().splitlines()[-1] if tb.strip() else ""
                 raise WorkerError(f"rank {r} died with exit code {p.exitcode} (pid {p.pid}); "
-                                  f"rank {rank} then failed: {last}", r)
-            time.sleep(0.05)
-        raise WorkerError(f"rank {rank} raised", rank, tb)
+                                  f"rank {rank} then failed: {summary}", r)
+            try:
+                other = self._out.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if other[0] == "error" and not other[5]:  # the cause: lead with it, the echo after
+                raise WorkerError(f"rank {other[2]} raised {other[4]} (then rank {rank}'s collective failed: "
+                                  f"{summary})", other[2], other[3])
+        raise WorkerError(f"rank {rank} raised {summary}", rank, tb)
 
     def _check_alive(self, pending: set[int]) -> None:
         """Raise when a rank the driver still waits for has exited; a rank that exits usually
@@ -524,8 +558,14 @@ class MPExecutor(Executor):
                                   f"(pid {p.pid})", rank) from None
             return
 
-    def _abort(self) -> None:
+    def _abort(self, grace_s: float = 0.0) -> None:
+        """Kill the ranks, after ``grace_s`` for those already on their way out (a rank that
+        raised exits by itself: killed mid-exit, it would leave its semaphores to the resource
+        tracker, which then warns)."""
         started = [p for p in self.procs if p.pid is not None]
+        deadline = time.monotonic() + grace_s
+        for p in started:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
         for p in started:
             if p.is_alive():
                 p.kill()

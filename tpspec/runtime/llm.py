@@ -15,6 +15,7 @@ applied).
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import glob
 import itertools
@@ -23,6 +24,8 @@ import sys
 import threading
 import time
 import warnings
+import weakref
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -40,7 +43,7 @@ from .config import (DEFAULT_MAX_BATCH_SIZE, LAUNCHERS, CompletionOutput, Engine
 from .engine import Engine, SequenceResult, SequenceUpdate
 from .kv_sizing import KVPlan
 from .launchers import Executor, GroupSpec, RankContext, make_executor
-from .tokenizer import IncrementalDetokenizer, load_tokenizer
+from .tokenizer import IncrementalDetokenizer, at_least_tokens, check_text, load_tokenizer, longest_token_chars
 
 TINY = "tiny"
 
@@ -86,7 +89,11 @@ def tiny_model_path(kind: str = "target") -> str:
         return path
     os.makedirs(cache_dir(), exist_ok=True)
     tmp = f"{target}.tmp-{os.getpid()}"
-    tiny.make_trained_tiny_checkpoint(tmp, draft_path=f"{tmp}-draft")
+    show = os.environ.get("RANK", "0") == "0"  # under torchrun every rank makes it; rank 0 says so
+    if show:
+        print(f"tpspec: training the tiny model once, on first use ({tiny.TRAIN_STEPS} small steps on the CPU); "
+              f"later runs load it from {target}", file=sys.stderr, flush=True)
+    tiny.make_trained_tiny_checkpoint(tmp, draft_path=f"{tmp}-draft", steps=tiny.TRAIN_STEPS, progress=show)
     for made, final in ((f"{tmp}-draft", draft), (tmp, target)):
         try:
             os.rename(made, final)
@@ -226,9 +233,12 @@ class LLM:
     contractions along their fixed trees, raises ``ValueError``.
 
     Every argument is checked before a worker starts (``ValueError`` naming it). Use as a
-    context manager or call :meth:`shutdown`. One ``LLM`` may be shared between threads:
-    its calls run one at a time, in the order they take its lock, and each caller gets its
-    own outputs.
+    context manager or call :meth:`shutdown`; an ``LLM`` still running when the interpreter
+    exits (or when it is garbage collected) shuts its workers down then. One ``LLM`` may be
+    shared between threads: ``generate``, ``chat``, streams and the step-by-step calls may run
+    in any mix, each caller getting exactly its own outputs. Engine steps run one at a time
+    (a lock); a stream or a ``generate`` that meets requests already running joins them and
+    steps with them, so streams of several threads advance together.
     """
 
     def __init__(
@@ -343,16 +353,23 @@ class LLM:
         self.seed = seed
         self.distributed_executor_backend = backend
         self.tokenizer = None if is_shape_path(self.model_path) else load_tokenizer(self.model_path)
+        self._longest_token = None if self.tokenizer is None else longest_token_chars(self.tokenizer)
         self.eos_token_ids = tuple(sorted(set(self.model_config.eos_token_ids) | set(gen_eos)))
         self.last_stats: GenerateStats | None = None
         self._sequence_ids = itertools.count()
         self._request_ids = itertools.count()
         # Requests driven step by step (add_request / step, streams): live requests by id, the
         # (request id, sample index) of each engine sequence, what the next step adds / aborts.
+        # A request's outputs go to its owner: the stream (or generate call) that made it, or
+        # step()'s caller for add_request. Streams dropped in any thread leave their ids in
+        # _dropped (no lock taken there: a garbage-collected stream may be finalized while this
+        # thread holds it); the next call under the lock aborts them.
         self._live: dict[str, _Live] = {}
         self._seq_owner: dict[int, tuple[str, int]] = {}
         self._new: list[Request] = []
         self._aborts: list[int] = []
+        self._dropped: deque[str] = deque()
+        self._unclaimed: list[RequestOutput] = []  # add_request outputs a stream's step produced
         options: dict[str, Any] = {}
         if backend != "external_launcher":
             options = {"init_timeout_s": init_timeout_s, "timeout_s": step_timeout_s}
@@ -377,6 +394,12 @@ class LLM:
         """KV pages each rank holds for requests (vLLM's ``num_gpu_blocks``), of ``page_size`` tokens."""
         self.kv_cache_tokens: int = kv.num_tokens
         """Tokens the KV cache holds per rank: ``num_kv_pages * page_size``."""
+        # When the LLM is collected, or at interpreter exit, the workers end cleanly: no
+        # resource-tracker warning about their semaphores. Registered with atexit here, after
+        # multiprocessing's own exit handler, so it runs before that handler kills the workers.
+        # Holds the executor, not self.
+        self._finalizer = weakref.finalize(self, executor.shutdown)
+        atexit.register(self._finalizer)
 
     # ------------------------------------------------------------------ public
     @property
@@ -391,6 +414,26 @@ class LLM:
     def get_tokenizer(self) -> Any:
         """The checkpoint's Hugging Face tokenizer (None when the checkpoint has none)."""
         return self.tokenizer
+
+    def tokenize(self, text: str, what: str = "prompt") -> list[int]:
+        """The token ids of a text prompt, as :meth:`generate` encodes it. Raises ``ValueError``
+        naming ``what`` when the model has no tokenizer, the text is not valid Unicode, or its
+        length alone proves it no shorter than ``max_model_len`` tokens (then it is not encoded:
+        a huge prompt costs no tokenizer time). Uses only the tokenizer: safe from any thread."""
+        if self.tokenizer is None:
+            raise ValueError(f"{what} is text but the model at {self.model_path!r} has no tokenizer; pass token ids")
+        return self._encode(text, what, add_special_tokens=True)
+
+    def _encode(self, text: str, what: str, *, add_special_tokens: bool) -> list[int]:
+        check_text(text, what)
+        limit = self.config.max_seq_len
+        if self._longest_token is not None and len(text) >= limit * self._longest_token:
+            least = at_least_tokens(self.tokenizer, text, self._longest_token)
+            if least >= limit:
+                raise ValueError(f"{what} has at least {least} tokens ({len(text)} characters, at most "
+                                 f"{self._longest_token} a token); max_model_len={limit} leaves no room to generate "
+                                 f"(prompts must be shorter than max_model_len)")
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def get_default_sampling_params(self) -> SamplingParams:
         """``SamplingParams()`` with the checkpoint's ``generation_config.json`` defaults applied
@@ -423,21 +466,26 @@ class LLM:
         Raises ``ValueError`` naming the bad prompt/parameter before any work starts (the LLM
         stays usable), and :class:`~tpspec.runtime.launchers.WorkerError` when a worker dies
         or hangs (the LLM is unusable afterwards).
+
+        Safe from several threads at once: a stream yields only its own requests' outputs, and a
+        call made while other requests run joins them step by step (its outputs are the same).
         """
         with self._lock:
-            if self._executor is None:
-                raise RuntimeError("this LLM is shut down")
-            if self._live:
-                raise RuntimeError("requests added with add_request are still running; step them to the end first")
-            batch = self._make_requests(prompts, sampling_params)
-            if stream:
-                for entry in batch:
-                    self._register(entry)
-                return self._stream([entry.request_id for entry in batch])
-            if self._aborts:  # sequences of an abandoned stream still sit in the engines: drop them first
-                aborts, self._aborts = self._aborts, []
-                self._executor.call(_step_on_rank, [], aborts)
-            return self._generate(batch, use_tqdm)
+            self._check_open()
+            self._drop_abandoned()
+            defaults = sampling_params is None
+            batch = self._make_requests(prompts, sampling_params, defaults=defaults)
+            if not stream and not self._live:  # nothing else runs: the whole batch on the ranks at once
+                if self._aborts:  # sequences of an abandoned stream still sit in the engines: drop them first
+                    aborts, self._aborts = self._aborts, []
+                    self._executor.call(_step_on_rank, [], aborts)
+                return self._generate(batch, use_tqdm)
+            inbox = _Inbox()
+            lives = [self._register(entry, inbox) for entry in batch]
+        outputs = self._stream(inbox)
+        if stream:
+            return outputs
+        return self._joined(lives, outputs)
 
     def _generate(self, batch: list["_Entry"], use_tqdm: bool | None) -> list[RequestOutput]:
         requests = [r for entry in batch for r in entry.requests]
@@ -475,25 +523,59 @@ class LLM:
         self.last_stats = GenerateStats.of(outputs, wall, self.config.forced_acceptance_rate)
         return outputs
 
-    def _stream(self, request_ids: list[str]) -> Iterator[RequestOutput]:
+    def _stream(self, inbox: "_Inbox") -> Iterator[RequestOutput]:
+        """The outputs of ``inbox``'s requests, as steps produce them. Steps run under the lock,
+        the caller reads between them (outside it): a step another thread runs fills this inbox
+        too, so every stream advances whoever steps."""
         try:
-            while self._live:
-                yield from self.step()
-        finally:  # the caller stopped reading: its requests leave the batch
-            for rid in request_ids:
-                self.abort_request(rid)
+            while True:
+                with self._lock:
+                    self._drop_abandoned()
+                    inbox.pending.intersection_update(self._live)  # aborted meanwhile
+                    if not inbox.outputs and inbox.pending:
+                        unowned = self._step()
+                        self._unclaimed.extend(unowned)
+                    ready, inbox.outputs = inbox.outputs, []
+                    done = not inbox.pending
+                yield from ready
+                if done:
+                    return
+        finally:  # finished, or the caller stopped reading: its requests leave the batch
+            if inbox.pending:
+                self._dropped.extend(inbox.pending)
+
+    def _joined(self, lives: list["_Live"], outputs: Iterator[RequestOutput]) -> list[RequestOutput]:
+        """Run a stream to its end and join its deltas: the outputs a whole-batch generate gives."""
+        start = time.perf_counter()
+        logprobs: dict[tuple[str, int], list] = {}
+        for out in outputs:
+            for c in out.outputs:
+                if c.logprobs is not None:
+                    logprobs.setdefault((out.request_id, c.index), []).extend(c.logprobs)
+        results = []
+        for live in lives:
+            entry = live.entry
+            wants = entry.params.logprobs is not None
+            samples = [s.output(live.stats[i], logprobs.get((entry.request_id, i), []) if wants else None)
+                       for i, s in enumerate(live.samples)]
+            results.append(RequestOutput(request_id=entry.request_id, prompt=entry.prompt_text,
+                                         prompt_token_ids=list(entry.prompt_ids), outputs=samples, finished=True,
+                                         metrics=entry.metrics))
+        self.last_stats = GenerateStats.of(results, time.perf_counter() - start, self.config.forced_acceptance_rate)
+        return results
 
     # ------------------------------------------------------------------ step by step
     def add_request(self, prompt: Any, sampling_params: SamplingParams | None = None) -> str:
         """Queue one request (a prompt as :meth:`generate` takes it); it joins the running batch at
-        the next :meth:`step`. Returns its ``request_id``. Validation as in :meth:`generate`."""
+        the next :meth:`step`, whose caller receives its outputs. Returns its ``request_id``.
+        Validation as in :meth:`generate`."""
         if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
         with self._lock:
-            if self._executor is None:
-                raise RuntimeError("this LLM is shut down")
-            entry = self._make_requests([prompt], sampling_params)[0]
-            self._register(entry)
+            self._check_open()
+            self._drop_abandoned()
+            entry = self._make_requests([prompt], sampling_params, defaults=sampling_params is None)[0]
+            self._register(entry, None)
         return entry.request_id
 
     def abort_request(self, request_id: str) -> None:
@@ -506,34 +588,53 @@ class LLM:
         live = self._live.pop(request_id, None)
         if live is None:
             return
+        if live.inbox is not None:
+            live.inbox.pending.discard(request_id)
         for req, sample in zip(live.entry.requests, live.samples):
             self._seq_owner.pop(req.request_id, None)
             if sample.finish_reason is None:
                 self._aborts.append(req.request_id)
         self._new = [r for r in self._new if r.request_id not in {q.request_id for q in live.entry.requests}]
 
+    def _drop_abandoned(self) -> None:
+        """Abort the requests of streams dropped since the last call (under the lock)."""
+        while self._dropped:
+            self._abort_request(self._dropped.popleft())
+
+    def _check_open(self) -> None:
+        if self._executor is None:
+            raise RuntimeError("this LLM is shut down")
+
     def check_health(self) -> None:
         """Raise :class:`~tpspec.runtime.launchers.WorkerError` when a rank is known to be dead
         (one empty call on every rank)."""
         with self._lock:
-            if self._executor is None:
-                raise RuntimeError("this LLM is shut down")
+            self._check_open()
             self._executor.call(_noop_on_rank)
 
     def has_unfinished_requests(self) -> bool:
-        """Whether requests added with :meth:`add_request` (or a stream) are still running."""
-        return bool(self._live)
+        """Whether requests added with :meth:`add_request` are still running (a stream's or
+        another ``generate`` call's requests are theirs, not counted here)."""
+        with self._lock:
+            self._drop_abandoned()
+            return bool(self._unclaimed) or any(live.inbox is None for live in self._live.values())
 
     def step(self) -> list[RequestOutput]:
         """One engine step over every running request (the requests added since the last step
-        join the batch). Returns one delta ``RequestOutput`` per request that changed (as
-        ``generate(stream=True)`` yields them); a finished request is then forgotten."""
+        join the batch). Returns one delta ``RequestOutput`` per request of :meth:`add_request`
+        that changed (as ``generate(stream=True)`` yields them); a finished request is then
+        forgotten. Requests of streams and ``generate`` calls advance too; their outputs go to
+        their own callers."""
         with self._lock:
-            return self._step()
+            self._check_open()
+            self._drop_abandoned()
+            ready, self._unclaimed = self._unclaimed + self._step(), []
+            return ready
 
     def _step(self) -> list[RequestOutput]:
-        if self._executor is None:
-            raise RuntimeError("this LLM is shut down")
+        """One step under the lock: outputs of stream-owned requests go to their inboxes; the
+        others (add_request's) are returned."""
+        self._check_open()
         new, self._new = self._new, []
         aborts, self._aborts = self._aborts, []
         updates = self._executor.call(_step_on_rank, new, aborts)[self.rank]
@@ -561,7 +662,7 @@ class LLM:
             changed.setdefault(owner[0], []).append(CompletionOutput(
                 index=sample.index, text=text, token_ids=kept, logprobs=logprobs,
                 finish_reason=sample.finish_reason, stop_reason=sample.stop_reason, stats=live.stats[owner[1]]))
-        outputs = []
+        unowned = []
         for rid, deltas in changed.items():
             live = self._live[rid]
             metrics = live.entry.metrics
@@ -574,19 +675,28 @@ class LLM:
                 del self._live[rid]
                 for req in live.entry.requests:
                     self._seq_owner.pop(req.request_id, None)
-            outputs.append(RequestOutput(request_id=rid, prompt=live.entry.prompt_text,
-                                         prompt_token_ids=list(live.entry.prompt_ids),
-                                         outputs=sorted(deltas, key=lambda c: c.index), finished=finished,
-                                         metrics=metrics, prompt_logprobs=prompt_logprobs.get(rid)))
-        return outputs
+            out = RequestOutput(request_id=rid, prompt=live.entry.prompt_text,
+                                prompt_token_ids=list(live.entry.prompt_ids),
+                                outputs=sorted(deltas, key=lambda c: c.index), finished=finished, metrics=metrics,
+                                prompt_logprobs=prompt_logprobs.get(rid))
+            if live.inbox is None:
+                unowned.append(out)
+            else:
+                live.inbox.outputs.append(out)
+                if finished:
+                    live.inbox.pending.discard(rid)
+        return unowned
 
-    def _register(self, entry: "_Entry") -> None:
+    def _register(self, entry: "_Entry", inbox: "_Inbox | None") -> "_Live":
         live = _Live(entry, [_Sample(i, req, entry.params, self.tokenizer) for i, req in enumerate(entry.requests)],
-                     [RequestStats() for _ in entry.requests])
+                     [RequestStats() for _ in entry.requests], inbox)
         self._live[entry.request_id] = live
+        if inbox is not None:
+            inbox.pending.add(entry.request_id)
         for i, req in enumerate(entry.requests):
             self._seq_owner[req.request_id] = (entry.request_id, i)
         self._new.extend(entry.requests)
+        return live
 
     def chat(
         self,
@@ -601,15 +711,24 @@ class LLM:
         list of conversations, rendered with the checkpoint's chat template (or
         ``chat_template``). Otherwise as :meth:`generate`."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [{"prompt_token_ids": self.chat_prompt_ids(c, chat_template=chat_template,
-                                                             add_generation_prompt=add_generation_prompt),
-                    "prompt": None} for c in conversations]
+        prompts = []
+        for c in conversations:
+            text, ids = self.render_chat(c, chat_template=chat_template, add_generation_prompt=add_generation_prompt)
+            prompts.append({"prompt_token_ids": ids, "prompt": text})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def chat_prompt_ids(self, conversation: Sequence[dict], *, chat_template: str | None = None,
                         add_generation_prompt: bool = True) -> list[int]:
         """The token ids of one conversation rendered by the chat template (``ValueError`` when
         the checkpoint has no tokenizer or no template, or a message is malformed)."""
+        return self.render_chat(conversation, chat_template=chat_template,
+                                add_generation_prompt=add_generation_prompt)[1]
+
+    def render_chat(self, conversation: Sequence[dict], *, chat_template: str | None = None,
+                    add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+        """One conversation rendered by the chat template: ``(text, token ids)`` (the text is what
+        a chat output's ``prompt`` holds). Errors as :meth:`chat_prompt_ids`. Uses only the
+        tokenizer: safe from any thread."""
         if self.tokenizer is None:
             raise ValueError(f"chat needs a tokenizer; the model at {self.model_path!r} has none")
         if not isinstance(conversation, (list, tuple)) or not conversation:
@@ -622,14 +741,15 @@ class LLM:
             raise ValueError(f"the tokenizer of {self.model_path!r} has no chat template; pass chat_template=")
         text = self.tokenizer.apply_chat_template(list(conversation), tokenize=False, chat_template=template,
                                                   add_generation_prompt=add_generation_prompt)
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return text, self._encode(text, "the conversation", add_special_tokens=False)
 
     def shutdown(self) -> None:
         """End the workers (idempotent; waits for a call another thread is running)."""
         with self._lock:
             executor, self._executor = self._executor, None
         if executor is not None:
-            executor.shutdown()
+            self._finalizer()  # executor.shutdown, once
+            atexit.unregister(self._finalizer)
 
     def __enter__(self) -> "LLM":
         return self
@@ -637,24 +757,28 @@ class LLM:
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
-    def __del__(self) -> None:
-        try:
-            self.shutdown()
-        except Exception:  # noqa: BLE001
-            pass
-
     # ------------------------------------------------------------------ requests
-    def _make_requests(self, prompts: Any, sampling_params: Any) -> list["_Entry"]:
-        """Validate every prompt and parameter, then make one :class:`Request` per sample."""
+    def _make_requests(self, prompts: Any, sampling_params: Any, *, defaults: bool = False) -> list["_Entry"]:
+        """Validate every prompt and parameter, then make one :class:`Request` per sample.
+        ``defaults``: the parameters are the checkpoint's defaults, whose ``max_tokens`` is cut
+        to the room a prompt leaves (a ``max_tokens`` the caller set must fit it)."""
         parsed = self._prompts(prompts)
         params = self._sampling_list(sampling_params, len(parsed))
         if self.config.attention_dp and any(p.has_penalties or p.logprobs is not None or p.prompt_logprobs is not None
                                             for p in params):
             raise ValueError("penalties and logprobs are not supported with attention DP")
+        for i, ((_, ids), sp) in enumerate(zip(parsed, params)):
+            if sp.n > self.config.max_batch_size:
+                raise ValueError(f"n={sp.n} is more than max_num_seqs={self.config.max_batch_size}, the sequences "
+                                 f"that run at once")
+            if sp.max_tokens is not None and not defaults:
+                where = f"prompt {i}: " if len(parsed) > 1 else ""
+                check_context_length(len(ids), sp.max_tokens, self.config.max_seq_len, where)
         entries = []
         for (text, ids), sp in zip(parsed, params):
             stops = self._stop_ids(sp)
-            budget = self.config.max_seq_len - len(ids) if sp.max_tokens is None else sp.max_tokens
+            room = self.config.max_seq_len - len(ids)
+            budget = room if sp.max_tokens is None else min(sp.max_tokens, room)
             user_index = next(self._request_ids)
             base_seed = sp.seed
             if base_seed is None and self.seed is not None:
@@ -692,10 +816,7 @@ class LLM:
                 else:
                     p = p["prompt"]
             if isinstance(p, str):
-                if self.tokenizer is None:
-                    raise ValueError(f"prompt {i} is text but the model at {self.model_path!r} has no tokenizer; "
-                                     f"pass token ids")
-                toks = list(self.tokenizer.encode(p))
+                toks = self.tokenize(p, f"prompt {i}")
                 text = p
             elif isinstance(p, (torch.Tensor, np.ndarray)) and p.ndim == 1 and _integer_array(p):
                 toks = [int(t) for t in p.tolist()]
@@ -748,12 +869,23 @@ class _Entry:
 
 
 @dataclass
+class _Inbox:
+    """Where a stream's outputs wait for their reader: the outputs of steps run by any thread,
+    and the ids of its requests still running."""
+
+    outputs: list[RequestOutput] = dataclasses.field(default_factory=list)
+    pending: set[str] = dataclasses.field(default_factory=set)
+
+
+@dataclass
 class _Live:
-    """A request driven step by step: its entry, its samples and their engine statistics."""
+    """A request driven step by step: its entry, its samples and their engine statistics, and
+    its owner (a stream's inbox; None: :meth:`LLM.step`'s caller)."""
 
     entry: _Entry
     samples: list["_Sample"]
     stats: list[RequestStats]
+    inbox: _Inbox | None = None
 
 
 class _Sample:
@@ -843,7 +975,7 @@ GENERATION_CONFIG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top
 def _generation_config(choice: Any, model_path: str) -> tuple[dict[str, Any], list[int]]:
     """(sampling defaults, EOS ids) from a ``generation_config.json``: ``"auto"`` reads the
     model's, ``"vllm"`` none, a directory that directory's."""
-    import json
+    from ..model.config import read_json
 
     if choice == "vllm":
         return {}, []
@@ -856,8 +988,9 @@ def _generation_config(choice: Any, model_path: str) -> tuple[dict[str, Any], li
     path = os.path.join(folder, "generation_config.json")
     if not os.path.isfile(path):
         return {}, []
-    with open(path) as f:
-        raw = json.load(f)
+    raw = read_json(path)
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} holds a JSON {type(raw).__name__}, not an object")
     known = {f.name for f in dataclasses.fields(SamplingParams)}
     defaults = {field: raw[key] for key, field in GENERATION_CONFIG_FIELDS.items()
                 if raw.get(key) is not None and field in known}
@@ -903,6 +1036,15 @@ class _ProgressBar:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def check_context_length(num_prompt_tokens: int, max_tokens: int, max_model_len: int, where: str = "") -> None:
+    """``ValueError`` (vLLM's wording, after ``where``) when a prompt of ``num_prompt_tokens``
+    plus ``max_tokens`` generated tokens does not fit ``max_model_len``."""
+    if num_prompt_tokens + max_tokens > max_model_len:
+        raise ValueError(f"{where}'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's "
+                         f"maximum context length is {max_model_len} tokens and your request has "
+                         f"{num_prompt_tokens} input tokens ({max_tokens} > {max_model_len} - {num_prompt_tokens}).")
 
 
 def under_torchrun() -> bool:

@@ -31,6 +31,43 @@ def load_tokenizer(path: str) -> Any:
         raise ValueError(f"the tokenizer of {path!r} does not load: {type(exc).__name__}: {exc}") from exc
 
 
+def check_text(text: str, what: str) -> None:
+    """``ValueError`` naming ``what`` when ``text`` is not valid Unicode (a lone surrogate, as a
+    JSON ``\\ud800`` escape gives): no tokenizer can encode it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{what} is not valid Unicode text: a lone surrogate {text[exc.start]!r} at character "
+                         f"{exc.start}") from None
+
+
+def longest_token_chars(tokenizer: Any) -> int | None:
+    """The most characters of text that one token can stand for, or None when the tokenizer
+    gives no such bound.
+
+    A fast tokenizer with a BPE model emits only vocabulary entries, and an entry of k
+    characters covers at most k characters of the normalized text (byte-level BPE: k bytes,
+    so at most k characters; added tokens are in the vocabulary too). So a text of c
+    normalized characters has at least ``ceil(c / longest)`` tokens (:func:`at_least_tokens`).
+    A BPE model that fuses runs of unknown characters into one token has no bound."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    model = getattr(backend, "model", None)
+    if type(model).__name__ != "BPE":
+        return None
+    if getattr(model, "fuse_unk", False) and not getattr(model, "byte_fallback", False):
+        return None
+    return max((len(t) for t in tokenizer.get_vocab()), default=None)
+
+
+def at_least_tokens(tokenizer: Any, text: str, longest: int) -> int:
+    """A lower bound on the number of tokens ``text`` encodes to, without encoding it:
+    its characters after the tokenizer's normalizer, over ``longest``
+    (:func:`longest_token_chars`), rounded up. Linear in the text."""
+    normalizer = getattr(getattr(tokenizer, "backend_tokenizer", None), "normalizer", None)
+    chars = len(normalizer.normalize_str(text)) if normalizer is not None else len(text)
+    return -(-chars // longest)
+
+
 class IncrementalDetokenizer:
     """Text of one sample, built token by token.
 

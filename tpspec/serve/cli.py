@@ -1,7 +1,8 @@
 """``tpspec serve MODEL``: start the ranks, then serve the OpenAI API with uvicorn.
 
 Binds to 127.0.0.1 unless ``--host`` says otherwise. Ctrl-C / SIGTERM stop the server and
-its rank processes.
+its rank processes within a few seconds, whatever the clients do: requests still running
+get ``SHUTDOWN_GRACE_S`` to finish, then the connections are dropped and the engine stops.
 """
 
 from __future__ import annotations
@@ -10,6 +11,9 @@ import argparse
 import json
 import logging
 import sys
+
+SHUTDOWN_GRACE_S = 2.0
+"""After SIGTERM / Ctrl-C: how long running requests may take before their connections are cut."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,14 +33,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--generation-config", default="auto")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    parser.add_argument("--max-body-bytes", type=int, default=32 * 2**20,
+                        help="largest request body accepted (default 32 MiB); larger ones get 413")
+    parser.add_argument("--header-timeout-s", type=float, default=10.0,
+                        help="seconds a client may take to send a request's headers (default 10)")
+    parser.add_argument("--body-timeout-s", type=float, default=60.0,
+                        help="seconds a client may take to send a request's body after its headers (default 60); "
+                             "then 408")
 
 
 def run(args: argparse.Namespace) -> int:
+    for name in ("max_body_bytes", "header_timeout_s", "body_timeout_s"):
+        if getattr(args, name) <= 0:
+            print(f"error: --{name.replace('_', '-')} must be positive, got {getattr(args, name)}", file=sys.stderr)
+            return 2
     try:
         import uvicorn
+        from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
         from .app import build_app
         from .engine_loop import EngineLoop
+        from .limits import header_timeout_protocol
     except ImportError as exc:
         print(f"error: tpspec serve needs the 'serve' extra (pip install 'tpspec[serve]'): {exc}", file=sys.stderr)
         return 2
@@ -57,9 +74,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     engine = EngineLoop(llm)
-    app = build_app(engine, args.served_model_name or args.model)
+    app = build_app(engine, args.served_model_name or args.model, max_body_bytes=args.max_body_bytes,
+                    body_timeout_s=args.body_timeout_s)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            http=header_timeout_protocol(AutoHTTPProtocol, args.header_timeout_s),
+                            timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        # The app's shutdown stops the engine: uvicorn ends a SIGTERM by raising the signal
+        # again, so nothing after this call would run then.
+        uvicorn.Server(config).run()
     finally:
         engine.stop()
     return 0

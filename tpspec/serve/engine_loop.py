@@ -1,7 +1,8 @@
-"""The server's engine thread: it alone touches the :class:`~tpspec.LLM` (tokenizer
-included), steps it while requests run, and takes new requests and aborts between steps —
-so requests that arrive while others run join the running batch at the next step, and
-every rank sees the same commands in the same order.
+"""The server's engine thread: it alone steps the :class:`~tpspec.LLM`, and takes new
+requests and aborts between steps — so requests that arrive while others run join the
+running batch at the next step, and every rank sees the same commands in the same order.
+Requests reach it tokenized and validated (the handlers do that work on other threads, so a
+big prompt never holds up the steps of the others).
 
 HTTP handlers talk to it through :meth:`EngineLoop.submit` (an async iterator of the
 request's :class:`~tpspec.RequestOutput` deltas) and :meth:`EngineLoop.abort`. A dead or
@@ -17,7 +18,7 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator
 
 log = logging.getLogger("tpspec.serve")
 
@@ -30,7 +31,8 @@ class EngineDead(RuntimeError):
 
 @dataclass
 class _Submission:
-    prepare: Callable[[Any], tuple[Any, Any]]  # llm -> (prompt, sampling params), may raise ValueError
+    prompt: Any  # as LLM.add_request takes it (the handlers pass token ids)
+    params: Any  # its SamplingParams
     accepted: concurrent.futures.Future  # -> request id, or the ValueError
     outputs: asyncio.Queue
     loop: asyncio.AbstractEventLoop
@@ -48,17 +50,18 @@ class EngineLoop:
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, _Submission] = {}
         self._stopping = threading.Event()
+        self._stopped = False
         self._thread = threading.Thread(target=self._run, name="tpspec-engine", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------ handlers' side
-    async def submit(self, prepare: Callable[[Any], tuple[Any, Any]]) -> tuple[str, AsyncIterator[Any]]:
-        """Queue a request; ``prepare(llm)`` (run on the engine thread) returns its prompt and
-        sampling params. Returns ``(request_id, outputs)`` once the engine accepted it; raises
-        the ``ValueError`` of a bad request, or :class:`EngineDead`."""
+    async def submit(self, prompt: Any, params: Any) -> tuple[str, AsyncIterator[Any]]:
+        """Queue a request (``LLM.add_request(prompt, params)`` on the engine thread). Returns
+        ``(request_id, outputs)`` once the engine accepted it; raises the ``ValueError`` of a bad
+        request, or :class:`EngineDead`."""
         if self.dead:
             raise EngineDead(self.dead)
-        sub = _Submission(prepare, concurrent.futures.Future(), asyncio.Queue(), asyncio.get_running_loop())
+        sub = _Submission(prompt, params, concurrent.futures.Future(), asyncio.Queue(), asyncio.get_running_loop())
         self._commands.put(("add", sub))
         accepted = asyncio.wrap_future(sub.accepted)
         while True:  # the loop may die after the check above: never wait on it forever
@@ -86,7 +89,10 @@ class EngineLoop:
             self._commands.put(("abort", request_id))
 
     def stop(self) -> None:
-        """End the loop and shut the LLM down (its ranks exit)."""
+        """End the loop and shut the LLM down (its ranks exit). Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
         self._stopping.set()
         self._commands.put(("stop", None))
         self._thread.join(timeout=30.0)
@@ -140,14 +146,17 @@ class EngineLoop:
                 return
 
     def _add(self, sub: _Submission) -> None:
+        from ..runtime import WorkerError
+
         try:
-            prompt, params = sub.prepare(self.llm)
-            sub.request_id = self.llm.add_request(prompt, params)
+            sub.request_id = self.llm.add_request(sub.prompt, sub.params)
         except ValueError as exc:
             sub.done = True
             sub.accepted.set_exception(exc)
             return
-        except Exception as exc:  # noqa: BLE001 - e.g. a chat template that rejects the conversation
+        except (WorkerError, RuntimeError):
+            raise  # the ranks are gone: the loop ends and every request hears it
+        except Exception as exc:  # noqa: BLE001 - a bad request the validation let through
             sub.done = True
             sub.accepted.set_exception(ValueError(f"{type(exc).__name__}: {exc}"))
             return
