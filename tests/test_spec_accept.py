@@ -139,6 +139,24 @@ def test_rejection_sample_validation():
         rejection_sample(None, drafts, p, z, z, backend="flashinfer")
 
 
+def test_auto_never_reaches_for_flashinfer(monkeypatch):
+    """``backend="auto"`` draws with each request's own stream: FlashInfer's chain sampler (one
+    seed for the batch, never run on a GPU here) is not even looked up unless asked for."""
+    import tpspec.speculative.accept as accept
+
+    def looked_up():
+        raise AssertionError("auto looked up flashinfer's sampler")
+
+    monkeypatch.setattr(accept, "_flashinfer_chain", looked_up)
+    gen = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(2, 3, 8, generator=gen), dim=-1)
+    q = torch.softmax(torch.randn(2, 2, 8, generator=gen), dim=-1)
+    drafts = torch.tensor([[1, 2], [3, 4]])
+    z = torch.zeros(2, dtype=torch.int64)
+    accepted, num = rejection_sample(q, drafts, p, z, z, needs_reproducible_streams=False)
+    assert accepted.shape == (2, 3) and bool((num >= 1).all())
+
+
 def test_draft_logits_store_per_slot_and_scratch():
     store = DraftLogitsStore(num_slots=3, max_draft_len=2, shard_width=4)
     a = torch.tensor([[0.1, 0.2, 0.3, 0.4]])

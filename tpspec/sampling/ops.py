@@ -23,7 +23,6 @@ when asked for (``backend="flashinfer"``), never by the runtime.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -233,8 +232,6 @@ def filtered_probs(
 # ---------------------------------------------------------------------------- sampling
 
 def _flashinfer_sampling() -> Any:
-    if os.environ.get("TPSPEC_DISABLE_FLASHINFER", "") not in ("", "0"):
-        return None
     try:
         import flashinfer.sampling as fs  # type: ignore[import-not-found]
     except Exception:  # noqa: BLE001 - any import problem means "not available"

@@ -9,7 +9,6 @@ same tensors without any communication.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -119,8 +118,6 @@ def strict_accept(
 
 
 def _flashinfer_chain() -> Any:
-    if os.environ.get("TPSPEC_DISABLE_FLASHINFER", "") not in ("", "0"):
-        return None
     try:
         from flashinfer.sampling import chain_speculative_sampling  # type: ignore[import-not-found]
     except Exception:  # noqa: BLE001
@@ -153,10 +150,11 @@ def rejection_sample(
     first rejection the token is drawn from ``norm(max(0, p - q))``, after all drafts
     from ``p_D`` — by Gumbel-max with the noise of ``offset + 1``. Returns
     ``(accepted_tokens [B, D+1] padded with -1, num_accepted [B] int64)``, the same for
-    the same inputs on every rank and device type. flashinfer's
-    ``chain_speculative_sampling`` is used only with ``needs_reproducible_streams=False``
-    (it reads one seed for the whole batch), CUDA tensors, explicit ``draft_probs`` and
-    no ``draft_lens``.
+    the same inputs on every rank and device type. ``backend="auto"`` and ``"torch"`` run
+    this path; flashinfer's ``chain_speculative_sampling`` runs only when asked for
+    (``backend="flashinfer"``: it reads one seed for the whole batch, so it also needs
+    ``needs_reproducible_streams=False``, CUDA tensors, explicit ``draft_probs`` and no
+    ``draft_lens``; ``RuntimeError`` otherwise).
     """
     if backend not in ("auto", "torch", "flashinfer"):
         raise ValueError(f"backend must be 'auto', 'torch' or 'flashinfer', got {backend!r}")
@@ -179,7 +177,7 @@ def rejection_sample(
     if bool(((drafts < 0) | (drafts >= vocab))[counted].any()):
         raise ValueError(f"draft_token_ids must lie in [0, {vocab}) (map draft-vocab ids to target ids first)")
 
-    chain = _flashinfer_chain() if backend in ("auto", "flashinfer") else None
+    chain = _flashinfer_chain() if backend == "flashinfer" else None  # never by default: no GPU run has checked it
     fi_ok = chain is not None and device.type == "cuda" and not needs_reproducible_streams and draft_probs is not None and draft_lens is None
     if backend == "flashinfer" and not fi_ok:
         raise RuntimeError(

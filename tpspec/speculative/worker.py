@@ -149,7 +149,7 @@ class SpecWorker:
             probs = filtered_probs(full, rs.temperature, rs.top_k, rs.top_p, rs.min_p)
             accepted, num = rejection_sample(
                 draft_probs, drafts, probs[row_index], meta.request_seeds, meta.acceptance_offsets(),
-                # Only rows with fewer drafts need lengths (without them flashinfer may serve).
+                # Only rows with fewer drafts need lengths.
                 draft_lens=None if meta.every_request_has_full_drafts else lens,
                 needs_reproducible_streams=meta.any_seeded,
             )
