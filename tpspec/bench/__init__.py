@@ -15,6 +15,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "exchange": ("tpspec.bench.exchange", "LL exchange vs all-gather of keys vs all-gather of full logits"),
     "step": ("tpspec.bench.step", "one speculative decode step: sharded selection vs full-logit gather"),
     "generate": ("tpspec.bench.generate", "end-to-end tokens/s with and without speculation"),
+    "attention": ("tpspec.bench.attention", "the paged attention backends alone at a model's attention shapes"),
 }
 
 
