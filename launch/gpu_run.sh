@@ -65,7 +65,7 @@ for tp in 2 4 8; do
 done
 
 # 4. The runtime at a real model's shape: decode steps against the roofline floor (contexts 1K and 4K, batch
-#    1/8/32/64; the attention backend is FlashInfer where installed, else torch), at TP=1, then TP=2 and 4 rank
+#    1/8/32/64; attention_backend "auto", see README), at TP=1, then TP=2 and 4 rank
 #    processes.
 for tp in 1 2 4; do
     step runtime step-llama-3-8b-tp$tp 400 "$T bench step --device cuda --tp $tp --model-shape llama-3-8b --batch 1,8,32,64 --modes greedy --timeout 380 --out $o/step-llama-3-8b-tp$tp"
