@@ -55,6 +55,37 @@ _MIN_DOT = 16  # tl.dot's smallest M, N and K
 
 
 @triton.jit
+def _attend_tile(n0, hi, q, k_base, v_base, pt_base, row_visible, d, d_ok, m, l, acc, scale_log2, stride_kp,
+                 stride_ko, stride_vp, stride_vo, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """One KV tile (positions ``[n0, n0 + BLOCK_N)``, those below ``hi``) folded into the online
+    softmax state ``(m, l, acc)`` of the program's rows."""
+    pos = n0 + tl.arange(0, BLOCK_N)
+    in_range = pos < hi
+    page = tl.load(pt_base + pos // PAGE_SIZE, mask=in_range, other=0).to(tl.int64)
+    slot = pos % PAGE_SIZE
+    k = tl.load(k_base + page[None, :] * stride_kp + slot[None, :] * stride_ko + d[:, None],
+                mask=in_range[None, :] & d_ok[:, None], other=0.0)  # [HEAD_PAD, BLOCK_N]
+    if IEEE:
+        scores = tl.dot(q, k, input_precision="ieee")
+    else:
+        scores = tl.dot(q, k)
+    seen = in_range[None, :] & (pos[None, :] < row_visible[:, None])
+    scores = tl.where(seen, scores * scale_log2, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, 1))
+    # A row that has seen nothing yet keeps m = -inf; exponentiate against 0 then (weights 0, no NaN).
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_ref)
+    p = tl.exp2(scores - m_ref[:, None])
+    v = tl.load(v_base + page[:, None] * stride_vp + slot[:, None] * stride_vo + d[None, :],
+                mask=in_range[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, HEAD_PAD]
+    if IEEE:
+        pv = tl.dot(p, v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l * alpha + tl.sum(p, 1), acc * alpha[:, None] + pv
+
+
+@triton.jit
 def _attend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, page_table_ptr, seq_starts_ptr, tok_visible_ptr, part_acc_ptr,
                    part_m_ptr, part_l_ptr, scale_log2, num_heads, q_blocks, num_splits, stride_qt, stride_qh,
                    stride_ot, stride_oh, stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh, stride_pt,
@@ -91,37 +122,18 @@ def _attend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, page_table_ptr, seq_starts_ptr,
         lo = block_visible * 0
         hi = block_visible
 
-    n_offs = tl.arange(0, BLOCK_N)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
-    for n0 in range(lo, hi, BLOCK_N):
-        pos = n0 + n_offs
-        in_range = pos < hi
-        page = tl.load(page_table_ptr + seq * stride_pt + pos // PAGE_SIZE, mask=in_range, other=0).to(tl.int64)
-        slot = pos % PAGE_SIZE
-        k = tl.load(k_ptr + page[None, :] * stride_kp + slot[None, :] * stride_ko + kv_head * stride_kh + d[:, None],
-                    mask=in_range[None, :] & d_ok[:, None], other=0.0)  # [HEAD_PAD, BLOCK_N]
-        if IEEE:
-            scores = tl.dot(q, k, input_precision="ieee")
-        else:
-            scores = tl.dot(q, k)
-        seen = in_range[None, :] & (pos[None, :] < row_visible[:, None])
-        scores = tl.where(seen, scores * scale_log2, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        # A row that has seen nothing yet keeps m = -inf; exponentiate against 0 then (weights 0, no NaN).
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_ref)
-        p = tl.exp2(scores - m_ref[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + page[:, None] * stride_vp + slot[:, None] * stride_vo + kv_head * stride_vh + d[None, :],
-                    mask=in_range[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, HEAD_PAD]
-        if IEEE:
-            pv = tl.dot(p, v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m = m_new
+    k_base = k_ptr + kv_head * stride_kh
+    v_base = v_ptr + kv_head * stride_vh
+    pt_base = page_table_ptr + seq * stride_pt
+    # A while loop, not range() over tensor bounds: Triton's interpreter before 3.9 runs only the former.
+    n0 = lo
+    while n0 < hi:
+        m, l, acc = _attend_tile(n0, hi, q, k_base, v_base, pt_base, row_visible, d, d_ok, m, l, acc, scale_log2,
+                                 stride_kp, stride_ko, stride_vp, stride_vo, PAGE_SIZE, BLOCK_N, IEEE)
+        n0 += BLOCK_N
 
     if SPLIT:
         part = (tok * num_heads + heads) * num_splits + split  # [BLOCK_M]
@@ -136,28 +148,21 @@ def _attend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, page_table_ptr, seq_starts_ptr,
 
 @triton.jit
 def _merge_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, num_heads, num_splits, stride_ot, stride_oh,
-                  HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
+                  HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     d = tl.arange(0, HEAD_PAD)
-    base = (t * num_heads + head) * num_splits
-    # Split 0 holds position 0, which every row sees: its maximum is finite. Splits that saw
+    s = tl.arange(0, SPLITS_PAD)
+    s_ok = s < num_splits
+    part = (t * num_heads + head) * num_splits + s  # [SPLITS_PAD]
+    # Split 0 holds position 0, which every row sees: the maximum is finite. Splits that saw
     # nothing of this row carry m = -inf and weigh 0.
-    m = tl.load(part_m_ptr + base)
-    l = tl.load(part_l_ptr + base)
-    acc = tl.load(part_acc_ptr + base * HEAD_PAD + d)
-    for s in range(1, num_splits):
-        m_s = tl.load(part_m_ptr + base + s)
-        l_s = tl.load(part_l_ptr + base + s)
-        acc_s = tl.load(part_acc_ptr + (base + s) * HEAD_PAD + d)
-        m_new = tl.maximum(m, m_s)
-        w = tl.exp2(m - m_new)
-        w_s = tl.exp2(m_s - m_new)
-        l = l * w + l_s * w_s
-        acc = acc * w + acc_s * w_s
-        m = m_new
-    tl.store(out_ptr + t * stride_ot + head * stride_oh + d, (acc / l).to(out_ptr.dtype.element_ty),
-             mask=d < HEAD_DIM)
+    m = tl.load(part_m_ptr + part, mask=s_ok, other=float("-inf"))
+    l = tl.load(part_l_ptr + part, mask=s_ok, other=0.0)
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_PAD + d[None, :], mask=s_ok[:, None], other=0.0)
+    w = tl.exp2(m - tl.max(m, 0))
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+    tl.store(out_ptr + t * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 INTERPRETED = isinstance(_attend_kernel, InterpretedFunction)
@@ -286,5 +291,6 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
         num_warps=NUM_WARPS)
     if splits > 1:
         _merge_kernel[(n, num_heads)](part_acc, part_m, part_l, out, num_heads, splits, out.stride(0), out.stride(1),
-                                      HEAD_DIM=head_dim, HEAD_PAD=launch.head_pad, num_warps=NUM_WARPS)
+                                      HEAD_DIM=head_dim, HEAD_PAD=launch.head_pad,
+                                      SPLITS_PAD=_pow2_at_least(splits, 1), num_warps=NUM_WARPS)
     return out
