@@ -29,6 +29,7 @@ def test_bench_attention_writes_its_table(tmp_path, capsys):
     (["--backends", "auto"], "unknown \\['auto'\\]"),
     (["--tp", "3"], "--tp 3 does not split"),
     (["--batch", "0"], "--batch"),
+    (["--context", "4", "--query-len", "8"], "--query-len 8 exceeds --context 4"),
 ])
 def test_bench_attention_argument_errors(tmp_path, argv, message):
     with pytest.raises(SystemExit, match=message):

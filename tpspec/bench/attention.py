@@ -3,8 +3,8 @@
 For every backend (``--backends``, default ``torch,triton``), batch size (``--batch``, default
 1,8,32,64), context (``--context``, default 1024,4096) and query rows per sequence
 (``--query-len``, default 1 = decode; 4 = verification of 3 drafts), one step's attention: every
-sequence has ``context`` cached tokens in scattered pages of ``--page-size`` tokens and feeds
-``query_len`` new ones (which it sees too). The heads are the shape's (``--model-shape``, default
+sequence holds ``context`` tokens in scattered pages of ``--page-size`` tokens, the last
+``query_len`` of them this step's new ones (its last row sees all ``context``). The heads are the shape's (``--model-shape``, default
 llama-3-8b: 32 query heads, 8 KV heads, head size 128) divided by ``--tp``.
 
 On CUDA each configuration is one CUDA graph of the attention of ``layers`` layers, each over its
@@ -43,7 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backends", default="torch,triton",
                         help=f"comma-separated, of {[b for b in ATTENTION_BACKENDS if b != 'auto']} (default torch,triton)")
     parser.add_argument("--batch", default=None, help="sequences per step (default 1,8,32,64)")
-    parser.add_argument("--context", default=None, help="cached tokens per sequence (default 1024,4096)")
+    parser.add_argument("--context", default=None,
+                        help="tokens per sequence, the new ones included (default 1024,4096)")
     parser.add_argument("--query-len", default=None, help="new tokens per sequence (default 1; 4 = 3 drafts)")
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
@@ -58,7 +59,7 @@ def _step(backend_name: str, *, batch: int, context: int, query_len: int, page_s
     from ..model.kv_cache import KVPages
     from ..runtime.cuda_graphs import page_bucket
 
-    kv_len = context + query_len
+    kv_len = context
     per_seq = pages_needed(kv_len, page_size)
     num_pages = batch * per_seq + 1
     elem = torch.empty((), dtype=dtype).element_size()
@@ -72,11 +73,12 @@ def _step(backend_name: str, *, batch: int, context: int, query_len: int, page_s
         pages.k.normal_(generator=gen)
         pages.v.normal_(generator=gen)
         caches.append(pages)
-    order = torch.randperm(num_pages - 1, device="cpu").tolist()  # scattered pages (page 0 left unused)
+    # Scattered pages; page 0 is left to the page table's padding, as in the engine.
+    order = torch.randperm(num_pages - 1, generator=torch.Generator().manual_seed(0)).tolist()
     tables = [[1 + p for p in order[b * per_seq : (b + 1) * per_seq]] for b in range(batch)]
     n = batch * query_len
     fb = ForwardBatch(torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64), tables,
-                      [context] * batch, [query_len] * batch)
+                      [context - query_len] * batch, [query_len] * batch)
     meta = AttentionMetadata.build(fb, device, page_size, kv_pages=page_bucket(per_seq) if on_cuda else None)
     attn = make_attention_backend(backend_name, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
                                   scale=head_dim**-0.5, dtype=dtype, device=device)
@@ -132,6 +134,8 @@ def run(args: argparse.Namespace) -> int:
     batches = number_list(args.batch, (1, 8, 32, 64), option="--batch")
     contexts = number_list(args.context, (1024, 4096), option="--context")
     query_lens = number_list(args.query_len, (1,), option="--query-len")
+    if max(query_lens) > min(contexts):
+        raise SystemExit(f"tpspec bench attention: --query-len {max(query_lens)} exceeds --context {min(contexts)}")
     cfg = shape_config(args.model_shape)
     if args.tp < 1 or cfg.num_kv_heads % args.tp or cfg.num_heads % args.tp:
         raise SystemExit(f"tpspec bench attention: --tp {args.tp} does not split {cfg.num_heads} query heads and "
