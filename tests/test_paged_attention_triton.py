@@ -78,9 +78,9 @@ def test_auto_runs_only_the_checked_backend(monkeypatch):
         choose_attention_backend("cuda", 128, "triton", deterministic=True)
 
 
-def test_triton_on_cpu_needs_the_interpreter():
+def test_triton_on_cpu_needs_the_interpreter(capsys):
     """Outside the interpreter, ``attention_backend="triton"`` on CPU is a ValueError that says
-    how to run it, raised by ``LLM`` before any worker starts."""
+    how to run it, raised by ``LLM`` before any worker starts (``tpspec generate`` prints it, exit 2)."""
     from tpspec import LLM
     from tpspec.runtime.config import EngineConfig
 
@@ -91,6 +91,10 @@ def test_triton_on_cpu_needs_the_interpreter():
         choose_attention_backend("cpu", 16, "triton")
     with pytest.raises(ValueError, match=why):
         LLM("tiny", device="cpu", attention_backend="triton")
+    from tpspec.cli import main
+
+    assert main(["generate", "--device", "cpu", "--attention-backend", "triton", "--max-tokens", "2"]) == 2
+    assert why in capsys.readouterr().err
     assert EngineConfig("x", 1, "cpu", "float32", attention_backend="triton").attention_backend == "triton"
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         EngineConfig("x", 1, "cpu", "float32", attention_backend="Triton")
