@@ -55,7 +55,7 @@ def test_torch_paged_attention_equals_dense_reference(kv_pages):
 def test_backend_choice_and_bad_tables():
     assert choose_attention_backend("cpu", 128) == "torch"
     with pytest.raises(ValueError, match="attention_backend must be one of"):
-        choose_attention_backend("cpu", 128, "triton")
+        choose_attention_backend("cpu", 128, "magic")
     t = torch.zeros(3, dtype=torch.int64)
     batch = ForwardBatch(t, t, [[0]], [2], [3])
     with pytest.raises(ValueError, match="block table has 1 pages of 4 tokens, 5 cached tokens need 2"):

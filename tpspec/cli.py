@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("tpspec.runtime.generate_cli", "generate text with a TP model (default: tiny model, TP=2, CPU)"),
-    "bench": ("tpspec.bench", "benchmarks: exchange, step, generate, serve"),
+    "bench": ("tpspec.bench", "benchmarks: exchange, step, generate, serve, attention"),
     "check": ("tpspec.check_cli", "the determinism suite (docs/determinism.md): pass/fail table"),
     "serve": ("tpspec.serve.cli", "an OpenAI-compatible HTTP server (needs the 'serve' extra)"),
     "make-tiny-model": ("tpspec.model.tiny", "write a small Llama checkpoint in HF format"),

@@ -19,6 +19,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "generate": ("tpspec.bench.generate", "end-to-end tokens/s with and without speculation, and against "
                                           "Hugging Face transformers"),
     "serve": ("tpspec.bench.serve", "an OpenAI-compatible server under load: throughput, TTFT, TPOT, ITL, E2EL"),
+    "attention": ("tpspec.bench.attention", "the paged attention backends alone at a model's attention shapes"),
 }
 
 

@@ -113,7 +113,7 @@ def _time_eager(fn: Callable[[], Any], iters: int, barrier: Callable[[], None], 
     return statistics.median(rounds)
 
 
-def _copy_bandwidth_gbps(device: torch.device) -> float:
+def copy_bandwidth_gbps(device: torch.device) -> float:
     """Device-to-device copy bandwidth (bytes read + written), the HBM ceiling we compare with."""
     src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
@@ -241,7 +241,7 @@ def _bench_worker(rank: int, world_size: int, cfg: dict) -> list[dict]:
 
             solo_groups = [dist.new_group([r], backend="gloo") for r in range(world_size)]
             solo = LLKeyExchange(solo_groups[rank], max_rows=max(cfg["rows"]), num_channels=1)
-    copy_gbps = _copy_bandwidth_gbps(device) if on_cuda and rank == 0 else None
+    copy_gbps = copy_bandwidth_gbps(device) if on_cuda and rank == 0 else None
     results: list[dict] = []
 
     def record(variant: str, how: str, rows: int, width: int, mode: str, us: float, **extra: Any) -> None:

@@ -1,21 +1,29 @@
 """Paged attention: each sequence's queries against only the pages it uses.
 
-Backends behind one rule (:func:`choose_attention_backend`): FlashInfer's paged
-prefill/decode kernels on CUDA when ``flashinfer`` is installed and supports the head
-size, else a torch path (CPU, and CUDA without FlashInfer); in deterministic mode, always
-the fixed-order path (:class:`DeterministicPagedAttention`). All treat grouped-query
-heads without copying keys or values per query head, and all give token ``i`` of a
-sequence the keys ``[0, cache_len + i]``.
+Backends behind one rule (:func:`choose_attention_backend`):
+
+* ``"torch"``: gathers the pages a step reads and runs masked SDPA (CPU and CUDA).
+* ``"triton"``: :mod:`tpspec.model.paged_attention_triton`, paged decode / verification /
+  prefill kernels that read each KV page once per KV head (CUDA with ``triton``; on CPU only
+  under Triton's interpreter, ``TRITON_INTERPRET=1``, which is how the CPU tests run it).
+* ``"flashinfer"``: FlashInfer's paged prefill/decode kernels (CUDA with ``flashinfer``).
+* ``"deterministic"``: deterministic mode's fixed-order path (:class:`DeterministicPagedAttention`).
+
+``"auto"`` picks ``AUTO_CUDA_ATTENTION`` on CUDA and ``"torch"`` elsewhere; ``auto`` only ever
+names a backend a GPU run has checked, so FlashInfer runs only when asked for by name. All
+backends treat grouped-query heads without copying keys or values per query head, and all
+give token ``i`` of a sequence the keys ``[0, cache_len + i]``.
 
 A backend says whether its ``attend`` can be captured in a CUDA graph (``supports_graphs``)
 and is used in two steps: ``plan(meta)`` once per step (host work: FlashInfer's
-schedule; nothing for torch) and ``bind(meta)``, once per forward, returning
+schedule; nothing for torch and triton) and ``bind(meta)``, once per forward, returning
 ``attend(q, pages) -> out`` that every layer calls. Under a CUDA graph the plan happens
 before capture and before every replay, ``bind`` and ``attend`` inside the graph.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 from typing import Any, Callable
 
@@ -31,7 +39,10 @@ from .kv_cache import KVPages
 # per new shape, and eager decode steps change shape every step (the KV length grows). The
 # same list serves eager steps and CUDA graphs, so both compute the same logits.
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
+# What ``attention_backend="auto"`` runs on CUDA. Only a backend whose kernels a GPU run has
+# checked (tests/test_paged_attention_triton.py's ``gpu`` tests for "triton") may stand here.
+AUTO_CUDA_ATTENTION = "torch"
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
 FLASHINFER_WORKSPACE_BYTES = 128 * 1024 * 1024
 
@@ -42,10 +53,36 @@ def flashinfer_available() -> bool:
     return importlib.util.find_spec("flashinfer") is not None
 
 
+def triton_kernels() -> Any:
+    """:mod:`tpspec.model.paged_attention_triton`, or None where ``triton`` does not import."""
+    try:
+        return importlib.import_module(f"{__package__}.paged_attention_triton")
+    except ImportError:
+        return None
+
+
+def _triton_unusable(device: torch.device) -> str | None:
+    """Why the Triton backend cannot run on ``device`` (None when it can)."""
+    kernels = triton_kernels()
+    if kernels is None:
+        return "it needs the triton package (pip install triton; torch's CUDA wheels bring it)"
+    if device.type == "cuda" and kernels.INTERPRETED:
+        return "Triton's interpreter is on (TRITON_INTERPRET=1): it runs kernels on CPU tensors only"
+    if device.type not in ("cuda", "cpu") or (device.type == "cpu" and not kernels.INTERPRETED):
+        return (f"it runs on CUDA, and on CPU only under Triton's interpreter (set TRITON_INTERPRET=1 before "
+                f"triton is imported); device is {device}")
+    return None
+
+
 def choose_attention_backend(device: torch.device | str, head_dim: int, prefer: str = "auto", *,
                              deterministic: bool = False) -> str:
-    """``"flashinfer"`` on CUDA when the package is installed and supports ``head_dim``, else
-    ``"torch"``; ``prefer`` forces one (``ValueError`` when FlashInfer cannot run here).
+    """The attention backend a model on ``device`` runs.
+
+    ``prefer="auto"``: ``AUTO_CUDA_ATTENTION`` on CUDA (``"torch"`` while no GPU run has checked
+    another backend; ``"torch"`` too when the chosen one cannot run here), ``"torch"``
+    elsewhere. ``"torch"``, ``"triton"`` or ``"flashinfer"`` force one; ``ValueError`` when it
+    cannot run here (``"triton"``: CUDA with ``triton``, or CPU under Triton's interpreter;
+    ``"flashinfer"``: CUDA, the ``flashinfer`` package and a ``head_dim`` it supports).
     ``deterministic``: ``"deterministic"`` (``prefer`` must stay ``"auto"``: no other backend
     keeps a row's result independent of its batch)."""
     if prefer not in ATTENTION_BACKENDS:
@@ -55,20 +92,27 @@ def choose_attention_backend(device: torch.device | str, head_dim: int, prefer: 
             raise ValueError(f"deterministic mode uses its own fixed-order attention; attention_backend must be "
                              f"'auto', got {prefer!r}")
         return "deterministic"
-    usable = torch.device(device).type == "cuda" and flashinfer_available() and head_dim in FLASHINFER_HEAD_DIMS
-    if prefer == "flashinfer" and not usable:
-        raise ValueError(f"attention_backend='flashinfer' needs CUDA, the flashinfer package and a head_dim in "
-                         f"{FLASHINFER_HEAD_DIMS} (device {device}, head_dim {head_dim})")
-    if prefer == "torch" or not usable:
-        return "torch"
-    return "flashinfer"
+    device = torch.device(device)
+    if prefer == "auto":
+        prefer = AUTO_CUDA_ATTENTION if device.type == "cuda" else "torch"
+        if prefer == "triton" and _triton_unusable(device) is not None:
+            prefer = "torch"
+    if prefer == "flashinfer":
+        if not (device.type == "cuda" and flashinfer_available() and head_dim in FLASHINFER_HEAD_DIMS):
+            raise ValueError(f"attention_backend='flashinfer' needs CUDA, the flashinfer package and a head_dim in "
+                             f"{FLASHINFER_HEAD_DIMS} (device {device}, head_dim {head_dim})")
+    elif prefer == "triton":
+        why = _triton_unusable(device)
+        if why is not None:
+            raise ValueError(f"attention_backend='triton' cannot run here: {why}")
+    return prefer
 
 
 def make_attention_backend(name: str, *, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                            dtype: torch.dtype, device: torch.device) -> Any:
     """The backend object one model's layers share (all layers have the same heads)."""
-    cls = {"flashinfer": FlashInferPagedAttention, "deterministic": DeterministicPagedAttention}.get(
-        name, TorchPagedAttention)
+    cls = {"flashinfer": FlashInferPagedAttention, "deterministic": DeterministicPagedAttention,
+           "triton": TritonPagedAttention}.get(name, TorchPagedAttention)
     return cls(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale, dtype=dtype,
                device=device)
 
@@ -114,6 +158,36 @@ class TorchPagedAttention:
             out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=self.scale)
         out = out.view(b, kvh, g, q_max, hd).permute(0, 3, 1, 2, 4).reshape(b, q_max, self.num_heads, hd)
         return out[0] if b == 1 else out[meta.tok_seq, meta.tok_qi]
+
+
+class TritonPagedAttention:
+    """:func:`paged_attention_triton.paged_attention` over the step's page table: every query
+    block of a sequence (decode, verification, a prefill chunk) with the query heads of one KV
+    head in one program, KV splits for small batches, float32 accumulation. ``bind`` finds each
+    sequence's first row on the device (no host sync); launch sizes come from the metadata's
+    sizes (tokens, sequences, ``q_max``, ``kv_pages``), so a CUDA graph captures it."""
+
+    name = "triton"
+    supports_graphs = True
+
+    def __init__(self, *, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        why = _triton_unusable(torch.device(device))
+        if why is not None:
+            raise ValueError(f"attention_backend='triton' cannot run here: {why}")
+        self.kernels = triton_kernels()
+
+    def plan(self, meta: AttentionMetadata, *, graph: bool = False) -> None:
+        """Nothing to plan on the host: the kernels read the metadata's device tensors."""
+
+    def bind(self, meta: AttentionMetadata) -> AttendFn:
+        if meta.num_tokens == 0:
+            return lambda q, pages: q
+        starts = self.kernels.sequence_starts(meta.tok_seq, meta.num_seqs)
+        kernels, scale, q_max = self.kernels, self.scale, meta.q_max
+        return lambda q, pages: kernels.paged_attention(q, pages.k, pages.v, meta.page_table, starts,
+                                                        meta.tok_visible, scale, q_max=q_max)
 
 
 class DeterministicPagedAttention:

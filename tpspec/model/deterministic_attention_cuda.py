@@ -105,7 +105,9 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, page_table_ptr, tok_seq_ptr, tok_visible_
         m = m_new
         i += 1
     row = (t.to(tl.int64) * num_heads + heads) * num_splits + split  # [GROUP_PAD]
-    keep = g_ok & (n_blocks > 0)
+    # A tensor compare, not ``g_ok & (n_blocks > 0)``: Triton's interpreter (3.9) types a tensor
+    # ``&`` a scalar bool as int32, which tl.store refuses as a mask.
+    keep = g_ok & (n_blocks > tl.zeros_like(g))
     tl.store(part_m_ptr + row, m, mask=keep)
     tl.store(part_l_ptr + row, l, mask=keep)
     tl.store(part_acc_ptr + row[:, None] * HEAD_PAD + d[None, :], acc, mask=keep[:, None])

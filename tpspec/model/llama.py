@@ -173,8 +173,9 @@ class TPLlamaForCausalLM(nn.Module):
     :class:`ModelConfig` (zero weights, for tests). ``mapping.tp_size > 1`` needs the TP
     process group (:func:`tpspec.distributed.init_distributed`) before the first forward.
     ``exchange``: the key exchange of the vocab-sharded LM head (default: the best one for
-    the TP group); an unsharded head always picks locally. ``attention_backend``: ``"auto"``
-    (FlashInfer on CUDA when installed, else torch), ``"torch"`` or ``"flashinfer"``. ``deterministic``: every
+    the TP group); an unsharded head always picks locally. ``attention_backend``: ``"auto"``,
+    ``"torch"``, ``"triton"`` or ``"flashinfer"`` (:func:`~tpspec.model.attention.choose_attention_backend`
+    says what ``"auto"`` runs and when a forced one raises ``ValueError``). ``deterministic``: every
     reduction in the fixed order of :mod:`tpspec.model.deterministic` (attention by its
     ``"deterministic"`` backend), so each logits row is a function of its own sequence alone, bit
     for bit, at every batch and every power-of-two TP size.

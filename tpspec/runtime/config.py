@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ..sampling.logprobs import Logprob
+from ..model.attention import ATTENTION_BACKENDS
 from ..sampling.params import SamplingParams
 from ..validation import check_bool, check_int, is_real
 
@@ -86,8 +87,9 @@ class EngineConfig:
     CUDA ``gpu_memory_utilization`` (None = 0.9; not used on CPU): the share of the GPU the
     engine may use (split between ranks sharing a GPU); what weights and a profiled step
     leave goes to pages. Else (CPU): pages for ``min(max_batch_size, 8)`` requests of
-    ``max_seq_len`` tokens, at most 4 GiB. ``attention_backend``: ``"auto"``
-    (FlashInfer on CUDA when installed), ``"torch"`` or ``"flashinfer"``.
+    ``max_seq_len`` tokens, at most 4 GiB. ``attention_backend``: one of
+    :data:`~tpspec.model.attention.ATTENTION_BACKENDS` (``"auto"``: see
+    :func:`~tpspec.model.attention.choose_attention_backend`).
     """
 
     model_path: str
@@ -126,9 +128,8 @@ class EngineConfig:
         if util is not None:
             if not is_real(util) or not 0 < util <= 1:
                 raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {util!r}")
-        if self.attention_backend not in ("auto", "torch", "flashinfer"):
-            raise ValueError(f"attention_backend must be 'auto', 'torch' or 'flashinfer', "
-                             f"got {self.attention_backend!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.deterministic and self.attention_backend != "auto":
             raise ValueError(f"deterministic mode uses its own fixed-order attention; attention_backend must be "
                              f"'auto', got {self.attention_backend!r}")

@@ -40,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="default: auto (cuda when a GPU is visible, else cpu)")
     parser.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16, float16")
     parser.add_argument("--attention-dp", action="store_true", help="attention data-parallel over the TP group")
+    parser.add_argument("--attention-backend", default="auto",
+                        help="paged attention: auto (default: the torch path until a GPU run has checked "
+                             "another), torch, triton (CUDA; CPU only with TRITON_INTERPRET=1), flashinfer (CUDA)")
     parser.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4}',
                         help="JSON of LLM(speculative_config=...), or 'none' (default: n-gram, 4 tokens; "
                              "with --model tiny, methods draft_model and eagle3 default to the tiny draft / head)")
@@ -156,7 +159,8 @@ def run(args: argparse.Namespace) -> int:
         with LLM(args.model, tensor_parallel_size=tp, distributed_executor_backend=backend, device=args.device,
                  dtype=args.dtype, attention_dp=args.attention_dp, speculative_config=spec,
                  max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                 enforce_eager=args.enforce_eager, deterministic=args.deterministic) as llm:
+                 enforce_eager=args.enforce_eager, deterministic=args.deterministic,
+                 attention_backend=args.attention_backend) as llm:
             prompts = _prompts(args, llm.tokenizer is not None, llm.vocab_size)
             outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
             stats = llm.last_stats

@@ -221,8 +221,11 @@ class LLM:
     warning says so); on CPU without it, pages for ``min(max_num_seqs, 8)`` requests of
     ``max_model_len`` (at most 4 GiB). ``kv_cache_tokens``: the tokens the cache holds per
     rank (``num_kv_pages`` pages of ``page_size``), known once the engine is up. Requests wait
-    (in order) for pages; one that could never fit raises ``ValueError``. ``attention_backend``: ``"auto"``
-    (FlashInfer on CUDA when installed, else torch), ``"torch"`` or ``"flashinfer"``.
+    (in order) for pages; one that could never fit raises ``ValueError``. ``attention_backend``:
+    ``"auto"`` (the torch path; on CUDA ``AUTO_CUDA_ATTENTION`` of :mod:`tpspec.model.attention`,
+    a backend a GPU run has checked), ``"torch"``, ``"triton"`` (CUDA with ``triton``; on CPU only
+    under Triton's interpreter) or ``"flashinfer"`` (CUDA with ``flashinfer``, only when named);
+    one that cannot run here raises ``ValueError`` before a worker starts.
 
     ``deterministic``: run the model with fixed reduction orders (``docs/determinism.md``): a
     request's logits, hence its logprobs and tokens, are bit-identical alone or in any batch,
@@ -267,6 +270,7 @@ class LLM:
         attention_backend: str = "auto",
         deterministic: bool = False,
     ) -> None:
+        from ..model.attention import choose_attention_backend
         from ..model.shapes import config_from_path, is_shape_path
 
         self._executor: Executor | None = None
@@ -307,6 +311,8 @@ class LLM:
         self.model_config = config_from_path(self.model_path)
         dtype = resolve_dtype(dtype, device, checkpoint_dtype=self.model_config.torch_dtype or "float32")
         _check_layout(self.model_config, tp_size, attention_dp, self.model_path, deterministic)
+        # An attention backend this host cannot run: a ValueError here, not in a worker.
+        choose_attention_backend(device, self.model_config.head_dim, attention_backend, deterministic=deterministic)
         self.generation_defaults, gen_eos = _generation_config(generation_config, self.model_path)
         draft_path = None
         if spec is not None and spec.method == "draft_model":

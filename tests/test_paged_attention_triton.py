@@ -1,0 +1,212 @@
+"""The ``triton`` attention backend (:mod:`tpspec.model.paged_attention_triton`).
+
+On CPU through Triton's interpreter (a subprocess sets ``TRITON_INTERPRET=1`` before Triton is
+imported; skipped without ``triton``): the kernels against a float64 reference (decode,
+verification, prefill chunks; GQA groups 1, 3, 4, 8; pages of 16 and 32; ragged lengths; a
+sequence ending on a page boundary; one and several KV splits) in float32 and float16 (the
+interpreter's ``tl.dot`` does not handle bfloat16), and ``LLM("tiny", attention_backend="triton")``
+at TP 1 and 2 giving the torch backend's and Hugging Face transformers' greedy tokens. On CUDA
+(``gpu`` marks): the kernels in bfloat16, float16 and float32, a CUDA-graph replay against an
+eager run, and engines on the triton backend against the torch backend.
+
+The choice rule: ``attention_backend="auto"`` runs ``AUTO_CUDA_ATTENTION`` on CUDA (a backend a
+GPU run has checked; never FlashInfer) and torch elsewhere; ``"triton"`` on CPU outside the
+interpreter is a ``ValueError``. The checks shared with the GPU live in ``paged_attention_cases.py``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tpspec.model import attention as attention_mod
+from tpspec.model.attention import AUTO_CUDA_ATTENTION, choose_attention_backend
+
+TESTS = Path(__file__).parent
+ROOT = TESTS.parent
+has_triton = importlib.util.find_spec("triton") is not None
+needs_triton = pytest.mark.skipif(not has_triton, reason="needs triton")
+
+
+def _interpret(group: str, *dtypes: str) -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(TESTS / "paged_attention_cases.py"), group, *dtypes], env=env,
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for d in dtypes:
+        assert f"torch.{d}: ok" in proc.stdout, proc.stdout
+
+
+@needs_triton
+def test_interpreted_kernels_match_the_float64_reference():
+    _interpret("kernels", "float32", "float16")
+
+
+@needs_triton
+def test_interpreted_llm_tokens_equal_torch_backend_and_transformers():
+    _interpret("llm", "float32")
+
+
+def test_auto_runs_only_the_checked_backend(monkeypatch):
+    """``auto``: torch off CUDA; on CUDA ``AUTO_CUDA_ATTENTION`` (torch when it cannot run there),
+    never FlashInfer, even where FlashInfer is installed; FlashInfer only by name."""
+    assert AUTO_CUDA_ATTENTION in ("torch", "triton")
+    monkeypatch.setattr(attention_mod, "flashinfer_available", lambda: True)
+    assert choose_attention_backend("cpu", 128) == "torch"
+    want = AUTO_CUDA_ATTENTION
+    if want == "triton" and attention_mod._triton_unusable(torch.device("cuda")) is not None:
+        want = "torch"
+    assert choose_attention_backend("cuda", 128) == want
+    assert choose_attention_backend("cuda", 128, "flashinfer") == "flashinfer"
+    assert choose_attention_backend("cuda", 128, "torch") == "torch"
+    monkeypatch.setattr(attention_mod, "AUTO_CUDA_ATTENTION", "triton")  # after the GPU check: the flip
+    monkeypatch.setattr(attention_mod, "_triton_unusable", lambda device: None)
+    assert choose_attention_backend("cuda", 128) == "triton"
+    assert choose_attention_backend("cpu", 128) == "torch"
+    monkeypatch.setattr(attention_mod, "_triton_unusable", lambda device: "no triton")
+    assert choose_attention_backend("cuda", 128) == "torch"  # auto falls back; a forced triton raises
+    with pytest.raises(ValueError, match="attention_backend='triton' cannot run here: no triton"):
+        choose_attention_backend("cuda", 128, "triton")
+    with pytest.raises(ValueError, match="fixed-order attention"):
+        choose_attention_backend("cuda", 128, "triton", deterministic=True)
+
+
+def test_triton_on_cpu_needs_the_interpreter(capsys):
+    """Outside the interpreter, ``attention_backend="triton"`` on CPU is a ValueError that says
+    how to run it, raised by ``LLM`` before any worker starts (``tpspec generate`` prints it, exit 2)."""
+    from tpspec import LLM
+    from tpspec.runtime.config import EngineConfig
+
+    why = "TRITON_INTERPRET=1" if has_triton else "needs the triton package"
+    if has_triton and os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("this process runs Triton's interpreter")
+    with pytest.raises(ValueError, match=why):
+        choose_attention_backend("cpu", 16, "triton")
+    with pytest.raises(ValueError, match=why):
+        LLM("tiny", device="cpu", attention_backend="triton")
+    from tpspec.cli import main
+
+    assert main(["generate", "--device", "cpu", "--attention-backend", "triton", "--max-tokens", "2"]) == 2
+    assert why in capsys.readouterr().err
+    assert EngineConfig("x", 1, "cpu", "float32", attention_backend="triton").attention_backend == "triton"
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        EngineConfig("x", 1, "cpu", "float32", attention_backend="Triton")
+
+
+# ---------------------------------------------------------------------------------------- GPU
+
+@pytest.mark.gpu
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_cuda_kernels_match_the_float64_reference(dtype):
+    import paged_attention_cases as cases
+
+    cases.check_kernels("cuda", dtype)
+    cases.check_backend("cuda", dtype)
+
+
+@pytest.mark.gpu
+@needs_triton
+@pytest.mark.parametrize("query_len", [1, 4], ids=["decode", "verify"])
+def test_cuda_graph_replay_equals_eager(query_len):
+    """The backend's bind + attend captured in a CUDA graph (a small batch with long contexts:
+    several KV splits), replayed after the next step's metadata is copied in, gives the bits
+    of an eager run of that step."""
+    import paged_attention_cases as cases
+    from tpspec.model import paged_attention_triton as kernels
+    from tpspec.model.attention import TritonPagedAttention
+    from tpspec.model.batch import AttentionMetadata, ForwardBatch
+    from tpspec.model.kv_cache import KVPages
+
+    heads, kv_heads, head_dim, page = 32, 8, 128, 16
+    dtype = torch.bfloat16
+    width = 128  # page-table columns: 2048 positions
+    gen = torch.Generator().manual_seed(0)
+    num_pages = 2 * width + 1
+    pages = KVPages(num_pages, page, kv_heads, head_dim, dtype=dtype, device="cuda")
+    pages.k.copy_(torch.randn(pages.k.shape, generator=gen))
+    pages.v.copy_(torch.randn(pages.v.shape, generator=gen))
+    perm = torch.randperm(num_pages, generator=gen).tolist()
+    tables = [perm[:width], perm[width : 2 * width]]
+    attn = TritonPagedAttention(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, scale=head_dim**-0.5,
+                                dtype=dtype, device=torch.device("cuda"))
+
+    def meta_of(cache_lens: list[int]) -> AttentionMetadata:
+        n = 2 * query_len
+        batch = ForwardBatch(torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64), tables,
+                             cache_lens, [query_len] * 2)
+        return AttentionMetadata.build(batch, "cuda", page, kv_pages=width)
+
+    q = torch.randn(2 * query_len, heads, head_dim, generator=gen).to("cuda", dtype)
+    static = meta_of([3, 1500])
+    launch = kernels.plan_launch(num_tokens=q.shape[0], num_seqs=2, q_max=query_len, kv_pages=width,
+                                 page_size=page, num_heads=heads, kv_heads=kv_heads, head_dim=head_dim, device="cuda")
+    assert launch.num_splits > 1
+    attn.plan(static, graph=True)
+    attn.bind(static)(q, pages)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attn.bind(static)(q, pages)
+    nxt = meta_of([2000, 17])
+    static.copy_(nxt)
+    attn.plan(static, graph=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = attn.bind(nxt)(q, pages)
+    assert torch.equal(out.view(torch.int16), eager.view(torch.int16))
+    case = cases.Case((heads, kv_heads, head_dim, page), "cuda", dtype, lens=([2000, 17], [query_len] * 2))
+    case.tables, case.k, case.v, case.q = tables, pages.k, pages.v, q
+    assert (out.double() - case.reference()).abs().max().item() < 3e-2
+
+
+@pytest.mark.gpu
+@needs_triton
+def test_cuda_engine_tokens_equal_torch_backend(tmp_path):
+    """The tiny model (float32) on CUDA with graphed steps: the same greedy tokens on the triton
+    and torch backends, with n-gram drafts."""
+    from tpspec.mapping import Mapping
+    from tpspec.model.tiny import make_tiny_checkpoint
+    from tpspec.runtime.config import EngineConfig, Request, SpeculativeConfig
+    from tpspec.runtime.engine import Engine
+    from tpspec.sampling.params import SamplingParams
+
+    ckpt = str(make_tiny_checkpoint(tmp_path / "tiny", seed=0))
+    prompts = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [100, 200, 300, 5, 6, 7], [42] * 12, list(range(3, 43)), [7]]
+    requests = [Request(i, tuple(p), SamplingParams(temperature=0.0), 24) for i, p in enumerate(prompts)]
+    tokens = {}
+    for backend in ("torch", "triton"):
+        engine = Engine(EngineConfig(ckpt, 1, "cuda", "float32", speculative=SpeculativeConfig("ngram", 3),
+                                     max_batch_size=4, gpu_memory_utilization=0.2, attention_backend=backend),
+                        Mapping(), "cuda")
+        assert engine.model.attention.name == backend
+        tokens[backend] = [r.token_ids for r in engine.generate(requests)]
+        assert engine.graphs is not None and engine.graphs.graphs  # graphed steps ran
+        engine.close()
+    assert tokens["triton"] == tokens["torch"]
+
+
+@pytest.mark.gpu
+@needs_triton
+def test_cuda_llama_3_8b_layers_match_torch_backend():
+    """Two layers of the Llama-3-8B shape in bfloat16: prefill, verification, decode and a rewound
+    step give the torch backend's logits."""
+    from model_helpers import allocate_slots, mixed_scenario
+    from tpspec.model import random_model, shape_config
+
+    cfg = shape_config("llama-3-8b", num_layers=2, vocab_size=4096)
+    logits = {}
+    for backend in ("torch", "triton"):
+        model = random_model(cfg, device="cuda", dtype=torch.bfloat16, attention_backend=backend, seed=0)
+        assert model.attention.name == backend
+        allocate_slots(model, 4)
+        logits[backend] = [t.float() for t in mixed_scenario(model)]
+    for got, want in zip(logits["triton"], logits["torch"]):
+        torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)

@@ -1,0 +1,189 @@
+"""``tpspec bench attention``: the paged attention backends alone, at a model's attention shapes.
+
+For every backend (``--backends``, default ``torch,triton``), batch size (``--batch``, default
+1,8,32,64), context (``--context``, default 1024,4096) and query rows per sequence
+(``--query-len``, default 1 = decode; 4 = verification of 3 drafts), one step's attention: every
+sequence holds ``context`` tokens in scattered pages of ``--page-size`` tokens, the last
+``query_len`` of them this step's new ones (its last row sees all ``context``). The heads are the shape's (``--model-shape``, default
+llama-3-8b: 32 query heads, 8 KV heads, head size 128) divided by ``--tp``.
+
+On CUDA each configuration is one CUDA graph of the attention of ``layers`` layers, each over its
+own KV pages, enough of them (at most 32) that the step reads more than the L2 cache holds; the
+page table is as wide as a graphed engine step's (the next power of two of the pages a sequence
+reads). The table reports microseconds per layer, the KV bytes a layer reads over that time
+(``kv_GBps``), that as a share of the device-to-device copy bandwidth measured in the same run,
+and each row's speed-up over the torch backend's row of the same configuration. On CPU (a smoke
+run; ``triton`` only under ``TRITON_INTERPRET=1``) the steps run eagerly and the times mean little.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import torch
+
+from . import bench_device, number_list, report
+from .exchange import copy_bandwidth_gbps
+
+COLUMNS = ["backend", "batch", "context", "query_len", "layers", "us_per_layer", "kv_GBps", "pct_copy_bw",
+           "speedup_vs_torch"]
+L2_BYTES = 256 << 20  # several times the L2 of current GPUs: the layers of one graph read more than this
+MAX_LAYERS = 32
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..model.attention import ATTENTION_BACKENDS
+    from ..model.shapes import MODEL_SHAPES
+
+    parser.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default="llama-3-8b",
+                        help="the attention heads of this shape (default llama-3-8b)")
+    parser.add_argument("--tp", type=int, default=1, help="heads of one rank at this TP size (default 1)")
+    parser.add_argument("--backends", default="torch,triton",
+                        help=f"comma-separated, of {[b for b in ATTENTION_BACKENDS if b != 'auto']} (default torch,triton)")
+    parser.add_argument("--batch", default=None, help="sequences per step (default 1,8,32,64)")
+    parser.add_argument("--context", default=None,
+                        help="tokens per sequence, the new ones included (default 1024,4096)")
+    parser.add_argument("--query-len", default=None, help="new tokens per sequence (default 1; 4 = 3 drafts)")
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
+    parser.add_argument("--iters", type=int, default=20, help="timed graph replays per configuration (default 20)")
+
+
+def _step(backend_name: str, *, batch: int, context: int, query_len: int, page_size: int, heads: int,
+          kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, iters: int) -> dict[str, Any]:
+    from ..model.attention import make_attention_backend
+    from ..model.batch import AttentionMetadata, ForwardBatch, pages_needed
+    from ..model.kv_cache import KVPages
+    from ..runtime.cuda_graphs import page_bucket
+
+    kv_len = context
+    per_seq = pages_needed(kv_len, page_size)
+    num_pages = batch * per_seq + 1
+    elem = torch.empty((), dtype=dtype).element_size()
+    layer_bytes = 2 * batch * kv_len * kv_heads * head_dim * elem  # K and V a layer's step reads
+    on_cuda = device.type == "cuda"
+    layers = min(MAX_LAYERS, max(2, -(-L2_BYTES // layer_bytes))) if on_cuda else 1
+    gen = torch.Generator(device=device).manual_seed(0)
+    caches = []
+    for _ in range(layers):
+        pages = KVPages(num_pages, page_size, kv_heads, head_dim, dtype=dtype, device=device)
+        pages.k.normal_(generator=gen)
+        pages.v.normal_(generator=gen)
+        caches.append(pages)
+    # Scattered pages; page 0 is left to the page table's padding, as in the engine.
+    order = torch.randperm(num_pages - 1, generator=torch.Generator().manual_seed(0)).tolist()
+    tables = [[1 + p for p in order[b * per_seq : (b + 1) * per_seq]] for b in range(batch)]
+    n = batch * query_len
+    fb = ForwardBatch(torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64), tables,
+                      [context - query_len] * batch, [query_len] * batch)
+    meta = AttentionMetadata.build(fb, device, page_size, kv_pages=page_bucket(per_seq) if on_cuda else None)
+    attn = make_attention_backend(backend_name, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                                  scale=head_dim**-0.5, dtype=dtype, device=device)
+    q = torch.randn(n, heads, head_dim, generator=gen, device=device, dtype=torch.float32).to(dtype)
+    attn.plan(meta, graph=on_cuda)
+
+    def forward() -> None:
+        attend = attn.bind(meta)
+        for pages in caches:
+            attend(q, pages)
+
+    if on_cuda:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # compile and allocate outside the capture
+            forward()
+            forward()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            forward()
+        for _ in range(3):
+            graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        seconds = start.elapsed_time(end) / 1000.0 / iters
+        del graph
+    else:
+        forward()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            forward()
+        seconds = (time.perf_counter() - t0) / iters
+    per_layer = seconds / layers
+    return dict(backend=backend_name, batch=batch, context=context, query_len=query_len, layers=layers,
+                us_per_layer=per_layer * 1e6, kv_GBps=layer_bytes / per_layer / 1e9)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..model.attention import ATTENTION_BACKENDS, choose_attention_backend
+    from ..model.shapes import shape_config
+
+    device = torch.device(bench_device(args.device, "tpspec bench attention"))
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    bad = [b for b in backends if b not in ATTENTION_BACKENDS or b == "auto"]
+    if bad or not backends:
+        raise SystemExit(f"tpspec bench attention: --backends: unknown {bad or args.backends!r}; "
+                         f"known: {[b for b in ATTENTION_BACKENDS if b != 'auto']}")
+    batches = number_list(args.batch, (1, 8, 32, 64), option="--batch")
+    contexts = number_list(args.context, (1024, 4096), option="--context")
+    query_lens = number_list(args.query_len, (1,), option="--query-len")
+    if max(query_lens) > min(contexts):
+        raise SystemExit(f"tpspec bench attention: --query-len {max(query_lens)} exceeds --context {min(contexts)}")
+    cfg = shape_config(args.model_shape)
+    if args.tp < 1 or cfg.num_kv_heads % args.tp or cfg.num_heads % args.tp:
+        raise SystemExit(f"tpspec bench attention: --tp {args.tp} does not split {cfg.num_heads} query heads and "
+                         f"{cfg.num_kv_heads} KV heads")
+    heads, kv_heads = cfg.num_heads // args.tp, cfg.num_kv_heads // args.tp
+    dtype = getattr(torch, args.dtype)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    try:
+        for name in backends:  # a backend that cannot run here stops the run before any timing
+            choose_attention_backend(device, cfg.head_dim, name)
+    except ValueError as exc:
+        raise SystemExit(f"tpspec bench attention: {exc}") from None
+    copy_gbps = copy_bandwidth_gbps(device) if device.type == "cuda" else None
+    results = []
+    for ql in query_lens:
+        for ctx in contexts:
+            for b in batches:
+                base = None
+                for name in backends:
+                    r = _step(name, batch=b, context=ctx, query_len=ql, page_size=args.page_size, heads=heads,
+                              kv_heads=kv_heads, head_dim=cfg.head_dim, dtype=dtype, device=device, iters=args.iters)
+                    r["pct_copy_bw"] = 100.0 * r["kv_GBps"] / copy_gbps if copy_gbps else None
+                    base = r["us_per_layer"] if name == "torch" else base
+                    results.append(r)
+                for r in results[-len(backends):]:
+                    r["speedup_vs_torch"] = base / r["us_per_layer"] if base else None
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    rows = [[r[c] if r[c] is not None else "-" for c in COLUMNS] for r in results]
+    meta = dict(model_shape=args.model_shape, tp=args.tp, heads=heads, kv_heads=kv_heads, head_dim=cfg.head_dim,
+                page_size=args.page_size, dtype=args.dtype, device=str(device), iters=args.iters,
+                copy_bandwidth_GBps=copy_gbps, graphs=device.type == "cuda")
+
+    def plot(ax: Any) -> None:
+        for name in backends:
+            for ql in query_lens:
+                for ctx in contexts:
+                    pts = [(r["batch"], r["us_per_layer"]) for r in results
+                           if r["backend"] == name and r["context"] == ctx and r["query_len"] == ql]
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                            label=f"{name} ctx {ctx}" + (f" q {ql}" if len(query_lens) > 1 else ""))
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("batch (sequences)")
+        ax.set_ylabel("microseconds per layer")
+        ax.set_title(f"paged attention, {args.model_shape} heads {heads}/{kv_heads} x {cfg.head_dim}, {args.dtype}")
+        ax.legend(fontsize=8)
+
+    report.write_report(args.out, "attention", columns=COLUMNS, rows=rows, meta=meta, plot=plot)
+    return 0

@@ -1,0 +1,296 @@
+"""Paged attention in Triton: decode, verification and prefill chunks over the paged KV cache.
+
+Every step shape runs the same kernel, ``_attend_kernel``. Its programs are
+``(query block, KV head, KV split)``:
+
+* **Query block.** Up to ``BLOCK_Q`` consecutive query rows of one sequence. Together with the
+  ``GROUP`` query heads of one KV head they form the ``BLOCK_M = BLOCK_Q * GROUP`` rows (padded
+  to a power of two, at least 16) of one ``tl.dot``: row ``m`` is query row ``m // GROUP`` of
+  the block and head ``kv_head * GROUP + m % GROUP``. So each key and value tile is read once
+  per KV head and query block, never once per query head.
+* **Causal, bottom-right.** Query row ``i`` of a sequence with ``cache_len`` cached tokens sees
+  positions ``[0, cache_len + i]``. A block reads only the tiles up to its last row's last
+  visible position.
+* **Split-KV.** When the ``(query block, KV head)`` programs alone are too few to fill the GPU
+  (decode at small batch sizes), each block's visible positions are cut into ``num_splits``
+  equal parts (multiples of ``BLOCK_N``, sized by the block's own length, so a short sequence
+  is spread as evenly as a long one). Each program then writes its float32 partial (running
+  maximum, sum of exponentials, unnormalized output) and ``_merge_kernel`` combines the
+  splits of every ``(row, head)``. With one split the first kernel writes the output itself.
+
+Scores, the online softmax and the output accumulate in float32 (``tl.exp2`` with the scale
+folded into ``log2 e``); float32 inputs use IEEE dot products. Head sizes are padded to a
+power of two (at least 16); any GQA group; any page size.
+
+The grid is ``(num_seqs * cdiv(q_max, BLOCK_Q), kv_heads, num_splits)``: it depends only on the
+step's sizes (sequences, the longest query, the page-table width, the head counts), never on
+the lengths inside the metadata, and nothing synchronizes with the host. A launch can
+therefore be captured in a CUDA graph whose replays take new lengths and page tables in the
+same tensors; programs of query blocks a sequence does not have return at once.
+
+This module imports ``triton``. Triton's interpreter (``TRITON_INTERPRET=1`` set before
+``triton`` is imported) runs the same kernels on CPU tensors, which is how the CPU tests
+check them (:data:`INTERPRETED` says which mode this import got).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+BLOCK_N = 64  # KV positions per tile
+MAX_BLOCK_M = 64  # query rows (query positions x group heads) per program, at most
+MIN_SPLIT_LEN = 128  # KV positions a split covers at least (a multiple of BLOCK_N)
+MAX_SPLITS = 64
+PROGRAMS_PER_SM = 2  # split until (query blocks x KV heads x splits) reaches this many programs per SM
+PARTIALS_BYTES = 1 << 28  # float32 split partials one launch may hold (fewer splits beyond)
+NUM_WARPS = 4
+_LOG2E = 1.4426950408889634
+_MIN_DOT = 16  # tl.dot's smallest M, N and K
+
+
+@triton.jit
+def _attend_tile(n0, hi, q, k_base, v_base, pt_base, row_visible, d, d_ok, m, l, acc, scale_log2, stride_kp,
+                 stride_ko, stride_vp, stride_vo, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """One KV tile (positions ``[n0, n0 + BLOCK_N)``, those below ``hi``) folded into the online
+    softmax state ``(m, l, acc)`` of the program's rows."""
+    pos = n0 + tl.arange(0, BLOCK_N)
+    in_range = pos < hi
+    page = tl.load(pt_base + pos // PAGE_SIZE, mask=in_range, other=0).to(tl.int64)
+    slot = pos % PAGE_SIZE
+    k = tl.load(k_base + page[None, :] * stride_kp + slot[None, :] * stride_ko + d[:, None],
+                mask=in_range[None, :] & d_ok[:, None], other=0.0)  # [HEAD_PAD, BLOCK_N]
+    if IEEE:
+        scores = tl.dot(q, k, input_precision="ieee")
+    else:
+        scores = tl.dot(q, k)
+    seen = in_range[None, :] & (pos[None, :] < row_visible[:, None])
+    scores = tl.where(seen, scores * scale_log2, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, 1))
+    # A row that has seen nothing yet keeps m = -inf; exponentiate against 0 then (weights 0, no NaN).
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_ref)
+    p = tl.exp2(scores - m_ref[:, None])
+    v = tl.load(v_base + page[:, None] * stride_vp + slot[:, None] * stride_vo + d[None, :],
+                mask=in_range[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, HEAD_PAD]
+    if IEEE:
+        pv = tl.dot(p, v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l * alpha + tl.sum(p, 1), acc * alpha[:, None] + pv
+
+
+@triton.jit
+def _attend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, page_table_ptr, seq_starts_ptr, tok_visible_ptr, part_acc_ptr,
+                   part_m_ptr, part_l_ptr, scale_log2, num_heads, q_blocks, num_splits, stride_qt, stride_qh,
+                   stride_ot, stride_oh, stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh, stride_pt,
+                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                   BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+                   IEEE: tl.constexpr):
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = pid // q_blocks
+    first = (pid % q_blocks) * BLOCK_Q  # the block's first query row within its sequence
+    start = tl.load(seq_starts_ptr + seq).to(tl.int64)
+    q_len = tl.load(seq_starts_ptr + seq + 1).to(tl.int64) - start
+    if first >= q_len:
+        return  # a query block this sequence does not have
+    cache_len = tl.load(tok_visible_ptr + start).to(tl.int64) - 1  # its first row sees cache_len + 1 positions
+
+    m_offs = tl.arange(0, BLOCK_M)
+    qi = first + m_offs // GROUP  # each row's query row within the sequence
+    heads = kv_head * GROUP + m_offs % GROUP
+    row_ok = (m_offs < BLOCK_Q * GROUP) & (qi < q_len)
+    tok = start + qi
+    d = tl.arange(0, HEAD_PAD)
+    d_ok = d < HEAD_DIM
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    row_visible = cache_len + qi + 1  # [BLOCK_M]: positions each row sees
+    block_visible = cache_len + tl.minimum(q_len, first + BLOCK_Q)  # positions the block's last row sees
+    if SPLIT:
+        split_len = tl.cdiv(tl.cdiv(block_visible, num_splits), BLOCK_N) * BLOCK_N
+        lo = split * split_len
+        hi = tl.minimum(lo + split_len, block_visible)
+    else:
+        lo = block_visible * 0
+        hi = block_visible
+
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    k_base = k_ptr + kv_head * stride_kh
+    v_base = v_ptr + kv_head * stride_vh
+    pt_base = page_table_ptr + seq * stride_pt
+    # A while loop, not range() over tensor bounds: Triton's interpreter before 3.9 runs only the former.
+    n0 = lo
+    while n0 < hi:
+        m, l, acc = _attend_tile(n0, hi, q, k_base, v_base, pt_base, row_visible, d, d_ok, m, l, acc, scale_log2,
+                                 stride_kp, stride_ko, stride_vp, stride_vo, PAGE_SIZE, BLOCK_N, IEEE)
+        n0 += BLOCK_N
+
+    if SPLIT:
+        part = (tok * num_heads + heads) * num_splits + split  # [BLOCK_M]
+        tl.store(part_m_ptr + part, m, mask=row_ok)
+        tl.store(part_l_ptr + part, l, mask=row_ok)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_PAD + d[None, :], acc, mask=row_ok[:, None])
+    else:
+        out = acc / tl.where(l > 0, l, 1.0)[:, None]  # l > 0 on every real row: it sees position 0
+        tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _merge_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, num_heads, num_splits, stride_ot, stride_oh,
+                  HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    d = tl.arange(0, HEAD_PAD)
+    s = tl.arange(0, SPLITS_PAD)
+    s_ok = s < num_splits
+    part = (t * num_heads + head) * num_splits + s  # [SPLITS_PAD]
+    # Split 0 holds position 0, which every row sees: the maximum is finite. Splits that saw
+    # nothing of this row carry m = -inf and weigh 0.
+    m = tl.load(part_m_ptr + part, mask=s_ok, other=float("-inf"))
+    l = tl.load(part_l_ptr + part, mask=s_ok, other=0.0)
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_PAD + d[None, :], mask=s_ok[:, None], other=0.0)
+    w = tl.exp2(m - tl.max(m, 0))
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+    tl.store(out_ptr + t * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+INTERPRETED = isinstance(_attend_kernel, InterpretedFunction)
+"""Whether this import got Triton's interpreter (``TRITON_INTERPRET=1``): kernels on CPU tensors."""
+
+
+def _pow2_at_least(n: int, floor: int) -> int:
+    return max(floor, 1 << max(0, n - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1  # the interpreter: no parallel hardware to fill
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Block sizes and grid of one step's attention (from the step's sizes only)."""
+
+    block_q: int  # query rows of one sequence per program
+    block_m: int  # rows of a program's tl.dot: block_q * group, padded to a power of two >= 16
+    q_blocks: int  # query blocks per sequence: cdiv(q_max, block_q)
+    num_splits: int  # KV splits per query block (1: no merge)
+    head_pad: int
+
+
+def plan_launch(*, num_tokens: int, num_seqs: int, q_max: int, kv_pages: int, page_size: int, num_heads: int,
+                kv_heads: int, head_dim: int, device: torch.device | str,
+                num_splits: int | None = None) -> Launch:
+    """How :func:`paged_attention` launches for a step of these sizes.
+
+    ``num_splits``: KV splits per query block (default: 1 when the ``num_seqs * q_blocks *
+    kv_heads`` programs reach ``PROGRAMS_PER_SM`` per SM, else enough splits to get there, at
+    most ``MAX_SPLITS``, at least ``MIN_SPLIT_LEN`` positions of the page table's
+    ``kv_pages * page_size`` a split, and within ``PARTIALS_BYTES`` of float32 partials).
+    Depends only on these arguments (and the device's SM count), never on a tensor's values.
+    """
+    group = num_heads // kv_heads
+    block_m = min(max(MAX_BLOCK_M, _pow2_at_least(group, _MIN_DOT)), _pow2_at_least(q_max * group, _MIN_DOT))
+    block_q = max(1, block_m // group)
+    q_blocks = triton.cdiv(max(q_max, 1), block_q)
+    head_pad = _pow2_at_least(head_dim, _MIN_DOT)
+    if num_splits is None:
+        programs = num_seqs * q_blocks * kv_heads
+        target = PROGRAMS_PER_SM * _sm_count(torch.device(device))
+        num_splits = 1
+        if programs < target:
+            by_length = triton.cdiv(kv_pages * page_size, MIN_SPLIT_LEN)
+            by_memory = PARTIALS_BYTES // max(1, 4 * num_tokens * num_heads * (head_pad + 2))
+            num_splits = max(1, min(triton.cdiv(target, programs), by_length, by_memory, MAX_SPLITS))
+    elif not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+    return Launch(block_q=block_q, block_m=block_m, q_blocks=q_blocks, num_splits=num_splits, head_pad=head_pad)
+
+
+def sequence_starts(tok_seq: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    """``[num_seqs + 1]`` int64 on ``tok_seq``'s device: the first query row of each sequence, then
+    the row count (``tok_seq`` ``[N]``: each row's sequence, in order). No host synchronization."""
+    ids = torch.arange(num_seqs + 1, dtype=tok_seq.dtype, device=tok_seq.device)
+    return torch.searchsorted(tok_seq, ids)
+
+
+def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, page_table: torch.Tensor,
+                    seq_starts: torch.Tensor, tok_visible: torch.Tensor, scale: float, *, q_max: int,
+                    num_splits: int | None = None) -> torch.Tensor:
+    """Causal paged attention of a step's query rows (module docstring).
+
+    Parameters
+    ----------
+    q : ``[N, H, head_dim]`` float32, float16 or bfloat16: the step's query rows, sequence by
+        sequence (rows ``seq_starts[b]:seq_starts[b + 1]`` are sequence ``b``'s, in order).
+    k_pages, v_pages : ``[num_pages, page_size, kv_heads, head_dim]`` in ``q``'s dtype (one layer of
+        :class:`~tpspec.model.kv_cache.KVPages`), last dimension contiguous; ``H`` a multiple of
+        ``kv_heads``.
+    page_table : ``[B, kv_pages]`` integer: sequence ``b``'s pages in order; it must cover every
+        position its rows see (columns past them are never read).
+    seq_starts : ``[B + 1]`` integer (:func:`sequence_starts`); every sequence has a row.
+    tok_visible : ``[N]`` integer: the positions row ``t`` sees, ``cache_len + i + 1`` for query row
+        ``i`` of its sequence (only each sequence's first entry is read: rows are consecutive).
+    scale : the softmax scale.
+    q_max : the most query rows of a sequence (sizes the grid; a CUDA graph fixes it).
+    num_splits : KV splits (default: :func:`plan_launch`'s rule).
+
+    Returns ``[N, H, head_dim]`` in ``q``'s dtype. Launch sizes come from the tensors' shapes,
+    ``q_max`` and ``num_splits`` only: no host synchronization, capturable in a CUDA graph.
+    """
+    n, num_heads, head_dim = q.shape
+    _, page_size, kv_heads, kv_dim = k_pages.shape
+    if num_heads % kv_heads or kv_dim != head_dim or v_pages.shape != k_pages.shape:
+        raise ValueError(f"q {tuple(q.shape)} does not fit K/V pages {tuple(k_pages.shape)} / {tuple(v_pages.shape)}: "
+                         f"heads must be a multiple of kv_heads and head sizes equal")
+    if not q.dtype == k_pages.dtype == v_pages.dtype:
+        raise ValueError(f"q, k_pages and v_pages must share a dtype, got {q.dtype}, {k_pages.dtype}, {v_pages.dtype}")
+    if k_pages.stride(-1) != 1 or v_pages.stride(-1) != 1:
+        raise ValueError("K/V pages need a contiguous last dimension")
+    num_seqs = page_table.shape[0]
+    if seq_starts.shape != (num_seqs + 1,):
+        raise ValueError(f"seq_starts must have {num_seqs + 1} entries (page_table rows + 1), got "
+                         f"{tuple(seq_starts.shape)}")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    out = torch.empty_like(q)
+    if n == 0:
+        return out
+    launch = plan_launch(num_tokens=n, num_seqs=num_seqs, q_max=q_max, kv_pages=page_table.shape[1],
+                         page_size=page_size, num_heads=num_heads, kv_heads=kv_heads, head_dim=head_dim,
+                         device=q.device, num_splits=num_splits)
+    splits = launch.num_splits
+    f32 = torch.float32
+    if splits > 1:
+        part_acc = torch.empty(n * num_heads * splits * launch.head_pad, dtype=f32, device=q.device)
+        part_m = torch.empty(n * num_heads * splits, dtype=f32, device=q.device)
+        part_l = torch.empty_like(part_m)
+    else:
+        part_acc = part_m = part_l = out  # not read: the kernel writes the output itself
+    grid = (num_seqs * launch.q_blocks, kv_heads, splits)
+    _attend_kernel[grid](
+        q, k_pages, v_pages, out, page_table, seq_starts, tok_visible, part_acc, part_m, part_l, scale * _LOG2E,
+        num_heads, launch.q_blocks, splits, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_pages.stride(0), k_pages.stride(1), k_pages.stride(2), v_pages.stride(0), v_pages.stride(1),
+        v_pages.stride(2), page_table.stride(0),
+        GROUP=num_heads // kv_heads, HEAD_DIM=head_dim, HEAD_PAD=launch.head_pad, PAGE_SIZE=page_size,
+        BLOCK_Q=launch.block_q, BLOCK_M=launch.block_m, BLOCK_N=BLOCK_N, SPLIT=splits > 1, IEEE=q.dtype == f32,
+        num_warps=NUM_WARPS)
+    if splits > 1:
+        _merge_kernel[(n, num_heads)](part_acc, part_m, part_l, out, num_heads, splits, out.stride(0), out.stride(1),
+                                      HEAD_DIM=head_dim, HEAD_PAD=launch.head_pad,
+                                      SPLITS_PAD=_pow2_at_least(splits, 1), num_warps=NUM_WARPS)
+    return out
