@@ -316,7 +316,7 @@ def make_trained_tiny_checkpoint(path: str | os.PathLike, *, draft_path: str | o
     window, batch = 64, 16
     model.train()
     for _ in tqdm(range(steps), desc="training the tiny model", unit="step", file=sys.stderr, disable=not progress,
-                  leave=False):
+                  leave=False, mininterval=0):  # every step drawn: short runs still show 100 %
         starts = torch.randint(0, len(data) - window, (batch,), generator=gen)
         x = torch.stack([data[s:s + window] for s in starts.tolist()])
         loss = model(input_ids=x, labels=x).loss
