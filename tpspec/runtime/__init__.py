@@ -4,13 +4,14 @@
 from .config import (CompletionOutput, EngineConfig, Request, RequestMetrics, RequestOutput, RequestStats,
                      SpeculativeConfig)
 from .launchers import WorkerError
-from .llm import LLM, GenerateStats, tiny_model_path
+from .llm import LLM, EngineCounters, GenerateStats, tiny_model_path
 
 __all__ = [
     "LLM",
     "CompletionOutput",
     "RequestMetrics",
     "EngineConfig",
+    "EngineCounters",
     "GenerateStats",
     "Request",
     "RequestOutput",

@@ -1,6 +1,7 @@
 """The OpenAI-compatible routes over an :class:`~tpspec.serve.engine_loop.EngineLoop`.
 
-``/health`` (200, or 503 once the ranks are gone), ``/v1/models``, ``/v1/completions`` and
+``/health`` (200, or 503 once the ranks are gone), ``/metrics`` (Prometheus text: prefix-cache
+queries and hits, preemptions), ``/v1/models``, ``/v1/completions`` and
 ``/v1/chat/completions`` — JSON, or server-sent events with ``"stream": true`` (one chunk
 per engine step and sample, then ``data: [DONE]``). Bad requests get OpenAI-style 400
 errors (the body names the problem), an unknown model 404, a dead engine 503.
@@ -15,7 +16,7 @@ from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from ..sampling.params import SamplingParams
 from .engine_loop import EngineDead, EngineLoop
@@ -39,6 +40,10 @@ def build_app(engine: EngineLoop, model_name: str) -> FastAPI:
         if engine.dead:
             return JSONResponse(error_body(engine.dead, 503, kind="ServiceUnavailableError"), status_code=503)
         return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(_prometheus(engine.llm.counters))
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -85,6 +90,18 @@ class _ChatPrompt:
     def __init__(self, messages: list[dict], add_generation_prompt: bool) -> None:
         self.messages = messages
         self.add_generation_prompt = add_generation_prompt
+
+
+def _prometheus(counters: Any) -> str:
+    """The LLM's :class:`~tpspec.runtime.llm.EngineCounters` in Prometheus' text format (vLLM's names,
+    ``tpspec:`` for ``vllm:``)."""
+    lines = []
+    for name, what in (("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+                       ("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+                       ("num_preemptions", "Requests preempted because KV pages ran out.")):
+        lines += [f"# HELP tpspec:{name} {what}", f"# TYPE tpspec:{name} counter",
+                  f"tpspec:{name}_total {getattr(counters, name)}"]
+    return "\n".join(lines) + "\n"
 
 
 def _error(message: str, status: int, *, kind: str = "BadRequestError", param: str | None = None) -> JSONResponse:

@@ -28,6 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-config", default=None, help="JSON of LLM(speculative_config=...)")
     parser.add_argument("--generation-config", default="auto")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="reuse the KV pages of cached prompt prefixes (default on)")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -49,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
                   distributed_executor_backend=args.distributed_executor_backend, device=args.device,
                   dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                   gpu_memory_utilization=args.gpu_memory_utilization, speculative_config=spec,
-                  generation_config=args.generation_config, enforce_eager=args.enforce_eager)
+                  generation_config=args.generation_config, enforce_eager=args.enforce_eager,
+                  enable_prefix_caching=args.enable_prefix_caching)
     except (ValueError, json.JSONDecodeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
