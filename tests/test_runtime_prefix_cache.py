@@ -405,3 +405,26 @@ def test_tp2_and_attention_dp_equal_tp1_and_ranks_decide_alike(attention_dp, mon
     assert all(f[1] == 40 for f in facts) and sum(f[0] for f in facts) > 0
     if not attention_dp:
         assert facts[0] == facts[1]
+
+
+@pytest.mark.parametrize("method", ["plain", "draft_model"])
+def test_requests_starting_together_share_a_prefix_without_a_drafter(method):
+    """Without a drafter a page is keyed as soon as the step that writes it is planned, so requests
+    starting in the same step (another prompt, or the other sample of ``n = 2``) reuse it: every layer
+    writes the batch's KV before any row attends. With chunked prefill (16 tokens a step) only the
+    pages of the first chunk are shared. A drafter writes its KV later (at the first generation
+    step), so then nothing is shared within the step. Tokens and logprobs as with the cache off."""
+    spec = SPECS[method]
+    two = SamplingParams(n=2, temperature=0.8, seed=4, max_tokens=8, ignore_eos=True, logprobs=1)
+    runs, cached = {}, {}
+    for caching in (True, False):
+        with _llm(spec=spec, deterministic=True, enable_prefix_caching=caching) as llm:
+            outs = llm.generate([P0, P0[:31] + [7]], _params(None))
+            outs += llm.generate([OTHERS[0]], two)
+        with _llm(spec=spec, deterministic=True, enable_prefix_caching=caching, max_num_batched_tokens=16,
+                  max_num_seqs=4) as llm:
+            outs += llm.generate([P0, P0[:31] + [7]], _params(None))
+        runs[caching] = [[(c.token_ids, c.logprobs) for c in o.outputs] for o in outs]
+        cached[caching] = [o.num_cached_tokens for o in outs]
+    assert runs[True] == runs[False]
+    assert cached[True] == ([0, 28, 36, 0, 16] if method == "plain" else [0] * 5)

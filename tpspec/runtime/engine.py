@@ -29,7 +29,9 @@ what it generated) — its stream and output positions unchanged, so its noise i
 by position" in ``docs/determinism.md``). The oldest running request always fits alone (the
 pool holds ``max_seq_len`` tokens), so every request finishes.
 
-Prefix caching: once a full page's KV is final in every paged model, the page gets the key of
+Prefix caching: once a full page's KV is final in every paged model (without a drafter: once the
+step that writes it is planned, since every layer writes the whole batch's KV before any row
+attends, so a request starting in that step may already reuse it), the page gets the key of
 its token run (:func:`~tpspec.runtime.pages.page_keys`: the chain of the page's token ids and
 its predecessors', from a root that names the engine's models and modes; with an EAGLE-3 head
 also the token after the page, since the head's KV at position p reads token p + 1). A starting
@@ -395,9 +397,10 @@ class Engine:
                 self._forget(s)
         return updates
 
-    def _admit(self) -> None:
+    def _admit(self, plan: _Plan, budget: int) -> None:
         """Start waiting sequences in free slots, in order, while the pages of what they must
-        prefill are free (the first that does not fit waits, and so do all behind it)."""
+        prefill are free (the first that does not fit waits, and so do all behind it); each takes
+        its first context chunk from ``budget`` (:meth:`_plan_chunk`)."""
         used = {s.slot for s in self._running}
         free_slots = [i for i in range(self.config.max_batch_size) if i not in used]
         while self._waiting and free_slots:
@@ -409,6 +412,25 @@ class Engine:
                 break
             self._waiting.popleft()
             free_slots.pop(0)
+            budget = self._plan_chunk(plan, seq, budget)
+
+    def _plan_chunk(self, plan: _Plan, seq: _Seq, budget: int) -> int:
+        """Add ``seq``'s next context chunk (if it is in its context phase) to ``plan`` within
+        ``budget``; returns what is left. Without a drafter the pages the chunk completes get their
+        prefix-cache keys now: a request starting later in this step reuses them, since every
+        layer writes the whole batch's KV before any row attends."""
+        if not seq.in_context or budget <= 0:
+            return budget
+        chunk = min(seq.prefill_len - seq.target_cached, budget)
+        if seq.target_cached + chunk == seq.prefill_len:
+            plan.final_ctx.append((seq, chunk))
+        else:
+            plan.partial_ctx.append((seq, chunk))
+        if (self.pages.enable_caching and seq.cacheable and self.draft_model is None
+                and self.eagle3 is None):
+            full = (seq.target_cached + chunk) // self.config.page_size
+            self.pages.cache(seq.index, self._page_keys(seq)[:full])
+        return budget - chunk
 
     def _start(self, seq: _Seq, slot: int) -> bool:
         """Give ``seq`` its pages — the longest cached run of its tokens' full pages, at least its
@@ -561,9 +583,9 @@ class Engine:
     def _schedule(self) -> _Plan:
         """This step's plan. Finished sequences leave; every generation request takes the pages for
         its K + 1 tokens, oldest first, and when none is free the newest running request is
-        preempted (possibly the one asking: it then waits); waiting requests start when no request
-        was preempted (:meth:`_admit`); generation requests run (K + 1 tokens each) and context
-        chunks fill the rest of the token budget, oldest first."""
+        preempted (possibly the one asking: it then waits); generation requests run (K + 1 tokens
+        each) and context chunks fill the rest of the token budget, oldest first; then, when no
+        request was preempted, waiting requests start (:meth:`_admit`) and take what is left."""
         for s in [s for s in self._running if s.finished]:
             self._release(s)
         plan = _Plan()
@@ -579,18 +601,11 @@ class Engine:
                     break
             else:
                 plan.gen.append(seq)
-        if not preempted:
-            self._admit()
         budget = self.config.max_num_tokens - (self.num_draft + 1) * len(plan.gen)
-        for seq in self._running:  # their pages cover what they prefill since they started
-            if not seq.in_context or budget <= 0:
-                continue
-            chunk = min(seq.prefill_len - seq.target_cached, budget)
-            budget -= chunk
-            if seq.target_cached + chunk == seq.prefill_len:
-                plan.final_ctx.append((seq, chunk))
-            else:
-                plan.partial_ctx.append((seq, chunk))
+        for seq in list(self._running):  # their pages cover what they prefill since they started
+            budget = self._plan_chunk(plan, seq, budget)
+        if not preempted:
+            self._admit(plan, budget)
         return plan
 
     # ------------------------------------------------------------------ one step

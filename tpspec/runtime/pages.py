@@ -131,7 +131,8 @@ class PageAllocator:
 
     def cache(self, key: Hashable, keys: Sequence[bytes]) -> None:
         """Give the leading pages of ``key``'s table the ``keys`` (page ``j`` gets ``keys[j]``):
-        call it once their KV is complete and final. A page whose key another page already
+        call it once their KV is final, or is written by a forward before any request that may
+        reuse them reads it. A page whose key another page already
         holds stays without one (its twin serves hits)."""
         if not self.enable_caching:
             return
