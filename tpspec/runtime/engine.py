@@ -399,11 +399,13 @@ class Engine:
 
     def _admit(self, plan: _Plan, budget: int) -> None:
         """Start waiting sequences in free slots, in order, while the pages of what they must
-        prefill are free (the first that does not fit waits, and so do all behind it); each takes
-        its first context chunk from ``budget`` (:meth:`_plan_chunk`)."""
+        prefill are free (the first that does not fit waits, and so do all behind it) and some of
+        the step's token ``budget`` is left: each takes its first context chunk from it
+        (:meth:`_plan_chunk`). (One started without a chunk would find nothing cached that an
+        earlier request of this step has yet to prefill.)"""
         used = {s.slot for s in self._running}
         free_slots = [i for i in range(self.config.max_batch_size) if i not in used]
-        while self._waiting and free_slots:
+        while self._waiting and free_slots and budget > 0:
             seq = self._waiting[0]
             if seq.finished:
                 self._waiting.popleft()
@@ -585,7 +587,7 @@ class Engine:
         its K + 1 tokens, oldest first, and when none is free the newest running request is
         preempted (possibly the one asking: it then waits); generation requests run (K + 1 tokens
         each) and context chunks fill the rest of the token budget, oldest first; then, when no
-        request was preempted, waiting requests start (:meth:`_admit`) and take what is left."""
+        request was preempted, waiting requests start while budget is left (:meth:`_admit`)."""
         for s in [s for s in self._running if s.finished]:
             self._release(s)
         plan = _Plan()
