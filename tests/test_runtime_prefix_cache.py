@@ -3,9 +3,11 @@ eviction that never touches a referenced page), and through ``LLM``: outputs ide
 cache on and off (greedy and seeded sampled tokens, logprobs bit for bit in deterministic mode)
 for prompts sharing all but their last token, fully cached prompts, a conversation's next turn
 and after evictions, with every drafter (the EAGLE-3 head's keys include the token after each
-page); prompt logprobs and penalties beside cached prefixes; TP 2 and attention DP equal to TP 1
-with every rank taking the same decisions; 32 requests under page pressure each equal to its
-run alone, preemptions counted, no page leaked; and the counters the server exposes."""
+page; a drafter's pages are cached only once it wrote them); requests starting in the same step
+sharing a prefix; prompt logprobs and penalties beside cached prefixes; TP 2 and attention DP
+equal to TP 1 with every rank taking the same decisions; 32 requests under page pressure each
+equal to its run alone, preemptions counted, no page leaked; the counters the server exposes, a
+request that can never fit, and ``tpspec generate``'s flags."""
 
 from __future__ import annotations
 
@@ -429,3 +431,20 @@ def test_requests_starting_together_share_a_prefix_without_a_drafter(method):
         cached[caching] = [o.num_cached_tokens for o in outs]
     assert runs[True] == runs[False]
     assert cached[True] == ([0, 28, 36, 0, 28] if method == "plain" else [0] * 5)
+
+
+@pytest.mark.parametrize("flag, cached", [(None, 32), ("--enable-prefix-caching", 32),
+                                          ("--no-enable-prefix-caching", 0)])
+def test_generate_cli_prefix_caching_flag(flag, cached, capsys, monkeypatch):
+    """``tpspec generate``: prefix caching on by default, vLLM's flags turn it on and off; the JSON
+    summary counts the cached prompt tokens (two equal prompts of 40 tokens: the second reuses 2 pages)."""
+    import json
+
+    from tpspec.cli import main
+
+    monkeypatch.setenv("TPSPEC_NUM_THREADS", "1")
+    prompt = ",".join(str(t) for t in P0 + P0[:8])
+    args = ["generate", "-tp", "1", "--device", "cpu", "--prompt", prompt, "--prompt", prompt, "--max-tokens", "2",
+            "--json", "--progress", "off"] + ([flag] if flag else [])
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out)["summary"]["num_cached_tokens"] == cached

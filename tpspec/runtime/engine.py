@@ -21,7 +21,8 @@ drafts, and "rewinding" rejected drafts is just not counting them.
 
 KV pages (:mod:`tpspec.runtime.pages`): every paged model (target, draft model, EAGLE-3
 head) uses the same block table, so a page holds the KV of its positions in every paged
-model. A waiting request starts (FIFO) when the pages of the tokens it must prefill are free;
+model. A waiting request starts (FIFO) when the pages of the tokens it must prefill are free
+and the step has token budget left for its first chunk;
 pages are taken as it grows. When a generation request's next step finds no free page, the
 newest running request is preempted: its pages go back (those in the prefix cache stay
 cached), it waits at the head of the queue and is later recomputed from its tokens (prompt and
