@@ -28,9 +28,10 @@ def _engine(llm):
 
 
 def _llm(*, pages: int | None = None, spec: dict | None = None, **kwargs) -> LLM:
-    """The tiny model on one in-process rank, pages of 4 tokens; ``pages``: request pages the cache holds."""
+    """The tiny model (float32) on one in-process rank, pages of 4 tokens; ``pages``: request pages
+    the cache holds."""
     base = dict(distributed_executor_backend="external_launcher", tensor_parallel_size=1, device="cpu",
-                page_size=PAGE, max_model_len=MAX_LEN, speculative_config=spec, max_num_seqs=8)
+                dtype="float32", page_size=PAGE, max_model_len=MAX_LEN, speculative_config=spec, max_num_seqs=8)
     if pages is not None:
         per_page = {None: 2048, "ngram": 2048, "draft_model": 3072, "eagle3": 3072}[spec and spec["method"]]
         kwargs["kv_cache_bytes"] = (pages + 1) * per_page  # one scratch page (K + 1 <= 4 tokens)
@@ -201,6 +202,20 @@ def test_prefix_cache_on_equals_off_deterministic(method):
     assert cached[0] == 0 and cached[1] >= 40 and cached[1] % PAGE == 0, cached
     assert cached[2:5] == [28, 28, 24 if method == "eagle3" else 28], cached
     assert cached[-1] < 28, cached
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["plain", "eagle3"])
+def test_prefix_cache_and_preemption_on_cuda(method):
+    """The same on one GPU, with CUDA graphs (generation steps over shared and recomputed pages)."""
+    runs = {}
+    for caching in (True, False):
+        with _llm(pages=24, spec=SPECS[method], device="cuda", deterministic=True,
+                  enable_prefix_caching=caching) as llm:
+            runs[caching] = [_scenario(llm, seed)[:2] for seed in (None, 11)]
+            _check_no_page_leaked(llm)
+            assert caching == (llm.counters.prefix_cache_hits > 0)
+    assert runs[True] == runs[False]
 
 
 def test_prefix_cache_on_equals_off_default_mode():
