@@ -32,6 +32,7 @@ def test_main_job_command(tmp_path):
     assert "tp=2 backend=mp device=cpu" in out and "trained briefly" in out
     assert out.count("    tokens: ") == len(DEFAULT_PROMPTS)
     assert "tokens/s" in out and "mean accepted tokens per step" in out and "acceptance rate" in out
+    assert "prefix cache on: " in out and " preemptions" in out
 
 
 def test_bad_cli_arguments_exit_cleanly(capsys):

@@ -1,6 +1,7 @@
-"""The paged KV cache in the runtime: admission under page pressure (FIFO, every request equal
-to its run alone, nothing preempted), page accounting (no leak after any generate), KV memory
-equal to the pages asked for, and bad sizes raising clearly before any worker starts."""
+"""The paged KV cache in the runtime: page pressure (requests start in order, the newest is
+preempted when pages run out and resumes first, every request equal to its run alone), page
+accounting (no leak after any generate), KV memory equal to the pages asked for, and bad sizes
+raising clearly before any worker starts. The allocator's own rules: tests/test_runtime_prefix_cache.py."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from tpspec.mapping import Mapping
 from tpspec.model.tiny import make_tiny_checkpoint
 from tpspec.runtime.config import EngineConfig, Request
 from tpspec.runtime.engine import Engine
-from tpspec.runtime.pages import PageAllocator
 from tpspec.sampling.params import SamplingParams
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [100, 200, 300, 5, 6, 7], [42] * 12, list(range(3, 43)), [7],
@@ -53,47 +53,42 @@ def _run(engine, prompts, first_id=0):
 @pytest.mark.parametrize("spec", [None, SpeculativeConfig("ngram", 3), SpeculativeConfig("draft_model", 2,
                                                                                           model="x")],
                          ids=["plain", "ngram", "draft_model"])
-def test_page_pressure_admits_in_order_never_preempts_never_leaks(ckpt, spec):
+def test_page_pressure_preempts_the_newest_resumes_in_order_never_leaks(ckpt, spec):
     roomy = _engine(ckpt, spec=spec)
     alone = [_run(roomy, [p], i)[0] for i, p in enumerate(PROMPTS)]
-    # The 40-token prompt's worst case is 40 + 20 - 1 + K tokens = 15-16 pages of 4: about two requests fit.
-    tight = _engine(ckpt, kv_pages=32, spec=spec)
-    assert tight.pages.num_pages == 32 and tight.kv.num_scratch_pages >= 1
-    steps: list[list[int]] = []
-    schedule = tight._schedule
+    # Prompts of 1..40 tokens and 20 new tokens each against 24 pages of 4 (96 tokens): they start
+    # together and run out of pages as they grow.
+    tight = _engine(ckpt, kv_pages=24, spec=spec, max_seq_len=64)
+    assert tight.pages.num_pages == 24 and tight.kv.num_scratch_pages >= 1
+    starts: list[int] = []  # seq index of every (re)start, in order
+    preempted: list[int] = []
+    place, preempt = tight._place, tight._preempt
 
-    by_index = {}
+    def spy_place(seq, slot, *, cached):
+        starts.append(seq.index)
+        place(seq, slot, cached=cached)
 
-    def spy(running):  # which requests run at each step, and their block tables stay put
-        steps.append([s.index for s in running])
-        for s in running:
-            by_index[s.index] = s
-            assert s.pages == tight.pages.table(s.index)
-        return schedule(running)
+    def spy_preempt(seq):
+        assert seq is max(tight._running, key=tight._running.index)  # the newest running request
+        preempted.append(seq.index)
+        preempt(seq)
+        assert tight._waiting[0] is seq  # it resumes before anything newer
 
-    tight._schedule = spy
-    free = tight.pages.free
-
-    def spy_free(key):  # pages go back only when their request is done
-        assert key not in by_index or by_index[key].finished
-        free(key)
-
-    tight.pages.free = spy_free
+    tight._place, tight._preempt = spy_place, spy_preempt
     for call in range(2):  # twice: nothing leaks from one call into the next
-        steps.clear()
-        by_index.clear()
-        out = _run(tight, PROMPTS, 100 * call)
-        assert out == alone
-        assert tight.pages.num_free == tight.pages.num_unreserved == 32
-        assert max(len(s) for s in steps) < len(PROMPTS)  # pressure: never all at once
+        starts.clear()
+        preempted.clear()
+        before = tight.num_preemptions
+        results = tight.generate(_requests(PROMPTS, 100 * call))
+        assert [r.token_ids for r in results] == alone
+        assert tight.num_preemptions - before == len(preempted) == sum(r.stats.num_preemptions for r in results) > 0
+        tight.pages.check()
+        assert tight.pages.num_free == 24  # every page free again (cached ones included)
         first = {}
-        for i, ids in enumerate(steps):
-            for idx in ids:
-                first.setdefault(idx, i)
-        assert sorted(first, key=first.get) == sorted(first)  # admitted in FIFO order
-        for idx in first:  # never preempted: present in every step from admission to its end
-            present = [i for i, ids in enumerate(steps) if idx in ids]
-            assert present == list(range(present[0], present[-1] + 1)), idx
+        for idx in starts:
+            first.setdefault(idx, len(first))
+        assert sorted(first, key=first.get) == sorted(first)  # first started in FIFO order
+        assert len(starts) == len(PROMPTS) + len(preempted)  # every preempted request started again
 
 
 def test_kv_memory_is_the_pages_asked_for(ckpt):
@@ -103,26 +98,6 @@ def test_kv_memory_is_the_pages_asked_for(ckpt):
     assert sum(c.nbytes for c in engine.model.caches) == engine.model.config.num_layers * per_layer
     assert sum(c.nbytes for c in engine.model.caches) == engine.kv.total_bytes == engine.config.kv_cache_bytes
     assert "KV cache holds 120 tokens per rank (30 pages x 4 tokens" in engine.summary()
-
-
-def test_page_allocator_accounting():
-    pool = PageAllocator(10, 4)
-    assert pool.reserve("a", 17)  # 5 pages
-    assert not pool.reserve("b", 24)  # 6 pages: only 5 unreserved
-    assert pool.reserve("b", 20) and pool.num_unreserved == 0
-    assert pool.grow("a", 3) == [0] and pool.grow("a", 9) == [0, 1, 2] and pool.num_free == 7
-    with pytest.raises(RuntimeError, match="reserved 5"):
-        pool.grow("a", 21)
-    with pytest.raises(ValueError, match="holds 10 pages"):
-        pool.reserve("c", 41)
-    pool.free("a")
-    assert pool.num_free == 10 and pool.num_unreserved == 5
-    assert pool.grow("b", 20) == [4, 3, 2, 1, 0][::-1]  # the lowest free pages first
-    pool.free("b")
-    assert pool.num_free == pool.num_unreserved == 10
-    for bad in (0, -1, 1.5, True):
-        with pytest.raises(ValueError, match="num_pages"):
-            PageAllocator(bad, 4)
 
 
 def test_bad_sizes_raise_before_workers(ckpt, caplog):
@@ -221,7 +196,13 @@ def test_default_batch_serves_many_requests_and_llm_reports_the_cache(ckpt):
         assert llm.kv_cache_tokens == llm.num_kv_pages * 16 == engine.kv.num_tokens
         running = []
         schedule = engine._schedule
-        engine._schedule = lambda seqs: running.append(len(seqs)) or schedule(seqs)
+
+        def spy():
+            plan = schedule()
+            running.append(len(engine._running))
+            return plan
+
+        engine._schedule = spy
         outs = llm.generate([[i + 1, i + 2, i + 3] for i in range(40)], SamplingParams(temperature=0.0, max_tokens=4))
     assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
     assert max(running) == 40  # every request ran at once

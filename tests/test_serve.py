@@ -390,6 +390,31 @@ def test_sigterm_with_half_sent_bodies_exits_within_5_s_and_leaves_nothing(serve
     """Runs last on the module's server (default timeouts: a body may take 60 s). Five clients
     hold half-sent bodies; SIGTERM still ends the server within 5 s: the requests get 2 s, then
     503; the engine stops its ranks (no leaked semaphores); no process is left."""
+
+
+def _metrics(base: str) -> dict[str, int]:
+    with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+        assert r.headers["content-type"].startswith("text/plain")
+        lines = r.read().decode().splitlines()
+    return {k: int(v) for k, v in (line.split() for line in lines if not line.startswith("#"))}
+
+
+def test_metrics_count_prefix_cache_hits_and_a_prompt_too_long_gets_400(server):
+    prompt = [(7 * i) % 400 + 3 for i in range(40)]  # 2 full pages of 16 and a part
+    before = _metrics(server.base)
+    outs = [server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0)
+            for _ in range(2)]
+    assert outs[0].choices[0].text == outs[1].choices[0].text
+    after = _metrics(server.base)
+    assert after["tpspec:prefix_cache_queries_total"] - before["tpspec:prefix_cache_queries_total"] == 80
+    assert after["tpspec:prefix_cache_hits_total"] - before["tpspec:prefix_cache_hits_total"] == 32
+    assert after["tpspec:num_preemptions_total"] >= 0
+    too_long = json.dumps({"model": MODEL, "prompt": [5] * 4096, "max_tokens": 1}).encode()
+    code, reply = _post(server.base, "/v1/completions", too_long)
+    assert code == 400 and "max_model_len" in reply["error"]["message"], reply
+
+
+def test_clean_shutdown_leaves_no_rank_process(server):
     ranks = server.ranks()
     assert len(ranks) >= 2, ranks
     below = _descendants(server.proc.pid)

@@ -247,6 +247,7 @@ def _time_cell(engine: Any, counter: "_GraphedSteps", ids: list[int], prompts: l
     requests = [Request(rid, tuple(p), column_params(column, i), max_new_tokens=_new_tokens(steps, k))
                 for i, (rid, p) in enumerate(zip(ids, prompts))]
     start_generating(engine, requests)
+    preempted = engine.num_preemptions
     length = {rid: len(p) + 1 for rid, p in zip(ids, prompts)}  # the prompt and the context step's token
     times, kv, graphed = [], [], 0
     try:
@@ -268,6 +269,8 @@ def _time_cell(engine: Any, counter: "_GraphedSteps", ids: list[int], prompts: l
                 graphed += counter.graphed
     finally:
         engine.abort(ids)
+    if engine.num_preemptions != preempted:  # start_generating checked the pages: not expected
+        raise RuntimeError("a request was preempted inside a roofline cell: its KV pages ran out")
     return {"step_ms": statistics.median(times), "kv_bytes": statistics.mean(kv),
             "path": path_of(graphed, len(times))}
 
@@ -275,19 +278,17 @@ def _time_cell(engine: Any, counter: "_GraphedSteps", ids: list[int], prompts: l
 def start_generating(engine: Any, requests: list[Any]) -> None:
     """Queue ``requests`` on ``engine`` and turn them into generation requests at once, as if
     their prompts had been prefilled and the context step had emitted one token (a copy of the
-    last prompt token). The one place the benchmark reaches into the engine's bookkeeping: the
-    engine admits them (slots, KV pages, penalty counts of the prompts), then each is marked
-    cached up to its prompt. ``RuntimeError`` when the KV pages cannot hold them all."""
-    engine.add_requests(requests)
-    engine._admit()
-    wanted = {r.request_id for r in requests}
-    started = [s for s in engine._running if s.req.request_id in wanted]
-    if len(started) != len(requests):
-        raise RuntimeError(f"the engine's KV cache ({engine.kv.num_pages} pages of {engine.kv.page_size} tokens) "
-                           f"holds {len(started)} of these {len(requests)} requests: use fewer or shorter ones")
-    for seq in started:
-        seq.tokens.append(seq.tokens[-1])
-        seq.target_cached = seq.draft_cached = seq.num_prompt
+    last prompt token): ``Engine.add_requests(..., prompt_cached=True)``. ``RuntimeError`` when
+    the KV pages cannot hold them all to their last token (a request preempted inside a cell
+    would time its recomputation)."""
+    k = engine.num_draft
+    longest = engine.config.max_seq_len
+    need = sum(engine.pages.pages_for(min(len(r.prompt) + r.max_new_tokens, longest) - 1 + k) for r in requests)
+    if need > engine.pages.num_free:
+        raise RuntimeError(f"the engine's KV cache ({engine.kv.num_pages} pages of {engine.kv.page_size} tokens, "
+                           f"{engine.pages.num_free} free) cannot hold these {len(requests)} requests to their end "
+                           f"({need} pages): use fewer or shorter ones")
+    engine.add_requests(requests, prompt_cached=True)
 
 
 class _GraphedSteps:

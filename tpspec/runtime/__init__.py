@@ -12,6 +12,7 @@ from typing import Any
 _EXPORTS = {
     "CompletionOutput": "config",
     "EngineConfig": "config",
+    "EngineCounters": "llm",
     "GenerateStats": "llm",
     "LLM": "llm",
     "Request": "config",

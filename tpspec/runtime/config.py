@@ -87,9 +87,10 @@ class EngineConfig:
     CUDA ``gpu_memory_utilization`` (None = 0.9; not used on CPU): the share of the GPU the
     engine may use (split between ranks sharing a GPU); what weights and a profiled step
     leave goes to pages. Else (CPU): pages for ``min(max_batch_size, 8)`` requests of
-    ``max_seq_len`` tokens, at most 4 GiB. ``attention_backend``: one of
-    :data:`~tpspec.model.attention.ATTENTION_BACKENDS` (``"auto"``: see
-    :func:`~tpspec.model.attention.choose_attention_backend`).
+    ``max_seq_len`` tokens, at most 4 GiB. ``enable_prefix_caching``: a request reuses the
+    pages of the longest cached run of its prompt's full pages (:mod:`tpspec.runtime.pages`).
+    ``attention_backend``: one of :data:`~tpspec.model.attention.ATTENTION_BACKENDS` (``"auto"``:
+    see :func:`~tpspec.model.attention.choose_attention_backend`).
     """
 
     model_path: str
@@ -110,6 +111,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     forced_acceptance_rate: float | None = None  # benchmarks only: TPSPEC_FORCE_NUM_ACCEPTED_TOKENS, read by LLM
     deterministic: bool = False  # fixed-order forward: batch- and TP-invariant logits
+    enable_prefix_caching: bool = True  # full KV pages of known token runs are reused (pages.py)
 
     def __post_init__(self) -> None:
         check_int("max_batch_size", self.max_batch_size, low=1)
@@ -122,6 +124,7 @@ class EngineConfig:
         check_bool("attention_dp", self.attention_dp)
         check_bool("use_cuda_graphs", self.use_cuda_graphs)
         check_bool("deterministic", self.deterministic)
+        check_bool("enable_prefix_caching", self.enable_prefix_caching)
         if self.kv_cache_bytes is not None:
             check_int("kv_cache_bytes", self.kv_cache_bytes, low=1)
         util = self.gpu_memory_utilization
@@ -144,11 +147,6 @@ class EngineConfig:
     @property
     def num_draft_tokens(self) -> int:
         return 0 if self.speculative is None else self.speculative.num_speculative_tokens
-
-    def max_cached_tokens(self, prompt_len: int, max_new_tokens: int) -> int:
-        """Most KV entries a request ever holds: its last generation step feeds the last
-        committed token plus K drafts, written past the tokens before it."""
-        return min(prompt_len + max_new_tokens, self.max_seq_len) - 1 + self.num_draft_tokens
 
     def check_prompt_len(self, num_tokens: int, what: str = "prompt") -> None:
         """``ValueError`` naming ``what`` unless a prompt of ``num_tokens`` leaves room to
@@ -189,9 +187,14 @@ class RequestStats:
     tokens it emitted beyond the one every step emits. A step cut short by the request's
     end (``max_new_tokens``, ``max_seq_len``, a stop token) counts only what it emitted,
     so ``1 + mean accepted drafts`` is exactly the generated tokens per generation step.
+    ``num_cached_tokens``: prompt tokens whose KV the prefix cache gave when the request started
+    (vLLM's ``num_cached_tokens``; they were not computed). ``num_preemptions``: times the
+    request left the batch because KV pages ran out (it was then recomputed from its tokens).
     """
 
     num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
     num_generated_tokens: int = 0
     num_steps: int = 0
     num_draft_tokens: int = 0
@@ -262,7 +265,8 @@ class RequestOutput:
     unless the request asked (``SamplingParams(prompt_logprobs=N)``); then vLLM's list: None for
     the first prompt token, then one ``{token id: Logprob}`` per prompt token (its own entry, then
     the N most likely at that position), as for generated tokens; in a stream, on the first output
-    of the request only.
+    of the request only. ``num_cached_tokens``: prompt tokens whose KV came from the prefix cache
+    (vLLM's; the most of any of its samples; 0 until a sample has started).
     """
 
     request_id: str
@@ -272,3 +276,4 @@ class RequestOutput:
     finished: bool = True
     metrics: RequestMetrics | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_cached_tokens: int = 0

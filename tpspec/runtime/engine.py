@@ -19,10 +19,28 @@ Per-request invariant in the generation phase: the target KV cache holds every t
 but the last (``target_cached == len(tokens) - 1``); a step feeds the last token plus K
 drafts, and "rewinding" rejected drafts is just not counting them.
 
-KV pages (:mod:`tpspec.runtime.pages`): a request waits (FIFO) until its worst case fits
-among the free pages, takes pages as it grows and returns them when it finishes; every
-paged model (target, draft) uses the same block table. A running request is never
-preempted. The page count is the same on every rank (:mod:`tpspec.runtime.kv_sizing`).
+KV pages (:mod:`tpspec.runtime.pages`): every paged model (target, draft model, EAGLE-3
+head) uses the same block table, so a page holds the KV of its positions in every paged
+model. A waiting request starts (FIFO) when the pages of the tokens it must prefill are free
+and the step has token budget left for its first chunk;
+pages are taken as it grows. When a generation request's next step finds no free page, the
+newest running request is preempted: its pages go back (those in the prefix cache stay
+cached), it waits at the head of the queue and is later recomputed from its tokens (prompt and
+what it generated) — its stream and output positions unchanged, so its noise is too ("Noise
+by position" in ``docs/determinism.md``). The oldest running request always fits alone (the
+pool holds ``max_seq_len`` tokens), so every request finishes.
+
+Prefix caching: once a full page's KV is final in every paged model (without a drafter: once the
+step that writes it is planned, since every layer writes the whole batch's KV before any row
+attends, so a request starting in that step may already reuse it), the page gets the key of
+its token run (:func:`~tpspec.runtime.pages.page_keys`: the chain of the page's token ids and
+its predecessors', from a root that names the engine's models and modes; with an EAGLE-3 head
+also the token after the page, since the head's KV at position p reads token p + 1). A starting
+request reuses the longest run of cached pages of its tokens and prefills the rest; at least
+its last token is computed (its logits emit the first token). A request asking
+``prompt_logprobs`` reads nothing from the cache (its prompt rows' logits are needed).
+Every decision comes from the requests and their tokens: the same on every rank. The page
+count is the same on every rank (:mod:`tpspec.runtime.kv_sizing`).
 """
 
 from __future__ import annotations
@@ -47,7 +65,7 @@ from ..speculative.metadata import RequestEntry
 from ..validation import torch_dtype
 from .config import EngineConfig, Request, RequestStats
 from .kv_sizing import plan_kv_cache
-from .pages import PageAllocator
+from .pages import PageAllocator, page_keys, root_key
 
 log = get_logger(__name__)
 
@@ -81,6 +99,8 @@ class SequenceUpdate:
     stats: RequestStats | None = None
     new_logprobs: list[dict[int, Logprob]] | None = None  # one per new token, when the request asked
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache gave when it started
+    num_preemptions: int = 0  # so far
 
 
 @dataclass
@@ -90,10 +110,16 @@ class _Seq:
     owner: int  # attention-DP rank that runs it (0 under plain TP)
     tokens: list[int]
     num_prompt: int
-    slot: int = -1  # its slot while it runs (penalty counts, stored draft logits)
+    # Tokens its context phase fills the cache with: the prompt, or after a preemption every token it
+    # had; the context step that completes them emits its next token.
+    prefill_len: int = 0
+    slot: int = -1  # its slot while it runs (penalty counts, stored draft logits); -1 while waiting
     pages: list[int] = field(default_factory=list)  # its block table (grows; shared by all paged models)
     target_cached: int = 0
     draft_cached: int = 0
+    page_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full pages so far
+    cacheable: bool = True  # its KV is real (not a benchmark's prompt counted as cached)
+    started: bool = False  # it has run (num_cached_tokens is settled)
     # EAGLE-3: the target's captured hidden states of positions [draft_cached, len(tokens) - 1),
     # not yet read by the head (row blocks in position order).
     pending_hidden: list[torch.Tensor] = field(default_factory=list)
@@ -108,7 +134,7 @@ class _Seq:
 
     @property
     def in_context(self) -> bool:
-        return self.target_cached < self.num_prompt
+        return self.target_cached < self.prefill_len
 
     @property
     def num_generated(self) -> int:
@@ -214,8 +240,9 @@ class Engine:
         self._seqs: dict[int, _Seq] = {}
         self._by_index: dict[int, _Seq] = {}
         self._waiting: deque[_Seq] = deque()
-        self._running: list[_Seq] = []
+        self._running: list[_Seq] = []  # oldest (re)start first: preemption takes the last
         self._admitted = 0
+        self.num_preemptions = 0  # requests this rank preempted so far
         self.graphs = None
         if self.device.type == "cuda" and config.use_cuda_graphs:
             from .cuda_graphs import GenerationGraphs
@@ -236,7 +263,12 @@ class Engine:
         cfg = self.config
         self.kv = plan_kv_cache(cfg, self.paged_models, self.group, self.device,
                                 reserve_bytes=self.occurrences.table_bytes)
-        self.pages = PageAllocator(self.kv.num_pages, cfg.page_size)
+        self.pages = PageAllocator(self.kv.num_pages, cfg.page_size, enable_caching=cfg.enable_prefix_caching)
+        # The root of every prefix-cache key: what changes the KV a token run gets in this engine.
+        self._root_key = root_key(repr((cfg.model_path, cfg.draft_model_path, cfg.speculative and cfg.speculative.method,
+                                        str(self.dtype), cfg.deterministic, cfg.tp_size, self.dp_size,
+                                        cfg.attention_backend, cfg.page_size)))
+        self._key_lookahead = 1 if self.eagle3 is not None else 0  # the head's KV at p reads token p + 1
         longest = cfg.max_seq_len - 1 + self.num_draft
         if self.pages.pages_for(longest) > self.kv.num_pages:  # the same verdict on every rank
             raise ValueError(
@@ -267,16 +299,23 @@ class Engine:
                 f"{self.model.config.num_layers} layers, {self.dtype}), TP={self.mapping.tp_size}"
                 f"{' attention-DP' if self.dp_size > 1 else ''} on {self.device}; exchange {exchange} ({why}); "
                 f"attention {self.model.attention.name}; KV cache holds {kv.num_tokens} tokens per rank "
-                f"({kv.num_pages} pages x {kv.page_size} tokens, {kv.total_bytes / 2**20:.1f} MiB; {kv.source}); "
+                f"({kv.num_pages} pages x {kv.page_size} tokens, {kv.total_bytes / 2**20:.1f} MiB; {kv.source}), "
+                f"prefix caching {'on' if cfg.enable_prefix_caching else 'off'}; "
                 f"max_num_seqs={cfg.max_batch_size}, max_num_batched_tokens={cfg.max_num_tokens}; "
                 f"CUDA graphs {graphs}; weights loaded in {self.load_s:.2f} s")
 
     # ------------------------------------------------------------------ public
-    def add_requests(self, requests: list[Request]) -> None:
+    def add_requests(self, requests: list[Request], *, prompt_cached: bool = False) -> None:
         """Queue new sequences; they join the running batch at the next :meth:`step` (as KV
-        slots free up). Every rank must add the same requests in the same order between the
-        same steps: the attention-DP owner of a sequence is its admission number modulo the
-        DP size. Raises ``ValueError`` for an empty or too long prompt or a reused id."""
+        slots and pages free up). Every rank must add the same requests in the same order between
+        the same steps: the attention-DP owner of a sequence is its admission number modulo the
+        DP size. Raises ``ValueError`` for an empty or too long prompt or a reused id.
+
+        ``prompt_cached=True`` (a benchmark's hook): the requests start now, each as if its prompt
+        were prefilled and its context step had emitted a copy of its last prompt token; their KV
+        pages hold whatever they held, and nothing of theirs enters the prefix cache. Raises
+        ``RuntimeError`` when they cannot all start at once (other requests wait, or the slots or
+        the pages for their prompt plus one step are missing)."""
         if self.dp_size > 1 and any(r.sampling.has_penalties or r.sampling.logprobs is not None
                                     or r.sampling.prompt_logprobs is not None for r in requests):
             raise ValueError("penalties and logprobs are not supported with attention DP")
@@ -285,6 +324,8 @@ class Engine:
             warnings.warn(f"rank {self.mapping.rank}: {FORCE_ENV}={self.config.forced_acceptance_rate:g} forces how many "
                           "drafts each step accepts (a benchmark knob): the generated tokens are not the model's",
                           ForcedAcceptanceWarning, stacklevel=2)
+        if prompt_cached:
+            self._check_can_start_now(requests)
         for req in requests:
             if req.request_id in self._seqs:
                 raise ValueError(f"request {req.request_id} is already in the engine")
@@ -292,8 +333,31 @@ class Engine:
             self._admitted += 1
             self._seqs[req.request_id] = seq
             self._by_index[seq.index] = seq
-            if seq.owner == self.dp_rank:
+            if seq.owner != self.dp_rank:
+                continue
+            if prompt_cached:
+                self._start_as_prefilled(seq)
+            else:
                 self._waiting.append(seq)
+
+    def _check_can_start_now(self, requests: list[Request]) -> None:
+        mine = [r for i, r in enumerate(requests) if (self._admitted + i) % self.dp_size == self.dp_rank]
+        need = sum(self.pages.pages_for(len(r.prompt) + 1 + self.num_draft) for r in mine)
+        slots = self.config.max_batch_size - len(self._running)
+        if self._waiting or len(mine) > slots or need > self.pages.num_free:
+            raise RuntimeError(
+                f"{len(mine)} requests cannot start at once: {len(self._waiting)} others wait, {slots} slots and "
+                f"{self.pages.num_free} of {self.kv.num_pages} KV pages of {self.kv.page_size} tokens are free, they "
+                f"need {need}: use fewer or shorter ones")
+
+    def _start_as_prefilled(self, seq: _Seq) -> None:
+        seq.cacheable = False
+        used = {s.slot for s in self._running}
+        slot = next(i for i in range(self.config.max_batch_size) if i not in used)
+        if not self.pages.start(seq.index, [], seq.num_prompt + 1 + self.num_draft):
+            raise RuntimeError(f"request {seq.req.request_id}: KV pages ran out")  # _check_can_start_now said they fit
+        self._place(seq, slot, cached=seq.num_prompt)
+        seq.tokens.append(seq.tokens[-1])
 
     def abort(self, request_ids: list[int]) -> None:
         """Drop these sequences now (their slots are free for the next step); unknown ids are
@@ -321,47 +385,133 @@ class Engine:
         for s in self._seqs.values():  # a zero-budget request needs no step
             self._check_done(s)
         if any(not s.finished for s in self._seqs.values()):
-            self._admit()
-            self._step(self._schedule(self._running))
+            self._step(self._schedule())
         updates = []
         for rid, s in list(self._seqs.items()):
             new = s.tokens[before[rid][0]:]
             if new or s.finished:
                 logprobs = None if s.logprobs is None else s.logprobs[before[rid][1]:]
                 updates.append(SequenceUpdate(rid, new, s.finish_reason if s.finished else None,
-                                              s.stats if s.finished else None, logprobs, self._take_prompt_logprobs(s)))
+                                              s.stats if s.finished else None, logprobs, self._take_prompt_logprobs(s),
+                                              s.stats.num_cached_tokens, s.stats.num_preemptions))
             if s.finished:
                 self._forget(s)
         return updates
 
-    def _admit(self) -> None:
-        """Free the slots of finished sequences, then move waiting sequences into free slots, in
-        order, while their worst-case KV pages fit (the first that does not fit waits, and so
-        do all behind it)."""
-        for s in [s for s in self._running if s.finished]:
-            self._release(s)
+    def _admit(self, plan: _Plan, budget: int) -> None:
+        """Start waiting sequences in free slots, in order, while the pages of what they must
+        prefill are free (the first that does not fit waits, and so do all behind it) and some of
+        the step's token ``budget`` is left: each takes its first context chunk from it
+        (:meth:`_plan_chunk`). (One started without a chunk would find nothing cached that an
+        earlier request of this step has yet to prefill.)"""
         used = {s.slot for s in self._running}
         free_slots = [i for i in range(self.config.max_batch_size) if i not in used]
-        while self._waiting and free_slots:
+        while self._waiting and free_slots and budget > 0:
             seq = self._waiting[0]
             if seq.finished:
                 self._waiting.popleft()
                 continue
-            worst = self.config.max_cached_tokens(seq.num_prompt, seq.req.max_new_tokens)
-            if not self.pages.reserve(seq.index, worst):
+            if not self._start(seq, free_slots[0]):
                 break
             self._waiting.popleft()
-            seq.slot = free_slots.pop(0)
-            seq.pages = self.pages.table(seq.index)
-            if seq.req.sampling.has_penalties:  # the slot's counts restart from this prompt
-                self.occurrences.reset(seq.slot, seq.req.prompt)
-            self._running.append(seq)
+            free_slots.pop(0)
+            budget = self._plan_chunk(plan, seq, budget)
+
+    def _plan_chunk(self, plan: _Plan, seq: _Seq, budget: int) -> int:
+        """Add ``seq``'s next context chunk (if it is in its context phase) to ``plan`` within
+        ``budget``; returns what is left. Without a drafter the pages the chunk completes get their
+        prefix-cache keys now: a request starting later in this step reuses them, since every
+        layer writes the whole batch's KV before any row attends."""
+        if not seq.in_context or budget <= 0:
+            return budget
+        chunk = min(seq.prefill_len - seq.target_cached, budget)
+        if seq.target_cached + chunk == seq.prefill_len:
+            plan.final_ctx.append((seq, chunk))
+        else:
+            plan.partial_ctx.append((seq, chunk))
+        if (self.pages.enable_caching and seq.cacheable and self.draft_model is None
+                and self.eagle3 is None):
+            full = (seq.target_cached + chunk) // self.config.page_size
+            self.pages.cache(seq.index, self._page_keys(seq)[:full])
+        return budget - chunk
+
+    def _start(self, seq: _Seq, slot: int) -> bool:
+        """Give ``seq`` its pages — the longest cached run of its tokens' full pages, at least its
+        last token left to compute, then fresh pages for the rest of its tokens — and ``slot``;
+        False (nothing changes) when the fresh pages are not free."""
+        n = len(seq.tokens)
+        hit: list[int] = []
+        if self.pages.enable_caching and seq.cacheable and seq.req.sampling.prompt_logprobs is None:
+            usable = (n - 1) // self.config.page_size
+            hit = self.pages.match(self._page_keys(seq)[:usable])
+        if not self.pages.start(seq.index, hit, n):
+            return False
+        self._place(seq, slot, cached=len(hit) * self.config.page_size)
+        return True
+
+    def _place(self, seq: _Seq, slot: int, *, cached: int) -> None:
+        """``seq`` runs in ``slot`` with its first ``cached`` tokens' KV already in its pages (in
+        every paged model); its context phase computes the rest of its tokens."""
+        seq.slot = slot
+        seq.pages = self.pages.table(seq.index)
+        seq.prefill_len = len(seq.tokens)
+        seq.target_cached = seq.draft_cached = cached
+        seq.pending_hidden = []  # EAGLE-3: the head reads the target's hidden states from `cached` on
+        if not seq.started:
+            seq.started = True
+            seq.stats.num_cached_tokens = cached
+        if seq.req.sampling.has_penalties:  # the slot's counts restart from this prompt and its output so far
+            self.occurrences.reset(seq.slot, seq.req.prompt)
+            if seq.num_generated:
+                self.occurrences.add(torch.tensor([seq.slot], dtype=torch.int64),
+                                     torch.tensor([seq.tokens[seq.num_prompt:]], dtype=torch.int64))
+        self._running.append(seq)
+
+    def _preempt(self, seq: _Seq) -> None:
+        """``seq`` leaves the batch to be recomputed later from its tokens: its pages go back (cached
+        ones stay cached), it waits at the head of the queue. Its stream and output positions do not
+        change, so it draws the same noise when it resumes."""
+        self._release(seq)
+        seq.slot = -1
+        seq.pages = []
+        seq.target_cached = seq.draft_cached = 0
+        seq.pending_hidden = []
+        if seq.prompt_logprobs is not None and len(seq.prompt_logprobs) < seq.num_prompt:
+            seq.prompt_logprobs = [None]  # scored again from the start when its prompt is prefilled again
+        seq.stats.num_preemptions += 1
+        self.num_preemptions += 1
+        self._waiting.appendleft(seq)
 
     def _release(self, seq: _Seq) -> None:
-        """A running sequence leaves: its pages go back to the pool. (Its random stream is its
-        own, keyed by its seed or admission number: nothing to hand back.)"""
+        """A running sequence leaves: its references to its pages go back to the pool (pages in
+        the prefix cache stay there). (Its random stream is its own, keyed by its seed or
+        admission number: nothing to hand back.)"""
         self.pages.free(seq.index)
         self._running.remove(seq)
+
+    def _page_keys(self, seq: _Seq) -> list[bytes]:
+        """The prefix-cache keys of every full page of ``seq``'s tokens (extended as it grows)."""
+        size = self.config.page_size
+        if (len(seq.page_keys) + 1) * size + self._key_lookahead <= len(seq.tokens):
+            seq.page_keys += page_keys(seq.tokens, size, self._root_key, lookahead=self._key_lookahead,
+                                       start=len(seq.page_keys), parent=seq.page_keys[-1] if seq.page_keys else None)
+        return seq.page_keys
+
+    def _cache_pages(self) -> None:
+        """Give the pages whose KV is now final in every paged model their keys (prefix caching):
+        the full pages below the cached length of the target and of the drafter."""
+        if not self.pages.enable_caching:
+            return
+        size = self.config.page_size
+        for seq in self._running:
+            if not seq.cacheable:
+                continue
+            valid = seq.target_cached
+            if self.draft_model is not None or self.eagle3 is not None:
+                valid = min(valid, seq.draft_cached)
+            full = valid // size
+            if full:
+                self.pages.cache(seq.index, self._page_keys(seq)[:full])
 
     def _forget(self, seq: _Seq) -> None:
         del self._seqs[seq.req.request_id]
@@ -427,32 +577,38 @@ class Engine:
     def _new_seq(self, req: Request, index: int, owner: int) -> _Seq:
         self.config.check_prompt_len(len(req.prompt), f"request {req.request_id}'s prompt")
         seq = _Seq(req=req, index=index, owner=owner, tokens=list(req.prompt), num_prompt=len(req.prompt),
+                   prefill_len=len(req.prompt),
                    logprobs=None if req.sampling.logprobs is None else [],
                    prompt_logprobs=None if req.sampling.prompt_logprobs is None else [None])
         seq.stats.num_prompt_tokens = len(req.prompt)
         return seq
 
-    def _schedule(self, running: list[_Seq]) -> _Plan:
-        """Generation requests always run (K+1 tokens each); context chunks fill the rest of the
-        token budget in admission order."""
+    def _schedule(self) -> _Plan:
+        """This step's plan. Finished sequences leave; every generation request takes the pages for
+        its K + 1 tokens, oldest first, and when none is free the newest running request is
+        preempted (possibly the one asking: it then waits); generation requests run (K + 1 tokens
+        each) and context chunks fill the rest of the token budget, oldest first; then, when no
+        request was preempted, waiting requests start while budget is left (:meth:`_admit`)."""
+        for s in [s for s in self._running if s.finished]:
+            self._release(s)
         plan = _Plan()
-        budget = self.config.max_num_tokens
-        for seq in running:
-            if not seq.in_context:
-                plan.gen.append(seq)
-                budget -= self.num_draft + 1
-        for seq in running:
-            if not seq.in_context or budget <= 0:
+        preempted = False
+        for seq in list(self._running):
+            if seq.slot < 0 or seq.in_context:  # preempted by an older request's growth, or prefilling
                 continue
-            chunk = min(seq.num_prompt - seq.target_cached, budget)
-            budget -= chunk
-            self.pages.grow(seq.index, seq.target_cached + chunk)
-            if seq.target_cached + chunk == seq.num_prompt:
-                plan.final_ctx.append((seq, chunk))
+            while not self.pages.grow(seq.index, len(seq.tokens) + self.num_draft):
+                victim = self._running[-1]  # never one already planned: those are older than seq
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
             else:
-                plan.partial_ctx.append((seq, chunk))
-        for seq in plan.gen:  # the last token plus K drafts, written after the cached ones
-            self.pages.grow(seq.index, len(seq.tokens) + self.num_draft)
+                plan.gen.append(seq)
+        budget = self.config.max_num_tokens - (self.num_draft + 1) * len(plan.gen)
+        for seq in list(self._running):  # their pages cover what they prefill since they started
+            budget = self._plan_chunk(plan, seq, budget)
+        if not preempted:
+            self._admit(plan, budget)
         return plan
 
     # ------------------------------------------------------------------ one step
@@ -502,7 +658,7 @@ class Engine:
             cache_lens.append(start)
             query_lens.append(len(chunk))
             rows.extend(range(first + len(chunk) - logit_rows, first + len(chunk)))
-            if seq is not None and seq.prompt_logprobs is not None:
+            if seq is not None and seq.prompt_logprobs is not None and len(seq.prompt_logprobs) < seq.num_prompt:
                 # Row of position p scores prompt token p + 1 (the prompt's last row scores an output token).
                 for p in range(start, min(start + len(chunk), seq.num_prompt - 1)):
                     prompt_rows.append(first + p - start)
@@ -795,15 +951,18 @@ class Engine:
         return seq.prompt_logprobs
 
     def _all_gather_emitted(self, emitted: dict[int, list[int]]) -> dict[int, list[int]]:
-        """Attention DP: every rank learns every rank's emitted tokens (one all-gather of a
-        fixed-size ``[max_batch_size, K + 3]`` int64 table: seq index, count, tokens)."""
+        """Attention DP: every rank learns every rank's emitted tokens, and the facts of the
+        emitting sequences only their owner knows (the length of their context phase, their
+        cached prompt tokens and preemptions). One all-gather of a fixed-size
+        ``[max_batch_size, K + 6]`` int64 table: seq index, count, those three facts, tokens."""
         k = self.num_draft
-        width = k + 3
+        width = k + 6
         table = torch.full((self.config.max_batch_size, width), -1, dtype=torch.int64)
         for row, (idx, toks) in enumerate(emitted.items()):
-            table[row, 0] = idx
-            table[row, 1] = len(toks)
-            table[row, 2:2 + len(toks)] = torch.tensor(toks, dtype=torch.int64)
+            seq = self._by_index[idx]
+            table[row, :5] = torch.tensor([idx, len(toks), seq.prefill_len, seq.stats.num_cached_tokens,
+                                           seq.stats.num_preemptions], dtype=torch.int64)
+            table[row, 5:5 + len(toks)] = torch.tensor(toks, dtype=torch.int64)
         dev = self.device if self.device.type == "cuda" else torch.device("cpu")
         local = table.to(dev).reshape(-1)
         full = torch.empty(self.dp_size * local.numel(), dtype=torch.int64, device=dev)
@@ -811,11 +970,15 @@ class Engine:
         out: dict[int, list[int]] = {}
         for row in full.view(-1, width).cpu().tolist():
             if row[0] >= 0:
-                out[row[0]] = row[2:2 + row[1]]
+                out[row[0]] = row[5:5 + row[1]]
+                seq = self._by_index[row[0]]
+                if seq.owner != self.dp_rank:
+                    seq.prefill_len, seq.stats.num_cached_tokens, seq.stats.num_preemptions = row[2:5]
         return out
 
     def _commit_step(self, emitted: dict[int, list[int]]) -> None:
-        """Commit every request's tokens of this step; count them for penalised requests."""
+        """Commit every request's tokens of this step; count them for penalised requests; give the
+        pages whose KV is now final their prefix-cache keys."""
         seqs = self._by_index
         for idx, toks in emitted.items():
             self._commit(seqs[idx], toks)
@@ -825,10 +988,11 @@ class Engine:
             width = max(len(toks) for _, toks in penalised)
             table = torch.tensor([toks + [-1] * (width - len(toks)) for _, toks in penalised], dtype=torch.int64)
             self.occurrences.add(torch.tensor([slot for slot, _ in penalised], dtype=torch.int64), table)
+        self._cache_pages()
 
     def _commit(self, seq: _Seq, toks: list[int]) -> None:
         """Append a step's tokens, apply the stop rules, keep the cache bookkeeping."""
-        was_context = seq.num_generated == 0  # a request's first tokens always come from its context step
+        was_context = len(seq.tokens) == seq.prefill_len  # the step that completed its context emitted these
         st = seq.stats
         st.num_steps += 1
         emitted = 0

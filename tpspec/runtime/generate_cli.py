@@ -73,6 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--deterministic", action="store_true",
                         help="fixed-order forward: each request's logits bit-identical in any batch, with or "
                              "without speculation, at every power-of-two TP size (slower)")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="reuse the KV pages of cached prompt prefixes (default on; --no-enable-prefix-caching "
+                             "turns it off)")
     parser.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
                         help="progress bar (auto: when stderr is a terminal, on runs longer than 2 s)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -160,7 +163,8 @@ def run(args: argparse.Namespace) -> int:
                  dtype=args.dtype, attention_dp=args.attention_dp, speculative_config=spec,
                  max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                  enforce_eager=args.enforce_eager, deterministic=args.deterministic,
-                 attention_backend=args.attention_backend) as llm:
+                 attention_backend=args.attention_backend,
+                 enable_prefix_caching=args.enable_prefix_caching) as llm:
             prompts = _prompts(args, llm.tokenizer is not None, llm.vocab_size)
             outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
             stats = llm.last_stats
@@ -195,7 +199,8 @@ def run(args: argparse.Namespace) -> int:
                         "mean_tokens_per_step": stats.mean_tokens_per_step,
                         "mean_accepted_drafts_per_step": stats.mean_accepted_drafts_per_step,
                         "acceptance_rate": stats.acceptance_rate,
-                        "forced_acceptance_rate": stats.forced_acceptance_rate},
+                        "forced_acceptance_rate": stats.forced_acceptance_rate,
+                        "num_cached_tokens": stats.num_cached_tokens, "num_preemptions": stats.num_preemptions},
         }))
         return 0
     print(f"tpspec generate: {desc}")
@@ -216,6 +221,8 @@ def run(args: argparse.Namespace) -> int:
                   f"{plural(c.stats.num_draft_tokens, 'draft')})")
     print(f"summary: {plural(stats.num_requests, 'request')}, {plural(stats.num_generated_tokens, 'token')} in "
           f"{stats.wall_s:.2f} s = {stats.tokens_per_s:.1f} tokens/s")
+    print(f"         prefix cache {'on' if args.enable_prefix_caching else 'off'}: {stats.num_cached_tokens} of "
+          f"{plural(stats.num_prompt_tokens, 'prompt token')} cached; {plural(stats.num_preemptions, 'preemption')}")
     if stats.forced_acceptance_rate is not None:
         print(f"warning: acceptance was forced at {stats.forced_acceptance_rate:g} drafts a step "
               f"(TPSPEC_FORCE_NUM_ACCEPTED_TOKENS is set): these are not the model's tokens")

@@ -9,12 +9,12 @@
   logits rows as a full speculative batch has, measures the activations, and the same amount
   again is held back for the CUDA-graph pool; the rest goes to pages.
 * CPU without ``kv_cache_bytes``: pages for ``min(max_batch_size, CPU_FULL_LENGTH_REQUESTS)``
-  requests of ``max_seq_len`` (admission reserves each request's own worst case, so many more
-  shorter requests run at once), at most ``CPU_DEFAULT_KV_BYTES`` (a long-context model would
-  otherwise ask for more memory than the host has; give ``kv_cache_bytes`` for more).
+  requests of ``max_seq_len`` (requests take pages as they grow, so many more shorter requests
+  run at once), at most ``CPU_DEFAULT_KV_BYTES`` (a long-context model would otherwise ask for
+  more memory than the host has; give ``kv_cache_bytes`` for more).
 
-The ranks then take the minimum page count (one all-reduce), so admission decisions,
-which depend on it, agree everywhere.
+The ranks then take the minimum page count (one all-reduce), so the scheduling decisions
+(admission, preemption, prefix-cache hits), which depend on it, agree everywhere.
 """
 
 from __future__ import annotations

@@ -149,6 +149,8 @@ class GenerateStats:
     num_draft_tokens: int
     num_accepted_drafts: int
     forced_acceptance_rate: float | None = None  # set: acceptance counts were forced (a benchmark knob)
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache gave (RequestOutput.num_cached_tokens summed)
+    num_preemptions: int = 0  # summed over samples
 
     @classmethod
     def of(cls, outputs: list[RequestOutput], wall_s: float,
@@ -163,6 +165,8 @@ class GenerateStats:
             num_draft_tokens=sum(c.stats.num_draft_tokens for c in samples),
             num_accepted_drafts=sum(c.stats.num_accepted_drafts for c in samples),
             forced_acceptance_rate=forced_acceptance_rate,
+            num_cached_tokens=sum(o.num_cached_tokens for o in outputs),
+            num_preemptions=sum(c.stats.num_preemptions for c in samples),
         )
 
     @property
@@ -183,6 +187,23 @@ class GenerateStats:
     @property
     def acceptance_rate(self) -> float:
         return self.num_accepted_drafts / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+
+@dataclass
+class EngineCounters:
+    """Counters over the life of an ``LLM`` (vLLM's ``prefix_cache_queries``, ``prefix_cache_hits``
+    and ``num_preemptions``), counted by the driver from its samples as they start and run:
+    ``prefix_cache_queries`` the prompt tokens of the samples that looked in the prefix cache
+    (all of them while it is on, but those asking ``prompt_logprobs``), ``prefix_cache_hits`` the
+    prompt tokens found there, ``num_preemptions`` how often a running sample was preempted."""
+
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
 class LLM:
@@ -220,8 +241,13 @@ class LLM:
     pages per rank (any device; ``gpu_memory_utilization`` then has no effect, nor on CPU: a
     warning says so); on CPU without it, pages for ``min(max_num_seqs, 8)`` requests of
     ``max_model_len`` (at most 4 GiB). ``kv_cache_tokens``: the tokens the cache holds per
-    rank (``num_kv_pages`` pages of ``page_size``), known once the engine is up. Requests wait
-    (in order) for pages; one that could never fit raises ``ValueError``. ``attention_backend``:
+    rank (``num_kv_pages`` pages of ``page_size``), known once the engine is up. A request starts
+    (in order) when the pages of its prompt are free and takes pages as it grows; when they run
+    out, the newest running request is preempted and later recomputed, with the same tokens
+    (README, "KV cache"). A prompt of ``max_model_len`` tokens or more raises ``ValueError``.
+    ``enable_prefix_caching`` (default True, as vLLM): a request reuses the KV pages of the
+    longest cached run of its prompt's full pages (``RequestOutput.num_cached_tokens``;
+    :attr:`counters` counts queries, hits and preemptions). ``attention_backend``:
     ``"auto"`` (the torch path; on CUDA ``AUTO_CUDA_ATTENTION`` of :mod:`tpspec.model.attention`,
     a backend a GPU run has checked), ``"torch"``, ``"triton"`` (CUDA with ``triton``; on CPU only
     under Triton's interpreter) or ``"flashinfer"`` (CUDA with ``flashinfer``, only when named);
@@ -269,6 +295,7 @@ class LLM:
         kv_cache_bytes: int | None = None,
         attention_backend: str = "auto",
         deterministic: bool = False,
+        enable_prefix_caching: bool = True,
     ) -> None:
         from ..model.attention import choose_attention_backend
         from ..model.shapes import config_from_path, is_shape_path
@@ -288,6 +315,7 @@ class LLM:
         check_bool("attention_dp", attention_dp)
         check_bool("enforce_eager", enforce_eager)
         check_bool("deterministic", deterministic)
+        check_bool("enable_prefix_caching", enable_prefix_caching)
         if seed is not None:
             seed = check_int("seed", seed, low=0, below=2**64)
         if gpu_memory_utilization is not None and not 0 < check_real("gpu_memory_utilization",
@@ -330,6 +358,7 @@ class LLM:
             draft_path = resolve_model(spec.model, kind="eagle3")
             head_cfg = Eagle3Config.from_pretrained(draft_path, self.model_config)  # CheckpointError before any worker
             _check_layout(head_cfg, tp_size, attention_dp, draft_path, deterministic)
+            draft_cfg = head_cfg.layer  # its one decoder layer's KV shares the pages
         k = spec.num_speculative_tokens if spec is not None else 0
         if max_model_len is None:
             max_model_len = self.model_config.max_position_embeddings
@@ -352,6 +381,7 @@ class LLM:
             max_seq_len=max_model_len, max_num_tokens=max_num_batched_tokens, use_cuda_graphs=not enforce_eager,
             exchange=exchange, gpu_memory_utilization=memory_share, page_size=page_size,
             kv_cache_bytes=kv_cache_bytes, attention_backend=attention_backend, deterministic=deterministic,
+            enable_prefix_caching=enable_prefix_caching,
             forced_acceptance_rate=read_forced_rate() if spec is not None else None,
         )
         if kv_cache_bytes is not None:
@@ -362,6 +392,8 @@ class LLM:
         self._longest_token = None if self.tokenizer is None else longest_token_chars(self.tokenizer)
         self.eos_token_ids = tuple(sorted(set(self.model_config.eos_token_ids) | set(gen_eos)))
         self.last_stats: GenerateStats | None = None
+        self.counters = EngineCounters()
+        """Prefix-cache queries and hits and preemptions so far (:class:`EngineCounters`)."""
         self._sequence_ids = itertools.count()
         self._request_ids = itertools.count()
         # Requests driven step by step (add_request / step, streams): live requests by id, the
@@ -522,10 +554,12 @@ class LLM:
                 samples.append(state.output(res.stats, res.logprobs))
                 if res.prompt_logprobs is not None:
                     prompt_logprobs = state.decoded(res.prompt_logprobs)
+                self._count(req, res.stats.num_cached_tokens, res.stats.num_preemptions)
             entry.metrics.first_token_time = entry.metrics.last_token_time = entry.metrics.finished_time = now
             outputs.append(RequestOutput(request_id=entry.request_id, prompt=entry.prompt_text,
                                          prompt_token_ids=list(entry.prompt_ids), outputs=samples,
-                                         finished=True, metrics=entry.metrics, prompt_logprobs=prompt_logprobs))
+                                         finished=True, metrics=entry.metrics, prompt_logprobs=prompt_logprobs,
+                                         num_cached_tokens=max(c.stats.num_cached_tokens for c in samples)))
         self.last_stats = GenerateStats.of(outputs, wall, self.config.forced_acceptance_rate)
         return outputs
 
@@ -655,6 +689,11 @@ class LLM:
             sample = live.samples[owner[1]]
             if sample.finish_reason is not None:
                 continue
+            if live.cached[owner[1]] is None:  # its first update: it has started
+                self._count(sample.req, u.num_cached_tokens, 0)
+                live.cached[owner[1]] = u.num_cached_tokens
+            self.counters.num_preemptions += u.num_preemptions - live.preemptions[owner[1]]
+            live.preemptions[owner[1]] = u.num_preemptions
             if u.prompt_logprobs is not None:
                 prompt_logprobs[owner[0]] = sample.decoded(u.prompt_logprobs)
             kept, text = sample.feed(u.new_token_ids)
@@ -684,7 +723,8 @@ class LLM:
             out = RequestOutput(request_id=rid, prompt=live.entry.prompt_text,
                                 prompt_token_ids=list(live.entry.prompt_ids),
                                 outputs=sorted(deltas, key=lambda c: c.index), finished=finished, metrics=metrics,
-                                prompt_logprobs=prompt_logprobs.get(rid))
+                                prompt_logprobs=prompt_logprobs.get(rid),
+                                num_cached_tokens=max((c for c in live.cached if c is not None), default=0))
             if live.inbox is None:
                 unowned.append(out)
             else:
@@ -693,9 +733,18 @@ class LLM:
                     live.inbox.pending.discard(rid)
         return unowned
 
+    def _count(self, req: Request, num_cached_tokens: int, num_preemptions: int) -> None:
+        """A sample started (``num_cached_tokens`` of its prompt cached) and was preempted
+        ``num_preemptions`` times so far: into :attr:`counters`."""
+        if self.config.enable_prefix_caching and req.sampling.prompt_logprobs is None:
+            self.counters.prefix_cache_queries += len(req.prompt)
+            self.counters.prefix_cache_hits += num_cached_tokens
+        self.counters.num_preemptions += num_preemptions
+
     def _register(self, entry: "_Entry", inbox: "_Inbox | None") -> "_Live":
         live = _Live(entry, [_Sample(i, req, entry.params, self.tokenizer) for i, req in enumerate(entry.requests)],
-                     [RequestStats() for _ in entry.requests], inbox)
+                     [RequestStats() for _ in entry.requests], [None] * len(entry.requests),
+                     [0] * len(entry.requests), inbox)
         self._live[entry.request_id] = live
         if inbox is not None:
             inbox.pending.add(entry.request_id)
@@ -891,6 +940,8 @@ class _Live:
     entry: _Entry
     samples: list["_Sample"]
     stats: list[RequestStats]
+    cached: list[int | None]  # each sample's cached prompt tokens, once it has started
+    preemptions: list[int]  # each sample's preemptions counted so far
     inbox: _Inbox | None = None
 
 

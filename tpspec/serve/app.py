@@ -1,6 +1,7 @@
 """The OpenAI-compatible routes over an :class:`~tpspec.serve.engine_loop.EngineLoop`.
 
-``/health`` (200, or 503 once the ranks are gone), ``/v1/models``, ``/v1/completions`` and
+``/health`` (200, or 503 once the ranks are gone), ``/metrics`` (Prometheus text: prefix-cache
+queries and hits, preemptions), ``/v1/models``, ``/v1/completions`` and
 ``/v1/chat/completions`` — JSON, or server-sent events with ``"stream": true`` (one chunk
 per engine step and sample, then ``data: [DONE]``; a stream that fails sends an error event,
 then ``[DONE]``). Every error body is OpenAI's error object: 400 for a bad request (the
@@ -23,7 +24,7 @@ from typing import Any, AsyncIterator, Callable
 
 import pydantic
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..sampling.params import SamplingParams
@@ -81,6 +82,10 @@ def build_app(engine: EngineLoop, model_name: str, *, max_body_bytes: int = DEFA
         if engine.dead:
             return _error(ApiError(engine.dead, 503, kind="ServiceUnavailableError"))
         return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(_prometheus(engine.llm.counters))
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -169,6 +174,18 @@ def _parse_body(data: bytes, model: type[pydantic.BaseModel]) -> Any:
         raise ApiError(f"{where}: {message}" if where else message, param=where or None) from None
     except RecursionError:
         raise ApiError("the request body nests JSON arrays or objects too deeply") from None
+
+
+def _prometheus(counters: Any) -> str:
+    """The LLM's :class:`~tpspec.runtime.llm.EngineCounters` in Prometheus' text format (vLLM's names,
+    ``tpspec:`` for ``vllm:``)."""
+    lines = []
+    for name, what in (("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+                       ("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+                       ("num_preemptions", "Requests preempted because KV pages ran out.")):
+        lines += [f"# HELP tpspec:{name} {what}", f"# TYPE tpspec:{name} counter",
+                  f"tpspec:{name}_total {getattr(counters, name)}"]
+    return "\n".join(lines) + "\n"
 
 
 def _usage_in_stream(body: Any) -> bool:

@@ -34,6 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--attention-backend", default="auto",
                         help="paged attention backend (see tpspec generate --help)")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="reuse the KV pages of cached prompt prefixes (default on)")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     parser.add_argument("--max-body-bytes", type=int, default=32 * 2**20,
                         help="largest request body accepted (default 32 MiB); larger ones get 413")
@@ -69,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
                   dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                   gpu_memory_utilization=args.gpu_memory_utilization, speculative_config=spec,
                   generation_config=args.generation_config, enforce_eager=args.enforce_eager,
-                  attention_backend=args.attention_backend)
+                  attention_backend=args.attention_backend,
+                  enable_prefix_caching=args.enable_prefix_caching)
     except (ValueError, json.JSONDecodeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
