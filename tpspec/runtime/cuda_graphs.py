@@ -11,8 +11,8 @@ the graph) and the acceptance.
 Before a replay the host refreshes the static inputs in place (token ids, positions,
 drafts, attention metadata; ``SpecMetadata.prepare`` refills its stable buffers).
 Graphed: all-greedy batches, and temperature-only batches under strict acceptance.
-Rejection sampling, top-k/top-p/min-p rows and requests with penalties or logprobs run
-eagerly.
+Rejection sampling, top-k/top-p/min-p rows and requests with penalties, logprobs or logit
+controls (structured outputs, logit bias, allowed tokens, bad words) run eagerly.
 
 Padding requests write into the engine's scratch pages (nothing reads them for real) and
 use slot -1 in the metadata (greedy, no stream).
@@ -103,6 +103,8 @@ class GenerationGraphs:
             return None  # rejection sampling / filtered rows: eager (they sync with the host)
         if any(p.has_penalties or p.logprobs is not None for p in params):
             return None  # penalties read the step's drafts, logprobs the raw logits: eager
+        if any(p.has_logit_controls for p in params):
+            return None  # logit controls: host-computed token masks and biases, eager
         eng = self.engine
         k = eng.num_draft
         # The attention metadata's sizes belong to the key (kept last: the sampling part stays as it was).
