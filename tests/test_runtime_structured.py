@@ -397,3 +397,17 @@ def test_attention_dp_refuses_logit_controls():
                        dict(allowed_token_ids=[5]), dict(bad_words=["the"])):
             with pytest.raises(ValueError, match="not supported with attention DP"):
                 llm.generate("The cat", SamplingParams(**params))
+
+
+def test_logprobs_stay_raw_under_controls(spec_llm):
+    """Logprobs are those of the raw logits: a token forced by a +100 bias keeps its raw logprob."""
+    forced = spec_llm.tokenizer.encode(" dog", add_special_tokens=False)[-1]
+    plain = spec_llm.generate("The cat sat", SamplingParams(temperature=0, max_tokens=1, logprobs=20))[0].outputs[0]
+    biased = spec_llm.generate("The cat sat", SamplingParams(temperature=0, max_tokens=1, logprobs=20,
+                                                             logit_bias={forced: 100}))[0].outputs[0]
+    assert biased.token_ids == [forced] and plain.token_ids != [forced]
+    raw = biased.logprobs[0][forced].logprob
+    assert raw < -1.0 and abs(raw - biased.cumulative_logprob) < 1e-9  # not ~0, as under the bias
+    # The row's top logprobs are the plain request's: the bias changed the draw, not the logprobs.
+    assert {t: lp.logprob for t, lp in biased.logprobs[0].items() if t != forced} == {
+        t: lp.logprob for t, lp in plain.logprobs[0].items() if t != forced and lp.rank <= 20}

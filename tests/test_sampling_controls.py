@@ -247,3 +247,46 @@ def test_masked_sampled_draws_follow_the_masked_softmax():
     assert set(np.nonzero(counts)[0]) <= {1, 5, 6, 20, 33, 39}
     keep = expect > 0
     assert stats.chisquare(counts[keep], expect[keep] * rows).pvalue > 1e-3
+
+
+# ------------------------------------------------------------------ through the step's metadata
+
+def test_metadata_carries_bias_and_masks_to_target_rows_and_draft_steps():
+    """``SpecMetadata`` lays out each request's bias on its rows; the step's bitmask reaches the
+    selection; a draft step applies the bias and its own bitmask, greedy or sampled (the sampled
+    draft's logits, q, are the controlled ones)."""
+    from tpspec.exchange import LocalKeyExchange
+    from tpspec.speculative import SpecMetadata, select_draft_tokens
+
+    vocab, d = 64, 2
+    gen = torch.Generator().manual_seed(7)
+    requests = [("ctx", 0, SamplingParams(temperature=0, logit_bias={9: 100}), True),
+                ("plain", 1, SamplingParams(temperature=0), False),
+                ("masked", 2, SamplingParams(temperature=0.9, seed=4), False)]  # masked by the step's bitmask
+    meta = SpecMetadata(4, d).prepare(requests, draft_len=d)
+    assert meta.local_any_controls and meta.num_rows == 1 + 2 * (d + 1)
+    logits = torch.randn(meta.num_rows, vocab, generator=gen)
+    allowed = torch.ones(meta.num_rows, vocab, dtype=torch.bool)
+    allowed[4:, :] = False
+    allowed[4:, [3, 11, 40]] = True  # the masked request's rows: three tokens its grammar allows
+    meta.set_token_bitmask(pack_bits(allowed))
+    ex = LocalKeyExchange("cpu")
+    rows = meta.row_sampling(torch.zeros(3, d, dtype=torch.int64))
+    tokens = select_tokens(VocabShardedLogits(logits, 0, vocab, ex), rows)
+    assert tokens[0] == 9  # the bias of the context request's row
+    assert torch.equal(tokens[1:4], logits[1:4].argmax(dim=1))  # untouched rows
+    assert all(int(t) in (3, 11, 40) for t in tokens[4:])
+    with pytest.raises(ValueError, match=r"token bitmask must be \[7, words\] int32"):
+        meta.set_token_bitmask(pack_bits(allowed[:3]))
+    meta.prepare(requests, draft_len=d)
+    assert meta.token_bitmask is None  # each step brings its own
+
+    draft_rows = torch.randn(2, vocab, generator=gen)  # the two generation requests' draft step 0
+    bits = pack_bits(allowed[[1, 4]])
+    greedy = select_draft_tokens(VocabShardedLogits(draft_rows, 0, vocab, ex), meta, 0, first_request=1,
+                                 bitmask=bits)
+    assert greedy.logits is None and greedy.tokens[0] == draft_rows[0].argmax() and int(greedy.tokens[1]) in (3, 11, 40)
+    sampled = select_draft_tokens(VocabShardedLogits(draft_rows, 0, vocab, ex), meta, 0, sample=True,
+                                  first_request=1, bitmask=bits)
+    assert int(sampled.tokens[1]) in (3, 11, 40)
+    assert torch.equal(torch.isinf(sampled.logits[1]), ~allowed[4])  # q of the masked draft is masked
