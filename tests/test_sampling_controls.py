@@ -174,26 +174,38 @@ def _count_traffic(ex: AllGatherKeyExchange) -> dict:
     return seen
 
 
-def masked_draws_worker(rank: int, world: int) -> dict:
-    ex = AllGatherKeyExchange()
-    batch = adversarial_batch(seed=5)
+def masked_draws_worker(rank: int, world: int, device: str = "cpu") -> dict:
+    """The adversarial batch under random controls, drawn on ``world`` ranks: filtered rows,
+    temperature rows and greedy rows (on ``device="cuda"`` through the LL exchange)."""
+    if device == "cuda":
+        from tpspec import distributed as D
+        from tpspec.exchange.ll import LLKeyExchange
+
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        ex = LLKeyExchange(D.tp_group(), max_rows=128)
+    else:
+        ex = AllGatherKeyExchange()
+    dev = ex.device
+    batch = {k: v.to(dev) for k, v in adversarial_batch(seed=5).items()}
     rows = batch["logits"].shape[0]
     controls, _ = _controls(rows, VOCAB, seed=2)
-    local, offset = shard(batch["logits"], world, rank)
+    local, offset = shard(batch["logits"].cpu(), world, rank)
     mine = _sliced(controls, offset, local.shape[1])
-    logits = VocabShardedLogits(local, offset, VOCAB, ex)
+    logits = VocabShardedLogits(local.to(dev), offset, VOCAB, ex)
     out = {}
     filtered = K.SamplingRows(batch["temperature"], batch["seeds"], batch["offsets"], top_k=batch["top_k"],
                               top_p=batch["top_p"], min_p=batch["min_p"], penalties=mine)
-    out["filtered"] = select_tokens(logits, filtered)
+    out["filtered"] = select_tokens(logits, filtered).cpu()
     traffic = _count_traffic(ex)
     plain = K.SamplingRows(batch["temperature"], batch["seeds"], batch["offsets"], penalties=mine)
-    out["temperature"] = select_tokens(logits, plain)
+    out["temperature"] = select_tokens(logits, plain).cpu()
     out["temperature_bytes"] = traffic["bytes"]
     traffic["bytes"] = 0
-    greedy = dataclasses.replace(plain, temperature=torch.full((rows,), 1e-6), is_all_greedy=True)
-    out["greedy"] = select_tokens(logits, greedy)
+    greedy = dataclasses.replace(plain, temperature=torch.full((rows,), 1e-6, device=dev), is_all_greedy=True)
+    out["greedy"] = select_tokens(logits, greedy).cpu()
     out["greedy_bytes"] = traffic["bytes"]
+    if device == "cuda":
+        ex.close()
     return out
 
 
