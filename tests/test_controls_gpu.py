@@ -45,8 +45,9 @@ def test_structured_outputs_on_cuda_validate_beside_graphed_steps():
     from test_runtime_structured import check_output, structured_batch
 
     prompts, params, checks = structured_batch(28, seed=1)
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
     with LLM("tiny", distributed_executor_backend="external_launcher", tensor_parallel_size=1, device="cuda",
-             dtype="float32", max_num_seqs=8, speculative_config={"method": "ngram", "num_speculative_tokens": 3}) as llm:
+             dtype="float32", max_num_seqs=8, speculative_config=spec) as llm:
         for out, check in zip(llm.generate(prompts, params), checks):
             assert out.outputs[0].finish_reason == "stop"
             check_output(out.outputs[0].text, check)

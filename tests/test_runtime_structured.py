@@ -17,7 +17,6 @@ import re
 
 import numpy as np
 import pytest
-import torch
 
 from tpspec import LLM, SamplingParams, StructuredOutputsParams
 from tpspec.runtime.llm import tiny_model_path
@@ -217,8 +216,8 @@ def test_grammar_end_stops_and_length_cuts(llm):
     assert out.text in ("yes", "no") and out.finish_reason == "stop" and out.stop_reason is None
     # The grammar ends after its last token: no EOS is generated for it.
     assert len(out.token_ids) < 20
-    cut = llm.generate("The cat", SamplingParams(temperature=0, max_tokens=2, structured_outputs=StructuredOutputsParams(
-        json=PERSON, disable_any_whitespace=True)))[0].outputs[0]
+    person = StructuredOutputsParams(json=PERSON, disable_any_whitespace=True)
+    cut = llm.generate("The cat", SamplingParams(temperature=0, max_tokens=2, structured_outputs=person))[0].outputs[0]
     assert cut.finish_reason == "length" and len(cut.token_ids) == 2 and cut.text.startswith("{")
 
 

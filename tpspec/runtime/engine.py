@@ -219,7 +219,7 @@ class Engine:
         self._prepared = False  # meta prepared for the current step (before drafting)
         self._drafts_sampled = False  # this step's drafts were sampled (their logits are in draft_store)
         self._ll_tokenizer = None  # llguidance's tokenizer, built on the first request with a grammar
-        self._masks: dict[tuple[int, int], torch.Tensor] = {}  # this step's mask rows: (seq index, row) -> [words]
+        self._masks: dict[tuple[int, int], np.ndarray] = {}  # this step's mask rows: (seq index, row) -> [words]
         # Sequences by request id, in admission order; index -> sequence; this rank's queue.
         self._seqs: dict[int, _Seq] = {}
         self._by_index: dict[int, _Seq] = {}
