@@ -115,6 +115,30 @@ def test_masks_after_drafts_leave_the_matcher_where_it_was(tokenizers):
         fresh.commit(rejected[0])
 
 
+@pytest.mark.parametrize("so", [StructuredOutputsParams(grammar='root ::= "yes" | "no"'),  # GBNF
+                                StructuredOutputsParams(grammar='start: "yes" | "no"'),  # Lark
+                                StructuredOutputsParams(choice=["yes", "no"])])
+def test_grammar_syntaxes_compile_to_the_same_language(tokenizers, so):
+    hf, ll = tokenizers
+    state = TokenConstraints(512, grammar=compile_grammar(so, ll), tokenizer=ll, eos_token_ids=[2])
+    assert {hf.decode([t])[0] for t in _allowed(state.mask())} == {"y", "n"}
+    for t in hf.encode("no", add_special_tokens=False):
+        state.commit(t)
+    assert state.finished
+
+
+def test_structural_tag_allows_free_text_until_its_trigger(tokenizers):
+    hf, ll = tokenizers
+    tag = {"type": "structural_tag", "triggers": ["<f="],
+           "structures": [{"begin": "<f=add>", "schema": {"type": "object"}, "end": "</f>"}]}
+    state = TokenConstraints(512, grammar=compile_grammar(StructuredOutputsParams(structural_tag=json.dumps(tag)), ll),
+                             tokenizer=ll, eos_token_ids=[2])
+    assert len(_allowed(state.mask())) > 200  # free text
+    for t in hf.encode("Hi <f=add>", add_special_tokens=False):
+        state.commit(t)
+    assert {hf.decode([t]) for t in _allowed(state.mask())} == {"{"}  # inside the tag: its JSON schema
+
+
 def test_allowed_tokens_and_bad_words_by_vllms_rule(tokenizers):
     hf, _ = tokenizers
     words = bad_words_token_ids(["ab", ". The", "x"], hf, 512)

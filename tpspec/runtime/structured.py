@@ -76,13 +76,18 @@ def _json_schema(text_or_dict: str | dict, what: str) -> Any:
         raise ValueError(f"structured_outputs.{what} is not valid JSON: {exc}") from None
 
 
-def _json_grammar(ll: Any, schema: Any, so: StructuredOutputsParams) -> str:
-    if so.disable_additional_properties:
-        schema = _closed_objects(schema)
+def _json_options(so: StructuredOutputsParams) -> dict[str, Any]:
+    """llguidance's JSON options of ``so`` (the schema's own ``x-guidance`` goes over them)."""
     options: dict[str, Any] = {"whitespace_flexible": not so.disable_any_whitespace}
     if so.whitespace_pattern is not None:
         options["whitespace_pattern"] = so.whitespace_pattern
-    return ll.LLMatcher.grammar_from_json_schema(schema, defaults=options)
+    return options
+
+
+def _json_grammar(ll: Any, schema: Any, so: StructuredOutputsParams) -> str:
+    if so.disable_additional_properties:
+        schema = _closed_objects(schema)
+    return ll.LLMatcher.grammar_from_json_schema(schema, defaults=_json_options(so))
 
 
 def _structural_tag_grammar(ll: Any, so: StructuredOutputsParams) -> str:
@@ -100,8 +105,14 @@ def _structural_tag_grammar(ll: Any, so: StructuredOutputsParams) -> str:
         if trigger is None:
             raise ValueError(f"structured_outputs.structural_tag: no trigger starts structure {i}'s begin "
                              f"{item['begin']!r}")
-        grammar = _json_grammar(ll, item.get("schema", {}), so)
-        tags.append(ll.StructTag(trigger=trigger, begin=item["begin"], grammar=grammar, end=item["end"]))
+        schema = item.get("schema", {})
+        if not isinstance(schema, dict):
+            raise ValueError(f"structured_outputs.structural_tag structure {i}'s schema must be a JSON object")
+        if so.disable_additional_properties:
+            schema = _closed_objects(schema)
+        # The tag embeds the schema itself (%json), its options in its own "x-guidance".
+        schema = dict(schema, **{"x-guidance": {**_json_options(so), **schema.get("x-guidance", {})}})
+        tags.append(ll.StructTag(trigger=trigger, begin=item["begin"], grammar=schema, end=item["end"]))
     if not tags:
         raise ValueError("structured_outputs.structural_tag has no structures")
     return ll.StructTag.to_grammar(tags)
