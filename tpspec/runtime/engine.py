@@ -48,6 +48,7 @@ from .. import distributed as D
 from ..exchange.base import Channel
 from ..mapping import Mapping
 from ..log import get_logger
+from ..sampling.controls import bitmask_words
 from ..sampling.logprobs import Logprob
 from ..sampling.penalties import OccurrenceCounts
 from ..speculative.forced import FORCE_ENV, ForcedAcceptanceWarning
@@ -756,7 +757,7 @@ class Engine:
         """``[words]`` int32: the tokens ``seq`` may take after its output and ``drafts`` (every
         token for a sequence without masks, or padding); one computation per (sequence, row) a step."""
         if seq is None or seq.constraints is None:
-            return np.full((self.model.config.vocab_size + 31) // 32, -1, dtype=np.int32)
+            return np.full(bitmask_words(self.model.config.vocab_size), -1, dtype=np.int32)
         key = (seq.index, len(drafts))
         if key not in self._masks:
             self._masks[key] = seq.constraints.mask(drafts)

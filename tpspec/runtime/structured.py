@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..sampling.controls import BITS_PER_WORD
+from ..sampling.controls import BITS_PER_WORD, bitmask_words
 from ..sampling.params import StructuredOutputsParams
 
 LL_LOG_LEVEL = 0  # llguidance's own stderr warnings off: errors are read back with get_error()
@@ -180,14 +180,14 @@ class TokenConstraints:
                  allowed: Sequence[int] | None = None, bad_words: Sequence[Sequence[int]] = (),
                  eos_token_ids: Sequence[int] = ()) -> None:
         self.vocab_size = vocab_size
-        self.words = (vocab_size + BITS_PER_WORD - 1) // BITS_PER_WORD
+        self.words = bitmask_words(vocab_size)
         self.matcher = None
         if grammar is not None:
             ll = _llguidance()
             self.matcher = ll.LLMatcher(tokenizer, grammar, log_level=LL_LOG_LEVEL)
             if self.matcher.is_error():
                 raise RuntimeError(f"the grammar does not load on this rank: {self.matcher.get_error()}")
-            self._scratch = np.zeros((1, (tokenizer.vocab_size + BITS_PER_WORD - 1) // BITS_PER_WORD), np.int32)
+            self._scratch = np.zeros((1, bitmask_words(tokenizer.vocab_size)), np.int32)
         self.allowed = None
         if allowed is not None:
             self.allowed = self._bits(allowed)
