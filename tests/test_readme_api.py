@@ -3,6 +3,7 @@ top to bottom, and its first Python example runs as a script."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -42,6 +43,7 @@ def test_every_vllm_spelling_in_the_readme_runs(monkeypatch):
         assert all(c.finish_reason in ("stop", "length") for c in out.outputs)
         assert names["outputs"][0].prompt == "The cat sat"
         assert names["chat"][0].outputs[0].finish_reason in ("stop", "length")
+        assert json.loads(names["js"].text)["pet"] in ("cat", "dog") and names["js"].finish_reason == "stop"
     finally:
         if "llm" in names:
             names["llm"].shutdown()

@@ -25,6 +25,7 @@ _EXPORTS = {
     "RequestOutput": "tpspec.runtime",
     "SamplingParams": "tpspec.sampling",
     "SpeculativeConfig": "tpspec.runtime",
+    "StructuredOutputsParams": "tpspec.sampling",
     "VocabParallelHead": "tpspec.vocab_parallel",
     "VocabShardedLogits": "tpspec.vocab_parallel",
     "make_key_exchange": "tpspec.exchange",

@@ -405,8 +405,9 @@ def gumbel_scores_at(scores: torch.Tensor, columns: torch.Tensor, seeds: torch.T
 # ------------------------------------------------------------------ sampling rows
 
 class PenaltyStep(Protocol):
-    """What :attr:`SamplingRows.penalties` holds (``tpspec.sampling.penalties.RowPenalties``):
-    ``apply(logits slice [R, C], vocab_offset) -> penalised slice [R, C]``, applied by each rank
+    """What :attr:`SamplingRows.penalties` holds (``tpspec.sampling.penalties.RowPenalties``, or
+    ``tpspec.sampling.controls.RowControls``: logit bias, penalties and token masks):
+    ``apply(logits slice [R, C], vocab_offset) -> processed slice [R, C]``, applied by each rank
     to its own columns before any selection."""
 
     def apply(self, local_logits: torch.Tensor, vocab_offset: int) -> torch.Tensor: ...
@@ -425,9 +426,10 @@ class SamplingRows:
     * ``top_k`` (``[R]`` int64; ``>= vocab`` or INT32_MAX = off), ``top_p`` (``[R]`` float32;
       1 = off), ``min_p`` (``[R]`` float32; 0 = off): the filters, None = off for every row.
       The exchanges draw unfiltered rows only; ``tpspec.sampling.select`` applies filters.
-    * ``penalties``: None, or the step's penalties (a :class:`PenaltyStep`) that
+    * ``penalties``: None, or the step's logits processing (a :class:`PenaltyStep`: penalties,
+      and with logit controls a bias and token masks) that
       ``tpspec.sampling.select.select_tokens`` applies to each rank's raw logits slice
-      before the draw (the exchanges never apply them).
+      before the draw (the exchanges never apply it).
     * ``is_all_greedy``: a batch fact that chooses code paths; it must be
       equal on every rank of the group (``SpecMetadata`` syncs them under attention DP), and
       so must be which filters are None.

@@ -112,6 +112,7 @@ class EngineConfig:
     forced_acceptance_rate: float | None = None  # benchmarks only: TPSPEC_FORCE_NUM_ACCEPTED_TOKENS, read by LLM
     deterministic: bool = False  # fixed-order forward: batch- and TP-invariant logits
     enable_prefix_caching: bool = True  # full KV pages of known token runs are reused (pages.py)
+    eos_token_ids: tuple[int, ...] = ()  # the driver's EOS ids (a grammar that can end allows them); () = the model's
 
     def __post_init__(self) -> None:
         check_int("max_batch_size", self.max_batch_size, low=1)
@@ -169,13 +170,23 @@ class Request:
     """One sequence as the ranks see it (one sample of a user request). ``request_id`` is
     unique over the life of an ``LLM``. ``max_new_tokens`` and ``stop_token_ids`` are resolved by the driver
     (the model's EOS ids included unless ``ignore_eos``); before ``sampling.min_tokens``
-    tokens, stop tokens do not end it."""
+    tokens, stop tokens do not end it. ``grammar``: the compiled, checked llguidance grammar of
+    ``sampling.structured_outputs`` (None without); ``bad_words_token_ids``: ``sampling.bad_words``
+    as token-id sequences (``tpspec.runtime.structured``): the ranks never tokenize."""
 
     request_id: int
     prompt: tuple[int, ...]
     sampling: SamplingParams
     max_new_tokens: int
     stop_token_ids: tuple[int, ...] = ()
+    grammar: str | None = None
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def has_token_mask(self) -> bool:
+        """Whether the request's tokens are masked (a grammar, allowed token ids or bad words)."""
+        return (self.grammar is not None or self.sampling.allowed_token_ids is not None
+                or bool(self.bad_words_token_ids))
 
 
 @dataclass

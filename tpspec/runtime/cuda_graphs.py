@@ -33,6 +33,8 @@ drafts, attention metadata; ``SpecMetadata.prepare`` refills its stable buffers)
 Padding requests come first in the padded batch (the generation requests stay the step's
 last requests, where drafting writes its draft logits), write into the engine's scratch
 pages (nothing reads them for real) and use slot -1 in the metadata (greedy, no stream).
+Steps with a request that has logit controls (structured outputs, logit bias, allowed tokens,
+bad words: token masks and biases the host computes each step) run eagerly.
 
 The drafting of a graphed step (a draft model or an EAGLE-3 head) runs its catch-up forward
 eagerly — it reads what each request's draft cache lacks, a ragged count (the whole prompt
@@ -282,6 +284,8 @@ class GenerationGraphs:
         padded = next((s for s in self.buckets if s >= b), None)
         if padded is None or b == 0:
             return None
+        if any(s.req.sampling.has_logit_controls for s in gen):
+            return None  # logit controls: token masks and biases the host computes each step, eager
         eng = self.engine
         k = eng.num_draft
         params = [s.req.sampling for s in gen]

@@ -15,6 +15,13 @@ do, because the TP MLP and the token selection are collectives), and after every
 the ranks all-gather the tokens they emitted, so every rank again knows every
 request's tokens — rank 0 can report all of them and the loop ends everywhere at once.
 
+Token masks (structured outputs, ``allowed_token_ids``, ``bad_words``;
+:mod:`tpspec.runtime.structured`): every rank keeps a :class:`TokenConstraints` per masked
+sequence, advanced over the committed tokens. A step computes each masked request's bitmask
+rows on the host (row ``j`` after drafts ``0..j-1``; a model drafter's step ``j`` uses the same
+row), each rank applies them to its own columns, and the request ends (``"stop"``) when its
+grammar can go no further.
+
 Per-request invariant in the generation phase: the target KV cache holds every token
 but the last (``target_cached == len(tokens) - 1``); a step feeds the last token plus K
 drafts, and "rewinding" rejected drafts is just not counting them.
@@ -52,12 +59,14 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 
 from .. import distributed as D
 from ..exchange.base import Channel
 from ..mapping import Mapping
 from ..log import get_logger
+from ..sampling.controls import bitmask_words
 from ..sampling.logprobs import Logprob
 from ..sampling.penalties import OccurrenceCounts
 from ..speculative.forced import FORCE_ENV, ForcedAcceptanceWarning
@@ -66,6 +75,7 @@ from ..validation import torch_dtype
 from .config import EngineConfig, Request, RequestStats
 from .kv_sizing import plan_kv_cache
 from .pages import PageAllocator, page_keys, root_key
+from .structured import TokenConstraints
 
 log = get_logger(__name__)
 
@@ -131,6 +141,7 @@ class _Seq:
     # vLLM's prompt logprobs: None, then one per prompt token, filled chunk by chunk; reported once.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_logprobs_sent: bool = False
+    constraints: TokenConstraints | None = None  # its token masks (grammar state), when the request has any
 
     @property
     def in_context(self) -> bool:
@@ -236,6 +247,8 @@ class Engine:
         self._prepared = False  # meta prepared for the current step (before drafting)
         self._drafts_sampled = False  # this step's drafts were sampled (their logits are in draft_store)
         self._graph_step = None  # the graphed generation step now running (cuda_graphs.GraphStep), if any
+        self._ll_tokenizer = None  # llguidance's tokenizer, built on the first request with a grammar
+        self._masks: dict[tuple[int, int], np.ndarray] = {}  # this step's mask rows: (seq index, row) -> [words]
         # Sequences by request id, in admission order; index -> sequence; this rank's queue.
         self._seqs: dict[int, _Seq] = {}
         self._by_index: dict[int, _Seq] = {}
@@ -319,6 +332,9 @@ class Engine:
         if self.dp_size > 1 and any(r.sampling.has_penalties or r.sampling.logprobs is not None
                                     or r.sampling.prompt_logprobs is not None for r in requests):
             raise ValueError("penalties and logprobs are not supported with attention DP")
+        if self.dp_size > 1 and any(r.sampling.has_logit_controls for r in requests):
+            raise ValueError("logit controls (structured outputs, logit_bias, allowed_token_ids, bad_words) are not "
+                             "supported with attention DP")
         if self._forced_warning_due:  # on every rank's first request
             self._forced_warning_due = False
             warnings.warn(f"rank {self.mapping.rank}: {FORCE_ENV}={self.config.forced_acceptance_rate:g} forces how many "
@@ -581,7 +597,30 @@ class Engine:
                    logprobs=None if req.sampling.logprobs is None else [],
                    prompt_logprobs=None if req.sampling.prompt_logprobs is None else [None])
         seq.stats.num_prompt_tokens = len(req.prompt)
+        if req.has_token_mask:
+            seq.constraints = TokenConstraints(
+                self.model.config.vocab_size, grammar=req.grammar,
+                tokenizer=self._grammar_tokenizer() if req.grammar is not None else None,
+                allowed=req.sampling.allowed_token_ids, bad_words=req.bad_words_token_ids,
+                eos_token_ids=self._eos_token_ids)
         return seq
+
+    @property
+    def _eos_token_ids(self) -> tuple[int, ...]:
+        return tuple(self.config.eos_token_ids) or tuple(self.model.config.eos_token_ids)
+
+    def _grammar_tokenizer(self):
+        """llguidance's tokenizer, from the checkpoint's tokenizer files (the driver's, built the
+        same way), made once per engine. Only token ids ever reach it."""
+        if self._ll_tokenizer is None:
+            from .structured import ll_tokenizer
+            from .tokenizer import load_tokenizer
+
+            hf = load_tokenizer(self.config.model_path)
+            if hf is None:
+                raise ValueError(f"a request has a grammar but {self.config.model_path!r} has no tokenizer")
+            self._ll_tokenizer = ll_tokenizer(hf, self.model.config.vocab_size, self._eos_token_ids)
+        return self._ll_tokenizer
 
     def _schedule(self) -> _Plan:
         """This step's plan. Finished sequences leave; every generation request takes the pages for
@@ -619,14 +658,19 @@ class Engine:
         k = self.num_draft
         use_dummy = dp and not plan.emitting  # this rank has no row, others may: keep collectives paired
         self._prepared = self._drafts_sampled = False
+        self._masks = {}
         graph_step = self._graph_step = None
         if self.graphs is not None and plan.gen and not plan.final_ctx and not plan.partial_ctx:
             graph_step = self.graphs.plan(plan.gen)  # None: this step runs eagerly (on every rank alike)
             self._graph_step = graph_step
-        if self.draft_store is not None and (dp or any(not s.req.sampling.is_greedy for s in plan.gen)):
-            # Sampled drafts read this step's streams: prepare before drafting. (The same
-            # decision on every rank: plain TP ranks hold the same plan; under attention DP
-            # every rank prepares, a collective.) A graphed step's requests are its padded batch.
+        controlled_drafts = (self.ngram is None and k > 0
+                             and any(s.req.sampling.has_logit_controls for s in plan.gen))
+        if (self.draft_store is not None and (dp or any(not s.req.sampling.is_greedy for s in plan.gen))
+                or controlled_drafts):
+            # Sampled drafts read this step's streams, and a model drafts under the requests' logit
+            # controls: prepare before drafting. (The same decision on every rank: plain TP ranks
+            # hold the same plan; under attention DP every rank prepares, a collective.) A graphed
+            # step's requests are its padded batch; steps with logit controls are never graphed.
             reqs = graph_step.requests if graph_step is not None else self._requests(plan, use_dummy)
             self.meta.prepare(requests=reqs, draft_len=k)
             self._prepared = True
@@ -856,6 +900,7 @@ class Engine:
         reqs = self._requests(plan, use_dummy)
         if not self._prepared:
             self.meta.prepare(requests=reqs, draft_len=k)
+        self.meta.set_token_bitmask(self._step_bitmask(plan, drafts, use_dummy))
         logits = self._score_prompts(self.model(batch), prompt_next)
         draft_table = None
         if k:
@@ -902,13 +947,48 @@ class Engine:
         # The drafted rows are the step's last requests: its generation requests, or the dummy.
         first = self.meta.num_requests - len(slots)
         step = len(previous)
-        sel = select_draft_tokens(logits, self.meta, step, sample=True, first_request=first,
-                                  previous_drafts=torch.stack(previous, dim=1) if previous else None,
-                                  deferred=deferred, filter_plan=filter_plan)
+        prior = torch.stack(previous, dim=1) if previous else None
+        bitmask = None if deferred else self._draft_bitmask(first, prior)  # graphed steps have no masks
+        sel = select_draft_tokens(logits, self.meta, step, sample=self.draft_store is not None, first_request=first,
+                                  previous_drafts=prior, deferred=deferred, filter_plan=filter_plan, bitmask=bitmask)
         if sel.logits is not None:
             self.draft_store.write(slots, step, sel.logits, check=not deferred)
             self._drafts_sampled = True
         return sel.tokens, sel.decided
+
+    def _mask_row(self, seq: _Seq | None, drafts: list[int]) -> np.ndarray:
+        """``[words]`` int32: the tokens ``seq`` may take after its output and ``drafts`` (every
+        token for a sequence without masks, or padding); one computation per (sequence, row) a step."""
+        if seq is None or seq.constraints is None:
+            return np.full(bitmask_words(self.model.config.vocab_size), -1, dtype=np.int32)
+        key = (seq.index, len(drafts))
+        if key not in self._masks:
+            self._masks[key] = seq.constraints.mask(drafts)
+        return self._masks[key]
+
+    def _step_bitmask(self, plan: _Plan, drafts: list[list[int]], use_dummy: bool) -> torch.Tensor | None:
+        """The token bitmask of the step's logits rows (``[R, words]`` int32, rows in the order of
+        :meth:`_requests`), or None when no request of the step has masks."""
+        if not any(s.constraints is not None for s in plan.emitting):
+            return None
+        rows = [self._mask_row(s, []) for s, _ in plan.final_ctx]
+        if use_dummy:
+            rows.append(self._mask_row(None, []))
+        for seq, d in zip(plan.gen, drafts):
+            rows += [self._mask_row(seq, list(d[:j])) for j in range(self.num_draft + 1)]
+        return torch.from_numpy(np.stack(rows)).to(self.device)
+
+    def _draft_bitmask(self, first: int, prior: torch.Tensor | None) -> torch.Tensor | None:
+        """The token bitmask of one draft step's rows (the step's requests from ``first`` on;
+        ``prior``: their drafts so far, ``[rows, j]``): the rows of the verification that checks
+        these drafts. None when none of them has masks."""
+        entries = self.meta.entries[first:]
+        seqs = [self._seqs.get(e.request_id) if e.slot_id != -1 else None for e in entries]
+        if not any(s is not None and s.constraints is not None for s in seqs):
+            return None
+        prior_rows = prior.cpu().tolist() if prior is not None else [[] for _ in seqs]
+        rows = [self._mask_row(s, [int(t) for t in d]) for s, d in zip(seqs, prior_rows)]
+        return torch.from_numpy(np.stack(rows)).to(self.device)
 
     def _step_logprobs(self, logits, out, emitting: list[_Seq | None]) -> None:
         """Sets ``step_logprobs`` of the requests asking for logprobs (from the raw logits)."""
@@ -999,6 +1079,8 @@ class Engine:
         for t in toks:
             seq.tokens.append(int(t))
             emitted += 1
+            if seq.constraints is not None:
+                seq.constraints.commit(int(t))
             if self._check_done(seq):
                 break
         if not was_context:
@@ -1018,6 +1100,8 @@ class Engine:
         if seq.finished:
             return True
         if seq.num_generated > seq.req.sampling.min_tokens and seq.tokens[-1] in seq.req.stop_token_ids:
+            seq.finished, seq.finish_reason = True, "stop"
+        elif seq.constraints is not None and seq.constraints.finished:  # the grammar is complete
             seq.finished, seq.finish_reason = True, "stop"
         elif seq.num_generated >= seq.req.max_new_tokens or len(seq.tokens) >= self.config.max_seq_len:
             seq.finished, seq.finish_reason = True, "length"

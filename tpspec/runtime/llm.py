@@ -383,6 +383,7 @@ class LLM:
             kv_cache_bytes=kv_cache_bytes, attention_backend=attention_backend, deterministic=deterministic,
             enable_prefix_caching=enable_prefix_caching,
             forced_acceptance_rate=read_forced_rate() if spec is not None else None,
+            eos_token_ids=tuple(sorted(set(self.model_config.eos_token_ids) | set(gen_eos))),
         )
         if kv_cache_bytes is not None:
             _check_kv_fits(self.config, [self.model_config] + ([draft_cfg] if draft_path else []))
@@ -390,7 +391,8 @@ class LLM:
         self.distributed_executor_backend = backend
         self.tokenizer = None if is_shape_path(self.model_path) else load_tokenizer(self.model_path)
         self._longest_token = None if self.tokenizer is None else longest_token_chars(self.tokenizer)
-        self.eos_token_ids = tuple(sorted(set(self.model_config.eos_token_ids) | set(gen_eos)))
+        self.eos_token_ids = self.config.eos_token_ids
+        self._ll_tokenizer = None  # llguidance's, built on the first request with structured outputs
         self.last_stats: GenerateStats | None = None
         self.counters = EngineCounters()
         """Prefix-cache queries and hits and preemptions so far (:class:`EngineCounters`)."""
@@ -822,6 +824,10 @@ class LLM:
         if self.config.attention_dp and any(p.has_penalties or p.logprobs is not None or p.prompt_logprobs is not None
                                             for p in params):
             raise ValueError("penalties and logprobs are not supported with attention DP")
+        if self.config.attention_dp and any(p.has_logit_controls for p in params):
+            raise ValueError("logit controls (structured outputs, logit_bias, allowed_token_ids, bad_words) are not "
+                             "supported with attention DP")
+        controls = [self._logit_controls(sp) for sp in params]  # every grammar compiled before any request runs
         for i, ((_, ids), sp) in enumerate(zip(parsed, params)):
             if sp.n > self.config.max_batch_size:
                 raise ValueError(f"n={sp.n} is more than max_num_seqs={self.config.max_batch_size}, the sequences "
@@ -830,7 +836,7 @@ class LLM:
                 where = f"prompt {i}: " if len(parsed) > 1 else ""
                 check_context_length(len(ids), sp.max_tokens, self.config.max_seq_len, where)
         entries = []
-        for (text, ids), sp in zip(parsed, params):
+        for (text, ids), sp, (grammar, bad_words) in zip(parsed, params, controls):
             stops = self._stop_ids(sp)
             room = self.config.max_seq_len - len(ids)
             budget = room if sp.max_tokens is None else min(sp.max_tokens, room)
@@ -845,7 +851,8 @@ class LLM:
                 scored = sp.prompt_logprobs if i == 0 else None
                 requests.append(Request(request_id=next(self._sequence_ids), prompt=tuple(ids),
                                         sampling=dataclasses.replace(sp, n=1, seed=seed, prompt_logprobs=scored),
-                                        max_new_tokens=budget, stop_token_ids=stops))
+                                        max_new_tokens=budget, stop_token_ids=stops, grammar=grammar,
+                                        bad_words_token_ids=bad_words))
             entries.append(_Entry(str(user_index), text, ids, sp, requests, RequestMetrics(time.time())))
         return entries
 
@@ -900,6 +907,29 @@ class LLM:
             return list(sampling_params)
         raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got "
                          f"{type(sampling_params).__name__}")
+
+    def _logit_controls(self, sp: SamplingParams) -> tuple[str | None, tuple[tuple[int, ...], ...]]:
+        """``(grammar, bad words token ids)`` of one request's logit controls, every token id checked
+        against the vocabulary (``ValueError`` naming the field; the ranks see nothing of a bad one)."""
+        from . import structured
+
+        for field, ids in (("logit_bias", sp.logit_bias or ()), ("allowed_token_ids", sp.allowed_token_ids or ())):
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"{field}: token ids outside [0, {self.vocab_size}): {bad[:5]}")
+        needs = [name for name, on in (("structured_outputs", sp.structured_outputs is not None),
+                                       ("bad_words", sp.bad_words is not None)) if on]
+        if needs and self.tokenizer is None:
+            raise ValueError(f"{' and '.join(needs)} need a tokenizer; the model at {self.model_path!r} has none")
+        bad_words = ()
+        if sp.bad_words is not None:
+            bad_words = structured.bad_words_token_ids(sp.bad_words, self.tokenizer, self.vocab_size)
+        grammar = None
+        if sp.structured_outputs is not None:
+            if self._ll_tokenizer is None:
+                self._ll_tokenizer = structured.ll_tokenizer(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            grammar = structured.compile_grammar(sp.structured_outputs, self._ll_tokenizer)
+        return grammar, bad_words
 
     def _stop_ids(self, sp: SamplingParams) -> tuple[int, ...]:
         for t in sp.stop_token_ids:

@@ -16,6 +16,9 @@ Public names:
   unfiltered Gumbel-max ``sample``, logprobs, gather) and imports nothing from this layer.
 * ``penalties``: :class:`OccurrenceCounts` (a rank's per-slot counts of its columns),
   :func:`apply_penalties` (repetition / presence / frequency on a slice or a full row).
+* ``controls``: :class:`RowControls` (logit bias, penalties and token bitmasks of a step's
+  rows, applied by each rank to its own columns): structured outputs, ``logit_bias``,
+  ``allowed_token_ids``, ``bad_words`` (:class:`StructuredOutputsParams` in ``params``).
 * ``logprobs``: :class:`Logprob` (vLLM's) and :func:`emitted_logprobs` (raw log-softmax of the
   emitted tokens and the top N with their ranks, per step; computed on the shards by
   ``VocabShardedLogits.logprobs``): :func:`step_logprobs` on the device (no host sync) and
@@ -24,7 +27,8 @@ Public names:
 
 from .ops import filtered_logits, filtered_probs, greedy_tokens, keep_mask, sample_from_logits
 from .logprobs import Logprob, emitted_logprobs, logprob_dicts, step_logprobs
-from .params import GREEDY_SENTINEL_TEMPERATURE, TOP_K_DISABLED, SamplingParams
+from .params import GREEDY_SENTINEL_TEMPERATURE, TOP_K_DISABLED, SamplingParams, StructuredOutputsParams
+from .controls import RowControls
 from .penalties import OccurrenceCounts, apply_penalties
 from ..keys import SamplingRows
 from .select import FilterPlan, SamplingStats, sample_filtered, sample_tokens, select_tokens, select_tokens_deferred
@@ -41,6 +45,8 @@ __all__ = [
     "SamplingParams",
     "SamplingRows",
     "SamplingStats",
+    "RowControls",
+    "StructuredOutputsParams",
     "StreamAllocator",
     "apply_penalties",
     "filtered_logits",

@@ -5,7 +5,9 @@ A request says how many samples it wants (``n``), how its tokens are drawn
 (``max_tokens``, ``min_tokens``, ``stop``, ``stop_token_ids``, ``ignore_eos``). The
 parameters are validated when the object is built and normalized once, so the batch
 code sees plain numbers. Penalties (``repetition_penalty``, ``presence_penalty``,
-``frequency_penalty``) and ``logprobs`` follow vLLM's meaning too.
+``frequency_penalty``), ``logprobs`` and the logit controls (``structured_outputs`` with
+:class:`StructuredOutputsParams`, ``logit_bias``, ``allowed_token_ids``, ``bad_words``) follow
+vLLM's meaning too.
 
 * the default is vLLM's: ``temperature=1.0`` (sampled); greedy when ``temperature`` is 0
   (or below the greedy threshold) or ``top_k == 1``. A greedy request gets the sentinel
@@ -17,9 +19,10 @@ code sees plain numbers. Penalties (``repetition_penalty``, ``presence_penalty``
 
 from __future__ import annotations
 
+import json as _json
 import math
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Sequence
 
 from ..keys import GREEDY_TEMPERATURE_THRESHOLD
 from ..validation import is_int, is_real
@@ -42,6 +45,93 @@ assert GREEDY_SENTINEL_TEMPERATURE < GREEDY_TEMPERATURE_THRESHOLD
 
 MAX_LOGPROBS = MAX_TOP_LOGPROBS
 """The most top-N logprobs a request may ask for (what ``VocabShardedLogits.logprobs`` returns)."""
+
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+"""``logit_bias`` values, as OpenAI's API takes them."""
+
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+"""The constraint fields of :class:`StructuredOutputsParams`: exactly one is set."""
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What the output must match (vLLM's ``StructuredOutputsParams``); exactly one constraint.
+
+    ``json``: a JSON schema (a dict, or its JSON text). ``regex``: a regular expression the
+    whole output matches. ``choice``: a list of strings, the output is one of them.
+    ``grammar``: a context-free grammar in Lark or GBNF syntax (llguidance's). ``json_object``:
+    True: any JSON object. ``structural_tag``: vLLM's structural tag (its JSON text or a dict:
+    ``{"structures": [{"begin", "schema", "end"}], "triggers": [...]}``): free text in which each
+    ``begin`` is followed by JSON of its schema and ``end``.
+
+    Options: ``disable_any_whitespace`` (JSON without whitespace between tokens; default: any
+    JSON whitespace), ``disable_additional_properties`` (objects of the schema that do not say
+    otherwise get ``additionalProperties: false``), ``whitespace_pattern`` (a regex for the
+    whitespace JSON may hold; with ``json`` / ``json_object`` only).
+
+    Checked here for its shape (``ValueError`` naming the field); the grammar itself is
+    compiled and checked against the model's tokenizer by ``LLM`` before any rank sees the
+    request. Equal parameters hash equal (a schema dict by its canonical JSON).
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: Sequence[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | dict | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"StructuredOutputsParams needs exactly one of {', '.join(STRUCTURED_KINDS)}; "
+                             f"got {', '.join(given) if given else 'none'}")
+        for name in ("json", "structural_tag"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (str, dict)):
+                raise ValueError(f"StructuredOutputsParams.{name} must be a dict or its JSON text, got "
+                                 f"{type(value).__name__}")
+        for name in ("regex", "grammar", "whitespace_pattern"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"StructuredOutputsParams.{name} must be a non-empty string, got {value!r}")
+        if self.choice is not None:
+            if (isinstance(self.choice, str) or not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) for c in self.choice)):
+                raise ValueError(f"StructuredOutputsParams.choice must be a non-empty list of strings, got "
+                                 f"{self.choice!r}")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        if self.json_object is not None and self.json_object is not True:
+            raise ValueError(f"StructuredOutputsParams.json_object must be True (or left out), got "
+                             f"{self.json_object!r}")
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"StructuredOutputsParams.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.whitespace_pattern is not None and self.kind not in ("json", "json_object"):
+            raise ValueError("StructuredOutputsParams.whitespace_pattern applies to json and json_object only")
+
+    @property
+    def kind(self) -> str:
+        """The constraint given: one of :data:`STRUCTURED_KINDS`."""
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) is not None)
+
+    @property
+    def spec(self) -> Any:
+        """The constraint's value (a schema dict or text, a regex, the choices, a grammar...)."""
+        return getattr(self, self.kind)
+
+    def _key(self) -> tuple:
+        spec = self.spec
+        if isinstance(spec, dict):
+            spec = _json.dumps(spec, sort_keys=True, default=str)
+        return (self.kind, spec, self.disable_any_whitespace, self.disable_additional_properties,
+                self.whitespace_pattern)
+
+    def __hash__(self) -> int:
+        return hash(self._key())
 
 
 def _real_in(name: str, value: object, low: float, high: float, what: str) -> float:
@@ -88,6 +178,18 @@ class SamplingParams:
     temperature). ``prompt_logprobs``: None, or N in [0, 20]: the same for every prompt token
     after the first (``RequestOutput.prompt_logprobs``).
 
+    Logit controls (vLLM's; applied on each rank's vocabulary slice, see
+    ``docs/determinism.md``): ``structured_outputs``: a :class:`StructuredOutputsParams` (JSON
+    schema, regex, choice, grammar, any JSON object, structural tag): every token keeps the
+    output a prefix of a match, and the request ends (``finish_reason="stop"``) when the
+    grammar can go no further. ``logit_bias``: ``{token id: bias}``, each bias a float in
+    [-100, 100] added to that token's logit (OpenAI's). ``allowed_token_ids``: a non-empty list
+    of token ids: only these may be generated. ``bad_words``: a list of non-empty strings that
+    never appear in the output's tokens: a word's last token is banned where the tokens before
+    it were just generated (each word tokenized as written and with a leading space, vLLM's
+    rule). Token ids are checked against the model's vocabulary by ``LLM``. Logprobs stay those
+    of the raw logits: bias and masks do not change them.
+
     Raises ``ValueError`` naming the bad field. The normalized values are properties
     (:attr:`is_greedy`, :attr:`norm_temperature`, :attr:`norm_top_k`, ...).
     """
@@ -110,11 +212,17 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # Logit controls: compared, not hashed (a dict is not hashable); equal parameters still hash equal.
+    structured_outputs: StructuredOutputsParams | None = field(default=None, hash=False)
+    logit_bias: dict[int, float] | None = field(default=None, hash=False)
+    allowed_token_ids: Sequence[int] | None = field(default=None, hash=False)
+    bad_words: Sequence[str] | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         if not is_int(self.n) or self.n < 1:
             raise ValueError(f"SamplingParams.n must be an int >= 1, got {self.n!r}")
         self._check_penalties_and_logprobs()
+        self._check_logit_controls()
         t = self.temperature
         # Values are checked as the float32 the kernels will hold, not only as Python floats.
         if not is_real(t) or not math.isfinite(t) or t < 0 or t > FLOAT32_MAX:
@@ -185,6 +293,46 @@ class SamplingParams:
                 if not is_int(n) or not 0 <= int(n) <= MAX_LOGPROBS:
                     raise ValueError(f"SamplingParams.{name} must be None or an int in [0, {MAX_LOGPROBS}], got {n!r}")
                 object.__setattr__(self, name, int(n))
+
+    def _check_logit_controls(self) -> None:
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise ValueError(f"SamplingParams.structured_outputs must be a StructuredOutputsParams, got "
+                             f"{type(so).__name__}")
+        bias = self.logit_bias
+        if bias is not None:
+            if not isinstance(bias, dict):
+                raise ValueError(f"SamplingParams.logit_bias must be a dict {{token id: bias}}, got "
+                                 f"{type(bias).__name__}")
+            low, high = LOGIT_BIAS_RANGE
+            clean: dict[int, float] = {}
+            for token, value in bias.items():
+                if not is_int(token) or token < 0:
+                    raise ValueError(f"SamplingParams.logit_bias keys must be token ids (ints >= 0), got {token!r}")
+                if not is_real(value) or not low <= float(value) <= high:
+                    raise ValueError(f"SamplingParams.logit_bias values must be floats in [{low:g}, {high:g}], "
+                                     f"got {value!r} for token {token}")
+                clean[int(token)] = float(value) + 0.0
+            object.__setattr__(self, "logit_bias", clean or None)
+        ids = self.allowed_token_ids
+        if ids is not None:
+            if (isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)) or not ids
+                    or not all(is_int(t) and t >= 0 for t in ids)):
+                raise ValueError(f"SamplingParams.allowed_token_ids must be a non-empty list of token ids "
+                                 f"(ints >= 0), got {ids!r}")
+            object.__setattr__(self, "allowed_token_ids", tuple(sorted({int(t) for t in ids})))
+        words = self.bad_words
+        if words is not None:
+            if isinstance(words, str) or not isinstance(words, (list, tuple)) or not all(
+                    isinstance(w, str) and w.strip() for w in words):
+                raise ValueError(f"SamplingParams.bad_words must be a list of non-empty strings, got {words!r}")
+            object.__setattr__(self, "bad_words", tuple(dict.fromkeys(words)) or None)
+
+    @property
+    def has_logit_controls(self) -> bool:
+        """True when structured outputs, a logit bias, allowed token ids or bad words change the logits."""
+        return (self.structured_outputs is not None or self.logit_bias is not None
+                or self.allowed_token_ids is not None or self.bad_words is not None)
 
     @property
     def has_penalties(self) -> bool:

@@ -25,7 +25,7 @@ and on CPU and GPU alike: the full-row reference is the same function with
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -206,10 +206,12 @@ class RowPenalties:
                                frequency=self.frequency)
 
 
-def penalized_logits(logits: VocabShardedLogits, penalties: RowPenalties | None) -> VocabShardedLogits:
-    """``logits`` (a ``VocabShardedLogits``) with ``penalties`` applied to every rank's slice:
-    a new ``VocabShardedLogits`` over float32 values (the same object when ``penalties`` is
-    None). Local on each rank; the result selects like any other sharded logits."""
+def penalized_logits(logits: VocabShardedLogits, penalties: Any) -> VocabShardedLogits:
+    """``logits`` (a ``VocabShardedLogits``) with ``penalties`` (a :class:`RowPenalties`, or a
+    ``tpspec.sampling.controls.RowControls``: anything with ``apply(slice, vocab_offset)``)
+    applied to every rank's slice: a new ``VocabShardedLogits`` over float32 values (the same
+    object when ``penalties`` is None). Local on each rank; the result selects like any other
+    sharded logits."""
     if penalties is None:
         return logits
     if type(logits) is not VocabShardedLogits:

@@ -1,8 +1,9 @@
 """OpenAI request bodies and how they become :class:`~tpspec.SamplingParams`.
 
-Fields follow the OpenAI API, plus vLLM's extra sampling fields (``top_k``, ``min_p``,
-``min_tokens``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``,
-``include_stop_str_in_output``, ``skip_special_tokens``). A field the request leaves out
+Fields follow the OpenAI API (``response_format`` and ``logit_bias`` included), plus vLLM's extra
+sampling fields (``top_k``, ``min_p``, ``min_tokens``, ``repetition_penalty``, ``ignore_eos``,
+``stop_token_ids``, ``include_stop_str_in_output``, ``skip_special_tokens``, ``structured_outputs``,
+``allowed_token_ids``, ``bad_words``; see :mod:`tpspec.serve.structured`). A field the request leaves out
 takes the checkpoint's generation default when it has one, else vLLM's default.
 """
 
@@ -10,7 +11,9 @@ from __future__ import annotations
 
 from typing import Any, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from .structured import logit_bias_of, structured_outputs_of
 
 
 class ErrorInfo(BaseModel):
@@ -53,6 +56,22 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     user: str | None = None
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        logit_bias_of(value)  # a ValueError here is a 400 naming the field
+        return value
+
+    @model_validator(mode="after")
+    def _check_structured_outputs(self) -> "_Sampling":
+        structured_outputs_of(self.response_format, self.structured_outputs)
+        return self
 
     def sampling_kwargs(self, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:
         """The ``SamplingParams`` fields this request sets (unset ones are left out)."""
@@ -62,7 +81,10 @@ class _Sampling(BaseModel):
                   "include_stop_str_in_output": self.include_stop_str_in_output,
                   "skip_special_tokens": self.skip_special_tokens, "presence_penalty": self.presence_penalty,
                   "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty,
-                  "max_tokens": max_tokens, "logprobs": logprobs}
+                  "max_tokens": max_tokens, "logprobs": logprobs,
+                  "structured_outputs": structured_outputs_of(self.response_format, self.structured_outputs),
+                  "logit_bias": logit_bias_of(self.logit_bias), "allowed_token_ids": self.allowed_token_ids,
+                  "bad_words": self.bad_words}
         return {k: v for k, v in values.items() if v is not None}
 
 

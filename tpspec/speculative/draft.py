@@ -4,6 +4,7 @@
   exchange on the **draft channel** (``Channel.DRAFT``), so they never share slots with the
   target's exchange; under attention DP the draft head is replicated (its exchange spans
   one rank) and the pick is local, with no collective. Greedy drafts take the argmax.
+  Drafts of requests with logit controls obey them (bias and token masks) either way.
   Sampled drafts (rejection sampling) are drawn with each request's own penalties,
   temperature and filters from its draft-step stream on the shards, and come back with this
   rank's columns of the (penalised) logits they were drawn from.
@@ -46,6 +47,7 @@ def select_draft_tokens(
     draft_logits: Any, meta: Any, step: int, *, sample: bool = False, first_request: int = 0,
     previous_drafts: torch.Tensor | None = None, channel: int = Channel.DRAFT, deferred: bool = False,
     filter_plan: FilterPlan | None = None,
+    bitmask: torch.Tensor | None = None,
 ) -> DraftSelection:
     """Draft tokens of draft step ``step`` from ``draft_logits`` (a ``VocabShardedLogits`` whose
     rows are the requests ``first_request, first_request + 1, ...`` of ``meta``, a prepared
@@ -62,7 +64,10 @@ def select_draft_tokens(
     requests take the argmax), and this rank's columns of the penalised logits come back, the
     exact rows the draws were made from (an all-greedy batch: argmax, no logits). ``sample``
     must be the same on every rank (a configuration switch); the batch flags are group-synced.
-    ``deferred``: no host sync (a CUDA graph); ``filter_plan`` gives the filters' host facts when
+    Logit controls apply either way (``meta.draft_controls``): the requests' logit biases, and
+    ``bitmask`` (``[rows, words]`` int32 token bitmask of the positions drafted, None = every
+    token; ``tpspec.sampling.controls``), so a draft obeys the mask of the verification row that
+    checks it. ``deferred``: no host sync (a CUDA graph); ``filter_plan`` gives the filters' host facts when
     the requests have filters, and ``decided`` says whether every filtered row was decided.
     Every rank returns the same tokens.
     """
@@ -70,16 +75,17 @@ def select_draft_tokens(
     if first_request < 0 or first_request + rows > meta.num_requests:
         raise ValueError(f"draft logits have {rows} rows from request {first_request}, but the step has "
                          f"{meta.num_requests} requests")
-    if not sample:
-        return DraftSelection(draft_logits.argmax(channel=channel), None)
-    if meta.local_any_penalties:  # local arithmetic on each rank's columns: no path depends on it
+    penalties = None
+    if sample and meta.local_any_penalties:  # local arithmetic on each rank's columns: no path depends on it
         if step > 0 and (previous_drafts is None or previous_drafts.shape[-1] != step):
             raise ValueError(f"penalised draft step {step} needs the {step} previous drafts of its rows, got "
                              f"{None if previous_drafts is None else tuple(previous_drafts.shape)}")
         penalties = meta.draft_penalties(previous_drafts if step > 0 else None, first_request=first_request,
                                          num_requests=rows)
-        draft_logits = penalized_logits(draft_logits, penalties)
-    if meta.is_all_greedy:
+    if meta.local_any_controls or bitmask is not None:
+        penalties = meta.draft_controls(penalties, bitmask, first_request=first_request, num_requests=rows)
+    draft_logits = penalized_logits(draft_logits, penalties)
+    if not sample or meta.is_all_greedy:
         return DraftSelection(draft_logits.argmax(channel=channel), None)
     rs = meta.request_sampling(meta.draft_offsets(step))
     pick = slice(first_request, first_request + rows)

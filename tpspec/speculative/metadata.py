@@ -12,6 +12,12 @@ chosen; without attention DP every rank sees the same batch and no collective ru
 Row layout: requests in the given order; a context request owns 1 logits row, a
 generation request ``draft_len + 1`` rows (its last accepted token then its drafts).
 A ``slot_id`` of -1 marks a padding request (greedy, no stream).
+
+Logit controls (``tpspec.sampling.controls``): the requests' logit biases are laid out per row
+with the parameters; the step's token bitmask (structured outputs, allowed token ids, bad
+words: which tokens each row may choose, computed by the engine from the drafts it verifies)
+is given with :meth:`SpecMetadata.set_token_bitmask` after ``prepare``, and both reach the
+selection through ``row_sampling`` (``SamplingRows.penalties``).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from ..mapping import Mapping
 from ..validation import is_int
 from ..sampling.params import GREEDY, SamplingParams
 from ..keys import SamplingRows
+from ..sampling.controls import RowControls, row_bias
 from ..sampling.penalties import OccurrenceCounts, RowPenalties, preceding_drafts
 from ..sampling.streams import (
     DRAFT_LANE,
@@ -158,6 +165,10 @@ class SpecMetadata:
         self.local_is_all_greedy = True
         self.local_temperature_only = True
         self.local_any_penalties = False  # no group sync: penalties are applied locally, no path depends on it
+        self.local_any_controls = False  # likewise: logit bias and token masks are local arithmetic
+        self.token_bitmask: torch.Tensor | None = None  # [R, words] int32 of this step, or None (every token)
+        self._req_bias: list[dict[int, float] | None] = []
+        self._row_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.is_all_greedy = True
         self.temperature_only = True
         self.param_refills = 0  # how often the parameter buffers were rewritten (tests, metrics)
@@ -189,6 +200,7 @@ class SpecMetadata:
         if not group_ok:
             raise RuntimeError("SpecMetadata.prepare failed on another rank of the group (bad requests there)")
         self._fill_streams()  # only once every rank is good: a failed step numbers no stream
+        self.token_bitmask = None  # each step gives its own (set_token_bitmask)
         self._prepared = True
         return self
 
@@ -228,6 +240,9 @@ class SpecMetadata:
                                  "(SpecMetadata(..., occurrences=OccurrenceCounts(...)))")
             if self.mapping.enable_attention_dp:  # the rows of other ranks' requests would need their counts
                 raise ValueError("penalties are not supported with attention DP")
+        if self.mapping.enable_attention_dp and any(e.params.has_logit_controls for e in entries):
+            raise ValueError("logit controls (structured outputs, logit_bias, allowed_token_ids, bad_words) are not "
+                             "supported with attention DP")
         self.entries = entries
         self.draft_len = draft_len
         self.num_rows = num_rows
@@ -277,6 +292,9 @@ class SpecMetadata:
         self.local_is_all_greedy = all(e.params.is_greedy for e in entries)
         self.local_temperature_only = all(e.params.is_temperature_only for e in entries)
         self.local_any_penalties = any(e.params.has_penalties for e in entries)
+        self.local_any_controls = any(e.params.has_logit_controls for e in entries)
+        self._req_bias = [e.params.logit_bias for e in entries]
+        self._row_bias = row_bias([self._req_bias[b] for b in row_req], dev)
         self.param_refills += 1
 
     def _fill_streams(self) -> None:
@@ -395,9 +413,26 @@ class SpecMetadata:
         R = self.num_rows
         rows = self._sampling_rows(R, self._row_temperature, self._row_top_k, self._row_top_p, self._row_min_p,
                                    self._row_seed, self._row_offset[:R])
-        if self.local_any_penalties:
-            rows = dataclasses.replace(rows, penalties=self.row_penalties(draft_tokens))
+        penalties = self.row_penalties(draft_tokens) if self.local_any_penalties else None
+        if self.local_any_controls or self.token_bitmask is not None:
+            penalties = RowControls(*(self._row_bias or (None, None, None)), penalties=penalties,
+                                    bitmask=self.token_bitmask)
+        if penalties is not None:
+            rows = dataclasses.replace(rows, penalties=penalties)
         return rows
+
+    def set_token_bitmask(self, bitmask: torch.Tensor | None) -> None:
+        """This step's token bitmask of the target logits rows: ``[R, words]`` int32 (bit ``c & 31``
+        of word ``c >> 5`` set: row may choose column ``c``; see ``tpspec.sampling.controls``), or
+        None (every token). Row ``j`` of a generation request is masked by the request's state
+        after its drafts ``0 .. j-1``. Call after :meth:`prepare` (which clears it)."""
+        self._check_prepared()
+        if bitmask is not None:
+            if bitmask.dim() != 2 or bitmask.shape[0] != self.num_rows or bitmask.dtype != torch.int32:
+                raise ValueError(f"the token bitmask must be [{self.num_rows}, words] int32, got "
+                                 f"{tuple(bitmask.shape)} {bitmask.dtype}")
+            bitmask = bitmask.to(self.device)
+        self.token_bitmask = bitmask
 
     def row_penalties(self, draft_tokens: torch.Tensor | None) -> RowPenalties:
         """The penalty inputs of the target logits rows (see :meth:`row_sampling`)."""
@@ -440,6 +475,28 @@ class SpecMetadata:
         pick = slice(first_request, first_request + rows)
         return RowPenalties(self.occurrences, self.slot_ids[pick], previous_drafts, self._req_repetition[pick],
                             self._req_presence[pick], self._req_frequency[pick])
+
+    def draft_controls(self, penalties: RowPenalties | None, bitmask: torch.Tensor | None, *,
+                       first_request: int = 0, num_requests: int | None = None) -> RowPenalties | RowControls | None:
+        """What one draft step's rows (requests ``first_request ..``, one row each) apply before
+        the pick: the requests' logit biases and ``bitmask`` (``[rows, words]`` int32, the token
+        bitmask of the position each row drafts: the same as the verification row that checks the
+        draft) on top of ``penalties`` (from :meth:`draft_penalties`, or None). None when
+        nothing applies."""
+        self._check_prepared()
+        B = self.num_requests
+        rows = B - first_request if num_requests is None else num_requests
+        if first_request < 0 or rows < 0 or first_request + rows > B:
+            raise ValueError(f"draft rows {first_request}..{first_request + rows - 1} are outside the step's "
+                             f"{B} requests")
+        if bitmask is not None and (bitmask.dim() != 2 or bitmask.shape[0] != rows or bitmask.dtype != torch.int32):
+            raise ValueError(f"the draft step's token bitmask must be [{rows}, words] int32, got "
+                             f"{tuple(bitmask.shape)} {bitmask.dtype}")
+        bias = row_bias(self._req_bias[first_request:first_request + rows], self.device)
+        if bias is None and bitmask is None:
+            return penalties
+        return RowControls(*(bias or (None, None, None)), penalties=penalties,
+                           bitmask=None if bitmask is None else bitmask.to(self.device))
 
     def draft_offsets(self, step: int) -> torch.Tensor:
         """``[B]`` int64 offsets of draft step ``step`` (0-based) of every request: the draft lane
