@@ -178,12 +178,9 @@ def run(args: argparse.Namespace) -> int:
                            if r["backend"] == name and r["context"] == ctx and r["query_len"] == ql]
                     ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
                             label=f"{name} ctx {ctx}" + (f" q {ql}" if len(query_lens) > 1 else ""))
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("batch (sequences)")
-        ax.set_ylabel("microseconds per layer")
-        ax.set_title(f"paged attention, {args.model_shape} heads {heads}/{kv_heads} x {cfg.head_dim}, {args.dtype}")
-        ax.legend(fontsize=8)
+        report.log_log_axes(ax, xlabel="batch (sequences)", ylabel="microseconds per layer", legend_fontsize=8,
+                            title=f"paged attention, {args.model_shape} heads {heads}/{kv_heads} x {cfg.head_dim}, "
+                                  f"{args.dtype}")
 
     report.write_report(args.out, "attention", columns=COLUMNS, rows=rows, meta=meta, plot=plot)
     return 0

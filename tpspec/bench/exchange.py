@@ -501,12 +501,8 @@ def _plot(table: list[list[Any]]) -> Callable[[Any], None]:
             points.sort()
             ax.plot([p[0] for p in points], [p[1] for p in points], marker="os^D"[i // 10 % 4],
                     linestyle=styles[i // 10 % 4], color=f"C{i % 10}", label=name)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("rows")
-        ax.set_ylabel("µs per call (slowest rank)")
-        ax.set_title(f"tpspec bench exchange, slice width {width}")
-        ax.legend(fontsize=6)
+        report.log_log_axes(ax, xlabel="rows", ylabel="µs per call (slowest rank)", legend_fontsize=6,
+                            title=f"tpspec bench exchange, slice width {width}")
         ax.grid(True, which="both", alpha=0.3)
 
     return draw
