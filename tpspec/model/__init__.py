@@ -53,7 +53,7 @@ _EXPORTS = {
     "KVPages": "kv_cache",
     "LoadStats": "loader",
     "LocalKeyExchange": "comm",
-    "MODEL_SHAPES": "shapes",
+    "MODEL_SHAPES": "shape_table",
     "ModelConfig": "config",
     "NgramDrafter": "drafters",
     "SUPPORTED_ARCHITECTURES": "config",
