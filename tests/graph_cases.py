@@ -7,13 +7,25 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from tpspec import SpeculativeConfig
+from tpspec import SamplingParams, SpeculativeConfig
 from tpspec.model.tiny import make_tiny_checkpoint, make_tiny_eagle3_head
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [100, 200, 300], [42] * 12, [7, 8], [9], [11, 12, 13]]
 QWEN = dict(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05)  # Qwen2.5's generation defaults
 # "plain": no speculation; else the method, with "-rejection" for rejection sampling (strict otherwise).
 SPECS = ["plain", "ngram", "ngram-rejection", "draft_model", "draft_model-rejection", "eagle3", "eagle3-rejection"]
+
+
+def every_step_shape(max_tokens: tuple[int, int, int, int, int, int]) -> list[SamplingParams]:
+    """One request of each graphed step shape, with these token budgets (unequal ones shrink the
+    batch through the buckets): penalties with logprobs, Qwen's defaults with logprobs=5,
+    temperature only, min-p only, top-p only, and a flat top-p row (T 3, p 0.99: its nucleus
+    outgrows the candidates, so its steps are repeated eagerly)."""
+    shapes = [dict(temperature=0.0, repetition_penalty=0.7, presence_penalty=-0.5, logprobs=3),
+              dict(QWEN, seed=1, logprobs=5), dict(temperature=0.9, seed=2, logprobs=0),
+              dict(temperature=1.0, min_p=0.2, seed=3), dict(temperature=1.0, top_p=0.9, seed=4),
+              dict(temperature=3.0, top_p=0.99, seed=5)]
+    return [SamplingParams(**shape, max_tokens=n) for shape, n in zip(shapes, max_tokens, strict=True)]
 
 
 def make_models(root: Path) -> dict[str, str]:

@@ -10,20 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graph_cases import PROMPTS, QWEN, SPECS, assert_logprobs_close, first_outputs, make_models, spec_config
+from graph_cases import (PROMPTS, QWEN, SPECS, assert_logprobs_close, every_step_shape, first_outputs, make_models,
+                         spec_config)
 from tpspec import LLM, SamplingParams, SpeculativeConfig
 from tpspec.runtime.cuda_graphs import GenerationGraphs, StepKey, capture_or_fall_back, step_key
 from tpspec.sampling.select import FilterPlan
 
-# Every step shape in one batch, with budgets that shrink it through the buckets: penalties with
-# logprobs, Qwen's defaults with logprobs=5, temperature only, min-p only, top-p only, and a flat
-# top-p row (T 3, p 0.99: its nucleus outgrows the candidates, so its steps are repeated eagerly).
-PARAMS = [SamplingParams(temperature=0.0, max_tokens=12, repetition_penalty=0.7, presence_penalty=-0.5, logprobs=3),
-          SamplingParams(**QWEN, seed=1, max_tokens=14, logprobs=5),
-          SamplingParams(temperature=0.9, seed=2, max_tokens=6, logprobs=0),
-          SamplingParams(temperature=1.0, min_p=0.2, seed=3, max_tokens=9),
-          SamplingParams(temperature=1.0, top_p=0.9, seed=4, max_tokens=10),
-          SamplingParams(temperature=3.0, top_p=0.99, seed=5, max_tokens=8)]
+PARAMS = every_step_shape((12, 14, 6, 9, 10, 8))
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 
 
