@@ -146,11 +146,8 @@ def test_public_names_load_on_first_use():
     code = ("import sys, tpspec, tpspec.model, tpspec.runtime\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\n"
             "for pkg in (tpspec, tpspec.model, tpspec.runtime):\n"
-            "    assert set(pkg.__all__) <= set(dir(pkg)), pkg.__name__\n"
-            "    for name in pkg.__all__:\n"
-            "        assert getattr(pkg, name) is not None and name in vars(pkg), (pkg.__name__, name)\n"
-            "    try:\n        pkg.no_such_name\n    except AttributeError as e:\n"
-            "        assert pkg.__name__ in str(e)\n    else:\n        raise AssertionError(pkg.__name__)\n"
+            "    assert set(pkg.__all__) <= set(dir(pkg)) and not hasattr(pkg, 'no_such_name'), pkg.__name__\n"
+            "    assert all(getattr(pkg, n) is not None and n in vars(pkg) for n in pkg.__all__), pkg.__name__\n"
             "assert tpspec.LLM is tpspec.runtime.LLM and 'torch' in sys.modules\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
