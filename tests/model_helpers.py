@@ -112,6 +112,23 @@ def mixed_reference(model, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat([la[5:10], lb[8:12], lc[6:7]]), lr[10:12]
 
 
+def assert_shape_logits_match_torch_backend(backend: str) -> None:
+    """Two layers of the Llama-3-8B shape (vocabulary 4096, random weights of seed 0) in bfloat16 on
+    CUDA: :func:`mixed_scenario` (prefill, verification, decode, a rewound step) through the
+    ``backend`` attention gives the torch backend's logits (within 3e-2)."""
+    from tpspec.model import random_model, shape_config
+
+    cfg = shape_config("llama-3-8b", num_layers=2, vocab_size=4096)
+    logits = {}
+    for name in ("torch", backend):
+        model = random_model(cfg, device="cuda", dtype=torch.bfloat16, attention_backend=name, seed=0)
+        assert model.attention.name == name
+        allocate_slots(model, 4)
+        logits[name] = [t.float() for t in mixed_scenario(model)]
+    for got, want in zip(logits[backend], logits["torch"]):
+        torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
+
+
 def sharded(full: torch.Tensor, world: int, rank: int, exchange) -> VocabShardedLogits:
     """Rank ``rank``'s slice of the full ``[R, V]`` logits at TP = ``world``; the padding
     columns of the last shard hold a high value that must never win."""

@@ -10,12 +10,13 @@ import torch
 
 from tpspec.bench import generate
 from tpspec.cli import main
+from tpspec.speculative.forced import FORCE_ENV
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def test_bench_generate_quick_cpu_writes_json_and_png(tmp_path, monkeypatch):
-    monkeypatch.setenv(generate.FORCE_ENV, "2")  # the bench sets its own rates; an inherited value must not leak
+    monkeypatch.setenv(FORCE_ENV, "2")  # the bench sets its own rates; an inherited value must not leak
     out = tmp_path / "bench"
     assert main(["bench", "generate", "--device", "cpu", "--quick", "--out", str(out)]) == 0
     report = json.loads((out / "generate.json").read_text())

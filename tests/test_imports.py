@@ -134,3 +134,20 @@ def test_the_checker_sees_a_cycle_and_an_upward_import(tmp_path):
     assert _find_cycle(graph) == ["tpspec.high", "tpspec.low", "tpspec.high"]
     layers = [["tpspec/low/"], ["tpspec/high.py", "tpspec/__init__.py"]]
     assert _layer_of("tpspec/low/__init__.py", layers) == 0 and _layer_of("tpspec/high.py", layers) == 1
+
+
+def test_public_names_load_on_first_use():
+    """``tpspec``, ``tpspec.model`` and ``tpspec.runtime`` import no torch until a public name is
+    read (``tpspec.lazy``); every name of their ``__all__`` then resolves, ``dir`` lists them and an
+    unknown name raises ``AttributeError``."""
+    import subprocess
+    import sys
+
+    code = ("import sys, tpspec, tpspec.model, tpspec.runtime\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n"
+            "for pkg in (tpspec, tpspec.model, tpspec.runtime):\n"
+            "    assert set(pkg.__all__) <= set(dir(pkg)) and not hasattr(pkg, 'no_such_name'), pkg.__name__\n"
+            "    assert all(getattr(pkg, n) is not None and n in vars(pkg) for n in pkg.__all__), pkg.__name__\n"
+            "assert tpspec.LLM is tpspec.runtime.LLM and 'torch' in sys.modules\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr

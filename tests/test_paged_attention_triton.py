@@ -198,15 +198,6 @@ def test_cuda_engine_tokens_equal_torch_backend(tmp_path):
 def test_cuda_llama_3_8b_layers_match_torch_backend():
     """Two layers of the Llama-3-8B shape in bfloat16: prefill, verification, decode and a rewound
     step give the torch backend's logits."""
-    from model_helpers import allocate_slots, mixed_scenario
-    from tpspec.model import random_model, shape_config
+    from model_helpers import assert_shape_logits_match_torch_backend
 
-    cfg = shape_config("llama-3-8b", num_layers=2, vocab_size=4096)
-    logits = {}
-    for backend in ("torch", "triton"):
-        model = random_model(cfg, device="cuda", dtype=torch.bfloat16, attention_backend=backend, seed=0)
-        assert model.attention.name == backend
-        allocate_slots(model, 4)
-        logits[backend] = [t.float() for t in mixed_scenario(model)]
-    for got, want in zip(logits["triton"], logits["torch"]):
-        torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
+    assert_shape_logits_match_torch_backend("triton")

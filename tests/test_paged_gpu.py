@@ -7,9 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_helpers import allocate_slots, mixed_scenario
+from model_helpers import assert_shape_logits_match_torch_backend
 from tpspec.mapping import Mapping
-from tpspec.model import random_model, shape_config
 from tpspec.model.tiny import make_tiny_checkpoint
 from tpspec.runtime.config import EngineConfig, Request, SpeculativeConfig
 from tpspec.runtime.engine import Engine
@@ -22,15 +21,7 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [100, 200, 300, 5, 6, 7], [42] * 12, li
 
 def test_flashinfer_paged_attention_matches_torch_path():
     pytest.importorskip("flashinfer")
-    cfg = shape_config("llama-3-8b", num_layers=2, vocab_size=4096)
-    logits = {}
-    for backend in ("torch", "flashinfer"):
-        model = random_model(cfg, device="cuda", dtype=torch.bfloat16, attention_backend=backend, seed=0)
-        assert model.attention.name == backend
-        allocate_slots(model, 4)
-        logits[backend] = [t.float() for t in mixed_scenario(model)]  # prefill, verify, decode, rewind
-    for got, want in zip(logits["flashinfer"], logits["torch"]):
-        torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
+    assert_shape_logits_match_torch_backend("flashinfer")
 
 
 def test_engine_sized_by_gpu_memory_utilization_matches_cpu(tmp_path):

@@ -66,19 +66,21 @@ def test_torchrun_launcher_matches_mp(tmp_path):
 
 
 def test_help_and_version_do_not_import_torch():
-    """``--help`` of every command, and ``--version``, answer without importing torch (which
-    takes seconds): each command's module is imported only once it is chosen, and imports torch
-    only when it runs."""
-    code = ("import sys\nfrom tpspec.cli import COMMANDS, main\n"
-            "for argv in [['--help'], ['--version']] + [[name, '--help'] for name in COMMANDS]:\n"
+    """``--help`` of every command and of every benchmark (``tpspec bench NAME --help``), and
+    ``--version``, answer without importing torch (which takes seconds): each command's module is
+    imported only once it is chosen, and imports torch only when it runs."""
+    code = ("import sys\nfrom tpspec.bench import BENCHMARKS\nfrom tpspec.cli import COMMANDS, main\n"
+            "for argv in ([['--help'], ['--version']] + [[name, '--help'] for name in COMMANDS]\n"
+            "             + [['bench', name, '--help'] for name in BENCHMARKS]):\n"
             "    try:\n        main(argv)\n    except SystemExit as e:\n        assert e.code == 0, (argv, e.code)\n"
-            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+            "    assert 'torch' not in sys.modules, f'{argv} imported torch'\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     import tpspec
 
     assert f"tpspec {tpspec.__version__}" in proc.stdout and "serve" in proc.stdout
-    for option in ("--speculative-config", "--max-body-bytes", "--launcher", "--draft", "IN", "BENCHMARK"):
+    for option in ("--speculative-config", "--max-body-bytes", "--launcher", "--draft", "IN", "BENCHMARK",
+                   "--logits", "--roofline-only", "--baseline", "--backends", "--request-rate", "llama-3-8b"):
         assert option in proc.stdout, option  # each command's own help, not an empty parser
 
 

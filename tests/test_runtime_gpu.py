@@ -3,48 +3,23 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
-from tpspec import LLM, SamplingParams, SpeculativeConfig
-from tpspec.model.tiny import make_tiny_checkpoint, make_tiny_eagle3_head
+from graph_cases import (PROMPTS, QWEN, SPECS, assert_logprobs_close, every_step_shape, first_outputs, make_models,
+                         spec_config)
+from tpspec import LLM, SamplingParams
 
-PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [100, 200, 300], [42] * 12, [7, 8], [9], [11, 12, 13]]
-QWEN = dict(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05)  # Qwen2.5's generation defaults
-# Every step shape: penalties with logprobs, Qwen's defaults with logprobs=5, temperature only,
-# min-p only, top-p only, and a flat top-p row whose undecided steps are repeated eagerly.
-PARAMS = [SamplingParams(temperature=0.0, max_tokens=16, repetition_penalty=0.7, presence_penalty=-0.5, logprobs=3),
-          SamplingParams(**QWEN, seed=1, max_tokens=24, logprobs=5),
-          SamplingParams(temperature=0.9, seed=2, max_tokens=8, logprobs=0),
-          SamplingParams(temperature=1.0, min_p=0.2, seed=3, max_tokens=12),
-          SamplingParams(temperature=1.0, top_p=0.9, seed=4, max_tokens=14),
-          SamplingParams(temperature=3.0, top_p=0.99, seed=5, max_tokens=10)]
+PARAMS = every_step_shape((16, 24, 8, 12, 14, 10))
 MIXED = [SamplingParams(temperature=0.0, max_tokens=24), SamplingParams(temperature=0.8, seed=3, max_tokens=24),
          SamplingParams(temperature=0.0, max_tokens=24), SamplingParams(temperature=0.0, max_tokens=24),
          SamplingParams(temperature=1.0, seed=4, max_tokens=24)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
-SPECS = ["plain", "ngram", "ngram-rejection", "draft_model", "draft_model-rejection", "eagle3", "eagle3-rejection"]
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("gpu_graph_models")
-    target = make_tiny_checkpoint(root / "tiny", seed=0)
-    return {"target": str(target), "draft_model": str(make_tiny_checkpoint(root / "draft", seed=0, draft=True)),
-            "eagle3": str(make_tiny_eagle3_head(root / "head", target))}
-
-
-def _spec(name: str, models: dict) -> SpeculativeConfig | None:
-    if name == "plain":
-        return None
-    method, _, acceptance = name.partition("-")
-    return SpeculativeConfig(method, 3, model=models.get(method), acceptance=acceptance or "strict")
-
-
-def _outputs(outs) -> tuple[list[list[int]], list]:
-    return [o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs]
+    return make_models(tmp_path_factory.mktemp("gpu_graph_models"))
 
 
 @pytest.mark.gpu
@@ -58,10 +33,9 @@ def test_cuda_graphs_match_eager(models, name):
     for use_graphs in (False, True):
         # In-process (a single plain process is rank 0 of a TP group of 1): the engine is inspectable.
         with LLM(models["target"], distributed_executor_backend="external_launcher", tensor_parallel_size=1,
-                 device="cuda", dtype="float32", speculative_config=_spec(name, models), max_num_seqs=8,
+                 device="cuda", dtype="float32", speculative_config=spec_config(name, models), max_num_seqs=8,
                  enforce_eager=not use_graphs) as llm:
-            results[use_graphs] = (_outputs(llm.generate(PROMPTS, GREEDY)), _outputs(llm.generate(PROMPTS, MIXED)),
-                                   _outputs(llm.generate(PROMPTS, PARAMS)))
+            results[use_graphs] = [first_outputs(llm.generate(PROMPTS, params)) for params in (GREEDY, MIXED, PARAMS)]
             if use_graphs:
                 graphs = llm._executor.ctx.state["engine"].graphs  # noqa: SLF001
                 assert graphs is not None and graphs.graphs, "no generation step was graphed"
@@ -69,11 +43,7 @@ def test_cuda_graphs_match_eager(models, name):
                 assert not graphs.failed, f"captures failed: {graphs.failed}"
     for got, ref in zip(results[True], results[False]):
         assert got[0] == ref[0]
-        for g, r in zip(got[1], ref[1]):
-            assert (g is None) == (r is None)
-            for dg, dr in zip(g or [], r or []):
-                assert list(dg) == list(dr) and all(math.isclose(dg[t].logprob, dr[t].logprob, abs_tol=1e-4)
-                                                   for t in dr)
+        assert_logprobs_close(got[1], ref[1], abs_tol=1e-4, same_ranks=False)
     filtered = [k for k in graphs.graphs if k.sampling == "filtered"]
     assert filtered and all(k.penalties and k.top_logprobs == 8 for k in filtered)
     assert all(k.hidden_states == name.startswith("eagle3") for k in graphs.graphs)
@@ -94,7 +64,7 @@ def test_qwen_defaults_and_logprobs_at_batch_64_stay_in_the_graph(models):
     for use_graphs in (False, True):
         with LLM(models["target"], distributed_executor_backend="external_launcher", tensor_parallel_size=1,
                  device="cuda", dtype="float32", max_num_seqs=64, enforce_eager=not use_graphs) as llm:
-            results[use_graphs] = _outputs(llm.generate(prompts, params))[0]
+            results[use_graphs] = first_outputs(llm.generate(prompts, params))[0]
             if use_graphs:
                 graphs = llm._executor.ctx.state["engine"].graphs  # noqa: SLF001
                 assert any(k.batch == 64 and k.sampling == "filtered" for k in graphs.graphs)

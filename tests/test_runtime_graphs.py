@@ -7,62 +7,25 @@ off; and the capture fallback every rank takes alike."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
+from graph_cases import (PROMPTS, QWEN, SPECS, assert_logprobs_close, every_step_shape, first_outputs, make_models,
+                         spec_config)
 from tpspec import LLM, SamplingParams, SpeculativeConfig
-from tpspec.model.tiny import make_tiny_checkpoint, make_tiny_eagle3_head
 from tpspec.runtime.cuda_graphs import GenerationGraphs, StepKey, capture_or_fall_back, step_key
 from tpspec.sampling.select import FilterPlan
 
-PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [100, 200, 300], [42] * 12, [7, 8], [9], [11, 12, 13]]
-QWEN = dict(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05)  # Qwen2.5's generation defaults
-# Every step shape in one batch, with budgets that shrink it through the buckets: penalties with
-# logprobs, Qwen's defaults with logprobs=5, temperature only, min-p only, top-p only, and a flat
-# top-p row (T 3, p 0.99: its nucleus outgrows the candidates, so its steps are repeated eagerly).
-PARAMS = [SamplingParams(temperature=0.0, max_tokens=12, repetition_penalty=0.7, presence_penalty=-0.5, logprobs=3),
-          SamplingParams(**QWEN, seed=1, max_tokens=14, logprobs=5),
-          SamplingParams(temperature=0.9, seed=2, max_tokens=6, logprobs=0),
-          SamplingParams(temperature=1.0, min_p=0.2, seed=3, max_tokens=9),
-          SamplingParams(temperature=1.0, top_p=0.9, seed=4, max_tokens=10),
-          SamplingParams(temperature=3.0, top_p=0.99, seed=5, max_tokens=8)]
+PARAMS = every_step_shape((12, 14, 6, 9, 10, 8))
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("graph_models")
-    target = make_tiny_checkpoint(root / "tiny", seed=0)
-    return {"target": str(target), "draft_model": str(make_tiny_checkpoint(root / "draft", seed=0, draft=True)),
-            "eagle3": str(make_tiny_eagle3_head(root / "head", target))}
+    return make_models(tmp_path_factory.mktemp("graph_models"))
 
 
-def _spec(name: str, models: dict) -> SpeculativeConfig | None:
-    if name == "plain":
-        return None
-    method, _, acceptance = name.partition("-")
-    return SpeculativeConfig(method, 3, model=models.get(method), acceptance=acceptance or "strict")
-
-
-def _outputs(outs) -> tuple[list[list[int]], list]:
-    return [o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs]
-
-
-def _assert_logprobs_close(got, ref) -> None:
-    """The same tokens, values within 1e-5: padding a batch to its bucket may move the logits'
-    last bits (the tokens stay the same)."""
-    for g, r in zip(got, ref):
-        assert (g is None) == (r is None)
-        for dg, dr in zip(g or [], r or []):
-            assert list(dg) == list(dr)
-            assert all(math.isclose(dg[t].logprob, dr[t].logprob, abs_tol=1e-5) and dg[t].rank == dr[t].rank
-                       for t in dr)
-
-
-@pytest.mark.parametrize("name", ["plain", "ngram", "ngram-rejection", "draft_model", "draft_model-rejection",
-                                  "eagle3", "eagle3-rejection"])
+@pytest.mark.parametrize("name", SPECS)
 def test_graphed_steps_give_the_eager_tokens_on_cpu(models, name):
     """What a graph replays, run eagerly on CPU (``capture=False``): batches padded to the bucket
     size with padding requests first, attention over bucketed page tables, the deferred selection
@@ -71,16 +34,16 @@ def test_graphed_steps_give_the_eager_tokens_on_cpu(models, name):
     to the store inside it), and the eager repeat of steps and chains with an undecided row.
     Tokens must equal the eager steps', logprobs too (within 1e-5)."""
     with LLM(models["target"], distributed_executor_backend="external_launcher", tensor_parallel_size=1,
-             device="cpu", speculative_config=_spec(name, models), max_num_seqs=8) as llm:
+             device="cpu", speculative_config=spec_config(name, models), max_num_seqs=8) as llm:
         engine = llm._executor.ctx.state["engine"]  # noqa: SLF001
-        ref = _outputs(llm.generate(PROMPTS, PARAMS))
-        ref_greedy = _outputs(llm.generate(PROMPTS[:3], GREEDY))
+        ref = first_outputs(llm.generate(PROMPTS, PARAMS))
+        ref_greedy = first_outputs(llm.generate(PROMPTS[:3], GREEDY))
         engine.graphs = graphs = GenerationGraphs(engine, capture=False)
-        got = _outputs(llm.generate(PROMPTS, PARAMS))
-        got_greedy = _outputs(llm.generate(PROMPTS[:3], GREEDY))
+        got = first_outputs(llm.generate(PROMPTS, PARAMS))
+        got_greedy = first_outputs(llm.generate(PROMPTS[:3], GREEDY))
         engine.graphs = None
     assert got[0] == ref[0] and got_greedy == ref_greedy
-    _assert_logprobs_close(got[1], ref[1])
+    assert_logprobs_close(got[1], ref[1], abs_tol=1e-5)
     keys = set(graphs.graphs)
     assert {k.sampling for k in keys} == {"greedy", "filtered"} and not graphs.failed
     assert {k.batch for k in keys} >= {8, 4}  # the batch shrank through the buckets
@@ -166,7 +129,7 @@ def test_graphed_steps_agree_across_ranks(models, method):
     (eager, graphed), keys, repeated = results[0]
     assert graphed[0] == eager[0] and keys and repeated > 0
     assert any(k.startswith("DraftKey") for k in keys) == (method == "draft_model")
-    _assert_logprobs_close(graphed[1], eager[1])
+    assert_logprobs_close(graphed[1], eager[1], abs_tol=1e-5)
 
 
 def _graph_reason_worker(rank, world):

@@ -9,40 +9,28 @@ The public names below are imported on first use, so ``import tpspec`` (and the
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from .lazy import lazy_exports
 
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "AllGatherKeyExchange": "tpspec.exchange",
-    "CompletionOutput": "tpspec.runtime",
-    "GREEDY_TEMPERATURE_THRESHOLD": "tpspec.keys",
-    "KeyExchange": "tpspec.exchange",
-    "LLM": "tpspec.runtime",
-    "Logprob": "tpspec.sampling",
-    "Mapping": "tpspec.mapping",
-    "RequestOutput": "tpspec.runtime",
-    "SamplingParams": "tpspec.sampling",
-    "SpeculativeConfig": "tpspec.runtime",
-    "StructuredOutputsParams": "tpspec.sampling",
-    "VocabParallelHead": "tpspec.vocab_parallel",
-    "VocabShardedLogits": "tpspec.vocab_parallel",
-    "make_key_exchange": "tpspec.exchange",
-    "pack_keys": "tpspec.keys",
-    "unpack_keys": "tpspec.keys",
+    "AllGatherKeyExchange": "exchange",
+    "CompletionOutput": "runtime",
+    "GREEDY_TEMPERATURE_THRESHOLD": "keys",
+    "KeyExchange": "exchange",
+    "LLM": "runtime",
+    "Logprob": "sampling",
+    "Mapping": "mapping",
+    "RequestOutput": "runtime",
+    "SamplingParams": "sampling",
+    "SpeculativeConfig": "runtime",
+    "StructuredOutputsParams": "sampling",
+    "VocabParallelHead": "vocab_parallel",
+    "VocabShardedLogits": "vocab_parallel",
+    "make_key_exchange": "exchange",
+    "pack_keys": "keys",
+    "unpack_keys": "keys",
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'tpspec' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from . import bench_device, number_list, report
-from .exchange import copy_bandwidth_gbps
+
+if TYPE_CHECKING:
+    import torch
 
 COLUMNS = ["backend", "batch", "context", "query_len", "layers", "us_per_layer", "kv_GBps", "pct_copy_bw",
            "speedup_vs_torch"]
@@ -34,14 +34,13 @@ MAX_LAYERS = 32
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..model.attention import ATTENTION_BACKENDS
-    from ..model.shapes import MODEL_SHAPES
+    from ..model.shape_table import MODEL_SHAPES  # torch-free: --help imports no torch
 
     parser.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default="llama-3-8b",
                         help="the attention heads of this shape (default llama-3-8b)")
     parser.add_argument("--tp", type=int, default=1, help="heads of one rank at this TP size (default 1)")
     parser.add_argument("--backends", default="torch,triton",
-                        help=f"comma-separated, of {[b for b in ATTENTION_BACKENDS if b != 'auto']} (default torch,triton)")
+                        help="comma-separated, of torch, triton, flashinfer (default torch,triton)")
     parser.add_argument("--batch", default=None, help="sequences per step (default 1,8,32,64)")
     parser.add_argument("--context", default=None,
                         help="tokens per sequence, the new ones included (default 1024,4096)")
@@ -54,6 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _step(backend_name: str, *, batch: int, context: int, query_len: int, page_size: int, heads: int,
           kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, iters: int) -> dict[str, Any]:
+    import torch
+
     from ..model.attention import make_attention_backend
     from ..model.batch import AttentionMetadata, ForwardBatch, pages_needed
     from ..model.kv_cache import KVPages
@@ -122,8 +123,11 @@ def _step(backend_name: str, *, batch: int, context: int, query_len: int, page_s
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from ..model.attention import ATTENTION_BACKENDS, choose_attention_backend
     from ..model.shapes import shape_config
+    from .exchange import copy_bandwidth_gbps
 
     device = torch.device(bench_device(args.device, "tpspec bench attention"))
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
@@ -178,12 +182,9 @@ def run(args: argparse.Namespace) -> int:
                            if r["backend"] == name and r["context"] == ctx and r["query_len"] == ql]
                     ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
                             label=f"{name} ctx {ctx}" + (f" q {ql}" if len(query_lens) > 1 else ""))
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("batch (sequences)")
-        ax.set_ylabel("microseconds per layer")
-        ax.set_title(f"paged attention, {args.model_shape} heads {heads}/{kv_heads} x {cfg.head_dim}, {args.dtype}")
-        ax.legend(fontsize=8)
+        report.log_log_axes(ax, xlabel="batch (sequences)", ylabel="microseconds per layer", legend_fontsize=8,
+                            title=f"paged attention, {args.model_shape} heads {heads}/{kv_heads} x {cfg.head_dim}, "
+                                  f"{args.dtype}")
 
     report.write_report(args.out, "attention", columns=COLUMNS, rows=rows, meta=meta, plot=plot)
     return 0

@@ -36,11 +36,12 @@ import argparse
 import itertools
 import statistics
 import time
-from typing import Any, Callable
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable
 
 from . import bench_device, number_list, report
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_ROWS = (1, 8, 64, 256)
 DEFAULT_WIDTHS = (16384, 32768, 65536)
@@ -62,6 +63,8 @@ def _graph_windows_us(fn: Callable[[], Any], calls: int, replays: int, barrier: 
     with the timed ones, take that up: the ranks that start first wait inside them for the
     last, and every rank's timed replays then start in step. A window is a whole stretch,
     not one replay: an event between every two replays slows each call under MPS."""
+    import torch
+
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -98,6 +101,8 @@ def _time_graph(fn: Callable[[], Any], calls: int, replays: int, barrier: Callab
 
 def _time_eager(fn: Callable[[], Any], iters: int, barrier: Callable[[], None], device: torch.device) -> float:
     """µs per call of ``fn`` called ``iters`` times from Python (median of 3 rounds)."""
+    import torch
+
     fn()
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -115,6 +120,8 @@ def _time_eager(fn: Callable[[], Any], iters: int, barrier: Callable[[], None], 
 
 def copy_bandwidth_gbps(device: torch.device) -> float:
     """Device-to-device copy bandwidth (bytes read + written), the HBM ceiling we compare with."""
+    import torch
+
     src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     for _ in range(3):
@@ -148,6 +155,8 @@ def bench_logits(rows: int, width: int, kind: str, gen: torch.Generator) -> torc
     kernel's pruning can skip no column's noise (the worst case for Gumbel). ``lm``: like a
     language model's, N(0, 2.5^2) with 12 columns a row lifted to 18-19, where columns far
     below the top skip it."""
+    import torch
+
     if kind == "randn":
         return torch.randn(rows, width, generator=gen).mul_(3)
     if kind == "lm":
@@ -171,6 +180,7 @@ def philox_floor_call(ll: Any, cycle: Any, rows: int, width: int) -> Callable[[]
     else. The contract fixes that noise, so where no column can be ruled out before its noise
     (``--logits randn``), no exact sampled kernel can beat this floor."""
     import numpy as np
+    import torch
 
     from ..exchange.ll_plan import plan
 
@@ -193,6 +203,7 @@ def read_floor_call(ll: Any, cycle: Any, rows: int, width: int) -> Callable[[], 
     ``cycle``, with the greedy call's grid: the reads and a max key per block, stored with
     no hand-off between blocks and no exchange (the launch and reads of a greedy call)."""
     import numpy as np
+    import torch
 
     from ..exchange.ll_plan import plan
 
@@ -211,6 +222,8 @@ def read_floor_call(ll: Any, cycle: Any, rows: int, width: int) -> Callable[[], 
 
 
 def _bench_worker(rank: int, world_size: int, cfg: dict) -> list[dict]:
+    import torch
+
     from .. import distributed as D
     from .. import keys as K
     from ..exchange import AllGatherKeyExchange, Channel
@@ -501,12 +514,8 @@ def _plot(table: list[list[Any]]) -> Callable[[Any], None]:
             points.sort()
             ax.plot([p[0] for p in points], [p[1] for p in points], marker="os^D"[i // 10 % 4],
                     linestyle=styles[i // 10 % 4], color=f"C{i % 10}", label=name)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("rows")
-        ax.set_ylabel("µs per call (slowest rank)")
-        ax.set_title(f"tpspec bench exchange, slice width {width}")
-        ax.legend(fontsize=6)
+        report.log_log_axes(ax, xlabel="rows", ylabel="µs per call (slowest rank)", legend_fontsize=6,
+                            title=f"tpspec bench exchange, slice width {width}")
         ax.grid(True, which="both", alpha=0.3)
 
     return draw
@@ -532,6 +541,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from ..testing import run_ranks, shared_gpu_mps
 
     if args.tp < 1:

@@ -49,11 +49,7 @@ import os
 import warnings
 from typing import Any, Callable
 
-import torch
-
-from ..speculative.forced import FORCE_ENV, ForcedAcceptanceWarning
 from . import bench_device, model_shape_path, number_list, report
-from .hf_baseline import hf_worker, transformers_problem
 
 DEFAULT_RATES = (0.0, 1.5, 3.0)
 COLUMNS = ["config", "forced_rate", "draft_len", "requests", "tokens", "wall_s", "tokens_per_s",
@@ -62,6 +58,8 @@ BASELINES = ("hf",)
 
 
 def _prompts(num: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    import torch
+
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (num, length), generator=gen).tolist()
 
@@ -119,6 +117,8 @@ def _with_forced_rate(rate: float | None, fn: Callable[[], dict]) -> dict:
     """Run ``fn`` with ``TPSPEC_FORCE_NUM_ACCEPTED_TOKENS`` set to ``rate`` (unset for None)
     in this process, where ``LLM`` reads it. Here, in the benchmark, forcing is the point:
     the engine's warning about it is silenced."""
+    from ..speculative.forced import FORCE_ENV, ForcedAcceptanceWarning
+
     saved = os.environ.pop(FORCE_ENV, None)
     try:
         if rate is not None:
@@ -142,6 +142,8 @@ def _spmd_worker(rank: int, world_size: int, configs: list[tuple[dict, float | N
     """``--launcher mp``: one of ``tp`` local rank processes (``run_ranks``), each running the
     engine in-process exactly as under torchrun, so the forced rate set here reaches the
     engine (forked workers of a long-lived server would keep the environment it started with)."""
+    import torch
+
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)})
     if configs and configs[0][0]["device"] == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -202,7 +204,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..model.shapes import MODEL_SHAPES
+    from ..model.shape_table import MODEL_SHAPES  # torch-free: --help imports no torch
 
     parser.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default=None,
                         help="a real model shape with random weights built on each rank (instead of --model)")
@@ -250,6 +252,7 @@ def run(args: argparse.Namespace) -> int:
     from ..model.shapes import config_from_path
     from ..runtime.llm import resolve_model
     from ..validation import resolve_dtype
+    from .hf_baseline import hf_worker, transformers_problem
 
     device = bench_device(args.device, "tpspec bench generate")
     if args.draft_len < 1:

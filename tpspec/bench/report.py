@@ -41,6 +41,17 @@ def format_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
+def log_log_axes(ax: Any, *, xlabel: str, ylabel: str, title: str, legend_fontsize: float) -> None:
+    """Finish a plot of times against sizes on ``ax``: both axes logarithmic (x in powers of two),
+    the labels, the title and the legend."""
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=legend_fontsize)
+
+
 def write_report(
     out_dir: str,
     name: str,

@@ -35,11 +35,12 @@ from __future__ import annotations
 import gc
 import statistics
 import time
-from typing import Any, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Any, Sequence
 
 from . import report
+
+if TYPE_CHECKING:
+    import torch
 
 PAGE_SIZE = 16
 ROOFLINE_BATCHES = (1, 8, 32, 64)
@@ -144,6 +145,8 @@ def accepted_attention_backends(names: Sequence[str], device: str = "cuda") -> l
 
 def copy_bandwidth(device: torch.device, nbytes: int | None = None, iters: int = 10) -> float:
     """Measured bytes/s of a device-to-device copy (read + write counted), the floor's bandwidth."""
+    import torch
+
     nbytes = nbytes or (1 << 30 if device.type == "cuda" else 1 << 26)
     src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
@@ -157,11 +160,15 @@ def copy_bandwidth(device: torch.device, nbytes: int | None = None, iters: int =
 
 
 def _sync(device: torch.device) -> None:
+    import torch
+
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 def _free(device: torch.device) -> None:
+    import torch
+
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -212,6 +219,8 @@ def _new_tokens(steps: int, num_draft: int) -> int:
 
 def _engine_cells(engine: Any, cfg: dict, backend: str, batches: Sequence[int], columns: Sequence[str],
                   bandwidth: float, device: torch.device) -> list[dict]:
+    import torch
+
     model = engine.model
     weight_bytes = sum(p.numel() * p.element_size() for name, p, _ in model.shard_plan()
                        if not name.startswith("embed_tokens"))

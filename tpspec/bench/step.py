@@ -49,13 +49,13 @@ import argparse
 import os
 import statistics
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-import torch
-
-from ..validation import resolve_dtype, torch_dtype
 from . import bench_device, model_shape_path, number_list, report, roofline
 from .roofline import PAGE_SIZE, QWEN25_DEFAULTS
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_BATCHES = (1, 8, 32)
 QUICK_BATCHES = (1, 4)
@@ -99,6 +99,8 @@ def resolve_model(model: str, vocab_size: int) -> str:
 # ---------------------------------------------------------------------------- worker
 
 def _sync(device: torch.device) -> None:
+    import torch
+
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -121,6 +123,8 @@ def _gather_select(logits: Any, meta: Any, drafts: torch.Tensor, greedy: bool) -
     """The baseline: all-gather the full logits (penalised first where asked), pick on them,
     accept strictly. Returns the accepted tokens ``[B, D+1]`` flattened, then the target
     token of every row ``[R]``."""
+    import torch
+
     from ..sampling.ops import greedy_tokens, sample_from_logits
     from ..sampling.penalties import penalized_logits
     from ..speculative import accept_from_targets
@@ -139,6 +143,8 @@ def _gather_select(logits: Any, meta: Any, drafts: torch.Tensor, greedy: bool) -
 def _gather_reject(logits: Any, meta: Any, drafts: torch.Tensor) -> torch.Tensor:
     """The rejection baseline: all-gather the full logits, then the same rejection sampling on
     the whole rows locally. Returns the accepted tokens ``[B, D+1]`` flattened, then their counts."""
+    import torch
+
     from ..exchange.local import LocalKeyExchange
     from ..speculative import sharded_rejection_sample
     from ..vocab_parallel import VocabShardedLogits
@@ -155,6 +161,8 @@ def _gather_reject(logits: Any, meta: Any, drafts: torch.Tensor) -> torch.Tensor
 def _sharded_select(worker: Any, logits: Any, meta: Any, drafts: torch.Tensor) -> torch.Tensor:
     """tpspec's path, returning what :func:`_gather_select` (or :func:`_gather_reject`) returns
     (random drafts are rarely accepted, so the per-row target tokens carry most of the comparison)."""
+    import torch
+
     out = worker.step(logits, drafts, meta)
     return torch.cat([out.accepted_tokens.reshape(-1),
                       out.target_tokens if worker.acceptance == "strict" else out.num_accepted])
@@ -163,18 +171,25 @@ def _sharded_select(worker: Any, logits: Any, meta: Any, drafts: torch.Tensor) -
 def _step_worker(rank: int, world_size: int, cfg: dict) -> list[dict]:
     """On every rank: the sharded-vs-gather table (its own model), then the roofline cells (the
     runtime's engines, built after that model is gone)."""
+    import torch
+
     if cfg["device"] == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device("cpu")
-    records = _step_table(rank, world_size, cfg, device) if cfg["step_table"] else []
+    records = []
+    if cfg["step_table"]:
+        with torch.inference_mode():
+            records = _step_table(rank, world_size, cfg, device)
     cells = roofline.roofline_cells(rank, world_size, cfg, device) if cfg["roofline"] else []
     return records + cells
 
 
-@torch.inference_mode()
 def _step_table(rank: int, world_size: int, cfg: dict, device: torch.device) -> list[dict]:
+    """The sharded-vs-gather cells of this rank (run under ``torch.inference_mode``)."""
+    import torch
+
     from .. import distributed as D
     from ..exchange import make_key_exchange
     from ..mapping import Mapping
@@ -182,6 +197,7 @@ def _step_table(rank: int, world_size: int, cfg: dict, device: torch.device) -> 
     from ..sampling.penalties import OccurrenceCounts
     from ..sampling.select import SamplingStats
     from ..speculative import RequestEntry, SpecMetadata, SpecWorker
+    from ..validation import torch_dtype
 
     dtype = torch_dtype(cfg["dtype"])
     exchange = make_key_exchange(D.tp_group(), prefer=cfg["exchange"], device=device)
@@ -259,6 +275,8 @@ def _step_table(rank: int, world_size: int, cfg: dict, device: torch.device) -> 
 
 def summarize(per_rank: list[list[dict]], draft_len: int) -> tuple[list[list[Any]], dict]:
     """Table rows (slowest rank per cell) and a dict of ``tokens_equal`` per (batch, mode)."""
+    import torch
+
     per_rank = [[r for r in records if r.get("kind", "step") == "step"] for records in per_rank]
     rows: list[list[Any]] = []
     equal: dict[str, bool] = {}
@@ -336,6 +354,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..testing import rank_backend, run_ranks, shared_gpu_mps
+    from ..validation import resolve_dtype
 
     device = bench_device(args.device, "tpspec bench step")
     if args.tp < 1 or args.draft_len < 1:
@@ -433,7 +452,7 @@ def _run_roofline(args: argparse.Namespace, cfg: dict, meta: dict, backend: str)
 # -------------------------------------------------------------------------- roofline
 
 def add_roofline_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..model.shapes import MODEL_SHAPES
+    from ..model.shape_table import MODEL_SHAPES  # torch-free: --help imports no torch
 
     def listed(values: tuple) -> str:
         return ",".join(map(str, values))

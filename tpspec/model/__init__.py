@@ -40,8 +40,7 @@ Public interface (what the runtime codes against)::
   TP-sharded, same API as the target; greedy drafts with ``draft(batch).argmax(channel=Channel.DRAFT)``.
 """
 
-import importlib
-from typing import Any
+from ..lazy import lazy_exports
 
 # Imported on first use: the ``tpspec`` commands that live in this package (make-tiny-model,
 # convert-eagle3) answer ``--help`` without importing torch.
@@ -54,7 +53,7 @@ _EXPORTS = {
     "KVPages": "kv_cache",
     "LoadStats": "loader",
     "LocalKeyExchange": "comm",
-    "MODEL_SHAPES": "shapes",
+    "MODEL_SHAPES": "shape_table",
     "ModelConfig": "config",
     "NgramDrafter": "drafters",
     "SUPPORTED_ARCHITECTURES": "config",
@@ -73,15 +72,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -24,9 +24,10 @@ reaches past every rank's candidates — rare with ``4 * 64`` candidates a rank;
 sampling the eager path's 64) are the one data-dependent case: the graph outputs a ``decided``
 flag beside the tokens (equal on every rank: it comes from exchanged values), and when it is
 False the host runs that step again eagerly — the same forward and the full selection, with
-the retry and the gathered fallback. Draws are keyed by (seed, offset, column), the streams
-were advanced once by ``SpecMetadata.prepare`` before the replay, and a forced-acceptance
-draw is rewound, so the repeated step gives exactly the tokens an eager step gives.
+the retry and the gathered fallback. Draws are keyed by (seed, offset, column), each offset
+by the output position the draw decides (``SpecMetadata.prepare`` filled them before the replay;
+the repeat reads the same), and a forced-acceptance draw is rewound, so the repeated step gives
+exactly the tokens an eager step gives.
 
 Before a replay the host refreshes the static inputs in place (token ids, positions,
 drafts, attention metadata; ``SpecMetadata.prepare`` refills its stable buffers).
@@ -46,8 +47,8 @@ attention of each is planned on the host before its replay): the drafter's forwa
 of the sampled drafts' logits into the ``DraftLogitsStore``. An undecided filtered row there
 makes the engine draft that step eagerly instead.
 
-Not graphed (eager): steps with a context chunk, attention DP, TP groups on gloo, attention
-backends that cannot be captured, and the drafters' catch-up forwards.
+Not graphed (eager): steps with a context chunk, steps with logit controls, attention DP, TP
+groups on gloo, attention backends that cannot be captured, and the drafters' catch-up forwards.
 
 Every rank takes the same decisions: whether a step is graphed, and its key, depend only on
 the batch (replicated) and the configuration; a capture failure on any rank disables that

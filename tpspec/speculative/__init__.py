@@ -1,4 +1,4 @@
-"""Speculative decoding core: step metadata, per-request streams, acceptance.
+"""Speculative decoding core: step metadata (each row's stream offsets), drafts, acceptance.
 
 The interface the runtime codes against::
 
@@ -52,9 +52,11 @@ Every rank gets the same tensors. Lower-level pieces:
 * ``meta.draft_offsets(step)``, ``meta.row_sampling()``, ``meta.request_sampling(offsets)``,
   ``meta.draft_penalties(previous_drafts, first_request=0)``.
 
-Not covered yet: attention DP with LM-head TP (rows of all ranks stacked into one
-sharded head) — ``prepare`` describes only this rank's rows, so ``select_tokens`` raises
-on the row-count mismatch instead of picking wrong tokens.
+Attention DP with a vocabulary-sharded LM head (the rows of all ranks stacked into one sharded
+head): ``prepare`` describes only this rank's rows, so the logits must be the model's
+``StackedRowsLogits``, whose ``argmax`` / ``sample`` / ``gather`` return this rank's rows; a plain
+``VocabShardedLogits`` of the stacked rows makes ``select_tokens`` raise on the row-count
+mismatch instead of picking wrong tokens.
 """
 
 from .accept import PAD_TOKEN, accept_from_targets, rejection_sample, strict_accept

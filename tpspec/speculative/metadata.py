@@ -186,7 +186,7 @@ class SpecMetadata:
         DP this is collective over the group.
         Raises ``ValueError`` for bad input (nothing is changed then); under attention DP
         the ranks still meet in the flag sync, so a bad batch on one rank makes every rank
-        raise (the others a ``RuntimeError``, their streams not advanced either) instead of
+        raise (the others a ``RuntimeError``, numbering no stream either) instead of
         leaving them waiting.
         """
         error: Exception | None = None
