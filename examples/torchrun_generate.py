@@ -30,3 +30,6 @@ with LLM("tiny", distributed_executor_backend="external_launcher", device=args.d
             sample = out.outputs[0]
             print(repr(sample.text), sample.finish_reason, f"acceptance {sample.stats.acceptance_rate:.0%}")
         print(f"{llm.last_stats.tokens_per_s:.1f} tokens/s on {llm.config.tp_size} ranks")
+# The process group is this script's to close (the LLM joined torchrun's): closing it before exit stops
+# gloo's threads cleanly.
+D.destroy_distributed()
