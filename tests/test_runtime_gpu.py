@@ -9,11 +9,12 @@ import torch
 from graph_cases import (PROMPTS, QWEN, SPECS, assert_logprobs_close, every_step_shape, first_outputs, make_models,
                          spec_config)
 from tpspec import LLM, SamplingParams
+from tpspec.runtime.cuda_graphs import GRAPHED_DRAFT_CHAIN
 
 PARAMS = every_step_shape((16, 24, 8, 12, 14, 10))
 MIXED = [SamplingParams(temperature=0.0, max_tokens=24), SamplingParams(temperature=0.8, seed=3, max_tokens=24),
          SamplingParams(temperature=0.0, max_tokens=24), SamplingParams(temperature=0.0, max_tokens=24),
-         SamplingParams(temperature=1.0, seed=4, max_tokens=24)]
+         SamplingParams(temperature=1.0, seed=4, max_tokens=24), SamplingParams(temperature=0.7, seed=5, max_tokens=24)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 
 
@@ -48,7 +49,7 @@ def test_cuda_graphs_match_eager(models, name):
     assert filtered and all(k.penalties and k.top_logprobs == 8 for k in filtered)
     assert all(k.hidden_states == name.startswith("eagle3") for k in graphs.graphs)
     assert any(k.draft_logits for k in filtered) == (name in ("draft_model-rejection", "eagle3-rejection"))
-    assert bool(graphs.draft_graphs) == name.startswith(("draft_model", "eagle3"))  # draft steps 2..K graphed
+    assert bool(graphs.draft_graphs) == (GRAPHED_DRAFT_CHAIN and name.startswith(("draft_model", "eagle3")))
     assert graphs.num_repeated > 0  # the flat top-p row's undecided steps, repeated eagerly
 
 

@@ -13,6 +13,7 @@ import torch
 from graph_cases import (PROMPTS, QWEN, SPECS, assert_logprobs_close, every_step_shape, first_outputs, make_models,
                          spec_config)
 from tpspec import LLM, SamplingParams, SpeculativeConfig
+from tpspec.runtime import cuda_graphs
 from tpspec.runtime.cuda_graphs import GenerationGraphs, StepKey, capture_or_fall_back, step_key
 from tpspec.sampling.select import FilterPlan
 
@@ -26,13 +27,15 @@ def models(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", SPECS)
-def test_graphed_steps_give_the_eager_tokens_on_cpu(models, name):
+def test_graphed_steps_give_the_eager_tokens_on_cpu(models, name, monkeypatch):
     """What a graph replays, run eagerly on CPU (``capture=False``): batches padded to the bucket
     size with padding requests first, attention over bucketed page tables, the deferred selection
     (no host sync) with the key's filter plan, logprobs and EAGLE-3 hidden states from the step's
     outputs, the drafting chain of a draft model or EAGLE-3 head (sampled drafts' logits written
     to the store inside it), and the eager repeat of steps and chains with an undecided row.
-    Tokens must equal the eager steps', logprobs too (within 1e-5)."""
+    Tokens must equal the eager steps', logprobs too (within 1e-5). The drafting chain's graphs are
+    off by default (``GRAPHED_DRAFT_CHAIN``); their step function is checked here all the same."""
+    monkeypatch.setattr(cuda_graphs, "GRAPHED_DRAFT_CHAIN", True)
     with LLM(models["target"], distributed_executor_backend="external_launcher", tensor_parallel_size=1,
              device="cpu", speculative_config=spec_config(name, models), max_num_seqs=8) as llm:
         engine = llm._executor.ctx.state["engine"]  # noqa: SLF001
@@ -94,7 +97,8 @@ def test_step_keys_come_from_the_parameters():
 
 def _graphed_engine_worker(rank, world, target, spec_method, spec_model):
     """Eager, then graphed (``capture=False``) generation on one rank of a TP group: tokens,
-    logprobs, the keys used and the repeated steps."""
+    logprobs, the keys used and the repeated steps. The drafting chain's graphs (off by default)
+    are on here, so their step function is checked across ranks too."""
     from tpspec.mapping import Mapping
     from tpspec.runtime.config import EngineConfig, Request
     from tpspec.runtime.engine import Engine
@@ -102,6 +106,7 @@ def _graphed_engine_worker(rank, world, target, spec_method, spec_model):
     spec = SpeculativeConfig(spec_method, 3, model=spec_model, acceptance="rejection")
     cfg = EngineConfig(model_path=target, tp_size=world, device="cpu", dtype="float32", speculative=spec,
                        draft_model_path=spec_model, max_batch_size=8, max_seq_len=64, max_num_tokens=64)
+    cuda_graphs.GRAPHED_DRAFT_CHAIN = True  # this rank process's own module
     engine = Engine(cfg, Mapping(world, rank))
     runs = []
     for graphs in (None, GenerationGraphs(engine, capture=False)):

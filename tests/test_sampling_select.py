@@ -120,3 +120,23 @@ def test_row_count_mismatch_raises():
         select_tokens(logits, meta)
     with pytest.raises(ValueError, match="SpecMetadata"):
         select_tokens(logits, object())
+
+
+def test_undecided_rows_of_a_deferred_draw_hold_column_zero():
+    """The draw without a host sync (what a CUDA graph captures): a flat top-p row outgrows 64
+    candidates and is undecided; its token is column 0, a valid id (a graph of chained draft steps
+    feeds it to the next step's embedding before the host reads ``decided``). Decided rows equal
+    the full draw."""
+    from tpspec.keys import SamplingRows
+    from tpspec.sampling.select import FilterPlan, draw_filtered, sample_filtered
+
+    logits = torch.zeros(3, 4096)
+    logits[1] = torch.randn(4096, generator=torch.Generator().manual_seed(0)) * 4  # peaked: decided
+    logits[2, 17] = 50.0  # one column holds the mass: decided
+    rows = SamplingRows(torch.ones(3), torch.tensor([1, 2, 3]), torch.zeros(3, dtype=torch.int64),
+                        top_p=torch.tensor([0.99, 0.5, 0.9]))
+    sharded_logits = VocabShardedLogits(logits, 0, 4096, AllGatherKeyExchange())
+    tokens, decided = draw_filtered(sharded_logits, rows, FilterPlan(candidates=64))
+    assert decided.tolist() == [False, True, True] and int(tokens[0]) == 0
+    full = sample_filtered(sharded_logits, rows)
+    assert tokens[1:].tolist() == full[1:].tolist() and int(tokens[2]) == 17

@@ -75,6 +75,11 @@ from ..vocab_parallel import MAX_TOP_LOGPROBS
 from ..speculative.metadata import RequestEntry
 
 log = get_logger(__name__)
+
+GRAPHED_DRAFT_CHAIN = False
+"""Whether a drafter's chained draft steps 2..K replay CUDA graphs (:meth:`GenerationGraphs.draft_chain`).
+Off: a GPU run of the chain's graphs has not passed yet (tests/test_runtime_gpu.py checks it); the
+chain then runs eagerly after the graphed target step's planning, with the same drafts."""
 WARMUP_RUNS = 2
 
 
@@ -351,7 +356,7 @@ class GenerationGraphs:
         model); ``sampled``: the drafts are sampled (the metadata was prepared before drafting)."""
         eng = self.engine
         key = DraftKey(step.key, sampled)
-        if key in self.failed or not self._drafter().attention.supports_graphs:
+        if not GRAPHED_DRAFT_CHAIN or key in self.failed or not self._drafter().attention.supports_graphs:
             return None
         pad = step.num_padding
         ends_p = [1] * pad + list(ends)  # padding rows chain at positions 1 .. K - 1 of the scratch pages

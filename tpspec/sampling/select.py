@@ -430,7 +430,7 @@ def draw_filtered(logits: VocabShardedLogits, rows: SamplingRows, plan: FilterPl
     decided from ``plan.candidates`` candidate keys a rank (top-k always; top-p when certified;
     min-p from the candidates when every rank's last sent key lies below the threshold, else by
     the masked exchange when ``plan.any_min_p_only``). An undecided row (``decided`` False) holds
-    no token. Decided rows hold the tokens of ``sample_from_logits`` on the gathered rows.
+    token 0, which means nothing. Decided rows hold the tokens of ``sample_from_logits`` on the gathered rows.
     ``rows.seeds`` must be set; ``plan`` must cover the rows (see :class:`FilterPlan`).
     """
     ex = logits.exchange
@@ -483,7 +483,10 @@ def draw_filtered(logits: VocabShardedLogits, rows: SamplingRows, plan: FilterPl
         drawn = torch.where(masked, _draw_masked(logits, local, scores, keys, best, temperature, min_p, seeds,
                                                  offsets, channel), drawn)
         decided = decided | masked
-    return torch.where(filtered, drawn, tokens), decided | ~filtered
+    decided = decided | ~filtered
+    # An undecided row's token is column 0, a valid id: a caller that runs on before it reads
+    # ``decided`` (a CUDA graph of chained draft steps) feeds it to the next step's embedding.
+    return torch.where(decided, torch.where(filtered, drawn, tokens), torch.zeros_like(tokens)), decided
 
 
 def _top_p_reached(ranked: torch.Tensor, keep: torch.Tensor, best: torch.Tensor, top_p: torch.Tensor,
