@@ -146,8 +146,8 @@ def run(args: argparse.Namespace) -> int:
                          f"{cfg.num_kv_heads} KV heads")
     heads, kv_heads = cfg.num_heads // args.tp, cfg.num_kv_heads // args.tp
     dtype = getattr(torch, args.dtype)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    if device.type == "cuda" and device.index is None:  # "cuda": the current device, named by its index
+        device = torch.device("cuda", torch.cuda.current_device())
     try:
         for name in backends:  # a backend that cannot run here stops the run before any timing
             choose_attention_backend(device, cfg.head_dim, name)

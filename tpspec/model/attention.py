@@ -42,7 +42,7 @@ SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDP
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 # What ``attention_backend="auto"`` runs on CUDA. Only a backend whose kernels a GPU run has
 # checked (tests/test_paged_attention_triton.py's ``gpu`` tests for "triton") may stand here.
-AUTO_CUDA_ATTENTION = "torch"
+AUTO_CUDA_ATTENTION = "triton"
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
 FLASHINFER_WORKSPACE_BYTES = 128 * 1024 * 1024
 
@@ -78,9 +78,8 @@ def choose_attention_backend(device: torch.device | str, head_dim: int, prefer: 
                              deterministic: bool = False) -> str:
     """The attention backend a model on ``device`` runs.
 
-    ``prefer="auto"``: ``AUTO_CUDA_ATTENTION`` on CUDA (``"torch"`` while no GPU run has checked
-    another backend; ``"torch"`` too when the chosen one cannot run here), ``"torch"``
-    elsewhere. ``"torch"``, ``"triton"`` or ``"flashinfer"`` force one; ``ValueError`` when it
+    ``prefer="auto"``: ``AUTO_CUDA_ATTENTION`` on CUDA (``"triton"``; ``"torch"`` when it cannot
+    run here, e.g. without the ``triton`` package), ``"torch"`` elsewhere. ``"torch"``, ``"triton"`` or ``"flashinfer"`` force one; ``ValueError`` when it
     cannot run here (``"triton"``: CUDA with ``triton``, or CPU under Triton's interpreter;
     ``"flashinfer"``: CUDA, the ``flashinfer`` package and a ``head_dim`` it supports).
     ``deterministic``: ``"deterministic"`` (``prefer`` must stay ``"auto"``: no other backend

@@ -248,8 +248,8 @@ class LLM:
     ``enable_prefix_caching`` (default True, as vLLM): a request reuses the KV pages of the
     longest cached run of its prompt's full pages (``RequestOutput.num_cached_tokens``;
     :attr:`counters` counts queries, hits and preemptions). ``attention_backend``:
-    ``"auto"`` (the torch path; on CUDA ``AUTO_CUDA_ATTENTION`` of :mod:`tpspec.model.attention`,
-    a backend a GPU run has checked), ``"torch"``, ``"triton"`` (CUDA with ``triton``; on CPU only
+    ``"auto"`` (on CUDA ``AUTO_CUDA_ATTENTION`` of :mod:`tpspec.model.attention`, the Triton
+    kernels, or the torch path where ``triton`` cannot run; the torch path elsewhere), ``"torch"``, ``"triton"`` (CUDA with ``triton``; on CPU only
     under Triton's interpreter) or ``"flashinfer"`` (CUDA with ``flashinfer``, only when named);
     one that cannot run here raises ``ValueError`` before a worker starts.
 
