@@ -30,9 +30,10 @@ def test_cuda_graphs_match_eager(models, name):
     """Every step shape replayed from CUDA graphs (and the drafters' chained draft steps) gives the
     eager steps' tokens (logprobs within 1e-4: padding a batch to its bucket may move the logits'
     last bits)."""
-    results, graphs = {}, None
+    results = {}
     for use_graphs in (False, True):
         # In-process (a single plain process is rank 0 of a TP group of 1): the engine is inspectable.
+        # Every fact about the graphs is read while the LLM is open (closing it drops them).
         with LLM(models["target"], distributed_executor_backend="external_launcher", tensor_parallel_size=1,
                  device="cuda", dtype="float32", speculative_config=spec_config(name, models), max_num_seqs=8,
                  enforce_eager=not use_graphs) as llm:
@@ -40,17 +41,20 @@ def test_cuda_graphs_match_eager(models, name):
             if use_graphs:
                 graphs = llm._executor.ctx.state["engine"].graphs  # noqa: SLF001
                 assert graphs is not None and graphs.graphs, "no generation step was graphed"
-                assert graphs.num_replayed > 0, "no target step came from a graph replay"
-                assert not graphs.failed, f"captures failed: {graphs.failed}"
+                keys, chained = list(graphs.graphs), bool(graphs.draft_graphs)
+                replayed, repeated, failed = graphs.num_replayed, graphs.num_repeated, set(graphs.failed)
+                del graphs
+    assert replayed > 0, "no target step came from a graph replay"
+    assert not failed, f"captures failed: {failed}"
     for got, ref in zip(results[True], results[False]):
         assert got[0] == ref[0]
         assert_logprobs_close(got[1], ref[1], abs_tol=1e-4, same_ranks=False)
-    filtered = [k for k in graphs.graphs if k.sampling == "filtered"]
+    filtered = [k for k in keys if k.sampling == "filtered"]
     assert filtered and all(k.penalties and k.top_logprobs == 8 for k in filtered)
-    assert all(k.hidden_states == name.startswith("eagle3") for k in graphs.graphs)
+    assert all(k.hidden_states == name.startswith("eagle3") for k in keys)
     assert any(k.draft_logits for k in filtered) == (name in ("draft_model-rejection", "eagle3-rejection"))
-    assert bool(graphs.draft_graphs) == (GRAPHED_DRAFT_CHAIN and name.startswith(("draft_model", "eagle3")))
-    assert graphs.num_repeated > 0  # the flat top-p row's undecided steps, repeated eagerly
+    assert chained == (GRAPHED_DRAFT_CHAIN and name.startswith(("draft_model", "eagle3")))
+    assert repeated > 0  # the flat top-p row's undecided steps, repeated eagerly
 
 
 @pytest.mark.gpu
@@ -68,6 +72,8 @@ def test_qwen_defaults_and_logprobs_at_batch_64_stay_in_the_graph(models):
             results[use_graphs] = first_outputs(llm.generate(prompts, params))[0]
             if use_graphs:
                 graphs = llm._executor.ctx.state["engine"].graphs  # noqa: SLF001
-                assert any(k.batch == 64 and k.sampling == "filtered" for k in graphs.graphs)
-                assert graphs.num_repeated == 0 and not graphs.failed
+                keys, repeated, failed = list(graphs.graphs), graphs.num_repeated, set(graphs.failed)
+                del graphs
+    assert not failed, f"captures failed: {failed}"
+    assert any(k.batch == 64 and k.sampling == "filtered" for k in keys) and repeated == 0
     assert results[True] == results[False]

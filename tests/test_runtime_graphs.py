@@ -197,6 +197,22 @@ def test_a_capture_failure_anywhere_sends_every_rank_eager_but_a_warmup_failure_
     assert captured == "graph" and error is None and votes == [0, 1, 1]
 
 
+def test_a_capture_failure_names_the_error_that_ended_the_capture_first():
+    """Ending a capture whose body raised raises again; the report leads with the body's error."""
+    from tpspec.runtime.cuda_graphs import capture_failure_text
+
+    def capture():
+        try:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        finally:
+            raise RuntimeError("operation failed due to a previous error during capture")
+
+    captured, error = capture_or_fall_back(lambda: None, capture, lambda vote: vote)
+    assert captured is None and error.startswith("RuntimeError: operation not permitted when stream is capturing")
+    assert error.endswith("(then RuntimeError: operation failed due to a previous error during capture)")
+    assert capture_failure_text(ValueError("alone")) == "ValueError: alone"
+
+
 def test_graphs_follow_the_attention_backends_ability(monkeypatch):
     """Whether steps are graphed depends on the target's attention backend (its
     ``supports_graphs``), not on the mode: the deterministic backend's host loop is refused,

@@ -621,7 +621,7 @@ def _check_key(key: StepKey, meta: Any, drafts_sampled: bool) -> None:
 
 
 def capture_or_fall_back(warm_up: Callable[[], None], capture: Callable[[], Any],
-                         min_over_ranks: Callable[[int], int]) -> tuple[Any | None, Exception | None]:
+                         min_over_ranks: Callable[[int], int]) -> tuple[Any | None, str | None]:
     """The capture fallback, on every rank: ``(captured, error)``.
 
     ``warm_up()`` runs the step eagerly, collectives included, so its failure is raised, not
@@ -630,17 +630,31 @@ def capture_or_fall_back(warm_up: Callable[[], None], capture: Callable[[], Any]
     ``capture()`` only records, so a rank whose capture raised has run no collective its
     peers wait in: it votes 0 (1 on success) in ``min_over_ranks`` (one all-reduce), and the
     graph is used only when every rank voted 1. ``captured`` is ``capture()``'s result then,
-    else ``None`` (every rank runs this step eagerly); ``error`` is this rank's capture
-    failure or ``None``.
+    else ``None`` (every rank runs this step eagerly); ``error`` describes this rank's capture
+    failure (:func:`capture_failure_text`) or is ``None``.
     """
     warm_up()
     try:
         captured, error = capture(), None
     except Exception as exc:  # noqa: BLE001 - any failure means: this step runs eagerly
-        captured, error = None, exc
+        # Only the text is kept: the exception's traceback holds the step's frames, and with
+        # them the KV pages, until a garbage collection.
+        captured, error = None, capture_failure_text(exc)
     if min_over_ranks(0 if error is not None else 1) != 1:
         return None, error
     return captured, error
+
+
+def capture_failure_text(exc: BaseException) -> str:
+    """The first error of ``exc``'s chain, then ``exc`` itself. Ending a capture whose body
+    raised raises again (CUDA: "operation failed due to a previous error during capture"),
+    which hides the body's error as its context; the first error is the cause."""
+    chain = [exc]
+    while chain[-1].__context__ is not None and len(chain) < 16:
+        chain.append(chain[-1].__context__)
+    first = chain[-1]
+    text = f"{type(first).__name__}: {first}"
+    return text if first is exc else f"{text} (then {type(exc).__name__}: {exc})"
 
 
 def graphs_unavailable_reason(engine: Any) -> str | None:
