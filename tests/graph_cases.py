@@ -4,8 +4,12 @@ configuration a graphed step runs with, the models behind them, and how two runs
 
 from __future__ import annotations
 
+import contextlib
 import math
+import sys
 from pathlib import Path
+
+import torch
 
 from tpspec import SamplingParams, SpeculativeConfig
 from tpspec.model.tiny import make_tiny_checkpoint, make_tiny_eagle3_head
@@ -57,3 +61,33 @@ def assert_logprobs_close(got, ref, *, abs_tol: float, same_ranks: bool = True) 
             assert list(dg) == list(dr)
             assert all(math.isclose(dg[t].logprob, dr[t].logprob, abs_tol=abs_tol) for t in dr)
             assert not same_ranks or all(dg[t].rank == dr[t].rank for t in dr)
+
+
+# Checks that read values of CPU tensors only (a device tensor is not checked): (file, function).
+CPU_ONLY_CHECKS = {("tpspec/model/batch.py", "check_token_range"), ("tpspec/model/batch.py", "validate")}
+HOST_SYNCS = ("item", "tolist", "cpu", "numpy", "nonzero", "__int__", "__float__", "__bool__", "__index__")
+
+
+@contextlib.contextmanager
+def refusing_host_syncs():
+    """Inside, the tensor methods that read a value on the host (:data:`HOST_SYNCS`: what CUDA
+    graph capture forbids on the device) raise ``AssertionError``: on CPU, a step function that
+    calls one would fail its capture on a GPU."""
+    saved = {name: getattr(torch.Tensor, name) for name in HOST_SYNCS}
+
+    def refuse(name):
+        def method(*args, **kwargs):
+            code = sys._getframe(1).f_code  # noqa: SLF001
+            if not any(code.co_filename.endswith(f) and code.co_name == fn for f, fn in CPU_ONLY_CHECKS):
+                raise AssertionError(f"Tensor.{name} in {code.co_name}: a host sync inside a step a CUDA graph "
+                                     f"captures")
+            return saved[name](*args, **kwargs)
+        return method
+
+    try:
+        for name in HOST_SYNCS:
+            setattr(torch.Tensor, name, refuse(name))
+        yield
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)

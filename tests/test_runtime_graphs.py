@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from graph_cases import (PROMPTS, QWEN, SPECS, assert_logprobs_close, every_step_shape, first_outputs, make_models,
-                         spec_config)
+                         refusing_host_syncs, spec_config)
 from tpspec import LLM, SamplingParams, SpeculativeConfig
 from tpspec.runtime import cuda_graphs
 from tpspec.runtime.cuda_graphs import GenerationGraphs, StepKey, capture_or_fall_back, step_key
@@ -30,12 +30,22 @@ def models(tmp_path_factory):
 def test_graphed_steps_give_the_eager_tokens_on_cpu(models, name, monkeypatch):
     """What a graph replays, run eagerly on CPU (``capture=False``): batches padded to the bucket
     size with padding requests first, attention over bucketed page tables, the deferred selection
-    (no host sync) with the key's filter plan, logprobs and EAGLE-3 hidden states from the step's
-    outputs, the drafting chain of a draft model or EAGLE-3 head (sampled drafts' logits written
+    with the key's filter plan, logprobs and EAGLE-3 hidden states from the step's outputs, the drafting chain of a draft model or EAGLE-3 head (sampled drafts' logits written
     to the store inside it), and the eager repeat of steps and chains with an undecided row.
     Tokens must equal the eager steps', logprobs too (within 1e-5). The drafting chain's graphs are
-    off by default (``GRAPHED_DRAFT_CHAIN``); their step function is checked here all the same."""
+    off by default (``GRAPHED_DRAFT_CHAIN``); their step function is checked here all the same. Every
+    step function runs under :func:`refusing_host_syncs`: one that reads a device value on the host
+    would fail its capture on a GPU."""
     monkeypatch.setattr(cuda_graphs, "GRAPHED_DRAFT_CHAIN", True)
+
+    class NoSyncReplay(cuda_graphs._EagerReplay):  # noqa: SLF001 - what a graph records may not read the device
+        def __init__(self, step):
+            def checked(is_warmup):
+                with refusing_host_syncs():
+                    return step(is_warmup)
+            super().__init__(checked)
+
+    monkeypatch.setattr(cuda_graphs, "_EagerReplay", NoSyncReplay)
     with LLM(models["target"], distributed_executor_backend="external_launcher", tensor_parallel_size=1,
              device="cpu", speculative_config=spec_config(name, models), max_num_seqs=8) as llm:
         engine = llm._executor.ctx.state["engine"]  # noqa: SLF001

@@ -120,13 +120,15 @@ def check_stream(name: str, value: object) -> int | None:
     return int(value)
 
 
-def uniforms(seeds: torch.Tensor, offsets: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+def uniforms(seeds: torch.Tensor, offsets: torch.Tensor, columns: torch.Tensor,
+             column_range: tuple[int, int] | None = None) -> torch.Tensor:
     """Uniforms in (0, 1) from the Philox stream: ``(h + 0.5) * 2**-32`` as float64 (exact).
 
     ``seeds``/``offsets``: ``[R]`` int64; ``columns``: ``[C]`` int64. Returns ``[R, C]``
-    float64; equal on every device and rank for equal inputs.
+    float64; equal on every device and rank for equal inputs. ``column_range``: ``(min, max)``
+    of ``columns`` when known (no host sync; see :func:`~tpspec.keys.philox_words`).
     """
-    words = philox_words(seeds, offsets, columns)
+    words = philox_words(seeds, offsets, columns, column_range)
     return (words.to(torch.float64) + 0.5) * (2.0**-32)
 
 
@@ -139,7 +141,7 @@ def acceptance_uniforms(seeds: torch.Tensor, offsets: torch.Tensor, num_drafts: 
     steps = torch.arange(num_drafts, dtype=torch.int64, device=device) * SLOT_SPAN + (ACCEPT_UNIFORM_LANE - TARGET_LANE)
     at = (offsets.to(torch.int64).reshape(-1, 1) + steps.reshape(1, -1)).reshape(-1)
     column = torch.zeros(1, dtype=torch.int64, device=device)
-    u = uniforms(seeds.to(torch.int64).repeat_interleave(num_drafts), at, column)
+    u = uniforms(seeds.to(torch.int64).repeat_interleave(num_drafts), at, column, column_range=(0, 0))
     return u.reshape(batch, num_drafts)
 
 

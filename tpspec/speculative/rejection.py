@@ -300,7 +300,9 @@ def sharded_rejection_sample_deferred(
     else:
         q_n = torch.zeros_like(p_n)
     residual = (p_n - q_n).clamp(min=0.0)
-    race = exponential_from_words(philox_words(seeds, residual_offsets(offsets, n), columns)).to(torch.float64)
+    column_range = (offset, offset + width - 1)  # known on the host: no sync (this runs inside CUDA graphs)
+    race = exponential_from_words(philox_words(seeds, residual_offsets(offsets, n), columns,
+                                               column_range)).to(torch.float64)
     keys = torch.cat([_keys((residual / race).to(torch.float32), columns, real & (residual > 0)),
                       _keys((p_n / race).to(torch.float32), columns, real & (p_n > 0))])
     won = exchange.max_keys(keys, channel=channel)
