@@ -30,8 +30,9 @@ def models(tmp_path_factory):
 def test_graphed_steps_give_the_eager_tokens_on_cpu(models, name, monkeypatch):
     """What a graph replays, run eagerly on CPU (``capture=False``): batches padded to the bucket
     size with padding requests first, attention over bucketed page tables, the deferred selection
-    with the key's filter plan, logprobs and EAGLE-3 hidden states from the step's outputs, the drafting chain of a draft model or EAGLE-3 head (sampled drafts' logits written
-    to the store inside it), and the eager repeat of steps and chains with an undecided row.
+    with the key's filter plan, logprobs and EAGLE-3 hidden states from the step's outputs, the
+    drafting chain of a draft model or EAGLE-3 head (sampled drafts' logits written to the store
+    inside it), and the eager repeat of steps and chains with an undecided row.
     Tokens must equal the eager steps', logprobs too (within 1e-5). The drafting chain's graphs are
     off by default (``GRAPHED_DRAFT_CHAIN``); their step function is checked here all the same. Every
     step function runs under :func:`refusing_host_syncs`: one that reads a device value on the host
