@@ -32,7 +32,7 @@ from .comm import LocalKeyExchange, VarlenRows, exchange_counts
 from .config import ModelConfig
 from .kv_cache import KVPages, page_bytes
 from .layers import MLP, Attention, RMSNorm, RotaryEmbedding, ShardSpec, VocabParallelEmbedding, shard_plan, \
-    split_evenly, split_heads
+    split_evenly, split_heads, use_fused_kernels
 
 
 def check_split(config: ModelConfig, mapping: Mapping, *, deterministic: bool = False) -> None:
@@ -97,27 +97,33 @@ def plan_step(batch: ForwardBatch, attn_meta: AttentionMetadata | None, *, check
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: ``h = x + attn(norm(x)); out = h + mlp(norm(h))``."""
+    """Pre-norm block: ``h = x + attn(norm(x)); out = h + mlp(norm(h))``. ``fused``: the layers'
+    elementwise work in :mod:`tpspec.model.fused_triton`'s kernels (the residual add of ``h`` inside
+    the second norm's)."""
 
     def __init__(self, config: ModelConfig, layer: int, mapping: Mapping, group: Any,
-                 *, dtype: torch.dtype, device: Any, deterministic: bool = False) -> None:
+                 *, dtype: torch.dtype, device: Any, deterministic: bool = False, fused: bool = False) -> None:
         super().__init__()
         prefix = f"model.layers.{layer}"
         attn_group = group if mapping.attention_tp_size > 1 else None
+        self.fused = fused and not deterministic
+        kw: dict[str, Any] = {"dtype": dtype, "device": device, "deterministic": deterministic, "fused": self.fused}
         self.input_layernorm = RMSNorm(f"{prefix}.input_layernorm.weight", config.hidden_size, config.rms_norm_eps,
-                                       dtype=dtype, device=device, deterministic=deterministic)
+                                       **kw)
         self.self_attn = Attention(config, layer, mapping.attention_tp_size, mapping.attention_tp_rank, attn_group,
-                                   dtype=dtype, device=device, deterministic=deterministic)
+                                   **kw)
         self.post_attention_layernorm = RMSNorm(f"{prefix}.post_attention_layernorm.weight", config.hidden_size,
-                                                config.rms_norm_eps, dtype=dtype, device=device,
-                                                deterministic=deterministic)
-        self.mlp = MLP(config, layer, mapping.tp_size, mapping.tp_rank, group, dtype=dtype, device=device,
-                       deterministic=deterministic)
+                                                config.rms_norm_eps, **kw)
+        self.mlp = MLP(config, layer, mapping.tp_size, mapping.tp_rank, group, **kw)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 pages: KVPages, attend: AttendFn, dp_rows: VarlenRows | None) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, pages, attend)
-        y = self.post_attention_layernorm(h)
+        if self.fused:
+            attn = self.self_attn(self.input_layernorm(x), cos, sin, meta, pages, attend)
+            y, h = self.post_attention_layernorm.add_forward(attn, x)
+        else:
+            h = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, pages, attend)
+            y = self.post_attention_layernorm(h)
         if dp_rows is None:
             return h + self.mlp(y)
         # Attention DP: the MLP runs over the tokens of every rank of the group.
@@ -178,7 +184,8 @@ class TPLlamaForCausalLM(nn.Module):
     says what ``"auto"`` runs and when a forced one raises ``ValueError``). ``deterministic``: every
     reduction in the fixed order of :mod:`tpspec.model.deterministic` (attention by its
     ``"deterministic"`` backend), so each logits row is a function of its own sequence alone, bit
-    for bit, at every batch and every power-of-two TP size.
+    for bit, at every batch and every power-of-two TP size. ``fused`` (set here, not an argument):
+    whether the layers run the fused Triton kernels (:func:`~tpspec.model.layers.use_fused_kernels`).
 
     Raises ``ValueError`` at construction when the vocabulary, heads or MLP cannot be split,
     and ``RuntimeError`` when ``tp_size > 1`` but the TP process group does not exist.
@@ -194,6 +201,7 @@ class TPLlamaForCausalLM(nn.Module):
         self.config = config
         self.mapping = mapping
         self.device = torch.device(device)
+        self.fused = use_fused_kernels(self.device, deterministic=deterministic)
         self.dtype = dtype
         tp = mapping.tp_size
         self.group = D.tp_group() if tp > 1 else None
@@ -208,11 +216,12 @@ class TPLlamaForCausalLM(nn.Module):
                                                    embed_tp, embed_rank, self.group, dtype=dtype, device=device,
                                                    deterministic=deterministic)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, mapping, self.group, dtype=dtype, device=device, deterministic=deterministic)
+            DecoderLayer(config, i, mapping, self.group, dtype=dtype, device=device, deterministic=deterministic,
+                         fused=self.fused)
             for i in range(config.num_layers)
         )
         self.norm = RMSNorm("model.norm.weight", config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device,
-                            deterministic=deterministic)
+                            deterministic=deterministic, fused=self.fused)
         self.rotary = RotaryEmbedding(config, device=device, deterministic=deterministic)
         self.lm_head = VocabParallelHead(config.hidden_size, config.vocab_size, mapping,
                                          self._head_exchange(exchange), dtype=dtype, device=device)
