@@ -157,6 +157,88 @@ def check_model(device: str, dtype: torch.dtype) -> None:
         assert out[True][1] == out[False][1], out
 
 
+def _small_config():
+    from tpspec.model import ModelConfig
+    from tpspec.model.tiny import tiny_config_dict
+
+    return ModelConfig.from_dict(tiny_config_dict(hidden_size=64, intermediate_size=96, num_heads=4, num_kv_heads=2))
+
+
+def _tp_rank(rank: int, world: int, fused: bool, adp: bool):
+    """One rank of a TP-2 (or attention-DP) small random model: mixed-step logits and greedy tokens."""
+    from model_helpers import allocate_slots, greedy_generate, mixed_scenario
+
+    from tpspec.mapping import Mapping
+    from tpspec.model import random_model
+
+    with fused_switch(fused):
+        model = random_model(_small_config(), Mapping(world, rank, enable_attention_dp=adp), dtype=torch.float32,
+                             seed=3)
+    assert model.fused is fused
+    allocate_slots(model, 4)
+    logits = mixed_scenario(model)
+    return logits, greedy_generate(model, [[5, 6, 7], [100, 3]], 6, slots=[2, 3])
+
+
+def check_tp(device: str, dtype: torch.dtype) -> None:
+    """TP 2 and attention DP (gloo ranks, each setting the switch itself): the fused kernels give
+    the torch layers' logits (to 1e-4) and greedy tokens."""
+    from tpspec.testing import run_ranks
+
+    for adp in (False, True):  # random weights are drawn per rank: each rank against its own torch run
+        want = run_ranks(_tp_rank, 2, False, adp, timeout_s=120)
+        for (logits, tokens), (want_logits, want_tokens) in zip(run_ranks(_tp_rank, 2, True, adp, timeout_s=120), want):
+            assert tokens == want_tokens, (adp, tokens, want_tokens)
+            for got, ref in zip(logits, want_logits):
+                torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def eagle3_drafts(device: str, target_dir: str, head_dir: str, fused: bool) -> tuple[list[list[int]], torch.Tensor]:
+    """Prefill three prompts through the tiny target, then 3 chained EAGLE-3 drafts per prompt:
+    ``(drafts, the head's last outputs)``."""
+    from tpspec.model import ForwardBatch, load_model
+    from tpspec.model.eagle3 import Eagle3Drafter
+
+    prompts = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [100, 200, 300, 5, 6, 7, 8], [42, 43]]
+    with fused_switch(fused):
+        model = load_model(target_dir, device=device)
+        head = Eagle3Drafter(head_dir, model)
+    assert model.fused is fused and head.fused is fused and head.self_attn.fused is fused
+    model.allocate_kv_cache(8 * len(prompts), 8)
+    head.allocate_kv_cache(8 * len(prompts), 8)
+    slots = [list(range(8 * i, 8 * i + 8)) for i in range(len(prompts))]
+    model(ForwardBatch(torch.tensor([t for p in prompts for t in p]),
+                       torch.tensor([i for p in prompts for i in range(len(p))]),
+                       slots, [0] * len(prompts), [len(p) for p in prompts]))
+    keep = torch.cat([torch.arange(len(p) - 1) + sum(len(q) for q in prompts[:i]) for i, p in enumerate(prompts)])
+    batch = ForwardBatch(torch.tensor([t for p in prompts for t in p[1:]]),
+                         torch.tensor([i for p in prompts for i in range(len(p) - 1)]), slots, [0] * len(prompts),
+                         [len(p) - 1 for p in prompts])
+    cur, out = head.greedy_drafts(batch, model.aux_hidden_states.index_select(0, keep.to(device)))
+    drafts = [cur]
+    for j in range(1, 3):
+        at = [len(p) - 2 + j for p in prompts]
+        cur, out = head.greedy_drafts(ForwardBatch(cur.cpu(), torch.tensor(at), slots, at, [1] * len(prompts)), out)
+        drafts.append(cur)
+    return torch.stack(drafts, 1).tolist(), out
+
+
+def check_eagle3(device: str, dtype: torch.dtype) -> None:
+    """The tiny target with its tiny EAGLE-3 head: the same drafts with the fused kernels as
+    without (float32), the head's outputs within 1e-4."""
+    import tempfile
+
+    from tpspec.model.tiny import make_tiny_checkpoint, make_tiny_eagle3_head
+
+    with tempfile.TemporaryDirectory() as tmp:
+        target = make_tiny_checkpoint(f"{tmp}/tiny", seed=0)
+        head = make_tiny_eagle3_head(f"{tmp}/head", target, seed=1)
+        want, want_out = eagle3_drafts(device, str(target), str(head), False)
+        got, got_out = eagle3_drafts(device, str(target), str(head), True)
+    assert got == want, (got, want)
+    torch.testing.assert_close(got_out, want_out, rtol=1e-4, atol=1e-4)
+
+
 def engine_tokens(device: str, dtype: str, ckpt: str, fused: bool, **options) -> list[list[int]]:
     """Greedy tokens of the tiny checkpoint's engine (n-gram drafts: prefill, verification and
     decode steps), with the fused kernels on or off."""
@@ -190,7 +272,7 @@ def check_engine(device: str, dtype: torch.dtype) -> None:
         assert engine_tokens(device, name, ckpt, True) == torch_tokens
 
 
-CHECKS = {"kernels": [check_norm, check_rotary, check_silu_mul, check_errors], "model": [check_model],
+CHECKS = {"kernels": [check_norm, check_rotary, check_silu_mul, check_errors], "model": [check_model, check_eagle3], "tp": [check_tp],
           "engine": [check_engine]}
 
 

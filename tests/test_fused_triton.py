@@ -3,9 +3,9 @@
 On CPU through Triton's interpreter (a subprocess sets ``TRITON_INTERPRET=1`` before Triton is
 imported; skipped without ``triton``): each kernel against the torch layers in float32 and float16
 (rotary, the KV rows and the residual sum bit for bit; the norm and ``silu`` within 2 ulps of the
-dtype, see ``fused_triton_cases.py``), a small random model's logits and greedy tokens with the
-kernels against without, and the tiny checkpoint's engine (n-gram drafts) giving the same greedy
-tokens with and without them. On CUDA (``gpu`` marks): the kernels in float32, float16 and
+dtype, see ``fused_triton_cases.py``); with the kernels against without: a small random model's
+logits and greedy tokens at TP 1, TP 2 and under attention DP (gloo ranks), the tiny EAGLE-3 head's
+drafts, and the tiny checkpoint's engine (n-gram drafts) giving the same greedy tokens. On CUDA (``gpu`` marks): the kernels in float32, float16 and
 bfloat16 at small and Llama-3-8B sizes, the kernels captured in a CUDA graph and replayed on new
 inputs against an eager run, the engine with graphed steps, and two Llama-3-8B-shape layers in
 bfloat16 with the kernels against without.
@@ -51,6 +51,11 @@ def test_interpreted_kernels_match_torch_layers():
 @needs_triton
 def test_interpreted_model_logits_and_tokens_match_torch_layers():
     _interpret("model", "float32")
+
+
+@needs_triton
+def test_interpreted_tp_and_attention_dp_match_torch_layers():
+    _interpret("tp", "float32")
 
 
 @needs_triton
