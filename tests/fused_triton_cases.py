@@ -6,10 +6,11 @@ check prints ``<name> <dtype>: ok``).
 References are the torch layers themselves (``RMSNorm``, ``apply_rotary`` + ``KVPages.write``,
 ``F.silu(gate) * up``). Tolerances: the residual add, rotary and the KV rows are compared bit for
 bit (each output is one rounding of a sum of two products, as in torch). The norm's sum of
-squares is reduced in another order (and ``rsqrt`` may differ by an ulp), so its float32
-statistic can differ by a few ulps; after the casts that is at most 2 ulps of the output dtype
-(one from the normalized value's rounding, one from the weight product's). ``silu`` calls
-another ``exp`` (numpy's under the interpreter, libdevice's on CUDA), again at most 2 ulps.
+squares (up to 16384 terms) is reduced in another order and ``rsqrt`` may differ by an ulp, so
+its float32 statistic can differ by a few ulps: :func:`tolerance` allows 8 ulps in float32 and 2
+ulps of float16 / bfloat16 (where that difference shows only as a rounding flipped in the
+normalized value or the weight product). ``silu`` calls another ``exp`` (numpy's under the
+interpreter, libdevice's on CUDA): the same tolerance.
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ CPU_SHAPES = [(96, 80, 4, 2, 16), (160, 1100, 5, 1, 40)]
 CUDA_SHAPES = CPU_SHAPES + [(4096, 14336, 32, 8, 128), (16384, 1024, 8, 8, 64)]
 
 
-def ulps(dtype: torch.dtype) -> float:
-    """The relative size of one unit in the last place of ``dtype``."""
-    return torch.finfo(dtype).eps
+def tolerance(dtype: torch.dtype) -> float:
+    """rtol = atol of the norm and silu checks: 8 ulps in float32, 2 in float16 and bfloat16."""
+    return (8 if dtype == torch.float32 else 2) * torch.finfo(dtype).eps
 
 
 @contextlib.contextmanager
@@ -62,7 +63,7 @@ def check_norm(device: str, dtype: torch.dtype, shapes=None) -> None:
         normed, h = kernels.add_rms_norm(x, res, norm.weight, norm.eps)
         assert torch.equal(h, res + x), "the residual sum must be torch's bit for bit"
         assert torch.equal(x, x_before) and torch.equal(res, res_before), "inputs must stay untouched"
-        tol = 2 * ulps(dtype)
+        tol = tolerance(dtype)
         torch.testing.assert_close(normed, norm(res + x), rtol=tol, atol=tol)
         torch.testing.assert_close(kernels.rms_norm(x, norm.weight, norm.eps), norm(x), rtol=tol, atol=tol)
         strided = torch.cat([x, x], dim=1)[:, :hidden]  # rows with a stride: the kernel reads them in place
@@ -112,7 +113,7 @@ def check_silu_mul(device: str, dtype: torch.dtype, shapes=None) -> None:
     for _, inter, *_ in shapes or (CUDA_SHAPES if device == "cuda" else CPU_SHAPES):
         gate_up = _randn(gen, 5, 2 * inter, device=device, dtype=dtype, scale=4.0)
         gate, up = gate_up.chunk(2, dim=-1)
-        tol = 2 * ulps(dtype)
+        tol = tolerance(dtype)
         torch.testing.assert_close(kernels.silu_mul(gate_up), F.silu(gate) * up, rtol=tol, atol=tol)
 
 
