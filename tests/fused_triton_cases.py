@@ -101,7 +101,8 @@ def check_rotary(device: str, dtype: torch.dtype, shapes=None) -> None:
         kernels.rotary_and_write_kv(qkv, cos, sin, outside, got.k, got.v, heads, kv_heads, head_dim)
         flat_k, flat_v = got.k.view(-1, kv_heads, head_dim), got.v.view(-1, kv_heads, head_dim)
         want_k = apply_rotary(tk.view(n, kv_heads, head_dim), cos, sin)
-        assert torch.equal(flat_k[rows], want_k[2:]) and torch.equal(flat_v[rows], tv.reshape(n, kv_heads, head_dim)[2:])
+        assert torch.equal(flat_k[rows], want_k[2:])
+        assert torch.equal(flat_v[rows], tv.reshape(n, kv_heads, head_dim)[2:])
         kept = torch.ones(num_pages * page, dtype=torch.bool, device=device)
         kept[rows] = False
         assert torch.equal(flat_k[kept], before_k.view(-1, kv_heads, head_dim)[kept])
@@ -273,7 +274,8 @@ def check_engine(device: str, dtype: torch.dtype) -> None:
         assert engine_tokens(device, name, ckpt, True) == torch_tokens
 
 
-CHECKS = {"kernels": [check_norm, check_rotary, check_silu_mul, check_errors], "model": [check_model, check_eagle3], "tp": [check_tp],
+CHECKS = {"kernels": [check_norm, check_rotary, check_silu_mul, check_errors], "model": [check_model, check_eagle3],
+          "tp": [check_tp],
           "engine": [check_engine]}
 
 

@@ -3,9 +3,10 @@
 On CPU through Triton's interpreter (a subprocess sets ``TRITON_INTERPRET=1`` before Triton is
 imported; skipped without ``triton``): each kernel against the torch layers in float32 and float16
 (rotary, the KV rows and the residual sum bit for bit; the norm and ``silu`` within 8 ulps in
-float32 and 2 in the half types, see ``fused_triton_cases.py``); with the kernels against without: a small random model's
-logits and greedy tokens at TP 1, TP 2 and under attention DP (gloo ranks), the tiny EAGLE-3 head's
-drafts, and the tiny checkpoint's engine (n-gram drafts) giving the same greedy tokens. On CUDA (``gpu`` marks): the kernels in float32, float16 and
+float32 and 2 in the half types, see ``fused_triton_cases.py``); and with the kernels against
+without: a small random model's logits and greedy tokens at TP 1, TP 2 and under attention DP
+(gloo ranks), the tiny EAGLE-3 head's drafts, and the tiny checkpoint's engine (n-gram drafts)
+giving the same greedy tokens. On CUDA (``gpu`` marks): the kernels in float32, float16 and
 bfloat16 at small and Llama-3-8B sizes, the kernels captured in a CUDA graph and replayed on new
 inputs against an eager run, the engine with graphed steps, and two Llama-3-8B-shape layers in
 bfloat16 with the kernels against without.

@@ -134,9 +134,10 @@ def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, 
         res = _rows(residual, "residual")
     if n:
         block = triton.next_power_of_2(hidden)
-        _rms_norm_kernel[(n,)](x, res, weight.contiguous(), out, new_res, hidden, float(hidden), float(eps), x.stride(0),
-                               res.stride(0), out.stride(0), new_res.stride(0), HAS_RESIDUAL=residual is not None,
-                               BLOCK=block, num_warps=min(16, max(1, block // 512)), enable_fp_fusion=False)
+        _rms_norm_kernel[(n,)](x, res, weight.contiguous(), out, new_res, hidden, float(hidden), float(eps),
+                               x.stride(0), res.stride(0), out.stride(0), new_res.stride(0),
+                               HAS_RESIDUAL=residual is not None, BLOCK=block,
+                               num_warps=min(16, max(1, block // 512)), enable_fp_fusion=False)
     return out, new_res
 
 
