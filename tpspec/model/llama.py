@@ -98,8 +98,8 @@ def plan_step(batch: ForwardBatch, attn_meta: AttentionMetadata | None, *, check
 
 class DecoderLayer(nn.Module):
     """Pre-norm block: ``h = x + attn(norm(x)); out = h + mlp(norm(h))``. ``fused``: the layers'
-    elementwise work in :mod:`tpspec.model.fused_triton`'s kernels (the residual add of ``h`` inside
-    the second norm's)."""
+    elementwise work in :mod:`tpspec.model.fused_triton`'s kernels, run through :meth:`fused_forward`
+    (the residual adds inside the norms' kernels)."""
 
     def __init__(self, config: ModelConfig, layer: int, mapping: Mapping, group: Any,
                  *, dtype: torch.dtype, device: Any, deterministic: bool = False, fused: bool = False) -> None:
@@ -118,16 +118,28 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 pages: KVPages, attend: AttendFn, dp_rows: VarlenRows | None) -> torch.Tensor:
-        if self.fused:
-            attn = self.self_attn(self.input_layernorm(x), cos, sin, meta, pages, attend)
-            y, h = self.post_attention_layernorm.add_forward(attn, x)
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, pages, attend)
+        return h + self._mlp(self.post_attention_layernorm(h), dp_rows)
+
+    def fused_forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                      meta: AttentionMetadata, pages: KVPages, attend: AttendFn,
+                      dp_rows: VarlenRows | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`forward` with the residual adds inside the norms' kernels (``fused`` layers): the
+        layer's input is ``x + residual`` (``x`` alone when ``residual`` is None, the first layer), its
+        output ``mlp + h``. Returns ``(mlp, h, input)``: the next layer's ``x`` and ``residual``, and
+        this layer's input (what :meth:`forward` would have received)."""
+        if residual is None:
+            normed, x_in = self.input_layernorm(x), x
         else:
-            h = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, pages, attend)
-            y = self.post_attention_layernorm(h)
+            normed, x_in = self.input_layernorm.add_forward(x, residual)
+        y, h = self.post_attention_layernorm.add_forward(self.self_attn(normed, cos, sin, meta, pages, attend), x_in)
+        return self._mlp(y, dp_rows), h, x_in
+
+    def _mlp(self, y: torch.Tensor, dp_rows: VarlenRows | None) -> torch.Tensor:
         if dp_rows is None:
-            return h + self.mlp(y)
+            return self.mlp(y)
         # Attention DP: the MLP runs over the tokens of every rank of the group.
-        return h + self.mlp(dp_rows.gather(y), reduce=dp_rows.reduce_scatter)
+        return self.mlp(dp_rows.gather(y), reduce=dp_rows.reduce_scatter)
 
 
 class StackedRowsLogits(VocabShardedLogits):
@@ -320,13 +332,24 @@ class TPLlamaForCausalLM(nn.Module):
         cos, sin = self.rotary(batch.positions.to(self.device), self.dtype)
         attend = self.attention.bind(layout.meta)
         captured: dict[int, torch.Tensor] = {}
+        residual: torch.Tensor | None = None  # fused layers: the hidden state is x + residual
         for i, (layer, pages) in enumerate(zip(self.layers, self.caches)):
+            if self.fused:
+                x, residual, layer_input = layer.fused_forward(x, residual, cos, sin, layout.meta, pages, attend,
+                                                               layout.dp_rows)
+                if i in self.aux_layer_ids:
+                    captured[i] = layer_input
+                continue
             if i in self.aux_layer_ids:
                 captured[i] = x
             x = layer(x, cos, sin, layout.meta, pages, attend, layout.dp_rows)
         if self.aux_layer_ids:
             self.aux_hidden_states = torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1)
-        x = self.norm(x.index_select(0, layout.rows.to(self.device)))
+        rows = layout.rows.to(self.device)
+        if residual is not None:
+            x = self.norm.add_forward(x.index_select(0, rows), residual.index_select(0, rows))[0]
+        else:
+            x = self.norm(x.index_select(0, rows))
         if layout.head_rows is not None:
             return StackedRowsLogits(self.lm_head(layout.head_rows.gather(x)), layout.head_rows)
         if self.head_fixed_order is not None:
