@@ -66,7 +66,7 @@ from .batch import AttentionMetadata, ForwardBatch, check_paged_batch
 from .config import ModelConfig, read_json
 from .kv_cache import KVPages, page_bytes
 from .layers import MLP, Attention, RMSNorm, RotaryEmbedding, RowParallelLinear, ShardSpec, shard_plan, split_evenly, \
-    split_heads
+    split_heads, use_fused_kernels
 from .llama import StackedRowsLogits, TPLlamaForCausalLM, plan_step
 from .loader import CheckpointError, CheckpointReader, check_draft_vocab_map, load_weights
 from .shapes import DEFAULT_EAGLE3_DRAFT_VOCAB, eagle3_shape_config, fill_random, is_eagle3_shape_path, \
@@ -282,19 +282,21 @@ class Eagle3Drafter(nn.Module):
         attn_group = self.group if attn_tp > 1 else None
         kw: dict[str, Any] = {"dtype": self.dtype, "device": self.device}
         dkw: dict[str, Any] = dict(kw, deterministic=deterministic)
+        self.fused = use_fused_kernels(self.device, deterministic=deterministic)
+        fkw: dict[str, Any] = dict(dkw, fused=self.fused)  # the layers that have fused kernels
         # The embedding is shared with the target, not a submodule: its weights are the target's.
         object.__setattr__(self, "target_embedding", target.embed_tokens)
         self.fc_start, self.fc_len = split_evenly("3 * hidden_size", NUM_AUX_HIDDEN_STATES * hidden, attn_tp, attn_rank)
         self.fc = RowParallelLinear("fc", NUM_AUX_HIDDEN_STATES * hidden, hidden, self.fc_start, self.fc_len, False,
                                     attn_group, attn_tp, **dkw)
-        self.input_layernorm = RMSNorm("midlayer.input_layernorm.weight", hidden, layer.rms_norm_eps, **dkw)
-        self.hidden_norm = RMSNorm("midlayer.hidden_norm.weight", hidden, layer.rms_norm_eps, **dkw)
+        self.input_layernorm = RMSNorm("midlayer.input_layernorm.weight", hidden, layer.rms_norm_eps, **fkw)
+        self.hidden_norm = RMSNorm("midlayer.hidden_norm.weight", hidden, layer.rms_norm_eps, **fkw)
         self.self_attn = Attention(layer, 0, attn_tp, attn_rank, attn_group, prefix="midlayer.self_attn",
-                                   in_features=2 * hidden, **dkw)
+                                   in_features=2 * hidden, **fkw)
         self.post_attention_layernorm = RMSNorm("midlayer.post_attention_layernorm.weight", hidden,
-                                                layer.rms_norm_eps, **dkw)
-        self.mlp = MLP(layer, 0, mapping.tp_size, mapping.tp_rank, self.group, prefix="midlayer.mlp", **dkw)
-        self.norm = RMSNorm("norm.weight", hidden, layer.rms_norm_eps, **dkw)
+                                                layer.rms_norm_eps, **fkw)
+        self.mlp = MLP(layer, 0, mapping.tp_size, mapping.tp_rank, self.group, prefix="midlayer.mlp", **fkw)
+        self.norm = RMSNorm("norm.weight", hidden, layer.rms_norm_eps, **fkw)
         self.rotary = RotaryEmbedding(layer, device=self.device, deterministic=deterministic)
         self.attention = make_attention_backend(
             choose_attention_backend(self.device, layer.head_dim, attention_backend, deterministic=deterministic),

@@ -9,10 +9,16 @@ inputs and sum the partial outputs over the TP group.
 ``deterministic=True`` (every layer's keyword) computes the same functions with the fixed
 reduction orders of :mod:`tpspec.model.deterministic`: per-row results independent of the
 batch and bit-identical at every power-of-two TP size. The default path is untouched.
+
+``fused=True`` (RMSNorm, Attention, MLP; the model passes :func:`use_fused_kernels`'s decision)
+runs the elementwise work of a layer in the Triton kernels of :mod:`tpspec.model.fused_triton`:
+the norm with its residual add, rotary with the KV write, ``silu(gate) * up``.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -28,6 +34,33 @@ from .batch import AttentionMetadata
 from .comm import all_reduce_sum
 from .config import ModelConfig
 from .kv_cache import KVPages
+
+# Whether models on CUDA run the fused Triton kernels of :mod:`tpspec.model.fused_triton`. Off until
+# a GPU run of tests/test_fused_triton.py's ``gpu`` tests passes; only such a checked path may stand on.
+FUSED_CUDA_KERNELS = False
+
+
+@functools.lru_cache(maxsize=None)
+def fused_kernels() -> Any:
+    """:mod:`tpspec.model.fused_triton`, or None where ``triton`` does not import."""
+    try:
+        return importlib.import_module(f"{__package__}.fused_triton")
+    except ImportError:
+        return None
+
+
+def use_fused_kernels(device: torch.device | str, *, deterministic: bool = False) -> bool:
+    """Whether a model on ``device`` runs the fused kernels: ``FUSED_CUDA_KERNELS`` is on, the model
+    is not deterministic (its fixed-order path stays as it is), and the kernels can run there: CUDA
+    with ``triton`` compiling (not its interpreter), or CPU under Triton's interpreter
+    (``TRITON_INTERPRET=1``, how the CPU tests run them). Every rank of a model decides alike."""
+    if deterministic or not FUSED_CUDA_KERNELS:
+        return False
+    kernels = fused_kernels()
+    if kernels is None:
+        return False
+    kind = torch.device(device).type
+    return (kind == "cuda" and not kernels.INTERPRETED) or (kind == "cpu" and kernels.INTERPRETED)
 
 
 @dataclass(frozen=True)
@@ -101,23 +134,35 @@ def split_evenly(name: str, size: int, tp_size: int, tp_rank: int) -> tuple[int,
 
 
 class RMSNorm(nn.Module):
-    """``x / rms(x) * weight``, computed in float32 and cast back (as transformers does)."""
+    """``x / rms(x) * weight``, computed in float32 and cast back (as transformers does).
+
+    ``forward(x)``: the norm of ``x``; ``add_forward(x, residual)``: ``(norm(h), h)`` with
+    ``h = residual + x`` (one kernel when ``fused``)."""
 
     def __init__(self, name: str, hidden_size: int, eps: float, *, dtype: torch.dtype, device: Any,
-                 deterministic: bool = False) -> None:
+                 deterministic: bool = False, fused: bool = False) -> None:
         super().__init__()
         self.eps = eps
         self.deterministic = deterministic
+        self.fused = fused and not deterministic
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False)
         self.plan = {"weight": [ShardSpec(name, (hidden_size,))]}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.deterministic:
             return det.rms_norm(x, self.weight, self.eps)
+        if self.fused:
+            return fused_kernels().rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x32 = x.to(torch.float32)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fused:
+            return fused_kernels().add_rms_norm(x, residual, self.weight, self.eps)
+        h = residual + x
+        return self(h), h
 
 
 class RotaryEmbedding(nn.Module):
@@ -279,13 +324,15 @@ class Attention(nn.Module):
     each token causally to its sequence's pages through ``attend`` (the step's bound paged
     attention, :mod:`tpspec.model.attention`) and projects back (summed over the group).
     ``prefix`` (default ``model.layers.{layer}.self_attn``) names the checkpoint tensors;
-    ``in_features`` (default ``hidden_size``) is the width q/k/v read.
+    ``in_features`` (default ``hidden_size``) is the width q/k/v read. ``fused``: rotary and the
+    K/V write in one kernel (:func:`~tpspec.model.fused_triton.rotary_and_write_kv`).
     """
 
     def __init__(self, cfg: ModelConfig, layer: int, tp_size: int, tp_rank: int, group: Any,
                  *, dtype: torch.dtype, device: Any, prefix: str | None = None,
-                 in_features: int | None = None, deterministic: bool = False) -> None:
+                 in_features: int | None = None, deterministic: bool = False, fused: bool = False) -> None:
         super().__init__()
+        self.fused = fused and not deterministic
         split = split_heads(cfg, tp_size, tp_rank)
         hd = cfg.head_dim
         self.head_dim = hd
@@ -313,6 +360,10 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 pages: KVPages, attend: AttendFn) -> torch.Tensor:
         n = x.shape[0]
+        if self.fused:
+            q = fused_kernels().rotary_and_write_kv(self.qkv(x), cos, sin, meta.write_index, pages.k, pages.v,
+                                                    self.num_heads, self.num_kv_heads, self.head_dim)
+            return self.o_proj(attend(q, pages).reshape(n, self.num_heads * self.head_dim))
         q, k, v = self.qkv(x).split(self.qkv.out_sizes, dim=-1)
         q = apply_rotary(q.view(n, self.num_heads, self.head_dim), cos, sin)
         k = apply_rotary(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
@@ -326,14 +377,16 @@ class MLP(nn.Module):
     """SwiGLU feed-forward, ``down(silu(gate(x)) * up(x))``, intermediate features split over the group.
 
     ``forward(x, reduce=None)``: ``reduce`` replaces the all-reduce of the down projection.
-    ``prefix`` (default ``model.layers.{layer}.mlp``) names the checkpoint tensors.
+    ``prefix`` (default ``model.layers.{layer}.mlp``) names the checkpoint tensors. ``fused``:
+    ``silu(gate) * up`` in one kernel (:func:`~tpspec.model.fused_triton.silu_mul`).
     """
 
     def __init__(self, cfg: ModelConfig, layer: int, tp_size: int, tp_rank: int, group: Any,
                  *, dtype: torch.dtype, device: Any, prefix: str | None = None,
-                 deterministic: bool = False) -> None:
+                 deterministic: bool = False, fused: bool = False) -> None:
         super().__init__()
         self.deterministic = deterministic
+        self.fused = fused and not deterministic
         inter = cfg.intermediate_size
         start, length = split_evenly("intermediate_size", inter, tp_size, tp_rank)
         prefix = prefix or f"model.layers.{layer}.mlp"
@@ -349,6 +402,8 @@ class MLP(nn.Module):
                                       group, tp_size, dtype=dtype, device=device, deterministic=deterministic)
 
     def forward(self, x: torch.Tensor, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        if self.fused:
+            return self.down(fused_kernels().silu_mul(self.gate_up(x)), reduce)
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         act = det.silu(gate) if self.deterministic else F.silu(gate)
         return self.down(act * up, reduce)

@@ -32,7 +32,7 @@ from .comm import LocalKeyExchange, VarlenRows, exchange_counts
 from .config import ModelConfig
 from .kv_cache import KVPages, page_bytes
 from .layers import MLP, Attention, RMSNorm, RotaryEmbedding, ShardSpec, VocabParallelEmbedding, shard_plan, \
-    split_evenly, split_heads
+    split_evenly, split_heads, use_fused_kernels
 
 
 def check_split(config: ModelConfig, mapping: Mapping, *, deterministic: bool = False) -> None:
@@ -97,31 +97,49 @@ def plan_step(batch: ForwardBatch, attn_meta: AttentionMetadata | None, *, check
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: ``h = x + attn(norm(x)); out = h + mlp(norm(h))``."""
+    """Pre-norm block: ``h = x + attn(norm(x)); out = h + mlp(norm(h))``. ``fused``: the layers'
+    elementwise work in :mod:`tpspec.model.fused_triton`'s kernels, run through :meth:`fused_forward`
+    (the residual adds inside the norms' kernels)."""
 
     def __init__(self, config: ModelConfig, layer: int, mapping: Mapping, group: Any,
-                 *, dtype: torch.dtype, device: Any, deterministic: bool = False) -> None:
+                 *, dtype: torch.dtype, device: Any, deterministic: bool = False, fused: bool = False) -> None:
         super().__init__()
         prefix = f"model.layers.{layer}"
         attn_group = group if mapping.attention_tp_size > 1 else None
+        self.fused = fused and not deterministic
+        kw: dict[str, Any] = {"dtype": dtype, "device": device, "deterministic": deterministic, "fused": self.fused}
         self.input_layernorm = RMSNorm(f"{prefix}.input_layernorm.weight", config.hidden_size, config.rms_norm_eps,
-                                       dtype=dtype, device=device, deterministic=deterministic)
+                                       **kw)
         self.self_attn = Attention(config, layer, mapping.attention_tp_size, mapping.attention_tp_rank, attn_group,
-                                   dtype=dtype, device=device, deterministic=deterministic)
+                                   **kw)
         self.post_attention_layernorm = RMSNorm(f"{prefix}.post_attention_layernorm.weight", config.hidden_size,
-                                                config.rms_norm_eps, dtype=dtype, device=device,
-                                                deterministic=deterministic)
-        self.mlp = MLP(config, layer, mapping.tp_size, mapping.tp_rank, group, dtype=dtype, device=device,
-                       deterministic=deterministic)
+                                                config.rms_norm_eps, **kw)
+        self.mlp = MLP(config, layer, mapping.tp_size, mapping.tp_rank, group, **kw)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 pages: KVPages, attend: AttendFn, dp_rows: VarlenRows | None) -> torch.Tensor:
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, pages, attend)
-        y = self.post_attention_layernorm(h)
+        return h + self._mlp(self.post_attention_layernorm(h), dp_rows)
+
+    def fused_forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                      meta: AttentionMetadata, pages: KVPages, attend: AttendFn,
+                      dp_rows: VarlenRows | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`forward` with the residual adds inside the norms' kernels (``fused`` layers): the
+        layer's input is ``x + residual`` (``x`` alone when ``residual`` is None, the first layer), its
+        output ``mlp + h``. Returns ``(mlp, h, input)``: the next layer's ``x`` and ``residual``, and
+        this layer's input (what :meth:`forward` would have received)."""
+        if residual is None:
+            normed, x_in = self.input_layernorm(x), x
+        else:
+            normed, x_in = self.input_layernorm.add_forward(x, residual)
+        y, h = self.post_attention_layernorm.add_forward(self.self_attn(normed, cos, sin, meta, pages, attend), x_in)
+        return self._mlp(y, dp_rows), h, x_in
+
+    def _mlp(self, y: torch.Tensor, dp_rows: VarlenRows | None) -> torch.Tensor:
         if dp_rows is None:
-            return h + self.mlp(y)
+            return self.mlp(y)
         # Attention DP: the MLP runs over the tokens of every rank of the group.
-        return h + self.mlp(dp_rows.gather(y), reduce=dp_rows.reduce_scatter)
+        return self.mlp(dp_rows.gather(y), reduce=dp_rows.reduce_scatter)
 
 
 class StackedRowsLogits(VocabShardedLogits):
@@ -178,7 +196,8 @@ class TPLlamaForCausalLM(nn.Module):
     says what ``"auto"`` runs and when a forced one raises ``ValueError``). ``deterministic``: every
     reduction in the fixed order of :mod:`tpspec.model.deterministic` (attention by its
     ``"deterministic"`` backend), so each logits row is a function of its own sequence alone, bit
-    for bit, at every batch and every power-of-two TP size.
+    for bit, at every batch and every power-of-two TP size. ``fused`` (set here, not an argument):
+    whether the layers run the fused Triton kernels (:func:`~tpspec.model.layers.use_fused_kernels`).
 
     Raises ``ValueError`` at construction when the vocabulary, heads or MLP cannot be split,
     and ``RuntimeError`` when ``tp_size > 1`` but the TP process group does not exist.
@@ -194,6 +213,7 @@ class TPLlamaForCausalLM(nn.Module):
         self.config = config
         self.mapping = mapping
         self.device = torch.device(device)
+        self.fused = use_fused_kernels(self.device, deterministic=deterministic)
         self.dtype = dtype
         tp = mapping.tp_size
         self.group = D.tp_group() if tp > 1 else None
@@ -208,11 +228,12 @@ class TPLlamaForCausalLM(nn.Module):
                                                    embed_tp, embed_rank, self.group, dtype=dtype, device=device,
                                                    deterministic=deterministic)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, mapping, self.group, dtype=dtype, device=device, deterministic=deterministic)
+            DecoderLayer(config, i, mapping, self.group, dtype=dtype, device=device, deterministic=deterministic,
+                         fused=self.fused)
             for i in range(config.num_layers)
         )
         self.norm = RMSNorm("model.norm.weight", config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device,
-                            deterministic=deterministic)
+                            deterministic=deterministic, fused=self.fused)
         self.rotary = RotaryEmbedding(config, device=device, deterministic=deterministic)
         self.lm_head = VocabParallelHead(config.hidden_size, config.vocab_size, mapping,
                                          self._head_exchange(exchange), dtype=dtype, device=device)
@@ -311,13 +332,24 @@ class TPLlamaForCausalLM(nn.Module):
         cos, sin = self.rotary(batch.positions.to(self.device), self.dtype)
         attend = self.attention.bind(layout.meta)
         captured: dict[int, torch.Tensor] = {}
+        residual: torch.Tensor | None = None  # fused layers: the hidden state is x + residual
         for i, (layer, pages) in enumerate(zip(self.layers, self.caches)):
+            if self.fused:
+                x, residual, layer_input = layer.fused_forward(x, residual, cos, sin, layout.meta, pages, attend,
+                                                               layout.dp_rows)
+                if i in self.aux_layer_ids:
+                    captured[i] = layer_input
+                continue
             if i in self.aux_layer_ids:
                 captured[i] = x
             x = layer(x, cos, sin, layout.meta, pages, attend, layout.dp_rows)
         if self.aux_layer_ids:
             self.aux_hidden_states = torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1)
-        x = self.norm(x.index_select(0, layout.rows.to(self.device)))
+        rows = layout.rows.to(self.device)
+        if residual is not None:
+            x = self.norm.add_forward(x.index_select(0, rows), residual.index_select(0, rows))[0]
+        else:
+            x = self.norm(x.index_select(0, rows))
         if layout.head_rows is not None:
             return StackedRowsLogits(self.lm_head(layout.head_rows.gather(x)), layout.head_rows)
         if self.head_fixed_order is not None:

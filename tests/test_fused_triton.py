@@ -1,0 +1,207 @@
+"""The fused layer kernels (:mod:`tpspec.model.fused_triton`) and the switch that turns them on.
+
+On CPU through Triton's interpreter (a subprocess sets ``TRITON_INTERPRET=1`` before Triton is
+imported; skipped without ``triton``): each kernel against the torch layers in float32 and float16
+(rotary, the KV rows and the residual sum bit for bit; the norm and ``silu`` within 8 ulps in
+float32 and 2 in the half types, see ``fused_triton_cases.py``); and with the kernels against
+without: a small random model's logits and greedy tokens at TP 1, TP 2 and under attention DP
+(gloo ranks), the tiny EAGLE-3 head's drafts, and the tiny checkpoint's engine (n-gram drafts)
+giving the same greedy tokens. On CUDA (``gpu`` marks): the kernels in float32, float16 and
+bfloat16 at small and Llama-3-8B sizes, the kernels captured in a CUDA graph and replayed on new
+inputs against an eager run, the engine with graphed steps, and two Llama-3-8B-shape layers in
+bfloat16 with the kernels against without.
+
+The switch: ``FUSED_CUDA_KERNELS`` (off until those GPU tests pass on a GPU) and
+:func:`~tpspec.model.layers.use_fused_kernels`, never on in deterministic mode.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tpspec.model import layers
+
+TESTS = Path(__file__).parent
+ROOT = TESTS.parent
+has_triton = importlib.util.find_spec("triton") is not None
+needs_triton = pytest.mark.skipif(not has_triton, reason="needs triton")
+
+
+def _interpret(group: str, *dtypes: str) -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(TESTS / "fused_triton_cases.py"), group, *dtypes], env=env,
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for d in dtypes:
+        assert f"torch.{d}: ok" in proc.stdout, proc.stdout
+
+
+@needs_triton
+def test_interpreted_kernels_match_torch_layers():
+    _interpret("kernels", "float32", "float16")
+
+
+@needs_triton
+def test_interpreted_model_logits_and_tokens_match_torch_layers():
+    _interpret("model", "float32")
+
+
+@needs_triton
+def test_interpreted_tp_and_attention_dp_match_torch_layers():
+    _interpret("tp", "float32")
+
+
+@needs_triton
+def test_interpreted_engine_tokens_equal_torch_layers():
+    _interpret("engine", "float32")
+
+
+def test_switch_decides_per_device_and_mode(monkeypatch):
+    """Off while ``FUSED_CUDA_KERNELS`` is off; on, only where the kernels can run (CUDA compiling,
+    CPU only under the interpreter), never in deterministic mode or without ``triton``."""
+    assert not layers.use_fused_kernels("cpu")
+    monkeypatch.setattr(layers, "FUSED_CUDA_KERNELS", False)
+    assert not layers.use_fused_kernels("cuda")
+
+    class Kernels:
+        INTERPRETED = False
+
+    monkeypatch.setattr(layers, "FUSED_CUDA_KERNELS", True)
+    monkeypatch.setattr(layers, "fused_kernels", lambda: Kernels)
+    assert layers.use_fused_kernels("cuda")
+    assert not layers.use_fused_kernels("cuda", deterministic=True)
+    assert not layers.use_fused_kernels("cpu")
+    Kernels.INTERPRETED = True
+    assert layers.use_fused_kernels("cpu") and not layers.use_fused_kernels("cuda")
+    assert not layers.use_fused_kernels("cpu", deterministic=True)
+    monkeypatch.setattr(layers, "fused_kernels", lambda: None)
+    assert not layers.use_fused_kernels("cuda") and not layers.use_fused_kernels("cpu")
+
+
+def test_deterministic_layers_never_fuse():
+    """A layer asked for both keeps deterministic mode's path."""
+    from tpspec.model import ModelConfig
+    from tpspec.model.tiny import tiny_config_dict
+
+    cfg = ModelConfig.from_dict(tiny_config_dict())
+    kw = {"dtype": torch.float32, "device": "cpu", "deterministic": True, "fused": True}
+    assert not layers.RMSNorm("w", 8, 1e-5, **kw).fused
+    assert not layers.Attention(cfg, 0, 1, 0, None, **kw).fused
+    assert not layers.MLP(cfg, 0, 1, 0, None, **kw).fused
+
+
+# ---------------------------------------------------------------------------------------- GPU
+
+@pytest.mark.gpu
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_cuda_kernels_match_torch_layers(dtype):
+    import fused_triton_cases as cases
+
+    for check in cases.CHECKS["kernels"]:
+        check("cuda", dtype)
+
+
+@pytest.mark.gpu
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_model_matches_torch_layers(dtype):
+    import fused_triton_cases as cases
+
+    cases.check_model("cuda", dtype)
+
+
+@pytest.mark.gpu
+@needs_triton
+def test_cuda_graph_replay_equals_eager():
+    """The four kernels at the Llama-3-8B decode shape (bfloat16) captured in one CUDA graph, replayed
+    after new inputs (and new cache rows) are copied into its static tensors, give an eager run's bits."""
+    from tpspec.model import fused_triton as kernels
+
+    hidden, inter, heads, kv_heads, head_dim = 4096, 14336, 32, 8, 128
+    n, num_pages, page = 4, 8, 16
+    dtype, dev = torch.bfloat16, "cuda"
+    gen = torch.Generator().manual_seed(0)
+
+    def inputs():
+        return {"x": torch.randn(n, hidden, generator=gen), "res": torch.randn(n, hidden, generator=gen),
+                "qkv": torch.randn(n, (heads + 2 * kv_heads) * head_dim, generator=gen),
+                "cos": torch.rand(n, head_dim, generator=gen), "sin": torch.rand(n, head_dim, generator=gen),
+                "gate_up": torch.randn(n, 2 * inter, generator=gen),
+                "index": torch.randperm(num_pages * page, generator=gen)[:n]}
+
+    def to_dev(d):
+        return {k: v.to(dev) if k == "index" else v.to(dev, dtype) for k, v in d.items()}
+
+    weight = torch.randn(hidden, generator=gen).to(dev, dtype)
+    k_pages = torch.zeros(num_pages, page, kv_heads, head_dim, dtype=dtype, device=dev)
+    v_pages = torch.zeros_like(k_pages)
+
+    def step(t, kp, vp):
+        normed, h = kernels.add_rms_norm(t["x"], t["res"], weight, 1e-5)
+        q = kernels.rotary_and_write_kv(t["qkv"], t["cos"], t["sin"], t["index"], kp, vp, heads, kv_heads,
+                                        head_dim)
+        return kernels.rms_norm(h, weight, 1e-5), normed, q, kernels.silu_mul(t["gate_up"])
+
+    static = to_dev(inputs())
+    step(static, k_pages, v_pages)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step(static, k_pages, v_pages)
+    nxt = to_dev(inputs())
+    for k, v in nxt.items():
+        static[k].copy_(v)
+    k_pages.zero_()
+    v_pages.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    k_eager, v_eager = torch.zeros_like(k_pages), torch.zeros_like(v_pages)
+    for got, want in zip(outs, step(nxt, k_eager, v_eager)):
+        assert torch.equal(got, want)
+    assert torch.equal(k_pages, k_eager) and torch.equal(v_pages, v_eager)
+    assert k_pages.view(-1, kv_heads, head_dim)[nxt["index"]].abs().sum() > 0
+
+
+@pytest.mark.gpu
+@needs_triton
+def test_cuda_engine_tokens_equal_torch_layers(tmp_path):
+    """The tiny checkpoint (float32) on CUDA with graphed steps: the same greedy tokens with the
+    fused kernels as without, n-gram drafts."""
+    import fused_triton_cases as cases
+
+    from tpspec.model.tiny import make_tiny_checkpoint
+
+    ckpt = str(make_tiny_checkpoint(tmp_path / "tiny", seed=0))
+    want = cases.engine_tokens("cuda", "float32", ckpt, False, gpu_memory_utilization=0.2)
+    assert cases.engine_tokens("cuda", "float32", ckpt, True, gpu_memory_utilization=0.2) == want
+
+
+@pytest.mark.gpu
+@needs_triton
+def test_cuda_llama_3_8b_layers_match_torch_layers():
+    """Two layers of the Llama-3-8B shape in bfloat16 (vocabulary 4096, random weights of seed 0):
+    prefill, verification, decode and a rewound step give the torch layers' logits (within 3e-2)."""
+    import fused_triton_cases as cases
+    from model_helpers import allocate_slots, mixed_scenario
+
+    from tpspec.model import random_model, shape_config
+
+    cfg = shape_config("llama-3-8b", num_layers=2, vocab_size=4096)
+    logits = {}
+    for on in (False, True):
+        with cases.fused_switch(on):
+            model = random_model(cfg, device="cuda", dtype=torch.bfloat16, seed=0)
+        assert model.fused is on
+        allocate_slots(model, 4)
+        logits[on] = [t.float() for t in mixed_scenario(model)]
+    for got, want in zip(logits[True], logits[False]):
+        torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
