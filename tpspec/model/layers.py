@@ -28,6 +28,7 @@ from .batch import AttentionMetadata
 from .comm import all_reduce_sum
 from .config import ModelConfig
 from .kv_cache import KVPages
+from .linear import linear
 
 
 @dataclass(frozen=True)
@@ -227,7 +228,7 @@ class ColumnParallelLinear(nn.Module):
         if self.fixed_order is not None:
             y = self.fixed_order.partial(x, self.weight).to(x.dtype)
             return y if self.bias is None else y + self.bias
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -261,7 +262,7 @@ class RowParallelLinear(nn.Module):
                 raise ValueError("deterministic mode does not support attention DP")
             y = det.tree_sum_ranks(self.fixed_order.partial(x, self.weight), self.group, self.tp_size).to(x.dtype)
             return y if self.bias is None else y + self.bias
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight)
         if reduce is not None:
             y = reduce(y)
         elif self.tp_size > 1:
