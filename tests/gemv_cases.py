@@ -9,6 +9,7 @@ half a unit in the last place of its dtype (the one rounding) plus a float32 acc
 from __future__ import annotations
 
 import sys
+import tempfile
 
 import torch
 
@@ -37,10 +38,10 @@ def assert_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Ten
 
 
 def _tensors(m: int, n: int, k: int, dtype: torch.dtype, device: str, bias: bool, seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=gen).to(device, dtype)
-    w = (torch.randn(n, k, generator=gen) / k**0.5).to(device, dtype)
-    b = torch.randn(n, generator=gen).to(device, dtype) if bias else None
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(m, k, generator=gen, device=device).to(dtype)
+    w = (torch.randn(n, k, generator=gen, device=device) / k**0.5).to(dtype)
+    b = torch.randn(n, generator=gen, device=device).to(dtype) if bias else None
     return x, w, b
 
 
@@ -67,7 +68,6 @@ def check_llm(device: str, dtype: torch.dtype) -> None:
     from tpspec.runtime.config import EngineConfig, Request, SpeculativeConfig
     from tpspec.runtime.engine import Engine
     from tpspec.sampling.params import SamplingParams
-    import tempfile
 
     calls = []
     run_kernel = kernels.linear
@@ -86,7 +86,8 @@ def check_llm(device: str, dtype: torch.dtype) -> None:
         for on in (False, True):
             linear_mod.TRITON_GEMV = on
             engine = Engine(EngineConfig(ckpt, 1, device, name, speculative=SpeculativeConfig("ngram", 3),
-                                         max_batch_size=4, use_cuda_graphs=device == "cuda"), Mapping(), device)
+                                         max_batch_size=4, use_cuda_graphs=device == "cuda",
+                                         gpu_memory_utilization=0.2 if device == "cuda" else None), Mapping(), device)
             try:
                 tokens[on] = [r.token_ids for r in engine.generate(requests)]
             finally:

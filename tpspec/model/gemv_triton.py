@@ -129,13 +129,14 @@ class GemvLaunch:
     num_stages: int
 
 
-def plan_gemv(m: int, n: int, k: int, *, device: torch.device | str, splits: int | None = None) -> GemvLaunch:
+def plan_gemv(m: int, n: int, k: int, *, device: torch.device | str, splits: int | None = None,
+              element_size: int = 2) -> GemvLaunch:
     """How :func:`linear` launches for ``x [m, k]`` and ``W [n, k]``.
 
     One row: ``[16, 256]`` weight tiles (4 warps: four 16-byte loads a thread a tile, 32 float32
     accumulators a thread; small programs, many resident on an SM). Two rows or more: ``[64, 128]``
-    tiles into a 16-row ``tl.dot`` with 4 pipeline stages (80 KiB of shared memory: two programs
-    an SM). ``splits`` (default: 1 when the feature blocks reach the path's programs per SM, 4
+    tiles into a 16-row ``tl.dot`` with 4 pipeline stages for 16-bit weights (80 KiB of shared
+    memory: two programs an SM; 2 stages for float32, ``element_size`` 4). ``splits`` (default: 1 when the feature blocks reach the path's programs per SM, 4
     and 2, else the fewest splits that get there, preferring a divisor of the tile count so every
     split reads whole tiles without masks; at most ``MAX_SPLITS`` and one split per tile) cuts
     ``k`` into equal runs of whole tiles.
@@ -143,7 +144,7 @@ def plan_gemv(m: int, n: int, k: int, *, device: torch.device | str, splits: int
     if m == 1:
         m_pad, block_n, block_k, num_stages, per_sm = 1, 16, 256, 3, 4
     else:
-        m_pad, block_n, block_k, num_stages, per_sm = MAX_ROWS, 64, 128, 4, 2
+        m_pad, block_n, block_k, num_stages, per_sm = MAX_ROWS, 64, 128, 4 if element_size <= 2 else 2, 2
     tiles = triton.cdiv(k, block_k)
     blocks = triton.cdiv(n, block_n)
     if splits is None:
@@ -198,7 +199,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if n == 0:
         return out
-    launch = plan_gemv(m, n, k, device=x.device, splits=splits)
+    launch = plan_gemv(m, n, k, device=x.device, splits=splits, element_size=x.element_size())
     split = launch.splits > 1
     part = torch.empty((launch.splits, m, n), dtype=torch.float32, device=x.device) if split else out
     even = n % launch.block_n == 0 and k == launch.splits * launch.k_iters * launch.block_k
