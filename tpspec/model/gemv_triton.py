@@ -135,8 +135,9 @@ def plan_gemv(m: int, n: int, k: int, *, device: torch.device | str, splits: int
 
     One row: ``[16, 256]`` weight tiles (4 warps: four 16-byte loads a thread a tile, 32 float32
     accumulators a thread; small programs, many resident on an SM). Two rows or more: ``[64, 128]``
-    tiles into a 16-row ``tl.dot`` with 4 pipeline stages for 16-bit weights (80 KiB of shared
-    memory: two programs an SM; 2 stages for float32, ``element_size`` 4). ``splits`` (default: 1 when the feature blocks reach the path's programs per SM, 4
+    tiles into a 16-row ``tl.dot`` with 4 pipeline stages for 16-bit weights (about 52 KiB of shared
+    memory and 114 registers a thread on sm_90: four programs fit an SM; 2 stages for float32,
+    ``element_size`` 4). ``splits`` (default: 1 when the feature blocks reach the path's programs per SM, 4
     and 2, else the fewest splits that get there, preferring a divisor of the tile count so every
     split reads whole tiles without masks; at most ``MAX_SPLITS`` and one split per tile) cuts
     ``k`` into equal runs of whole tiles.
