@@ -6,7 +6,8 @@ stream ``W`` from memory. The kernel is built for that:
 * **Programs own output features.** Program ``(j, s)`` holds features ``[j * BLOCK_N, (j + 1) *
   BLOCK_N)`` and every row of ``x``, so each weight element is read once, in ``[BLOCK_N, BLOCK_K]``
   tiles along ``W``'s contiguous rows (16-byte vector loads when ``K`` is a multiple of 8 and the
-  pointers are 16-byte aligned, which Triton's argument specialisation sees).
+  pointers are 16-byte aligned, which Triton's argument specialisation sees), the K loop
+  software-pipelined (``tl.range`` stages: the next tiles are in flight while one is summed).
 * **Two products, by rows.** One row multiplies each tile elementwise into a ``[BLOCK_N, BLOCK_K]``
   float32 accumulator that is summed along ``K`` once at the end. Two rows or more pad ``x`` to 16
   rows and use ``tl.dot`` (the tensor cores; float32 in IEEE precision); the padding costs compute,
@@ -45,7 +46,8 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_wn, stride_om, k_iters,
                  M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
-                 EVEN: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr):
+                 EVEN: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+                 NUM_STAGES: tl.constexpr):
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -59,7 +61,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, M, N, K, stride_xm, str
         acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
     else:
         acc_nk = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for i in range(0, k_iters):
+    for i in tl.range(0, k_iters, num_stages=NUM_STAGES):
         k = k_first + i * BLOCK_K + kk
         if EVEN:  # every tile lies inside W: no masks, so nothing stands in the way of vector loads
             w = tl.load(w_rows + k[None, :])
@@ -126,7 +128,7 @@ class GemvLaunch:
     splits: int  # programs along K per feature block (1: no reduction kernel)
     k_iters: int  # BLOCK_K tiles per split
     num_warps: int
-    num_stages: int
+    num_stages: int  # software pipeline depth of the K loop (cp.async; 1: plain register loads)
 
 
 def plan_gemv(m: int, n: int, k: int, *, device: torch.device | str, splits: int | None = None,
@@ -134,7 +136,8 @@ def plan_gemv(m: int, n: int, k: int, *, device: torch.device | str, splits: int
     """How :func:`linear` launches for ``x [m, k]`` and ``W [n, k]``.
 
     One row: ``[16, 256]`` weight tiles (4 warps: four 16-byte loads a thread a tile, 32 float32
-    accumulators a thread; small programs, many resident on an SM). Two rows or more: ``[64, 128]``
+    accumulators a thread), 3 pipeline stages (17 KiB of shared memory, 78 registers a thread on
+    sm_90: small programs, six an SM). Two rows or more: ``[64, 128]``
     tiles into a 16-row ``tl.dot`` with 4 pipeline stages for 16-bit weights (about 52 KiB of shared
     memory and 114 registers a thread on sm_90: four programs fit an SM; 2 stages for float32,
     ``element_size`` 4). ``splits`` (default: 1 when the feature blocks reach the path's programs per SM, 4
@@ -209,7 +212,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     _gemv_kernel[grid](x, weight, bias_arg, out, part, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
                        launch.k_iters, M_PAD=launch.m_pad, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
                        USE_DOT=launch.m_pad > 1, EVEN=even, SPLIT=split, HAS_BIAS=bias is not None,
-                       IEEE=x.dtype == torch.float32, num_warps=launch.num_warps, num_stages=launch.num_stages)
+                       IEEE=x.dtype == torch.float32, NUM_STAGES=launch.num_stages, num_warps=launch.num_warps,
+                       num_stages=launch.num_stages)
     if split:
         _reduce_kernel[(m, triton.cdiv(n, REDUCE_BLOCK))](part, bias_arg, out, m, n, launch.splits, out.stride(0),
                                                          HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK, num_warps=4)
