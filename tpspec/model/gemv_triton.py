@@ -5,16 +5,17 @@ stream ``W`` from memory. The kernel is built for that:
 
 * **Programs own output features.** Program ``(j, s)`` holds features ``[j * BLOCK_N, (j + 1) *
   BLOCK_N)`` and every row of ``x``, so each weight element is read once, in ``[BLOCK_N, BLOCK_K]``
-  tiles along ``W``'s contiguous rows (16-byte vector loads when ``K`` is a multiple of 8 and the
-  pointers are 16-byte aligned, which Triton's argument specialisation sees), the K loop
-  software-pipelined (``tl.range`` stages: the next tiles are in flight while one is summed).
+  tiles along ``W``'s contiguous rows: 16-byte loads when ``K`` is a multiple of 8 and the pointers
+  are 16-byte aligned (Triton's argument specialisation sees both), in a K loop pipelined by
+  ``tl.range`` stages (the next tiles are in flight while one is summed).
 * **Two products, by rows.** One row multiplies each tile elementwise into a ``[BLOCK_N, BLOCK_K]``
   float32 accumulator that is summed along ``K`` once at the end. Two rows or more pad ``x`` to 16
   rows and use ``tl.dot`` (the tensor cores; float32 in IEEE precision); the padding costs compute,
   which decode has spare, and no extra weight traffic.
-* **Split-K.** When the feature blocks alone are too few to keep a few programs on every SM (``o_proj`` and ``down_proj`` at 4096 features), the contraction is cut into ``splits``
-  equal runs of whole ``BLOCK_K`` tiles; each program stores its float32 partial and
-  ``_reduce_kernel`` sums the splits in split order (no atomics), adds the bias and casts.
+* **Split-K.** When the feature blocks alone are too few to keep a few programs on every SM
+  (``o_proj`` and ``down_proj`` at 4096 features), the contraction is cut into ``splits`` equal
+  runs of whole ``BLOCK_K`` tiles; each program stores its float32 partial and ``_reduce_kernel``
+  sums the splits in split order (no atomics), adds the bias and casts.
 
 Everything accumulates in float32. The launch (:func:`plan_gemv`) depends only on ``(M, N, K)``,
 the dtype and the device's SM count, so results are the same bits for a given shape on a given
@@ -136,14 +137,13 @@ def plan_gemv(m: int, n: int, k: int, *, device: torch.device | str, splits: int
     """How :func:`linear` launches for ``x [m, k]`` and ``W [n, k]``.
 
     One row: ``[16, 256]`` weight tiles (4 warps: four 16-byte loads a thread a tile, 32 float32
-    accumulators a thread), 3 pipeline stages (17 KiB of shared memory, 78 registers a thread on
-    sm_90: small programs, six an SM). Two rows or more: ``[64, 128]``
-    tiles into a 16-row ``tl.dot`` with 4 pipeline stages for 16-bit weights (about 52 KiB of shared
-    memory and 114 registers a thread on sm_90: four programs fit an SM; 2 stages for float32,
-    ``element_size`` 4). ``splits`` (default: 1 when the feature blocks reach the path's programs per SM, 4
-    and 2, else the fewest splits that get there, preferring a divisor of the tile count so every
-    split reads whole tiles without masks; at most ``MAX_SPLITS`` and one split per tile) cuts
-    ``k`` into equal runs of whole tiles.
+    accumulators a thread) in 3 pipeline stages (17 KiB of shared memory and 78 registers a thread
+    on sm_90: six programs fit an SM). Two rows or more: ``[64, 128]`` tiles into a 16-row
+    ``tl.dot``, 4 stages for 16-bit weights (52 KiB and 114 registers: four programs an SM), 2 for
+    float32 (``element_size`` 4). ``splits`` (default: 1 when the feature blocks reach the path's
+    programs per SM, 4 and 2, else the fewest splits that get there, preferring a divisor of the
+    tile count so every split reads whole tiles without masks; at most ``MAX_SPLITS`` and one split
+    per tile) cuts ``k`` into equal runs of whole tiles.
     """
     if m == 1:
         m_pad, block_n, block_k, num_stages, per_sm = 1, 16, 256, 3, 4
