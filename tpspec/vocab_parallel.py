@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 from torch import nn
@@ -236,6 +237,8 @@ class VocabParallelHead(nn.Module):
         self.bias = (
             nn.Parameter(torch.zeros(self.shard_width, dtype=dtype, device=device), requires_grad=False) if bias else None
         )
+        # The logits' matrix product, F.linear's contract; the model layer puts its own dispatch here.
+        self.linear: Callable[..., torch.Tensor] = torch.nn.functional.linear
 
     @torch.no_grad()
     def load_full_weight(self, full_weight: torch.Tensor, full_bias: torch.Tensor | None = None) -> None:
@@ -273,5 +276,5 @@ class VocabParallelHead(nn.Module):
         if hidden.dtype != self.weight.dtype or hidden.device != self.weight.device:
             raise ValueError(f"hidden is {hidden.dtype} on {hidden.device}, the head is {self.weight.dtype} on "
                              f"{self.weight.device}")
-        local = torch.nn.functional.linear(hidden, self.weight, self.bias)
+        local = self.linear(hidden, self.weight, self.bias)
         return VocabShardedLogits(local, self.vocab_offset, self.vocab_size, self.exchange)

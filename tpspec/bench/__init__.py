@@ -20,6 +20,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                                           "Hugging Face transformers"),
     "serve": ("tpspec.bench.serve", "an OpenAI-compatible server under load: throughput, TTFT, TPOT, ITL, E2EL"),
     "attention": ("tpspec.bench.attention", "the paged attention backends alone at a model's attention shapes"),
+    "gemv": ("tpspec.bench.gemv", "the decode-sized linears alone: cuBLAS (F.linear) vs the Triton GEMV"),
 }
 
 

@@ -34,6 +34,7 @@ from .batch import AttentionMetadata
 from .comm import all_reduce_sum
 from .config import ModelConfig
 from .kv_cache import KVPages
+from .linear import linear
 
 # Whether models on CUDA run the fused Triton kernels of :mod:`tpspec.model.fused_triton`. Off until
 # a GPU run of tests/test_fused_triton.py's ``gpu`` tests passes; only such a checked path may stand on.
@@ -272,7 +273,7 @@ class ColumnParallelLinear(nn.Module):
         if self.fixed_order is not None:
             y = self.fixed_order.partial(x, self.weight).to(x.dtype)
             return y if self.bias is None else y + self.bias
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -306,7 +307,7 @@ class RowParallelLinear(nn.Module):
                 raise ValueError("deterministic mode does not support attention DP")
             y = det.tree_sum_ranks(self.fixed_order.partial(x, self.weight), self.group, self.tp_size).to(x.dtype)
             return y if self.bias is None else y + self.bias
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight)
         if reduce is not None:
             y = reduce(y)
         elif self.tp_size > 1:

@@ -31,6 +31,7 @@ from .batch import AttentionMetadata, ForwardBatch, check_paged_batch
 from .comm import LocalKeyExchange, VarlenRows, exchange_counts
 from .config import ModelConfig
 from .kv_cache import KVPages, page_bytes
+from .linear import linear
 from .layers import MLP, Attention, RMSNorm, RotaryEmbedding, ShardSpec, VocabParallelEmbedding, shard_plan, \
     split_evenly, split_heads, use_fused_kernels
 
@@ -240,6 +241,8 @@ class TPLlamaForCausalLM(nn.Module):
         self.lm_head.weight.requires_grad_(False)
         self.head_fixed_order = det.FixedOrderMatmul(det.Contraction.of(config.hidden_size), 1) if deterministic \
             else None
+        if not deterministic:
+            self.lm_head.linear = linear  # the decoder's linears' rule (Triton GEMV or F.linear)
         head_name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
         self.lm_head.plan = {"weight": [ShardSpec(head_name, (config.vocab_size, config.hidden_size), 0,
                                                   self.lm_head.vocab_offset, self.lm_head.real_width)]}

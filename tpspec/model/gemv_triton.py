@@ -1,0 +1,220 @@
+"""A Triton GEMV for decode-sized batches: ``y = x W^T + b`` with few rows of ``x`` (at most 16).
+
+Decode reads every weight once per step for a handful of rows, so the time is the time to
+stream ``W`` from memory. The kernel is built for that:
+
+* **Programs own output features.** Program ``(j, s)`` holds features ``[j * BLOCK_N, (j + 1) *
+  BLOCK_N)`` and every row of ``x``, so each weight element is read once, in ``[BLOCK_N, BLOCK_K]``
+  tiles along ``W``'s contiguous rows: 16-byte loads when ``K`` is a multiple of 8 and the pointers
+  are 16-byte aligned (Triton's argument specialisation sees both), in a K loop pipelined by
+  ``tl.range`` stages (the next tiles are in flight while one is summed).
+* **Two products, by rows.** One row multiplies each tile elementwise into a ``[BLOCK_N, BLOCK_K]``
+  float32 accumulator that is summed along ``K`` once at the end. Two rows or more pad ``x`` to 16
+  rows and use ``tl.dot`` (the tensor cores; float32 in IEEE precision); the padding costs compute,
+  which decode has spare, and no extra weight traffic.
+* **Split-K.** When the feature blocks alone are too few to keep a few programs on every SM
+  (``o_proj`` and ``down_proj`` at 4096 features), the contraction is cut into ``splits`` equal
+  runs of whole ``BLOCK_K`` tiles; each program stores its float32 partial and ``_reduce_kernel``
+  sums the splits in split order (no atomics), adds the bias and casts.
+
+Everything accumulates in float32. The launch (:func:`plan_gemv`) depends only on ``(M, N, K)``,
+the dtype and the device's SM count, so results are the same bits for a given shape on a given
+device, and nothing synchronizes with the host: a call can be captured in a CUDA graph (the split
+partials are allocated by the caller's allocator, the graph pool during a capture).
+
+This module imports ``triton``; :mod:`tpspec.model.linear` holds the switch and the rule that
+decide when the decoder's linears call it. Triton's interpreter (``TRITON_INTERPRET=1`` set before
+``triton`` is imported) runs the same kernels on CPU tensors, which is how the CPU tests check
+them (:data:`INTERPRETED` says which mode this import got).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+MAX_ROWS = 16  # rows of x one call handles (the dot path pads to this)
+MAX_SPLITS = 16
+REDUCE_BLOCK = 256  # features per program of the split reduction
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_wn, stride_om, k_iters,
+                 M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
+                 EVEN: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+                 NUM_STAGES: tl.constexpr):
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    m = tl.arange(0, M_PAD)
+    m_ok = m < M
+    kk = tl.arange(0, BLOCK_K)
+    k_first = split * k_iters * BLOCK_K
+    w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
+    if USE_DOT:
+        acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
+    else:
+        acc_nk = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for i in tl.range(0, k_iters, num_stages=NUM_STAGES):
+        k = k_first + i * BLOCK_K + kk
+        if EVEN:  # every tile lies inside W: no masks, so nothing stands in the way of vector loads
+            w = tl.load(w_rows + k[None, :])
+        else:
+            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
+        if USE_DOT:
+            if EVEN:
+                x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None], other=0.0)
+            else:
+                x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & (k < K)[None, :],
+                            other=0.0)
+            if IEEE:
+                acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, tl.trans(w), acc)
+        else:
+            if EVEN:
+                x = tl.load(x_ptr + k)
+            else:
+                x = tl.load(x_ptr + k, mask=k < K, other=0.0)
+            acc_nk += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    if not USE_DOT:
+        acc = tl.sum(acc_nk, 1)[None, :]  # [1, BLOCK_N]; M_PAD == 1
+    ok = m_ok[:, None] & n_ok[None, :]
+    if SPLIT:
+        tl.store(part_ptr + (split * M + m[:, None]) * N + n[None, :], acc, mask=ok)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + m[:, None] * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _reduce_kernel(part_ptr, b_ptr, out_ptr, M, N, splits, stride_om, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = n < N
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in range(0, splits):  # split order: the same sum on every call
+        acc += tl.load(part_ptr + (s * M + row) * N + n, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+INTERPRETED = isinstance(_gemv_kernel, InterpretedFunction)
+"""Whether this import got Triton's interpreter (``TRITON_INTERPRET=1``): kernels on CPU tensors."""
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1  # the interpreter: no parallel hardware to fill
+
+
+@dataclass(frozen=True)
+class GemvLaunch:
+    """Tile sizes and grid of one call (from the shape, dtype and SM count only)."""
+
+    m_pad: int  # rows of x per program: 1 (elementwise product) or 16 (tl.dot)
+    block_n: int  # output features per program
+    block_k: int  # contraction elements per tile
+    splits: int  # programs along K per feature block (1: no reduction kernel)
+    k_iters: int  # BLOCK_K tiles per split
+    num_warps: int
+    num_stages: int  # software pipeline depth of the K loop (cp.async; 1: plain register loads)
+
+
+def plan_gemv(m: int, n: int, k: int, *, device: torch.device | str, splits: int | None = None,
+              element_size: int = 2) -> GemvLaunch:
+    """How :func:`linear` launches for ``x [m, k]`` and ``W [n, k]``.
+
+    One row: ``[16, 256]`` weight tiles (4 warps: four 16-byte loads a thread a tile, 32 float32
+    accumulators a thread) in 3 pipeline stages (17 KiB of shared memory and 78 registers a thread
+    on sm_90: six programs fit an SM). Two rows or more: ``[64, 128]`` tiles into a 16-row
+    ``tl.dot``, 4 stages for 16-bit weights (52 KiB and 114 registers: four programs an SM), 2 for
+    float32 (``element_size`` 4). ``splits`` (default: 1 when the feature blocks reach the path's
+    programs per SM, 4 and 2, else the fewest splits that get there, preferring a divisor of the
+    tile count so every split reads whole tiles without masks; at most ``MAX_SPLITS`` and one split
+    per tile) cuts ``k`` into equal runs of whole tiles.
+    """
+    if m == 1:
+        m_pad, block_n, block_k, num_stages, per_sm = 1, 16, 256, 3, 4
+    else:
+        m_pad, block_n, block_k, num_stages, per_sm = MAX_ROWS, 64, 128, 4 if element_size <= 2 else 2, 2
+    tiles = triton.cdiv(k, block_k)
+    blocks = triton.cdiv(n, block_n)
+    if splits is None:
+        target = per_sm * _sm_count(torch.device(device))
+        splits = 1
+        if blocks < target:
+            want = min(triton.cdiv(target, blocks), MAX_SPLITS, tiles)
+            even = [d for d in range(want, min(MAX_SPLITS, tiles) + 1) if tiles % d == 0]
+            splits = even[0] if even else want
+    elif not isinstance(splits, int) or splits < 1:
+        raise ValueError(f"splits must be a positive int, got {splits!r}")
+    splits = max(1, min(splits, tiles))
+    k_iters = triton.cdiv(tiles, splits)
+    splits = triton.cdiv(tiles, k_iters)  # no split without a tile
+    return GemvLaunch(m_pad=m_pad, block_n=block_n, block_k=block_k, splits=splits, k_iters=k_iters, num_warps=4,
+                      num_stages=num_stages)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           splits: int | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for few rows, accumulated in float32.
+
+    Parameters
+    ----------
+    x : ``[M, K]``, ``1 <= M <= MAX_ROWS``, float32, float16 or bfloat16 (not under the
+        interpreter, whose ``tl.dot`` has no bfloat16); last dimension contiguous.
+    weight : ``[N, K]`` in ``x``'s dtype and on its device, contiguous (``nn.Linear``'s layout).
+    bias : ``[N]`` in ``x``'s dtype, or None.
+    splits : K splits (default: :func:`plan_gemv`'s rule).
+
+    Returns ``[M, N]`` in ``x``'s dtype: each output the float32 sum of its products (and the
+    bias) rounded once. The same shape on the same device gives the same bits on every call; no
+    host synchronization, capturable in a CUDA graph. ``ValueError`` for anything else.
+    """
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x must be [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    m, k = x.shape
+    n = weight.shape[0]
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"x must have 1 to {MAX_ROWS} rows, got {m}")
+    if x.dtype not in DTYPES or weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        raise ValueError(f"x, weight and bias must share one of {DTYPES}, got {x.dtype}, {weight.dtype}"
+                         + (f", {bias.dtype}" if bias is not None else ""))
+    if INTERPRETED and x.dtype == torch.bfloat16:
+        raise ValueError("Triton's interpreter has no bfloat16 tl.dot: run bfloat16 on CUDA")
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
+    if not weight.is_contiguous() or (bias is not None and not bias.is_contiguous()):
+        raise ValueError("weight and bias must be contiguous")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if n == 0:
+        return out
+    launch = plan_gemv(m, n, k, device=x.device, splits=splits, element_size=x.element_size())
+    split = launch.splits > 1
+    part = torch.empty((launch.splits, m, n), dtype=torch.float32, device=x.device) if split else out
+    even = n % launch.block_n == 0 and k == launch.splits * launch.k_iters * launch.block_k
+    bias_arg = bias if bias is not None else out  # not read without a bias
+    grid = (triton.cdiv(n, launch.block_n), launch.splits)
+    _gemv_kernel[grid](x, weight, bias_arg, out, part, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+                       launch.k_iters, M_PAD=launch.m_pad, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
+                       USE_DOT=launch.m_pad > 1, EVEN=even, SPLIT=split, HAS_BIAS=bias is not None,
+                       IEEE=x.dtype == torch.float32, NUM_STAGES=launch.num_stages, num_warps=launch.num_warps,
+                       num_stages=launch.num_stages)
+    if split:
+        _reduce_kernel[(m, triton.cdiv(n, REDUCE_BLOCK))](part, bias_arg, out, m, n, launch.splits, out.stride(0),
+                                                         HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK, num_warps=4)
+    return out
