@@ -39,13 +39,14 @@ def tolerance(dtype: torch.dtype) -> float:
 
 @contextlib.contextmanager
 def fused_switch(on: bool):
-    """``FUSED_CUDA_KERNELS`` set to ``on`` while models are built (it is read at construction)."""
-    old = layers.FUSED_CUDA_KERNELS
-    layers.FUSED_CUDA_KERNELS = on
+    """``FUSED_CUDA_KERNELS`` and ``FUSED_UNDER_INTERPRETER`` set to ``on`` while models are built
+    (they are read at construction)."""
+    old = layers.FUSED_CUDA_KERNELS, layers.FUSED_UNDER_INTERPRETER
+    layers.FUSED_CUDA_KERNELS = layers.FUSED_UNDER_INTERPRETER = on
     try:
         yield
     finally:
-        layers.FUSED_CUDA_KERNELS = old
+        layers.FUSED_CUDA_KERNELS, layers.FUSED_UNDER_INTERPRETER = old
 
 
 def _randn(gen: torch.Generator, *shape: int, device: str, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:

@@ -11,7 +11,7 @@ bfloat16 at small and Llama-3-8B sizes, the kernels captured in a CUDA graph and
 inputs against an eager run, the engine with graphed steps, and two Llama-3-8B-shape layers in
 bfloat16 with the kernels against without.
 
-The switch: ``FUSED_CUDA_KERNELS`` (off until those GPU tests pass on a GPU) and
+The switch: ``FUSED_CUDA_KERNELS`` (on: those GPU tests passed on a GPU) and
 :func:`~tpspec.model.layers.use_fused_kernels`, never on in deterministic mode.
 """
 
@@ -65,23 +65,27 @@ def test_interpreted_engine_tokens_equal_torch_layers():
 
 
 def test_switch_decides_per_device_and_mode(monkeypatch):
-    """Off while ``FUSED_CUDA_KERNELS`` is off; on, only where the kernels can run (CUDA compiling,
-    CPU only under the interpreter), never in deterministic mode or without ``triton``."""
+    """On CUDA while ``FUSED_CUDA_KERNELS`` is on (the default) and ``triton`` compiles; on CPU only
+    under the interpreter with ``FUSED_UNDER_INTERPRETER``; never in deterministic mode or without
+    ``triton``."""
+    assert layers.FUSED_CUDA_KERNELS and not layers.FUSED_UNDER_INTERPRETER
     assert not layers.use_fused_kernels("cpu")
-    monkeypatch.setattr(layers, "FUSED_CUDA_KERNELS", False)
-    assert not layers.use_fused_kernels("cuda")
 
     class Kernels:
         INTERPRETED = False
 
-    monkeypatch.setattr(layers, "FUSED_CUDA_KERNELS", True)
     monkeypatch.setattr(layers, "fused_kernels", lambda: Kernels)
     assert layers.use_fused_kernels("cuda")
     assert not layers.use_fused_kernels("cuda", deterministic=True)
     assert not layers.use_fused_kernels("cpu")
+    monkeypatch.setattr(layers, "FUSED_CUDA_KERNELS", False)
+    assert not layers.use_fused_kernels("cuda")
     Kernels.INTERPRETED = True
+    assert not layers.use_fused_kernels("cpu")
+    monkeypatch.setattr(layers, "FUSED_UNDER_INTERPRETER", True)
     assert layers.use_fused_kernels("cpu") and not layers.use_fused_kernels("cuda")
     assert not layers.use_fused_kernels("cpu", deterministic=True)
+    monkeypatch.setattr(layers, "FUSED_CUDA_KERNELS", True)
     monkeypatch.setattr(layers, "fused_kernels", lambda: None)
     assert not layers.use_fused_kernels("cuda") and not layers.use_fused_kernels("cpu")
 

@@ -36,9 +36,11 @@ from .config import ModelConfig
 from .kv_cache import KVPages
 from .linear import linear
 
-# Whether models on CUDA run the fused Triton kernels of :mod:`tpspec.model.fused_triton`. Off until
-# a GPU run of tests/test_fused_triton.py's ``gpu`` tests passes; only such a checked path may stand on.
-FUSED_CUDA_KERNELS = False
+# Whether models on CUDA run the fused Triton kernels of :mod:`tpspec.model.fused_triton`: on, since a
+# GPU run of tests/test_fused_triton.py's ``gpu`` tests passed (only such a checked path may stand on).
+FUSED_CUDA_KERNELS = True
+# The CPU tests' switch: models on CPU run the same kernels under Triton's interpreter (TRITON_INTERPRET=1).
+FUSED_UNDER_INTERPRETER = False
 
 
 @functools.lru_cache(maxsize=None)
@@ -51,17 +53,20 @@ def fused_kernels() -> Any:
 
 
 def use_fused_kernels(device: torch.device | str, *, deterministic: bool = False) -> bool:
-    """Whether a model on ``device`` runs the fused kernels: ``FUSED_CUDA_KERNELS`` is on, the model
-    is not deterministic (its fixed-order path stays as it is), and the kernels can run there: CUDA
-    with ``triton`` compiling (not its interpreter), or CPU under Triton's interpreter
-    (``TRITON_INTERPRET=1``, how the CPU tests run them). Every rank of a model decides alike."""
-    if deterministic or not FUSED_CUDA_KERNELS:
+    """Whether a model on ``device`` runs the fused kernels: never in deterministic mode (its
+    fixed-order path stays as it is) or without ``triton``; on CUDA when ``FUSED_CUDA_KERNELS`` is on
+    and ``triton`` compiles (not its interpreter); on CPU only under Triton's interpreter
+    (``TRITON_INTERPRET=1``) with ``FUSED_UNDER_INTERPRETER`` on, how the CPU tests run them. Every
+    rank of a model decides alike."""
+    if deterministic:
         return False
     kernels = fused_kernels()
     if kernels is None:
         return False
     kind = torch.device(device).type
-    return (kind == "cuda" and not kernels.INTERPRETED) or (kind == "cpu" and kernels.INTERPRETED)
+    if kind == "cuda":
+        return FUSED_CUDA_KERNELS and not kernels.INTERPRETED
+    return kind == "cpu" and kernels.INTERPRETED and FUSED_UNDER_INTERPRETER
 
 
 @dataclass(frozen=True)
