@@ -18,8 +18,9 @@ import torch
 import torch.nn.functional as F
 
 TRITON_GEMV = False
-"""Whether decode-sized linears run the Triton GEMV. Off until a GPU run of the ``gpu`` tests in
-``tests/test_gemv_triton.py`` passes and ``tpspec bench gemv`` shows it ahead of cuBLAS."""
+"""Whether decode-sized linears run the Triton GEMV. Off: its ``gpu`` tests in
+``tests/test_gemv_triton.py`` pass, but ``tpspec bench gemv`` has not shown it ahead of cuBLAS at
+decode sizes (``docs/benchmarks.md``)."""
 
 MAX_TRITON_ROWS = 16
 _TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

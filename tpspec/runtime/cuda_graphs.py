@@ -78,8 +78,9 @@ log = get_logger(__name__)
 
 GRAPHED_DRAFT_CHAIN = False
 """Whether a drafter's chained draft steps 2..K replay CUDA graphs (:meth:`GenerationGraphs.draft_chain`).
-Off: a GPU run of the chain's graphs has not passed yet (tests/test_runtime_gpu.py checks it); the
-chain then runs eagerly after the graphed target step's planning, with the same drafts."""
+Off: with it on, a GPU run of tests/test_runtime_seeded_spec.py's CUDA test (a draft model, a mixed
+batch) hit an out-of-range index inside a replayed chain. The chain then runs eagerly after the graphed
+target step's planning, with the same drafts; tests/test_runtime_gpu.py checks the graphs when it is on."""
 WARMUP_RUNS = 2
 
 
