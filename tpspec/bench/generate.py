@@ -309,7 +309,15 @@ def run(args: argparse.Namespace) -> int:
             per_config = run_ranks(_spmd_worker, tp, spmd, backend=rank_backend(device, tp),
                                    timeout_s=args.timeout)[0]
     else:  # torchrun: every rank runs this; ray: this driver drives the actors
-        per_config = run_configs(configs)
+        try:
+            per_config = run_configs(configs)
+        finally:
+            if args.launcher == "torchrun":
+                # This command owns the process: its process group goes before the interpreter does (a
+                # group left to interpreter exit can abort the process while its threads are torn down).
+                from .. import distributed as D
+
+                D.destroy_distributed()
     if per_config[0][0]["rank"] != 0:
         return 0  # rank 0 writes the report
     results = {(name, res["batch"]): (rate, c["draft_len"], res)

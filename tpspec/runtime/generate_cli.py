@@ -138,17 +138,31 @@ def _speculative_config(text: str, model: str) -> dict | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..log import plural
-    from ..model.tiny import TINY_DESCRIPTION
-    from ..sampling.params import SamplingParams
-    from .launchers import WorkerError
-    from .llm import LLM, under_torchrun
+    from .llm import under_torchrun
 
     backend = args.distributed_executor_backend or ("external_launcher" if under_torchrun() else "mp")
     tp = args.tensor_parallel_size
     if tp is None:
         tp = int(os.environ["WORLD_SIZE"]) if backend == "external_launcher" and under_torchrun() else 2
     rank0 = backend != "external_launcher" or os.environ.get("RANK", "0") == "0"
+    try:
+        return _generate(args, backend, tp, rank0)
+    finally:
+        if backend == "external_launcher":
+            # This command owns the process: its process group goes before the interpreter does (a
+            # group left to interpreter exit can abort the process while its threads are torn down).
+            from .. import distributed as D
+
+            D.destroy_distributed()
+
+
+def _generate(args: argparse.Namespace, backend: str, tp: int, rank0: bool) -> int:
+    from ..log import plural
+    from ..model.tiny import TINY_DESCRIPTION
+    from ..sampling.params import SamplingParams
+    from .launchers import WorkerError
+    from .llm import LLM
+
     try:
         spec = _speculative_config(args.speculative_config, args.model)
         params = SamplingParams(n=args.n, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
