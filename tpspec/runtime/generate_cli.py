@@ -41,7 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16, float16")
     parser.add_argument("--attention-dp", action="store_true", help="attention data-parallel over the TP group")
     parser.add_argument("--attention-backend", default="auto",
-                        help="paged attention: auto (default: triton on CUDA, torch elsewhere), torch, triton (CUDA; CPU only with TRITON_INTERPRET=1), flashinfer (CUDA)")
+                        help="paged attention: auto (default: triton on CUDA, torch elsewhere), torch, "
+                             "triton (CUDA; CPU only with TRITON_INTERPRET=1), flashinfer (CUDA)")
     parser.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4}',
                         help="JSON of LLM(speculative_config=...), or 'none' (default: n-gram, 4 tokens; "
                              "with --model tiny, methods draft_model and eagle3 default to the tiny draft / head)")
