@@ -80,8 +80,9 @@ def choose_attention_backend(device: torch.device | str, head_dim: int, prefer: 
 
     ``prefer="auto"``: ``AUTO_CUDA_ATTENTION`` on CUDA (``"triton"``; ``"torch"`` when it cannot
     run here, e.g. without the ``triton`` package), ``"torch"`` elsewhere. ``"torch"``,
-    ``"triton"`` or ``"flashinfer"`` force one; ``ValueError`` when it cannot run here (``"triton"``: CUDA with ``triton``, or CPU under Triton's interpreter;
-    ``"flashinfer"``: CUDA, the ``flashinfer`` package and a ``head_dim`` it supports).
+    ``"triton"`` or ``"flashinfer"`` force one; ``ValueError`` when it cannot run here
+    (``"triton"``: CUDA with ``triton``, or CPU under Triton's interpreter; ``"flashinfer"``:
+    CUDA, the ``flashinfer`` package and a ``head_dim`` it supports).
     ``deterministic``: ``"deterministic"`` (``prefer`` must stay ``"auto"``: no other backend
     keeps a row's result independent of its batch)."""
     if prefer not in ATTENTION_BACKENDS:
