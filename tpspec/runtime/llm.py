@@ -250,7 +250,8 @@ class LLM:
     :attr:`counters` counts queries, hits and preemptions). ``attention_backend``:
     ``"auto"`` (on CUDA ``AUTO_CUDA_ATTENTION`` of :mod:`tpspec.model.attention`, the Triton
     kernels, or the torch path where ``triton`` cannot run; the torch path elsewhere),
-    ``"torch"``, ``"triton"`` (CUDA with ``triton``; on CPU only under Triton's interpreter) or ``"flashinfer"`` (CUDA with ``flashinfer``, only when named);
+    ``"torch"``, ``"triton"`` (CUDA with ``triton``; on CPU only under Triton's interpreter) or
+    ``"flashinfer"`` (CUDA with ``flashinfer``, only when named);
     one that cannot run here raises ``ValueError`` before a worker starts.
 
     ``deterministic``: run the model with fixed reduction orders (``docs/determinism.md``): a
