@@ -16,11 +16,11 @@ interpreter, libdevice's on CUDA): the same tolerance.
 from __future__ import annotations
 
 import contextlib
-import sys
 
 import torch
 import torch.nn.functional as F
 
+from interpreted import interpreted_main
 from tpspec.model import fused_triton as kernels
 from tpspec.model import layers
 from tpspec.model.kv_cache import KVPages
@@ -280,14 +280,5 @@ CHECKS = {"kernels": [check_norm, check_rotary, check_silu_mul, check_errors], "
           "engine": [check_engine]}
 
 
-def run(group: str, device: str, dtypes: list[torch.dtype]) -> None:
-    for dtype in dtypes:
-        for check in CHECKS[group]:
-            check(device, dtype)
-            print(f"{check.__name__} {dtype}: ok", flush=True)
-
-
 if __name__ == "__main__":
-    assert kernels.INTERPRETED, "run with TRITON_INTERPRET=1 (set before triton is imported)"
-    group, *names = sys.argv[1:]
-    run(group, "cpu", [getattr(torch, name) for name in names])
+    interpreted_main(CHECKS, kernels)

@@ -8,11 +8,11 @@ half a unit in the last place of its dtype (the one rounding) plus a float32 acc
 
 from __future__ import annotations
 
-import sys
 import tempfile
 
 import torch
 
+from interpreted import interpreted_main
 from tpspec.model import gemv_triton as kernels
 
 # (N, K): N a multiple of the blocks and not, K one tile and several, a K tail, split-K forced.
@@ -103,14 +103,5 @@ def check_llm(device: str, dtype: torch.dtype) -> None:
 CHECKS = {"kernels": [check_kernels], "llm": [check_llm]}
 
 
-def run(group: str, device: str, dtypes: list[torch.dtype]) -> None:
-    for dtype in dtypes:
-        for check in CHECKS[group]:
-            check(device, dtype)
-            print(f"{check.__name__} {dtype}: ok", flush=True)
-
-
 if __name__ == "__main__":
-    assert kernels.INTERPRETED, "run with TRITON_INTERPRET=1 (set before triton is imported)"
-    group, *names = sys.argv[1:]
-    run(group, "cpu", [getattr(torch, name) for name in names])
+    interpreted_main(CHECKS, kernels)

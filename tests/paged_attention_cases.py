@@ -9,10 +9,9 @@ float64 reference computed per query row from the cache's own pages.
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
+from interpreted import interpreted_main
 from tpspec.model import paged_attention_triton as kernels
 from tpspec.model.attention import TorchPagedAttention, TritonPagedAttention
 from tpspec.model.batch import AttentionMetadata, ForwardBatch, pages_needed
@@ -172,14 +171,5 @@ def check_llm(device: str, dtype: torch.dtype) -> None:
 CHECKS = {"kernels": [check_kernels, check_backend], "llm": [check_llm]}
 
 
-def run(group: str, device: str, dtypes: list[torch.dtype]) -> None:
-    for dtype in dtypes:
-        for check in CHECKS[group]:
-            check(device, dtype)
-            print(f"{check.__name__} {dtype}: ok", flush=True)
-
-
 if __name__ == "__main__":
-    assert kernels.INTERPRETED, "run with TRITON_INTERPRET=1 (set before triton is imported)"
-    group, *names = sys.argv[1:]
-    run(group, "cpu", [getattr(torch, name) for name in names])
+    interpreted_main(CHECKS, kernels)

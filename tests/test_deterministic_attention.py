@@ -7,29 +7,15 @@ The checks live in ``det_attention_cases.py``."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
+from interpreted import needs_triton, run_interpreted
 from tpspec.model.attention import DeterministicPagedAttention
-
-TESTS = Path(__file__).parent
-ROOT = TESTS.parent
-needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 
 
 def _interpret(*dtypes: str) -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(TESTS / "det_attention_cases.py"), *dtypes], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert all(f"torch.{d}: ok" in proc.stdout for d in dtypes), proc.stdout
+    run_interpreted("det_attention_cases.py", [], dtypes)
 
 
 @needs_triton

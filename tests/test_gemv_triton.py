@@ -12,21 +12,12 @@ the Llama-3-8B shapes for M = 1, 8, 16, and a CUDA-graph replay equal to an eage
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
+from interpreted import needs_triton, run_interpreted
 from tpspec.model import linear as linear_mod
 
-TESTS = Path(__file__).parent
-ROOT = TESTS.parent
-has_triton = importlib.util.find_spec("triton") is not None
-needs_triton = pytest.mark.skipif(not has_triton, reason="needs triton")
 
 # Llama-3-8B at TP 1: qkv, o_proj, gate_up, down_proj, the LM head.
 LLAMA_3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
@@ -34,13 +25,7 @@ LLAMA_3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), 
 
 
 def _interpret(group: str, *dtypes: str) -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(TESTS / "gemv_cases.py"), group, *dtypes], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    for d in dtypes:
-        assert f"torch.{d}: ok" in proc.stdout, proc.stdout
+    run_interpreted("gemv_cases.py", [group], dtypes)
 
 
 @needs_triton

@@ -16,32 +16,18 @@ interpreter is a ``ValueError``. The checks shared with the GPU live in ``paged_
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from interpreted import has_triton, needs_triton, run_interpreted
 from tpspec.model import attention as attention_mod
 from tpspec.model.attention import AUTO_CUDA_ATTENTION, choose_attention_backend
 
-TESTS = Path(__file__).parent
-ROOT = TESTS.parent
-has_triton = importlib.util.find_spec("triton") is not None
-needs_triton = pytest.mark.skipif(not has_triton, reason="needs triton")
-
 
 def _interpret(group: str, *dtypes: str) -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(TESTS / "paged_attention_cases.py"), group, *dtypes], env=env,
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    for d in dtypes:
-        assert f"torch.{d}: ok" in proc.stdout, proc.stdout
+    run_interpreted("paged_attention_cases.py", [group], dtypes)
 
 
 @needs_triton

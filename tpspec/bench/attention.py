@@ -19,10 +19,9 @@ run; ``triton`` only under ``TRITON_INTERPRET=1``) the steps run eagerly and the
 from __future__ import annotations
 
 import argparse
-import time
 from typing import TYPE_CHECKING, Any
 
-from . import bench_device, number_list, report
+from . import bench_device, number_list, report, seconds_per_call
 
 if TYPE_CHECKING:
     import torch
@@ -91,32 +90,7 @@ def _step(backend_name: str, *, batch: int, context: int, query_len: int, page_s
         for pages in caches:
             attend(q, pages)
 
-    if on_cuda:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # compile and allocate outside the capture
-            forward()
-            forward()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            forward()
-        for _ in range(3):
-            graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        seconds = start.elapsed_time(end) / 1000.0 / iters
-        del graph
-    else:
-        forward()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            forward()
-        seconds = (time.perf_counter() - t0) / iters
+    seconds = seconds_per_call(forward, iters, cuda=on_cuda, warmups=2)
     per_layer = seconds / layers
     return dict(backend=backend_name, batch=batch, context=context, query_len=query_len, layers=layers,
                 us_per_layer=per_layer * 1e6, kv_GBps=layer_bytes / per_layer / 1e9)

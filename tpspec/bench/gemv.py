@@ -19,10 +19,9 @@ layers and the LM head) per kernel and batch. On CPU (a smoke run; ``triton`` on
 from __future__ import annotations
 
 import argparse
-import time
 from typing import TYPE_CHECKING, Any
 
-from . import bench_device, number_list, report
+from . import bench_device, number_list, report, seconds_per_call
 
 if TYPE_CHECKING:
     import torch
@@ -64,38 +63,13 @@ def linear_shapes(cfg: Any, tp: int) -> dict[str, tuple[int, int]]:
 
 def _time(fn: Any, x: torch.Tensor, weights: list[torch.Tensor], *, iters: int) -> float:
     """Seconds per call of ``fn(x, w)``, rotating through ``weights``."""
-    import torch
-
     calls = len(weights) * -(-MIN_CALLS // len(weights)) if x.is_cuda else len(weights)
 
     def run() -> None:
         for i in range(calls):
             fn(x, weights[i % len(weights)])
 
-    if not x.is_cuda:
-        fn(x, weights[0])
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            run()
-        return (time.perf_counter() - t0) / iters / calls
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile and allocate outside the capture
-        run()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    for _ in range(3):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    del graph
-    return start.elapsed_time(end) / 1000.0 / iters / calls
+    return seconds_per_call(run, iters, cuda=x.is_cuda) / calls
 
 
 def _kernels_or_exit(names: list[str], device: torch.device, dtype: torch.dtype) -> dict[str, Any]:

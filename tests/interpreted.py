@@ -1,0 +1,49 @@
+"""Triton kernels on CPU through Triton's interpreter: the test side starts a case script in a
+subprocess with ``TRITON_INTERPRET=1`` (it must be set before Triton is imported); the script side
+runs a group of checks per dtype and says ``<check> torch.<dtype>: ok`` for each."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+TESTS = Path(__file__).parent
+ROOT = TESTS.parent
+has_triton = importlib.util.find_spec("triton") is not None
+needs_triton = pytest.mark.skipif(not has_triton, reason="needs triton")
+
+
+def run_interpreted(script: str, args: list[str], dtypes: tuple[str, ...]) -> None:
+    """Run ``tests/<script> *args *dtypes`` under the interpreter; it must exit 0 and report every
+    dtype as ok."""
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(TESTS / script), *args, *dtypes], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for d in dtypes:
+        assert f"torch.{d}: ok" in proc.stdout, proc.stdout
+
+
+def run_checks(checks: dict[str, list[Callable[[str, Any], None]]], group: str, device: str,
+               dtypes: list[Any]) -> None:
+    """Every check of ``group`` on ``device`` in each dtype, each reported as it passes."""
+    for dtype in dtypes:
+        for check in checks[group]:
+            check(device, dtype)
+            print(f"{check.__name__} {dtype}: ok", flush=True)
+
+
+def interpreted_main(checks: dict[str, list[Callable[[str, Any], None]]], kernels: Any) -> None:
+    """A case script's ``__main__``: ``script GROUP DTYPE...`` on CPU under the interpreter."""
+    import torch
+
+    assert kernels.INTERPRETED, "run with TRITON_INTERPRET=1 (set before triton is imported)"
+    group, *names = sys.argv[1:]
+    run_checks(checks, group, "cpu", [getattr(torch, name) for name in names])
