@@ -7,6 +7,8 @@ The checks live in ``det_attention_cases.py``."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
