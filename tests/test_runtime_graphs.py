@@ -246,3 +246,57 @@ def test_graphs_follow_the_attention_backends_ability(monkeypatch):
     assert "'deterministic' attention" in reason(det)
     monkeypatch.setattr(det, "supports_graphs", True, raising=False)  # a backend whose attend can be captured
     assert reason(det) is None
+
+
+@pytest.mark.parametrize("page_size,num_draft", [(16, 0), (16, 3), (32, 3)])
+def test_packed_graph_inputs_equal_the_metadata_build(page_size, num_draft):
+    """What a replay reads from the packed buffer (tokens, positions, KV write rows, visible
+    lengths, page table, drafts, and the mask recomputed from the cached lengths) equals what
+    ``AttentionMetadata.build`` gives the same padded batch: padding rows in scratch pages,
+    ragged lengths, a sequence ending exactly on a page boundary."""
+    from tpspec.model.batch import AttentionMetadata, ForwardBatch, pages_needed
+    from tpspec.runtime.graph_inputs import GraphInputs
+
+    k1 = num_draft + 1
+    gen = torch.Generator().manual_seed(page_size + num_draft)
+    scratch = [900, 901]
+    cache_lens = [0, 0, 5, page_size - k1, 3 * page_size - k1, 2 * page_size + 7]  # two padding rows first
+    free = torch.randperm(800, generator=gen).tolist()
+    tables = [scratch, scratch]
+    for c in cache_lens[2:]:
+        n = pages_needed(c + k1, page_size)
+        tables.append([free.pop() for _ in range(n + 1)])  # one spare page, never read
+    tokens = torch.randint(0, 5000, (len(cache_lens), k1), generator=gen)
+    tokens[:2] = 0
+    kv_pages = 4
+    inputs = GraphInputs(batch=len(cache_lens), num_draft=num_draft, kv_pages=kv_pages, page_size=page_size,
+                         device=torch.device("cpu"))
+    inputs.fill(tokens[:, 0].tolist(), tokens[:, 1:].tolist(), cache_lens, tables)
+    inputs.upload()
+    positions = torch.tensor([c + j for c in cache_lens for j in range(k1)])
+    batch = ForwardBatch(tokens.reshape(-1), positions, tables, cache_lens, [k1] * len(cache_lens))
+    meta = AttentionMetadata.build(batch, "cpu", page_size, kv_pages=kv_pages)
+    t = inputs.tensors
+    assert torch.equal(t["tokens"], batch.token_ids) and torch.equal(t["positions"], batch.positions)
+    for name in ("write_index", "tok_visible", "page_table"):
+        assert torch.equal(t[name], getattr(meta, name)), name
+    assert torch.equal(t["cache_lens"], torch.tensor(cache_lens))
+    assert (t["drafts"] is None) == (num_draft == 0)
+    if num_draft:
+        assert torch.equal(t["drafts"], tokens[:, 1:])
+    mask = meta.mask.clone()
+    meta.mask.zero_()
+    inputs.refresh_mask(meta)
+    assert torch.equal(meta.mask, mask)
+
+
+def test_packed_graph_inputs_refuse_a_step_that_does_not_fit():
+    from tpspec.runtime.graph_inputs import GraphInputs
+
+    inputs = GraphInputs(batch=2, num_draft=1, kv_pages=2, page_size=16, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="needs 3 pages, the key holds 2"):
+        inputs.fill([1, 2], [[3], [4]], [0, 31], [[0], [1, 2, 3]])
+    with pytest.raises(ValueError, match="does not cover"):
+        inputs.fill([1, 2], [[3], [4]], [0, 20], [[0], [1]])
+    with pytest.raises(ValueError, match="expected 2 requests"):
+        inputs.fill([1], [[3]], [0], [[0]])

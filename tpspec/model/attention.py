@@ -15,10 +15,13 @@ backends treat grouped-query heads without copying keys or values per query head
 give token ``i`` of a sequence the keys ``[0, cache_len + i]``.
 
 A backend says whether its ``attend`` can be captured in a CUDA graph (``supports_graphs``)
-and is used in two steps: ``plan(meta)`` once per step (host work: FlashInfer's
-schedule; nothing for torch and triton) and ``bind(meta)``, once per forward, returning
+and whether it plans on the host from the step's page lists (``plans_on_host``: FlashInfer
+only), and is used in two steps: ``plan(meta)`` once per step (host work: FlashInfer's
+schedule; nothing for the others) and ``bind(meta)``, once per forward, returning
 ``attend(q, pages) -> out`` that every layer calls. Under a CUDA graph the plan happens
-before capture and before every replay, ``bind`` and ``attend`` inside the graph.
+before capture and before every replay, ``bind`` and ``attend`` inside the graph; a backend
+that does not plan on the host reads only the metadata's device tensors, which a replay
+refreshes in place.
 """
 
 from __future__ import annotations
@@ -125,6 +128,7 @@ class TorchPagedAttention:
 
     name = "torch"
     supports_graphs = True
+    plans_on_host = False
 
     def __init__(self, *, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -169,6 +173,7 @@ class TritonPagedAttention:
 
     name = "triton"
     supports_graphs = True
+    plans_on_host = False
 
     def __init__(self, *, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -203,6 +208,7 @@ class DeterministicPagedAttention:
     each is invariant on its own."""
 
     name = "deterministic"
+    plans_on_host = False
 
     def __init__(self, *, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -245,6 +251,7 @@ class FlashInferPagedAttention:
 
     name = "flashinfer"
     supports_graphs = True
+    plans_on_host = True
 
     def __init__(self, *, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, dtype: torch.dtype,
                  device: torch.device) -> None:

@@ -133,6 +133,15 @@ def check_paged_batch(batch: Any, num_pages: int, page_size: int, vocab_size: in
     batch.check_token_range(vocab_size)
 
 
+def causal_mask(cache_lens: torch.Tensor, q_max: int, kv_len: int) -> torch.Tensor:
+    """``[B, q_max, kv_len]`` bool on ``cache_lens``' device: query row ``i`` of sequence ``b``
+    sees key ``j`` iff ``j <= cache_lens[b] + i`` (``cache_lens``: ``[B]`` int64)."""
+    dev = cache_lens.device
+    limit = cache_lens[:, None] + torch.arange(q_max, dtype=torch.int64, device=dev)[None, :]  # [B, q_max]
+    cols = torch.arange(kv_len, dtype=torch.int64, device=dev)
+    return cols[None, None, :] <= limit[:, :, None]
+
+
 @dataclass
 class AttentionMetadata:
     """Index tensors shared by every attention layer of one step (built on the host once).
@@ -207,10 +216,7 @@ class AttentionMetadata:
                        for t, c, q in zip(tables, clens, qlens) for j in range(q)]
         q_max = max(qlens, default=0)
         # The mask is built on the device from the [B] cache lengths (no [B, q, kv] host copy).
-        clens_dev = torch.tensor(clens, dtype=torch.int64).to(device)
-        limit = clens_dev[:, None] + torch.arange(q_max, dtype=torch.int64, device=device)[None, :]  # [B, q_max]
-        cols = torch.arange(kv_pages * page_size, dtype=torch.int64, device=device)
-        mask = cols[None, None, :] <= limit[:, :, None]
+        mask = causal_mask(torch.tensor(clens, dtype=torch.int64).to(device), q_max, kv_pages * page_size)
         kv_indices = torch.tensor([p for t, n in zip(tables, used) for p in t[:n]], dtype=torch.int32)
         last = torch.tensor([n - (u - 1) * page_size for n, u in zip(kv_lens, used)], dtype=torch.int32)
         i64 = torch.int64

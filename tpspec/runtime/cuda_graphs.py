@@ -29,8 +29,9 @@ by the output position the draw decides (``SpecMetadata.prepare`` filled them be
 the repeat reads the same), and a forced-acceptance draw is rewound, so the repeated step gives
 exactly the tokens an eager step gives.
 
-Before a replay the host refreshes the static inputs in place (token ids, positions,
-drafts, attention metadata; ``SpecMetadata.prepare`` refills its stable buffers).
+Before a replay the host refreshes the static inputs in place: token ids, positions, drafts
+and the attention metadata's index tensors are slices of one buffer (:class:`GraphInputs`),
+filled on the host and copied at once; ``SpecMetadata.prepare`` refills its stable buffers.
 Padding requests come first in the padded batch (the generation requests stay the step's
 last requests, where drafting writes its draft logits), write into the engine's scratch
 pages (nothing reads them for real) and use slot -1 in the metadata (greedy, no stream).
@@ -73,6 +74,7 @@ from ..sampling.params import SamplingParams
 from ..sampling.select import DEFAULT_CANDIDATES, RETRY_FACTOR, FilterPlan, candidate_bucket
 from ..vocab_parallel import MAX_TOP_LOGPROBS
 from ..speculative.metadata import RequestEntry
+from .graph_inputs import GraphInputs
 
 log = get_logger(__name__)
 
@@ -224,9 +226,7 @@ class _ChainGraph:
 @dataclass
 class _Graph:
     graph: Any  # torch.cuda.CUDAGraph, or an _EagerReplay
-    tokens: torch.Tensor  # [Bp * (K + 1)] int64
-    positions: torch.Tensor
-    drafts: torch.Tensor | None  # [Bp, K] int64
+    inputs: GraphInputs  # the static inputs: tokens, positions, drafts, the metadata's index tensors
     attn_meta: Any
     out: _StepOut
     batch: Any = None  # the static ForwardBatch, kept alive with the graph
@@ -319,14 +319,13 @@ class GenerationGraphs:
         if not prepared:
             eng.meta.prepare(requests=step.requests, draft_len=eng.num_draft)
         _check_key(key, eng.meta, drafts_sampled)
-        host = self._host_batch(gen, drafts, step.num_padding)
         graph = self.graphs.get(key)
         if graph is None:
-            graph = self._capture(key, host)
+            graph = self._capture(key, self._host_batch(gen, drafts, step.num_padding))
         if graph is None:  # the capture failed on some rank: this key runs eagerly from now on
-            out = self._eager(key, host)
+            out = self._eager(key, self._host_batch(gen, drafts, step.num_padding))
         else:
-            self._load(graph, host)
+            self._load(graph, gen, drafts, step.num_padding)
             graph.graph.replay()
             out = graph.out
         accepted = out.accepted.cpu()  # synchronizes with the replay
@@ -334,7 +333,7 @@ class GenerationGraphs:
             # A filtered row the candidates could not decide (the same verdict on every rank): the
             # step again, eagerly, with the retry and the gathered fallback.
             self.num_repeated += 1
-            out = self._eager(key, host, repeat=True)
+            out = self._eager(key, self._host_batch(gen, drafts, step.num_padding), repeat=True)
             accepted = out.accepted.cpu()
         elif graph is not None:
             self.num_replayed += 1
@@ -466,7 +465,17 @@ class GenerationGraphs:
             hidden = out.hidden[num_padding * width:(num_padding + len(gen)) * width].clone()
         return StepResult(emitted, hidden)
 
+    def _input_rows(self, gen: list[Any], drafts: list[list[int]], num_padding: int) -> tuple[list, list, list, list]:
+        """Per request of the padded batch (padding first): its last committed token, its drafts,
+        its cached length and its pages, as :meth:`GraphInputs.fill` takes them."""
+        eng = self.engine
+        pad = num_padding
+        return ([0] * pad + [s.tokens[-1] for s in gen], [[0] * eng.num_draft] * pad + list(drafts),
+                [0] * pad + [len(s.tokens) - 1 for s in gen], [eng.scratch_table] * pad + [s.pages for s in gen])
+
     def _host_batch(self, gen: list[Any], drafts: list[list[int]], num_padding: int) -> Any:
+        """The padded step as a host ``ForwardBatch`` and drafts ``[Bp, K]`` (None without drafts):
+        what a capture, an eager step and a backend that plans on the host start from."""
         from ..model.batch import ForwardBatch
 
         k = self.engine.num_draft
@@ -535,14 +544,23 @@ class GenerationGraphs:
                                         None if drafts is None else drafts.to(dev), deferred=False, repeat=repeat)
 
     def _capture(self, key: StepKey, host: Any) -> _Graph | None:
-        batch, drafts = host
-        dev = self.engine.device
+        batch, _ = host
+        eng = self.engine
+        dev = eng.device
+        k = eng.num_draft
+        inputs = GraphInputs(batch=key.batch, num_draft=k, kv_pages=key.kv_pages, page_size=eng.model.page_size,
+                             device=dev)
+        tokens = batch.token_ids.view(key.batch, k + 1)
+        inputs.fill(tokens[:, 0].tolist(), tokens[:, 1:].tolist(), batch.cache_lens, batch.block_tables)
+        inputs.upload()
         static_batch = _on_device(batch, dev)
         static_meta = self._attn_meta(batch)
+        inputs.adopt(static_batch, static_meta)
         self._plan_attention(static_meta)
-        static_drafts = None if drafts is None else drafts.to(dev)
+        static_drafts = inputs.tensors["drafts"]
 
         def step(is_warmup: bool) -> _StepOut:
+            inputs.refresh_mask(static_meta)
             return self._forward_and_select(key, static_batch, static_meta, static_drafts, deferred=True,
                                             is_warmup=is_warmup)
 
@@ -550,8 +568,7 @@ class GenerationGraphs:
         if recorded is None:
             return None
         graph, out = recorded
-        g = _Graph(graph, static_batch.token_ids, static_batch.positions, static_drafts, static_meta, out,
-                   static_batch)
+        g = _Graph(graph, inputs, static_meta, out, static_batch)
         self.graphs[key] = g
         if D.group_rank(self.engine.group) == 0:
             log.info("captured CUDA graph %d: batch bucket %d, %d pages a request, key %s", len(self.graphs),
@@ -601,14 +618,15 @@ class GenerationGraphs:
             self.failed.add(key)
         return captured
 
-    def _load(self, g: _Graph, host: Any) -> None:
-        batch, drafts = host
-        g.tokens.copy_(batch.token_ids, non_blocking=True)
-        g.positions.copy_(batch.positions, non_blocking=True)
-        if g.drafts is not None and drafts is not None:
-            g.drafts.copy_(drafts, non_blocking=True)
-        g.attn_meta.copy_(self._attn_meta(batch))
-        self._plan_attention(g.attn_meta)
+    def _load(self, g: _Graph, gen: list[Any], drafts: list[list[int]], num_padding: int) -> None:
+        """The step's inputs into the graph's static tensors: one packed copy, and for a backend
+        that plans on the host (FlashInfer) its page lists and plan."""
+        g.inputs.fill(*self._input_rows(gen, drafts, num_padding))
+        g.inputs.upload()
+        if self.engine.model.attention.plans_on_host:
+            batch, _ = self._host_batch(gen, drafts, num_padding)
+            g.attn_meta.copy_(self._attn_meta(batch))
+            self._plan_attention(g.attn_meta)
 
 
 def _check_key(key: StepKey, meta: Any, drafts_sampled: bool) -> None:

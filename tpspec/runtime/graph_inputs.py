@@ -1,0 +1,108 @@
+"""The per-step inputs of one captured generation step, packed in one buffer.
+
+A graphed step of a :class:`~tpspec.runtime.cuda_graphs.StepKey` feeds ``Bp`` requests
+(padding first) ``K + 1`` tokens each: the last committed token and the ``K`` drafts. Its
+varying inputs are a handful of small integer arrays — token ids, positions, each token's KV
+write row and visible length, each request's cached length, the page table and the drafts —
+all derived from ``(tokens, cache_len, pages)`` of every request. :class:`GraphInputs`
+keeps them in one int64 host buffer (pinned on CUDA) and one device buffer of the same
+layout, whose slices *are* the graph's static input tensors: a step fills the host buffer
+with numpy and moves it with one copy, instead of building tensors on the host one by one.
+The causal mask the torch attention reads is recomputed inside the graph from the cached
+lengths (:meth:`GraphInputs.refresh_mask`).
+
+The values equal what :meth:`~tpspec.model.batch.AttentionMetadata.build` gives the same batch
+with the key's page-table width (``tests/test_runtime_graphs.py`` checks it).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from ..model.batch import causal_mask, pages_needed
+
+
+class GraphInputs:
+    """Packed static inputs of ``batch`` requests of ``num_draft + 1`` rows each, page tables
+    ``kv_pages`` wide (pages of ``page_size`` tokens), on ``device``.
+
+    ``tensors``: the device views a graph captures — ``tokens``, ``positions``,
+    ``write_index``, ``tok_visible`` ``[batch * (num_draft + 1)]``; ``cache_lens``
+    ``[batch]``; ``page_table`` ``[batch, kv_pages]``; ``drafts`` ``[batch, num_draft]``
+    (None without drafts). All int64, contiguous slices of one buffer.
+    """
+
+    def __init__(self, *, batch: int, num_draft: int, kv_pages: int, page_size: int,
+                 device: torch.device) -> None:
+        self.batch, self.num_draft, self.kv_pages, self.page_size = batch, num_draft, kv_pages, page_size
+        rows = batch * (num_draft + 1)
+        sizes = {"tokens": rows, "positions": rows, "write_index": rows, "tok_visible": rows, "cache_lens": batch,
+                 "page_table": batch * kv_pages, "drafts": batch * num_draft}
+        total = sum(sizes.values())
+        self.host = torch.zeros(total, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.device_buffer = torch.zeros(total, dtype=torch.int64, device=device)
+        host = self.host.numpy()
+        self._host: dict[str, np.ndarray] = {}
+        self.tensors: dict[str, torch.Tensor | None] = {}
+        offset = 0
+        for name, size in sizes.items():
+            self._host[name] = host[offset:offset + size]
+            self.tensors[name] = self.device_buffer[offset:offset + size]
+            offset += size
+        self.tensors["page_table"] = self.tensors["page_table"].view(batch, kv_pages)
+        self.tensors["drafts"] = self.tensors["drafts"].view(batch, num_draft) if num_draft else None
+
+    def fill(self, last_tokens: Sequence[int], drafts: Sequence[Sequence[int]], cache_lens: Sequence[int],
+             tables: Sequence[Sequence[int]]) -> None:
+        """Write one step into the host buffer: per request (``batch`` of them, in batch order)
+        its last committed token, its ``num_draft`` drafts, its cached length (the position of
+        its last token) and its pages (at least those its ``cache_len + num_draft + 1`` tokens
+        need). ``ValueError`` when a request does not fit the key's page-table width."""
+        b, k1, ps = self.batch, self.num_draft + 1, self.page_size
+        if not len(last_tokens) == len(drafts) == len(cache_lens) == len(tables) == b:
+            raise ValueError(f"GraphInputs.fill: expected {b} requests, got {len(last_tokens)} tokens, "
+                             f"{len(drafts)} draft lists, {len(cache_lens)} lengths, {len(tables)} tables")
+        clens = np.asarray(cache_lens, dtype=np.int64)
+        used = [pages_needed(c + k1, ps) for c in cache_lens]
+        if max(used) > self.kv_pages:
+            raise ValueError(f"GraphInputs.fill: a request needs {max(used)} pages, the key holds {self.kv_pages}")
+        if any(len(t) < n for t, n in zip(tables, used)):
+            raise ValueError("GraphInputs.fill: a block table does not cover its request's tokens")
+        tokens = self._host["tokens"].reshape(b, k1)
+        tokens[:, 0] = last_tokens
+        if self.num_draft:
+            tokens[:, 1:] = drafts
+            self._host["drafts"].reshape(b, self.num_draft)[:] = tokens[:, 1:]
+        self._host["cache_lens"][:] = clens
+        pos = clens[:, None] + np.arange(k1, dtype=np.int64)[None, :]  # [b, K + 1]
+        self._host["positions"][:] = pos.reshape(-1)
+        self._host["tok_visible"][:] = (pos + 1).reshape(-1)
+        table = self._host["page_table"].reshape(b, self.kv_pages)
+        table.fill(0)
+        rows = np.repeat(np.arange(b), used)
+        cols = np.fromiter(itertools.chain.from_iterable(range(n) for n in used), dtype=np.int64, count=len(rows))
+        table[rows, cols] = np.fromiter(itertools.chain.from_iterable(t[:n] for t, n in zip(tables, used)),
+                                        dtype=np.int64, count=len(rows))
+        pages = np.take_along_axis(table, pos // ps, axis=1)
+        self._host["write_index"][:] = (pages * ps + pos % ps).reshape(-1)
+
+    def upload(self) -> None:
+        """Copy the host buffer to the device buffer (asynchronous on CUDA: the buffer is pinned,
+        and the caller does not refill it before the step it feeds has run)."""
+        self.device_buffer.copy_(self.host, non_blocking=True)
+
+    def refresh_mask(self, meta: Any) -> None:
+        """Recompute ``meta.mask`` in place from the cached lengths (inside a captured step, so
+        each replay masks with its own lengths)."""
+        meta.mask.copy_(causal_mask(self.tensors["cache_lens"], meta.q_max, meta.kv_len)[:, None])
+
+    def adopt(self, batch: Any, meta: Any) -> None:
+        """Make a step's static ``ForwardBatch`` and ``AttentionMetadata`` (built from the same
+        requests as the last :meth:`fill`) read this buffer's device views."""
+        batch.token_ids, batch.positions = self.tensors["tokens"], self.tensors["positions"]
+        for name in ("write_index", "tok_visible", "page_table"):
+            setattr(meta, name, self.tensors[name])
