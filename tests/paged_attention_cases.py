@@ -29,6 +29,13 @@ def scenario(page: int) -> tuple[list[int], list[int]]:
     return [37, 2 * page - 1, 50, 20, 0, 5 * page + 3], [1, 1, 4, 23, page, 1]
 
 
+def decode_scenario(page: int) -> tuple[list[int], list[int]]:
+    """(cache_lens, query_lens) of a step with decode and verification rows only (the launch's
+    short-query tiles): a decode ending on a page boundary, decodes and verifications over
+    several KV tiles, one ending mid-tile."""
+    return [2 * page - 1, 37, 300, 5 * page + 3, 129], [1, 4, 1, 4, 1]
+
+
 def _tolerance(dtype: torch.dtype) -> float:
     return {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
 
@@ -89,18 +96,20 @@ class Case:
 
 
 def check_kernels(device: str, dtype: torch.dtype) -> None:
-    """Every config's ragged batch against the float64 reference: the automatic launch (one
+    """Every config's ragged batch, and a step of decode and verification rows only (the
+    launch's short-query tiles), against the float64 reference: the automatic launch (one
     split on CPU), one split (on CUDA, where the automatic launch splits this small batch), and
     several splits (two and five) over a page table wider than the batch reads."""
     variants = [(None, 0), (2, 3), (5, 1)] + ([(1, 0)] if device != "cpu" else [])
     for config in CONFIGS:
-        case = Case(config, device, dtype)
-        want = case.reference()
-        for splits, extra in variants:
-            got = case.run(splits, extra)
-            assert got.dtype == dtype and got.shape == case.q.shape
-            err = (got.double() - want).abs().max().item()
-            assert err < _tolerance(dtype), f"config {config}, splits {splits}: max error {err}"
+        for lens, tried in ((None, variants), (decode_scenario(config[3]), variants[:2])):
+            case = Case(config, device, dtype, lens=lens)
+            want = case.reference()
+            for splits, extra in tried:
+                got = case.run(splits, extra)
+                assert got.dtype == dtype and got.shape == case.q.shape
+                err = (got.double() - want).abs().max().item()
+                assert err < _tolerance(dtype), f"config {config}, lens {lens}, splits {splits}: max error {err}"
 
 
 def check_backend(device: str, dtype: torch.dtype) -> None:

@@ -13,7 +13,7 @@ Every step shape runs the same kernel, ``_attend_kernel``. Its programs are
   visible position.
 * **Split-KV.** When the ``(query block, KV head)`` programs alone are too few to fill the GPU
   (decode at small batch sizes), each block's visible positions are cut into ``num_splits``
-  equal parts (multiples of ``BLOCK_N``, sized by the block's own length, so a short sequence
+  equal parts (multiples of the tile length, sized by the block's own length, so a short sequence
   is spread as evenly as a long one). Each program then writes its float32 partial (running
   maximum, sum of exponentials, unnormalized output) and ``_merge_kernel`` combines the
   splits of every ``(row, head)``. With one split the first kernel writes the output itself.
@@ -43,9 +43,14 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-BLOCK_N = 64  # KV positions per tile
+# KV positions per tile: 128 for programs of at most SMALL_BLOCK_M rows (decode, verification: the
+# kernel streams KV, and longer tiles keep more loads in flight), 64 for prefill tiles (a 64 x 128
+# score tile and its accumulator would not fit the registers of NUM_WARPS warps).
+BLOCK_N_SMALL_M = 128
+BLOCK_N = 64
+SMALL_BLOCK_M = 16
 MAX_BLOCK_M = 64  # query rows (query positions x group heads) per program, at most
-MIN_SPLIT_LEN = 128  # KV positions a split covers at least (a multiple of BLOCK_N)
+MIN_SPLIT_LEN = 128  # KV positions a split covers at least (a multiple of either tile length)
 MAX_SPLITS = 64
 PROGRAMS_PER_SM = 2  # split until (query blocks x KV heads x splits) reaches this many programs per SM
 PARTIALS_BYTES = 1 << 28  # float32 split partials one launch may hold (fewer splits beyond)
@@ -189,6 +194,7 @@ class Launch:
     q_blocks: int  # query blocks per sequence: cdiv(q_max, block_q)
     num_splits: int  # KV splits per query block (1: no merge)
     head_pad: int
+    block_n: int  # KV positions per tile
 
 
 def plan_launch(*, num_tokens: int, num_seqs: int, q_max: int, kv_pages: int, page_size: int, num_heads: int,
@@ -217,7 +223,9 @@ def plan_launch(*, num_tokens: int, num_seqs: int, q_max: int, kv_pages: int, pa
             num_splits = max(1, min(triton.cdiv(target, programs), by_length, by_memory, MAX_SPLITS))
     elif not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
-    return Launch(block_q=block_q, block_m=block_m, q_blocks=q_blocks, num_splits=num_splits, head_pad=head_pad)
+    block_n = BLOCK_N_SMALL_M if block_m <= SMALL_BLOCK_M else BLOCK_N
+    return Launch(block_q=block_q, block_m=block_m, q_blocks=q_blocks, num_splits=num_splits, head_pad=head_pad,
+                  block_n=block_n)
 
 
 def sequence_starts(tok_seq: torch.Tensor, num_seqs: int) -> torch.Tensor:
@@ -287,7 +295,7 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
         k_pages.stride(0), k_pages.stride(1), k_pages.stride(2), v_pages.stride(0), v_pages.stride(1),
         v_pages.stride(2), page_table.stride(0),
         GROUP=num_heads // kv_heads, HEAD_DIM=head_dim, HEAD_PAD=launch.head_pad, PAGE_SIZE=page_size,
-        BLOCK_Q=launch.block_q, BLOCK_M=launch.block_m, BLOCK_N=BLOCK_N, SPLIT=splits > 1, IEEE=q.dtype == f32,
+        BLOCK_Q=launch.block_q, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, SPLIT=splits > 1, IEEE=q.dtype == f32,
         num_warps=NUM_WARPS)
     if splits > 1:
         _merge_kernel[(n, num_heads)](part_acc, part_m, part_l, out, num_heads, splits, out.stride(0), out.stride(1),
