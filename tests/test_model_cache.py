@@ -91,6 +91,27 @@ def test_ngram_drafter():
         NgramDrafter(2, max_ngram=1, min_ngram=2)
 
 
+def test_ngram_drafter_follows_its_definition():
+    """Random histories over small vocabularies (many repeated n-grams) against the definition
+    read literally: for n from the largest allowed down, the latest earlier window equal to the
+    last n tokens, and what followed it."""
+    import random
+
+    def by_definition(hist, k, max_n, min_n):
+        for n in range(min(max_n, len(hist) - 1), min_n - 1, -1):
+            for start in range(len(hist) - n - 1, -1, -1):
+                if hist[start:start + n] == hist[len(hist) - n:]:
+                    return hist[start + n:start + n + k]
+        return []
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        hist = [rng.randrange(rng.choice([2, 3, 5, 50])) for _ in range(rng.randint(0, 40))]
+        max_n = rng.randint(1, 4)
+        min_n, k = rng.randint(1, max_n), rng.randint(1, 5)
+        assert NgramDrafter(k, max_n, min_n).propose(hist) == by_definition(hist, k, max_n, min_n), (hist, max_n, min_n)
+
+
 def test_draft_vocab_must_match(tmp_path, tiny):
     other = make_tiny_checkpoint(tmp_path / "other", vocab_size=300, tokenizer=False)
     target_cfg = load_model(tiny[0]).config

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import torch
 
 from ..exchange.base import KeyExchange
@@ -42,16 +41,34 @@ class NgramDrafter:
     def propose(self, token_history: list[int]) -> list[int]:
         """Up to ``num_draft_tokens`` draft tokens continuing ``token_history`` (empty when no
         n-gram of the allowed sizes reappears)."""
-        hist = np.asarray(token_history, dtype=np.int64)
-        length = hist.shape[0]
-        for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
-            suffix = hist[length - n :]
-            # Windows starting at 0 .. length-n-1: every earlier occurrence with a token after it.
-            windows = np.lib.stride_tricks.sliding_window_view(hist[: length - 1], n)
-            hits = np.flatnonzero((windows == suffix).all(axis=1))
-            if hits.size:
-                start = int(hits[-1]) + n
-                return hist[start : start + self.num_draft_tokens].tolist()
+        hist = token_history if isinstance(token_history, list) else list(token_history)
+        length = len(hist)
+        top = min(self.max_ngram, length - 1)
+        if top < self.min_ngram:
+            return []
+        # Every earlier position holding the last token ends a candidate match (list.index scans
+        # in C: one pass over the history, no copy of it). Walking them latest first, a match of
+        # ``top`` tokens wins at once; otherwise the latest match of each shorter length is kept.
+        last, ends, at = hist[-1], [], -1
+        try:
+            while True:
+                at = hist.index(last, at + 1, length - 1)
+                ends.append(at)
+        except ValueError:
+            pass
+        latest: dict[int, int] = {}
+        for end in reversed(ends):
+            n = 1
+            while n < top and end >= n and hist[end - n] == hist[length - 1 - n]:
+                n += 1
+            if n == top:
+                return [int(t) for t in hist[end + 1:end + 1 + self.num_draft_tokens]]
+            for size in range(self.min_ngram, n + 1):
+                latest.setdefault(size, end)
+        for size in range(top - 1, self.min_ngram - 1, -1):
+            if size in latest:
+                end = latest[size]
+                return [int(t) for t in hist[end + 1:end + 1 + self.num_draft_tokens]]
         return []
 
 
