@@ -26,7 +26,8 @@ Llama 3.2 1B shape for the Llama 3 targets (its layers shrunk in proportion to `
 ``--spec eagle3`` a random EAGLE-3 head of the target shape (``shape-eagle3:NAME``).
 
 ``--num-prompts`` takes several batch sizes (``1,8,32``): each configuration builds one ``LLM``
-and runs every batch in it (a warm-up ``generate`` of the batch, then the timed one).
+and runs every batch in it (a warm-up ``generate`` of a batch of the same size on other prompts,
+then the timed one; no timed prompt is in the prefix cache).
 ``--rates none`` runs no speculation at all (only ``no-spec``).
 
 ``--deterministic`` runs every configuration twice, in the default mode and in deterministic
@@ -57,10 +58,13 @@ COLUMNS = ["config", "forced_rate", "draft_len", "requests", "tokens", "wall_s",
 BASELINES = ("hf",)
 
 
-def _prompts(num: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+def _prompts(num: int, length: int, vocab: int, *, warmup: bool = False) -> list[list[int]]:
+    """The ``num`` random prompts of a batch of ``num``: its own for each batch size, and others
+    for its warm-up, so that no timed prompt is in the prefix cache (a cached prompt would skip
+    its prefill, and the baseline has no cache)."""
     import torch
 
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(2 * num + int(warmup))
     return torch.randint(3, vocab, (num, length), generator=gen).tolist()
 
 
@@ -90,15 +94,17 @@ def measure(cfg: dict) -> list[dict]:
              enforce_eager=not cfg["use_cuda_graphs"], deterministic=cfg.get("deterministic", False)) as llm:
         for batch in cfg["batches"]:
             prompts = _prompts(batch, cfg["prompt_len"], llm.vocab_size)
-            # Warm up on the timed batch itself (its CUDA-graph bucket, first-use costs of its shapes),
-            # so the timed call measures steady-state steps.
+            # Warm up on a batch of the same shapes (its CUDA-graph bucket, first-use costs such as
+            # Triton's compilations), so the timed call measures steady-state steps.
             warmup = SamplingParams(temperature=0.0, max_tokens=min(WARMUP_TOKENS, cfg["max_new_tokens"]),
                                     ignore_eos=True)
-            llm.generate(prompts, warmup, use_tqdm=False)
+            llm.generate(_prompts(batch, cfg["prompt_len"], llm.vocab_size, warmup=True), warmup, use_tqdm=False)
             timed = SamplingParams(temperature=0.0, max_tokens=cfg["max_new_tokens"], ignore_eos=True)
             outputs = llm.generate(prompts, timed, use_tqdm=False)
             stats = llm.last_stats
             assert stats is not None
+            if stats.num_cached_tokens:  # the timed steps would skip prefills the baseline runs
+                raise RuntimeError(f"{stats.num_cached_tokens} timed prompt tokens came from the prefix cache")
             results.append({
                 "rank": llm.rank,
                 "batch": batch,
