@@ -15,7 +15,7 @@ def nan_with_bits(bits: int) -> float:
 
 
 def key_argmax(rows: torch.Tensor) -> torch.Tensor:
-    cols = torch.arange(rows.shape[1], dtype=torch.int64).reshape(1, -1)
+    cols = torch.arange(rows.shape[1], dtype=torch.int64, device=rows.device).reshape(1, -1)
     return K.unpack_indices(K.pack_keys(rows, cols).max(dim=1).values)
 
 
@@ -67,6 +67,33 @@ def test_random_rows_with_many_ties_all_dtypes():
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         rows = torch.randint(-3, 4, (500, 64), generator=gen).to(dtype)  # heavy ties
         assert torch.equal(key_argmax(rows), torch.argmax(rows, dim=1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_key_argmax_matches_torch_argmax_on_cuda(dtype):
+    """The same on CUDA, whose argmax the local exchange's greedy path runs."""
+    gen = torch.Generator().manual_seed(1)
+    for rows in (adversarial_rows(dtype, gen), torch.randint(-3, 4, (500, 64), generator=gen).to(dtype)):
+        rows = rows.cuda()
+        assert torch.equal(key_argmax(rows).cpu(), torch.argmax(rows, dim=1).cpu())
+
+
+def test_local_exchange_greedy_argmax_is_the_keys_maximum():
+    """The one-rank exchange picks greedy rows with ``torch.argmax`` over the real columns: the
+    keys' pick, on adversarial rows, with a vocabulary offset and padding columns; a slice wholly
+    past the vocabulary still offers no candidate."""
+    from tpspec.exchange import LocalKeyExchange
+    from tpspec.exchange.base import Channel
+
+    ex = LocalKeyExchange("cpu")
+    gen = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        rows = adversarial_rows(dtype, gen)
+        for offset, vocab_size in ((0, None), (0, 30), (5, 40), (100, 120)):
+            want = K.unpack_indices(ex._max_local_keys(rows, offset, vocab_size, None, Channel.TARGET))
+            assert torch.equal(ex.argmax_logits(rows, offset, vocab_size=vocab_size, channel=Channel.TARGET), want)
+        assert (ex.argmax_logits(rows, 10, vocab_size=5) == 2**32 - 1).all()
 
 
 def test_pack_unpack_roundtrip_and_order():
