@@ -21,7 +21,9 @@ _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp
 
 def is_int(value: object) -> bool:
     """An integral number that is not a bool (``int``, numpy integers)."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    # ``type(...) is int`` first: the engine checks a few ints per request every step, and the
+    # abstract-class check is the slow part (a bool's type is bool, not int).
+    return type(value) is int or (isinstance(value, numbers.Integral) and not isinstance(value, bool))
 
 
 def is_real(value: object) -> bool:

@@ -139,8 +139,11 @@ class SpecMetadata:
         self._req_is_context = torch.zeros(B, dtype=torch.bool, device=dev)
         self._req_row_start = torch.zeros(B, dtype=i64, device=dev)
         self._req_draft_len = torch.zeros(B, dtype=i64, device=dev)
-        self._req_seed = torch.zeros(B, dtype=i64, device=dev)
-        self._req_offset = torch.zeros(B, dtype=i64, device=dev)
+        # Seeds and offsets change every step: one buffer, refreshed from a pinned host copy at once.
+        self._req_streams = torch.zeros(2, B, dtype=i64, device=dev)
+        self._req_seed, self._req_offset = self._req_streams[0], self._req_streams[1]
+        self._streams_host = torch.zeros(2, B, dtype=i64, pin_memory=self.device.type == "cuda")
+        self._streams_copied = torch.cuda.Event() if self.device.type == "cuda" else None
         self._req_row_index = torch.zeros(B, max_draft_len + 1, dtype=i64, device=dev)
         self._req_repetition = torch.ones(B, dtype=f32, device=dev)
         self._req_presence = torch.zeros(B, dtype=f32, device=dev)
@@ -302,13 +305,17 @@ class SpecMetadata:
                                         for e in self.entries])
         if not streams:
             return
-        seeds = torch.tensor([s for s, _ in streams], dtype=torch.int64)
-        # The target lane of the request's first emitted position; padding keeps its marker.
-        offsets = torch.tensor([base if e.slot_id == -1 else base + e.position * SLOT_SPAN + TARGET_LANE
-                                for (_, base), e in zip(streams, self.entries)], dtype=torch.int64)
         B, R = len(streams), self.num_rows
-        self._req_seed[:B].copy_(seeds.to(self.device))
-        self._req_offset[:B].copy_(offsets.to(self.device))
+        if self._streams_copied is not None:
+            self._streams_copied.synchronize()  # the previous step's copy has left the host buffer
+        host = self._streams_host.numpy()
+        host[0, :B] = [s for s, _ in streams]
+        # The target lane of the request's first emitted position; padding keeps its marker.
+        host[1, :B] = [base if e.slot_id == -1 else base + e.position * SLOT_SPAN + TARGET_LANE
+                       for (_, base), e in zip(streams, self.entries)]
+        self._req_streams.copy_(self._streams_host, non_blocking=True)
+        if self._streams_copied is not None:
+            self._streams_copied.record()
         row_req = self._row_request[:R]
         self._row_seed[:R].copy_(self._req_seed[:B][row_req])
         # Target row i of a request emits position ``position + i``.
