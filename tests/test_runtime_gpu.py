@@ -29,7 +29,8 @@ def models(tmp_path_factory):
 def test_cuda_graphs_match_eager(models, name):
     """Every step shape replayed from CUDA graphs (and the drafters' chained draft steps) gives the
     eager steps' tokens (logprobs within 1e-4: padding a batch to its bucket may move the logits'
-    last bits)."""
+    last bits); without drafts, greedy and temperature-only decode steps launched ahead of their
+    predecessor's tokens too."""
     results = {}
     for use_graphs in (False, True):
         # In-process (a single plain process is rank 0 of a TP group of 1): the engine is inspectable.
@@ -43,8 +44,10 @@ def test_cuda_graphs_match_eager(models, name):
                 assert graphs is not None and graphs.graphs, "no generation step was graphed"
                 keys, chained = list(graphs.graphs), bool(graphs.draft_graphs)
                 replayed, repeated, failed = graphs.num_replayed, graphs.num_repeated, set(graphs.failed)
+                ahead = graphs.num_ahead
                 del graphs
     assert replayed > 0, "no target step came from a graph replay"
+    assert (ahead > 0) == (name == "plain")  # without drafts, decode steps launch the next one ahead
     assert not failed, f"captures failed: {failed}"
     for got, ref in zip(results[True], results[False]):
         assert got[0] == ref[0]

@@ -300,3 +300,62 @@ def test_packed_graph_inputs_refuse_a_step_that_does_not_fit():
         inputs.fill([1, 2], [[3], [4]], [0, 20], [[0], [1]])
     with pytest.raises(ValueError, match="expected 2 requests"):
         inputs.fill([1], [[3]], [0], [[0]])
+
+
+def _ahead_worker(rank, world, target):
+    """The same continuous-batching run, eager and then graphed (``capture=False``) with steps
+    launched ahead: requests of different budgets, one stopped by a stop token, one joining and
+    one aborted between steps. Returns both runs' tokens and how many steps went ahead."""
+    from tpspec.mapping import Mapping
+    from tpspec.runtime.config import EngineConfig, Request
+    from tpspec.runtime.engine import Engine
+
+    cfg = EngineConfig(model_path=target, tp_size=world, device="cpu", dtype="float32", max_batch_size=8,
+                       max_seq_len=64, max_num_tokens=64)
+    engine = Engine(cfg, Mapping(world, rank))
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=7),
+              SamplingParams(temperature=0.0), SamplingParams(temperature=1.1, seed=3), SamplingParams(temperature=0.0)]
+    budgets = [20, 17, 12, 20, 9]
+
+    def scenario(first_id: int, stop: tuple[int, ...]) -> dict[int, list[int]]:
+        reqs = [Request(first_id + i, tuple(p), sp, n, stop_token_ids=stop if i == 2 else ())
+                for i, (p, sp, n) in enumerate(zip(PROMPTS, params, budgets))]
+        out: dict[int, list[int]] = {r.request_id - first_id: [] for r in reqs}
+        engine.add_requests(reqs[:4])
+        calls = 0
+        while engine.has_unfinished or calls < 4:
+            if calls == 3:
+                engine.add_requests(reqs[4:])  # joins a running batch
+            if calls == 6:
+                engine.abort([first_id + 1])
+            for u in engine.step():
+                out[u.request_id - first_id] += u.new_token_ids
+            calls += 1
+        return out
+
+    eager = scenario(0, ())
+    stop = (eager[2][5],)  # request 2 stops at its sixth token in both runs below
+    eager = scenario(100, stop)
+    engine.graphs = graphs = GenerationGraphs(engine, capture=False)
+    ahead = scenario(200, stop)
+    engine.graphs = None
+    engine.close()
+    return eager, ahead, graphs.num_ahead, graphs.num_replayed, stop
+
+
+def test_steps_launched_ahead_give_the_eager_tokens(models):
+    """A graphed pure decode step launches the next one before its tokens reach the host (the
+    next step's input tokens are its outputs, copied on the device). At TP = 1 and 2 (gloo: the
+    ranks must take the same decisions), with greedy and seeded temperature-sampled requests, a
+    stop token, a request joining a running batch and one aborted, every request gets the eager
+    steps' tokens; a request that ends in a step launched one ahead loses nothing and gains nothing."""
+    from tpspec.testing import run_ranks
+
+    for world in (1, 2):
+        results = run_ranks(_ahead_worker, world, models["target"], timeout_s=240)
+        assert all(r == results[0] for r in results)
+        eager, ahead, num_ahead, num_replayed, stop = results[0]
+        assert ahead == eager
+        assert eager[2][-1] == stop[0] and len(eager[2]) == 6 and len(eager[0]) == 20
+        assert 0 < len(eager[1]) < 17  # aborted mid-run
+        assert num_ahead > num_replayed // 2  # most graphed steps went ahead

@@ -6,7 +6,10 @@ On every rank (the rank processes of ``tpspec bench step``), for each attention 
 :class:`~tpspec.runtime.engine.Engine` (its KV pages, its CUDA graphs, its token selection), starts
 ``B`` requests whose prompts of ``C`` tokens count as cached, and times ``Engine.step()`` — the
 host's scheduling, the graph replay or the eager forward, token selection, acceptance and the
-copy of the tokens back to the host — as the runtime runs it for ``LLM.generate``. Nothing is
+copy of the tokens back to the host — as the runtime runs it for ``LLM.generate``: consecutive
+calls, with no device synchronization between them (a call returns once its tokens are on the
+host; a graphed decode step may have launched the next one, whose GPU time the next call then
+waits for while the host's work of this one overlaps it). Nothing is
 prefilled: the requests' KV pages hold zeros or an earlier cell's entries, and attention reads
 the same bytes whatever they hold.
 
@@ -259,14 +262,15 @@ def _time_cell(engine: Any, counter: "_GraphedSteps", ids: list[int], prompts: l
     preempted = engine.num_preemptions
     length = {rid: len(p) + 1 for rid, p in zip(ids, prompts)}  # the prompt and the context step's token
     times, kv, graphed = [], [], 0
+    _sync(device)
     try:
+        # No device synchronization between steps: a call returns once its tokens are on the host,
+        # and a graphed decode step may have launched the next one (the host's work overlaps it).
         for it in range(steps):
             cached = [length[rid] - 1 for rid in ids]
             counter.reset()
-            _sync(device)
             t0 = time.perf_counter()
             updates = engine.step()
-            _sync(device)
             elapsed = (time.perf_counter() - t0) * 1e3
             for u in updates:
                 if u.finish_reason is not None:

@@ -84,6 +84,9 @@ Off: with it on, a GPU run of tests/test_runtime_seeded_spec.py's CUDA test (a d
 batch) hit an out-of-range index inside a replayed chain. The chain then runs eagerly after the graphed
 target step's planning, with the same drafts; tests/test_runtime_gpu.py checks the graphs when it is on."""
 WARMUP_RUNS = 2
+STEP_AHEAD = True
+"""Whether a graphed pure decode step launches the next step of its batch before its own tokens
+reach the host (:meth:`GenerationGraphs.launch_next`): the host's bookkeeping then overlaps the GPU."""
 
 
 def page_bucket(pages: int) -> int:
@@ -230,6 +233,36 @@ class _Graph:
     attn_meta: Any
     out: _StepOut
     batch: Any = None  # the static ForwardBatch, kept alive with the graph
+    host_out: tuple[torch.Tensor, torch.Tensor] | None = None  # pinned copies of accepted and num (made on first use)
+    copied: Any = None  # the CUDA event after the last copy into them (None on CPU)
+
+
+@dataclass
+class Launched:
+    """A generation step started by :meth:`GenerationGraphs.launch` or
+    :meth:`~GenerationGraphs.launch_next` whose tokens have not been read yet."""
+
+    step: GraphStep
+    gen: list[Any]
+    drafts: list[list[int]]
+    graph: _Graph | None  # None: it ran eagerly (its key failed to capture)
+    out: _StepOut
+    host: tuple[torch.Tensor, torch.Tensor] | None = None  # accepted and num, copied to the host
+    copied: Any = None  # the CUDA event after that copy (None on CPU)
+
+    def copy_to_host(self, graph: _Graph) -> None:
+        """Copy the accepted tokens and their counts into ``graph``'s pinned host buffers, on the
+        stream (before a later replay of the graph overwrites them)."""
+        if graph.host_out is None:
+            pin = self.out.accepted.is_cuda
+            graph.host_out = (torch.empty(self.out.accepted.shape, dtype=self.out.accepted.dtype, pin_memory=pin),
+                              torch.empty(self.out.num.shape, dtype=self.out.num.dtype, pin_memory=pin))
+            graph.copied = torch.cuda.Event() if pin else None
+        for host, device in zip(graph.host_out, (self.out.accepted, self.out.num)):
+            host.copy_(device, non_blocking=True)
+        if graph.copied is not None:
+            graph.copied.record()
+        self.host, self.copied = graph.host_out, graph.copied
 
 
 class _EagerReplay:
@@ -265,6 +298,7 @@ class GenerationGraphs:
         self.failed: set[StepKey | DraftKey] = set()
         self.num_repeated = 0  # steps run again eagerly because a filtered row was undecided
         self.num_replayed = 0  # target steps whose tokens came from a graph replay
+        self.num_ahead = 0  # of those, steps launched before the previous one's tokens were read
         self.pool = torch.cuda.graph_pool_handle() if capture else None
 
     @classmethod
@@ -283,10 +317,11 @@ class GenerationGraphs:
         self.draft_graphs.clear()
 
     # ------------------------------------------------------------------ per step
-    def plan(self, gen: list[Any]) -> GraphStep | None:
+    def plan(self, gen: list[Any], *, ahead: int = 0) -> GraphStep | None:
         """How the pure generation step of ``gen`` (the engine's sequences) runs through a graph,
         or None when it does not (more requests than the largest bucket, or its key failed to
-        capture): the caller runs it eagerly. The same answer on every rank."""
+        capture): the caller runs it eagerly. The same answer on every rank. ``ahead``: tokens
+        each sequence has in flight (a step planned before the previous one's tokens arrive)."""
         b = len(gen)
         padded = next((s for s in self.buckets if s >= b), None)
         if padded is None or b == 0:
@@ -297,23 +332,22 @@ class GenerationGraphs:
         k = eng.num_draft
         params = [s.req.sampling for s in gen]
         key = step_key(params, batch=padded,
-                       kv_pages=page_bucket(max(eng.pages.pages_for(len(s.tokens) + k) for s in gen)),
+                       kv_pages=page_bucket(max(eng.pages.pages_for(len(s.tokens) + ahead + k) for s in gen)),
                        acceptance=eng.worker.acceptance, vocab_size=eng.model.lm_head.vocab_size,
                        draft_logits=eng.draft_store is not None and any(not p.is_greedy for p in params),
                        hidden_states=eng.eagle3 is not None)
         if key in self.failed:
             return None
         reqs = [RequestEntry(-1 - i, -1) for i in range(padded - b)]
-        reqs += [s.entry(False) for s in gen]
+        reqs += [s.entry(False, ahead=ahead) for s in gen]
         return GraphStep(key, reqs, padded - b)
 
-    def run(self, step: GraphStep, gen: list[Any], drafts: list[list[int]], *, prepared: bool = False,
-            drafts_sampled: bool = False) -> StepResult:
-        """Run the planned step: replay its graph (capturing it first when its key is new), or run
-        it eagerly when the capture failed or a filtered row was undecided. ``prepared``: the
-        engine already prepared ``SpecMetadata`` with ``step.requests`` (before drafting);
-        ``drafts_sampled``: the drafts were sampled and their logits wait in the store. Sets the
-        step's logprobs on the sequences that ask (``step_logprobs``)."""
+    def launch(self, step: GraphStep, gen: list[Any], drafts: list[list[int]], *, prepared: bool = False,
+               drafts_sampled: bool = False) -> Launched:
+        """Start the planned step: replay its graph (capturing it first when its key is new), or run
+        it eagerly when the capture failed. ``prepared``: the engine already prepared
+        ``SpecMetadata`` with ``step.requests`` (before drafting); ``drafts_sampled``: the drafts
+        were sampled and their logits wait in the store. :meth:`collect` gives its tokens."""
         eng = self.engine
         key = step.key
         if not prepared:
@@ -323,19 +357,65 @@ class GenerationGraphs:
         if graph is None:
             graph = self._capture(key, self._host_batch(gen, drafts, step.num_padding))
         if graph is None:  # the capture failed on some rank: this key runs eagerly from now on
-            out = self._eager(key, self._host_batch(gen, drafts, step.num_padding))
+            return Launched(step, gen, drafts, None, self._eager(key, self._host_batch(gen, drafts, step.num_padding)))
+        self._load(graph, gen, drafts, step.num_padding)
+        graph.graph.replay()
+        return Launched(step, gen, drafts, graph, graph.out)
+
+    def can_launch_next(self, launched: Launched) -> bool:
+        """Whether the step after ``launched`` may start before ``launched``'s tokens reach the
+        host (:data:`STEP_AHEAD`): ``launched`` replayed a graph of a pure decode step whose tokens
+        the host need not see first (no drafts, penalties, filtered rows, logprobs or hidden
+        states, no attention planned on the host, no attention DP). The engine decides whether
+        its batch runs on unchanged."""
+        eng = self.engine
+        key = launched.step.key
+        return not (not STEP_AHEAD or launched.graph is None or eng.num_draft or eng.dp_size > 1 or key.penalties
+                    or key.filters is not None or key.top_logprobs is not None or key.hidden_states
+                    or key.draft_logits or eng.model.attention.plans_on_host)
+
+    def launch_next(self, launched: Launched) -> Launched | None:
+        """Start the next step of ``launched``'s batch (:meth:`can_launch_next` said it may; the
+        engine checked that the batch runs on and gave its pages one more token) when its key is
+        captured. Its input tokens are ``launched``'s outputs, copied on the device; ``launched``'s
+        outputs are copied to the host first (a replay of the same graph overwrites them). Returns
+        the new step, or None (nothing started). The same answer on every rank."""
+        eng = self.engine
+        gen = launched.gen
+        step = self.plan(gen, ahead=1)
+        if step is None or step.key not in self.graphs or step.num_padding != launched.step.num_padding:
+            return None
+        graph = self.graphs[step.key]
+        eng.meta.prepare(requests=step.requests, draft_len=0)
+        _check_key(step.key, eng.meta, False)
+        launched.copy_to_host(launched.graph)
+        self._load(graph, gen, [[] for _ in gen], step.num_padding, ahead=1)
+        # The in-flight tokens, clamped: a failed exchange marks its rows -1 (raised at collect).
+        vocab = eng.model.lm_head.vocab_size
+        graph.inputs.tensors["tokens"].copy_(launched.out.accepted[:, 0].clamp(0, vocab - 1))
+        graph.graph.replay()
+        self.num_ahead += 1
+        return Launched(step, gen, [[] for _ in gen], graph, graph.out)
+
+    def collect(self, launched: Launched) -> StepResult:
+        """Wait for ``launched`` and give its tokens: per request still running, the tokens it
+        emitted (a request that finished or left since the launch gets none); repeat it eagerly when
+        a filtered row was undecided. Sets the step's logprobs on the sequences that ask."""
+        eng = self.engine
+        key, gen, out = launched.step.key, launched.gen, launched.out
+        if launched.host is not None:  # copied out before a later step was launched
+            if launched.copied is not None:
+                launched.copied.synchronize()
+            accepted, num = launched.host
         else:
-            self._load(graph, gen, drafts, step.num_padding)
-            graph.graph.replay()
-            out = graph.out
-        accepted = out.accepted.cpu()  # synchronizes with the replay
-        if out.decided is not None and not bool(out.decided.cpu()):
+            accepted, num = out.accepted.cpu(), out.num.cpu()  # synchronizes with the replay
+        if out.decided is not None and launched.host is None and not bool(out.decided.cpu()):
             # A filtered row the candidates could not decide (the same verdict on every rank): the
             # step again, eagerly, with the retry and the gathered fallback.
             self.num_repeated += 1
-            out = self._eager(key, self._host_batch(gen, drafts, step.num_padding), repeat=True)
-            accepted = out.accepted.cpu()
-        elif graph is not None:
+            out = self._eager(key, self._host_batch(gen, launched.drafts, launched.step.num_padding), repeat=True)
+            accepted, num = out.accepted.cpu(), out.num.cpu()
+        elif launched.graph is not None:
             self.num_replayed += 1
             rows = len(gen) * (eng.num_draft + 1)  # the real rows, all drawn on the shards
             eng.worker.sampling_stats.rows_sharded += rows
@@ -343,7 +423,7 @@ class GenerationGraphs:
         # (its rows read -1). Raise it now, before those tokens reach a request.
         if eng.exchange is not None:  # None: the LM head is not vocabulary-sharded, nothing exchanged
             eng.exchange.check(sync=False)
-        return self._result(gen, step.num_padding, out, accepted)
+        return self._result(gen, launched.step.num_padding, out, accepted, num)
 
     def draft_chain(self, step: GraphStep, first: torch.Tensor, ends: list[int], tables: list[list[int]],
                     hidden: torch.Tensor | None, *, sampled: bool) -> torch.Tensor | None:
@@ -446,16 +526,19 @@ class GenerationGraphs:
                      key.step.batch, key.sampled)
         return chain
 
-    def _result(self, gen: list[Any], num_padding: int, out: _StepOut, accepted: torch.Tensor) -> StepResult:
+    def _result(self, gen: list[Any], num_padding: int, out: _StepOut, accepted: torch.Tensor,
+                num_all: torch.Tensor) -> StepResult:
         real = slice(num_padding, num_padding + len(gen))
         acc = accepted[real]
-        num = out.num[real].cpu()
-        emitted = {s.index: [int(t) for t in row[: int(n)]] for s, row, n in zip(gen, acc.tolist(), num.tolist())}
+        num = num_all[real]
+        alive = self.engine._by_index
+        emitted = {s.index: [int(t) for t in row[: int(n)]] for s, row, n in zip(gen, acc.tolist(), num.tolist())
+                   if not s.finished and alive.get(s.index) is s}
         asking = [i for i, s in enumerate(gen) if s.logprobs is not None]
         if asking:
             pick = torch.tensor(asking, dtype=torch.int64) + num_padding
             token_lp, top_ids, top_lp, ranks = (t.cpu()[pick] for t in out.logprobs)
-            found = logprob_dicts(token_lp, top_ids, top_lp, ranks, accepted[pick], num[pick - num_padding],
+            found = logprob_dicts(token_lp, top_ids, top_lp, ranks, accepted[pick], num_all[pick],
                                   [gen[i].req.sampling.logprobs for i in asking])
             for i, lp in zip(asking, found):
                 gen[i].step_logprobs = lp
@@ -465,13 +548,16 @@ class GenerationGraphs:
             hidden = out.hidden[num_padding * width:(num_padding + len(gen)) * width].clone()
         return StepResult(emitted, hidden)
 
-    def _input_rows(self, gen: list[Any], drafts: list[list[int]], num_padding: int) -> tuple[list, list, list, list]:
+    def _input_rows(self, gen: list[Any], drafts: list[list[int]], num_padding: int,
+                    ahead: int = 0) -> tuple[list, list, list, list]:
         """Per request of the padded batch (padding first): its last committed token, its drafts,
-        its cached length and its pages, as :meth:`GraphInputs.fill` takes them."""
+        its cached length and its pages, as :meth:`GraphInputs.fill` takes them. ``ahead``: one
+        token in flight a request (its value comes on the device: 0 stands in for it here)."""
         eng = self.engine
         pad = num_padding
-        return ([0] * pad + [s.tokens[-1] for s in gen], [[0] * eng.num_draft] * pad + list(drafts),
-                [0] * pad + [len(s.tokens) - 1 for s in gen], [eng.scratch_table] * pad + [s.pages for s in gen])
+        last = [0] * len(gen) if ahead else [s.tokens[-1] for s in gen]
+        return ([0] * pad + last, [[0] * eng.num_draft] * pad + list(drafts),
+                [0] * pad + [len(s.tokens) - 1 + ahead for s in gen], [eng.scratch_table] * pad + [s.pages for s in gen])
 
     def _host_batch(self, gen: list[Any], drafts: list[list[int]], num_padding: int) -> Any:
         """The padded step as a host ``ForwardBatch`` and drafts ``[Bp, K]`` (None without drafts):
@@ -618,10 +704,10 @@ class GenerationGraphs:
             self.failed.add(key)
         return captured
 
-    def _load(self, g: _Graph, gen: list[Any], drafts: list[list[int]], num_padding: int) -> None:
+    def _load(self, g: _Graph, gen: list[Any], drafts: list[list[int]], num_padding: int, ahead: int = 0) -> None:
         """The step's inputs into the graph's static tensors: one packed copy, and for a backend
         that plans on the host (FlashInfer) its page lists and plan."""
-        g.inputs.fill(*self._input_rows(gen, drafts, num_padding))
+        g.inputs.fill(*self._input_rows(gen, drafts, num_padding, ahead))
         g.inputs.upload()
         if self.engine.model.attention.plans_on_host:
             batch, _ = self._host_batch(gen, drafts, num_padding)

@@ -151,11 +151,12 @@ class _Seq:
     def num_generated(self) -> int:
         return len(self.tokens) - self.num_prompt
 
-    def entry(self, is_context: bool) -> RequestEntry:
+    def entry(self, is_context: bool, ahead: int = 0) -> RequestEntry:
         """This step's :class:`RequestEntry`: its noise is that of its next output position, in
-        its own stream (an unseeded one: its admission number, the same on every rank)."""
+        its own stream (an unseeded one: its admission number, the same on every rank).
+        ``ahead``: tokens it has in flight (emitted by a step whose tokens are not read yet)."""
         return RequestEntry(self.req.request_id, self.slot, self.req.sampling, is_context,
-                            position=self.num_generated, stream=self.index)
+                            position=self.num_generated + ahead, stream=self.index)
 
 
 @dataclass
@@ -247,6 +248,7 @@ class Engine:
         self._prepared = False  # meta prepared for the current step (before drafting)
         self._drafts_sampled = False  # this step's drafts were sampled (their logits are in draft_store)
         self._graph_step = None  # the graphed generation step now running (cuda_graphs.GraphStep), if any
+        self._ahead = None  # a graphed step launched before the last one's tokens were read (cuda_graphs.Launched)
         self._ll_tokenizer = None  # llguidance's tokenizer, built on the first request with a grammar
         self._masks: dict[tuple[int, int], np.ndarray] = {}  # this step's mask rows: (seq index, row) -> [words]
         # Sequences by request id, in admission order; index -> sequence; this rank's queue.
@@ -396,11 +398,16 @@ class Engine:
         """One engine step over every unfinished sequence. Collective: every rank calls it after
         the same :meth:`add_requests` / :meth:`abort` calls. Returns what each sequence gained
         (identical on every rank, attention DP included); a finished sequence appears once with
-        its ``finish_reason`` and stats and is then forgotten."""
+        its ``finish_reason`` and stats and is then forgotten. A graphed pure decode step may have
+        launched the next step of its batch before returning (``cuda_graphs.STEP_AHEAD``): the
+        next call then only collects it, and requests added before that call start one call later."""
         before = {rid: (len(s.tokens), len(s.logprobs or ())) for rid, s in self._seqs.items()}
         for s in self._seqs.values():  # a zero-budget request needs no step
             self._check_done(s)
-        if any(not s.finished for s in self._seqs.values()):
+        if self._ahead is not None:  # launched by the last call, its batch fixed then
+            launched, self._ahead = self._ahead, None
+            self._finish_graphed(launched)
+        elif any(not s.finished for s in self._seqs.values()):
             self._step(self._schedule())
         updates = []
         for rid, s in list(self._seqs.items()):
@@ -581,6 +588,9 @@ class Engine:
             raise RuntimeError(f"ranks disagree on the generated tokens (digests by rank: {digests})")
 
     def close(self) -> None:
+        if self._ahead is not None:  # wait for it: its pages and graph go next
+            launched, self._ahead = self._ahead, None
+            self.graphs.collect(launched)
         if self.graphs is not None:
             self.graphs.close()
             self.graphs = None
@@ -676,12 +686,8 @@ class Engine:
             self._prepared = True
         drafts = self._propose(plan, always_run_model=dp)
         if graph_step is not None:
-            result = self.graphs.run(graph_step, plan.gen, drafts, prepared=self._prepared,
-                                     drafts_sampled=self._drafts_sampled)
-            if self.eagle3 is not None:
-                self._keep_hidden_states([(s, True) for s in plan.gen], [k + 1] * len(plan.gen), result.emitted,
-                                         result.hidden)
-            self._commit_step(result.emitted)
+            self._finish_graphed(self.graphs.launch(graph_step, plan.gen, drafts, prepared=self._prepared,
+                                                    drafts_sampled=self._drafts_sampled))
             return
 
         tokens: list[int] = []
@@ -744,6 +750,34 @@ class Engine:
         if dp:
             emitted = self._all_gather_emitted(emitted)
         self._commit_step(emitted)
+
+    def _finish_graphed(self, launched) -> None:
+        """Launch the next step of the same batch when it can go ahead (on the device, while the
+        host reads and commits this one's tokens: ``GenerationGraphs.launch_next``), then collect
+        ``launched`` and commit its tokens. A request that finishes with these tokens has a row
+        in the step launched ahead; its tokens there are dropped."""
+        self._ahead = None
+        if self.graphs.can_launch_next(launched) and self._runs_on(launched.gen):
+            self._ahead = self.graphs.launch_next(launched)
+        result = self.graphs.collect(launched)
+        if self.eagle3 is not None:
+            k = self.num_draft
+            self._keep_hidden_states([(s, True) for s in launched.gen], [k + 1] * len(launched.gen), result.emitted,
+                                     result.hidden)
+        self._commit_step(result.emitted)
+
+    def _runs_on(self, gen: list[_Seq]) -> bool:
+        """Whether the next step's batch is ``gen`` again whatever its tokens in flight (nothing
+        waits or prefills, no request reaches its token budget or ``max_seq_len`` with them), with
+        its pages for one more token a request taken now; False when they are not free (the
+        scheduler then preempts, a step later). The same answer on every rank."""
+        if self._waiting or len(self._running) != len(gen):
+            return False
+        longest = self.config.max_seq_len
+        if any(s.finished or s.in_context or s.num_generated + 1 >= s.req.max_new_tokens
+               or len(s.tokens) + 1 >= longest for s in gen):
+            return False
+        return all(self.pages.grow(s.index, len(s.tokens) + 1) for s in gen)
 
     def _keep_hidden_states(self, in_batch: list[tuple[_Seq | None, bool]], query_lens: list[int],
                             emitted: dict[int, list[int]], captured: torch.Tensor) -> None:

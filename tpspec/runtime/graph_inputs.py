@@ -53,6 +53,7 @@ class GraphInputs:
             self._host[name] = host[offset:offset + size]
             self.tensors[name] = self.device_buffer[offset:offset + size]
             offset += size
+        self._uploaded = torch.cuda.Event() if device.type == "cuda" else None
         self.tensors["page_table"] = self.tensors["page_table"].view(batch, kv_pages)
         self.tensors["drafts"] = self.tensors["drafts"].view(batch, num_draft) if num_draft else None
 
@@ -63,6 +64,8 @@ class GraphInputs:
         its last token) and its pages (at least those its ``cache_len + num_draft + 1`` tokens
         need). ``ValueError`` when a request does not fit the key's page-table width."""
         b, k1, ps = self.batch, self.num_draft + 1, self.page_size
+        if self._uploaded is not None:
+            self._uploaded.synchronize()  # the last upload has read the host buffer
         if not len(last_tokens) == len(drafts) == len(cache_lens) == len(tables) == b:
             raise ValueError(f"GraphInputs.fill: expected {b} requests, got {len(last_tokens)} tokens, "
                              f"{len(drafts)} draft lists, {len(cache_lens)} lengths, {len(tables)} tables")
@@ -91,9 +94,11 @@ class GraphInputs:
         self._host["write_index"][:] = (pages * ps + pos % ps).reshape(-1)
 
     def upload(self) -> None:
-        """Copy the host buffer to the device buffer (asynchronous on CUDA: the buffer is pinned,
-        and the caller does not refill it before the step it feeds has run)."""
+        """Copy the host buffer to the device buffer, on the stream (asynchronous on CUDA: the
+        buffer is pinned; the next :meth:`fill` waits until this copy has read it)."""
         self.device_buffer.copy_(self.host, non_blocking=True)
+        if self._uploaded is not None:
+            self._uploaded.record()
 
     def refresh_mask(self, meta: Any) -> None:
         """Recompute ``meta.mask`` in place from the cached lengths (inside a captured step, so
