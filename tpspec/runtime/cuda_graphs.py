@@ -38,6 +38,16 @@ pages (nothing reads them for real) and use slot -1 in the metadata (greedy, no 
 Steps with a request that has logit controls (structured outputs, logit bias, allowed tokens,
 bad words: token masks and biases the host computes each step) run eagerly.
 
+A graphed decode step without drafts, penalties, filtered rows or logprobs (greedy or
+temperature-only rows) launches the next step of its batch before its own tokens reach the host
+(:data:`STEP_AHEAD`, :meth:`GenerationGraphs.launch_next`): its outputs are copied to pinned host
+memory on the stream, the next step's input tokens are copied from them on the device, and the
+next step's other inputs (positions, pages, noise positions) are known on the host. The host then
+reads and commits a step's tokens while the GPU runs the next one. The engine goes ahead only
+while the batch runs on unchanged (nothing waits or prefills, no request reaches its budget, the
+pages are free); a request that stops on a stop token has a row in the step launched after, whose
+tokens are dropped.
+
 The drafting of a graphed step (a draft model or an EAGLE-3 head) runs its catch-up forward
 eagerly — it reads what each request's draft cache lacks, a ragged count (the whole prompt
 the first time, then 1 or 2 tokens for a draft model, 1 to K + 1 hidden-state rows for an
@@ -250,9 +260,10 @@ class Launched:
     host: tuple[torch.Tensor, torch.Tensor] | None = None  # accepted and num, copied to the host
     copied: Any = None  # the CUDA event after that copy (None on CPU)
 
-    def copy_to_host(self, graph: _Graph) -> None:
-        """Copy the accepted tokens and their counts into ``graph``'s pinned host buffers, on the
+    def copy_to_host(self) -> None:
+        """Copy the accepted tokens and their counts into its graph's pinned host buffers, on the
         stream (before a later replay of the graph overwrites them)."""
+        graph = self.graph
         if graph.host_out is None:
             pin = self.out.accepted.is_cuda
             graph.host_out = (torch.empty(self.out.accepted.shape, dtype=self.out.accepted.dtype, pin_memory=pin),
@@ -370,9 +381,11 @@ class GenerationGraphs:
         its batch runs on unchanged."""
         eng = self.engine
         key = launched.step.key
-        return not (not STEP_AHEAD or launched.graph is None or eng.num_draft or eng.dp_size > 1 or key.penalties
-                    or key.filters is not None or key.top_logprobs is not None or key.hidden_states
-                    or key.draft_logits or eng.model.attention.plans_on_host)
+        if not STEP_AHEAD or launched.graph is None or eng.num_draft or eng.dp_size > 1:
+            return False
+        if key.penalties or key.filters is not None or key.top_logprobs is not None or key.hidden_states:
+            return False  # the host counts the tokens, may repeat the step, or reads more outputs
+        return not eng.model.attention.plans_on_host
 
     def launch_next(self, launched: Launched) -> Launched | None:
         """Start the next step of ``launched``'s batch (:meth:`can_launch_next` said it may; the
@@ -388,7 +401,7 @@ class GenerationGraphs:
         graph = self.graphs[step.key]
         eng.meta.prepare(requests=step.requests, draft_len=0)
         _check_key(step.key, eng.meta, False)
-        launched.copy_to_host(launched.graph)
+        launched.copy_to_host()
         self._load(graph, gen, [[] for _ in gen], step.num_padding, ahead=1)
         # The in-flight tokens, clamped: a failed exchange marks its rows -1 (raised at collect).
         vocab = eng.model.lm_head.vocab_size
