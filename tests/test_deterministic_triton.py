@@ -33,8 +33,9 @@ def test_segment_gemm_under_the_interpreter(check):
 
 @pytest.mark.parametrize("dtype,instruction", [("bf16", "wgmma"), ("fp16", "wgmma"), ("fp32", "fma.rn.f32")])
 def test_segment_gemm_compiles_for_hopper(dtype, instruction):
-    """The kernel compiles to Hopper machine code without a GPU (Triton's own ptxas): the tensor
-    cores' wgmma for 16-bit inputs, float32 FMAs (never TF32) for float32 ones."""
+    """The kernel compiles to Hopper machine code without a GPU (Triton's own ptxas), with the options
+    its launch passes: the tensor cores' wgmma for 16-bit inputs, float32 FMAs (never TF32) for
+    float32 ones."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -47,7 +48,7 @@ def test_segment_gemm_compiles_for_hopper(dtype, instruction):
                  "BLOCK_N": dc.BLOCK_N, "BLOCK_K": dc.BLOCK_K}
     signature.update({name: "constexpr" for name in constants})
     kernel = triton.compile(ASTSource(dc._segment_gemm_kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": dc.NUM_WARPS, "num_stages": dc.NUM_STAGES})
+                            options={"num_warps": dc.NUM_WARPS, "num_stages": dc.NUM_STAGES, "enable_fp_fusion": True})
     ptx = kernel.asm["ptx"]
     assert instruction in ptx and "cubin" in kernel.asm
     if dtype == "fp32":

@@ -203,12 +203,14 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
         rows = slice(start, min(n, start + rows_per_launch))
         q_rows, seq_rows, visible_rows, out_rows = q[rows], tok_seq[rows], tok_visible[rows], out[rows]
         count = q_rows.shape[0]
+        # FP fusion pinned on, as every GPU run compiled these kernels (Triton 3.10 turns its default off).
         _split_kernel[(count, kv_heads, num_splits)](
             q_rows, k_pages, v_pages, page_table, seq_rows, visible_rows, part_acc, part_m, part_l, scale * _LOG2E,
             num_heads, num_splits, page_size, q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1),
             k_pages.stride(2), v_pages.stride(0), v_pages.stride(1), v_pages.stride(2), page_table.stride(0),
-            BLOCK=BLOCK_N, IEEE=q.dtype == f32, num_warps=NUM_WARPS, **consts)
+            BLOCK=BLOCK_N, IEEE=q.dtype == f32, num_warps=NUM_WARPS, enable_fp_fusion=True, **consts)
         _combine_kernel[(count, kv_heads)](part_acc, part_m, part_l, visible_rows, out_rows, num_heads, num_splits,
-                                           out.stride(0), out.stride(1), num_warps=NUM_WARPS, **consts)
+                                           out.stride(0), out.stride(1), num_warps=NUM_WARPS, enable_fp_fusion=True,
+                                           **consts)
     return out
 

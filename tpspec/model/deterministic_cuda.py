@@ -134,10 +134,11 @@ def segment_sums(x: torch.Tensor, weight: torch.Tensor, seg_len: int) -> torch.T
     out = torch.empty(local, m, n, dtype=torch.float32, device=x.device)
     if m == 0 or n == 0:
         return out
+    # FP fusion pinned on, as every GPU run compiled these kernels (Triton 3.10 turns its default off).
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N), local)
     _segment_gemm_kernel[grid](x, weight, out, m, n, x.stride(0), weight.stride(0), SEG_LEN=seg_len,
                                IEEE=x.dtype == torch.float32, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                               num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+                               num_warps=NUM_WARPS, num_stages=NUM_STAGES, enable_fp_fusion=True)
     return out
 
 

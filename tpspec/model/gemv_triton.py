@@ -208,13 +208,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     part = torch.empty((launch.splits, m, n), dtype=torch.float32, device=x.device) if split else out
     even = n % launch.block_n == 0 and k == launch.splits * launch.k_iters * launch.block_k
     bias_arg = bias if bias is not None else out  # not read without a bias
+    # FP fusion pinned on, as every GPU run compiled these kernels (Triton 3.10 turns its default off).
     grid = (triton.cdiv(n, launch.block_n), launch.splits)
     _gemv_kernel[grid](x, weight, bias_arg, out, part, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
                        launch.k_iters, M_PAD=launch.m_pad, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
                        USE_DOT=launch.m_pad > 1, EVEN=even, SPLIT=split, HAS_BIAS=bias is not None,
                        IEEE=x.dtype == torch.float32, NUM_STAGES=launch.num_stages, num_warps=launch.num_warps,
-                       num_stages=launch.num_stages)
+                       num_stages=launch.num_stages, enable_fp_fusion=True)
     if split:
         _reduce_kernel[(m, triton.cdiv(n, REDUCE_BLOCK))](part, bias_arg, out, m, n, launch.splits, out.stride(0),
-                                                         HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK, num_warps=4)
+                                                         HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK, num_warps=4,
+                                                         enable_fp_fusion=True)
     return out

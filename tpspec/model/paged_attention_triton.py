@@ -288,6 +288,7 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
         part_l = torch.empty_like(part_m)
     else:
         part_acc = part_m = part_l = out  # not read: the kernel writes the output itself
+    # FP fusion pinned on, as every GPU run compiled these kernels (Triton 3.10 turns its default off).
     grid = (num_seqs * launch.q_blocks, kv_heads, splits)
     _attend_kernel[grid](
         q, k_pages, v_pages, out, page_table, seq_starts, tok_visible, part_acc, part_m, part_l, scale * _LOG2E,
@@ -296,9 +297,10 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
         v_pages.stride(2), page_table.stride(0),
         GROUP=num_heads // kv_heads, HEAD_DIM=head_dim, HEAD_PAD=launch.head_pad, PAGE_SIZE=page_size,
         BLOCK_Q=launch.block_q, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, SPLIT=splits > 1, IEEE=q.dtype == f32,
-        num_warps=NUM_WARPS)
+        num_warps=NUM_WARPS, enable_fp_fusion=True)
     if splits > 1:
         _merge_kernel[(n, num_heads)](part_acc, part_m, part_l, out, num_heads, splits, out.stride(0), out.stride(1),
                                       HEAD_DIM=head_dim, HEAD_PAD=launch.head_pad,
-                                      SPLITS_PAD=_pow2_at_least(splits, 1), num_warps=NUM_WARPS)
+                                      SPLITS_PAD=_pow2_at_least(splits, 1), num_warps=NUM_WARPS,
+                                      enable_fp_fusion=True)
     return out
