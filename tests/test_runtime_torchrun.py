@@ -32,7 +32,10 @@ SCRIPT = textwrap.dedent("""
         LLM(sys.argv[1], tensor_parallel_size=1)  # torchrun has two ranks: a clear error, not a hang
     except ValueError as exc:
         out["refused"] = str(exc)
-    print("RESULT " + json.dumps(out), flush=True)
+    # One write of the whole line: the two ranks share torchrun's stdout, and a line written in
+    # pieces (the text, then its newline) can interleave with the other rank's.
+    sys.stdout.write("RESULT " + json.dumps(out) + "\\n")
+    sys.stdout.flush()
 """)
 
 
