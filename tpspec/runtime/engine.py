@@ -178,7 +178,8 @@ class Engine:
     """One rank's engine. Build it on every rank of the TP group after the process group
     exists (collective: loads the sharded weights). Then, on every rank identically: either
     :meth:`add_requests` / :meth:`abort` between :meth:`step` calls (continuous batching:
-    new requests join the running batch at the next step), or :meth:`generate` for a batch
+    new requests join the running batch at the next step, or the one after when the last step
+    launched its successor ahead), or :meth:`generate` for a batch
     run to completion.
     """
 
