@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 
@@ -133,6 +134,23 @@ def check_paged_batch(batch: Any, num_pages: int, page_size: int, vocab_size: in
     batch.check_token_range(vocab_size)
 
 
+def page_table_rows(tables: Sequence[Sequence[int]], used: Sequence[int], out: np.ndarray) -> np.ndarray:
+    """Write each sequence's first ``used[b]`` pages into row ``b`` of ``out`` (``[B, kv_pages]``
+    int64, zeros after them) and return it."""
+    out.fill(0)
+    rows = np.repeat(np.arange(len(used)), used)
+    cols = np.fromiter(itertools.chain.from_iterable(range(n) for n in used), dtype=np.int64, count=len(rows))
+    out[rows, cols] = np.fromiter(itertools.chain.from_iterable(t[:n] for t, n in zip(tables, used)),
+                                  dtype=np.int64, count=len(rows))
+    return out
+
+
+def write_rows(table: np.ndarray, tok_seq: np.ndarray, positions: np.ndarray, page_size: int) -> np.ndarray:
+    """The cache row each token writes (``[N]`` int64): position ``p`` of sequence ``tok_seq[t]``
+    goes to row ``p % page_size`` of its page ``table[tok_seq[t], p // page_size]``."""
+    return table[tok_seq, positions // page_size] * page_size + positions % page_size
+
+
 def causal_mask(cache_lens: torch.Tensor, q_max: int, kv_len: int) -> torch.Tensor:
     """``[B, q_max, kv_len]`` bool on ``cache_lens``' device: query row ``i`` of sequence ``b``
     sees key ``j`` iff ``j <= cache_lens[b] + i`` (``cache_lens``: ``[B]`` int64)."""
@@ -193,7 +211,7 @@ class AttentionMetadata:
         reads; a CUDA graph passes a bucketed one so replays share shapes). Raises
         ``ValueError`` when a block table does not cover its sequence or ``kv_pages`` is too small.
         """
-        # Host lists first, one tensor each: cheaper than tensor arithmetic for a step's few tokens.
+        # Host arrays first, one tensor each: cheaper than device arithmetic for a step's few tokens.
         qlens, clens, tables = batch.query_lens, batch.cache_lens, batch.block_tables
         b = batch.num_seqs
         kv_lens = batch.kv_lens
@@ -207,17 +225,14 @@ class AttentionMetadata:
             kv_pages = needed
         elif kv_pages < needed:
             raise ValueError(f"kv_pages={kv_pages} is fewer than the batch reads ({needed})")
-        table = torch.tensor([t[:n] + [0] * (kv_pages - n) for t, n in zip(tables, used)],
-                             dtype=torch.int64).view(b, kv_pages)
-        tok_seq = [i for i, q in enumerate(qlens) for _ in range(q)]
-        tok_qi = [j for q in qlens for j in range(q)]
-        tok_visible = [c + j + 1 for c, q in zip(clens, qlens) for j in range(q)]
-        write_index = [t[(c + j) // page_size] * page_size + (c + j) % page_size
-                       for t, c, q in zip(tables, clens, qlens) for j in range(q)]
+        table = page_table_rows(tables, used, np.empty((b, kv_pages), dtype=np.int64))
+        tok_seq = np.repeat(np.arange(b), qlens)
+        tok_qi = np.arange(len(tok_seq)) - np.repeat(np.cumsum([0, *qlens], dtype=np.int64)[:-1], qlens)
+        positions = np.asarray(clens, dtype=np.int64)[tok_seq] + tok_qi
         q_max = max(qlens, default=0)
         # The mask is built on the device from the [B] cache lengths (no [B, q, kv] host copy).
         mask = causal_mask(torch.tensor(clens, dtype=torch.int64).to(device), q_max, kv_pages * page_size)
-        kv_indices = torch.tensor([p for t, n in zip(tables, used) for p in t[:n]], dtype=torch.int32)
+        kv_indices = torch.from_numpy(table[np.arange(kv_pages)[None, :] < np.asarray(used)[:, None]]).to(torch.int32)
         last = torch.tensor([n - (u - 1) * page_size for n, u in zip(kv_lens, used)], dtype=torch.int32)
         i64 = torch.int64
         return cls(
@@ -226,11 +241,11 @@ class AttentionMetadata:
             page_size=page_size,
             q_max=q_max,
             kv_pages=kv_pages,
-            write_index=torch.tensor(write_index, dtype=i64).to(device),
-            tok_seq=torch.tensor(tok_seq, dtype=i64).to(device),
-            tok_qi=torch.tensor(tok_qi, dtype=i64).to(device),
-            tok_visible=torch.tensor(tok_visible, dtype=i64).to(device),
-            page_table=table.to(device),
+            write_index=torch.from_numpy(write_rows(table, tok_seq, positions, page_size)).to(device),
+            tok_seq=torch.from_numpy(tok_seq).to(device=device, dtype=i64),
+            tok_qi=torch.from_numpy(tok_qi).to(device=device, dtype=i64),
+            tok_visible=torch.from_numpy(positions + 1).to(device),
+            page_table=torch.from_numpy(table).to(device),
             mask=mask[:, None],
             qo_indptr=torch.tensor([0, *itertools.accumulate(qlens)], dtype=torch.int32),
             kv_indptr=torch.tensor([0, *itertools.accumulate(used)], dtype=torch.int32),

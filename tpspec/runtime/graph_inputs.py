@@ -17,13 +17,12 @@ with the key's page-table width (``tests/test_runtime_graphs.py`` checks it).
 
 from __future__ import annotations
 
-import itertools
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 
-from ..model.batch import causal_mask, pages_needed
+from ..model.batch import causal_mask, page_table_rows, pages_needed, write_rows
 
 
 class GraphInputs:
@@ -84,14 +83,8 @@ class GraphInputs:
         pos = clens[:, None] + np.arange(k1, dtype=np.int64)[None, :]  # [b, K + 1]
         self._host["positions"][:] = pos.reshape(-1)
         self._host["tok_visible"][:] = (pos + 1).reshape(-1)
-        table = self._host["page_table"].reshape(b, self.kv_pages)
-        table.fill(0)
-        rows = np.repeat(np.arange(b), used)
-        cols = np.fromiter(itertools.chain.from_iterable(range(n) for n in used), dtype=np.int64, count=len(rows))
-        table[rows, cols] = np.fromiter(itertools.chain.from_iterable(t[:n] for t, n in zip(tables, used)),
-                                        dtype=np.int64, count=len(rows))
-        pages = np.take_along_axis(table, pos // ps, axis=1)
-        self._host["write_index"][:] = (pages * ps + pos % ps).reshape(-1)
+        table = page_table_rows(tables, used, self._host["page_table"].reshape(b, self.kv_pages))
+        self._host["write_index"][:] = write_rows(table, np.repeat(np.arange(b), k1), pos.reshape(-1), ps)
 
     def upload(self) -> None:
         """Copy the host buffer to the device buffer, on the stream (asynchronous on CUDA: the
