@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import importlib
 import math
+from types import ModuleType
 from typing import Callable
 
 import torch
@@ -20,6 +23,36 @@ from .validation import check_int, is_real
 
 MAX_TOP_LOGPROBS = 20
 """The most top logprobs :meth:`VocabShardedLogits.logprobs` reports per row."""
+
+KEY_KERNELS_ON_CUDA = False
+"""Whether selection on CUDA runs the Triton kernels of :mod:`tpspec.keys_triton` and
+:mod:`tpspec.sampling.kernels_triton` (bit for bit the torch functions they replace) for the
+filtered draw, penalties and logprobs; see :func:`use_key_kernels`."""
+KEY_KERNELS_UNDER_INTERPRETER = False
+"""The CPU tests' switch: selection on CPU runs the same kernels under Triton's interpreter."""
+
+
+@functools.lru_cache(maxsize=None)
+def key_kernels() -> ModuleType | None:
+    """:mod:`tpspec.keys_triton`, or None where ``triton`` does not import."""
+    try:
+        return importlib.import_module("tpspec.keys_triton")
+    except ImportError:
+        return None
+
+
+def use_key_kernels(device: torch.device | str) -> bool:
+    """Whether selection on ``device`` runs the Triton key kernels: on CUDA while
+    :data:`KEY_KERNELS_ON_CUDA` is on and ``triton`` compiles (not its interpreter); on CPU only under
+    Triton's interpreter (``TRITON_INTERPRET=1``) with :data:`KEY_KERNELS_UNDER_INTERPRETER` on, how
+    the CPU tests run them. Every rank decides alike (the same device type everywhere)."""
+    kernels = key_kernels()
+    if kernels is None:
+        return False
+    kind = torch.device(device).type
+    if kind == "cuda":
+        return KEY_KERNELS_ON_CUDA and not kernels.INTERPRETED
+    return kind == "cpu" and kernels.INTERPRETED and KEY_KERNELS_UNDER_INTERPRETER
 
 
 def vocab_shard_bounds(vocab_size: int, tp_size: int, tp_rank: int) -> tuple[int, int, int]:
@@ -69,6 +102,12 @@ class VocabShardedLogits:
     @property
     def shard_width(self) -> int:
         return self.local.shape[1]
+
+    @property
+    def last_rank_offset(self) -> int:
+        """The first global column of the group's last slice, the one with the fewest real columns
+        (a decision on it is the same on every rank)."""
+        return (self.exchange.world_size - 1) * self.shard_width
 
     def argmax(self, *, channel: int = Channel.TARGET) -> torch.Tensor:
         """Greedy tokens: ``[R]`` int64 == ``torch.argmax`` of the full logits rows."""
@@ -149,11 +188,20 @@ class VocabShardedLogits:
         local = self.local.detach()
         columns = torch.arange(self.vocab_offset, self.vocab_offset + width, dtype=torch.int64, device=device)
         real = (columns < self.vocab_size).reshape(1, -1)
-        values = K.canonical_float32(local)
-        keys = torch.where(real, K.pack_keys(values, columns.reshape(1, -1)), torch.full((), K.EMPTY_KEY,
-                                                                                          device=device))
         best = max(top_n, 1)
-        top = torch.topk(keys, min(best, width), dim=1).values if width else keys[:, :0]
+        kernels = key_kernels() if use_key_kernels(device) and rows and width else None
+        if kernels is not None:
+            padded_keys, block_max = kernels.score_keys(local, self.vocab_offset, self.vocab_size)
+            keys = padded_keys[:, :width]
+            if kernels.top_keys_apply(width, self.last_rank_offset, self.vocab_size, best):  # alike on every rank
+                top = kernels.top_keys(padded_keys, block_max, best)
+            else:
+                top = torch.topk(keys, min(best, width), dim=1).values
+        else:
+            values = K.canonical_float32(local)
+            keys = torch.where(real, K.pack_keys(values, columns.reshape(1, -1)), torch.full((), K.EMPTY_KEY,
+                                                                                              device=device))
+            top = torch.topk(keys, min(best, width), dim=1).values if width else keys[:, :0]
         if top.shape[1] < best:  # a slice narrower than N: pad with keys below every column
             top = torch.cat([top, torch.full((rows, best - top.shape[1]), K.EMPTY_KEY, device=device)], dim=1)
         # The token's own key, from the rank that holds its column (EMPTY_KEY elsewhere).
@@ -167,11 +215,16 @@ class VocabShardedLogits:
         ranked = torch.sort(gathered[:, :, :best].reshape(rows, -1), dim=1, descending=True).values
         token_value, _ = K.unpack_keys(gathered[:, :, best].max(dim=1).values)
         row_max, _ = K.unpack_keys(ranked[:, 0])
-        masses = torch.where(real, K.column_masses(values, row_max), torch.zeros((), dtype=torch.int64, device=device))
         # The token's rank: this rank's columns at or above the token's value (the key's high half).
         token_high = gathered[:, :, best].max(dim=1).values >> 32
-        at_or_above = (real & ((keys >> 32) >= token_high.reshape(-1, 1))).sum(dim=1)
-        sums = self.exchange.sum_rows(torch.cat([masses.sum(dim=1), at_or_above]), channel=channel)
+        if kernels is not None:
+            mass_sum, at_or_above = kernels.row_masses_and_counts(padded_keys, row_max, token_high, width)
+        else:
+            masses = torch.where(real, K.column_masses(values, row_max), torch.zeros((), dtype=torch.int64,
+                                                                                     device=device))
+            mass_sum = masses.sum(dim=1)
+            at_or_above = (real & ((keys >> 32) >= token_high.reshape(-1, 1))).sum(dim=1)
+        sums = self.exchange.sum_rows(torch.cat([mass_sum, at_or_above]), channel=channel)
         total, ranks = sums[:rows], sums[rows:]
         log_z = torch.log(total.to(torch.float64)) - K.MASS_BITS * math.log(2.0)
         shift = torch.where(torch.isfinite(row_max), row_max.to(torch.float64) + log_z,

@@ -30,7 +30,7 @@ from typing import Any, Sequence
 import torch
 
 from ..validation import check_int
-from ..vocab_parallel import VocabShardedLogits
+from ..vocab_parallel import VocabShardedLogits, use_key_kernels
 
 
 class OccurrenceCounts:
@@ -164,6 +164,11 @@ def apply_penalties(
     device = local_logits.device
     table_counts, table_seen = counts._tables()
     index = counts._slot_index(slots)
+    if (drafts is None or not drafts.numel()) and rows and width and counts.device == device \
+            and use_key_kernels(device):
+        from .kernels_triton import penalize  # the same values in one pass
+
+        return penalize(local_logits, table_counts, table_seen, index, repetition, presence, frequency)
     out_counts = table_counts[index]  # [R, W + 1]: a copy (advanced indexing)
     if drafts is not None and drafts.numel():
         if drafts.dim() != 2 or drafts.shape[0] != rows:

@@ -60,7 +60,7 @@ from ..keys import (
     unpack_keys,
 )
 from ..validation import check_int, is_int, is_real
-from ..vocab_parallel import VocabShardedLogits
+from ..vocab_parallel import VocabShardedLogits, use_key_kernels
 from .ops import filter_flags, sample_from_logits, scaled_scores, sorted_filter_mask
 from .params import TOP_K_DISABLED
 from .penalties import penalized_logits
@@ -392,28 +392,47 @@ def _picked(logits: VocabShardedLogits, index: torch.Tensor) -> VocabShardedLogi
                               logits.exchange)
 
 
-def _local_keys(logits: VocabShardedLogits, local: torch.Tensor, temperature: torch.Tensor) -> tuple[
-        torch.Tensor, torch.Tensor]:
-    """This rank's scores ``s = logit / T`` and their keys (padding columns: ``EMPTY_KEY``)."""
+def _kernels(device: torch.device) -> Any:
+    """:mod:`tpspec.sampling.kernels_triton` when selection on ``device`` runs the Triton key kernels
+    (``tpspec.vocab_parallel.use_key_kernels``), else None."""
+    if not use_key_kernels(device):
+        return None
+    from . import kernels_triton
+
+    return kernels_triton
+
+
+def _local_keys(logits: VocabShardedLogits, local: torch.Tensor, temperature: torch.Tensor,
+                kernels: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """This rank's score keys ``s = logit / T`` (padding columns: ``EMPTY_KEY``), ``[R, >= W]``
+    (columns past ``W`` hold ``EMPTY_KEY``), and with the kernels the best key of each block of
+    ``keys_triton.KEY_BLOCK`` columns (else None)."""
+    if kernels is not None and local.shape[0] and local.shape[1]:
+        return kernels.KT.score_keys(local, logits.vocab_offset, logits.vocab_size, temperature)
     scores = scaled_scores(local, temperature)
     width = local.shape[1]
     columns = torch.arange(logits.vocab_offset, logits.vocab_offset + width, dtype=torch.int64, device=local.device)
     keys = pack_keys(scores, columns.reshape(1, -1))
     real = (columns < logits.vocab_size).reshape(1, -1)
-    return scores, torch.where(real, keys, torch.full_like(keys, EMPTY_KEY))
+    return torch.where(real, keys, torch.full_like(keys, EMPTY_KEY)), None
 
 
-def _candidates(ex: Any, keys: torch.Tensor, count: int, channel: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _candidates(logits: VocabShardedLogits, keys: torch.Tensor, block_max: torch.Tensor | None, count: int,
+                channel: int, kernels: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """``(ranked [R, tp * count], floor [R])``: every rank's ``count`` best keys, best first,
     and the largest of the ranks' ``count``-th keys: every column missing from ``ranked`` lies
     below it (``EMPTY_KEY`` when every rank sent all of its columns)."""
-    width = keys.shape[1]
+    width = logits.shard_width
     count = min(count, width)
-    if count < width:
-        local = torch.topk(keys, count, dim=1).values
+    real_keys = keys[:, :width]
+    if count >= width:
+        local = torch.sort(real_keys, dim=1, descending=True).values
+    elif block_max is not None and kernels.KT.top_keys_apply(width, logits.last_rank_offset, logits.vocab_size,
+                                                             count):  # alike on every rank
+        local = kernels.KT.top_keys(keys, block_max, count)
     else:
-        local = torch.sort(keys, dim=1, descending=True).values
-    gathered = ex.gather_rows(local.contiguous(), channel=channel)
+        local = torch.topk(real_keys, count, dim=1).values
+    gathered = logits.exchange.gather_rows(local.contiguous(), channel=channel)
     if count >= width:
         floor = torch.full((keys.shape[0],), EMPTY_KEY, dtype=torch.int64, device=keys.device)
     else:
@@ -454,16 +473,51 @@ def draw_filtered(logits: VocabShardedLogits, rows: SamplingRows, plan: FilterPl
     top_p = param(rows.top_p, 1.0, torch.float32)
     min_p = param(rows.min_p, 0.0, torch.float32)
     seeds, offsets = rows.seeds.to(device), rows.offsets.to(device)
-    scores, keys = _local_keys(logits, local, temperature)
-    ranked, floor = _candidates(ex, keys, plan.candidates, channel)
-    best, _ = unpack_keys(ranked[:, 0])
+    kernels = _kernels(device)
+    keys, block_max = _local_keys(logits, local, temperature, kernels)
+    width = local.shape[1]
+    ranked, floor = _candidates(logits, keys, block_max, plan.candidates, channel, kernels)
     total = None
+    scores = None
+    if plan.any_top_p_total or plan.any_min_p_only:
+        scores, _ = unpack_keys(keys[:, :width])
     if plan.any_top_p_total:
         # Z of the top-p rows without top-k: the exact sum of every rank's masses (0 elsewhere).
+        best, _ = unpack_keys(ranked[:, 0])
         needs = (p_on & ~k_on).reshape(-1, 1)
         masses = column_masses(scores, best)
-        masses = torch.where((keys != EMPTY_KEY) & needs, masses, torch.zeros_like(masses))
+        masses = torch.where((keys[:, :width] != EMPTY_KEY) & needs, masses, torch.zeros_like(masses))
         total = ex.sum_rows(masses.sum(dim=1), channel=channel)
+    only_m = m_on & ~k_on & ~p_on
+    if kernels is not None and ranked.shape[1] <= kernels.MAX_CANDIDATES:
+        drawn, decided = kernels.draw_candidates(ranked, floor, total, top_k, k_on, p_on, m_on, top_p, min_p, seeds,
+                                                 offsets)
+    else:
+        drawn, decided = decide_and_draw(ranked, floor, total, top_k, k_on, p_on, m_on, top_p, min_p, seeds, offsets)
+    if plan.any_min_p_only:
+        masked = only_m & ~decided
+        best, _ = unpack_keys(ranked[:, 0])
+        drawn = torch.where(masked, _draw_masked(logits, local, scores, keys[:, :width], best, temperature, min_p,
+                                                 seeds, offsets, channel), drawn)
+        decided = decided | masked
+    decided = decided | ~filtered
+    # An undecided row's token is column 0, a valid id: a caller that runs on before it reads
+    # ``decided`` (a CUDA graph of chained draft steps) feeds it to the next step's embedding.
+    return torch.where(decided, torch.where(filtered, drawn, tokens), torch.zeros_like(tokens)), decided
+
+
+def decide_and_draw(ranked: torch.Tensor, floor: torch.Tensor, total: torch.Tensor | None, top_k: torch.Tensor,
+                    k_on: torch.Tensor, p_on: torch.Tensor, m_on: torch.Tensor, top_p: torch.Tensor,
+                    min_p: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The filtered draw of every row from its gathered candidates: ``(drawn [R] int64, decided [R]
+    bool)``, in torch (``tpspec.sampling.kernels_triton.draw_candidates`` is the same in one kernel).
+
+    ``ranked`` ``[R, N]``: every rank's candidate keys, best first; ``floor`` ``[R]``: the largest of
+    the ranks' last sent keys; ``total``: the exact mass sums of the top-p rows without top-k (None
+    when no row needs them); the filters and their flags and the streams ``[R]``. ``drawn``: the
+    Gumbel-max over the candidates that survive the cuts; ``decided``: whether the candidates decide
+    the row (before the masked min-p draw)."""
+    best, _ = unpack_keys(ranked[:, 0])
     off = torch.zeros_like(k_on)
     keep_kp = sorted_filter_mask(ranked, k_on, top_k, p_on, top_p, off, None, total=total)
     keep = keep_kp & sorted_filter_mask(ranked, off, None, off, None, m_on, min_p)
@@ -477,16 +531,7 @@ def draw_filtered(logits: VocabShardedLogits, rows: SamplingRows, plan: FilterPl
     m_within = floor_mass < min_p_threshold(min_p)
     only_m = m_on & ~k_on & ~p_on
     decided = degenerate | k_on | (p_on & p_certified) | (only_m & m_within)
-    drawn = _draw_from_candidates(ranked, keep, seeds, offsets)
-    if plan.any_min_p_only:
-        masked = only_m & ~decided
-        drawn = torch.where(masked, _draw_masked(logits, local, scores, keys, best, temperature, min_p, seeds,
-                                                 offsets, channel), drawn)
-        decided = decided | masked
-    decided = decided | ~filtered
-    # An undecided row's token is column 0, a valid id: a caller that runs on before it reads
-    # ``decided`` (a CUDA graph of chained draft steps) feeds it to the next step's embedding.
-    return torch.where(decided, torch.where(filtered, drawn, tokens), torch.zeros_like(tokens)), decided
+    return _draw_from_candidates(ranked, keep, seeds, offsets), decided
 
 
 def _top_p_reached(ranked: torch.Tensor, keep: torch.Tensor, best: torch.Tensor, top_p: torch.Tensor,

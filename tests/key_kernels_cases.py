@@ -1,0 +1,334 @@
+"""Checks of the selection kernels (``tpspec.keys_triton``, ``tpspec.sampling.kernels_triton``), run
+on CUDA tensors (GPU tests) or on CPU tensors under Triton's interpreter (``python
+tests/key_kernels_cases.py GROUP int64`` with ``TRITON_INTERPRET=1`` set before Triton is imported;
+each check prints ``<name> torch.int64: ok``).
+
+Every check compares bit for bit with the torch function the kernel stands for: the portable
+``exp``/``log``, the exponential and the Philox words; keys with and without temperatures in three
+dtypes, past the vocabulary and past the slice; the block maxima and the best keys a row; the mass
+sums and counts of logprobs; the penalties; the filtered draw from candidates (random filter mixes,
+rows with a NaN or infinite best, padded candidates, undecided top-p and min-p rows); and, with the
+switch on, ``select_tokens`` / ``sample_tokens`` / ``VocabShardedLogits.logprobs`` against the switch
+off at TP 1 and, under the interpreter, TP 2 (gloo ranks).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+from interpreted import interpreted_main
+from tpspec import keys as K
+from tpspec import keys_triton as KT
+from tpspec import vocab_parallel
+from tpspec.sampling import kernels_triton as ST
+from tpspec.sampling import select
+from tpspec.sampling.ops import scaled_scores
+from tpspec.sampling.penalties import OccurrenceCounts, apply_penalties
+
+BITS = {torch.float32: torch.int32, torch.int64: torch.int64}
+
+
+def _same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    assert a.shape == b.shape and a.dtype == b.dtype, (what, a.shape, b.shape, a.dtype, b.dtype)
+    view = BITS.get(a.dtype)
+    ok = torch.equal(a.view(view), b.view(view)) if view is not None else torch.equal(a, b)
+    if not ok:
+        bad = (a != b).nonzero()[:5].tolist()
+        raise AssertionError(f"{what}: differs at {bad}")
+
+
+@triton.jit
+def _helper_kernel(a_ptr, b_ptr, c_ptr, d_ptr, out_ptr, n, WHICH: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < n
+    if WHICH == 0:
+        tl.store(out_ptr + i, KT.portable_exp(tl.load(a_ptr + i, mask=ok, other=0.0)), mask=ok)
+    elif WHICH == 1:
+        tl.store(out_ptr + i, KT.portable_log(tl.load(a_ptr + i, mask=ok, other=1.0)), mask=ok)
+    elif WHICH == 2:
+        tl.store(out_ptr + i, KT.exponential_from_words(tl.load(b_ptr + i, mask=ok, other=0)), mask=ok)
+    else:
+        s = tl.load(a_ptr + i, mask=ok, other=0.0)
+        cols = tl.load(b_ptr + i, mask=ok, other=0)
+        seeds = tl.load(c_ptr + i, mask=ok, other=0)
+        offsets = tl.load(d_ptr + i, mask=ok, other=0)
+        tl.store(out_ptr + i, KT.gumbel_at(s, cols, seeds, offsets), mask=ok)
+
+
+def _helper(which: int, n: int, device: str, a=None, b=None, c=None, d=None) -> torch.Tensor:
+    out = torch.empty(n, dtype=torch.float32, device=device)
+    dummy = torch.zeros(1, device=device)
+    args = [t if t is not None else dummy for t in (a, b, c, d)]
+    _helper_kernel[(triton.cdiv(n, 512),)](*args, out, n, WHICH=which, BLOCK=512, enable_fp_fusion=False)
+    return out
+
+
+def check_portable_arithmetic(device: str, _dtype) -> None:
+    gen = torch.Generator().manual_seed(11)
+    n = 20000 if device == "cpu" else 1 << 20
+    x = -torch.rand(n, generator=gen) * 80
+    x[:6] = torch.tensor([0.0, -0.0, -64.0, -1e-30, float("-inf"), -0.5])
+    _same(_helper(0, n, device, a=x.to(device)).cpu(), K.portable_exp(x), "portable_exp")
+    y = torch.rand(n, generator=gen) * 200 + 1e-30
+    y[:3] = torch.tensor([1.0, 2.0 ** -126, 0.5])
+    _same(_helper(1, n, device, a=y.to(device)).cpu(), K.portable_log(y), "portable_log")
+    words = torch.randint(0, 2**32, (n,), generator=gen, dtype=torch.int64)
+    words[:5] = torch.tensor([0, 1, 2**31 - 1, 2**31, 2**32 - 1])
+    _same(_helper(2, n, device, b=words.to(device)).cpu(), K.exponential_from_words(words), "exponential_from_words")
+    cols = torch.randint(0, 2**22, (n,), generator=gen)
+    seeds = torch.randint(-2**63, 2**63 - 1, (n,), generator=gen, dtype=torch.int64)
+    offsets = torch.randint(-2**63, 2**63 - 1, (n,), generator=gen, dtype=torch.int64)
+    scores = torch.randn(n, generator=gen) * 5
+    got = _helper(3, n, device, *(t.to(device) for t in (scores, cols, seeds, offsets))).cpu()
+    want = K.gumbel_scores_at(scores.reshape(-1, 1), cols.reshape(-1, 1), seeds, offsets).reshape(-1)
+    _same(got, want, "gumbel_at (Philox, exponential, log)")
+
+
+def _slice_cases(device: str) -> list[tuple[int, int, int, int]]:
+    """(rows, width, vocab_offset, vocab_size): whole rows, a middle and a padded last slice, a
+    width that is not a multiple of the block; on CUDA a Llama 3 row at TP 1 and TP 8."""
+    cases = [(3, 1000, 0, 1000), (4, 700, 500, 1100), (2, 4096, 4096, 8000), (2, 300, 0, 250), (1, 5, 0, 5)]
+    if device == "cuda":
+        cases += [(64, 128256, 0, 128256), (64, 16032, 7 * 16032, 128256)]
+    return cases
+
+
+def check_score_keys(device: str, _dtype) -> None:
+    gen = torch.Generator().manual_seed(12)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for rows, width, offset, vocab in _slice_cases(device):
+            x = (torch.randn(rows, width, generator=gen) * 4).to(dtype)
+            x[0, :4] = torch.tensor([0.0, -0.0, float("nan"), float("-inf")])[:width].to(dtype)
+            temperature = torch.tensor([0.7, 0.0, 1.3, 2.0, 1e-6])[torch.arange(rows) % 5]
+            columns = torch.arange(offset, offset + width)
+            for t in (None, temperature):
+                keys, block_max = KT.score_keys(x.to(device), offset, vocab, None if t is None else t.to(device))
+                keys, block_max = keys.cpu(), block_max.cpu()
+                s = K.canonical_float32(x) if t is None else scaled_scores(x, t)
+                want = torch.where(columns < vocab, K.pack_keys(s, columns.reshape(1, -1)), torch.tensor(K.EMPTY_KEY))
+                _same(keys[:, :width], want, f"score_keys {dtype} {rows}x{width}+{offset}")
+                assert (keys[:, width:] == K.EMPTY_KEY).all()
+                _same(block_max, keys.view(rows, -1, KT.KEY_BLOCK).max(dim=2).values, "block maxima")
+                for count in (1, 5, 20, 64, 256):
+                    if KT.top_keys_apply(width, offset, vocab, count):
+                        got = KT.top_keys(keys.to(device), block_max.to(device), count).cpu()
+                        _same(got, torch.topk(want, count).values, f"top_keys {count}")
+            best, _ = K.unpack_keys(want.max(dim=1).values)
+            picks = torch.randint(0, width, (rows, 1), generator=gen)
+            high = (want.gather(1, picks) >> 32).reshape(-1)
+            masses, counts = KT.row_masses_and_counts(keys.to(device), best.to(device), high.to(device), width)
+            values, _ = K.unpack_keys(want)
+            real = want != K.EMPTY_KEY
+            _same(masses.cpu(), torch.where(real, K.column_masses(values, best), 0).sum(dim=1), "mass sums")
+            _same(counts.cpu(), (real & ((want >> 32) >= high.reshape(-1, 1))).sum(dim=1), "counts at or above")
+
+
+def check_penalties(device: str, _dtype) -> None:
+    gen = torch.Generator().manual_seed(13)
+    for rows, width, offset, _ in _slice_cases(device):
+        for dtype in (torch.float32, torch.bfloat16):
+            counts = OccurrenceCounts(6, vocab_offset=offset, width=width, device=device)
+            for slot in range(6):
+                counts.reset(slot, torch.randint(offset, offset + width, (7,), generator=gen).tolist())
+            out = torch.randint(offset - 3, offset + width + 3, (6, 9), generator=gen)
+            counts.add(torch.arange(6), out.to(device))
+            slots = torch.randint(-1, 6, (rows,), generator=gen)
+            x = (torch.randn(rows, width, generator=gen) * 3).to(dtype)
+            x[0, :3] = torch.tensor([0.0, -0.0, float("nan")])[:width].to(dtype)
+            rep = torch.rand(rows, generator=gen) + 0.5
+            pres = torch.randn(rows, generator=gen)
+            freq = torch.randn(rows, generator=gen)
+            args = dict(vocab_offset=offset, counts=counts, slots=slots.to(device), drafts=None,
+                        repetition=rep.to(device), presence=pres.to(device), frequency=freq.to(device))
+            vocab_parallel.KEY_KERNELS_UNDER_INTERPRETER = vocab_parallel.KEY_KERNELS_ON_CUDA = True
+            got = apply_penalties(x.to(device), **args).cpu()
+            vocab_parallel.KEY_KERNELS_UNDER_INTERPRETER = vocab_parallel.KEY_KERNELS_ON_CUDA = False
+            want = apply_penalties(x.to(device), **args).cpu()
+            _same(got, want, f"penalties {dtype} {rows}x{width}")
+
+
+def _random_candidates(rows: int, n: int, gen: torch.Generator) -> dict:
+    """Candidate keys best first over a few ranks' columns, some rows padded, one with a NaN best,
+    one with an infinite best, and random filters of every kind."""
+    values = torch.randn(rows, n, generator=gen) * torch.rand(rows, 1, generator=gen) * 6
+    columns = torch.randperm(1 << 20, generator=gen)[: rows * n].reshape(rows, n)
+    keys = K.pack_keys(values, columns)
+    pad = torch.randint(0, n // 2, (rows,), generator=gen)
+    keys = torch.where(torch.arange(n).reshape(1, -1) >= n - pad.reshape(-1, 1), torch.tensor(K.EMPTY_KEY), keys)
+    keys[0, 0] = K.pack_keys(torch.tensor(float("nan")), 3)
+    keys[1, 0] = K.pack_keys(torch.tensor(float("inf")), 5)
+    if rows > 2:
+        keys[2, 0] = K.pack_keys(torch.tensor(float("-inf")), 6)
+    if rows > 3 and n >= 4:  # four equal scores (masses 2**40 each) and top-p 1/2: a prefix that ends exactly at it
+        keys[3] = K.EMPTY_KEY
+        keys[3, :4] = K.pack_keys(torch.ones(4), torch.tensor([9, 4, 7, 1]))
+    ranked = torch.sort(keys, dim=1, descending=True).values
+    floor = ranked.gather(1, torch.randint(0, n, (rows, 1), generator=gen)).reshape(-1)
+    floor[:2] = K.EMPTY_KEY
+    kind = torch.randint(0, 8, (rows,), generator=gen)
+    if rows > 3:
+        kind[3] = 2
+    k_on, p_on, m_on = (kind & 1) == 1, (kind & 2) == 2, (kind & 4) == 4
+    top_k = torch.randint(1, n + 3, (rows,), generator=gen)
+    top_p = torch.rand(rows, generator=gen) * 0.99 + 0.01
+    top_p[3 % rows] = 0.5
+    min_p = torch.rand(rows, generator=gen) * 0.3
+    total = (torch.rand(rows, generator=gen) * 2**44).to(torch.int64) + 2**40
+    seeds = torch.randint(-2**63, 2**63 - 1, (rows,), generator=gen, dtype=torch.int64)
+    offsets = torch.randint(0, 2**40, (rows,), generator=gen, dtype=torch.int64)
+    return dict(ranked=ranked, floor=floor, total=total, top_k=top_k, k_on=k_on, p_on=p_on, m_on=m_on,
+                top_p=top_p, min_p=min_p, seeds=seeds, offsets=offsets)
+
+
+def check_candidate_draw(device: str, _dtype) -> None:
+    gen = torch.Generator().manual_seed(14)
+    shapes = [(40, 64), (16, 128), (9, 2), (8, 300)] + ([(64, 2048), (8, 8192)] if device == "cuda" else [])
+    verdicts = []
+    for rows, n in shapes:
+        case = _random_candidates(rows, n, gen)
+        for with_total in (False, True):
+            args = dict(case, total=case["total"] if with_total else None)
+            want = select.decide_and_draw(**args)
+            got = ST.draw_candidates(**{k: (None if v is None else v.to(device)) for k, v in args.items()})
+            _same(got[0].cpu(), want[0], f"drawn {rows}x{n} total={with_total}")
+            _same(got[1].cpu(), want[1], f"decided {rows}x{n} total={with_total}")
+            verdicts.append(want[1])
+    verdicts = torch.cat(verdicts)
+    assert verdicts.any() and not verdicts.all(), "the cases decide some rows and leave some undecided"
+
+
+def _selection_inputs(rows: int, vocab: int, device: str, gen: torch.Generator):
+    from tpspec.sampling.penalties import RowPenalties
+
+    logits = (torch.randn(rows, vocab, generator=gen) * 3).to(device)
+    temperature = torch.tensor([0.7, 0.0, 1.1, 0.5])[torch.arange(rows) % 4]
+    top_k = torch.tensor([20, 5, 1000000, 50])[torch.arange(rows) % 4]
+    top_p = torch.tensor([0.8, 1.0, 0.9, 1.0])[torch.arange(rows) % 4]
+    min_p = torch.tensor([0.0, 0.1, 0.0, 0.05])[torch.arange(rows) % 4]
+    seeds = torch.arange(rows, dtype=torch.int64) * 7919 + 5
+    offsets = torch.arange(rows, dtype=torch.int64) + 3
+    counts = OccurrenceCounts(rows, vocab_offset=0, width=vocab, device=device)
+    for slot in range(rows):
+        counts.reset(slot, torch.randint(0, vocab, (9,), generator=gen).tolist())
+    counts.add(torch.arange(rows), torch.randint(0, vocab, (rows, 6), generator=gen).to(device))
+    penalties = RowPenalties(counts, torch.arange(rows).to(device), None, torch.full((rows,), 1.05).to(device),
+                             torch.full((rows,), 0.2).to(device), torch.full((rows,), 0.1).to(device))
+    rows_obj = K.SamplingRows(temperature.to(device), seeds.to(device), offsets.to(device), top_k=top_k.to(device),
+                              top_p=top_p.to(device), min_p=min_p.to(device), penalties=penalties)
+    return logits, rows_obj
+
+
+def _select_all(logits_full: torch.Tensor, rows_obj, exchange, offset: int, width: int, vocab: int):
+    from tpspec.vocab_parallel import VocabShardedLogits
+
+    local = logits_full[:, offset:offset + width]
+    if local.shape[1] < width:
+        local = torch.cat([local, torch.zeros(local.shape[0], width - local.shape[1], device=local.device)], dim=1)
+    sharded = VocabShardedLogits(local.contiguous(), offset, vocab, exchange)
+    tokens = select.select_tokens(sharded, rows_obj)
+    plan = select.FilterPlan.of_rows(rows_obj, vocab, local.device)
+    deferred, decided = select.select_tokens_deferred(sharded, rows_obj, plan)
+    logprobs = sharded.logprobs(tokens, top_n=5)
+    return [tokens.cpu(), deferred.cpu(), decided.cpu(), *(t.cpu() for t in logprobs)]
+
+
+KERNELS = ((KT, ("score_keys", "top_keys", "row_masses_and_counts")), (ST, ("penalize", "draw_candidates")))
+
+
+def _switched(fn):
+    """``fn()`` with the key kernels off, then on: both results. Asserts that every kernel ran with
+    the switch on and none with it off."""
+    results = []
+    calls: dict[str, int] = {}
+    saved = [(module, name, getattr(module, name)) for module, names in KERNELS for name in names]
+
+    def counted(name, func):
+        def call(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return func(*args, **kwargs)
+        return call
+
+    for module, name, func in saved:
+        setattr(module, name, counted(name, func))
+    try:
+        for on in (False, True):
+            vocab_parallel.KEY_KERNELS_UNDER_INTERPRETER = vocab_parallel.KEY_KERNELS_ON_CUDA = on
+            try:
+                results.append(fn())
+            finally:
+                vocab_parallel.KEY_KERNELS_UNDER_INTERPRETER = vocab_parallel.KEY_KERNELS_ON_CUDA = False
+            ran = sorted(calls)
+            assert ran == (sorted(n for _, n, _ in saved) if on else []), (on, ran)
+    finally:
+        for module, name, func in saved:
+            setattr(module, name, func)
+    return results
+
+
+def check_selection_tp1(device: str, _dtype) -> None:
+    from tpspec.exchange.local import LocalKeyExchange
+
+    gen = torch.Generator().manual_seed(15)
+    vocab = 9000 if device == "cpu" else 128256
+    rows = 8 if device == "cpu" else 64
+    logits, rows_obj = _selection_inputs(rows, vocab, device, gen)
+    off, on = _switched(lambda: _select_all(logits, rows_obj, LocalKeyExchange(device), 0, vocab, vocab))
+    for name, a, b in zip(("tokens", "deferred", "decided", "token logprobs", "top ids", "top logprobs", "ranks"),
+                          off, on):
+        _same(b, a, f"TP 1 {name}")
+
+
+def _tp2_worker(rank: int, world: int, vocab: int) -> list[torch.Tensor]:
+    from tpspec.exchange.allgather import AllGatherKeyExchange
+    from tpspec import distributed as D
+
+    gen = torch.Generator().manual_seed(16)
+    logits, rows_obj = _selection_inputs(8, vocab, "cpu", gen)
+    width = -(-vocab // world)
+    offset = rank * width
+    counts = OccurrenceCounts(8, vocab_offset=offset, width=width)
+    for slot in range(8):  # the same prompts and outputs as the full-row counts, this rank's columns
+        counts.reset(slot, rows_obj.penalties.counts.prompt_seen[slot].nonzero().flatten().tolist())
+    full = rows_obj.penalties.counts.output_counts
+    for slot in range(8):
+        tokens = torch.repeat_interleave(torch.arange(vocab), full[slot].to(torch.int64))
+        counts.add(torch.tensor([slot]), tokens.reshape(1, -1))
+    import dataclasses
+
+    rows_obj = dataclasses.replace(rows_obj, penalties=dataclasses.replace(rows_obj.penalties, counts=counts))
+    exchange = AllGatherKeyExchange(D.tp_group())
+    return _switched(lambda: _select_all(logits, rows_obj, exchange, offset, width, vocab))
+
+
+def check_selection_tp2(device: str, _dtype) -> None:
+    """Two gloo ranks (CPU only): the kernels on each rank's slice give the switch-off results, which
+    equal TP 1's."""
+    if device != "cpu":
+        return
+    from tpspec.exchange.local import LocalKeyExchange
+    from tpspec.testing import run_ranks
+
+    vocab = 17999  # an odd vocabulary: the last slice is padded
+    results = run_ranks(_tp2_worker, 2, vocab, env={"TRITON_INTERPRET": "1"}, timeout_s=300)
+    gen = torch.Generator().manual_seed(16)
+    logits, rows_obj = _selection_inputs(8, vocab, "cpu", gen)
+    tp1 = _select_all(logits, rows_obj, LocalKeyExchange(), 0, vocab, vocab)
+    for off, on in results:
+        for a, b, want in zip(off, on, tp1):
+            _same(a, want, "TP 2 without kernels against TP 1")
+            _same(b, want, "TP 2 with kernels against TP 1")
+
+
+CHECKS = {
+    "arithmetic": [check_portable_arithmetic, check_score_keys, check_penalties, check_candidate_draw],
+    "selection": [check_selection_tp1, check_selection_tp2],
+}
+
+
+if __name__ == "__main__":
+    sys.modules.setdefault("key_kernels_cases", sys.modules["__main__"])  # run_ranks imports the worker by name
+    interpreted_main(CHECKS, KT)

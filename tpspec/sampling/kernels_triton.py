@@ -1,0 +1,173 @@
+"""Triton kernels of the sampling layer, bit for bit the torch functions they stand for.
+
+* :func:`penalize`: repetition, presence and frequency penalties on a rank's slice
+  (:func:`tpspec.sampling.penalties.apply_penalties` without drafts), one pass over the row, its
+  occurrence counts and its prompt flags.
+* :func:`draw_candidates`: the filtered draw from a row's gathered candidate keys
+  (:func:`tpspec.sampling.select.draw_filtered` after the candidate exchange): the top-k, top-p and
+  min-p cuts of ``tpspec.sampling.ops.sorted_filter_mask``, whether the candidates decide the row,
+  and the Gumbel-max draw over the survivors, one program a row.
+
+The float32 arithmetic is the torch functions' sequence of basic IEEE operations
+(``enable_fp_fusion=False``, division through ``div_rn``); the rest is integer arithmetic. The
+key arithmetic comes from :mod:`tpspec.keys_triton`, whose interpreter rule this module shares.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import keys as K
+from .. import keys_triton as KT
+
+_PENALTY_COLUMNS = 1024  # columns one penalty program handles
+MAX_CANDIDATES = 8192
+"""The most candidate keys a row may bring to :func:`draw_candidates` (one program holds them)."""
+
+
+@triton.jit
+def _penalties_kernel(x_ptr, counts_ptr, seen_ptr, slot_ptr, rep_ptr, pres_ptr, freq_ptr, out_ptr, width, stride_x,
+                      stride_table, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = cols < width
+    slot = tl.load(slot_ptr + row)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=inside, other=0.0).to(tl.float32)
+    counts = tl.load(counts_ptr + slot * stride_table + cols, mask=inside, other=0)
+    seen = tl.load(seen_ptr + slot * stride_table + cols, mask=inside, other=0) != 0
+    r = tl.load(rep_ptr + row)
+    p = tl.load(pres_ptr + row)
+    f = tl.load(freq_ptr + row)
+    in_output = counts > 0
+    repeated = tl.where(x > 0, tl.math.div_rn(x, r), x * r)
+    x = tl.where(in_output | seen, repeated, x)
+    counted = (x - f * counts.to(tl.float32)) - p
+    tl.store(out_ptr + row * stride_o + cols, tl.where(in_output, counted, x), mask=inside)
+
+
+@triton.jit
+def _top_p_target(total, bits):
+    """``keys.top_p_target``: ``ceil(P * Z / 2**24)`` in exact int64 arithmetic."""
+    return bits * (total >> 24) + ((bits * (total & 16777215) + 16777215) >> 24)
+
+
+@triton.jit
+def _candidate_draw_kernel(ranked_ptr, floor_ptr, total_ptr, k_ptr, flags_ptr, p_bits_ptr, m_thr_ptr, seeds_ptr,
+                           offsets_ptr, drawn_ptr, decided_ptr, n, HAS_TOTAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, BLOCK)
+    keys = tl.load(ranked_ptr + row * n + j, mask=j < n, other=-9223372036854775808)
+    empty = KT.empty_keys(keys)
+    real = keys != empty
+    values = KT.key_values(keys)
+    best = KT.key_values(tl.load(ranked_ptr + row * n))
+    # Not degenerate (through int32: Triton's interpreter cannot mix a float compare's flag with a tensor's).
+    finite = (tl.abs(best) < float("inf")).to(tl.int32) != 0
+    masses = tl.where(real, KT.column_masses(tl.where(real, values, 0.0), best), 0)
+    flags = tl.load(flags_ptr + row)
+    k_on = (flags & 1) != 0
+    p_on = (flags & 2) != 0
+    m_on = (flags & 4) != 0
+    first = j == 0
+    # sorted_filter_mask with top-k and top-p (and ``total`` on rows without top-k).
+    keep_k = tl.where(k_on, j < tl.load(k_ptr + row), True)
+    kept_mass = tl.where(keep_k, masses, 0)
+    z = tl.sum(kept_mass, axis=0)
+    if HAS_TOTAL:
+        total = tl.load(total_ptr + row)
+        z = tl.where(k_on, z, total)
+    p_bits = tl.load(p_bits_ptr + row)
+    before = tl.cumsum(kept_mass, axis=0) - kept_mass
+    keep_kp = keep_k & tl.where(p_on, before < _top_p_target(z, p_bits), True)
+    keep_kp = tl.where(first, True, keep_kp & real & finite)
+    # sorted_filter_mask with min-p alone.
+    m_thr = tl.load(m_thr_ptr + row)
+    keep_m = tl.where(first, True, tl.where(m_on, masses >= m_thr, True) & real & finite)
+    keep = keep_kp & keep_m
+    # Which rows the candidates decide (every input is equal on every rank).
+    kept = tl.sum(keep_kp.to(tl.int64), axis=0)
+    last_kept = tl.max(tl.where(j == kept - 1, keys, empty), axis=0)
+    floor = tl.load(floor_ptr + row)
+    if HAS_TOTAL:
+        reached = tl.sum(tl.where(keep_kp & real, masses, 0), axis=0) >= _top_p_target(total, p_bits)
+        p_decided = p_on & reached & (last_kept >= floor)
+    else:
+        p_decided = p_on & False
+    floor_mass = KT.column_masses(KT.key_values(floor), best)
+    floor_mass = tl.where(floor == -9223372036854775808, -1, floor_mass)
+    only_m = m_on & (k_on == 0) & (p_on == 0)
+    decided = (finite == 0) | k_on | p_decided | (only_m & (floor_mass < m_thr))
+    # Gumbel-max over the survivors (the noise is keyed by global column: no exchange).
+    columns = tl.where(real, KT.key_columns(keys), 0)
+    noisy = KT.gumbel_at(values, columns, tl.load(seeds_ptr + row), tl.load(offsets_ptr + row))
+    winner = tl.max(tl.where(keep & real, KT.pack(KT.canonical(noisy), columns), empty), axis=0)
+    tl.store(drawn_ptr + row, 4294967295 - (winner & 4294967295))
+    tl.store(decided_ptr + row, decided.to(tl.int8))
+
+
+# ------------------------------------------------------------------ wrappers
+
+def penalize(local: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor, slot_index: torch.Tensor,
+             repetition: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor) -> torch.Tensor:
+    """Penalised float32 logits of a slice: ``[R, W]`` -> ``[R, W]``, what
+    ``apply_penalties(..., drafts=None)`` returns.
+
+    ``counts`` ``[S, >= W]`` int32 and ``seen`` ``[S, >= W]`` bool: the occurrence tables (rows
+    the same stride apart); ``slot_index`` ``[R]`` int64: each row's table row (a sink row of
+    zeros for rows without a request); ``repetition``/``presence``/``frequency``: ``[R]``.
+    """
+    rows, width = local.shape
+    if local.stride(1) != 1:
+        local = local.contiguous()
+    out = torch.empty(rows, width, dtype=torch.float32, device=local.device)
+    if rows == 0 or width == 0:
+        return out
+    if counts.stride() != seen.stride() or counts.stride(1) != 1:
+        raise ValueError("the occurrence tables must share one row-major layout")
+    dev = local.device
+
+    def per_row(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device=dev, dtype=torch.float32).contiguous()
+
+    grid = (rows, triton.cdiv(width, _PENALTY_COLUMNS))
+    _penalties_kernel[grid](local, counts, seen.view(torch.uint8), slot_index.to(dev, torch.int64).contiguous(),
+                            per_row(repetition), per_row(presence), per_row(frequency), out, width, local.stride(0),
+                            counts.stride(0), out.stride(0), BLOCK=_PENALTY_COLUMNS, num_warps=4,
+                            enable_fp_fusion=False)
+    return out
+
+
+def draw_candidates(ranked: torch.Tensor, floor: torch.Tensor, total: torch.Tensor | None, top_k: torch.Tensor,
+                    k_on: torch.Tensor, p_on: torch.Tensor, m_on: torch.Tensor, top_p: torch.Tensor,
+                    min_p: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The filtered draw of every row from its candidates: ``(drawn [R] int64, decided [R] bool)``.
+
+    ``ranked`` ``[R, N]``: every rank's candidate keys, best first (``EMPTY_KEY`` pads), ``N <=
+    MAX_CANDIDATES``; ``floor`` ``[R]``: the largest of the ranks' last sent keys; ``total`` ``[R]``
+    int64: the rows' exact mass sums (None: no row needs it); ``top_k``/``top_p``/``min_p`` and
+    ``k_on``/``p_on``/``m_on``: ``[R]``. ``drawn`` is the Gumbel-max (``seeds``, ``offsets``) over
+    the candidates that survive ``sorted_filter_mask``'s top-k and top-p cut and its min-p cut;
+    ``decided`` is True where the candidates decide the row (a finite best score and top-k, a
+    certified top-p prefix, or a min-p row whose threshold lies above every unsent column), before
+    the masked min-p draw.
+    """
+    rows, n = ranked.shape
+    dev = ranked.device
+    drawn = torch.empty(rows, dtype=torch.int64, device=dev)
+    decided = torch.empty(rows, dtype=torch.int8, device=dev)
+    if rows == 0:
+        return drawn, decided.bool()
+    if not 0 < n <= MAX_CANDIDATES:
+        raise ValueError(f"draw_candidates takes 1 to {MAX_CANDIDATES} candidates a row, got {n}")
+    flags = (k_on.to(dev, torch.int32) + 2 * p_on.to(dev, torch.int32) + 4 * m_on.to(dev, torch.int32)).contiguous()
+    k = top_k.to(dev, torch.int64).clamp(min=1).contiguous()
+    p_bits = K.top_p_fixed(top_p.to(dev)).contiguous()
+    m_thr = K.min_p_threshold(min_p.to(dev)).contiguous()
+    has_total = total is not None
+    _candidate_draw_kernel[(rows,)](
+        ranked.contiguous(), floor.contiguous(), total.contiguous() if has_total else floor, k, flags, p_bits, m_thr,
+        seeds.to(dev, torch.int64).contiguous(), offsets.to(dev, torch.int64).contiguous(), drawn, decided, n,
+        HAS_TOTAL=has_total, BLOCK=max(16, triton.next_power_of_2(n)), num_warps=4, enable_fp_fusion=False)
+    return drawn, decided.bool()
