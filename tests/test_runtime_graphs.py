@@ -2,8 +2,9 @@
 eagerly through ``GenerationGraphs(capture=False)``: the same keys, static buffers and step
 function) gives the eager step's tokens for every step shape (penalties, logprobs, top-k /
 top-p / min-p rows, rejection sampling, draft-model and EAGLE-3 drafts), the undecided-row
-repeat included, at TP = 1 and 2; the keys come from the requests' parameters; when graphs are
-off; and the capture fallback every rank takes alike."""
+repeat included, at TP = 1 and 2; steps launched ahead of their predecessor's tokens (greedy,
+sampled, filtered, penalised, with logprobs) give the tokens of steps that waited; the keys come
+from the requests' parameters; when graphs are off; and the capture fallback every rank takes alike."""
 
 from __future__ import annotations
 
@@ -302,45 +303,89 @@ def test_packed_graph_inputs_refuse_a_step_that_does_not_fit():
         inputs.fill([1], [[3]], [0], [[0]])
 
 
-def _ahead_worker(rank, world, target):
-    """The same continuous-batching run, eager and then graphed (``capture=False``) with steps
-    launched ahead: requests of different budgets, one stopped by a stop token, one joining and
-    one aborted between steps. Returns both runs' tokens and how many steps went ahead."""
+# Continuous-batching runs for steps launched ahead: each request's parameters and budget, the
+# request that stops on a stop token (at its token ``stop_at``), requests joining before a given call
+# and requests aborted before a given call (indices into the list).
+AHEAD_CASES = {
+    "plain": dict(params=[SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=7),
+                          SamplingParams(temperature=0.0), SamplingParams(temperature=1.1, seed=3),
+                          SamplingParams(temperature=0.0)],
+                  budgets=[20, 17, 12, 20, 9], stopper=2, stop_at=6, joins={3: [4]}, aborts={6: [1]}),
+    # Filtered rows that are always decided (top-k with top-p, top-k, min-p only), penalties and
+    # logprobs: these go ahead. The top-p row without top-k (request 5, budget 5: it ends with the
+    # step of call 4) keeps its batch from going ahead while it runs. The penalised request 2 stops
+    # on a stop token in a step launched ahead (its row of the step launched after is dropped);
+    # request 7 then takes its slot. Both join right after a request ended by its budget, when no
+    # step is in flight, so that the graphed runs with and without steps ahead batch alike. The
+    # negative frequency penalties reward a token by its count: the tiny model's tokens then depend
+    # on every count (a token counted twice or not at all changes them; positive penalties rarely do).
+    "controls": dict(params=[SamplingParams(**QWEN, seed=11),
+                             SamplingParams(temperature=0.9, top_k=30, presence_penalty=0.4, frequency_penalty=-0.6,
+                                            seed=12, logprobs=2),
+                             SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=-0.6),
+                             SamplingParams(temperature=1.0, min_p=0.2, seed=13),
+                             SamplingParams(temperature=0.0, logprobs=5),
+                             SamplingParams(temperature=1.0, top_p=0.9, seed=14),
+                             SamplingParams(temperature=0.0, frequency_penalty=-0.6, logprobs=3),
+                             SamplingParams(temperature=0.8, top_k=10, repetition_penalty=1.2, frequency_penalty=-0.6,
+                                            seed=15, logprobs=1)],
+                     budgets=[20, 18, 20, 16, 14, 5, 12, 6], stopper=2, stop_at=9, joins={5: [6], 14: [7]},
+                     aborts={}),
+}
+
+
+def _ahead_worker(rank, world, target, case):
+    """The same continuous-batching run of ``AHEAD_CASES[case]``, eager, then graphed
+    (``capture=False``) without and with steps launched ahead. Returns the three runs' tokens and
+    logprobs per request, the keys of the steps that launched their successor ahead, the keys
+    graphed, how many steps went ahead and were replayed, and the stop token."""
     from tpspec.mapping import Mapping
     from tpspec.runtime.config import EngineConfig, Request
     from tpspec.runtime.engine import Engine
 
+    spec = AHEAD_CASES[case]
     cfg = EngineConfig(model_path=target, tp_size=world, device="cpu", dtype="float32", max_batch_size=8,
                        max_seq_len=64, max_num_tokens=64)
     engine = Engine(cfg, Mapping(world, rank))
-    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=7),
-              SamplingParams(temperature=0.0), SamplingParams(temperature=1.1, seed=3), SamplingParams(temperature=0.0)]
-    budgets = [20, 17, 12, 20, 9]
 
-    def scenario(first_id: int, stop: tuple[int, ...]) -> dict[int, list[int]]:
-        reqs = [Request(first_id + i, tuple(p), sp, n, stop_token_ids=stop if i == 2 else ())
-                for i, (p, sp, n) in enumerate(zip(PROMPTS, params, budgets))]
-        out: dict[int, list[int]] = {r.request_id - first_id: [] for r in reqs}
-        engine.add_requests(reqs[:4])
+    def scenario(first_id: int, stop: tuple[int, ...]) -> tuple[dict, dict]:
+        reqs = [Request(first_id + i, tuple(PROMPTS[i % len(PROMPTS)]), sp, n,
+                        stop_token_ids=stop if i == spec["stopper"] else ())
+                for i, (sp, n) in enumerate(zip(spec["params"], spec["budgets"], strict=True))]
+        joining = {i for ids in spec["joins"].values() for i in ids}
+        tokens: dict[int, list[int]] = {i: [] for i in range(len(reqs))}
+        logprobs: dict[int, list] = {i: [] for i in range(len(reqs))}
+        engine.add_requests([r for i, r in enumerate(reqs) if i not in joining])
         calls = 0
-        while engine.has_unfinished or calls < 4:
-            if calls == 3:
-                engine.add_requests(reqs[4:])  # joins a running batch
-            if calls == 6:
-                engine.abort([first_id + 1])
+        while engine.has_unfinished or calls <= max(spec["joins"]):
+            engine.add_requests([reqs[i] for i in spec["joins"].get(calls, [])])  # joins a running batch
+            engine.abort([first_id + i for i in spec["aborts"].get(calls, [])])
             for u in engine.step():
-                out[u.request_id - first_id] += u.new_token_ids
+                tokens[u.request_id - first_id] += u.new_token_ids
+                logprobs[u.request_id - first_id] += u.new_logprobs or []
             calls += 1
-        return out
+        return tokens, logprobs
 
-    eager = scenario(0, ())
-    stop = (eager[2][5],)  # request 2 stops at its sixth token in both runs below
-    eager = scenario(100, stop)
-    engine.graphs = graphs = GenerationGraphs(engine, capture=False)
-    ahead = scenario(200, stop)
+    first, _ = scenario(0, ())
+    stop = (first[spec["stopper"]][spec["stop_at"] - 1],)  # the stopping request stops there in every run below
+    runs = [scenario(100, stop)]
+    ahead_keys = []
+    for ahead in (False, True):
+        cuda_graphs.STEP_AHEAD = ahead  # this rank process's own module
+        engine.graphs = graphs = GenerationGraphs(engine, capture=False)
+        launch_next = graphs.launch_next
+
+        def recording(launched, launch_next=launch_next):
+            started = launch_next(launched)
+            if started is not None:
+                ahead_keys.append(launched.step.key)
+            return started
+
+        graphs.launch_next = recording
+        runs.append(scenario(200 + 100 * ahead, stop))
     engine.graphs = None
     engine.close()
-    return eager, ahead, graphs.num_ahead, graphs.num_replayed, stop
+    return runs, ahead_keys, list(graphs.graphs), graphs.num_ahead, graphs.num_replayed, stop
 
 
 def test_steps_launched_ahead_give_the_eager_tokens(models):
@@ -352,10 +397,38 @@ def test_steps_launched_ahead_give_the_eager_tokens(models):
     from tpspec.testing import run_ranks
 
     for world in (1, 2):
-        results = run_ranks(_ahead_worker, world, models["target"], timeout_s=240)
+        results = run_ranks(_ahead_worker, world, models["target"], "plain", timeout_s=240)
         assert all(r == results[0] for r in results)
-        eager, ahead, num_ahead, num_replayed, stop = results[0]
-        assert ahead == eager
+        ((eager, _), (graphed, _), (ahead, _)), _, _, num_ahead, num_replayed, stop = results[0]
+        assert ahead == eager and graphed == eager
         assert eager[2][-1] == stop[0] and len(eager[2]) == 6 and len(eager[0]) == 20
         assert 0 < len(eager[1]) < 17  # aborted mid-run
         assert num_ahead > num_replayed // 2  # most graphed steps went ahead
+
+
+def test_steps_with_filters_penalties_and_logprobs_launched_ahead_give_the_eager_outputs(models):
+    """Steps with top-k / min-p rows, penalties and logprobs go ahead too, at TP = 1 and 2: the
+    penalised requests' tokens are counted on the device before the next step reads the counts (and
+    not again by the host), the logprobs are copied out before the next replay overwrites them.
+    Every request gets the eager steps' tokens, and the logprobs of the graphed steps without steps
+    ahead exactly (the eager steps' within 1e-5: padding a batch to its bucket may move the logits'
+    last bits). A step with a top-p row without top-k never goes ahead (its row may be undecided). A
+    penalised request that stops on a stop token loses its row of the step launched after; the
+    request that takes its slot next starts from clean counts."""
+    from tpspec.testing import run_ranks
+
+    for world in (1, 2):
+        results = run_ranks(_ahead_worker, world, models["target"], "controls", timeout_s=240)
+        assert all(r == results[0] for r in results)
+        ((eager, eager_lp), (graphed, graphed_lp), (ahead, ahead_lp)), ahead_keys, keys, num_ahead, _, stop = \
+            results[0]
+        assert ahead == eager and graphed == eager
+        assert ahead_lp == graphed_lp  # exactly
+        assert_logprobs_close(list(ahead_lp.values()), list(eager_lp.values()), abs_tol=1e-5)
+        assert eager[2][-1] == stop[0] and len(eager[2]) == 9 and len(eager[5]) == 5
+        assert [len(eager_lp[i]) for i in (1, 4, 6, 7)] == [18, 14, 12, 6]
+        assert num_ahead == len(ahead_keys) >= 6
+        assert not any(k.filters.any_top_p_total for k in ahead_keys)
+        assert any(k.filters is not None and k.filters.any_top_p_total for k in keys)  # graphed, not ahead
+        assert all(k.penalties and k.top_logprobs is not None and k.filters is not None for k in ahead_keys)
+        assert any(k.filters.any_min_p_only for k in ahead_keys)

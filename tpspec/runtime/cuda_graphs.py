@@ -38,15 +38,20 @@ pages (nothing reads them for real) and use slot -1 in the metadata (greedy, no 
 Steps with a request that has logit controls (structured outputs, logit bias, allowed tokens,
 bad words: token masks and biases the host computes each step) run eagerly.
 
-A graphed decode step without drafts, penalties, filtered rows or logprobs (greedy or
-temperature-only rows) launches the next step of its batch before its own tokens reach the host
-(:data:`STEP_AHEAD`, :meth:`GenerationGraphs.launch_next`): its outputs are copied to pinned host
-memory on the stream, the next step's input tokens are copied from them on the device, and the
-next step's other inputs (positions, pages, noise positions) are known on the host. The host then
-reads and commits a step's tokens while the GPU runs the next one. The engine goes ahead only
-while the batch runs on unchanged (nothing waits or prefills, no request reaches its budget, the
-pages are free); a request that stops on a stop token has a row in the step launched after, whose
-tokens are dropped.
+A graphed decode step without drafts launches the next step of its batch before its own tokens
+reach the host (:data:`STEP_AHEAD`, :meth:`GenerationGraphs.launch_next`) unless its key can leave
+a row undecided (a top-p row without top-k: ``FilterPlan.any_top_p_total``; the host reads
+``decided`` first) or it outputs EAGLE-3 hidden states. Greedy, temperature-only and filtered rows
+that are always decided (rows with top-k, whatever top-p or min-p beside it; min-p-only rows,
+through the masked exchange) go ahead, with penalties and logprobs: the step's outputs (its tokens,
+their number a row, their logprobs) are copied to pinned host memory on the stream, the tokens of
+requests with penalties are counted into the engine's occurrence counts on the device (the host
+then does not count them again), the next step's input tokens are copied from the outputs on the
+device, and the next step's other inputs (positions, pages, noise positions) are known on the host.
+The host then reads and commits a step's tokens while the GPU runs the next one. The engine goes
+ahead only while the batch runs on unchanged (nothing waits or prefills, no request reaches its
+budget, the pages are free); a request that stops on a stop token has a row in the step launched
+after, whose tokens are dropped (neither committed nor counted).
 
 The drafting of a graphed step (a draft model or an EAGLE-3 head) runs its catch-up forward
 eagerly — it reads what each request's draft cache lacks, a ragged count (the whole prompt
@@ -95,8 +100,10 @@ batch) hit an out-of-range index inside a replayed chain. The chain then runs ea
 target step's planning, with the same drafts; tests/test_runtime_gpu.py checks the graphs when it is on."""
 WARMUP_RUNS = 2
 STEP_AHEAD = True
-"""Whether a graphed pure decode step launches the next step of its batch before its own tokens
-reach the host (:meth:`GenerationGraphs.launch_next`): the host's bookkeeping then overlaps the GPU."""
+"""Whether a graphed pure decode step (no drafts) launches the next step of its batch before its own
+tokens reach the host (:meth:`GenerationGraphs.launch_next`), so that the host's bookkeeping overlaps
+the GPU. Steps whose every row is always decided go ahead, penalties and logprobs included; steps with
+a top-p row without top-k, or with EAGLE-3 hidden states, do not (:meth:`GenerationGraphs.can_launch_next`)."""
 
 
 def page_bucket(pages: int) -> int:
@@ -180,10 +187,12 @@ class GraphStep:
 class StepResult:
     """What a graphed step gives the engine: ``emitted`` ``{seq index: tokens}`` and, for
     EAGLE-3, ``hidden`` ``[len(gen) * (K + 1), width]`` (the generation requests' rows of the
-    target hidden states, a copy)."""
+    target hidden states, a copy); ``counted``: the tokens of its requests with penalties were
+    counted into the engine's occurrence counts on the device (the engine must not count them again)."""
 
     emitted: dict[int, list[int]]
     hidden: torch.Tensor | None = None
+    counted: bool = False  # the penalised requests' tokens are already in the occurrence counts (device)
 
 
 @dataclass
@@ -244,6 +253,7 @@ class _Graph:
     out: _StepOut
     batch: Any = None  # the static ForwardBatch, kept alive with the graph
     host_out: tuple[torch.Tensor, torch.Tensor] | None = None  # pinned copies of accepted and num (made on first use)
+    host_logprobs: tuple[torch.Tensor, ...] | None = None  # pinned copies of the logprobs outputs (made on first use)
     copied: Any = None  # the CUDA event after the last copy into them (None on CPU)
 
 
@@ -258,18 +268,30 @@ class Launched:
     graph: _Graph | None  # None: it ran eagerly (its key failed to capture)
     out: _StepOut
     host: tuple[torch.Tensor, torch.Tensor] | None = None  # accepted and num, copied to the host
+    host_logprobs: tuple[torch.Tensor, ...] | None = None  # the logprobs outputs, copied to the host
     copied: Any = None  # the CUDA event after that copy (None on CPU)
+    counted: bool = False  # its penalised requests' tokens were counted on the device (launch_next)
 
     def copy_to_host(self) -> None:
-        """Copy the accepted tokens and their counts into its graph's pinned host buffers, on the
-        stream (before a later replay of the graph overwrites them)."""
+        """Copy the accepted tokens, their counts and the logprobs outputs (when the key has them)
+        into its graph's pinned host buffers, on the stream (before a later replay of the graph
+        overwrites them)."""
         graph = self.graph
+        pin = self.out.accepted.is_cuda
+
+        def host_like(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+            return tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for t in tensors)
+
         if graph.host_out is None:
-            pin = self.out.accepted.is_cuda
-            graph.host_out = (torch.empty(self.out.accepted.shape, dtype=self.out.accepted.dtype, pin_memory=pin),
-                              torch.empty(self.out.num.shape, dtype=self.out.num.dtype, pin_memory=pin))
+            graph.host_out = host_like((self.out.accepted, self.out.num))
             graph.copied = torch.cuda.Event() if pin else None
-        for host, device in zip(graph.host_out, (self.out.accepted, self.out.num)):
+        pairs = list(zip(graph.host_out, (self.out.accepted, self.out.num)))
+        if self.out.logprobs is not None:
+            if graph.host_logprobs is None:
+                graph.host_logprobs = host_like(self.out.logprobs)
+            pairs += zip(graph.host_logprobs, self.out.logprobs)
+            self.host_logprobs = graph.host_logprobs
+        for host, device in pairs:
             host.copy_(device, non_blocking=True)
         if graph.copied is not None:
             graph.copied.record()
@@ -375,24 +397,32 @@ class GenerationGraphs:
 
     def can_launch_next(self, launched: Launched) -> bool:
         """Whether the step after ``launched`` may start before ``launched``'s tokens reach the
-        host (:data:`STEP_AHEAD`): ``launched`` replayed a graph of a pure decode step whose tokens
-        the host need not see first (no drafts, penalties, filtered rows, logprobs or hidden
-        states, no attention planned on the host, no attention DP). The engine decides whether
-        its batch runs on unchanged."""
+        host (:data:`STEP_AHEAD`): ``launched`` replayed a graph of a pure decode step (no drafts,
+        no attention planned on the host, no attention DP) whose every row is decided on the
+        device — greedy, temperature-only or filtered rows, but no top-p row without top-k
+        (``FilterPlan.any_top_p_total``: such a row may be undecided, and the host must read
+        ``decided`` before the step's tokens are used) — and that outputs no EAGLE-3 hidden states.
+        Penalties and logprobs may go ahead (:meth:`launch_next` counts the tokens on the device
+        and copies the logprobs out). A function of the key and the configuration: the same answer
+        on every rank. The engine decides whether its batch runs on unchanged."""
         eng = self.engine
         key = launched.step.key
         if not STEP_AHEAD or launched.graph is None or eng.num_draft or eng.dp_size > 1:
             return False
-        if key.penalties or key.filters is not None or key.top_logprobs is not None or key.hidden_states:
-            return False  # the host counts the tokens, may repeat the step, or reads more outputs
+        if key.hidden_states or (key.filters is not None and key.filters.any_top_p_total):
+            return False  # the head reads the hidden states, or an undecided row repeats the step
         return not eng.model.attention.plans_on_host
 
     def launch_next(self, launched: Launched) -> Launched | None:
         """Start the next step of ``launched``'s batch (:meth:`can_launch_next` said it may; the
         engine checked that the batch runs on and gave its pages one more token) when its key is
         captured. Its input tokens are ``launched``'s outputs, copied on the device; ``launched``'s
-        outputs are copied to the host first (a replay of the same graph overwrites them). Returns
-        the new step, or None (nothing started). The same answer on every rank."""
+        outputs (logprobs included) are copied to the host first (a replay of the same graph
+        overwrites them), and the tokens of its requests with penalties are counted into the
+        engine's occurrence counts on the device before the replay, which reads them (``launched``
+        is then marked ``counted``: the engine does not count them again when it commits them).
+        Returns the new step, or None (nothing started, nothing counted). The same answer on every
+        rank."""
         eng = self.engine
         gen = launched.gen
         step = self.plan(gen, ahead=1)
@@ -402,6 +432,11 @@ class GenerationGraphs:
         eng.meta.prepare(requests=step.requests, draft_len=0)
         _check_key(step.key, eng.meta, False)
         launched.copy_to_host()
+        # Only requests with penalties: their slots' counts were reset when they started; other
+        # slots' counts may be stale and are never read.
+        penalised = [s.slot if s.req.sampling.has_penalties else -1 for s in gen]
+        if any(slot >= 0 for slot in penalised):
+            self._count_on_device(launched, [-1] * launched.step.num_padding + penalised)
         self._load(graph, gen, [[] for _ in gen], step.num_padding, ahead=1)
         # The in-flight tokens, clamped: a failed exchange marks its rows -1 (raised at collect).
         vocab = eng.model.lm_head.vocab_size
@@ -416,12 +451,15 @@ class GenerationGraphs:
         a filtered row was undecided. Sets the step's logprobs on the sequences that ask."""
         eng = self.engine
         key, gen, out = launched.step.key, launched.gen, launched.out
+        logprobs = None  # the host copies of the logprobs outputs, when made
         if launched.host is not None:  # copied out before a later step was launched
             if launched.copied is not None:
                 launched.copied.synchronize()
             accepted, num = launched.host
+            logprobs = launched.host_logprobs
         else:
             accepted, num = out.accepted.cpu(), out.num.cpu()  # synchronizes with the replay
+        # A step copied out went ahead: can_launch_next admitted only keys whose rows are all decided.
         if out.decided is not None and launched.host is None and not bool(out.decided.cpu()):
             # A filtered row the candidates could not decide (the same verdict on every rank): the
             # step again, eagerly, with the retry and the gathered fallback.
@@ -436,7 +474,9 @@ class GenerationGraphs:
         # (its rows read -1). Raise it now, before those tokens reach a request.
         if eng.exchange is not None:  # None: the LM head is not vocabulary-sharded, nothing exchanged
             eng.exchange.check(sync=False)
-        return self._result(gen, launched.step.num_padding, out, accepted, num)
+        result = self._result(gen, launched.step.num_padding, out, accepted, num, logprobs)
+        result.counted = launched.counted
+        return result
 
     def draft_chain(self, step: GraphStep, first: torch.Tensor, ends: list[int], tables: list[list[int]],
                     hidden: torch.Tensor | None, *, sampled: bool) -> torch.Tensor | None:
@@ -539,8 +579,24 @@ class GenerationGraphs:
                      key.step.batch, key.sampled)
         return chain
 
+    def _count_on_device(self, launched: Launched, slots: list[int]) -> None:
+        """Count ``launched``'s emitted tokens (the first ``num`` of each row) into the engine's
+        occurrence counts as output of ``slots`` (one a row of the padded batch, -1: not counted),
+        on the device, in stream order after the step and before the next replay of its graph, and
+        without a host sync. Marks ``launched`` as ``counted``."""
+        out = launched.out
+        dev = out.accepted.device
+        slot_ids = torch.tensor(slots, dtype=torch.int64, pin_memory=dev.type == "cuda").to(dev, non_blocking=True)
+        columns = torch.arange(out.accepted.shape[1], device=dev).reshape(1, -1)
+        tokens = torch.where(columns < out.num.reshape(-1, 1), out.accepted, torch.full_like(out.accepted, -1))
+        self.engine.occurrences.add(slot_ids, tokens)
+        launched.counted = True
+
     def _result(self, gen: list[Any], num_padding: int, out: _StepOut, accepted: torch.Tensor,
-                num_all: torch.Tensor) -> StepResult:
+                num_all: torch.Tensor, logprobs: Sequence[torch.Tensor] | None = None) -> StepResult:
+        """The step's :class:`StepResult` from its host tokens ``accepted`` / ``num_all`` (padded
+        batch); sets ``step_logprobs`` of the requests that ask, from ``logprobs`` (host copies of
+        ``out.logprobs``) or else from ``out.logprobs`` (read now)."""
         real = slice(num_padding, num_padding + len(gen))
         acc = accepted[real]
         num = num_all[real]
@@ -550,7 +606,8 @@ class GenerationGraphs:
         asking = [i for i, s in enumerate(gen) if s.logprobs is not None]
         if asking:
             pick = torch.tensor(asking, dtype=torch.int64) + num_padding
-            token_lp, top_ids, top_lp, ranks = (t.cpu()[pick] for t in out.logprobs)
+            host = logprobs if logprobs is not None else [t.cpu() for t in out.logprobs]
+            token_lp, top_ids, top_lp, ranks = (t[pick] for t in host)
             found = logprob_dicts(token_lp, top_ids, top_lp, ranks, accepted[pick], num_all[pick],
                                   [gen[i].req.sampling.logprobs for i in asking])
             for i, lp in zip(asking, found):

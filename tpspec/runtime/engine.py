@@ -755,8 +755,10 @@ class Engine:
     def _finish_graphed(self, launched) -> None:
         """Launch the next step of the same batch when it can go ahead (on the device, while the
         host reads and commits this one's tokens: ``GenerationGraphs.launch_next``), then collect
-        ``launched`` and commit its tokens. A request that finishes with these tokens has a row
-        in the step launched ahead; its tokens there are dropped."""
+        ``launched`` and commit its tokens (counted for penalties on the device when the next step
+        went ahead, else here on the host: once either way). A request that finishes with these
+        tokens has a row in the step launched ahead; its tokens there are dropped, neither committed
+        nor counted (that step does not go ahead in turn, as its batch does not run on)."""
         self._ahead = None
         if self.graphs.can_launch_next(launched) and self._runs_on(launched.gen):
             self._ahead = self.graphs.launch_next(launched)
@@ -765,7 +767,7 @@ class Engine:
             k = self.num_draft
             self._keep_hidden_states([(s, True) for s in launched.gen], [k + 1] * len(launched.gen), result.emitted,
                                      result.hidden)
-        self._commit_step(result.emitted)
+        self._commit_step(result.emitted, counted=result.counted)
 
     def _runs_on(self, gen: list[_Seq]) -> bool:
         """Whether the next step's batch is ``gen`` again whatever its tokens in flight (nothing
@@ -1091,14 +1093,16 @@ class Engine:
                     seq.prefill_len, seq.stats.num_cached_tokens, seq.stats.num_preemptions = row[2:5]
         return out
 
-    def _commit_step(self, emitted: dict[int, list[int]]) -> None:
-        """Commit every request's tokens of this step; count them for penalised requests; give the
-        pages whose KV is now final their prefix-cache keys."""
+    def _commit_step(self, emitted: dict[int, list[int]], *, counted: bool = False) -> None:
+        """Commit every request's tokens of this step; count them for penalised requests, unless
+        ``counted`` (a step launched ahead of its successor: ``GenerationGraphs.launch_next``
+        counted them on the device already); give the pages whose KV is now final their
+        prefix-cache keys."""
         seqs = self._by_index
         for idx, toks in emitted.items():
             self._commit(seqs[idx], toks)
         penalised = [(seqs[i].slot, toks) for i, toks in emitted.items()
-                     if seqs[i].req.sampling.has_penalties and seqs[i].owner == self.dp_rank]
+                     if not counted and seqs[i].req.sampling.has_penalties and seqs[i].owner == self.dp_rank]
         if penalised:
             width = max(len(toks) for _, toks in penalised)
             table = torch.tensor([toks + [-1] * (width - len(toks)) for _, toks in penalised], dtype=torch.int64)
