@@ -24,10 +24,11 @@ from .validation import check_int, is_real
 MAX_TOP_LOGPROBS = 20
 """The most top logprobs :meth:`VocabShardedLogits.logprobs` reports per row."""
 
-KEY_KERNELS_ON_CUDA = False
+KEY_KERNELS_ON_CUDA = True
 """Whether selection on CUDA runs the Triton kernels of :mod:`tpspec.keys_triton` and
 :mod:`tpspec.sampling.kernels_triton` (bit for bit the torch functions they replace) for the
-filtered draw, penalties and logprobs; see :func:`use_key_kernels`."""
+filtered draw, penalties and logprobs; see :func:`use_key_kernels`. On: tests/test_key_kernels.py's
+``gpu`` tests passed on a GPU (only such a checked path may stand on)."""
 KEY_KERNELS_UNDER_INTERPRETER = False
 """The CPU tests' switch: selection on CPU runs the same kernels under Triton's interpreter."""
 

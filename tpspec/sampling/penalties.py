@@ -164,7 +164,7 @@ def apply_penalties(
     device = local_logits.device
     table_counts, table_seen = counts._tables()
     index = counts._slot_index(slots)
-    if (drafts is None or not drafts.numel()) and rows and width and counts.device == device \
+    if (drafts is None or not drafts.numel()) and rows and width and table_counts.device == device \
             and use_key_kernels(device):
         from .kernels_triton import penalize  # the same values in one pass
 
