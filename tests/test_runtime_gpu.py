@@ -29,8 +29,7 @@ def models(tmp_path_factory):
 def test_cuda_graphs_match_eager(models, name):
     """Every step shape replayed from CUDA graphs (and the drafters' chained draft steps) gives the
     eager steps' tokens (logprobs within 1e-4: padding a batch to its bucket may move the logits'
-    last bits); without drafts, greedy and temperature-only decode steps launched ahead of their
-    predecessor's tokens too."""
+    last bits); without drafts, decode steps launched ahead of their predecessor's tokens too."""
     results = {}
     for use_graphs in (False, True):
         # In-process (a single plain process is rank 0 of a TP group of 1): the engine is inspectable.
