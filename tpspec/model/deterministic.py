@@ -176,6 +176,21 @@ def segment_gemm(device: torch.device) -> Any:
     return _triton_module("deterministic_cuda") if device.type == "cuda" else None
 
 
+# Whether deterministic mode on CUDA runs the layer kernels of :mod:`tpspec.model.deterministic_cuda`
+# (the norm, ``silu * up`` and the segment sums' tree, each bit for bit the torch ops it replaces)
+# instead of chains of small torch kernels: on, since tests/test_deterministic_layer_kernels.py's and
+# the deterministic GPU tests passed on a GPU with it on.
+LAYER_KERNELS_ON_CUDA = True
+
+
+def layer_kernels(device: torch.device) -> Any:
+    """:mod:`tpspec.model.deterministic_cuda` when deterministic layers on ``device`` run its fused
+    kernels (CUDA, ``triton`` importable, :data:`LAYER_KERNELS_ON_CUDA` on), else None (torch)."""
+    if device.type != "cuda" or not LAYER_KERNELS_ON_CUDA:
+        return None
+    return _triton_module("deterministic_cuda")
+
+
 def attention_kernels(device: torch.device) -> Any:
     """The same rule for attention: on a CUDA ``device`` with ``triton`` importable, the module
     :mod:`tpspec.model.deterministic_attention_cuda`; otherwise ``None`` (:func:`attend_sequence`
@@ -213,7 +228,10 @@ class FixedOrderMatmul:
     def partial(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         gemm = segment_gemm(x.device)
         if gemm is not None:
-            return gemm.segment_partial(x, weight, self.contraction.length // self.contraction.wide_segments)
+            seg_len = self.contraction.length // self.contraction.wide_segments
+            if layer_kernels(x.device) is not None:
+                return gemm.tree_sum(gemm.segment_sums(x, weight, seg_len))
+            return gemm.segment_partial(x, weight, seg_len)
         m, n = x.shape[0], weight.shape[0]
         out = torch.empty(m, n, dtype=torch.float32, device=x.device)
         if m == 0 or n == 0:
@@ -280,8 +298,20 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     return (xf / (1.0 + portable_exp(-xf))).to(x.dtype)
 
 
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``[M, 2I]`` rows holding ``[gate | up]``: ``[M, I]`` in their dtype."""
+    kernels = layer_kernels(gate_up.device)
+    if kernels is not None and gate_up.dim() == 2:
+        return kernels.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return silu(gate) * up
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x / rms(x) * weight`` per row, the mean of squares by the fixed tree (float32)."""
+    kernels = layer_kernels(x.device)
+    if kernels is not None and x.dim() == 2:
+        return kernels.rms_norm(x, weight, eps, leaf_source(x.shape[1], 1, x.device))
     x32 = x.to(torch.float32)
     mean = fixed_order_sum(x32 * x32) / x.shape[-1]
     x32 = x32 * (1.0 / torch.sqrt(mean + eps))[:, None]

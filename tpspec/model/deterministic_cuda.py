@@ -1,4 +1,5 @@
-"""Deterministic mode's contractions on CUDA: a fixed-order segment GEMM in Triton.
+"""Deterministic mode's kernels on CUDA: a fixed-order segment GEMM in Triton, and the layers'
+elementwise work (the segment sums' tree, the norm, ``silu * up``) in one kernel each.
 
 A contraction of global length ``K`` is cut into ``G = min(8, K & -K)`` segments of ``K / G``
 consecutive columns (:attr:`tpspec.model.deterministic.Contraction.wide_segments`), so every
@@ -23,15 +24,27 @@ same order.
 The bits are the GPU's own: equal across batches, speculation and TP sizes on one device
 and build, not equal to the CPU tree of :mod:`tpspec.model.deterministic`.
 
-Import this module only for CUDA tensors (it needs ``triton``); the dispatch is
-:func:`tpspec.model.deterministic.segment_gemm`.
+The layer kernels (:func:`tree_sum`, :func:`rms_norm`, :func:`silu_mul`) replace chains of small
+torch kernels and give their bits exactly: the same float32 (and, for ``exp``, float64) operations in
+the same order, each rounded once (``enable_fp_fusion=False``, division and square root correctly
+rounded), the norm's mean of squares by the contraction tree's halving, its division by the width a
+multiplication by the width's float32 reciprocal as torch does on CUDA. So deterministic mode's
+invariances hold with them as without; :data:`tpspec.model.deterministic.LAYER_KERNELS_ON_CUDA` turns
+them on.
+
+Import this module only for CUDA tensors (it needs ``triton``; Triton's interpreter runs it on CPU
+tensors in the tests); the dispatch is :func:`tpspec.model.deterministic.segment_gemm` and
+:func:`tpspec.model.deterministic.layer_kernels`.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 MAX_LOCAL_SEGMENTS = 8  # segments of one rank (the wide segments of a contraction, at TP = 1)
 
@@ -149,3 +162,145 @@ def segment_partial(x: torch.Tensor, weight: torch.Tensor, seg_len: int) -> torc
     while sums.shape[0] > 1:  # adjacent pairs: elementwise float32 adds, fixed order
         sums = sums[0::2] + sums[1::2]
     return sums[0]
+
+
+# ------------------------------------------------------------------ the layers' elementwise work
+
+@triton.jit
+def _tree_sum_kernel(sums_ptr, out_ptr, count, G: tl.constexpr, BLOCK: tl.constexpr):
+    """``out[e] = sum_s sums[s, e]`` by the adjacent-pairs tree over ``G`` segment sums (``G`` a power of two)."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < count
+    s = tl.load(sums_ptr + tl.arange(0, G)[:, None].to(tl.int64) * count + i[None, :], mask=ok[None, :], other=0.0)
+    for level in tl.static_range(G.bit_length() - 1):
+        # Rows 2j and 2j + 1 become row j: the adjacent pair, one float32 add each.
+        s = tl.sum(tl.reshape(s, (G >> (level + 1), 2, BLOCK)), axis=1)
+    tl.store(out_ptr + i, tl.reshape(s, (BLOCK,)), mask=ok)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, leaves_ptr, out_ptr, hidden, stride_x, stride_o, inv_hidden, eps,
+                     LEAVES: tl.constexpr, BLOCK: tl.constexpr):
+    """One row: the mean of squares by the contraction tree (leaves in stored order, halved: leaf m
+    plus leaf m + P/2), times ``inv_hidden``; then ``x * (1 / sqrt(mean + eps))`` cast to the
+    dtype, times the weight."""
+    row = tl.program_id(0).to(tl.int64)
+    source = tl.load(leaves_ptr + tl.arange(0, LEAVES))
+    leaf = tl.load(x_ptr + row * stride_x + source, mask=source < hidden, other=0.0).to(tl.float32)
+    s = leaf * leaf
+    for level in tl.static_range(LEAVES.bit_length() - 1):
+        s = tl.sum(tl.reshape(s, (2, LEAVES >> (level + 1))), axis=0)  # first half plus second half
+    mean = tl.sum(s, axis=0) * inv_hidden  # the one leaf left
+    scale = tl.math.div_rn(1.0, tl.sqrt_rn(mean + eps))
+    cols = tl.arange(0, BLOCK)
+    ok = cols < hidden
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+    y = (x.to(tl.float32) * scale).to(x.dtype)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0)
+    product = w.to(tl.float32) * y.to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, product.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+_LOG2E = tl.constexpr(1.4426950408889634)
+_LN2_HI = tl.constexpr(0.6931471803691238)
+_LN2_LO = tl.constexpr(1.9082149292705877e-10)
+_INV_FACTORIALS = [tl.constexpr(1.0 / math.factorial(n)) for n in range(10)]
+_F0, _F1, _F2, _F3, _F4, _F5, _F6, _F7, _F8, _F9 = _INV_FACTORIALS
+
+
+@triton.jit
+def _f64(value):
+    return tl.full([], value, tl.float64)
+
+
+@triton.jit
+def _portable_exp(x):
+    """``tpspec.model.deterministic.portable_exp`` of float32 ``x``, to float32: float64 additions
+    and multiplications, a rounding and an exponent bit pattern."""
+    xd = tl.minimum(tl.maximum(x.to(tl.float64), -200.0), 200.0)
+    xd = tl.where(x != x, 0.0, xd)
+    y = xd * _f64(_LOG2E)
+    # torch.round: to nearest, ties to even (y - floor(y) is exact: |y| < 2**9).
+    low = tl.floor(y)
+    frac = y - low
+    odd = (low.to(tl.int64) & 1) != 0
+    k = tl.where((frac > 0.5) | ((frac == 0.5) & odd), low + 1.0, low)
+    r = (xd - k * _f64(_LN2_HI)) - k * _f64(_LN2_LO)
+    p = tl.full(r.shape, _F9, tl.float64)
+    p = p * r + _f64(_F8)
+    p = p * r + _f64(_F7)
+    p = p * r + _f64(_F6)
+    p = p * r + _f64(_F5)
+    p = p * r + _f64(_F4)
+    p = p * r + _f64(_F3)
+    p = p * r + _f64(_F2)
+    p = p * r + _f64(_F1)
+    p = p * r + _f64(_F0)
+    scale = ((k.to(tl.int64) + 1023) << 52).to(tl.float64, bitcast=True)
+    out = (p * scale).to(tl.float32)
+    return tl.where(x != x, x, out)
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.constexpr):
+    """``silu(gate) * up`` of one row's ``[gate | up]``: ``gate / (1 + exp(-gate))`` in float32 with
+    the portable ``exp``, cast to the dtype, times ``up``."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < inter
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + inter + cols, mask=ok, other=0.0)
+    g = gate.to(tl.float32)
+    act = tl.math.div_rn(g, 1.0 + _portable_exp(-g)).to(gate.dtype)
+    tl.store(out_ptr + row * stride_o + cols, (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=ok)
+
+
+INTERPRETED = isinstance(_tree_sum_kernel, InterpretedFunction)
+_ELEMENTS = 1024  # elements one tree-sum or silu program handles
+
+
+def tree_sum(sums: torch.Tensor) -> torch.Tensor:
+    """``[G, M, N]`` float32 (``G`` a power of two) -> ``[M, N]``: the adjacent-pairs tree over
+    dim 0 in one kernel, bit for bit ``while len(s) > 1: s = s[0::2] + s[1::2]``."""
+    g = sums.shape[0]
+    if g & (g - 1):
+        raise ValueError(f"the tree sums a power-of-two number of segments, got {g}")
+    sums = sums.contiguous()
+    out = torch.empty(sums.shape[1:], dtype=torch.float32, device=sums.device)
+    count = out.numel()
+    if count:
+        _tree_sum_kernel[(triton.cdiv(count, _ELEMENTS),)](sums, out, count, G=g, BLOCK=_ELEMENTS, num_warps=4,
+                                                           enable_fp_fusion=False)
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, leaves: torch.Tensor) -> torch.Tensor:
+    """``tpspec.model.deterministic.rms_norm`` in one kernel a row, bit for bit the torch ops on
+    CUDA (where dividing by the width is multiplying by its float32 reciprocal): ``x [M, H]``,
+    ``weight [H]`` (its dtype is the output's), ``leaves`` the contraction's stored leaf order
+    (``leaf_source(H, 1, device)``)."""
+    rows, hidden = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty(rows, hidden, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    if rows and hidden:
+        inv = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(float(hidden), dtype=torch.float32))
+        _rms_norm_kernel[(rows,)](x, weight, leaves, out, hidden, x.stride(0), out.stride(0), inv, eps,
+                                  LEAVES=leaves.numel(), BLOCK=triton.next_power_of_2(hidden),
+                                  num_warps=min(16, max(1, triton.next_power_of_2(hidden) // 512)),
+                                  enable_fp_fusion=False)
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``[M, 2I]`` (gate columns, then up) -> ``[M, I]``: ``deterministic.silu(gate) * up`` in one
+    kernel, bit for bit the torch ops."""
+    rows, width = gate_up.shape
+    inter = width // 2
+    if gate_up.stride(1) != 1:
+        gate_up = gate_up.contiguous()
+    out = torch.empty(rows, inter, dtype=gate_up.dtype, device=gate_up.device)
+    if rows and inter:
+        _silu_mul_kernel[(rows, triton.cdiv(inter, _ELEMENTS))](gate_up, out, inter, gate_up.stride(0), out.stride(0),
+                                                               BLOCK=_ELEMENTS, num_warps=4, enable_fp_fusion=False)
+    return out

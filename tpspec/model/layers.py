@@ -410,6 +410,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
         if self.fused:
             return self.down(fused_kernels().silu_mul(self.gate_up(x)), reduce)
+        if self.deterministic:
+            return self.down(det.silu_mul(self.gate_up(x)), reduce)
         gate, up = self.gate_up(x).chunk(2, dim=-1)
-        act = det.silu(gate) if self.deterministic else F.silu(gate)
-        return self.down(act * up, reduce)
+        return self.down(F.silu(gate) * up, reduce)
