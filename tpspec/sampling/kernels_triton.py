@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .. import keys as K
-from .. import keys_triton as KT
+from .. import keys_triton
 
 _PENALTY_COLUMNS = 1024  # columns one penalty program handles
 MAX_CANDIDATES = 8192
@@ -59,13 +59,13 @@ def _candidate_draw_kernel(ranked_ptr, floor_ptr, total_ptr, k_ptr, flags_ptr, p
     row = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, BLOCK)
     keys = tl.load(ranked_ptr + row * n + j, mask=j < n, other=-9223372036854775808)
-    empty = KT.empty_keys(keys)
+    empty = keys_triton.empty_keys(keys)
     real = keys != empty
-    values = KT.key_values(keys)
-    best = KT.key_values(tl.load(ranked_ptr + row * n))
+    values = keys_triton.key_values(keys)
+    best = keys_triton.key_values(tl.load(ranked_ptr + row * n))
     # Not degenerate (through int32: Triton's interpreter cannot mix a float compare's flag with a tensor's).
     finite = (tl.abs(best) < float("inf")).to(tl.int32) != 0
-    masses = tl.where(real, KT.column_masses(tl.where(real, values, 0.0), best), 0)
+    masses = tl.where(real, keys_triton.column_masses(tl.where(real, values, 0.0), best), 0)
     flags = tl.load(flags_ptr + row)
     k_on = (flags & 1) != 0
     p_on = (flags & 2) != 0
@@ -95,14 +95,14 @@ def _candidate_draw_kernel(ranked_ptr, floor_ptr, total_ptr, k_ptr, flags_ptr, p
         p_decided = p_on & reached & (last_kept >= floor)
     else:
         p_decided = p_on & False
-    floor_mass = KT.column_masses(KT.key_values(floor), best)
+    floor_mass = keys_triton.column_masses(keys_triton.key_values(floor), best)
     floor_mass = tl.where(floor == -9223372036854775808, -1, floor_mass)
     only_m = m_on & (k_on == 0) & (p_on == 0)
     decided = (finite == 0) | k_on | p_decided | (only_m & (floor_mass < m_thr))
     # Gumbel-max over the survivors (the noise is keyed by global column: no exchange).
-    columns = tl.where(real, KT.key_columns(keys), 0)
-    noisy = KT.gumbel_at(values, columns, tl.load(seeds_ptr + row), tl.load(offsets_ptr + row))
-    winner = tl.max(tl.where(keep & real, KT.pack(KT.canonical(noisy), columns), empty), axis=0)
+    columns = tl.where(real, keys_triton.key_columns(keys), 0)
+    noisy = keys_triton.gumbel_at(values, columns, tl.load(seeds_ptr + row), tl.load(offsets_ptr + row))
+    winner = tl.max(tl.where(keep & real, keys_triton.pack(keys_triton.canonical(noisy), columns), empty), axis=0)
     tl.store(drawn_ptr + row, 4294967295 - (winner & 4294967295))
     tl.store(decided_ptr + row, decided.to(tl.int8))
 
@@ -141,7 +141,8 @@ def penalize(local: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor, slot
 
 def draw_candidates(ranked: torch.Tensor, floor: torch.Tensor, total: torch.Tensor | None, top_k: torch.Tensor,
                     k_on: torch.Tensor, p_on: torch.Tensor, m_on: torch.Tensor, top_p: torch.Tensor,
-                    min_p: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                    min_p: torch.Tensor, seeds: torch.Tensor,
+                    offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The filtered draw of every row from its candidates: ``(drawn [R] int64, decided [R] bool)``.
 
     ``ranked`` ``[R, N]``: every rank's candidate keys, best first (``EMPTY_KEY`` pads), ``N <=

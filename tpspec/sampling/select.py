@@ -408,7 +408,7 @@ def _local_keys(logits: VocabShardedLogits, local: torch.Tensor, temperature: to
     (columns past ``W`` hold ``EMPTY_KEY``), and with the kernels the best key of each block of
     ``keys_triton.KEY_BLOCK`` columns (else None)."""
     if kernels is not None and local.shape[0] and local.shape[1]:
-        return kernels.KT.score_keys(local, logits.vocab_offset, logits.vocab_size, temperature)
+        return kernels.keys_triton.score_keys(local, logits.vocab_offset, logits.vocab_size, temperature)
     scores = scaled_scores(local, temperature)
     width = local.shape[1]
     columns = torch.arange(logits.vocab_offset, logits.vocab_offset + width, dtype=torch.int64, device=local.device)
@@ -427,9 +427,9 @@ def _candidates(logits: VocabShardedLogits, keys: torch.Tensor, block_max: torch
     real_keys = keys[:, :width]
     if count >= width:
         local = torch.sort(real_keys, dim=1, descending=True).values
-    elif block_max is not None and kernels.KT.top_keys_apply(width, logits.last_rank_offset, logits.vocab_size,
-                                                             count):  # alike on every rank
-        local = kernels.KT.top_keys(keys, block_max, count)
+    elif block_max is not None and kernels.keys_triton.top_keys_apply(
+            width, logits.last_rank_offset, logits.vocab_size, count):  # alike on every rank
+        local = kernels.keys_triton.top_keys(keys, block_max, count)
     else:
         local = torch.topk(real_keys, count, dim=1).values
     gathered = logits.exchange.gather_rows(local.contiguous(), channel=channel)
@@ -488,14 +488,13 @@ def draw_filtered(logits: VocabShardedLogits, rows: SamplingRows, plan: FilterPl
         masses = column_masses(scores, best)
         masses = torch.where((keys[:, :width] != EMPTY_KEY) & needs, masses, torch.zeros_like(masses))
         total = ex.sum_rows(masses.sum(dim=1), channel=channel)
-    only_m = m_on & ~k_on & ~p_on
     if kernels is not None and ranked.shape[1] <= kernels.MAX_CANDIDATES:
         drawn, decided = kernels.draw_candidates(ranked, floor, total, top_k, k_on, p_on, m_on, top_p, min_p, seeds,
                                                  offsets)
     else:
         drawn, decided = decide_and_draw(ranked, floor, total, top_k, k_on, p_on, m_on, top_p, min_p, seeds, offsets)
     if plan.any_min_p_only:
-        masked = only_m & ~decided
+        masked = m_on & ~k_on & ~p_on & ~decided
         best, _ = unpack_keys(ranked[:, 0])
         drawn = torch.where(masked, _draw_masked(logits, local, scores, keys[:, :width], best, temperature, min_p,
                                                  seeds, offsets, channel), drawn)
@@ -508,7 +507,8 @@ def draw_filtered(logits: VocabShardedLogits, rows: SamplingRows, plan: FilterPl
 
 def decide_and_draw(ranked: torch.Tensor, floor: torch.Tensor, total: torch.Tensor | None, top_k: torch.Tensor,
                     k_on: torch.Tensor, p_on: torch.Tensor, m_on: torch.Tensor, top_p: torch.Tensor,
-                    min_p: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                    min_p: torch.Tensor, seeds: torch.Tensor,
+                    offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The filtered draw of every row from its gathered candidates: ``(drawn [R] int64, decided [R]
     bool)``, in torch (``tpspec.sampling.kernels_triton.draw_candidates`` is the same in one kernel).
 
