@@ -1,6 +1,7 @@
 """Triton kernels on CPU through Triton's interpreter: the test side starts a case script in a
 subprocess with ``TRITON_INTERPRET=1`` (it must be set before Triton is imported); the script side
-runs a group of checks per dtype and says ``<check> torch.<dtype>: ok`` for each."""
+runs a group of checks per dtype and says ``<check> torch.<dtype>: ok`` for each. And the same
+kernels compiled for Hopper without a GPU (:func:`compile_for_hopper`)."""
 
 from __future__ import annotations
 
@@ -47,3 +48,16 @@ def interpreted_main(checks: dict[str, list[Callable[[str, Any], None]]], kernel
     assert kernels.INTERPRETED, "run with TRITON_INTERPRET=1 (set before triton is imported)"
     group, *names = sys.argv[1:]
     run_checks(checks, group, "cpu", [getattr(torch, name) for name in names])
+
+
+def compile_for_hopper(fn: Any, signature: dict[str, str], constants: dict[str, Any], **options: Any) -> dict:
+    """``fn`` (a ``@triton.jit`` kernel) compiled for sm_90 without a GPU (Triton's own ptxas):
+    ``signature`` types its arguments (``"*bf16"``, ``"i32"``, ...), ``constants`` its constexprs,
+    ``options`` the launch's (``num_warps``, ``enable_fp_fusion``, ...). Returns the ``asm`` dict
+    (``"ptx"``, ``"cubin"``, ...)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = dict(signature, **{name: "constexpr" for name in constants})
+    return triton.compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32), options=options).asm

@@ -36,10 +36,7 @@ def test_switch_runs_them_only_on_cuda(monkeypatch):
 
 @needs_triton
 def test_kernels_compile_for_hopper_without_fused_multiply_add():
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    from interpreted import compile_for_hopper
     from tpspec.model import deterministic_cuda as dc
 
     kernels = [
@@ -52,11 +49,9 @@ def test_kernels_compile_for_hopper_without_fused_multiply_add():
                                "stride_o": "i32"}, {"BLOCK": dc._ELEMENTS}),
     ]
     for fn, signature, constants in kernels:
-        signature = dict(signature, **{name: "constexpr" for name in constants})
-        compiled = triton.compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32),
-                                  options={"num_warps": 4, "enable_fp_fusion": False})
-        ptx = compiled.asm["ptx"]
-        assert "cubin" in compiled.asm
+        asm = compile_for_hopper(fn, signature, constants, num_warps=4, enable_fp_fusion=False)
+        ptx = asm["ptx"]
+        assert "cubin" in asm
         assert "fma" not in ptx and "div.full" not in ptx and "div.approx" not in ptx, fn
         assert "sqrt.approx" not in ptx, fn
 

@@ -36,20 +36,16 @@ def test_segment_gemm_compiles_for_hopper(dtype, instruction):
     """The kernel compiles to Hopper machine code without a GPU (Triton's own ptxas), with the options
     its launch passes: the tensor cores' wgmma for 16-bit inputs, float32 FMAs (never TF32) for
     float32 ones."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    from interpreted import compile_for_hopper
     from tpspec.model import deterministic_cuda as dc
 
     signature = {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "out_ptr": "*fp32", "M": "i32", "N": "i32",
                  "stride_xm": "i32", "stride_wn": "i32"}
     constants = {"SEG_LEN": 80, "IEEE": dtype == "fp32", "BLOCK_M": dc.BLOCK_M,
                  "BLOCK_N": dc.BLOCK_N, "BLOCK_K": dc.BLOCK_K}
-    signature.update({name: "constexpr" for name in constants})
-    kernel = triton.compile(ASTSource(dc._segment_gemm_kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": dc.NUM_WARPS, "num_stages": dc.NUM_STAGES, "enable_fp_fusion": True})
-    ptx = kernel.asm["ptx"]
-    assert instruction in ptx and "cubin" in kernel.asm
+    asm = compile_for_hopper(dc._segment_gemm_kernel, signature, constants, num_warps=dc.NUM_WARPS,
+                             num_stages=dc.NUM_STAGES, enable_fp_fusion=True)
+    ptx = asm["ptx"]
+    assert instruction in ptx and "cubin" in asm
     if dtype == "fp32":
         assert "wgmma" not in ptx and "mma.sync" not in ptx and "tf32" not in ptx

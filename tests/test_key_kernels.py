@@ -65,10 +65,7 @@ def test_kernels_compile_for_hopper_without_fused_multiply_add():
     """Every kernel compiles to Hopper machine code without a GPU (Triton's own ptxas) with the
     options its launch passes, and its PTX has no fused multiply-add and no approximate division
     (the float32 arithmetic rounds where torch's does)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    from interpreted import compile_for_hopper
     from tpspec import keys_triton as KT
     from tpspec.sampling import kernels_triton as ST
 
@@ -92,9 +89,7 @@ def test_kernels_compile_for_hopper_without_fused_multiply_add():
                                      "decided_ptr": "*i8", "n": "i32"}, {"HAS_TOTAL": True, "BLOCK": 128}),
     ]
     for fn, signature, constants in kernels:
-        signature = dict(signature, **{name: "constexpr" for name in constants})
-        compiled = triton.compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32),
-                                  options={"num_warps": 4, "enable_fp_fusion": False})
-        ptx = compiled.asm["ptx"]
-        assert "cubin" in compiled.asm
+        asm = compile_for_hopper(fn, signature, constants, num_warps=4, enable_fp_fusion=False)
+        ptx = asm["ptx"]
+        assert "cubin" in asm
         assert "fma" not in ptx and "div.full" not in ptx and "div.approx" not in ptx, fn

@@ -127,6 +127,21 @@ def column_masses(scores, best):
 
 
 @triton.jit
+def _twice_atanh(s, z, p):
+    """``2 atanh(s)`` by its odd series in ``z = s * s``, ``p`` its Horner sum down to the ``1/7`` term:
+    the ``1/5``, ``1/3`` and ``1`` terms, times ``2 s`` (the tail ``keys.portable_log`` and
+    ``keys.exponential_from_words`` share)."""
+    p = p * z
+    p = p + _INV5
+    p = p * z
+    p = p + _INV3
+    p = p * z
+    p = p + 1.0
+    t = s * p
+    return t + t
+
+
+@triton.jit
 def portable_log(x):
     """``keys.portable_log``: natural log of positive, finite, normal float32 values."""
     bits = x.to(tl.int32, bitcast=True)
@@ -140,14 +155,7 @@ def portable_log(x):
     z = s * s
     p = z * _INV9
     p = p + _INV7
-    p = p * z
-    p = p + _INV5
-    p = p * z
-    p = p + _INV3
-    p = p * z
-    p = p + 1.0
-    t = s * p
-    t = t + t
+    t = _twice_atanh(s, z, p)
     low = e * _LN2_LO
     low = low + t
     high = e * _LN2_HI
@@ -170,14 +178,7 @@ def exponential_from_words(words):
     p = p + _INV9
     p = p * z
     p = p + _INV7
-    p = p * z
-    p = p + _INV5
-    p = p * z
-    p = p + _INV3
-    p = p * z
-    p = p + 1.0
-    series = s * p
-    series = series + series
+    series = _twice_atanh(s, z, p)
     safe_complement = tl.where(upper, complement, 1.0)
     log_branch = -portable_log(safe_complement)
     return tl.where(upper, log_branch, series)

@@ -187,8 +187,6 @@ class VocabShardedLogits:
             raise ValueError(f"tokens must be an integer [{rows}] tensor, got {getattr(tokens, 'shape', tokens)!r}")
         tokens = tokens.to(device=device, dtype=torch.int64)
         local = self.local.detach()
-        columns = torch.arange(self.vocab_offset, self.vocab_offset + width, dtype=torch.int64, device=device)
-        real = (columns < self.vocab_size).reshape(1, -1)
         best = max(top_n, 1)
         kernels = key_kernels() if use_key_kernels(device) and rows and width else None
         if kernels is not None:
@@ -199,6 +197,8 @@ class VocabShardedLogits:
             else:
                 top = torch.topk(keys, min(best, width), dim=1).values
         else:
+            columns = torch.arange(self.vocab_offset, self.vocab_offset + width, dtype=torch.int64, device=device)
+            real = (columns < self.vocab_size).reshape(1, -1)
             values = K.canonical_float32(local)
             keys = torch.where(real, K.pack_keys(values, columns.reshape(1, -1)), torch.full((), K.EMPTY_KEY,
                                                                                               device=device))

@@ -39,8 +39,10 @@ tensors in the tests); the dispatch is :func:`tpspec.model.deterministic.segment
 
 from __future__ import annotations
 
+import functools
 import math
 
+import numpy
 import torch
 import triton
 import triton.language as tl
@@ -274,6 +276,12 @@ def tree_sum(sums: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def _inverse(width: int) -> float:
+    """``1 / width`` rounded to float32, as torch's CUDA division by a Python number multiplies by it."""
+    return float(numpy.float32(1.0) / numpy.float32(width))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, leaves: torch.Tensor) -> torch.Tensor:
     """``tpspec.model.deterministic.rms_norm`` in one kernel a row, bit for bit the torch ops on
     CUDA (where dividing by the width is multiplying by its float32 reciprocal): ``x [M, H]``,
@@ -284,8 +292,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, leaves: torch.Te
         x = x.contiguous()
     out = torch.empty(rows, hidden, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     if rows and hidden:
-        inv = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(float(hidden), dtype=torch.float32))
-        _rms_norm_kernel[(rows,)](x, weight, leaves, out, hidden, x.stride(0), out.stride(0), inv, eps,
+        _rms_norm_kernel[(rows,)](x, weight, leaves, out, hidden, x.stride(0), out.stride(0), _inverse(hidden), eps,
                                   LEAVES=leaves.numel(), BLOCK=triton.next_power_of_2(hidden),
                                   num_warps=min(16, max(1, triton.next_power_of_2(hidden) // 512)),
                                   enable_fp_fusion=False)
