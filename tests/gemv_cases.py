@@ -58,49 +58,98 @@ def check_kernels(device: str, dtype: torch.dtype, shapes=SMALL_SHAPES, rows=ROW
                     assert torch.equal(y, kernels.linear(x, w, b, splits=splits))
 
 
+def norm_reference(x, r, g, eps, w, b):
+    """``(y, scale, h)`` in float64: the norm of ``h = x + r`` (rounded to the dtype, as torch
+    adds) times ``g``, through ``W`` (and ``b``); ``scale`` bounds the accumulated magnitudes."""
+    h = x if r is None else x + r
+    h64 = h.double()
+    rstd = torch.rsqrt((h64 * h64).mean(-1, keepdim=True) + eps)
+    a = h64 * g.double()
+    y = (a @ w.double().T) * rstd
+    scale = (a.abs() @ w.double().abs().T) * rstd
+    if b is not None:
+        y, scale = y + b.double(), scale + b.double().abs()
+    return y, scale, h
+
+
+def check_norm_kernels(device: str, dtype: torch.dtype, shapes=SMALL_SHAPES) -> None:
+    """The norm fused in front of the GEMV (``norm_linear``): every shape with and without a
+    residual and a bias, the rule's splits and forced 1 and 3: ``y`` within its rounding of the
+    float64 result, ``h`` the bits of torch's ``x + residual`` (``x`` itself without one), and
+    the same bits on a repeat."""
+    eps = 1e-5
+    for n, k in shapes:
+        for residual in (False, True):
+            for bias in (False, True):
+                x, w, b = _tensors(1, n, k, dtype, device, bias, seed=n + k)
+                gen = torch.Generator(device=device).manual_seed(k)
+                r = torch.randn(1, k, generator=gen, device=device).to(dtype) if residual else None
+                g = (1 + 0.5 * torch.randn(k, generator=gen, device=device)).to(dtype)
+                ref, scale, h_want = norm_reference(x, r, g, eps, w, b)
+                for splits in (None, 1, 3):
+                    what = f"norm {n}x{k} residual={residual} bias={bias} splits={splits}"
+                    y, h = kernels.norm_linear(x, r, g, eps, w, b, splits=splits)
+                    bound = _HALF_ULP[dtype] * ref.abs() * 1.01 + 1e-6 * scale + 1e-30
+                    err = (y.double() - ref).abs()
+                    assert y.dtype == dtype and y.shape == (1, n), (what, y.dtype, y.shape)
+                    assert bool((err <= bound).all()), f"{what}: worst excess {(err - bound).max().item():.3e}"
+                    assert torch.equal(h, h_want), what
+                    assert (h is x) == (r is None), what
+                    y2, _ = kernels.norm_linear(x, r, g, eps, w, b, splits=splits)
+                    assert torch.equal(y, y2), what
+
+
 def check_llm(device: str, dtype: torch.dtype) -> None:
-    """The tiny model, greedy, with n-gram drafts (prefill, verification and decode steps): the
-    tokens with the switch on (the Triton GEMV running every small linear and the LM head) equal
-    those of ``F.linear``."""
+    """The tiny model with its layers' fused kernels, greedy, one request (its decode steps have
+    one row): the tokens with the switch on (the Triton GEMV running the one-row linears, the norms
+    fused into q/k/v and gate/up) equal those of ``F.linear``, and both kernels ran."""
     from tpspec.mapping import Mapping
+    from tpspec.model import layers as layers_mod
     from tpspec.model import linear as linear_mod
     from tpspec.model.tiny import make_tiny_checkpoint
-    from tpspec.runtime.config import EngineConfig, Request, SpeculativeConfig
+    from tpspec.runtime.config import EngineConfig, Request
     from tpspec.runtime.engine import Engine
     from tpspec.sampling.params import SamplingParams
 
-    calls = []
-    run_kernel = kernels.linear
+    calls = {"linear": 0, "norm_linear": 0}
+    originals = {name: getattr(kernels, name) for name in calls}
 
-    def counted(*args, **kwargs):
-        calls.append(args[1].shape)
-        return run_kernel(*args, **kwargs)
+    def counting(name):
+        def run(*args, **kwargs):
+            calls[name] += 1
+            return originals[name](*args, **kwargs)
+        return run
 
-    kernels.linear = counted
+    for name in calls:
+        setattr(kernels, name, counting(name))
     name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
-    prompts = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [100, 200, 300, 5, 6, 7], [7]]
-    requests = [Request(i, tuple(p), SamplingParams(temperature=0.0), 10) for i, p in enumerate(prompts)]
+    requests = [Request(0, (11, 12, 13, 14), SamplingParams(temperature=0.0), 12)]
     tokens = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        ckpt = str(make_tiny_checkpoint(f"{tmp}/tiny", seed=0))
-        for on in (False, True):
-            linear_mod.TRITON_GEMV = on
-            engine = Engine(EngineConfig(ckpt, 1, device, name, speculative=SpeculativeConfig("ngram", 3),
-                                         max_batch_size=4, use_cuda_graphs=device == "cuda",
-                                         gpu_memory_utilization=0.2 if device == "cuda" else None), Mapping(), device)
-            try:
-                tokens[on] = [r.token_ids for r in engine.generate(requests)]
-            finally:
-                engine.close()
-            if not on:
-                assert not calls, "the kernel ran with the switch off"
-    linear_mod.TRITON_GEMV = False
-    kernels.linear = run_kernel
-    assert calls, "the switch on never reached the kernel"
+    fused_before = layers_mod.FUSED_UNDER_INTERPRETER
+    layers_mod.FUSED_UNDER_INTERPRETER = True
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            ckpt = str(make_tiny_checkpoint(f"{tmp}/tiny", seed=0))
+            for on in (False, True):
+                linear_mod.TRITON_GEMV = on
+                engine = Engine(EngineConfig(ckpt, 1, device, name, max_batch_size=4, use_cuda_graphs=device == "cuda",
+                                             gpu_memory_utilization=0.2 if device == "cuda" else None), Mapping(), device)
+                try:
+                    tokens[on] = [r.token_ids for r in engine.generate(requests)]
+                finally:
+                    engine.close()
+                if not on:
+                    assert not any(calls.values()), f"a kernel ran with the switch off: {calls}"
+    finally:
+        linear_mod.TRITON_GEMV = False
+        layers_mod.FUSED_UNDER_INTERPRETER = fused_before
+        for name, fn in originals.items():
+            setattr(kernels, name, fn)
+    assert all(calls.values()), f"the switch on never reached a kernel: {calls}"
     assert tokens[True] == tokens[False], tokens
 
 
-CHECKS = {"kernels": [check_kernels], "llm": [check_llm]}
+CHECKS = {"kernels": [check_kernels, check_norm_kernels], "llm": [check_llm]}
 
 
 if __name__ == "__main__":

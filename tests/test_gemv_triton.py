@@ -4,10 +4,13 @@
 On CPU through Triton's interpreter (a subprocess sets ``TRITON_INTERPRET=1`` before Triton is
 imported; skipped without ``triton``): the kernel against float64 ``x @ W.T`` in float32 and
 float16 (the interpreter's ``tl.dot`` does not handle bfloat16) at small shapes (N not a multiple
-of the block, a K tail, one and several K splits), M = 1, 3, 16, bias on and off; and the tiny
-model's greedy tokens with the switch on equal those of ``F.linear``. The dispatch rule is pure
-logic, checked here without a kernel. On CUDA (``gpu`` marks): bfloat16, float16 and float32 at
-the Llama-3-8B shapes for M = 1, 8, 16, and a CUDA-graph replay equal to an eager call.
+of the block, a K tail, one and several K splits), M = 1, 3, 16, bias on and off; the norm fused
+in front of it (``norm_linear``) against the float64 norm and product, with and without a
+residual; and the tiny model's greedy tokens with the switch on equal those of ``F.linear``. The
+kernels compile for Hopper without a GPU. The dispatch rule is pure logic, checked here without a
+kernel. On CUDA (``gpu`` marks): bfloat16, float16 and float32 at the Llama-3-8B shapes for M = 1,
+8, 16 (and the fused norm at one row), a CUDA-graph replay equal to an eager call, and the tiny
+model's tokens.
 """
 
 from __future__ import annotations
@@ -38,31 +41,58 @@ def test_interpreted_tiny_model_tokens_equal_f_linear():
     _interpret("llm", "float32")
 
 
+@needs_triton
+def test_norm_kernels_compile_for_hopper():
+    """The fused norm + GEMV kernels compile to Hopper machine code without a GPU (Triton's own
+    ptxas) as ``norm_linear`` launches them at the Llama-3-8B shapes: split (q/k/v) and not
+    (gate/up), bfloat16, with a residual."""
+    from interpreted import compile_for_hopper
+    from tpspec.model import gemv_triton as kernels
+
+    ptr = "*bf16"
+    for n, k in (LLAMA_3_8B["qkv"], LLAMA_3_8B["gate_up"]):
+        launch = kernels.plan_gemv(1, n, k, device="cpu")
+        signature = {"x_ptr": ptr, "res_ptr": ptr, "g_ptr": ptr, "w_ptr": ptr, "b_ptr": ptr, "out_ptr": ptr,
+                     "h_ptr": ptr, "part_ptr": "*fp32", "sq_ptr": "*fp32", "N": "i32", "K": "i32",
+                     "stride_wn": "i32", "k_iters": "i32", "k_f": "fp32", "eps": "fp32"}
+        constants = {"BLOCK_N": launch.block_n, "BLOCK_K": launch.block_k, "EVEN": True, "SPLIT": n < 8192,
+                     "HAS_RES": True, "HAS_BIAS": False, "NUM_STAGES": launch.num_stages}
+        asm = compile_for_hopper(kernels._norm_gemv_kernel, signature, constants, num_warps=launch.num_warps,
+                                 num_stages=launch.num_stages, enable_fp_fusion=True)
+        assert "cubin" in asm and "ld.global" in asm["ptx"]
+    asm = compile_for_hopper(kernels._norm_reduce_kernel,
+                             {"part_ptr": "*fp32", "sq_ptr": "*fp32", "b_ptr": ptr, "out_ptr": ptr, "N": "i32",
+                              "splits": "i32", "k_f": "fp32", "eps": "fp32"},
+                             {"HAS_BIAS": False, "BLOCK": kernels.REDUCE_BLOCK}, num_warps=4, enable_fp_fusion=True)
+    assert "cubin" in asm
+
+
 class _Kernels:
     INTERPRETED = False
 
 
 def test_dispatch_rule(monkeypatch):
-    """Off by default; with the switch on, only decode-sized, aligned, same-dtype calls on a
+    """Off by default; with the switch on, only one-row, ``N >= K``, aligned, same-dtype calls on a
     device the kernels run on (CUDA compiled, CPU interpreted) go to the kernel."""
-    assert linear_mod.TRITON_GEMV is False  # not ahead of cuBLAS (see TRITON_GEMV)
+    assert linear_mod.TRITON_GEMV is False  # until a GPU run checks the fused norm (see TRITON_GEMV)
     use = linear_mod.use_triton_linear
-    x, w, b = torch.zeros(4, 64), torch.zeros(32, 64), torch.zeros(32)
+    x, w, b = torch.zeros(1, 64), torch.zeros(64, 64), torch.zeros(64)
     assert not use(x, w, b)
     monkeypatch.setattr(linear_mod, "TRITON_GEMV", True)
     kernels = _Kernels()
     monkeypatch.setattr(linear_mod, "gemv_kernels", lambda: kernels)
     assert not use(x, w, b)  # CPU without the interpreter
     kernels.INTERPRETED = True
-    assert use(x, w, b) and use(x, w) and use(x[:1], w) and use(torch.zeros(16, 64), w)
+    assert use(x, w, b) and use(x, w) and use(x, torch.zeros(96, 64))
     assert use(x.half(), w.half(), b.half())
+    assert not use(x, torch.zeros(32, 64))  # K > N (down_proj): cuBLAS
+    assert not use(torch.zeros(2, 64), w)  # more than one row: cuBLAS
     assert not use(x.bfloat16(), w.bfloat16())  # the interpreter's tl.dot has no bfloat16
-    assert not use(torch.zeros(17, 64), w)  # more rows than a decode batch: cuBLAS
     assert not use(torch.zeros(0, 64), w)
-    assert not use(torch.zeros(4, 60), torch.zeros(32, 60))  # K not a multiple of 8
-    assert not use(x, torch.zeros(64, 32).t())  # not contiguous
-    assert not use(torch.zeros(4, 65)[:, 1:], torch.zeros(32, 65)[:, 1:])  # not contiguous
-    assert not use(x, torch.zeros(32 * 64 + 1)[1:].view(32, 64))  # not 16-byte aligned
+    assert not use(torch.zeros(1, 60), torch.zeros(64, 60))  # K not a multiple of 8
+    assert not use(x, torch.zeros(64, 64).t())  # not contiguous
+    assert not use(torch.zeros(1, 65)[:, 1:], torch.zeros(64, 65)[:, 1:])  # not contiguous
+    assert not use(x, torch.zeros(64 * 64 + 1)[1:].view(64, 64))  # not 16-byte aligned
     assert not use(x.half(), w)  # mixed dtypes
     assert not use(x, w, b.half())
     assert not use(x.double(), w.double())
@@ -70,15 +100,23 @@ def test_dispatch_rule(monkeypatch):
     assert not use(x.requires_grad_(), w)
     with torch.no_grad():
         assert use(x, w)
+    x = x.detach()
+    norm = linear_mod.use_triton_norm_linear
+    g = torch.ones(64)
+    assert norm(x, None, g, w, b) and norm(x, torch.zeros(1, 64), g, w)
+    assert not norm(x, torch.zeros(1, 64).half(), g, w)  # the residual in another dtype
+    assert not norm(x, torch.zeros(2, 64), g, w)
+    assert not norm(x, None, torch.ones(32), w) and not norm(x, None, g.half(), w)
+    assert not norm(x, None, g, torch.zeros(32, 64))  # the linear itself not taken
     monkeypatch.setattr(linear_mod, "gemv_kernels", lambda: None)  # no triton
-    assert not use(x.detach(), w)
+    assert not use(x, w)
     if torch.cuda.is_available():
         monkeypatch.setattr(linear_mod, "gemv_kernels", lambda: kernels)
-        xc, wc = x.detach().cuda(), w.cuda()
+        xc, wc = x.cuda(), w.cuda()
         kernels.INTERPRETED = True
         assert not use(xc, wc)  # the interpreter runs CPU tensors only
         kernels.INTERPRETED = False
-        assert use(xc, wc) and use(xc.bfloat16(), wc.bfloat16()) and not use(x.detach(), w) and not use(xc, w)
+        assert use(xc, wc) and use(xc.bfloat16(), wc.bfloat16()) and not use(x, w) and not use(xc, w)
 
 
 def test_linear_is_f_linear_with_the_switch_off():
@@ -97,14 +135,17 @@ def test_cuda_kernel_matches_the_float64_reference(dtype):
 
     cases.check_kernels("cuda", dtype)
     cases.check_kernels("cuda", dtype, shapes=list(LLAMA_3_8B.values()), rows=(1, 8, 16))
+    cases.check_norm_kernels("cuda", dtype)
+    cases.check_norm_kernels("cuda", dtype, shapes=[LLAMA_3_8B["qkv"], LLAMA_3_8B["gate_up"]])
 
 
 @pytest.mark.gpu
 @needs_triton
 @pytest.mark.parametrize("m", [1, 8])
 def test_cuda_graph_replay_equals_eager(m):
-    """Every Llama-3-8B linear (split-K ones included) with and without a bias, captured in one
-    CUDA graph, replayed on new inputs copied in, gives the bits of eager calls on those inputs."""
+    """Every Llama-3-8B linear (split-K ones included) with and without a bias, and at one row the
+    norm fused in front of q/k/v and gate/up, captured in one CUDA graph, replayed on new inputs
+    copied in, gives the bits of eager calls on those inputs."""
     from tpspec.model import gemv_triton as kernels
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -116,8 +157,15 @@ def test_cuda_graph_replay_equals_eager(m):
         cases.append((torch.randn(m, k, generator=gen, device="cuda").to(dtype), w, b))
     assert any(kernels.plan_gemv(m, n, k, device="cuda").splits > 1 for n, k in LLAMA_3_8B.values())
 
+    res = torch.randn(1, 4096, generator=gen, device="cuda").to(dtype)
+    g = torch.randn(4096, generator=gen, device="cuda").to(dtype)
+
     def forward():
-        return [kernels.linear(x, w, bias) for x, w, b in cases for bias in (None, b)]
+        outs = [kernels.linear(x, w, bias) for x, w, b in cases for bias in (None, b)]
+        if m == 1:  # the norm fused in front of q/k/v (split) and gate/up, with a residual and without
+            for x, w, _ in cases[:3:2]:
+                outs += kernels.norm_linear(x, res, g, 1e-5, w) + kernels.norm_linear(x, None, g, 1e-5, w)[:1]
+        return outs
 
     forward()  # compile outside the capture
     torch.cuda.synchronize()

@@ -108,6 +108,71 @@ def _reduce_kernel(part_ptr, b_ptr, out_ptr, M, N, splits, stride_om, HAS_BIAS: 
     tl.store(out_ptr + row * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _norm_gemv_kernel(x_ptr, res_ptr, g_ptr, w_ptr, b_ptr, out_ptr, h_ptr, part_ptr, sq_ptr, N, K, stride_wn,
+                      k_iters, k_f, eps, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+                      SPLIT: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, NUM_STAGES: tl.constexpr):
+    # One row: y = rstd * (W (h * g)) with h = x + residual, rstd = rsqrt(mean(h^2) + eps). The K
+    # loop that streams W also sums h^2, so no program waits for a norm kernel before it.
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    kk = tl.arange(0, BLOCK_K)
+    k_first = split * k_iters * BLOCK_K
+    h_end = K - pid_n * K  # the first feature block's programs store h (K for them, <= 0 for the rest)
+    w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
+    acc_nk = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    sq = tl.zeros([BLOCK_K], tl.float32)
+    for i in tl.range(0, k_iters, num_stages=NUM_STAGES):
+        k = k_first + i * BLOCK_K + kk
+        k_ok = k < K
+        if EVEN:
+            w = tl.load(w_rows + k[None, :])
+            x = tl.load(x_ptr + k)
+            g = tl.load(g_ptr + k)
+        else:
+            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            x = tl.load(x_ptr + k, mask=k_ok, other=0.0)
+            g = tl.load(g_ptr + k, mask=k_ok, other=0.0)
+        if HAS_RES:
+            if EVEN:
+                r = tl.load(res_ptr + k)
+            else:
+                r = tl.load(res_ptr + k, mask=k_ok, other=0.0)
+            # The sum rounded once to the dtype (what torch's ``x + residual`` gives).
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+            tl.store(h_ptr + k, x, mask=k < h_end)
+        h = x.to(tl.float32)
+        sq += h * h
+        acc_nk += w.to(tl.float32) * (h * g.to(tl.float32))[None, :]
+    acc = tl.sum(acc_nk, 1)  # [BLOCK_N]
+    if SPLIT:
+        tl.store(part_ptr + split * N + n, acc, mask=n_ok)
+        tl.store(sq_ptr + split, tl.sum(sq, 0), mask=pid_n == 0)
+    else:
+        acc = acc * tl.math.rsqrt(tl.math.div_rn(tl.sum(sq, 0), k_f) + eps)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _norm_reduce_kernel(part_ptr, sq_ptr, b_ptr, out_ptr, N, splits, k_f, eps, HAS_BIAS: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = n < N
+    acc = tl.load(part_ptr + n, mask=ok, other=0.0)
+    sq = tl.load(sq_ptr)
+    for s in range(1, splits):  # split order: the same sums on every call
+        acc += tl.load(part_ptr + s * N + n, mask=ok, other=0.0)
+        sq += tl.load(sq_ptr + s)
+    acc = acc * tl.math.rsqrt(tl.math.div_rn(sq, k_f) + eps)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + n, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
 INTERPRETED = isinstance(_gemv_kernel, InterpretedFunction)
 """Whether this import got Triton's interpreter (``TRITON_INTERPRET=1``): kernels on CPU tensors."""
 
@@ -220,3 +285,71 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                                                          HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK, num_warps=4,
                                                          enable_fp_fusion=True)
     return out
+
+
+def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row's RMSNorm and the linear after it in one pass over the weight.
+
+    With ``h = x + residual`` rounded to the dtype (``x`` itself when ``residual`` is None), returns
+    ``(y, h)``: ``y = (W (h * norm_weight)) * rsqrt(mean(h**2) + eps) + bias``, every sum in float32
+    and ``y`` rounded once to the dtype — the norm of :func:`tpspec.model.fused_triton.rms_norm`
+    followed by :func:`linear`, except that the normed row is never rounded to the dtype — and
+    ``h``, a new tensor (``x`` itself without a residual). The K loop that streams ``W`` sums
+    ``h**2`` as it goes; the programs of the first feature block store ``h``.
+
+    Parameters
+    ----------
+    x, residual : ``[1, K]``, one dtype of :data:`DTYPES` (float32 or float16 under the
+        interpreter), last dimension contiguous; ``residual`` may be None.
+    norm_weight : ``[K]`` in that dtype, contiguous.
+    eps : the norm's epsilon.
+    weight, bias : as for :func:`linear`.
+    splits : K splits (default: :func:`plan_gemv`'s rule for one row).
+
+    Same bits on every call for one shape and device; no host synchronization, capturable in a CUDA
+    graph. ``ValueError`` for anything else.
+    """
+    if x.dim() != 2 or x.shape[0] != 1 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x must be [1, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    k = x.shape[1]
+    n = weight.shape[0]
+    tensors = [x, weight, norm_weight] + [t for t in (residual, bias) if t is not None]
+    if x.dtype not in DTYPES or any(t.dtype != x.dtype for t in tensors):
+        raise ValueError(f"x, residual, norm_weight, weight and bias must share one of {DTYPES}, got "
+                         f"{[t.dtype for t in tensors]}")
+    if INTERPRETED and x.dtype == torch.bfloat16:
+        raise ValueError("Triton's interpreter runs these kernels in float32 and float16: run bfloat16 on CUDA")
+    if residual is not None and tuple(residual.shape) != (1, k):
+        raise ValueError(f"residual must be [1, {k}], got {tuple(residual.shape)}")
+    if tuple(norm_weight.shape) != (k,) or (bias is not None and tuple(bias.shape) != (n,)):
+        raise ValueError(f"norm_weight must be [{k}] and bias [{n}], got {tuple(norm_weight.shape)}"
+                         + (f" and {tuple(bias.shape)}" if bias is not None else ""))
+    if not weight.is_contiguous() or not norm_weight.is_contiguous() or (bias is not None and not bias.is_contiguous()):
+        raise ValueError("weight, norm_weight and bias must be contiguous")
+    x = x.contiguous()
+    h = torch.empty_like(x) if residual is not None else x
+    res = residual.contiguous() if residual is not None else x  # not read without a residual
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    if n == 0:
+        if residual is not None:
+            torch.add(x, residual, out=h)
+        return out, h
+    launch = plan_gemv(1, n, k, device=x.device, splits=splits, element_size=x.element_size())
+    split = launch.splits > 1
+    part = torch.empty((launch.splits, n), dtype=torch.float32, device=x.device) if split else out
+    sq = torch.empty(launch.splits, dtype=torch.float32, device=x.device) if split else out
+    even = n % launch.block_n == 0 and k == launch.splits * launch.k_iters * launch.block_k
+    bias_arg = bias if bias is not None else out  # not read without a bias
+    grid = (triton.cdiv(n, launch.block_n), launch.splits)
+    _norm_gemv_kernel[grid](x, res, norm_weight, weight, bias_arg, out, h, part, sq, n, k, weight.stride(0),
+                            launch.k_iters, float(k), float(eps), BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
+                            EVEN=even, SPLIT=split, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
+                            NUM_STAGES=launch.num_stages, num_warps=launch.num_warps,
+                            num_stages=launch.num_stages, enable_fp_fusion=True)
+    if split:
+        _norm_reduce_kernel[(triton.cdiv(n, REDUCE_BLOCK),)](part, sq, bias_arg, out, n, launch.splits, float(k),
+                                                              float(eps), HAS_BIAS=bias is not None,
+                                                              BLOCK=REDUCE_BLOCK, num_warps=4, enable_fp_fusion=True)
+    return out, h

@@ -34,7 +34,7 @@ from .batch import AttentionMetadata
 from .comm import all_reduce_sum
 from .config import ModelConfig
 from .kv_cache import KVPages
-from .linear import linear
+from .linear import gemv_kernels, linear, use_triton_norm_linear
 
 # Whether models on CUDA run the fused Triton kernels of :mod:`tpspec.model.fused_triton`: on, since a
 # GPU run of tests/test_fused_triton.py's ``gpu`` tests passed (only such a checked path may stand on).
@@ -280,6 +280,19 @@ class ColumnParallelLinear(nn.Module):
             return y if self.bias is None else y + self.bias
         return linear(x, self.weight, self.bias)
 
+    def norm_forward(self, norm: RMSNorm, x: torch.Tensor,
+                     residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(self(norm(h)), h)`` with ``h = x + residual`` (``x`` when ``residual`` is None): one
+        kernel where :func:`~tpspec.model.linear.use_triton_norm_linear` says so (a one-row step),
+        else ``norm``'s own path, then :meth:`forward`."""
+        if (self.fixed_order is None and not norm.deterministic
+                and use_triton_norm_linear(x, residual, norm.weight, self.weight, self.bias)):
+            return gemv_kernels().norm_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias)
+        if residual is None:
+            return self(norm(x)), x
+        normed, h = norm.add_forward(x, residual)
+        return self(normed), h
+
 
 class RowParallelLinear(nn.Module):
     """``y = sum over ranks (x_r W_r^T) + b``: this rank holds input columns
@@ -365,11 +378,9 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 pages: KVPages, attend: AttendFn) -> torch.Tensor:
-        n = x.shape[0]
         if self.fused:
-            q = fused_kernels().rotary_and_write_kv(self.qkv(x), cos, sin, meta.write_index, pages.k, pages.v,
-                                                    self.num_heads, self.num_kv_heads, self.head_dim)
-            return self.o_proj(attend(q, pages).reshape(n, self.num_heads * self.head_dim))
+            return self.attend_projected(self.qkv(x), cos, sin, meta, pages, attend)
+        n = x.shape[0]
         q, k, v = self.qkv(x).split(self.qkv.out_sizes, dim=-1)
         q = apply_rotary(q.view(n, self.num_heads, self.head_dim), cos, sin)
         k = apply_rotary(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
@@ -377,6 +388,15 @@ class Attention(nn.Module):
         pages.write(meta.write_index, k, v.contiguous())
         out = attend(q.contiguous(), pages)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+
+    def attend_projected(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                         pages: KVPages, attend: AttendFn) -> torch.Tensor:
+        """:meth:`forward` after the q/k/v projection ``qkv`` (``fused`` layers): rotary and the K/V
+        write in one kernel, attention, o_proj."""
+        n = qkv.shape[0]
+        q = fused_kernels().rotary_and_write_kv(qkv, cos, sin, meta.write_index, pages.k, pages.v,
+                                                self.num_heads, self.num_kv_heads, self.head_dim)
+        return self.o_proj(attend(q, pages).reshape(n, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -409,8 +429,14 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
         if self.fused:
-            return self.down(fused_kernels().silu_mul(self.gate_up(x)), reduce)
+            return self.down_projected(self.gate_up(x), reduce)
         if self.deterministic:
             return self.down(det.silu_mul(self.gate_up(x)), reduce)
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.down(F.silu(gate) * up, reduce)
+
+    def down_projected(self, gate_up: torch.Tensor,
+                       reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """:meth:`forward` after the gate/up projection ``gate_up`` (``fused`` layers):
+        ``silu(gate) * up`` in one kernel, then down_proj."""
+        return self.down(fused_kernels().silu_mul(gate_up), reduce)

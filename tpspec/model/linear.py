@@ -2,10 +2,12 @@
 
 :func:`linear` is what the column- and row-parallel linears and the vocabulary-parallel LM head
 call outside deterministic mode. :func:`use_triton_linear` is the one rule that sends a call to
-:func:`tpspec.model.gemv_triton.linear` (decode-sized batches, read at the weights' memory
-bandwidth); everything else, and everything while ``TRITON_GEMV`` is off, runs ``F.linear``.
-This module imports no ``triton``: the kernels' module is imported on the first call the rule
-accepts.
+:func:`tpspec.model.gemv_triton.linear`: one row (a decode step of one request), read at the
+weights' memory bandwidth; everything else, and everything while ``TRITON_GEMV`` is off, runs
+``F.linear``. Where the rule takes a linear that follows an RMSNorm (q/k/v and gate/up of a fused
+layer), :func:`use_triton_norm_linear` also puts the norm in front of the GEMV, in one kernel
+(:func:`tpspec.model.gemv_triton.norm_linear`). This module imports no ``triton``: the kernels'
+module is imported on the first call the rule accepts.
 """
 
 from __future__ import annotations
@@ -18,11 +20,9 @@ import torch
 import torch.nn.functional as F
 
 TRITON_GEMV = False
-"""Whether decode-sized linears run the Triton GEMV. Off: its ``gpu`` tests in
-``tests/test_gemv_triton.py`` pass, but ``tpspec bench gemv`` has not shown it ahead of cuBLAS at
-decode sizes (``docs/benchmarks.md``)."""
+"""Whether one-row linears run the Triton GEMV (with the norm before q/k/v and gate/up fused in).
+Off until a GPU run of ``tests/test_gemv_triton.py``'s ``gpu`` tests has checked the fused norm."""
 
-MAX_TRITON_ROWS = 16
 _TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -38,19 +38,21 @@ def gemv_kernels() -> Any:
 def use_triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """Whether :func:`linear` runs the Triton GEMV for these tensors.
 
-    Yes when ``TRITON_GEMV`` is on; ``x`` is ``[M, K]`` with ``1 <= M <= 16`` and ``weight`` a
-    contiguous ``[N, K]``, ``K`` a multiple of 8, 16-byte aligned (whole 16-byte loads of every
-    row); ``x``, ``weight`` and ``bias`` share a dtype of float32, float16, bfloat16 and a device;
-    nothing needs gradients; and the kernels can run there: CUDA with ``triton`` compiled, or CPU
-    under Triton's interpreter (``TRITON_INTERPRET=1``; not bfloat16 there). Reads only shapes, dtypes, devices and
-    pointers: no host synchronization, the same answer on every rank of a TP group.
+    Yes when ``TRITON_GEMV`` is on; ``x`` is one row, ``[1, K]``, and ``weight`` a contiguous
+    ``[N, K]`` with ``N >= K`` (``tpspec bench gemv``: the GEMV reads q/k/v, o_proj, gate/up and
+    the LM head faster than cuBLAS at one row, not down_proj, whose ``K > N`` cuBLAS splits better),
+    ``K`` a multiple of 8, 16-byte aligned (whole 16-byte loads of every row); ``x``, ``weight``
+    and ``bias`` share a dtype of float32, float16, bfloat16 and a device; nothing needs
+    gradients; and the kernels can run there: CUDA with ``triton`` compiled, or CPU under Triton's
+    interpreter (``TRITON_INTERPRET=1``; not bfloat16 there). Reads only shapes, dtypes, devices
+    and pointers: no host synchronization, the same answer on every rank of a TP group.
     """
     if not TRITON_GEMV:
         return False
-    if x.dim() != 2 or weight.dim() != 2 or not 1 <= x.shape[0] <= MAX_TRITON_ROWS:
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[0] != 1:
         return False
-    k = weight.shape[1]
-    if x.shape[1] != k or k % 8 or not weight.is_contiguous() or weight.data_ptr() % 16:
+    n, k = weight.shape
+    if x.shape[1] != k or k > n or k % 8 or not weight.is_contiguous() or weight.data_ptr() % 16:
         return False
     if x.dtype not in _TRITON_DTYPES or weight.dtype != x.dtype or x.device != weight.device:
         return False
@@ -64,6 +66,21 @@ def use_triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     if kernels is None or kernels.INTERPRETED != (x.device.type == "cpu"):
         return False
     return not (kernels.INTERPRETED and x.dtype == torch.bfloat16)  # the interpreter's tl.dot has none
+
+
+def use_triton_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                           weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether the RMSNorm of ``x + residual`` (``x`` when ``residual`` is None) and the linear
+    after it run as one kernel (:func:`tpspec.model.gemv_triton.norm_linear`): where
+    :func:`use_triton_linear` takes the linear and ``residual`` and ``norm_weight`` are ``x``'s
+    shape and ``[K]``, in its dtype and on its device. The same answer on every rank."""
+    if not use_triton_linear(x, weight, bias):
+        return False
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
+                                 or residual.device != x.device):
+        return False
+    return (norm_weight.shape == (x.shape[1],) and norm_weight.dtype == x.dtype and norm_weight.device == x.device
+            and norm_weight.is_contiguous())
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

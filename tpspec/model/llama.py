@@ -125,15 +125,19 @@ class DecoderLayer(nn.Module):
     def fused_forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                       meta: AttentionMetadata, pages: KVPages, attend: AttendFn,
                       dp_rows: VarlenRows | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """:meth:`forward` with the residual adds inside the norms' kernels (``fused`` layers): the
-        layer's input is ``x + residual`` (``x`` alone when ``residual`` is None, the first layer), its
+        """:meth:`forward` with the residual adds inside the norms' kernels (``fused`` layers), and
+        each norm inside the q/k/v or gate/up GEMV where the rule of
+        :func:`~tpspec.model.linear.use_triton_norm_linear` takes it (one-row steps): the layer's
+        input is ``x + residual`` (``x`` alone when ``residual`` is None, the first layer), its
         output ``mlp + h``. Returns ``(mlp, h, input)``: the next layer's ``x`` and ``residual``, and
         this layer's input (what :meth:`forward` would have received)."""
-        if residual is None:
-            normed, x_in = self.input_layernorm(x), x
-        else:
-            normed, x_in = self.input_layernorm.add_forward(x, residual)
-        y, h = self.post_attention_layernorm.add_forward(self.self_attn(normed, cos, sin, meta, pages, attend), x_in)
+        attn = self.self_attn
+        qkv, x_in = attn.qkv.norm_forward(self.input_layernorm, x, residual)
+        a = attn.attend_projected(qkv, cos, sin, meta, pages, attend)
+        if dp_rows is None:
+            gate_up, h = self.mlp.gate_up.norm_forward(self.post_attention_layernorm, a, x_in)
+            return self.mlp.down_projected(gate_up), h, x_in
+        y, h = self.post_attention_layernorm.add_forward(a, x_in)
         return self._mlp(y, dp_rows), h, x_in
 
     def _mlp(self, y: torch.Tensor, dp_rows: VarlenRows | None) -> torch.Tensor:
