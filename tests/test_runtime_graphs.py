@@ -3,10 +3,13 @@ eagerly through ``GenerationGraphs(capture=False)``: the same keys, static buffe
 function) gives the eager step's tokens for every step shape (penalties, logprobs, top-k /
 top-p / min-p rows, rejection sampling, draft-model and EAGLE-3 drafts), the undecided-row
 repeat included, at TP = 1 and 2; steps launched ahead of their predecessor's tokens (greedy,
-sampled, filtered, penalised, with logprobs) give the tokens of steps that waited; the keys come
+sampled, filtered, penalised, with logprobs) give the tokens of steps that waited; the graphs of
+the drafting chain hold every input they read (replayed from weak references); the keys come
 from the requests' parameters; when graphs are off; and the capture fallback every rank takes alike."""
 
 from __future__ import annotations
+
+import weakref
 
 import pytest
 import torch
@@ -14,6 +17,7 @@ import torch
 from graph_cases import (PROMPTS, QWEN, SPECS, assert_logprobs_close, every_step_shape, first_outputs, make_models,
                          refusing_host_syncs, spec_config)
 from tpspec import LLM, SamplingParams, SpeculativeConfig
+from tpspec.model.batch import AttentionMetadata
 from tpspec.runtime import cuda_graphs
 from tpspec.runtime.cuda_graphs import GenerationGraphs, StepKey, capture_or_fall_back, step_key
 from tpspec.sampling.select import FilterPlan
@@ -70,6 +74,98 @@ def test_graphed_steps_give_the_eager_tokens_on_cpu(models, name, monkeypatch):
     assert bool(chains) == name.startswith(("draft_model", "eagle3"))
     assert all(c.sampled == name.endswith("rejection") for c in chains if c.step.sampling != "greedy")
     assert graphs.num_repeated > 0  # the flat top-p row's steps were repeated eagerly, to the same tokens
+
+
+def _held_weakly(value):
+    """A function giving ``value`` back, with its tensors (a view: through its base) and attention
+    metadata held by weak references, as a CUDA graph holds its inputs: by address, keeping none
+    alive. It raises ``AssertionError`` once one of them was freed."""
+    if isinstance(value, torch.Tensor):
+        base = value if value._base is None else value._base  # noqa: SLF001 - a view's storage lives in its base
+        ref, shape, stride, offset = weakref.ref(base), value.shape, value.stride(), value.storage_offset()
+        what = f"{tuple(shape)} {value.dtype}"
+
+        def tensor():
+            alive = ref()
+            if alive is None:
+                raise AssertionError(f"a static input {what} of a chained draft graph was freed after its "
+                                     f"capture: a replay on a GPU reads reused memory")
+            return alive.as_strided(shape, stride, offset)
+        return tensor
+    if isinstance(value, AttentionMetadata):
+        meta_ref = weakref.ref(value)
+
+        def meta():
+            alive = meta_ref()
+            if alive is None:
+                raise AssertionError("the attention metadata of a chained draft graph was freed after its capture")
+            return alive
+        return meta
+    if isinstance(value, dict):
+        items = {k: _held_weakly(v) for k, v in value.items()}
+        return lambda: {k: item() for k, item in items.items()}
+    if isinstance(value, (list, tuple)):
+        parts, kind = [_held_weakly(v) for v in value], type(value)
+        return lambda: kind(part() for part in parts)
+    return lambda: value
+
+
+@pytest.mark.parametrize("name", ["draft_model", "eagle3-rejection"])
+def test_chained_draft_graphs_hold_their_static_inputs(models, name, monkeypatch):
+    """A CUDA graph reads its static inputs at their capture-time addresses and keeps none of them
+    alive: an input that only the capture's step function referenced is freed once the capture
+    returns, and later replays read whatever reuses its memory (on a GPU: logits rows past the
+    drafter's rows, an out-of-range ``index_select``). Here each chained draft step replays from
+    weak references to what its capture passed ``Engine.draft_chain_step``, not from the step
+    function, so a freed input fails the replay; the tokens must equal those of the eager
+    chain, for a mixed batch (greedy, filtered, penalised rows) that shrinks inside a bucket and
+    through the buckets."""
+    monkeypatch.setattr(cuda_graphs, "GRAPHED_DRAFT_CHAIN", True)
+    capturing: list | None = None  # while a step is captured: the draft_chain_step calls it makes
+    replays = {"chain": 0}
+
+    class AddressReplay(cuda_graphs._EagerReplay):  # noqa: SLF001 - a replay that holds inputs as a graph does
+        def __init__(self, step):
+            nonlocal capturing
+            capturing = []
+            try:
+                super().__init__(step)
+            finally:
+                calls, capturing = capturing, None
+            self.call = None
+            if calls:  # a chained draft step: from now on only its inputs' addresses are kept
+                assert len(calls) == 1
+                self.call, self.step = calls[0], None
+
+        def replay(self):
+            if self.call is None:
+                return super().replay()
+            args, kwargs = self.call()
+            fresh = cuda_graphs._ChainStepOut(*chain_step(*args, **kwargs))  # noqa: SLF001
+            for static, new in zip(self.out.tensors(), fresh.tensors()):
+                if static is not None:
+                    static.copy_(new)
+            replays["chain"] += 1
+
+    monkeypatch.setattr(cuda_graphs, "_EagerReplay", AddressReplay)
+    with LLM(models["target"], distributed_executor_backend="external_launcher", tensor_parallel_size=1,
+             device="cpu", speculative_config=spec_config(name, models), max_num_seqs=8) as llm:
+        engine = llm._executor.ctx.state["engine"]  # noqa: SLF001
+        chain_step = engine.draft_chain_step
+
+        def recording_chain_step(*args, **kwargs):
+            if capturing is not None:
+                capturing.append(_held_weakly((list(args), kwargs)))
+            return chain_step(*args, **kwargs)
+
+        monkeypatch.setattr(engine, "draft_chain_step", recording_chain_step)
+        ref = first_outputs(llm.generate(PROMPTS, PARAMS))[0]
+        engine.graphs = graphs = GenerationGraphs(engine, capture=False)
+        got = first_outputs(llm.generate(PROMPTS, PARAMS))[0]
+        engine.graphs = None
+    assert got == ref
+    assert graphs.draft_graphs and replays["chain"] > 0
+    assert {k.step.batch for k in graphs.draft_graphs} >= {8, 4}
 
 
 def test_step_keys_come_from_the_parameters():

@@ -95,9 +95,12 @@ log = get_logger(__name__)
 
 GRAPHED_DRAFT_CHAIN = False
 """Whether a drafter's chained draft steps 2..K replay CUDA graphs (:meth:`GenerationGraphs.draft_chain`).
-Off: with it on, a GPU run of tests/test_runtime_seeded_spec.py's CUDA test (a draft model, a mixed
-batch) hit an out-of-range index inside a replayed chain. The chain then runs eagerly after the graphed
-target step's planning, with the same drafts; tests/test_runtime_gpu.py checks the graphs when it is on."""
+The chain's graphs read their static inputs at their capture-time addresses; :class:`_ChainGraph` holds
+every one of them (the logits rows included) for as long as the graphs live, and
+tests/test_runtime_graphs.py replays the chain on CPU from weak references to its inputs, to the eager
+chain's tokens. Off until a GPU run confirms it: tests/test_runtime_seeded_spec.py's CUDA test (a draft
+model, a mixed batch) and tests/test_runtime_gpu.py with it on. While off, the chain runs eagerly after
+the graphed target step's planning, with the same drafts."""
 WARMUP_RUNS = 2
 STEP_AHEAD = True
 """Whether a graphed pure decode step (no drafts) launches the next step of its batch before its own
@@ -235,7 +238,9 @@ class _ChainStepOut:
 @dataclass
 class _ChainGraph:
     """Draft steps 1 .. K-1 of one :class:`DraftKey`: one graph each (a backend plans each step's
-    attention on the host before its replay), each reading the previous one's static outputs."""
+    attention on the host before its replay), each reading the previous one's static outputs.
+    A graph reads its inputs at their capture-time addresses and keeps none of them alive: every
+    tensor the chain's graphs read is held here (or by the engine: its metadata's buffers)."""
 
     graphs: list[Any]
     outs: list[_ChainStepOut]
@@ -243,6 +248,7 @@ class _ChainGraph:
     positions: list[torch.Tensor]  # K - 1 of [Bp] int64
     metas: list[Any]  # K - 1 attention metadata
     hidden: torch.Tensor | None  # [Bp, H]: the EAGLE-3 head's last catch-up outputs
+    rows: torch.Tensor  # [Bp] int64: the logits rows of every step (0 .. Bp - 1)
 
 
 @dataclass
@@ -572,7 +578,7 @@ class GenerationGraphs:
             outs.append(out)
             drafts.append(out.tokens)
             last_hidden = out.hidden
-        chain = _ChainGraph(graphs, outs, first, positions, metas, hidden)
+        chain = _ChainGraph(graphs, outs, first, positions, metas, hidden, rows)
         self.draft_graphs[key] = chain
         if D.group_rank(eng.group) == 0:
             log.info("captured CUDA graphs of draft steps 1..%d: batch bucket %d, sampled %s", eng.num_draft - 1,
