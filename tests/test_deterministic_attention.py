@@ -79,7 +79,8 @@ def test_cuda_backend_is_the_kernel_and_captures_in_a_graph(cuda_triton):
         return AttentionMetadata.build(batch, "cuda", cases.PAGE, kv_pages=len(c.other_table))
 
     q = c.x_queries[:8].clone()
-    static = meta_of([3, 900])
+    split, long = cases.kernels.SPLIT_SIZE, cases.x_len() - 8  # X's longest 4-row step
+    static = meta_of([3, 2 * split + 5])
     attn.plan(static, graph=True)
     attend = attn.bind(static)
     attend(q, pages)  # compile outside the capture
@@ -87,11 +88,11 @@ def test_cuda_backend_is_the_kernel_and_captures_in_a_graph(cuda_triton):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = attend(q, pages)
-    nxt = meta_of([1200, 40])
+    nxt = meta_of([long, 40])
     static.copy_(nxt)
     graph.replay()
     torch.cuda.synchronize()
     eager = attn.bind(nxt)(q, pages)
     assert torch.equal(out.view(torch.int16), eager.view(torch.int16))
-    ref = c.reference(c.x_table, 1200 + 1, q[0])
+    ref = c.reference(c.x_table, long + 1, q[0])
     assert (out[0].double() - ref).abs().max().item() < 3e-2

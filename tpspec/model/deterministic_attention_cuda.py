@@ -38,7 +38,9 @@ import torch
 import triton
 import triton.language as tl
 
-SPLIT_SIZE = 512  # KV positions per split (fixed: a row's tree of splits depends on it)
+# KV positions per split (fixed: a row's tree of splits depends on it). One block a split: a split's
+# program walks its positions one after another, so short splits spread a row over more programs.
+SPLIT_SIZE = 64
 BLOCK_N = 64  # KV positions per tl.dot inside a split (SPLIT_SIZE is a multiple)
 NUM_WARPS = 4
 PARTIALS_BYTES = 1 << 28  # float32 split partials one launch may hold; more rows launch in chunks
