@@ -72,14 +72,19 @@ class _Kernels:
 
 
 def test_dispatch_rule(monkeypatch):
-    """Off by default; with the switch on, only one-row, ``N >= K``, aligned, same-dtype calls on a
-    device the kernels run on (CUDA compiled, CPU interpreted) go to the kernel."""
-    assert linear_mod.TRITON_GEMV is False  # until a GPU run checks the fused norm (see TRITON_GEMV)
+    """On by default (GPU-checked); with the switch on, only one-row, ``N >= K``, aligned,
+    same-dtype calls on a device the kernels run on (CUDA compiled, CPU interpreted) go to the
+    kernel; with it off, none."""
+    assert linear_mod.TRITON_GEMV is True
     use = linear_mod.use_triton_linear
     x, w, b = torch.zeros(1, 64), torch.zeros(64, 64), torch.zeros(64)
+    kernels = _Kernels()
+    kernels.INTERPRETED = True
+    monkeypatch.setattr(linear_mod, "gemv_kernels", lambda: kernels)
+    monkeypatch.setattr(linear_mod, "TRITON_GEMV", False)
     assert not use(x, w, b)
     monkeypatch.setattr(linear_mod, "TRITON_GEMV", True)
-    kernels = _Kernels()
+    kernels.INTERPRETED = False
     monkeypatch.setattr(linear_mod, "gemv_kernels", lambda: kernels)
     assert not use(x, w, b)  # CPU without the interpreter
     kernels.INTERPRETED = True

@@ -19,9 +19,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-TRITON_GEMV = False
-"""Whether one-row linears run the Triton GEMV (with the norm before q/k/v and gate/up fused in).
-Off until a GPU run of ``tests/test_gemv_triton.py``'s ``gpu`` tests has checked the fused norm."""
+TRITON_GEMV = True
+"""Whether one-row linears run the Triton GEMV (with the norm before q/k/v and gate/up fused in). On:
+a GPU run of ``tests/test_gemv_triton.py``'s ``gpu`` tests passed, the fused norm included, and
+``tpspec bench gemv`` reads these linears faster than cuBLAS at one row (``docs/benchmarks.md``)."""
 
 _TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
