@@ -38,8 +38,8 @@ def test_graphed_steps_give_the_eager_tokens_on_cpu(models, name, monkeypatch):
     with the key's filter plan, logprobs and EAGLE-3 hidden states from the step's outputs, the
     drafting chain of a draft model or EAGLE-3 head (sampled drafts' logits written to the store
     inside it), and the eager repeat of steps and chains with an undecided row.
-    Tokens must equal the eager steps', logprobs too (within 1e-5). The drafting chain's graphs are
-    off by default (``GRAPHED_DRAFT_CHAIN``); their step function is checked here all the same. Every
+    Tokens must equal the eager steps', logprobs too (within 1e-5). The drafting chain's graphs
+    (``GRAPHED_DRAFT_CHAIN``) are set on here whatever the default. Every
     step function runs under :func:`refusing_host_syncs`: one that reads a device value on the host
     would fail its capture on a GPU."""
     monkeypatch.setattr(cuda_graphs, "GRAPHED_DRAFT_CHAIN", True)

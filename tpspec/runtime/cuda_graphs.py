@@ -93,14 +93,14 @@ from .graph_inputs import GraphInputs
 
 log = get_logger(__name__)
 
-GRAPHED_DRAFT_CHAIN = False
+GRAPHED_DRAFT_CHAIN = True
 """Whether a drafter's chained draft steps 2..K replay CUDA graphs (:meth:`GenerationGraphs.draft_chain`).
 The chain's graphs read their static inputs at their capture-time addresses; :class:`_ChainGraph` holds
 every one of them (the logits rows included) for as long as the graphs live, and
 tests/test_runtime_graphs.py replays the chain on CPU from weak references to its inputs, to the eager
-chain's tokens. Off until a GPU run confirms it: tests/test_runtime_seeded_spec.py's CUDA test (a draft
-model, a mixed batch) and tests/test_runtime_gpu.py with it on. While off, the chain runs eagerly after
-the graphed target step's planning, with the same drafts."""
+chain's tokens. On: a GPU run of tests/test_runtime_seeded_spec.py's CUDA test (a draft model, a mixed
+batch) and tests/test_runtime_gpu.py passed with it. Off, the chain runs eagerly after the graphed
+target step's planning, with the same drafts."""
 WARMUP_RUNS = 2
 STEP_AHEAD = True
 """Whether a graphed pure decode step (no drafts) launches the next step of its batch before its own
