@@ -22,9 +22,15 @@ def test_fresh_venv_runs_the_readme_example(tmp_path):
     py = venv / "bin" / "python"
     # The same package sources pip uses elsewhere on this machine (its configuration is kept).
     # --no-compile: byte-compiling torch's thousands of modules takes longer than importing the few
-    # the example needs from source.
+    # the example needs from source. torch is pinned to the build this suite runs on: an index's newest
+    # torch may be a CUDA build whose NVIDIA libraries and triton (4 GB) take a minute to unpack, and
+    # which build provides torch does not change whether tpspec declares what it needs.
+    import torch
+
+    constraints = tmp_path / "constraints.txt"
+    constraints.write_text(f"torch=={torch.__version__}\n")
     install = subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-compile",
-                              str(REPO)], capture_output=True, text=True, timeout=900)
+                              "-c", str(constraints), str(REPO)], capture_output=True, text=True, timeout=900)
     assert install.returncode == 0, install.stderr[-3000:]
     script = tmp_path / "example.py"
     script.write_text(readme_first_python_example())
