@@ -2,7 +2,7 @@
 sums against float64, a row's bits alone vs at other places of other batches and with the
 columns cut in two, TP = 1 vs 2/4/8 partials (``segment_gemm_checks``; there, why the
 interpreter's ``tl.dot`` is made a per-element sum). Each check runs in a subprocess with
-``TRITON_INTERPRET=1``, so the interpreter never reaches other tests. Skipped without
+``TRITON_INTERPRET=1``, so the interpreter never reaches other tests; the three run side by side. Skipped without
 ``triton``; the same checks run on CUDA in ``test_deterministic_gpu.py``."""
 
 from __future__ import annotations
@@ -21,14 +21,40 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")]
 
 
-@pytest.mark.parametrize("check", ["reference", "batch_invariance", "tp_invariance"])
-def test_segment_gemm_under_the_interpreter(check):
+CHECKS = ("reference", "batch_invariance", "tp_invariance")
+
+
+@pytest.fixture(scope="module")
+def interpreted_checks(tmp_path_factory):
+    """The three checks started at once, each in its own process (the interpreter runs on one
+    core; they share the machine's): ``check -> (process, stdout file, stderr file)``."""
     path = os.pathsep.join(p for p in (ROOT, TESTS, os.environ.get("PYTHONPATH")) if p)
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, os.path.join(TESTS, "segment_gemm_checks.py"), check, "cpu",
-                           "float32", "float16"], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert f"{check} on cpu: ok" in proc.stdout
+    logs = tmp_path_factory.mktemp("segment_gemm")
+    runs = {}
+    for check in CHECKS:
+        out, err = open(logs / f"{check}.out", "w+"), open(logs / f"{check}.err", "w+")
+        proc = subprocess.Popen([sys.executable, os.path.join(TESTS, "segment_gemm_checks.py"), check, "cpu",
+                                 "float32", "float16"], env=env, stdout=out, stderr=err, text=True)
+        runs[check] = (proc, out, err)
+    yield runs
+    for proc, out, err in runs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        out.close()
+        err.close()
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_segment_gemm_under_the_interpreter(interpreted_checks, check):
+    proc, out, err = interpreted_checks[check]
+    proc.wait(timeout=600)
+    out.seek(0)
+    err.seek(0)
+    stdout, stderr = out.read(), err.read()
+    assert proc.returncode == 0, stdout + stderr
+    assert f"{check} on cpu: ok" in stdout
 
 
 @pytest.mark.parametrize("dtype,instruction", [("bf16", "wgmma"), ("fp16", "wgmma"), ("fp32", "fma.rn.f32")])
