@@ -20,16 +20,49 @@ has_triton = importlib.util.find_spec("triton") is not None
 needs_triton = pytest.mark.skipif(not has_triton, reason="needs triton")
 
 
+def _interpreter_env() -> dict[str, str]:
+    return {**os.environ, "TRITON_INTERPRET": "1",
+            "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS), os.environ.get("PYTHONPATH", "")])}
+
+
+def _assert_ok(returncode: int, stdout: str, stderr: str, dtypes: tuple[str, ...]) -> None:
+    assert returncode == 0, stdout + stderr
+    for d in dtypes:
+        assert f"torch.{d}: ok" in stdout, stdout
+
+
 def run_interpreted(script: str, args: list[str], dtypes: tuple[str, ...]) -> None:
     """Run ``tests/<script> *args *dtypes`` under the interpreter; it must exit 0 and report every
     dtype as ok."""
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(TESTS / script), *args, *dtypes], env=env, cwd=ROOT,
+    proc = subprocess.run([sys.executable, str(TESTS / script), *args, *dtypes], env=_interpreter_env(), cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    for d in dtypes:
-        assert f"torch.{d}: ok" in proc.stdout, proc.stdout
+    _assert_ok(proc.returncode, proc.stdout, proc.stderr, dtypes)
+
+
+class InterpretedRun:
+    """:func:`run_interpreted`'s run started now and checked later, so that several run side by
+    side (the interpreter keeps one core busy): its output goes to files under ``logs``;
+    :meth:`check` waits for it and asserts what :func:`run_interpreted` does; :meth:`close` ends it."""
+
+    def __init__(self, script: str, args: list[str], dtypes: tuple[str, ...], logs: Path) -> None:
+        self.dtypes = dtypes
+        name = "-".join([Path(script).stem, *args])
+        self.out, self.err = open(logs / f"{name}.out", "w+"), open(logs / f"{name}.err", "w+")
+        self.proc = subprocess.Popen([sys.executable, str(TESTS / script), *args, *dtypes], env=_interpreter_env(),
+                                     cwd=ROOT, stdout=self.out, stderr=self.err, text=True)
+
+    def check(self, timeout_s: float = 600) -> None:
+        self.proc.wait(timeout=timeout_s)
+        self.out.seek(0)
+        self.err.seek(0)
+        _assert_ok(self.proc.returncode, self.out.read(), self.err.read(), self.dtypes)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.out.close()
+        self.err.close()
 
 
 def run_checks(checks: dict[str, list[Callable[[str, Any], None]]], group: str, device: str,

@@ -15,18 +15,29 @@ from __future__ import annotations
 
 import pytest
 
-from interpreted import needs_triton, run_interpreted
+from interpreted import InterpretedRun, needs_triton
 from tpspec import vocab_parallel
 
 
-@needs_triton
-def test_interpreted_kernels_equal_torch_bit_for_bit():
-    run_interpreted("key_kernels_cases.py", ["arithmetic"], ("int64",))
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    """Both groups of checks started at once, side by side: ``group -> InterpretedRun``."""
+    logs = tmp_path_factory.mktemp("key_kernels")
+    runs = {group: InterpretedRun("key_kernels_cases.py", [group], ("int64",), logs)
+            for group in ("arithmetic", "selection")}
+    yield runs
+    for run in runs.values():
+        run.close()
 
 
 @needs_triton
-def test_interpreted_selection_equals_torch_at_tp1_and_tp2():
-    run_interpreted("key_kernels_cases.py", ["selection"], ("int64",))
+def test_interpreted_kernels_equal_torch_bit_for_bit(interpreted):
+    interpreted["arithmetic"].check()
+
+
+@needs_triton
+def test_interpreted_selection_equals_torch_at_tp1_and_tp2(interpreted):
+    interpreted["selection"].check()
 
 
 def test_switch_decides_per_device(monkeypatch):
