@@ -23,7 +23,9 @@
 #
 # Environment: PYTHON (default python3); GPU_RUN_COMMIT; TPSPEC_LL_SOURCE_DIR (a copy of csrc/ll_exchange
 # to check and time instead of the checkout's); FLASHINFER_WHEELS (a folder of wheels: flashinfer-python
-# is installed from it, offline, before the first step); GPU_RUN_MAX_STEP_S (caps every step's time limit,
+# is installed from it, offline, before the first step); GPU_RUN_WHEELS (a folder of wheels, every one installed
+# offline before the first step: dependencies a machine with no index lacks, such as llguidance, and the
+# structured-output tests' jsonschema); GPU_RUN_MAX_STEP_S (caps every step's time limit,
 # for a machine that runs one command only so long).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -63,7 +65,7 @@ print(",".join(accepted(["torch", "triton"])))' 2>/dev/null) || quick_backends=t
 done
 S8B="--device cuda --tp 1 --model-shape llama-3-8b"
 QUICK_GPU_TESTS="tests/test_key_kernels.py tests/test_deterministic_layer_kernels.py tests/test_deterministic_attention.py tests/test_runtime_gpu.py tests/test_paged_attention_triton.py"
-step quick quick-gpu-tests 140 "$PY -m pytest -m gpu -v -rfE --durations=15 -p no:cacheprovider $QUICK_GPU_TESTS"
+step quick quick-gpu-tests 170 "$PY -m pytest -m gpu -v -rfE --durations=15 -p no:cacheprovider $QUICK_GPU_TESTS"
 step quick quick-roofline-llama-3-8b 130 "$T bench step $S8B --roofline-only --attention-backends $quick_backends --iters 10 --warmup 2 --timeout 120 --out $o/quick-roofline-llama-3-8b"
 step quick quick-hf-llama-3-8b 165 "$T bench generate $S8B --baseline hf --num-prompts 1,8,32 --prompt-len 128 --max-new-tokens 64 --timeout 150 --out $o/quick-hf-llama-3-8b"
 step quick quick-deterministic-llama-3-8b 75 "$T bench generate $S8B --rates none --deterministic --num-prompts 1,8,32 --prompt-len 128 --max-new-tokens 64 --timeout 70 --out $o/quick-deterministic-llama-3-8b"
@@ -178,6 +180,11 @@ summary=$OUT/summary.tsv
     if [ -n "${FLASHINFER_WHEELS:-}" ]; then
         "$PY" -m pip install -q --no-index --find-links "$FLASHINFER_WHEELS" flashinfer-python 2>&1 \
             && echo "flashinfer-python installed from $FLASHINFER_WHEELS" || echo "flashinfer-python: install failed"
+    fi
+    if [ -n "${GPU_RUN_WHEELS:-}" ]; then
+        "$PY" -m pip install -q --no-index --find-links "$GPU_RUN_WHEELS" "$GPU_RUN_WHEELS"/*.whl 2>&1 \
+            && echo "installed from $GPU_RUN_WHEELS: $(cd "$GPU_RUN_WHEELS" && ls -- *.whl | tr '\n' ' ')" \
+            || echo "$GPU_RUN_WHEELS: install failed"
     fi
     "$PY" -c '
 import importlib, platform
