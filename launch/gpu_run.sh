@@ -65,10 +65,10 @@ print(",".join(accepted(["torch", "triton"])))' 2>/dev/null) || quick_backends=t
 done
 S8B="--device cuda --tp 1 --model-shape llama-3-8b"
 QUICK_GPU_TESTS="tests/test_key_kernels.py tests/test_deterministic_layer_kernels.py tests/test_deterministic_attention.py tests/test_runtime_gpu.py tests/test_paged_attention_triton.py"
-step quick quick-gpu-tests 170 "$PY -m pytest -m gpu -v -rfE --durations=15 -p no:cacheprovider $QUICK_GPU_TESTS"
-step quick quick-roofline-llama-3-8b 130 "$T bench step $S8B --roofline-only --attention-backends $quick_backends --iters 10 --warmup 2 --timeout 120 --out $o/quick-roofline-llama-3-8b"
-step quick quick-hf-llama-3-8b 165 "$T bench generate $S8B --baseline hf --num-prompts 1,8,32 --prompt-len 128 --max-new-tokens 64 --timeout 150 --out $o/quick-hf-llama-3-8b"
-step quick quick-deterministic-llama-3-8b 75 "$T bench generate $S8B --rates none --deterministic --num-prompts 1,8,32 --prompt-len 128 --max-new-tokens 64 --timeout 70 --out $o/quick-deterministic-llama-3-8b"
+step quick quick-gpu-tests 180 "$PY -m pytest -m gpu -v -rfE --durations=15 -p no:cacheprovider $QUICK_GPU_TESTS"
+step quick quick-roofline-llama-3-8b 100 "$T bench step $S8B --roofline-only --attention-backends $quick_backends --iters 10 --warmup 2 --timeout 90 --out $o/quick-roofline-llama-3-8b"
+step quick quick-hf-llama-3-8b 160 "$T bench generate $S8B --baseline hf --num-prompts 1,8,32 --prompt-len 128 --max-new-tokens 64 --timeout 150 --out $o/quick-hf-llama-3-8b"
+step quick quick-deterministic-llama-3-8b 70 "$T bench generate $S8B --rates none --deterministic --num-prompts 1,8,32 --prompt-len 128 --max-new-tokens 64 --timeout 60 --out $o/quick-deterministic-llama-3-8b"
 
 # 1. Correctness: every GPU-marked test; the determinism suite with N rank processes on the GPU(s); the LL
 #    kernel bit for bit against the CPU reference.
