@@ -454,21 +454,21 @@ def test_cli_deterministic_flag_reaches_the_checks(capsys):
 
 
 @pytest.mark.slow
-def test_cli_deterministic_tp1_equals_tp2(tmp_path):
+def test_cli_deterministic_tp1_equals_tp2(capsys, monkeypatch):
     """`tpspec generate --deterministic --json` at TP 1 and TP 2: the same tokens for seeded sampling."""
     import json
-    import os
-    import subprocess
-    import sys
 
+    from tpspec.cli import main
+
+    monkeypatch.setenv("TPSPEC_NUM_THREADS", "1")
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
     outs = []
     for tp in (1, 2):
-        env = dict(os.environ, TPSPEC_NUM_THREADS="1", OMP_NUM_THREADS="1")
-        env.pop("RANK", None)
-        env.pop("WORLD_SIZE", None)
-        proc = subprocess.run([sys.executable, "-m", "tpspec", "generate", "--deterministic", "-tp", str(tp), "--json",
-                               "--num-prompts", "3", "--max-tokens", "8", "--temperature", "0.8", "--seed", "5"],
-                              env=env, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr
-        outs.append([c["token_ids"] for o in json.loads(proc.stdout)["outputs"] for c in o["outputs"]])
+        capsys.readouterr()
+        assert main(["generate", "--deterministic", "-tp", str(tp), "--json", "--num-prompts", "3", "--max-tokens", "8",
+                     "--temperature", "0.8", "--seed", "5"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert f"tp={tp} " in report["config"] and report["config"].endswith(" deterministic"), report["config"]
+        outs.append([c["token_ids"] for o in report["outputs"] for c in o["outputs"]])
     assert outs[0] == outs[1] and len(outs[0]) == 3
