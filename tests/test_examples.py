@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,15 +18,40 @@ from tpspec.distributed import find_free_port
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _run(args: list[str], tmp_path: Path, timeout: float = 240) -> str:
-    env = dict(os.environ, TPSPEC_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{args} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return proc.stdout
+class _Started:
+    """A program started now in ``cwd`` (its output in files there), checked later: the programs
+    of this module run side by side, each mostly one process's start-up and CPU work."""
+
+    def __init__(self, args: list[str], cwd: Path) -> None:
+        self.args, self.cwd = args, cwd
+        env = dict(os.environ, TPSPEC_NUM_THREADS="1", PYTHONPATH=str(REPO))
+        self.out, self.err = open(cwd / "stdout", "w+"), open(cwd / "stderr", "w+")
+        # Its own session, so that a program that hangs is ended with every process it started.
+        self.proc = subprocess.Popen(args, cwd=cwd, env=env, stdout=self.out, stderr=self.err, text=True,
+                                     start_new_session=True)
+
+    def stdout(self, timeout: float = 240) -> str:
+        """Its output once it exited 0 (else the assertion says how it ended)."""
+        self.proc.wait(timeout=timeout)
+        self.out.seek(0)
+        self.err.seek(0)
+        out, err = self.out.read(), self.err.read()
+        assert self.proc.returncode == 0, f"{self.args} exited {self.proc.returncode}\n{out[-3000:]}\n{err[-3000:]}"
+        return out
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.out.close()
+        self.err.close()
 
 
-def _torchrun(nproc: int) -> list[str]:
+def _torchrun(nproc: int, taken: set[int]) -> list[str]:
     port = find_free_port()  # a port of its own, so a stale rendezvous elsewhere cannot interfere
+    while port in taken:  # nor another job of this module's
+        port = find_free_port()
+    taken.add(port)
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={port}"]
 
 
@@ -44,12 +70,33 @@ def _samples(out: str) -> list[list[tuple[str, list[int], str]]]:
     return prompts
 
 
-def test_generate_example(tmp_path):
+@pytest.fixture(scope="module")
+def started(tmp_path_factory):
+    """Every program of this module, started at once: name -> :class:`_Started`."""
+    ports: set[int] = set()
+    programs = {
+        "generate": [sys.executable, str(REPO / "examples" / "generate.py")],
+        "speculative": [sys.executable, str(REPO / "examples" / "speculative.py")],
+        "torchrun": _torchrun(2, ports) + [str(REPO / "examples" / "torchrun_generate.py")],
+        "check": _torchrun(2, ports) + ["-m", "tpspec", "check", "--launcher", "torchrun", "--device", "cpu", "--quick",
+                                 "--json", "check.json"],
+    }
+    runs: dict[str, _Started] = {}
+    try:
+        for name, args in programs.items():
+            runs[name] = _Started(args, tmp_path_factory.mktemp(name))
+        yield runs
+    finally:
+        for run in runs.values():
+            run.close()
+
+
+def test_generate_example(started):
     """Three prompts: a greedy one, two seeded samples of another, a top_k=1 one (greedy too):
     the same tokens as the same requests run here in one process (TP = 1, the example runs TP = 2)."""
     from tpspec import LLM, SamplingParams
 
-    got = _samples(_run([sys.executable, str(REPO / "examples" / "generate.py")], tmp_path))
+    got = _samples(started["generate"].stdout())
     assert [len(samples) for samples in got] == [1, 2, 1], got
     for samples in got:
         for text, ids, finish in samples:
@@ -65,11 +112,11 @@ def test_generate_example(tmp_path):
     assert want[1][0] != want[1][1]  # two samples, not one twice
 
 
-def test_speculative_example_reproduces_plain_decoding(tmp_path):
+def test_speculative_example_reproduces_plain_decoding(started):
     """Every speculative configuration emits plain decoding's tokens (the example compares them with
     the plain run, which it marks as the reference), and the draft-model ones do so while
     accepting drafts (more than one token a step), so the comparison covers verification."""
-    out = _run([sys.executable, str(REPO / "examples" / "speculative.py")], tmp_path)
+    out = started["speculative"].stdout()
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split()[:1] and line.split()[0] in
             ("plain", "ngram/strict", "draft/strict", "draft/rejection")}
     assert list(rows) == ["plain", "ngram/strict", "draft/strict", "draft/rejection"], out
@@ -78,15 +125,14 @@ def test_speculative_example_reproduces_plain_decoding(tmp_path):
     assert all(float(rows[name][2]) > 1.0 for name in ("draft/strict", "draft/rejection")), out
 
 
-def test_torchrun_example(tmp_path):
-    out = _run(_torchrun(2) + [str(REPO / "examples" / "torchrun_generate.py")], tmp_path)
+def test_torchrun_example(started):
+    out = started["torchrun"].stdout()
     assert "every rank got the same tokens: True" in out and "tokens/s on 2 ranks" in out, out
 
 
-def test_check_under_torchrun(tmp_path):
-    report = tmp_path / "check.json"
-    _run(_torchrun(2) + ["-m", "tpspec", "check", "--launcher", "torchrun", "--device", "cpu", "--quick",
-                         "--json", str(report)], tmp_path)
+def test_check_under_torchrun(started):
+    started["check"].stdout()
+    report = started["check"].cwd / "check.json"
     rows = {r["key"]: r["status"] for r in json.loads(report.read_text())["results"]}
     assert rows["ranks_agree"] == rows["generate_tp"] == rows["greedy_argmax"] == "PASS", rows
     assert "FAIL" not in rows.values()
