@@ -83,14 +83,22 @@ def interpreted_main(checks: dict[str, list[Callable[[str, Any], None]]], kernel
     run_checks(checks, group, "cpu", [getattr(torch, name) for name in names])
 
 
-def compile_for_hopper(fn: Any, signature: dict[str, str], constants: dict[str, Any], **options: Any) -> dict:
+def compile_for_hopper(fn: Any, signature: dict[str, str], constants: dict[str, Any], *,
+                       aligned_pointers: bool = False, **options: Any) -> dict:
     """``fn`` (a ``@triton.jit`` kernel) compiled for sm_90 without a GPU (Triton's own ptxas):
     ``signature`` types its arguments (``"*bf16"``, ``"i32"``, ...), ``constants`` its constexprs,
-    ``options`` the launch's (``num_warps``, ``enable_fp_fusion``, ...). Returns the ``asm`` dict
-    (``"ptx"``, ``"cubin"``, ...)."""
+    ``options`` the launch's (``num_warps``, ``enable_fp_fusion``, ...); ``aligned_pointers``: every
+    pointer argument 16-byte aligned, as a launch with torch's tensors specializes it. Returns the
+    ``asm`` dict (``"ptx"``, ``"cubin"``, ...)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    attrs = None
+    if aligned_pointers:
+        names = fn.arg_names
+        attrs = {(names.index(name),): [["tt.divisibility", 16]] for name, kind in signature.items()
+                 if kind.startswith("*")}
     signature = dict(signature, **{name: "constexpr" for name in constants})
-    return triton.compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32), options=options).asm
+    return triton.compile(ASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=options).asm

@@ -31,6 +31,34 @@ def test_interpreted_kernel_float16():
     _interpret("float16")
 
 
+@needs_triton
+def test_split_kernel_loads_keys_and_values_in_16_byte_pieces():
+    """Compiled for Hopper without a GPU, as a bfloat16 launch with head_dim 128 compiles it (its
+    integers unspecialized, so one binary serves every batch and TP size): the K/V rows load as
+    16-byte vectors, not element by element; with head_dims that are not whole 16-byte pieces the
+    wrapper's ``VEC`` falls back to 1."""
+    import re
+
+    from interpreted import compile_for_hopper
+    from tpspec.model import deterministic_attention_cuda as kernels
+
+    signature = {**{name: "*bf16" for name in ("q_ptr", "k_ptr", "v_ptr")},
+                 **{name: "*i32" for name in ("page_table_ptr", "tok_seq_ptr", "tok_visible_ptr")},
+                 **{name: "*fp32" for name in ("part_acc_ptr", "part_m_ptr", "part_l_ptr")}, "scale_log2": "fp32",
+                 **{name: "i32" for name in ("num_heads", "num_splits", "page_size", "stride_qt", "stride_qh",
+                                             "stride_kp", "stride_ko", "stride_kh", "stride_vp", "stride_vo",
+                                             "stride_vh", "stride_pt")}}
+    loads = {}
+    for vec in (8, 1):
+        constants = dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=128, HEAD_PAD=128, SPLIT=kernels.SPLIT_SIZE,
+                         BLOCK=kernels.BLOCK_N, IEEE=False, VEC=vec)
+        ptx = compile_for_hopper(kernels._split_kernel, signature, constants, aligned_pointers=True,
+                                 num_warps=kernels.NUM_WARPS, enable_fp_fusion=True)["ptx"]
+        loads[vec] = re.findall(r"ld\.global\.(v4\.b32|b16)", ptx)
+    assert loads[8].count("v4.b32") >= 16 and loads[8].count("b16") <= 16, loads[8]
+    assert "v4.b32" not in loads[1]
+
+
 def test_cpu_backend_keeps_the_host_loop_and_refuses_graphs():
     attn = DeterministicPagedAttention(num_heads=4, num_kv_heads=2, head_dim=8, scale=0.5, dtype=torch.float32,
                                        device=torch.device("cpu"))

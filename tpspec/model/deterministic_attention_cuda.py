@@ -58,7 +58,16 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, page_table_ptr, tok_seq_ptr, tok_visible_
                   part_l_ptr, scale_log2, num_heads, num_splits, page_size, stride_qt, stride_qh, stride_kp,
                   stride_ko, stride_kh, stride_vp, stride_vo, stride_vh, stride_pt,
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
-                  SPLIT: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr):
+                  SPLIT: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr, VEC: tl.constexpr):
+    # The K/V strides are whole multiples of VEC elements (the wrapper's rule, from head_dim and the dtype
+    # alone); written as such, the compiler sees it and loads a position's head in 16-byte pieces. The
+    # integers stay unspecialized, so one binary serves every batch and TP size.
+    stride_kp = stride_kp // VEC * VEC
+    stride_ko = stride_ko // VEC * VEC
+    stride_kh = stride_kh // VEC * VEC
+    stride_vp = stride_vp // VEC * VEC
+    stride_vo = stride_vo // VEC * VEC
+    stride_vh = stride_vh // VEC * VEC
     t = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -200,6 +209,9 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     part_acc = torch.empty(rows_per_launch * num_heads * num_splits * head_pad, dtype=f32, device=q.device)
     part_m = torch.empty(rows_per_launch * num_heads * num_splits, dtype=f32, device=q.device)
     part_l = torch.empty_like(part_m)
+    # Contiguous pages: every K/V stride is a multiple of head_dim, so of VEC where head_dim is.
+    vec = 16 // q.element_size()
+    vec = vec if head_dim % vec == 0 else 1
     consts = dict(GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_PAD=head_pad, SPLIT=SPLIT_SIZE)
     for start in range(0, n, rows_per_launch):
         rows = slice(start, min(n, start + rows_per_launch))
@@ -210,7 +222,7 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
             q_rows, k_pages, v_pages, page_table, seq_rows, visible_rows, part_acc, part_m, part_l, scale * _LOG2E,
             num_heads, num_splits, page_size, q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1),
             k_pages.stride(2), v_pages.stride(0), v_pages.stride(1), v_pages.stride(2), page_table.stride(0),
-            BLOCK=BLOCK_N, IEEE=q.dtype == f32, num_warps=NUM_WARPS, enable_fp_fusion=True, **consts)
+            BLOCK=BLOCK_N, IEEE=q.dtype == f32, VEC=vec, num_warps=NUM_WARPS, enable_fp_fusion=True, **consts)
         _combine_kernel[(count, kv_heads)](part_acc, part_m, part_l, visible_rows, out_rows, num_heads, num_splits,
                                            out.stride(0), out.stride(1), num_warps=NUM_WARPS, enable_fp_fusion=True,
                                            **consts)
