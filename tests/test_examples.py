@@ -6,45 +6,15 @@ from __future__ import annotations
 import ast
 import json
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from started import Started
 from tpspec.distributed import find_free_port
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-class _Started:
-    """A program started now in ``cwd`` (its output in files there), checked later: the programs
-    of this module run side by side, each mostly one process's start-up and CPU work."""
-
-    def __init__(self, args: list[str], cwd: Path) -> None:
-        self.args, self.cwd = args, cwd
-        env = dict(os.environ, TPSPEC_NUM_THREADS="1", PYTHONPATH=str(REPO))
-        self.out, self.err = open(cwd / "stdout", "w+"), open(cwd / "stderr", "w+")
-        # Its own session, so that a program that hangs is ended with every process it started.
-        self.proc = subprocess.Popen(args, cwd=cwd, env=env, stdout=self.out, stderr=self.err, text=True,
-                                     start_new_session=True)
-
-    def stdout(self, timeout: float = 240) -> str:
-        """Its output once it exited 0 (else the assertion says how it ended)."""
-        self.proc.wait(timeout=timeout)
-        self.out.seek(0)
-        self.err.seek(0)
-        out, err = self.out.read(), self.err.read()
-        assert self.proc.returncode == 0, f"{self.args} exited {self.proc.returncode}\n{out[-3000:]}\n{err[-3000:]}"
-        return out
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        self.out.close()
-        self.err.close()
 
 
 def _torchrun(nproc: int, taken: set[int]) -> list[str]:
@@ -72,7 +42,7 @@ def _samples(out: str) -> list[list[tuple[str, list[int], str]]]:
 
 @pytest.fixture(scope="module")
 def started(tmp_path_factory):
-    """Every program of this module, started at once: name -> :class:`_Started`."""
+    """Every program of this module, started at once, side by side: name -> :class:`Started`."""
     ports: set[int] = set()
     programs = {
         "generate": [sys.executable, str(REPO / "examples" / "generate.py")],
@@ -81,10 +51,11 @@ def started(tmp_path_factory):
         "check": _torchrun(2, ports) + ["-m", "tpspec", "check", "--launcher", "torchrun", "--device", "cpu", "--quick",
                                  "--json", "check.json"],
     }
-    runs: dict[str, _Started] = {}
+    env = dict(os.environ, TPSPEC_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    runs: dict[str, Started] = {}
     try:
         for name, args in programs.items():
-            runs[name] = _Started(args, tmp_path_factory.mktemp(name))
+            runs[name] = Started(args, tmp_path_factory.mktemp(name), env)
         yield runs
     finally:
         for run in runs.values():
@@ -96,7 +67,7 @@ def test_generate_example(started):
     the same tokens as the same requests run here in one process (TP = 1, the example runs TP = 2)."""
     from tpspec import LLM, SamplingParams
 
-    got = _samples(started["generate"].stdout())
+    got = _samples(started["generate"].stdout(240))
     assert [len(samples) for samples in got] == [1, 2, 1], got
     for samples in got:
         for text, ids, finish in samples:
@@ -116,7 +87,7 @@ def test_speculative_example_reproduces_plain_decoding(started):
     """Every speculative configuration emits plain decoding's tokens (the example compares them with
     the plain run, which it marks as the reference), and the draft-model ones do so while
     accepting drafts (more than one token a step), so the comparison covers verification."""
-    out = started["speculative"].stdout()
+    out = started["speculative"].stdout(240)
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split()[:1] and line.split()[0] in
             ("plain", "ngram/strict", "draft/strict", "draft/rejection")}
     assert list(rows) == ["plain", "ngram/strict", "draft/strict", "draft/rejection"], out
@@ -126,12 +97,12 @@ def test_speculative_example_reproduces_plain_decoding(started):
 
 
 def test_torchrun_example(started):
-    out = started["torchrun"].stdout()
+    out = started["torchrun"].stdout(240)
     assert "every rank got the same tokens: True" in out and "tokens/s on 2 ranks" in out, out
 
 
 def test_check_under_torchrun(started):
-    started["check"].stdout()
+    started["check"].stdout(240)
     report = started["check"].cwd / "check.json"
     rows = {r["key"]: r["status"] for r in json.loads(report.read_text())["results"]}
     assert rows["ranks_agree"] == rows["generate_tp"] == rows["greedy_argmax"] == "PASS", rows

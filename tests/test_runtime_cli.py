@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from started import Started
 from tpspec import LLM, SpeculativeConfig
 from tpspec.runtime.generate_cli import DEFAULT_PROMPTS
 
@@ -23,12 +24,30 @@ def _env() -> dict[str, str]:
     return env
 
 
-def test_main_job_command(tmp_path):
+TORCHRUN = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+
+
+@pytest.fixture(scope="module")
+def started(tmp_path_factory):
+    """The module's command lines, started at once, side by side: name -> :class:`Started`."""
+    programs = {"main_job": [sys.executable, "-m", "tpspec", "generate"]}
+    if TORCHRUN is not None:
+        programs["torchrun"] = [TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "tpspec", "generate",
+                                "--json", "--max-tokens", "16", "--num-prompts", "3", "--temperature", "0.8",
+                                "--seed", "5"]
+    runs: dict[str, Started] = {}
+    try:
+        for name, args in programs.items():
+            runs[name] = Started(args, tmp_path_factory.mktemp(name), _env())
+        yield runs
+    finally:
+        for run in runs.values():
+            run.close()
+
+
+def test_main_job_command(started):
     """`tpspec generate` with no arguments: tiny model, TP = 2, mp, CPU; outputs and a summary."""
-    proc = subprocess.run([sys.executable, "-m", "tpspec", "generate"], env=_env(),
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    out = proc.stdout
+    out = started["main_job"].stdout(300)
     assert "tp=2 backend=mp device=cpu" in out and "trained briefly" in out
     assert out.count("    tokens: ") == len(DEFAULT_PROMPTS)
     assert "tokens/s" in out and "mean accepted tokens per step" in out and "acceptance rate" in out
@@ -42,16 +61,11 @@ def test_bad_cli_arguments_exit_cleanly(capsys):
     assert "temperature" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(shutil.which("torchrun", path=os.path.dirname(sys.executable)) is None,
-                    reason="torchrun is not installed next to this python")
-def test_torchrun_launcher_matches_mp(tmp_path):
-    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
-    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "tpspec", "generate", "--json",
-           "--max-tokens", "16", "--num-prompts", "3", "--temperature", "0.8", "--seed", "5"]
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(lines) == 1, proc.stdout  # rank 0 prints, rank 1 stays silent
+@pytest.mark.skipif(TORCHRUN is None, reason="torchrun is not installed next to this python")
+def test_torchrun_launcher_matches_mp(started):
+    stdout = started["torchrun"].stdout(300)
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1, stdout  # rank 0 prints, rank 1 stays silent
     report = json.loads(lines[0])
     assert "backend=external_launcher" in report["config"] and "tp=2" in report["config"]
     got = [o["outputs"][0]["token_ids"] for o in report["outputs"]]
