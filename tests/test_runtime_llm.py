@@ -325,11 +325,17 @@ def test_sampled_drafts_on_shards_same_across_tp(ckpt, method):
     assert runs[1] == runs[2] == runs[4], f"{method}: sampled drafts + rejection differ across TP sizes"
 
 
+@pytest.fixture(scope="module")
+def plain_draws() -> dict:
+    """Plain sampling's draws of the lossless tests, by their filters (two tests share theirs)."""
+    return {}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method,filters", [("draft_model", {}), ("eagle3", {}),
                                             ("draft_model", {"top_k": 40, "top_p": 0.9})],
                          ids=["draft_model", "eagle3", "draft_model-top_k-top_p"])
-def test_speculative_sampling_is_lossless(ckpt, method, filters):
+def test_speculative_sampling_is_lossless(ckpt, plain_draws, method, filters):
     """The first three generated tokens of 1200 seeded requests, with sampled drafts and rejection
     sampling on shards, follow the law of plain sampling (two-sample chi-square per position)."""
     from scipy import stats
@@ -337,11 +343,16 @@ def test_speculative_sampling_is_lossless(ckpt, method, filters):
     prompt, n, temperature = [5, 6, 7, 8, 9], 1200, 1.3
     params = [SamplingParams(temperature=temperature, seed=s, max_tokens=3, ignore_eos=True, **filters)
               for s in range(n)]
-    draws = {}
-    for name, spec in (("plain", None), ("spec", _spec(method, "rejection", ckpt))):
+
+    def draw(spec):
         with LLM(ckpt[0], tensor_parallel_size=2, speculative_config=spec, max_num_seqs=64,
                  max_num_batched_tokens=512) as llm:
-            draws[name] = tokens(llm.generate([prompt] * n, params))
+            return tokens(llm.generate([prompt] * n, params))
+
+    key = tuple(sorted(filters.items()))
+    if key not in plain_draws:
+        plain_draws[key] = draw(None)
+    draws = {"plain": plain_draws[key], "spec": draw(_spec(method, "rejection", ckpt))}
     for pos in range(3):
         plain = [t[pos] for t in draws["plain"]]
         spec = [t[pos] for t in draws["spec"]]
