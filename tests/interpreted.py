@@ -45,24 +45,17 @@ class InterpretedRun:
     :meth:`check` waits for it and asserts what :func:`run_interpreted` does; :meth:`close` ends it."""
 
     def __init__(self, script: str, args: list[str], dtypes: tuple[str, ...], logs: Path) -> None:
+        from started import Started
+
         self.dtypes = dtypes
-        name = "-".join([Path(script).stem, *args])
-        self.out, self.err = open(logs / f"{name}.out", "w+"), open(logs / f"{name}.err", "w+")
-        self.proc = subprocess.Popen([sys.executable, str(TESTS / script), *args, *dtypes], env=_interpreter_env(),
-                                     cwd=ROOT, stdout=self.out, stderr=self.err, text=True)
+        self.run = Started([sys.executable, str(TESTS / script), *args, *dtypes], ROOT, _interpreter_env(),
+                           logs=logs, name="-".join([Path(script).stem, *args]))
 
     def check(self, timeout_s: float = 600) -> None:
-        self.proc.wait(timeout=timeout_s)
-        self.out.seek(0)
-        self.err.seek(0)
-        _assert_ok(self.proc.returncode, self.out.read(), self.err.read(), self.dtypes)
+        _assert_ok(*self.run.output(timeout_s), self.dtypes)
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self.out.close()
-        self.err.close()
+        self.run.close()
 
 
 def run_checks(checks: dict[str, list[Callable[[str, Any], None]]], group: str, device: str,

@@ -10,11 +10,14 @@ from pathlib import Path
 
 
 class Started:
-    """``args`` started in ``cwd`` with ``env``, its output in files there."""
+    """``args`` started in ``cwd`` with ``env``, its output in files ``stdout`` and ``stderr`` there
+    (``<name>.out`` and ``<name>.err`` in ``logs``, where given)."""
 
-    def __init__(self, args: list[str], cwd: Path, env: dict[str, str]) -> None:
+    def __init__(self, args: list[str], cwd: Path, env: dict[str, str], *, logs: Path | None = None,
+                 name: str = "") -> None:
         self.args, self.cwd = args, cwd
-        self.out, self.err = open(cwd / "stdout", "w+"), open(cwd / "stderr", "w+")
+        out, err = (logs / f"{name}.out", logs / f"{name}.err") if logs is not None else (cwd / "stdout", cwd / "stderr")
+        self.out, self.err = open(out, "w+"), open(err, "w+")
         # Its own session, so that a program that hangs is ended with every process it started.
         self.proc = subprocess.Popen(args, cwd=cwd, env=env, stdout=self.out, stderr=self.err, text=True,
                                      start_new_session=True)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -27,34 +27,22 @@ CHECKS = ("reference", "batch_invariance", "tp_invariance")
 @pytest.fixture(scope="module")
 def interpreted_checks(tmp_path_factory):
     """The three checks started at once, each in its own process (the interpreter runs on one
-    core; they share the machine's): ``check -> (process, stdout file, stderr file)``."""
+    core; they share the machine's): ``check -> Started``."""
+    from started import Started
+
     path = os.pathsep.join(p for p in (ROOT, TESTS, os.environ.get("PYTHONPATH")) if p)
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
     logs = tmp_path_factory.mktemp("segment_gemm")
-    runs = {}
-    for check in CHECKS:
-        out, err = open(logs / f"{check}.out", "w+"), open(logs / f"{check}.err", "w+")
-        proc = subprocess.Popen([sys.executable, os.path.join(TESTS, "segment_gemm_checks.py"), check, "cpu",
-                                 "float32", "float16"], env=env, stdout=out, stderr=err, text=True)
-        runs[check] = (proc, out, err)
+    runs = {check: Started([sys.executable, os.path.join(TESTS, "segment_gemm_checks.py"), check, "cpu", "float32",
+                            "float16"], Path(ROOT), env, logs=logs, name=check) for check in CHECKS}
     yield runs
-    for proc, out, err in runs.values():
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        out.close()
-        err.close()
+    for run in runs.values():
+        run.close()
 
 
 @pytest.mark.parametrize("check", CHECKS)
 def test_segment_gemm_under_the_interpreter(interpreted_checks, check):
-    proc, out, err = interpreted_checks[check]
-    proc.wait(timeout=600)
-    out.seek(0)
-    err.seek(0)
-    stdout, stderr = out.read(), err.read()
-    assert proc.returncode == 0, stdout + stderr
-    assert f"{check} on cpu: ok" in stdout
+    assert f"{check} on cpu: ok" in interpreted_checks[check].stdout(timeout=600)
 
 
 @pytest.mark.parametrize("dtype,instruction", [("bf16", "wgmma"), ("fp16", "wgmma"), ("fp32", "fma.rn.f32")])
