@@ -17,6 +17,12 @@ stream ``W`` from memory. The kernel is built for that:
   runs of whole ``BLOCK_K`` tiles; each program stores its float32 partial and ``_reduce_kernel``
   sums the splits in split order (no atomics), adds the bias and casts.
 
+* **The norm in front** (:func:`norm_linear`, one row). A decoder's q/k/v and gate/up follow an
+  RMSNorm; ``W (h * g) * rsqrt(mean(h^2) + eps)`` is the same product, so the K loop that streams
+  ``W`` also sums ``h^2`` and the scale is applied once at the end (by the split reduction where
+  the contraction is split): no norm kernel runs first, and the first feature block's programs
+  store the residual sum ``h`` the next layer needs.
+
 Everything accumulates in float32. The launch (:func:`plan_gemv`) depends only on ``(M, N, K)``,
 the dtype and the device's SM count, so results are the same bits for a given shape on a given
 device, and nothing synchronizes with the host: a call can be captured in a CUDA graph (the split
