@@ -77,21 +77,23 @@ def interpreted_main(checks: dict[str, list[Callable[[str, Any], None]]], kernel
 
 
 def compile_for_hopper(fn: Any, signature: dict[str, str], constants: dict[str, Any], *,
-                       aligned_pointers: bool = False, **options: Any) -> dict:
+                       aligned_pointers: bool = False, multiples_of_16: tuple[str, ...] = (),
+                       **options: Any) -> dict:
     """``fn`` (a ``@triton.jit`` kernel) compiled for sm_90 without a GPU (Triton's own ptxas):
     ``signature`` types its arguments (``"*bf16"``, ``"i32"``, ...), ``constants`` its constexprs,
     ``options`` the launch's (``num_warps``, ``enable_fp_fusion``, ...); ``aligned_pointers``: every
-    pointer argument 16-byte aligned, as a launch with torch's tensors specializes it. Returns the
-    ``asm`` dict (``"ptx"``, ``"cubin"``, ...)."""
+    pointer argument 16-byte aligned, as a launch with torch's tensors specializes it;
+    ``multiples_of_16``: integer arguments a launch specializes as multiples of 16 (as it does any
+    such value of an argument not in ``do_not_specialize``). Returns the ``asm`` dict (``"ptx"``,
+    ``"cubin"``, ...)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    attrs = None
-    if aligned_pointers:
-        names = fn.arg_names
-        attrs = {(names.index(name),): [["tt.divisibility", 16]] for name, kind in signature.items()
-                 if kind.startswith("*")}
+    names = fn.arg_names
+    divisible = [name for name, kind in signature.items() if kind.startswith("*")] if aligned_pointers else []
+    divisible += list(multiples_of_16)
+    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in divisible} or None
     signature = dict(signature, **{name: "constexpr" for name in constants})
     return triton.compile(ASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
                           options=options).asm

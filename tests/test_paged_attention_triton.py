@@ -26,18 +26,60 @@ from tpspec.model import attention as attention_mod
 from tpspec.model.attention import AUTO_CUDA_ATTENTION, choose_attention_backend
 
 
+def _triton_version() -> tuple[int, int]:
+    from importlib.metadata import version
+
+    major, minor = version("triton").split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
+# The interpreter of Triton 3.9 or later: older ones cannot run the kernel's loops over bounds read
+# from tensors (attention_backend="triton" refuses them on CPU: test_old_interpreter_is_refused).
+needs_interpreter = pytest.mark.skipif(not has_triton or _triton_version() < (3, 9),
+                                       reason="needs triton >= 3.9 (its interpreter runs the attention kernel)")
+
+
 def _interpret(group: str, *dtypes: str) -> None:
     run_interpreted("paged_attention_cases.py", [group], dtypes)
 
 
-@needs_triton
+@needs_interpreter
 def test_interpreted_kernels_match_the_float64_reference():
     _interpret("kernels", "float32", "float16")
 
 
-@needs_triton
+@needs_interpreter
 def test_interpreted_llm_tokens_equal_torch_backend_and_transformers():
     _interpret("llm", "float32")
+
+
+@needs_triton
+def test_decode_kernel_keeps_the_next_tiles_in_flight():
+    """Compiled for Hopper without a GPU, as a bfloat16 decode launch of Llama 3's heads compiles
+    it (pointers 16-byte aligned; the K/V strides, multiples of 16, specialized so): the loop over a
+    split's KV tiles is software-pipelined, its K and V tiles copied asynchronously (``cp.async``)
+    while the previous tile is summed; with one stage the same kernel loads them synchronously."""
+    from interpreted import compile_for_hopper
+    from tpspec.model import paged_attention_triton as kernels
+
+    launch = kernels.plan_launch(num_tokens=8, num_seqs=8, q_max=1, kv_pages=256, page_size=16, num_heads=32,
+                                 kv_heads=8, head_dim=128, device="cpu")
+    pointers = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16", "page_table_ptr": "*i32",
+                "seq_starts_ptr": "*i64", "tok_visible_ptr": "*i32", "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32",
+                "part_l_ptr": "*fp32"}
+    integers = ["num_heads", "q_blocks", "num_splits", "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kp",
+                "stride_ko", "stride_kh", "stride_vp", "stride_vo", "stride_vh", "stride_pt"]
+    signature = {**pointers, "scale_log2": "fp32", **{name: "i32" for name in integers}}
+    constants = dict(GROUP=4, HEAD_DIM=128, HEAD_PAD=launch.head_pad, PAGE_SIZE=16, BLOCK_Q=launch.block_q,
+                     BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, SPLIT=True, IEEE=False)
+    async_copies = {}
+    for stages in (kernels.NUM_STAGES, 1):
+        ptx = compile_for_hopper(kernels._attend_kernel, signature, constants, aligned_pointers=True,
+                                 multiples_of_16=tuple(n for n in integers if n.startswith(("stride_k", "stride_v"))),
+                                 num_warps=kernels.NUM_WARPS, num_stages=stages, enable_fp_fusion=True)["ptx"]
+        async_copies[stages] = ptx.count("cp.async.cg.shared.global")
+    assert kernels.NUM_STAGES > 1 and async_copies[kernels.NUM_STAGES] >= 16, async_copies
+    assert async_copies[1] == 0, async_copies
 
 
 def test_auto_runs_only_the_checked_backend(monkeypatch):
@@ -62,6 +104,20 @@ def test_auto_runs_only_the_checked_backend(monkeypatch):
         choose_attention_backend("cuda", 128, "triton")
     with pytest.raises(ValueError, match="fixed-order attention"):
         choose_attention_backend("cuda", 128, "triton", deterministic=True)
+
+
+def test_old_interpreter_is_refused(monkeypatch):
+    """On CPU, Triton's interpreter before 3.9 (which cannot run the kernel's loops) is a
+    ValueError naming the version it needs, and ``auto`` never picks triton there anyway."""
+    from types import SimpleNamespace
+
+    old = SimpleNamespace(INTERPRETED=True, INTERPRETER_MIN_TRITON=(3, 9), triton_version=lambda: (3, 6))
+    monkeypatch.setattr(attention_mod, "triton_kernels", lambda: old)
+    with pytest.raises(ValueError, match=r"Triton 3\.9 or later.*this is Triton 3\.6"):
+        choose_attention_backend("cpu", 16, "triton")
+    assert choose_attention_backend("cpu", 16) == "torch"
+    monkeypatch.setattr(old, "triton_version", lambda: (3, 9))
+    assert choose_attention_backend("cpu", 16, "triton") == "triton"
 
 
 def test_triton_on_cpu_needs_the_interpreter(capsys):

@@ -11,6 +11,9 @@ Every step shape runs the same kernel, ``_attend_kernel``. Its programs are
 * **Causal, bottom-right.** Query row ``i`` of a sequence with ``cache_len`` cached tokens sees
   positions ``[0, cache_len + i]``. A block reads only the tiles up to its last row's last
   visible position.
+* **Pipelined tiles.** A program's loop over its KV tiles is software-pipelined (``NUM_STAGES``
+  stages): the next tiles' keys and values are copied into shared memory asynchronously while
+  the current one is summed, so a long split streams its KV rather than waiting on every tile.
 * **Split-KV.** When the ``(query block, KV head)`` programs alone are too few to fill the GPU
   (decode at small batch sizes), each block's visible positions are cut into ``num_splits``
   equal parts (multiples of the tile length, sized by the block's own length, so a short sequence
@@ -30,7 +33,8 @@ same tensors; programs of query blocks a sequence does not have return at once.
 
 This module imports ``triton``. Triton's interpreter (``TRITON_INTERPRET=1`` set before
 ``triton`` is imported) runs the same kernels on CPU tensors, which is how the CPU tests
-check them (:data:`INTERPRETED` says which mode this import got).
+check them (:data:`INTERPRETED` says which mode this import got; the interpreter of Triton 3.9 or
+later, :data:`INTERPRETER_MIN_TRITON`).
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ MAX_SPLITS = 64
 PROGRAMS_PER_SM = 2  # split until (query blocks x KV heads x splits) reaches this many programs per SM
 PARTIALS_BYTES = 1 << 28  # float32 split partials one launch may hold (fewer splits beyond)
 NUM_WARPS = 4
+NUM_STAGES = 2  # KV tiles in flight: the loop over a split's tiles loads the next while one is summed
 _LOG2E = 1.4426950408889634
 _MIN_DOT = 16  # tl.dot's smallest M, N and K
 
@@ -133,12 +138,9 @@ def _attend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, page_table_ptr, seq_starts_ptr,
     k_base = k_ptr + kv_head * stride_kh
     v_base = v_ptr + kv_head * stride_vh
     pt_base = page_table_ptr + seq * stride_pt
-    # A while loop, not range() over tensor bounds: Triton's interpreter before 3.9 runs only the former.
-    n0 = lo
-    while n0 < hi:
+    for n0 in range(lo, hi, BLOCK_N):
         m, l, acc = _attend_tile(n0, hi, q, k_base, v_base, pt_base, row_visible, d, d_ok, m, l, acc, scale_log2,
                                  stride_kp, stride_ko, stride_vp, stride_vo, PAGE_SIZE, BLOCK_N, IEEE)
-        n0 += BLOCK_N
 
     if SPLIT:
         part = (tok * num_heads + heads) * num_splits + split  # [BLOCK_M]
@@ -172,6 +174,15 @@ def _merge_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, num_heads, num_
 
 INTERPRETED = isinstance(_attend_kernel, InterpretedFunction)
 """Whether this import got Triton's interpreter (``TRITON_INTERPRET=1``): kernels on CPU tensors."""
+
+INTERPRETER_MIN_TRITON = (3, 9)
+"""The oldest Triton whose interpreter runs these kernels (loops over bounds read from tensors)."""
+
+
+def triton_version() -> tuple[int, int]:
+    """The imported Triton's ``(major, minor)``."""
+    major, minor = triton.__version__.split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
 
 
 def _pow2_at_least(n: int, floor: int) -> int:
@@ -297,7 +308,7 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
         v_pages.stride(2), page_table.stride(0),
         GROUP=num_heads // kv_heads, HEAD_DIM=head_dim, HEAD_PAD=launch.head_pad, PAGE_SIZE=page_size,
         BLOCK_Q=launch.block_q, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, SPLIT=splits > 1, IEEE=q.dtype == f32,
-        num_warps=NUM_WARPS, enable_fp_fusion=True)
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES, enable_fp_fusion=True)
     if splits > 1:
         _merge_kernel[(n, num_heads)](part_acc, part_m, part_l, out, num_heads, splits, out.stride(0), out.stride(1),
                                       HEAD_DIM=head_dim, HEAD_PAD=launch.head_pad,
