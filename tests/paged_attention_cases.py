@@ -36,6 +36,13 @@ def decode_scenario(page: int) -> tuple[list[int], list[int]]:
     return [2 * page - 1, 37, 300, 5 * page + 3, 129], [1, 4, 1, 4, 1]
 
 
+def long_scenario(page: int) -> tuple[list[int], list[int]]:
+    """(cache_lens, query_lens) of decode and verification rows over long caches (the launch's
+    pipelined tile loop where a split spans ``PIPELINED_SPLIT_LEN`` positions or more), with a
+    short decode ending on a page boundary beside them."""
+    return [2100, 2 * page - 1, 1030], [1, 1, 4]
+
+
 def _tolerance(dtype: torch.dtype) -> float:
     return {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
 
@@ -96,13 +103,20 @@ class Case:
 
 
 def check_kernels(device: str, dtype: torch.dtype) -> None:
-    """Every config's ragged batch, and a step of decode and verification rows only (the
-    launch's short-query tiles), against the float64 reference: the automatic launch (one
-    split on CPU), one split (on CUDA, where the automatic launch splits this small batch), and
-    several splits (two and five) over a page table wider than the batch reads."""
+    """Every config's ragged batch, a step of decode and verification rows only (the launch's
+    short-query tiles), and one over long caches (their pipelined tile loop, in one split and in
+    two), against the float64 reference: the automatic launch (one split on CPU), one split (on
+    CUDA, where the automatic launch splits this small batch), and several splits (two and
+    five) over a page table wider than the batch reads."""
     variants = [(None, 0), (2, 3), (5, 1)] + ([(1, 0)] if device != "cpu" else [])
     for config in CONFIGS:
-        for lens, tried in ((None, variants), (decode_scenario(config[3]), variants[:2])):
+        page = config[3]
+        long_launch = kernels.plan_launch(num_tokens=6, num_seqs=3, q_max=4, kv_pages=2100 // page + 4,
+                                          page_size=page, num_heads=config[0], kv_heads=config[1],
+                                          head_dim=config[2], device="cpu", num_splits=2)
+        assert long_launch.num_stages > 1 or long_launch.block_m > kernels.SMALL_BLOCK_M
+        for lens, tried in ((None, variants), (decode_scenario(page), variants[:2]),
+                            (long_scenario(page), [(None, 0), (1, 0), (2, 3)])):
             case = Case(config, device, dtype, lens=lens)
             want = case.reference()
             for splits, extra in tried:

@@ -54,32 +54,53 @@ def test_interpreted_llm_tokens_equal_torch_backend_and_transformers():
 
 
 @needs_triton
+def test_launch_pipelines_only_long_decode_splits():
+    """The launch rule (H100-sized splits given explicitly): a decode or verification program
+    whose split spans ``PIPELINED_SPLIT_LEN`` page-table positions or more loops over tiles of
+    ``BLOCK_N`` in ``NUM_STAGES`` stages; a shorter split reads tiles of ``BLOCK_N_SMALL_M``
+    plainly; prefill blocks load plainly whatever the length."""
+    from tpspec.model import paged_attention_triton as kernels
+
+    def plan(q_max: int, kv_pages: int, splits: int) -> kernels.Launch:
+        return kernels.plan_launch(num_tokens=8 * q_max, num_seqs=8, q_max=q_max, kv_pages=kv_pages, page_size=16,
+                                   num_heads=32, kv_heads=8, head_dim=128, device="cpu", num_splits=splits)
+
+    for q_max in (1, 4):  # decode, verification of 3 drafts
+        long, short = plan(q_max, 512, 5), plan(q_max, 128, 5)  # 1639 and 410 positions a split
+        assert (long.block_n, long.num_stages) == (kernels.BLOCK_N, kernels.NUM_STAGES)
+        assert (short.block_n, short.num_stages) == (kernels.BLOCK_N_SMALL_M, 1)
+    prefill = plan(64, 512, 1)
+    assert prefill.block_m > kernels.SMALL_BLOCK_M and (prefill.block_n, prefill.num_stages) == (kernels.BLOCK_N, 1)
+    assert kernels.NUM_STAGES > 1 and kernels.PIPELINED_SPLIT_LEN % kernels.BLOCK_N == 0
+
+
+@needs_triton
 def test_decode_kernel_keeps_the_next_tiles_in_flight():
     """Compiled for Hopper without a GPU, as a bfloat16 decode launch of Llama 3's heads compiles
-    it (pointers 16-byte aligned; the K/V strides, multiples of 16, specialized so): the loop over a
-    split's KV tiles is software-pipelined, its K and V tiles copied asynchronously (``cp.async``)
-    while the previous tile is summed; with one stage the same kernel loads them synchronously."""
+    it (pointers 16-byte aligned; the K/V strides, multiples of 16, specialized so): with a long
+    split, the loop over its KV tiles is software-pipelined, the K and V tiles copied
+    asynchronously (``cp.async``) while the previous tile is summed; with a short split's plan the
+    same kernel loads them synchronously."""
     from interpreted import compile_for_hopper
     from tpspec.model import paged_attention_triton as kernels
 
-    launch = kernels.plan_launch(num_tokens=8, num_seqs=8, q_max=1, kv_pages=256, page_size=16, num_heads=32,
-                                 kv_heads=8, head_dim=128, device="cpu")
     pointers = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16", "page_table_ptr": "*i32",
                 "seq_starts_ptr": "*i64", "tok_visible_ptr": "*i32", "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32",
                 "part_l_ptr": "*fp32"}
     integers = ["num_heads", "q_blocks", "num_splits", "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kp",
                 "stride_ko", "stride_kh", "stride_vp", "stride_vo", "stride_vh", "stride_pt"]
     signature = {**pointers, "scale_log2": "fp32", **{name: "i32" for name in integers}}
-    constants = dict(GROUP=4, HEAD_DIM=128, HEAD_PAD=launch.head_pad, PAGE_SIZE=16, BLOCK_Q=launch.block_q,
-                     BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, SPLIT=True, IEEE=False)
     async_copies = {}
-    for stages in (kernels.NUM_STAGES, 1):
+    for kv_pages in (512, 128):  # 1639 and 410 positions a split
+        launch = kernels.plan_launch(num_tokens=8, num_seqs=8, q_max=1, kv_pages=kv_pages, page_size=16,
+                                     num_heads=32, kv_heads=8, head_dim=128, device="cpu", num_splits=5)
+        constants = dict(GROUP=4, HEAD_DIM=128, HEAD_PAD=launch.head_pad, PAGE_SIZE=16, BLOCK_Q=launch.block_q,
+                         BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, SPLIT=True, IEEE=False)
         ptx = compile_for_hopper(kernels._attend_kernel, signature, constants, aligned_pointers=True,
                                  multiples_of_16=tuple(n for n in integers if n.startswith(("stride_k", "stride_v"))),
-                                 num_warps=kernels.NUM_WARPS, num_stages=stages, enable_fp_fusion=True)["ptx"]
-        async_copies[stages] = ptx.count("cp.async.cg.shared.global")
-    assert kernels.NUM_STAGES > 1 and async_copies[kernels.NUM_STAGES] >= 16, async_copies
-    assert async_copies[1] == 0, async_copies
+                                 num_warps=kernels.NUM_WARPS, num_stages=launch.num_stages, enable_fp_fusion=True)["ptx"]
+        async_copies[kv_pages] = ptx.count("cp.async.cg.shared.global")
+    assert async_copies[512] >= 16 and async_copies[128] == 0, async_copies
 
 
 def test_auto_runs_only_the_checked_backend(monkeypatch):

@@ -11,9 +11,10 @@ Every step shape runs the same kernel, ``_attend_kernel``. Its programs are
 * **Causal, bottom-right.** Query row ``i`` of a sequence with ``cache_len`` cached tokens sees
   positions ``[0, cache_len + i]``. A block reads only the tiles up to its last row's last
   visible position.
-* **Pipelined tiles.** A program's loop over its KV tiles is software-pipelined (``NUM_STAGES``
-  stages): the next tiles' keys and values are copied into shared memory asynchronously while
-  the current one is summed, so a long split streams its KV rather than waiting on every tile.
+* **Pipelined tiles.** Where a decode or verification program's split is long, its loop over
+  KV tiles is software-pipelined (``NUM_STAGES`` stages): the next tiles' keys and values are
+  copied into shared memory asynchronously while the current one is summed, so the split
+  streams its KV rather than waiting on every tile. Short splits (one or two tiles) load plainly.
 * **Split-KV.** When the ``(query block, KV head)`` programs alone are too few to fill the GPU
   (decode at small batch sizes), each block's visible positions are cut into ``num_splits``
   equal parts (multiples of the tile length, sized by the block's own length, so a short sequence
@@ -47,19 +48,24 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-# KV positions per tile: 128 for programs of at most SMALL_BLOCK_M rows (decode, verification: the
-# kernel streams KV, and longer tiles keep more loads in flight), 64 for prefill tiles (a 64 x 128
-# score tile and its accumulator would not fit the registers of NUM_WARPS warps).
+# KV positions per tile. Programs of at most SMALL_BLOCK_M rows (decode, verification) whose splits are
+# short read their one or two tiles of BLOCK_N_SMALL_M with plain loads (one long tile keeps the most loads
+# in flight); where a split spans PIPELINED_SPLIT_LEN positions of the page table or more, the loop over its
+# tiles is pipelined in NUM_STAGES stages over tiles of BLOCK_N (streaming, the shorter tile wins; the rule sees
+# the page table's width, which a graph's bucket makes up to twice the longest sequence). Prefill
+# tiles are always BLOCK_N long and loaded plainly (a 64 x 128 score tile and its accumulator would not fit
+# the registers of NUM_WARPS warps).
 BLOCK_N_SMALL_M = 128
 BLOCK_N = 64
 SMALL_BLOCK_M = 16
+PIPELINED_SPLIT_LEN = 512
+NUM_STAGES = 2
 MAX_BLOCK_M = 64  # query rows (query positions x group heads) per program, at most
 MIN_SPLIT_LEN = 128  # KV positions a split covers at least (a multiple of either tile length)
 MAX_SPLITS = 64
 PROGRAMS_PER_SM = 2  # split until (query blocks x KV heads x splits) reaches this many programs per SM
 PARTIALS_BYTES = 1 << 28  # float32 split partials one launch may hold (fewer splits beyond)
 NUM_WARPS = 4
-NUM_STAGES = 2  # KV tiles in flight: the loop over a split's tiles loads the next while one is summed
 _LOG2E = 1.4426950408889634
 _MIN_DOT = 16  # tl.dot's smallest M, N and K
 
@@ -206,6 +212,7 @@ class Launch:
     num_splits: int  # KV splits per query block (1: no merge)
     head_pad: int
     block_n: int  # KV positions per tile
+    num_stages: int  # software-pipeline stages of the loop over a split's tiles (1: plain loads)
 
 
 def plan_launch(*, num_tokens: int, num_seqs: int, q_max: int, kv_pages: int, page_size: int, num_heads: int,
@@ -216,7 +223,9 @@ def plan_launch(*, num_tokens: int, num_seqs: int, q_max: int, kv_pages: int, pa
     ``num_splits``: KV splits per query block (default: 1 when the ``num_seqs * q_blocks *
     kv_heads`` programs reach ``PROGRAMS_PER_SM`` per SM, else enough splits to get there, at
     most ``MAX_SPLITS``, at least ``MIN_SPLIT_LEN`` positions of the page table's
-    ``kv_pages * page_size`` a split, and within ``PARTIALS_BYTES`` of float32 partials).
+    ``kv_pages * page_size`` a split, and within ``PARTIALS_BYTES`` of float32 partials). The
+    tile length and pipeline stages follow from the rows a program holds and the positions of
+    the page table a split spans (the comment above ``BLOCK_N_SMALL_M``).
     Depends only on these arguments (and the device's SM count), never on a tensor's values.
     """
     group = num_heads // kv_heads
@@ -234,9 +243,10 @@ def plan_launch(*, num_tokens: int, num_seqs: int, q_max: int, kv_pages: int, pa
             num_splits = max(1, min(triton.cdiv(target, programs), by_length, by_memory, MAX_SPLITS))
     elif not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
-    block_n = BLOCK_N_SMALL_M if block_m <= SMALL_BLOCK_M else BLOCK_N
+    pipelined = block_m <= SMALL_BLOCK_M and triton.cdiv(kv_pages * page_size, num_splits) >= PIPELINED_SPLIT_LEN
+    block_n = BLOCK_N_SMALL_M if block_m <= SMALL_BLOCK_M and not pipelined else BLOCK_N
     return Launch(block_q=block_q, block_m=block_m, q_blocks=q_blocks, num_splits=num_splits, head_pad=head_pad,
-                  block_n=block_n)
+                  block_n=block_n, num_stages=NUM_STAGES if pipelined else 1)
 
 
 def sequence_starts(tok_seq: torch.Tensor, num_seqs: int) -> torch.Tensor:
@@ -308,7 +318,7 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
         v_pages.stride(2), page_table.stride(0),
         GROUP=num_heads // kv_heads, HEAD_DIM=head_dim, HEAD_PAD=launch.head_pad, PAGE_SIZE=page_size,
         BLOCK_Q=launch.block_q, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, SPLIT=splits > 1, IEEE=q.dtype == f32,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES, enable_fp_fusion=True)
+        num_warps=NUM_WARPS, num_stages=launch.num_stages, enable_fp_fusion=True)
     if splits > 1:
         _merge_kernel[(n, num_heads)](part_acc, part_m, part_l, out, num_heads, splits, out.stride(0), out.stride(1),
                                       HEAD_DIM=head_dim, HEAD_PAD=launch.head_pad,
