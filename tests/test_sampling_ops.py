@@ -2,8 +2,6 @@
 reference, chi-square of the draws against the filtered renormalized distribution, and
 bit-equality with the sharded Gumbel-max path for temperature-only rows."""
 
-import math
-
 import numpy as np
 import pytest
 import torch
