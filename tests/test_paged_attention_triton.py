@@ -96,9 +96,10 @@ def test_decode_kernel_keeps_the_next_tiles_in_flight():
                                      num_heads=32, kv_heads=8, head_dim=128, device="cpu", num_splits=5)
         constants = dict(GROUP=4, HEAD_DIM=128, HEAD_PAD=launch.head_pad, PAGE_SIZE=16, BLOCK_Q=launch.block_q,
                          BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, SPLIT=True, IEEE=False)
+        kv_strides = tuple(n for n in integers if n.startswith(("stride_k", "stride_v")))
         ptx = compile_for_hopper(kernels._attend_kernel, signature, constants, aligned_pointers=True,
-                                 multiples_of_16=tuple(n for n in integers if n.startswith(("stride_k", "stride_v"))),
-                                 num_warps=kernels.NUM_WARPS, num_stages=launch.num_stages, enable_fp_fusion=True)["ptx"]
+                                 multiples_of_16=kv_strides, num_warps=kernels.NUM_WARPS,
+                                 num_stages=launch.num_stages, enable_fp_fusion=True)["ptx"]
         async_copies[kv_pages] = ptx.count("cp.async.cg.shared.global")
     assert async_copies[512] >= 16 and async_copies[128] == 0, async_copies
 
