@@ -4,8 +4,8 @@
 # Usage: bash launch/gpu_run.sh [--dry-run] OUT_DIR [GROUP_OR_STEP ...]
 #
 #   Groups, in run order: quick (only when named), correctness, exchange, sampling, runtime, generate
-#   (default: all but quick). quick: the GPU tests, the roofline table, tpspec against transformers and
-#   deterministic mode's cost at the Llama 3 8B shape, in under 9 minutes on one GPU.
+#   (default: all but quick). quick: the GPU tests, the roofline table, the attention alone, tpspec against
+#   transformers and deterministic mode's cost at the Llama 3 8B shape, in under 9 minutes on one GPU.
 #   A step's name runs that step alone (`--dry-run` lists the selected ones). Steps run in the order
 #   this script lists them, whatever the order of the arguments.
 #   --dry-run  print each selected step's time limit and command, and whether this build's `tpspec`
@@ -51,12 +51,12 @@ T="$PY -m tpspec"
 # 0. Quick (one GPU, under 9 minutes, each limit below the share it may take): the GPU tests of the kernels
 #    and of the graphed steps (every GPU-marked test takes longer than this group's share: `correctness`); the
 #    roofline table at the Llama 3 8B shape, TP=1, with the torch attention backend beside triton where the
-#    runtime accepts it; tpspec against Hugging Face transformers (static cache, compiled) at batch 1, 8 and
+#    runtime accepts it; the same backends' attention alone at that shape's heads; tpspec against Hugging Face transformers (static cache, compiled) at batch 1, 8 and
 #    32; deterministic mode beside the default at the same shape.
 quick_backends=torch
 for want in "$@"; do
     case "$want" in
-        quick|quick-roofline-*)
+        quick|quick-roofline-*|quick-attention-*)
             quick_backends=$("$PY" -c 'from tpspec.bench.roofline import accepted_attention_backends as accepted
 print(",".join(accepted(["torch", "triton"])))' 2>/dev/null) || quick_backends=torch
             [ -n "$quick_backends" ] || quick_backends=torch
@@ -66,9 +66,10 @@ done
 S8B="--device cuda --tp 1 --model-shape llama-3-8b"
 QUICK_GPU_TESTS="tests/test_key_kernels.py tests/test_deterministic_layer_kernels.py tests/test_deterministic_attention.py tests/test_runtime_gpu.py tests/test_paged_attention_triton.py"
 step quick quick-gpu-tests 180 "$PY -m pytest -m gpu -v -rfE --durations=15 -p no:cacheprovider $QUICK_GPU_TESTS"
-step quick quick-roofline-llama-3-8b 100 "$T bench step $S8B --roofline-only --attention-backends $quick_backends --iters 10 --warmup 2 --timeout 90 --out $o/quick-roofline-llama-3-8b"
-step quick quick-hf-llama-3-8b 160 "$T bench generate $S8B --baseline hf --num-prompts 1,8,32 --prompt-len 128 --max-new-tokens 64 --timeout 150 --out $o/quick-hf-llama-3-8b"
-step quick quick-deterministic-llama-3-8b 70 "$T bench generate $S8B --rates none --deterministic --num-prompts 1,8,32 --prompt-len 128 --max-new-tokens 64 --timeout 60 --out $o/quick-deterministic-llama-3-8b"
+step quick quick-roofline-llama-3-8b 80 "$T bench step $S8B --roofline-only --attention-backends $quick_backends --iters 10 --warmup 2 --timeout 70 --out $o/quick-roofline-llama-3-8b"
+step quick quick-attention-llama-3-8b 40 "$T bench attention --device cuda --model-shape llama-3-8b --backends $quick_backends --out $o/quick-attention-llama-3-8b"
+step quick quick-hf-llama-3-8b 150 "$T bench generate $S8B --baseline hf --num-prompts 1,8,32 --prompt-len 128 --max-new-tokens 64 --timeout 140 --out $o/quick-hf-llama-3-8b"
+step quick quick-deterministic-llama-3-8b 60 "$T bench generate $S8B --rates none --deterministic --num-prompts 1,8,32 --prompt-len 128 --max-new-tokens 64 --timeout 50 --out $o/quick-deterministic-llama-3-8b"
 
 # 1. Correctness: every GPU-marked test; the determinism suite with N rank processes on the GPU(s); the LL
 #    kernel bit for bit against the CPU reference.

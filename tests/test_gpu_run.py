@@ -53,9 +53,9 @@ def test_dry_run_lists_every_step_and_runs_nothing(tmp_path):
 
 def test_quick_group_fits_nine_minutes_and_every_command_parses(tmp_path):
     """`gpu_run.sh OUT quick`: the GPU tests, the roofline at the Llama 3 8B shape with every attention
-    backend of torch and triton the runtime accepts, tpspec against transformers at batch 1/8/32, and
-    deterministic mode's cost, in that order, their time limits together under 9 minutes with room for
-    the script's own start."""
+    backend of torch and triton the runtime accepts, those backends' attention alone, tpspec against
+    transformers at batch 1/8/32, and deterministic mode's cost, in that order, their time limits
+    together under 9 minutes with room for the script's own start."""
     from tpspec.bench.roofline import accepted_attention_backends
 
     out = tmp_path / "out"
@@ -64,18 +64,21 @@ def test_quick_group_fits_nine_minutes_and_every_command_parses(tmp_path):
     text = result.stdout
     steps = [line for line in text.splitlines() if line.endswith(" s]")]
     assert [line.split(" [")[0] for line in steps] == ["quick-gpu-tests", "quick-roofline-llama-3-8b",
-                                                        "quick-hf-llama-3-8b", "quick-deterministic-llama-3-8b"]
+                                                        "quick-attention-llama-3-8b", "quick-hf-llama-3-8b",
+                                                        "quick-deterministic-llama-3-8b"]
     assert sum(int(line.split(", ")[1].split(" s]")[0]) for line in steps) <= 520
     backends = ",".join(accepted_attention_backends(["torch", "triton"]))
     assert backends.startswith("torch")
     for fragment in ("-m pytest -m gpu ",
                      "bench step --device cuda --tp 1 --model-shape llama-3-8b --roofline-only "
                      f"--attention-backends {backends} ",
+                     f"bench attention --device cuda --model-shape llama-3-8b --backends {backends} ",
                      "bench generate --device cuda --tp 1 --model-shape llama-3-8b --baseline hf --num-prompts 1,8,32 ",
                      "--model-shape llama-3-8b --rates none --deterministic --num-prompts 1,8,32 ",
                      f"--out {out}/quick-roofline-llama-3-8b", f"--out {out}/quick-hf-llama-3-8b"):
         assert fragment in text, fragment
-    for name in ("quick-roofline-llama-3-8b", "quick-hf-llama-3-8b", "quick-deterministic-llama-3-8b"):
+    for name in ("quick-roofline-llama-3-8b", "quick-attention-llama-3-8b", "quick-hf-llama-3-8b",
+                 "quick-deterministic-llama-3-8b"):
         assert f"    {name}: accepted" in text
     assert "NOT ACCEPTED" not in text
 
