@@ -27,9 +27,9 @@ from tpspec.model.attention import AUTO_CUDA_ATTENTION, choose_attention_backend
 
 
 def _triton_version() -> tuple[int, int]:
-    from importlib.metadata import version
+    import triton
 
-    major, minor = version("triton").split(".")[:2]
+    major, minor = triton.__version__.split(".")[:2]
     return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
 
 
