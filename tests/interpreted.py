@@ -20,9 +20,11 @@ has_triton = importlib.util.find_spec("triton") is not None
 needs_triton = pytest.mark.skipif(not has_triton, reason="needs triton")
 
 
-def _interpreter_env() -> dict[str, str]:
+def interpreter_env(**extra: str) -> dict[str, str]:
+    """This process's environment with Triton's interpreter on, the repository and ``tests/`` on
+    ``PYTHONPATH``, and ``extra`` set."""
     return {**os.environ, "TRITON_INTERPRET": "1",
-            "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS), os.environ.get("PYTHONPATH", "")])}
+            "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS), os.environ.get("PYTHONPATH", "")]), **extra}
 
 
 def _assert_ok(returncode: int, stdout: str, stderr: str, dtypes: tuple[str, ...]) -> None:
@@ -34,7 +36,7 @@ def _assert_ok(returncode: int, stdout: str, stderr: str, dtypes: tuple[str, ...
 def run_interpreted(script: str, args: list[str], dtypes: tuple[str, ...]) -> None:
     """Run ``tests/<script> *args *dtypes`` under the interpreter; it must exit 0 and report every
     dtype as ok."""
-    proc = subprocess.run([sys.executable, str(TESTS / script), *args, *dtypes], env=_interpreter_env(), cwd=ROOT,
+    proc = subprocess.run([sys.executable, str(TESTS / script), *args, *dtypes], env=interpreter_env(), cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     _assert_ok(proc.returncode, proc.stdout, proc.stderr, dtypes)
 
@@ -48,7 +50,7 @@ class InterpretedRun:
         from started import Started
 
         self.dtypes = dtypes
-        self.run = Started([sys.executable, str(TESTS / script), *args, *dtypes], ROOT, _interpreter_env(),
+        self.run = Started([sys.executable, str(TESTS / script), *args, *dtypes], ROOT, interpreter_env(),
                            logs=logs, name="-".join([Path(script).stem, *args]))
 
     def check(self, timeout_s: float = 600) -> None:

@@ -30,8 +30,9 @@ def interpreted_checks(tmp_path_factory):
     core; they share the machine's): ``check -> Started``."""
     from started import Started
 
-    path = os.pathsep.join(p for p in (ROOT, TESTS, os.environ.get("PYTHONPATH")) if p)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    from interpreted import interpreter_env
+
+    env = interpreter_env(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
     logs = tmp_path_factory.mktemp("segment_gemm")
     runs = {check: Started([sys.executable, os.path.join(TESTS, "segment_gemm_checks.py"), check, "cpu", "float32",
                             "float16"], Path(ROOT), env, logs=logs, name=check) for check in CHECKS}

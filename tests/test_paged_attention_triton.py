@@ -26,16 +26,15 @@ from tpspec.model import attention as attention_mod
 from tpspec.model.attention import AUTO_CUDA_ATTENTION, choose_attention_backend
 
 
-def _triton_version() -> tuple[int, int]:
-    import triton
+def _interpreter_too_old() -> bool:
+    from tpspec.model import paged_attention_triton as kernels
 
-    major, minor = triton.__version__.split(".")[:2]
-    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+    return kernels.triton_version() < kernels.INTERPRETER_MIN_TRITON
 
 
 # The interpreter of Triton 3.9 or later: older ones cannot run the kernel's loops over bounds read
 # from tensors (attention_backend="triton" refuses them on CPU: test_old_interpreter_is_refused).
-needs_interpreter = pytest.mark.skipif(not has_triton or _triton_version() < (3, 9),
+needs_interpreter = pytest.mark.skipif(not has_triton or _interpreter_too_old(),
                                        reason="needs triton >= 3.9 (its interpreter runs the attention kernel)")
 
 

@@ -74,10 +74,10 @@ def _triton_unusable(device: torch.device) -> str | None:
     if device.type not in ("cuda", "cpu") or (device.type == "cpu" and not kernels.INTERPRETED):
         return (f"it runs on CUDA, and on CPU only under Triton's interpreter (set TRITON_INTERPRET=1 before "
                 f"triton is imported); device is {device}")
-    if device.type == "cpu" and kernels.triton_version() < kernels.INTERPRETER_MIN_TRITON:
-        need = ".".join(map(str, kernels.INTERPRETER_MIN_TRITON))
-        return (f"on CPU it needs the interpreter of Triton {need} or later (its loops run over bounds read from "
-                f"tensors); this is Triton {'.'.join(map(str, kernels.triton_version()))}")
+    version, need = kernels.triton_version(), kernels.INTERPRETER_MIN_TRITON
+    if device.type == "cpu" and version < need:
+        return (f"on CPU it needs the interpreter of Triton {'.'.join(map(str, need))} or later (its loops run over "
+                f"bounds read from tensors); this is Triton {'.'.join(map(str, version))}")
     return None
 
 

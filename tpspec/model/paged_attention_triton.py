@@ -243,8 +243,9 @@ def plan_launch(*, num_tokens: int, num_seqs: int, q_max: int, kv_pages: int, pa
             num_splits = max(1, min(triton.cdiv(target, programs), by_length, by_memory, MAX_SPLITS))
     elif not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
-    pipelined = block_m <= SMALL_BLOCK_M and triton.cdiv(kv_pages * page_size, num_splits) >= PIPELINED_SPLIT_LEN
-    block_n = BLOCK_N_SMALL_M if block_m <= SMALL_BLOCK_M and not pipelined else BLOCK_N
+    short_rows = block_m <= SMALL_BLOCK_M  # decode, verification
+    pipelined = short_rows and triton.cdiv(kv_pages * page_size, num_splits) >= PIPELINED_SPLIT_LEN
+    block_n = BLOCK_N_SMALL_M if short_rows and not pipelined else BLOCK_N
     return Launch(block_q=block_q, block_m=block_m, q_blocks=q_blocks, num_splits=num_splits, head_pad=head_pad,
                   block_n=block_n, num_stages=NUM_STAGES if pipelined else 1)
 
