@@ -58,6 +58,26 @@ def check_kernels(device: str, dtype: torch.dtype, shapes=SMALL_SHAPES, rows=ROW
                     assert torch.equal(y, kernels.linear(x, w, b, splits=splits))
 
 
+def check_silu_kernels(device: str, dtype: torch.dtype, shapes=SMALL_SHAPES, rows=ROWS) -> None:
+    """SwiGLU's ``silu(gate) * up`` formed inside the GEMV (``silu_mul_linear``): the bits of the
+    ``silu_mul`` kernel followed by ``linear``, at every shape and row count, bias on and off, the
+    rule's splits and forced 1 and 3; and within the GEMV's rounding of the float64 product of
+    those inputs."""
+    from tpspec.model import fused_triton
+
+    for n, k in shapes:
+        for m in rows:
+            for bias in (False, True):
+                x, w, b = _tensors(m, n, 2 * k, dtype, device, bias, seed=7 * n + k)
+                w = w[:, :k].contiguous()
+                hidden = fused_triton.silu_mul(x)
+                for splits in (None, 1, 3):
+                    what = f"silu {n}x{k} M={m} bias={bias} splits={splits}"
+                    y = kernels.silu_mul_linear(x, w, b, splits=splits)
+                    assert torch.equal(y, kernels.linear(hidden, w, b, splits=splits)), what
+                    assert_close(y, hidden, w, b, what)
+
+
 def norm_reference(x, r, g, eps, w, b):
     """``(y, scale, h)`` in float64: the norm of ``h = x + r`` (rounded to the dtype, as torch
     adds) times ``g``, through ``W`` (and ``b``); ``scale`` bounds the accumulated magnitudes."""
@@ -100,7 +120,8 @@ def check_norm_kernels(device: str, dtype: torch.dtype, shapes=SMALL_SHAPES) -> 
 def check_llm(device: str, dtype: torch.dtype) -> None:
     """The tiny model with its layers' fused kernels, greedy, one request (its decode steps have
     one row): the tokens with the switch on (the Triton GEMV running the one-row linears, the norms
-    fused into q/k/v and gate/up) equal those of ``F.linear``, and both kernels ran."""
+    fused into q/k/v and gate/up, ``silu(gate) * up`` into down_proj) equal those of ``F.linear``,
+    and every kernel ran."""
     from tpspec.mapping import Mapping
     from tpspec.model import layers as layers_mod
     from tpspec.model import linear as linear_mod
@@ -109,7 +130,7 @@ def check_llm(device: str, dtype: torch.dtype) -> None:
     from tpspec.runtime.engine import Engine
     from tpspec.sampling.params import SamplingParams
 
-    calls = {"linear": 0, "norm_linear": 0}
+    calls = {"linear": 0, "norm_linear": 0, "silu_mul_linear": 0}
     originals = {name: getattr(kernels, name) for name in calls}
 
     def counting(name):
@@ -124,12 +145,13 @@ def check_llm(device: str, dtype: torch.dtype) -> None:
     requests = [Request(0, (11, 12, 13, 14), SamplingParams(temperature=0.0), 12)]
     tokens = {}
     fused_before = layers_mod.FUSED_UNDER_INTERPRETER
+    silu_before = linear_mod.TRITON_SILU_DOWN
     layers_mod.FUSED_UNDER_INTERPRETER = True
     try:
         with tempfile.TemporaryDirectory() as tmp:
             ckpt = str(make_tiny_checkpoint(f"{tmp}/tiny", seed=0))
             for on in (False, True):
-                linear_mod.TRITON_GEMV = on
+                linear_mod.TRITON_GEMV = linear_mod.TRITON_SILU_DOWN = on
                 engine = Engine(EngineConfig(ckpt, 1, device, name, max_batch_size=4, use_cuda_graphs=device == "cuda",
                                              gpu_memory_utilization=0.2 if device == "cuda" else None), Mapping(), device)
                 try:
@@ -140,6 +162,7 @@ def check_llm(device: str, dtype: torch.dtype) -> None:
                     assert not any(calls.values()), f"a kernel ran with the switch off: {calls}"
     finally:
         linear_mod.TRITON_GEMV = False
+        linear_mod.TRITON_SILU_DOWN = silu_before
         layers_mod.FUSED_UNDER_INTERPRETER = fused_before
         for name, fn in originals.items():
             setattr(kernels, name, fn)
@@ -147,7 +170,7 @@ def check_llm(device: str, dtype: torch.dtype) -> None:
     assert tokens[True] == tokens[False], tokens
 
 
-CHECKS = {"kernels": [check_kernels, check_norm_kernels], "llm": [check_llm]}
+CHECKS = {"kernels": [check_kernels, check_norm_kernels, check_silu_kernels], "llm": [check_llm]}
 
 
 if __name__ == "__main__":

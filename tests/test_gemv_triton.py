@@ -6,11 +6,12 @@ imported; skipped without ``triton``): the kernel against float64 ``x @ W.T`` in
 float16 (the interpreter's ``tl.dot`` does not handle bfloat16) at small shapes (N not a multiple
 of the block, a K tail, one and several K splits), M = 1, 3, 16, bias on and off; the norm fused
 in front of it (``norm_linear``) against the float64 norm and product, with and without a
-residual; and the tiny model's greedy tokens with the switch on equal those of ``F.linear``. The
-kernels compile for Hopper without a GPU. The dispatch rule is pure logic, checked here without a
+residual; SwiGLU's ``silu(gate) * up`` fused in front of it (``silu_mul_linear``) against the
+``silu_mul`` kernel and ``linear``, bit for bit; and the tiny model's greedy tokens with the
+switches on equal those of ``F.linear``. The kernels compile for Hopper without a GPU. The dispatch rule is pure logic, checked here without a
 kernel. On CUDA (``gpu`` marks): bfloat16, float16 and float32 at the Llama-3-8B shapes for M = 1,
-8, 16 (and the fused norm at one row), a CUDA-graph replay equal to an eager call, and the tiny
-model's tokens.
+8, 16 (and the fused norm at one row, ``silu(gate) * up`` in front of down_proj at 1 and 8), a
+CUDA-graph replay equal to an eager call, and the tiny model's tokens.
 """
 
 from __future__ import annotations
@@ -50,21 +51,24 @@ def test_norm_kernels_compile_for_hopper():
     from tpspec.model import gemv_triton as kernels
 
     ptr = "*bf16"
-    for n, k in (LLAMA_3_8B["qkv"], LLAMA_3_8B["gate_up"]):
-        launch = kernels.plan_gemv(1, n, k, device="cpu")
-        signature = {"x_ptr": ptr, "res_ptr": ptr, "g_ptr": ptr, "w_ptr": ptr, "b_ptr": ptr, "out_ptr": ptr,
-                     "h_ptr": ptr, "part_ptr": "*fp32", "sq_ptr": "*fp32", "N": "i32", "K": "i32",
-                     "stride_wn": "i32", "k_iters": "i32", "k_f": "fp32", "eps": "fp32"}
-        constants = {"BLOCK_N": launch.block_n, "BLOCK_K": launch.block_k, "EVEN": True, "SPLIT": n < 8192,
-                     "HAS_RES": True, "HAS_BIAS": False, "NUM_STAGES": launch.num_stages}
-        asm = compile_for_hopper(kernels._norm_gemv_kernel, signature, constants, num_warps=launch.num_warps,
-                                 num_stages=launch.num_stages, enable_fp_fusion=True)
-        assert "cubin" in asm and "ld.global" in asm["ptx"]
-    asm = compile_for_hopper(kernels._norm_reduce_kernel,
-                             {"part_ptr": "*fp32", "sq_ptr": "*fp32", "b_ptr": ptr, "out_ptr": ptr, "N": "i32",
-                              "splits": "i32", "k_f": "fp32", "eps": "fp32"},
-                             {"HAS_BIAS": False, "BLOCK": kernels.REDUCE_BLOCK}, num_warps=4, enable_fp_fusion=True)
-    assert "cubin" in asm
+    for pdl in (False, True):
+        for n, k in (LLAMA_3_8B["qkv"], LLAMA_3_8B["gate_up"]):
+            launch = kernels.plan_gemv(1, n, k, device="cpu")
+            signature = {"x_ptr": ptr, "res_ptr": ptr, "g_ptr": ptr, "w_ptr": ptr, "b_ptr": ptr, "out_ptr": ptr,
+                         "h_ptr": ptr, "part_ptr": "*fp32", "sq_ptr": "*fp32", "N": "i32", "K": "i32",
+                         "stride_wn": "i32", "k_iters": "i32", "k_f": "fp32", "eps": "fp32"}
+            constants = {"BLOCK_N": launch.block_n, "BLOCK_K": launch.block_k, "EVEN": True, "SPLIT": n < 8192,
+                         "HAS_RES": True, "HAS_BIAS": False, "NUM_STAGES": launch.num_stages, "PDL": pdl}
+            asm = compile_for_hopper(kernels._norm_gemv_kernel, signature, constants, num_warps=launch.num_warps,
+                                     num_stages=launch.num_stages, enable_fp_fusion=True, launch_pdl=pdl)
+            assert "cubin" in asm and "ld.global" in asm["ptx"]
+            assert ("griddepcontrol.wait" in asm["ptx"]) == pdl
+        asm = compile_for_hopper(kernels._norm_reduce_kernel,
+                                 {"part_ptr": "*fp32", "sq_ptr": "*fp32", "b_ptr": ptr, "out_ptr": ptr, "N": "i32",
+                                  "splits": "i32", "k_f": "fp32", "eps": "fp32"},
+                                 {"HAS_BIAS": False, "BLOCK": kernels.REDUCE_BLOCK, "PDL": pdl}, num_warps=4,
+                                 enable_fp_fusion=True, launch_pdl=pdl)
+        assert "cubin" in asm
 
 
 class _Kernels:
@@ -74,7 +78,8 @@ class _Kernels:
 def test_dispatch_rule(monkeypatch):
     """On by default (GPU-checked); with the switch on, only one-row, ``N >= K``, aligned,
     same-dtype calls on a device the kernels run on (CUDA compiled, CPU interpreted) go to the
-    kernel; with it off, none."""
+    kernel; with it off, none. SwiGLU's down projection with ``silu(gate) * up`` inside: one row
+    of ``2 K``, any ``N``, both switches on."""
     assert linear_mod.TRITON_GEMV is True
     use = linear_mod.use_triton_linear
     x, w, b = torch.zeros(1, 64), torch.zeros(64, 64), torch.zeros(64)
@@ -113,6 +118,19 @@ def test_dispatch_rule(monkeypatch):
     assert not norm(x, torch.zeros(2, 64), g, w)
     assert not norm(x, None, torch.ones(32), w) and not norm(x, None, g.half(), w)
     assert not norm(x, None, g, torch.zeros(32, 64))  # the linear itself not taken
+    silu = linear_mod.use_triton_silu_linear
+    assert linear_mod.TRITON_SILU_DOWN is True
+    gate_up = torch.zeros(1, 128)
+    assert silu(gate_up, torch.zeros(32, 64)) and silu(gate_up, w)  # down_proj's K > N too
+    assert not silu(torch.zeros(2, 128), torch.zeros(32, 64))  # one row only
+    assert not silu(torch.zeros(1, 64), torch.zeros(32, 64))  # gate_up is 2 K wide
+    assert not silu(gate_up.half(), torch.zeros(32, 64))
+    monkeypatch.setattr(linear_mod, "TRITON_SILU_DOWN", False)
+    assert not silu(gate_up, torch.zeros(32, 64))
+    monkeypatch.setattr(linear_mod, "TRITON_SILU_DOWN", True)
+    monkeypatch.setattr(linear_mod, "TRITON_GEMV", False)
+    assert not silu(gate_up, torch.zeros(32, 64))
+    monkeypatch.setattr(linear_mod, "TRITON_GEMV", True)
     monkeypatch.setattr(linear_mod, "gemv_kernels", lambda: None)  # no triton
     assert not use(x, w)
     if torch.cuda.is_available():
@@ -142,6 +160,8 @@ def test_cuda_kernel_matches_the_float64_reference(dtype):
     cases.check_kernels("cuda", dtype, shapes=list(LLAMA_3_8B.values()), rows=(1, 8, 16))
     cases.check_norm_kernels("cuda", dtype)
     cases.check_norm_kernels("cuda", dtype, shapes=[LLAMA_3_8B["qkv"], LLAMA_3_8B["gate_up"]])
+    cases.check_silu_kernels("cuda", dtype)
+    cases.check_silu_kernels("cuda", dtype, shapes=[LLAMA_3_8B["down"]], rows=(1, 8))
 
 
 @pytest.mark.gpu

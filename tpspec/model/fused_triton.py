@@ -10,7 +10,8 @@ reduced in another order) and for ``silu`` (another ``exp``). Floating-point con
 
 Launches depend only on the tensors' shapes (one program per row, or per row and head), never on
 their values, and allocate only outputs of those shapes: a step that runs them can be captured
-in a CUDA graph.
+in a CUDA graph. Where :func:`tpspec.model.dependent_launch.use_pdl` says so they launch with
+programmatic dependent launch, waiting before their first memory access.
 
 This module imports ``triton``. Triton's interpreter (``TRITON_INTERPRET=1`` set before
 ``triton`` is imported) runs the same kernels on CPU tensors, which is how the CPU tests check
@@ -26,16 +27,21 @@ import triton.language as tl
 from triton.language.extra import libdevice
 from triton.runtime.interpreter import InterpretedFunction
 
+from .dependent_launch import use_pdl
+
 MAX_HIDDEN = 65536  # the widest row one norm program holds
 SILU_BLOCK = 1024  # intermediate features per silu_mul program
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, hidden, hidden_f, eps, stride_x, stride_r, stride_o,
-                     stride_ro, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     stride_ro, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < hidden
+    if PDL:  # tpspec.model.dependent_launch: nothing is read or written before the kernel before has finished
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
     dtype = x.dtype
     if HAS_RESIDUAL:
@@ -54,7 +60,10 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, hidden, hidden
 def _rotary_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, index_ptr, q_ptr, k_ptr, v_ptr, num_rows, stride_t, stride_c,
                       stride_s, stride_qt, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh,
                       NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                      HALF_PAD: tl.constexpr):
+                      HALF_PAD: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)  # [0, NUM_HEADS): a query head; [NUM_HEADS, NUM_HEADS + NUM_KV_HEADS): a KV head
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -91,7 +100,11 @@ def _rotary_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, index_ptr, q_ptr, k_ptr, v_ptr,
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, ACCURATE_EXP: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, ACCURATE_EXP: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < inter
@@ -134,10 +147,11 @@ def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, 
         res = _rows(residual, "residual")
     if n:
         block = triton.next_power_of_2(hidden)
+        pdl = use_pdl(x.device)
         _rms_norm_kernel[(n,)](x, res, weight.contiguous(), out, new_res, hidden, float(hidden), float(eps),
                                x.stride(0), res.stride(0), out.stride(0), new_res.stride(0),
-                               HAS_RESIDUAL=residual is not None, BLOCK=block,
-                               num_warps=min(16, max(1, block // 512)), enable_fp_fusion=False)
+                               HAS_RESIDUAL=residual is not None, BLOCK=block, PDL=pdl,
+                               num_warps=min(16, max(1, block // 512)), enable_fp_fusion=False, launch_pdl=pdl)
     return out, new_res
 
 
@@ -204,8 +218,8 @@ def rotary_and_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             qkv, cos, sin, write_index, q, k_rows, v_rows, k_rows.shape[0], qkv.stride(0), cos.stride(0),
             sin.stride(0), q.stride(0), q.stride(1), k_rows.stride(0), k_rows.stride(1), v_rows.stride(0),
             v_rows.stride(1), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-            HALF_PAD=triton.next_power_of_2(head_dim // 2), num_warps=1 if head_dim <= 128 else 2,
-            enable_fp_fusion=False)
+            HALF_PAD=triton.next_power_of_2(head_dim // 2), PDL=use_pdl(qkv.device),
+            num_warps=1 if head_dim <= 128 else 2, enable_fp_fusion=False, launch_pdl=use_pdl(qkv.device))
     return q
 
 
@@ -221,5 +235,5 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if n and inter:
         _silu_mul_kernel[(n, triton.cdiv(inter, SILU_BLOCK))](
             gate_up, out, inter, gate_up.stride(0), out.stride(0), ACCURATE_EXP=not INTERPRETED, BLOCK=SILU_BLOCK,
-            num_warps=4, enable_fp_fusion=False)
+            PDL=use_pdl(gate_up.device), num_warps=4, enable_fp_fusion=False, launch_pdl=use_pdl(gate_up.device))
     return out

@@ -23,6 +23,13 @@ stream ``W`` from memory. The kernel is built for that:
   the contraction is split): no norm kernel runs first, and the first feature block's programs
   store the residual sum ``h`` the next layer needs.
 
+* **SwiGLU in front** (:func:`silu_mul_linear`). A down projection's input is ``silu(gate) * up``;
+  the K loop forms each element from the gate/up row as it loads it (the ``silu_mul`` kernel's
+  arithmetic), so that kernel does not run and its output is never stored.
+* **Dependent launch.** Where :func:`tpspec.model.dependent_launch.use_pdl` says so, every kernel
+  here launches with programmatic dependent launch: the GEMVs load their first weight tile, then
+  wait for the kernel before (whose output is their ``x``), then stream the rest.
+
 Everything accumulates in float32. The launch (:func:`plan_gemv`) depends only on ``(M, N, K)``,
 the dtype and the device's SM count, so results are the same bits for a given shape on a given
 device, and nothing synchronizes with the host: a call can be captured in a CUDA graph (the split
@@ -42,19 +49,77 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 from triton.runtime.interpreter import InterpretedFunction
 
+from .dependent_launch import use_pdl
+
 MAX_ROWS = 16  # rows of x one call handles (the dot path pads to this)
+ONE_ROW_TILE = (16, 256)  # one row: [features, contraction] of a weight tile
+# One row with silu(gate) * up formed in the K loop: every program computes silu over its contraction
+# tiles, so taller tiles spread that work over more weights.
+SILU_ONE_ROW_TILE = (16, 256)
 MAX_SPLITS = 16
 REDUCE_BLOCK = 256  # features per program of the split reduction
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
+def _silu_mul_row(gate, up, ACCURATE_EXP: tl.constexpr):
+    # fused_triton.silu_mul's arithmetic: silu in float32 rounded to the dtype, then the product rounded.
+    dtype = gate.dtype
+    g = gate.to(tl.float32)
+    if ACCURATE_EXP:
+        e = libdevice.exp(-g)  # CUDA's expf, what torch's silu calls
+    else:
+        e = tl.exp(-g)  # the interpreter: numpy's exp
+    act = tl.math.div_rn(g, 1.0 + e).to(dtype)
+    return (act.to(tl.float32) * up.to(tl.float32)).to(dtype)
+
+
+@triton.jit
+def _gemv_fold(acc, w, x_ptr, k, m, m_ok, K, stride_xm, USE_DOT: tl.constexpr, EVEN: tl.constexpr,
+               IEEE: tl.constexpr, SILU_MUL: tl.constexpr, ACCURATE_EXP: tl.constexpr):
+    """One weight tile ``w`` ``[BLOCK_N, BLOCK_K]`` (columns ``k``) times x's columns ``k``, added to ``acc``.
+    ``SILU_MUL``: x's row holds ``cat(gate, up)`` (``2 K`` wide) and the product's input is ``silu(gate) * up``."""
+    if USE_DOT:
+        rows = x_ptr + m[:, None] * stride_xm + k[None, :]
+        if EVEN:
+            ok = m_ok[:, None]
+        else:
+            ok = m_ok[:, None] & (k < K)[None, :]
+        x = tl.load(rows, mask=ok, other=0.0)
+        if SILU_MUL:
+            x = _silu_mul_row(x, tl.load(rows + K, mask=ok, other=0.0), ACCURATE_EXP)
+        if IEEE:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+    else:
+        if EVEN:
+            x = tl.load(x_ptr + k)
+            if SILU_MUL:
+                x = _silu_mul_row(x, tl.load(x_ptr + K + k), ACCURATE_EXP)
+        else:
+            x = tl.load(x_ptr + k, mask=k < K, other=0.0)
+            if SILU_MUL:
+                x = _silu_mul_row(x, tl.load(x_ptr + K + k, mask=k < K, other=0.0), ACCURATE_EXP)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    return acc
+
+
+@triton.jit
+def _load_w(w_rows, k, n_ok, K, EVEN: tl.constexpr):
+    if EVEN:  # every tile lies inside W: no masks, so nothing stands in the way of vector loads
+        return tl.load(w_rows + k[None, :])
+    return tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_wn, stride_om, k_iters,
                  M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
                  EVEN: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
-                 NUM_STAGES: tl.constexpr):
+                 NUM_STAGES: tl.constexpr, SILU_MUL: tl.constexpr, ACCURATE_EXP: tl.constexpr, PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -67,31 +132,23 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, M, N, K, stride_xm, str
     if USE_DOT:
         acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
     else:
-        acc_nk = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for i in tl.range(0, k_iters, num_stages=NUM_STAGES):
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # summed along K once, after the loop
+    first = 0
+    if PDL:
+        # The first weight tile streams in while the kernel before is finishing (no kernel of a
+        # step writes weights); x, written by that kernel, only after the wait.
+        w = _load_w(w_rows, k_first + kk, n_ok, K, EVEN)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+        acc = _gemv_fold(acc, w, x_ptr, k_first + kk, m, m_ok, K, stride_xm, USE_DOT, EVEN, IEEE, SILU_MUL,
+                         ACCURATE_EXP)
+        first = 1
+    for i in tl.range(first, k_iters, num_stages=NUM_STAGES):
         k = k_first + i * BLOCK_K + kk
-        if EVEN:  # every tile lies inside W: no masks, so nothing stands in the way of vector loads
-            w = tl.load(w_rows + k[None, :])
-        else:
-            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
-        if USE_DOT:
-            if EVEN:
-                x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None], other=0.0)
-            else:
-                x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & (k < K)[None, :],
-                            other=0.0)
-            if IEEE:
-                acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(x, tl.trans(w), acc)
-        else:
-            if EVEN:
-                x = tl.load(x_ptr + k)
-            else:
-                x = tl.load(x_ptr + k, mask=k < K, other=0.0)
-            acc_nk += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        w = _load_w(w_rows, k, n_ok, K, EVEN)
+        acc = _gemv_fold(acc, w, x_ptr, k, m, m_ok, K, stride_xm, USE_DOT, EVEN, IEEE, SILU_MUL, ACCURATE_EXP)
     if not USE_DOT:
-        acc = tl.sum(acc_nk, 1)[None, :]  # [1, BLOCK_N]; M_PAD == 1
+        acc = tl.sum(acc, 1)[None, :]  # [1, BLOCK_N]; M_PAD == 1
     ok = m_ok[:, None] & n_ok[None, :]
     if SPLIT:
         tl.store(part_ptr + (split * M + m[:, None]) * N + n[None, :], acc, mask=ok)
@@ -102,10 +159,14 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, M, N, K, stride_xm, str
 
 
 @triton.jit
-def _reduce_kernel(part_ptr, b_ptr, out_ptr, M, N, splits, stride_om, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+def _reduce_kernel(part_ptr, b_ptr, out_ptr, M, N, splits, stride_om, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+                   PDL: tl.constexpr):
     row = tl.program_id(0)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = n < N
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros([BLOCK], tl.float32)
     for s in range(0, splits):  # split order: the same sum on every call
         acc += tl.load(part_ptr + (s * M + row) * N + n, mask=ok, other=0.0)
@@ -115,9 +176,33 @@ def _reduce_kernel(part_ptr, b_ptr, out_ptr, M, N, splits, stride_om, HAS_BIAS: 
 
 
 @triton.jit
+def _norm_fold(acc_nk, sq, w, x_ptr, res_ptr, g_ptr, h_ptr, k, K, h_end, EVEN: tl.constexpr, HAS_RES: tl.constexpr):
+    """One weight tile of :func:`_norm_gemv_kernel`: ``h`` over columns ``k`` (stored by the first feature
+    block's programs), its squares into ``sq``, ``w * (h * g)`` into ``acc_nk``."""
+    k_ok = k < K
+    if EVEN:
+        x = tl.load(x_ptr + k)
+        g = tl.load(g_ptr + k)
+    else:
+        x = tl.load(x_ptr + k, mask=k_ok, other=0.0)
+        g = tl.load(g_ptr + k, mask=k_ok, other=0.0)
+    if HAS_RES:
+        if EVEN:
+            r = tl.load(res_ptr + k)
+        else:
+            r = tl.load(res_ptr + k, mask=k_ok, other=0.0)
+        # The sum rounded once to the dtype (what torch's ``x + residual`` gives).
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(h_ptr + k, x, mask=k < h_end)
+    h = x.to(tl.float32)
+    return acc_nk + w.to(tl.float32) * (h * g.to(tl.float32))[None, :], sq + h * h
+
+
+@triton.jit
 def _norm_gemv_kernel(x_ptr, res_ptr, g_ptr, w_ptr, b_ptr, out_ptr, h_ptr, part_ptr, sq_ptr, N, K, stride_wn,
                       k_iters, k_f, eps, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
-                      SPLIT: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, NUM_STAGES: tl.constexpr):
+                      SPLIT: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, NUM_STAGES: tl.constexpr,
+                      PDL: tl.constexpr):
     # One row: y = rstd * (W (h * g)) with h = x + residual, rstd = rsqrt(mean(h^2) + eps). The K
     # loop that streams W also sums h^2, so no program waits for a norm kernel before it.
     pid_n = tl.program_id(0)
@@ -130,28 +215,18 @@ def _norm_gemv_kernel(x_ptr, res_ptr, g_ptr, w_ptr, b_ptr, out_ptr, h_ptr, part_
     w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
     acc_nk = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     sq = tl.zeros([BLOCK_K], tl.float32)
-    for i in tl.range(0, k_iters, num_stages=NUM_STAGES):
+    first = 0
+    if PDL:
+        # As in _gemv_kernel: the first weight tile before the wait, x and the residual after it.
+        w = _load_w(w_rows, k_first + kk, n_ok, K, EVEN)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+        acc_nk, sq = _norm_fold(acc_nk, sq, w, x_ptr, res_ptr, g_ptr, h_ptr, k_first + kk, K, h_end, EVEN, HAS_RES)
+        first = 1
+    for i in tl.range(first, k_iters, num_stages=NUM_STAGES):
         k = k_first + i * BLOCK_K + kk
-        k_ok = k < K
-        if EVEN:
-            w = tl.load(w_rows + k[None, :])
-            x = tl.load(x_ptr + k)
-            g = tl.load(g_ptr + k)
-        else:
-            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            x = tl.load(x_ptr + k, mask=k_ok, other=0.0)
-            g = tl.load(g_ptr + k, mask=k_ok, other=0.0)
-        if HAS_RES:
-            if EVEN:
-                r = tl.load(res_ptr + k)
-            else:
-                r = tl.load(res_ptr + k, mask=k_ok, other=0.0)
-            # The sum rounded once to the dtype (what torch's ``x + residual`` gives).
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-            tl.store(h_ptr + k, x, mask=k < h_end)
-        h = x.to(tl.float32)
-        sq += h * h
-        acc_nk += w.to(tl.float32) * (h * g.to(tl.float32))[None, :]
+        w = _load_w(w_rows, k, n_ok, K, EVEN)
+        acc_nk, sq = _norm_fold(acc_nk, sq, w, x_ptr, res_ptr, g_ptr, h_ptr, k, K, h_end, EVEN, HAS_RES)
     acc = tl.sum(acc_nk, 1)  # [BLOCK_N]
     if SPLIT:
         tl.store(part_ptr + split * N + n, acc, mask=n_ok)
@@ -165,9 +240,12 @@ def _norm_gemv_kernel(x_ptr, res_ptr, g_ptr, w_ptr, b_ptr, out_ptr, h_ptr, part_
 
 @triton.jit
 def _norm_reduce_kernel(part_ptr, sq_ptr, b_ptr, out_ptr, N, splits, k_f, eps, HAS_BIAS: tl.constexpr,
-                        BLOCK: tl.constexpr):
+                        BLOCK: tl.constexpr, PDL: tl.constexpr):
     n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = n < N
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     acc = tl.load(part_ptr + n, mask=ok, other=0.0)
     sq = tl.load(sq_ptr)
     for s in range(1, splits):  # split order: the same sums on every call
@@ -204,26 +282,30 @@ class GemvLaunch:
 
 
 def plan_gemv(m: int, n: int, k: int, *, device: torch.device | str, splits: int | None = None,
-              element_size: int = 2) -> GemvLaunch:
+              element_size: int = 2, silu_mul: bool = False) -> GemvLaunch:
     """How :func:`linear` launches for ``x [m, k]`` and ``W [n, k]``.
 
-    One row: ``[16, 256]`` weight tiles (4 warps: four 16-byte loads a thread a tile, 32 float32
-    accumulators a thread) in 3 pipeline stages (17 KiB of shared memory and 78 registers a thread
-    on sm_90: six programs fit an SM). Two rows or more: ``[64, 128]`` tiles into a 16-row
-    ``tl.dot``, 4 stages for 16-bit weights (52 KiB and 114 registers: four programs an SM), 2 for
-    float32 (``element_size`` 4). ``splits`` (default: 1 when the feature blocks reach the path's
-    programs per SM, 4 and 2, else the fewest splits that get there, preferring a divisor of the
-    tile count so every split reads whole tiles without masks; at most ``MAX_SPLITS`` and one split
-    per tile) cuts ``k`` into equal runs of whole tiles.
+    One row: ``[16, 256]`` weight tiles (``ONE_ROW_TILE``; 4 warps: four 16-byte loads a thread a
+    tile, 32 float32 accumulators a thread) in 3 pipeline stages (17 KiB of shared memory and 78
+    registers a thread on sm_90: six programs fit an SM); ``SILU_ONE_ROW_TILE`` where ``silu_mul``
+    (:func:`silu_mul_linear`). Two rows or more:
+    ``[64, 128]`` tiles into a 16-row ``tl.dot``, 4 stages for 16-bit weights (52 KiB and 114
+    registers: four programs an SM), 2 for float32 (``element_size`` 4). ``splits`` (default: 1
+    when the feature blocks reach the path's programs per SM, 4 and 2, else the fewest splits that
+    get there, preferring a divisor of the tile count so every split reads whole tiles without
+    masks; at most ``MAX_SPLITS`` and one split per tile) cuts ``k`` into equal runs of whole tiles.
     """
+    target = _sm_count(torch.device(device))
     if m == 1:
-        m_pad, block_n, block_k, num_stages, per_sm = 1, 16, 256, 3, 4
+        block_n, block_k = SILU_ONE_ROW_TILE if silu_mul else ONE_ROW_TILE
+        m_pad, num_stages = 1, 3
+        target *= 4
     else:
-        m_pad, block_n, block_k, num_stages, per_sm = MAX_ROWS, 64, 128, 4 if element_size <= 2 else 2, 2
+        m_pad, block_n, block_k, num_stages = MAX_ROWS, 64, 128, 4 if element_size <= 2 else 2
+        target *= 2
     tiles = triton.cdiv(k, block_k)
     blocks = triton.cdiv(n, block_n)
     if splits is None:
-        target = per_sm * _sm_count(torch.device(device))
         splits = 1
         if blocks < target:
             want = min(triton.cdiv(target, blocks), MAX_SPLITS, tiles)
@@ -254,10 +336,32 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     bias) rounded once. The same shape on the same device gives the same bits on every call; no
     host synchronization, capturable in a CUDA graph. ``ValueError`` for anything else.
     """
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+    return _linear(x, weight, bias, splits=splits, silu_mul=False)
+
+
+def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                    splits: int | None = None) -> torch.Tensor:
+    """``linear(fused_triton.silu_mul(gate_up), weight, bias)`` in one kernel: SwiGLU's down
+    projection, ``silu(gate) * up`` formed as the K loop loads it (never stored).
+
+    ``gate_up`` is ``[M, 2 K]`` (``cat(gate, up)``, the fused gate/up projection's output), ``weight``
+    ``[N, K]``; otherwise as :func:`linear`. Each input element is the value
+    :func:`tpspec.model.fused_triton.silu_mul` gives (``silu`` in float32 rounded to the dtype, the
+    product rounded), so the result is that of ``silu_mul`` then :func:`linear`, bit for bit.
+    """
+    if gate_up.dim() != 2 or weight.dim() != 2 or gate_up.shape[1] != 2 * weight.shape[1]:
+        raise ValueError(f"gate_up must be [M, 2 K] for weight [N, K], got {tuple(gate_up.shape)} and "
+                         f"{tuple(weight.shape)}")
+    return _linear(gate_up, weight, bias, splits=splits, silu_mul=True)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, splits: int | None,
+            silu_mul: bool) -> torch.Tensor:
+    width = 2 * weight.shape[-1] if silu_mul and weight.dim() == 2 else weight.shape[-1]
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != width:
         raise ValueError(f"x must be [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
-    m, k = x.shape
-    n = weight.shape[0]
+    m = x.shape[0]
+    n, k = weight.shape
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"x must have 1 to {MAX_ROWS} rows, got {m}")
     if x.dtype not in DTYPES or weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
@@ -274,22 +378,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if n == 0:
         return out
-    launch = plan_gemv(m, n, k, device=x.device, splits=splits, element_size=x.element_size())
+    launch = plan_gemv(m, n, k, device=x.device, splits=splits, element_size=x.element_size(), silu_mul=silu_mul)
     split = launch.splits > 1
     part = torch.empty((launch.splits, m, n), dtype=torch.float32, device=x.device) if split else out
     even = n % launch.block_n == 0 and k == launch.splits * launch.k_iters * launch.block_k
     bias_arg = bias if bias is not None else out  # not read without a bias
+    pdl = use_pdl(x.device)
     # FP fusion pinned on, as every GPU run compiled these kernels (Triton 3.10 turns its default off).
     grid = (triton.cdiv(n, launch.block_n), launch.splits)
     _gemv_kernel[grid](x, weight, bias_arg, out, part, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
                        launch.k_iters, M_PAD=launch.m_pad, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
                        USE_DOT=launch.m_pad > 1, EVEN=even, SPLIT=split, HAS_BIAS=bias is not None,
-                       IEEE=x.dtype == torch.float32, NUM_STAGES=launch.num_stages, num_warps=launch.num_warps,
-                       num_stages=launch.num_stages, enable_fp_fusion=True)
+                       IEEE=x.dtype == torch.float32, NUM_STAGES=launch.num_stages, SILU_MUL=silu_mul,
+                       ACCURATE_EXP=not INTERPRETED, PDL=pdl, num_warps=launch.num_warps,
+                       num_stages=launch.num_stages, enable_fp_fusion=True, launch_pdl=pdl)
     if split:
         _reduce_kernel[(m, triton.cdiv(n, REDUCE_BLOCK))](part, bias_arg, out, m, n, launch.splits, out.stride(0),
-                                                         HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK, num_warps=4,
-                                                         enable_fp_fusion=True)
+                                                         HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK, PDL=pdl,
+                                                         num_warps=4, enable_fp_fusion=True, launch_pdl=pdl)
     return out
 
 
@@ -348,14 +454,16 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
     sq = torch.empty(launch.splits, dtype=torch.float32, device=x.device) if split else out
     even = n % launch.block_n == 0 and k == launch.splits * launch.k_iters * launch.block_k
     bias_arg = bias if bias is not None else out  # not read without a bias
+    pdl = use_pdl(x.device)
     grid = (triton.cdiv(n, launch.block_n), launch.splits)
     _norm_gemv_kernel[grid](x, res, norm_weight, weight, bias_arg, out, h, part, sq, n, k, weight.stride(0),
                             launch.k_iters, float(k), float(eps), BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
                             EVEN=even, SPLIT=split, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
-                            NUM_STAGES=launch.num_stages, num_warps=launch.num_warps,
-                            num_stages=launch.num_stages, enable_fp_fusion=True)
+                            NUM_STAGES=launch.num_stages, PDL=pdl, num_warps=launch.num_warps,
+                            num_stages=launch.num_stages, enable_fp_fusion=True, launch_pdl=pdl)
     if split:
         _norm_reduce_kernel[(triton.cdiv(n, REDUCE_BLOCK),)](part, sq, bias_arg, out, n, launch.splits, float(k),
                                                               float(eps), HAS_BIAS=bias is not None,
-                                                              BLOCK=REDUCE_BLOCK, num_warps=4, enable_fp_fusion=True)
+                                                              BLOCK=REDUCE_BLOCK, PDL=pdl, num_warps=4,
+                                                              enable_fp_fusion=True, launch_pdl=pdl)
     return out, h

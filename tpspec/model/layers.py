@@ -34,7 +34,7 @@ from .batch import AttentionMetadata
 from .comm import all_reduce_sum
 from .config import ModelConfig
 from .kv_cache import KVPages
-from .linear import gemv_kernels, linear, use_triton_norm_linear
+from .linear import gemv_kernels, linear, use_triton_norm_linear, use_triton_silu_linear
 
 # Whether models on CUDA run the fused Triton kernels of :mod:`tpspec.model.fused_triton`: on, since a
 # GPU run of tests/test_fused_triton.py's ``gpu`` tests passed (only such a checked path may stand on).
@@ -325,7 +325,15 @@ class RowParallelLinear(nn.Module):
                 raise ValueError("deterministic mode does not support attention DP")
             y = det.tree_sum_ranks(self.fixed_order.partial(x, self.weight), self.group, self.tp_size).to(x.dtype)
             return y if self.bias is None else y + self.bias
-        y = linear(x, self.weight)
+        return self._sum_ranks(linear(x, self.weight), reduce)
+
+    def silu_mul_forward(self, gate_up: torch.Tensor,
+                         reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """``self(silu(gate) * up, reduce)`` for ``gate_up = cat(gate, up)`` as one kernel, where
+        :func:`~tpspec.model.linear.use_triton_silu_linear` takes it (the caller asks first)."""
+        return self._sum_ranks(gemv_kernels().silu_mul_linear(gate_up, self.weight), reduce)
+
+    def _sum_ranks(self, y: torch.Tensor, reduce: Callable[[torch.Tensor], torch.Tensor] | None) -> torch.Tensor:
         if reduce is not None:
             y = reduce(y)
         elif self.tp_size > 1:
@@ -438,5 +446,8 @@ class MLP(nn.Module):
     def down_projected(self, gate_up: torch.Tensor,
                        reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
         """:meth:`forward` after the gate/up projection ``gate_up`` (``fused`` layers):
-        ``silu(gate) * up`` in one kernel, then down_proj."""
+        ``silu(gate) * up`` in one kernel, then down_proj; both in one where
+        :func:`~tpspec.model.linear.use_triton_silu_linear` says so (one row)."""
+        if use_triton_silu_linear(gate_up, self.down.weight):
+            return self.down.silu_mul_forward(gate_up, reduce)
         return self.down(fused_kernels().silu_mul(gate_up), reduce)

@@ -6,8 +6,9 @@ call outside deterministic mode. :func:`use_triton_linear` is the one rule that 
 weights' memory bandwidth; everything else, and everything while ``TRITON_GEMV`` is off, runs
 ``F.linear``. Where the rule takes a linear that follows an RMSNorm (q/k/v and gate/up of a fused
 layer), :func:`use_triton_norm_linear` also puts the norm in front of the GEMV, in one kernel
-(:func:`tpspec.model.gemv_triton.norm_linear`). This module imports no ``triton``: the kernels'
-module is imported on the first call the rule accepts.
+(:func:`tpspec.model.gemv_triton.norm_linear`); :func:`use_triton_silu_linear` decides the same for
+SwiGLU's ``silu(gate) * up`` before the down projection. This module imports no ``triton``: the
+kernels' module is imported on the first call the rule accepts.
 """
 
 from __future__ import annotations
@@ -36,6 +37,14 @@ def gemv_kernels() -> Any:
         return None
 
 
+TRITON_SILU_DOWN = True
+"""Whether a one-row down projection runs :func:`tpspec.model.gemv_triton.silu_mul_linear` (SwiGLU's
+``silu(gate) * up`` formed inside the GEMV, no kernel of its own) instead of the ``silu_mul`` kernel
+and cuBLAS. On: a GPU run of ``tests/test_gemv_triton.py``'s ``gpu`` tests passed (the bits of
+``silu_mul`` and the GEMV), and one-request decode steps took less time with it
+(``docs/benchmarks.md``)."""
+
+
 def use_triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """Whether :func:`linear` runs the Triton GEMV for these tensors.
 
@@ -48,12 +57,28 @@ def use_triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     interpreter (``TRITON_INTERPRET=1``; not bfloat16 there). Reads only shapes, dtypes, devices
     and pointers: no host synchronization, the same answer on every rank of a TP group.
     """
-    if not TRITON_GEMV:
+    if not TRITON_GEMV or weight.dim() != 2 or weight.shape[1] > weight.shape[0]:
         return False
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[0] != 1:
+    return _gemv_runs(x, weight, bias, weight.shape[1])
+
+
+def use_triton_silu_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether a SwiGLU down projection of ``gate_up`` ``[1, 2 K]`` (``cat(gate, up)``) by ``weight``
+    ``[N, K]`` runs as one kernel, :func:`tpspec.model.gemv_triton.silu_mul_linear`: where
+    ``TRITON_GEMV`` and ``TRITON_SILU_DOWN`` are on, ``gate_up`` is one row, and the tensors
+    meet :func:`use_triton_linear`'s other conditions (any ``N`` and ``K``). The same answer on every
+    rank."""
+    if not (TRITON_GEMV and TRITON_SILU_DOWN) or weight.dim() != 2:
         return False
-    n, k = weight.shape
-    if x.shape[1] != k or k > n or k % 8 or not weight.is_contiguous() or weight.data_ptr() % 16:
+    return _gemv_runs(gate_up, weight, bias, 2 * weight.shape[1])
+
+
+def _gemv_runs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, width: int) -> bool:
+    """The GEMV's conditions on one row ``x`` ``[1, width]`` and ``weight`` ``[N, K]``."""
+    if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != width:
+        return False
+    k = weight.shape[1]
+    if k % 8 or not weight.is_contiguous() or weight.data_ptr() % 16:
         return False
     if x.dtype not in _TRITON_DTYPES or weight.dtype != x.dtype or x.device != weight.device:
         return False

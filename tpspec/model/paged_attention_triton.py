@@ -48,6 +48,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from .dependent_launch import use_pdl
+
 # KV positions per tile. Programs of at most SMALL_BLOCK_M rows (decode, verification) whose splits are
 # short read their one or two tiles of BLOCK_N_SMALL_M with plain loads (one long tile keeps the most loads
 # in flight); where a split spans PIPELINED_SPLIT_LEN positions of the page table or more, the loop over its
@@ -107,7 +109,10 @@ def _attend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, page_table_ptr, seq_starts_ptr,
                    stride_ot, stride_oh, stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh, stride_pt,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
                    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                   IEEE: tl.constexpr):
+                   IEEE: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # tpspec.model.dependent_launch: nothing is read or written before the kernel before has finished
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -161,7 +166,10 @@ def _attend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, page_table_ptr, seq_starts_ptr,
 
 @triton.jit
 def _merge_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, num_heads, num_splits, stride_ot, stride_oh,
-                  HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr):
+                  HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     d = tl.arange(0, HEAD_PAD)
@@ -310,6 +318,7 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
         part_l = torch.empty_like(part_m)
     else:
         part_acc = part_m = part_l = out  # not read: the kernel writes the output itself
+    pdl = use_pdl(q.device)
     # FP fusion pinned on, as every GPU run compiled these kernels (Triton 3.10 turns its default off).
     grid = (num_seqs * launch.q_blocks, kv_heads, splits)
     _attend_kernel[grid](
@@ -319,10 +328,10 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
         v_pages.stride(2), page_table.stride(0),
         GROUP=num_heads // kv_heads, HEAD_DIM=head_dim, HEAD_PAD=launch.head_pad, PAGE_SIZE=page_size,
         BLOCK_Q=launch.block_q, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, SPLIT=splits > 1, IEEE=q.dtype == f32,
-        num_warps=NUM_WARPS, num_stages=launch.num_stages, enable_fp_fusion=True)
+        PDL=pdl, num_warps=NUM_WARPS, num_stages=launch.num_stages, enable_fp_fusion=True, launch_pdl=pdl)
     if splits > 1:
         _merge_kernel[(n, num_heads)](part_acc, part_m, part_l, out, num_heads, splits, out.stride(0), out.stride(1),
                                       HEAD_DIM=head_dim, HEAD_PAD=launch.head_pad,
-                                      SPLITS_PAD=_pow2_at_least(splits, 1), num_warps=NUM_WARPS,
-                                      enable_fp_fusion=True)
+                                      SPLITS_PAD=_pow2_at_least(splits, 1), PDL=pdl, num_warps=NUM_WARPS,
+                                      enable_fp_fusion=True, launch_pdl=pdl)
     return out
