@@ -56,9 +56,6 @@ from .dependent_launch import use_pdl
 
 MAX_ROWS = 16  # rows of x one call handles (the dot path pads to this)
 ONE_ROW_TILE = (16, 256)  # one row: [features, contraction] of a weight tile
-# One row with silu(gate) * up formed in the K loop: every program computes silu over its contraction
-# tiles, so taller tiles spread that work over more weights.
-SILU_ONE_ROW_TILE = (16, 256)
 MAX_SPLITS = 16
 REDUCE_BLOCK = 256  # features per program of the split reduction
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -282,13 +279,12 @@ class GemvLaunch:
 
 
 def plan_gemv(m: int, n: int, k: int, *, device: torch.device | str, splits: int | None = None,
-              element_size: int = 2, silu_mul: bool = False) -> GemvLaunch:
+              element_size: int = 2) -> GemvLaunch:
     """How :func:`linear` launches for ``x [m, k]`` and ``W [n, k]``.
 
     One row: ``[16, 256]`` weight tiles (``ONE_ROW_TILE``; 4 warps: four 16-byte loads a thread a
     tile, 32 float32 accumulators a thread) in 3 pipeline stages (17 KiB of shared memory and 78
-    registers a thread on sm_90: six programs fit an SM); ``SILU_ONE_ROW_TILE`` where ``silu_mul``
-    (:func:`silu_mul_linear`). Two rows or more:
+    registers a thread on sm_90: six programs fit an SM). Two rows or more:
     ``[64, 128]`` tiles into a 16-row ``tl.dot``, 4 stages for 16-bit weights (52 KiB and 114
     registers: four programs an SM), 2 for float32 (``element_size`` 4). ``splits`` (default: 1
     when the feature blocks reach the path's programs per SM, 4 and 2, else the fewest splits that
@@ -297,7 +293,7 @@ def plan_gemv(m: int, n: int, k: int, *, device: torch.device | str, splits: int
     """
     target = _sm_count(torch.device(device))
     if m == 1:
-        block_n, block_k = SILU_ONE_ROW_TILE if silu_mul else ONE_ROW_TILE
+        block_n, block_k = ONE_ROW_TILE
         m_pad, num_stages = 1, 3
         target *= 4
     else:
@@ -378,7 +374,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if n == 0:
         return out
-    launch = plan_gemv(m, n, k, device=x.device, splits=splits, element_size=x.element_size(), silu_mul=silu_mul)
+    launch = plan_gemv(m, n, k, device=x.device, splits=splits, element_size=x.element_size())
     split = launch.splits > 1
     part = torch.empty((launch.splits, m, n), dtype=torch.float32, device=x.device) if split else out
     even = n % launch.block_n == 0 and k == launch.splits * launch.k_iters * launch.block_k
