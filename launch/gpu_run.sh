@@ -65,11 +65,11 @@ print(",".join(accepted(["torch", "triton"])))' 2>/dev/null) || quick_backends=t
     esac
 done
 S8B="--device cuda --tp 1 --model-shape llama-3-8b"
-QUICK_GPU_TESTS="tests/test_key_kernels.py tests/test_deterministic_layer_kernels.py tests/test_deterministic_attention.py tests/test_runtime_gpu.py tests/test_paged_attention_triton.py tests/test_dependent_launch.py"
-step quick quick-gpu-tests 190 "$PY -m pytest -m gpu -v -rfE --durations=15 -p no:cacheprovider $QUICK_GPU_TESTS"
+QUICK_GPU_TESTS="tests/test_dependent_launch.py tests/test_key_kernels.py tests/test_deterministic_layer_kernels.py tests/test_deterministic_attention.py tests/test_runtime_gpu.py tests/test_paged_attention_triton.py"
+step quick quick-gpu-tests 200 "$PY -m pytest -m gpu -v -rfE --durations=15 -p no:cacheprovider $QUICK_GPU_TESTS"
 step quick quick-roofline-llama-3-8b 80 "$T bench step $S8B --roofline-only --attention-backends $quick_backends --iters 10 --warmup 2 --timeout 70 --out $o/quick-roofline-llama-3-8b"
 step quick quick-attention-llama-3-8b 40 "$T bench attention --device cuda --model-shape llama-3-8b --backends $quick_backends --out $o/quick-attention-llama-3-8b"
-step quick quick-hf-llama-3-8b 150 "$T bench generate $S8B --baseline hf --num-prompts 1,8,32 --prompt-len 128 --max-new-tokens 64 --timeout 140 --out $o/quick-hf-llama-3-8b"
+step quick quick-hf-llama-3-8b 140 "$T bench generate $S8B --baseline hf --num-prompts 1,8,32 --prompt-len 128 --max-new-tokens 64 --timeout 130 --out $o/quick-hf-llama-3-8b"
 step quick quick-deterministic-llama-3-8b 60 "$T bench generate $S8B --rates none --deterministic --num-prompts 1,8,32 --prompt-len 128 --max-new-tokens 64 --timeout 50 --out $o/quick-deterministic-llama-3-8b"
 
 # 1. Correctness: every GPU-marked test; the determinism suite with N rank processes on the GPU(s); the LL
