@@ -56,6 +56,8 @@ from .dependent_launch import use_pdl
 
 MAX_ROWS = 16  # rows of x one call handles (the dot path pads to this)
 ONE_ROW_TILE = (16, 256)  # one row: [features, contraction] of a weight tile
+ONE_ROW_STAGES = 3  # one row: software-pipeline stages of the K loop
+ONE_ROW_PROGRAMS_PER_SM = 4  # one row: split K until the programs reach this many per SM
 MAX_SPLITS = 16
 REDUCE_BLOCK = 256  # features per program of the split reduction
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -294,8 +296,8 @@ def plan_gemv(m: int, n: int, k: int, *, device: torch.device | str, splits: int
     target = _sm_count(torch.device(device))
     if m == 1:
         block_n, block_k = ONE_ROW_TILE
-        m_pad, num_stages = 1, 3
-        target *= 4
+        m_pad, num_stages = 1, ONE_ROW_STAGES
+        target *= ONE_ROW_PROGRAMS_PER_SM
     else:
         m_pad, block_n, block_k, num_stages = MAX_ROWS, 64, 128, 4 if element_size <= 2 else 2
         target *= 2
