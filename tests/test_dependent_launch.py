@@ -82,10 +82,19 @@ def test_rule_needs_the_switch_cuda_and_hopper(monkeypatch):
     assert dependent_launch.PDL_KERNELS is True  # on since a GPU run of the gpu tests below passed
     assert not dependent_launch.use_pdl(torch.device("cpu"))  # so never under Triton's interpreter
     monkeypatch.setattr(dependent_launch, "_has_pdl", lambda index: index == 1)  # an Ampere card at 0, Hopper at 1
+    monkeypatch.setattr(dependent_launch, "_triton_has_pdl", lambda: True)
     assert dependent_launch.use_pdl(torch.device("cuda", 1))
     assert not dependent_launch.use_pdl(torch.device("cuda", 0))
+    monkeypatch.setattr(dependent_launch, "_triton_has_pdl", lambda: False)  # a triton without griddepcontrol
+    assert not dependent_launch.use_pdl(torch.device("cuda", 1))
+    monkeypatch.setattr(dependent_launch, "_triton_has_pdl", lambda: True)
     monkeypatch.setattr(dependent_launch, "PDL_KERNELS", False)
     assert not dependent_launch.use_pdl(torch.device("cuda", 1))
+
+
+@needs_triton
+def test_this_triton_has_the_instructions():
+    assert dependent_launch._triton_has_pdl()
 
 
 @needs_triton

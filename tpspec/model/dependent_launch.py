@@ -16,7 +16,8 @@ first tile of their weights before it. A kernel launched after them without the 
 torch, NCCL) waits as usual. The values are those of ordinary launches, bit for bit; only the
 timing moves. Inside a CUDA graph the option becomes a programmatic edge between the two nodes.
 
-This module imports no ``triton``.
+This module imports ``triton`` only to ask whether it has those instructions (on CUDA, where the
+kernels need it anyway).
 """
 
 from __future__ import annotations
@@ -36,10 +37,21 @@ def _has_pdl(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (9, 0)
 
 
+@functools.lru_cache(maxsize=None)
+def _triton_has_pdl() -> bool:
+    try:
+        from triton.language.extra import cuda
+    except ImportError:
+        return False
+    return hasattr(cuda, "gdc_wait") and hasattr(cuda, "gdc_launch_dependents")
+
+
 def use_pdl(device: torch.device) -> bool:
     """Whether kernels on ``device`` launch with PDL: ``PDL_KERNELS`` on, a CUDA device of compute
-    capability 9.0 or later (never on CPU, so never under Triton's interpreter). Reads only the
-    device: the same answer for every kernel of a step and on every rank of a group of like GPUs."""
+    capability 9.0 or later (never on CPU, so never under Triton's interpreter) and a ``triton``
+    that has the grid-dependency instructions. Reads only the device and the installed
+    ``triton``: the same answer for every kernel of a step and on every rank of a group of like GPUs."""
     if not PDL_KERNELS or device.type != "cuda":
         return False
-    return _has_pdl(device.index if device.index is not None else torch.cuda.current_device())
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _has_pdl(index) and _triton_has_pdl()
