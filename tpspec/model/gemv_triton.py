@@ -57,7 +57,9 @@ from .dependent_launch import use_pdl
 MAX_ROWS = 16  # rows of x one call handles (the dot path pads to this)
 ONE_ROW_TILE = (16, 256)  # one row: [features, contraction] of a weight tile
 ONE_ROW_STAGES = 3  # one row: software-pipeline stages of the K loop
-ONE_ROW_PROGRAMS_PER_SM = 4  # one row: split K until the programs reach this many per SM
+# One row: split K until the programs reach this many per SM. Fewer splits mean fewer partial sums to reduce,
+# but a program must keep enough loads in flight: docs/benchmarks.md ("Batch 1") compares 1, 2 and 4.
+ONE_ROW_PROGRAMS_PER_SM = 2
 MAX_SPLITS = 16
 REDUCE_BLOCK = 256  # features per program of the split reduction
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -289,9 +291,10 @@ def plan_gemv(m: int, n: int, k: int, *, device: torch.device | str, splits: int
     registers a thread on sm_90: six programs fit an SM). Two rows or more:
     ``[64, 128]`` tiles into a 16-row ``tl.dot``, 4 stages for 16-bit weights (52 KiB and 114
     registers: four programs an SM), 2 for float32 (``element_size`` 4). ``splits`` (default: 1
-    when the feature blocks reach the path's programs per SM, 4 and 2, else the fewest splits that
-    get there, preferring a divisor of the tile count so every split reads whole tiles without
-    masks; at most ``MAX_SPLITS`` and one split per tile) cuts ``k`` into equal runs of whole tiles.
+    when the feature blocks reach the path's programs per SM, ``ONE_ROW_PROGRAMS_PER_SM`` and 2,
+    else the fewest splits that get there, preferring a divisor of the tile count so every split
+    reads whole tiles without masks; at most ``MAX_SPLITS`` and one split per tile) cuts ``k`` into
+    equal runs of whole tiles.
     """
     target = _sm_count(torch.device(device))
     if m == 1:
