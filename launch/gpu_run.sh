@@ -49,7 +49,8 @@ o=$(printf %q "$OUT")
 T="$PY -m tpspec"
 
 # 0. Quick (one GPU, under 9 minutes, each limit below the share it may take): the GPU tests of the kernels
-#    and of the graphed steps (every GPU-marked test takes longer than this group's share: `correctness`); the
+#    and of the graphed steps but their slow cases (every GPU-marked test takes longer than this group's share:
+#    `correctness`); the
 #    roofline table at the Llama 3 8B shape, TP=1, with the torch attention backend beside triton where the
 #    runtime accepts it; the same backends' attention alone at that shape's heads; tpspec against Hugging Face
 #    transformers (static cache, compiled) at batch 1, 8 and 32; deterministic mode beside the default at the
@@ -66,7 +67,7 @@ print(",".join(accepted(["torch", "triton"])))' 2>/dev/null) || quick_backends=t
 done
 S8B="--device cuda --tp 1 --model-shape llama-3-8b"
 QUICK_GPU_TESTS="tests/test_dependent_launch.py tests/test_key_kernels.py tests/test_deterministic_layer_kernels.py tests/test_deterministic_attention.py tests/test_runtime_gpu.py tests/test_paged_attention_triton.py"
-step quick quick-gpu-tests 200 "$PY -m pytest -m gpu -v -rfE --durations=15 -p no:cacheprovider $QUICK_GPU_TESTS"
+step quick quick-gpu-tests 200 "$PY -m pytest -m 'gpu and not slow' -v -rfE --durations=15 -p no:cacheprovider $QUICK_GPU_TESTS"
 step quick quick-roofline-llama-3-8b 80 "$T bench step $S8B --roofline-only --attention-backends $quick_backends --iters 10 --warmup 2 --timeout 70 --out $o/quick-roofline-llama-3-8b"
 step quick quick-attention-llama-3-8b 40 "$T bench attention --device cuda --model-shape llama-3-8b --backends $quick_backends --out $o/quick-attention-llama-3-8b"
 step quick quick-hf-llama-3-8b 140 "$T bench generate $S8B --baseline hf --num-prompts 1,8,32 --prompt-len 128 --max-new-tokens 64 --timeout 130 --out $o/quick-hf-llama-3-8b"

@@ -69,7 +69,7 @@ def test_quick_group_fits_nine_minutes_and_every_command_parses(tmp_path):
     assert sum(int(line.split(", ")[1].split(" s]")[0]) for line in steps) <= 520
     backends = ",".join(accepted_attention_backends(["torch", "triton"]))
     assert backends.startswith("torch")
-    for fragment in ("-m pytest -m gpu ",
+    for fragment in ("-m pytest -m 'gpu and not slow' ",
                      "bench step --device cuda --tp 1 --model-shape llama-3-8b --roofline-only "
                      f"--attention-backends {backends} ",
                      f"bench attention --device cuda --model-shape llama-3-8b --backends {backends} ",

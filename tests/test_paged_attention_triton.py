@@ -167,7 +167,8 @@ def test_triton_on_cpu_needs_the_interpreter(capsys):
 
 @pytest.mark.gpu
 @needs_triton
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16,
+                                   pytest.param(torch.float32, marks=pytest.mark.slow)])  # IEEE dots: the slowest
 def test_cuda_kernels_match_the_float64_reference(dtype):
     import paged_attention_cases as cases
 
