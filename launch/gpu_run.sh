@@ -50,11 +50,10 @@ T="$PY -m tpspec"
 
 # 0. Quick (one GPU, under 9 minutes, each limit below the share it may take): the GPU tests of the kernels
 #    and of the graphed steps but their slow cases (every GPU-marked test takes longer than this group's share:
-#    `correctness`); the
-#    roofline table at the Llama 3 8B shape, TP=1, with the torch attention backend beside triton where the
-#    runtime accepts it; the same backends' attention alone at that shape's heads; tpspec against Hugging Face
-#    transformers (static cache, compiled) at batch 1, 8 and 32; deterministic mode beside the default at the
-#    same shape.
+#    `correctness`); the roofline table at the Llama 3 8B shape, TP=1, with the torch attention backend beside
+#    triton where the runtime accepts it; the same backends' attention alone at that shape's heads; tpspec
+#    against Hugging Face transformers (static cache, compiled) at batch 1, 8 and 32; deterministic mode beside
+#    the default at the same shape.
 quick_backends=torch
 for want in "$@"; do
     case "$want" in
