@@ -97,6 +97,12 @@ def test_this_triton_has_the_instructions():
     assert dependent_launch._triton_has_pdl()
 
 
+def test_no_launch_option_without_pdl():
+    """A launch without PDL passes no option at all: a ``triton`` too old to know it still launches."""
+    assert dependent_launch.launch_options(False) == {}
+    assert dependent_launch.launch_options(True) == {"launch_pdl": True}
+
+
 @needs_triton
 def test_kernels_wait_before_touching_memory():
     """Each kernel compiled with ``PDL``: ``griddepcontrol.wait`` comes before any store and, but for

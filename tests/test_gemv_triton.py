@@ -8,8 +8,8 @@ of the block, a K tail, one and several K splits), M = 1, 3, 16, bias on and off
 in front of it (``norm_linear``) against the float64 norm and product, with and without a
 residual; SwiGLU's ``silu(gate) * up`` fused in front of it (``silu_mul_linear``) against the
 ``silu_mul`` kernel and ``linear``, bit for bit; and the tiny model's greedy tokens with the
-switches on equal those of ``F.linear``. The kernels compile for Hopper without a GPU. The dispatch rule is pure logic, checked here without a
-kernel. On CUDA (``gpu`` marks): bfloat16, float16 and float32 at the Llama-3-8B shapes for M = 1,
+switches on equal those of ``F.linear``. The kernels compile for Hopper without a GPU. The
+dispatch rule is pure logic, checked here without a kernel. On CUDA (``gpu`` marks): bfloat16, float16 and float32 at the Llama-3-8B shapes for M = 1,
 8, 16 (and the fused norm at one row, ``silu(gate) * up`` in front of down_proj at 1 and 8), a
 CUDA-graph replay equal to an eager call, and the tiny model's tokens.
 """

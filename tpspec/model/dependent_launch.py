@@ -40,10 +40,12 @@ def _has_pdl(index: int) -> bool:
 @functools.lru_cache(maxsize=None)
 def _triton_has_pdl() -> bool:
     try:
+        from triton.backends.nvidia.compiler import CUDAOptions
         from triton.language.extra import cuda
     except ImportError:
         return False
-    return hasattr(cuda, "gdc_wait") and hasattr(cuda, "gdc_launch_dependents")
+    return (hasattr(cuda, "gdc_wait") and hasattr(cuda, "gdc_launch_dependents")
+            and "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {}))
 
 
 def use_pdl(device: torch.device) -> bool:
@@ -55,3 +57,9 @@ def use_pdl(device: torch.device) -> bool:
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _has_pdl(index) and _triton_has_pdl()
+
+
+def launch_options(pdl: bool) -> dict:
+    """The launch options of a kernel launched with PDL (``pdl``, :func:`use_pdl`'s answer) or
+    without: none at all without, so a ``triton`` that has no such option never sees it."""
+    return {"launch_pdl": True} if pdl else {}

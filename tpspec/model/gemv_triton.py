@@ -52,7 +52,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 from triton.runtime.interpreter import InterpretedFunction
 
-from .dependent_launch import use_pdl
+from .dependent_launch import launch_options, use_pdl
 
 MAX_ROWS = 16  # rows of x one call handles (the dot path pads to this)
 ONE_ROW_TILE = (16, 256)  # one row: [features, contraction] of a weight tile
@@ -392,11 +392,11 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
                        USE_DOT=launch.m_pad > 1, EVEN=even, SPLIT=split, HAS_BIAS=bias is not None,
                        IEEE=x.dtype == torch.float32, NUM_STAGES=launch.num_stages, SILU_MUL=silu_mul,
                        ACCURATE_EXP=not INTERPRETED, PDL=pdl, num_warps=launch.num_warps,
-                       num_stages=launch.num_stages, enable_fp_fusion=True, launch_pdl=pdl)
+                       num_stages=launch.num_stages, enable_fp_fusion=True, **launch_options(pdl))
     if split:
         _reduce_kernel[(m, triton.cdiv(n, REDUCE_BLOCK))](part, bias_arg, out, m, n, launch.splits, out.stride(0),
                                                          HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK, PDL=pdl,
-                                                         num_warps=4, enable_fp_fusion=True, launch_pdl=pdl)
+                                                         num_warps=4, enable_fp_fusion=True, **launch_options(pdl))
     return out
 
 
@@ -461,10 +461,10 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
                             launch.k_iters, float(k), float(eps), BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
                             EVEN=even, SPLIT=split, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
                             NUM_STAGES=launch.num_stages, PDL=pdl, num_warps=launch.num_warps,
-                            num_stages=launch.num_stages, enable_fp_fusion=True, launch_pdl=pdl)
+                            num_stages=launch.num_stages, enable_fp_fusion=True, **launch_options(pdl))
     if split:
         _norm_reduce_kernel[(triton.cdiv(n, REDUCE_BLOCK),)](part, sq, bias_arg, out, n, launch.splits, float(k),
                                                               float(eps), HAS_BIAS=bias is not None,
                                                               BLOCK=REDUCE_BLOCK, PDL=pdl, num_warps=4,
-                                                              enable_fp_fusion=True, launch_pdl=pdl)
+                                                              enable_fp_fusion=True, **launch_options(pdl))
     return out, h
