@@ -97,10 +97,12 @@ def test_this_triton_has_the_instructions():
     assert dependent_launch._triton_has_pdl()
 
 
-def test_no_launch_option_without_pdl():
-    """A launch without PDL passes no option at all: a ``triton`` too old to know it still launches."""
-    assert dependent_launch.launch_options(False) == {}
-    assert dependent_launch.launch_options(True) == {"launch_pdl": True}
+def test_no_launch_option_without_pdl(monkeypatch):
+    """A launch without PDL passes no option at all (a ``triton`` too old to know it still launches),
+    and the kernel's flag always matches the option (no kernel launches early without waiting)."""
+    assert dependent_launch.pdl_args(torch.device("cpu")) == {"PDL": False}
+    monkeypatch.setattr(dependent_launch, "use_pdl", lambda device: True)
+    assert dependent_launch.pdl_args(torch.device("cuda", 0)) == {"PDL": True, "launch_pdl": True}
 
 
 @needs_triton

@@ -10,9 +10,10 @@ are visible, and the previous kernel lets it start by ``griddepcontrol.launch_de
 writes (the weights), overlap the previous kernel's tail.
 
 The decoder's kernels (:mod:`tpspec.model.gemv_triton`, :mod:`tpspec.model.fused_triton`,
-:mod:`tpspec.model.paged_attention_triton`) take a ``PDL`` flag: when set, each waits before its
-first access to memory another kernel writes, loads or stores alike, and only the GEMVs read the
-first tile of their weights before it. A kernel launched after them without the option (cuBLAS,
+:mod:`tpspec.model.paged_attention_triton`) take a ``PDL`` flag, which :func:`pdl_args` passes
+together with the launch option: when set, each waits before its first access to memory another
+kernel writes, loads or stores alike, and only the GEMVs read the first tile of their weights
+before it. A kernel launched after them without the option (cuBLAS,
 torch, NCCL) waits as usual. The values are those of ordinary launches, bit for bit; only the
 timing moves. Inside a CUDA graph the option becomes a programmatic edge between the two nodes.
 
@@ -59,7 +60,10 @@ def use_pdl(device: torch.device) -> bool:
     return _has_pdl(index) and _triton_has_pdl()
 
 
-def launch_options(pdl: bool) -> dict:
-    """The launch options of a kernel launched with PDL (``pdl``, :func:`use_pdl`'s answer) or
-    without: none at all without, so a ``triton`` that has no such option never sees it."""
-    return {"launch_pdl": True} if pdl else {}
+def pdl_args(device: torch.device) -> dict:
+    """What a launch of one of these kernels on ``device`` passes, from :func:`use_pdl`: the
+    kernel's ``PDL`` flag and, only with it on, the ``launch_pdl`` option. One dict for both, so a
+    kernel never launches early without waiting, and a ``triton`` that has no such option never
+    sees it."""
+    on = use_pdl(device)
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}

@@ -27,7 +27,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 from triton.runtime.interpreter import InterpretedFunction
 
-from .dependent_launch import launch_options, use_pdl
+from .dependent_launch import pdl_args
 
 MAX_HIDDEN = 65536  # the widest row one norm program holds
 SILU_BLOCK = 1024  # intermediate features per silu_mul program
@@ -147,12 +147,11 @@ def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, 
         res = _rows(residual, "residual")
     if n:
         block = triton.next_power_of_2(hidden)
-        pdl = use_pdl(x.device)
+        pdl = pdl_args(x.device)
         _rms_norm_kernel[(n,)](x, res, weight.contiguous(), out, new_res, hidden, float(hidden), float(eps),
                                x.stride(0), res.stride(0), out.stride(0), new_res.stride(0),
-                               HAS_RESIDUAL=residual is not None, BLOCK=block, PDL=pdl,
-                               num_warps=min(16, max(1, block // 512)), enable_fp_fusion=False,
-                               **launch_options(pdl))
+                               HAS_RESIDUAL=residual is not None, BLOCK=block,
+                               num_warps=min(16, max(1, block // 512)), enable_fp_fusion=False, **pdl)
     return out, new_res
 
 
@@ -215,13 +214,13 @@ def rotary_and_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         raise ValueError("the pages, cos and sin need a contiguous last dimension")
     q = torch.empty((n, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     if n:
-        pdl = use_pdl(qkv.device)
+        pdl = pdl_args(qkv.device)
         _rotary_kv_kernel[(n, num_heads + num_kv_heads)](
             qkv, cos, sin, write_index, q, k_rows, v_rows, k_rows.shape[0], qkv.stride(0), cos.stride(0),
             sin.stride(0), q.stride(0), q.stride(1), k_rows.stride(0), k_rows.stride(1), v_rows.stride(0),
             v_rows.stride(1), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-            HALF_PAD=triton.next_power_of_2(head_dim // 2), PDL=pdl, num_warps=1 if head_dim <= 128 else 2,
-            enable_fp_fusion=False, **launch_options(pdl))
+            HALF_PAD=triton.next_power_of_2(head_dim // 2), num_warps=1 if head_dim <= 128 else 2,
+            enable_fp_fusion=False, **pdl)
     return q
 
 
@@ -235,8 +234,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     inter = width // 2
     out = torch.empty((n, inter), dtype=gate_up.dtype, device=gate_up.device)
     if n and inter:
-        pdl = use_pdl(gate_up.device)
+        pdl = pdl_args(gate_up.device)
         _silu_mul_kernel[(n, triton.cdiv(inter, SILU_BLOCK))](
             gate_up, out, inter, gate_up.stride(0), out.stride(0), ACCURATE_EXP=not INTERPRETED, BLOCK=SILU_BLOCK,
-            PDL=pdl, num_warps=4, enable_fp_fusion=False, **launch_options(pdl))
+            num_warps=4, enable_fp_fusion=False, **pdl)
     return out

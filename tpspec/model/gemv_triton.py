@@ -52,7 +52,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 from triton.runtime.interpreter import InterpretedFunction
 
-from .dependent_launch import launch_options, use_pdl
+from .dependent_launch import pdl_args
 
 MAX_ROWS = 16  # rows of x one call handles (the dot path pads to this)
 ONE_ROW_TILE = (16, 256)  # one row: [features, contraction] of a weight tile
@@ -350,17 +350,14 @@ def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     :func:`tpspec.model.fused_triton.silu_mul` gives (``silu`` in float32 rounded to the dtype, the
     product rounded), so the result is that of ``silu_mul`` then :func:`linear`, bit for bit.
     """
-    if gate_up.dim() != 2 or weight.dim() != 2 or gate_up.shape[1] != 2 * weight.shape[1]:
-        raise ValueError(f"gate_up must be [M, 2 K] for weight [N, K], got {tuple(gate_up.shape)} and "
-                         f"{tuple(weight.shape)}")
     return _linear(gate_up, weight, bias, splits=splits, silu_mul=True)
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, splits: int | None,
             silu_mul: bool) -> torch.Tensor:
-    width = 2 * weight.shape[-1] if silu_mul and weight.dim() == 2 else weight.shape[-1]
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != width:
-        raise ValueError(f"x must be [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != (2 if silu_mul else 1) * weight.shape[1]:
+        what = "gate_up must be [M, 2 K]" if silu_mul else "x must be [M, K]"
+        raise ValueError(f"{what} and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
     m = x.shape[0]
     n, k = weight.shape
     if not 1 <= m <= MAX_ROWS:
@@ -384,19 +381,19 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
     part = torch.empty((launch.splits, m, n), dtype=torch.float32, device=x.device) if split else out
     even = n % launch.block_n == 0 and k == launch.splits * launch.k_iters * launch.block_k
     bias_arg = bias if bias is not None else out  # not read without a bias
-    pdl = use_pdl(x.device)
+    pdl = pdl_args(x.device)
     # FP fusion pinned on, as every GPU run compiled these kernels (Triton 3.10 turns its default off).
     grid = (triton.cdiv(n, launch.block_n), launch.splits)
     _gemv_kernel[grid](x, weight, bias_arg, out, part, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
                        launch.k_iters, M_PAD=launch.m_pad, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
                        USE_DOT=launch.m_pad > 1, EVEN=even, SPLIT=split, HAS_BIAS=bias is not None,
                        IEEE=x.dtype == torch.float32, NUM_STAGES=launch.num_stages, SILU_MUL=silu_mul,
-                       ACCURATE_EXP=not INTERPRETED, PDL=pdl, num_warps=launch.num_warps,
-                       num_stages=launch.num_stages, enable_fp_fusion=True, **launch_options(pdl))
+                       ACCURATE_EXP=not INTERPRETED, num_warps=launch.num_warps,
+                       num_stages=launch.num_stages, enable_fp_fusion=True, **pdl)
     if split:
         _reduce_kernel[(m, triton.cdiv(n, REDUCE_BLOCK))](part, bias_arg, out, m, n, launch.splits, out.stride(0),
-                                                         HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK, PDL=pdl,
-                                                         num_warps=4, enable_fp_fusion=True, **launch_options(pdl))
+                                                         HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK, num_warps=4,
+                                                         enable_fp_fusion=True, **pdl)
     return out
 
 
@@ -455,16 +452,16 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
     sq = torch.empty(launch.splits, dtype=torch.float32, device=x.device) if split else out
     even = n % launch.block_n == 0 and k == launch.splits * launch.k_iters * launch.block_k
     bias_arg = bias if bias is not None else out  # not read without a bias
-    pdl = use_pdl(x.device)
+    pdl = pdl_args(x.device)
     grid = (triton.cdiv(n, launch.block_n), launch.splits)
     _norm_gemv_kernel[grid](x, res, norm_weight, weight, bias_arg, out, h, part, sq, n, k, weight.stride(0),
                             launch.k_iters, float(k), float(eps), BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
                             EVEN=even, SPLIT=split, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
-                            NUM_STAGES=launch.num_stages, PDL=pdl, num_warps=launch.num_warps,
-                            num_stages=launch.num_stages, enable_fp_fusion=True, **launch_options(pdl))
+                            NUM_STAGES=launch.num_stages, num_warps=launch.num_warps,
+                            num_stages=launch.num_stages, enable_fp_fusion=True, **pdl)
     if split:
         _norm_reduce_kernel[(triton.cdiv(n, REDUCE_BLOCK),)](part, sq, bias_arg, out, n, launch.splits, float(k),
                                                               float(eps), HAS_BIAS=bias is not None,
-                                                              BLOCK=REDUCE_BLOCK, PDL=pdl, num_warps=4,
-                                                              enable_fp_fusion=True, **launch_options(pdl))
+                                                              BLOCK=REDUCE_BLOCK, num_warps=4,
+                                                              enable_fp_fusion=True, **pdl)
     return out, h

@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from .dependent_launch import launch_options, use_pdl
+from .dependent_launch import pdl_args
 
 # KV positions per tile. Programs of at most SMALL_BLOCK_M rows (decode, verification) whose splits are
 # short read their one or two tiles of BLOCK_N_SMALL_M with plain loads (one long tile keeps the most loads
@@ -318,7 +318,7 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
         part_l = torch.empty_like(part_m)
     else:
         part_acc = part_m = part_l = out  # not read: the kernel writes the output itself
-    pdl = use_pdl(q.device)
+    pdl = pdl_args(q.device)
     # FP fusion pinned on, as every GPU run compiled these kernels (Triton 3.10 turns its default off).
     grid = (num_seqs * launch.q_blocks, kv_heads, splits)
     _attend_kernel[grid](
@@ -328,10 +328,10 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
         v_pages.stride(2), page_table.stride(0),
         GROUP=num_heads // kv_heads, HEAD_DIM=head_dim, HEAD_PAD=launch.head_pad, PAGE_SIZE=page_size,
         BLOCK_Q=launch.block_q, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, SPLIT=splits > 1, IEEE=q.dtype == f32,
-        PDL=pdl, num_warps=NUM_WARPS, num_stages=launch.num_stages, enable_fp_fusion=True, **launch_options(pdl))
+        num_warps=NUM_WARPS, num_stages=launch.num_stages, enable_fp_fusion=True, **pdl)
     if splits > 1:
         _merge_kernel[(n, num_heads)](part_acc, part_m, part_l, out, num_heads, splits, out.stride(0), out.stride(1),
                                       HEAD_DIM=head_dim, HEAD_PAD=launch.head_pad,
-                                      SPLITS_PAD=_pow2_at_least(splits, 1), PDL=pdl, num_warps=NUM_WARPS,
-                                      enable_fp_fusion=True, **launch_options(pdl))
+                                      SPLITS_PAD=_pow2_at_least(splits, 1), num_warps=NUM_WARPS,
+                                      enable_fp_fusion=True, **pdl)
     return out
