@@ -100,6 +100,22 @@ def _rotary_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, index_ptr, q_ptr, k_ptr, v_ptr,
 
 
 @triton.jit
+def silu_mul_values(gate, up, ACCURATE_EXP: tl.constexpr):
+    """``F.silu(gate) * up`` of two tiles in their dtype: ``silu`` in float32 rounded to the dtype,
+    then the product rounded (what torch's two ops give). ``ACCURATE_EXP``: CUDA's ``expf``, what
+    torch's silu calls (``tl.exp`` is the fast ``ex2`` approximation); off under the interpreter
+    (numpy's ``exp``). :func:`tpspec.model.gemv_triton.silu_mul_linear` forms its input with it too."""
+    dtype = gate.dtype
+    g = gate.to(tl.float32)
+    if ACCURATE_EXP:
+        e = libdevice.exp(-g)
+    else:
+        e = tl.exp(-g)
+    act = tl.math.div_rn(g, 1.0 + e).to(dtype)  # F.silu in the dtype
+    return (act.to(tl.float32) * up.to(tl.float32)).to(dtype)
+
+
+@triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, ACCURATE_EXP: tl.constexpr, BLOCK: tl.constexpr,
                      PDL: tl.constexpr):
     if PDL:
@@ -110,14 +126,7 @@ def _silu_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, ACCURATE_EXP: tl
     ok = cols < inter
     gate = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
     up = tl.load(x_ptr + row * stride_x + inter + cols, mask=ok, other=0.0)
-    dtype = gate.dtype
-    g = gate.to(tl.float32)
-    if ACCURATE_EXP:
-        e = libdevice.exp(-g)  # CUDA's expf, what torch's silu calls (tl.exp is the fast ex2 approximation)
-    else:
-        e = tl.exp(-g)  # the interpreter: numpy's exp
-    act = tl.math.div_rn(g, 1.0 + e).to(dtype)  # F.silu in the dtype
-    tl.store(out_ptr + row * stride_o + cols, (act.to(tl.float32) * up.to(tl.float32)).to(dtype), mask=ok)
+    tl.store(out_ptr + row * stride_o + cols, silu_mul_values(gate, up, ACCURATE_EXP), mask=ok)
 
 
 INTERPRETED = isinstance(_rms_norm_kernel, InterpretedFunction)

@@ -49,10 +49,10 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 from triton.runtime.interpreter import InterpretedFunction
 
 from .dependent_launch import pdl_args
+from .fused_triton import silu_mul_values
 
 MAX_ROWS = 16  # rows of x one call handles (the dot path pads to this)
 ONE_ROW_TILE = (16, 256)  # one row: [features, contraction] of a weight tile
@@ -63,19 +63,6 @@ ONE_ROW_PROGRAMS_PER_SM = 2
 MAX_SPLITS = 16
 REDUCE_BLOCK = 256  # features per program of the split reduction
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-@triton.jit
-def _silu_mul_row(gate, up, ACCURATE_EXP: tl.constexpr):
-    # fused_triton.silu_mul's arithmetic: silu in float32 rounded to the dtype, then the product rounded.
-    dtype = gate.dtype
-    g = gate.to(tl.float32)
-    if ACCURATE_EXP:
-        e = libdevice.exp(-g)  # CUDA's expf, what torch's silu calls
-    else:
-        e = tl.exp(-g)  # the interpreter: numpy's exp
-    act = tl.math.div_rn(g, 1.0 + e).to(dtype)
-    return (act.to(tl.float32) * up.to(tl.float32)).to(dtype)
 
 
 @triton.jit
@@ -91,7 +78,7 @@ def _gemv_fold(acc, w, x_ptr, k, m, m_ok, K, stride_xm, USE_DOT: tl.constexpr, E
             ok = m_ok[:, None] & (k < K)[None, :]
         x = tl.load(rows, mask=ok, other=0.0)
         if SILU_MUL:
-            x = _silu_mul_row(x, tl.load(rows + K, mask=ok, other=0.0), ACCURATE_EXP)
+            x = silu_mul_values(x, tl.load(rows + K, mask=ok, other=0.0), ACCURATE_EXP)
         if IEEE:
             acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
         else:
@@ -100,11 +87,11 @@ def _gemv_fold(acc, w, x_ptr, k, m, m_ok, K, stride_xm, USE_DOT: tl.constexpr, E
         if EVEN:
             x = tl.load(x_ptr + k)
             if SILU_MUL:
-                x = _silu_mul_row(x, tl.load(x_ptr + K + k), ACCURATE_EXP)
+                x = silu_mul_values(x, tl.load(x_ptr + K + k), ACCURATE_EXP)
         else:
             x = tl.load(x_ptr + k, mask=k < K, other=0.0)
             if SILU_MUL:
-                x = _silu_mul_row(x, tl.load(x_ptr + K + k, mask=k < K, other=0.0), ACCURATE_EXP)
+                x = silu_mul_values(x, tl.load(x_ptr + K + k, mask=k < K, other=0.0), ACCURATE_EXP)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     return acc
 
