@@ -117,6 +117,69 @@ def check_norm_kernels(device: str, dtype: torch.dtype, shapes=SMALL_SHAPES) -> 
                 assert torch.equal(y, kernels.norm_linear(x, r, g, eps, w, b, splits=splits)[0]), what
 
 
+class _CountingLaunches:
+    """Stands in for a kernel in its module: counts the launches, runs the kernel."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+def check_last_split_sums(device: str, dtype: torch.dtype, shapes=SMALL_SHAPES[2:], rows=ROWS[:2]) -> None:
+    """Split launches whose last program sums the splits (``LAST_SPLIT_SUMS``): ``linear``,
+    ``silu_mul_linear`` and (one row) ``norm_linear`` give the bits of the launches followed by the
+    reduction kernel, with the rule's splits and forced 2 and 3, twice in a row (each launch leaves
+    the counters at zero for the next), and no reduction kernel runs; with more feature blocks than
+    counters the reduction kernel runs again, same bits."""
+    saved = kernels.LAST_SPLIT_SUMS, kernels.MAX_COUNTED_BLOCKS, kernels._reduce_kernel, kernels._norm_reduce_kernel
+    reduce, norm_reduce = _CountingLaunches(saved[2]), _CountingLaunches(saved[3])
+    kernels._reduce_kernel, kernels._norm_reduce_kernel = reduce, norm_reduce
+    eps = 1e-5
+
+    def calls(x, w, b, gate_up, w_down, r, g, splits):
+        out = [kernels.linear(x, w, b, splits=splits), kernels.silu_mul_linear(gate_up, w_down, b, splits=splits)]
+        if x.shape[0] == 1:
+            out += kernels.norm_linear(x, r, g, eps, w, b, splits=splits)
+        return out
+
+    try:
+        for n, k in shapes:
+            for m in rows:
+                x, w, b = _tensors(m, n, k, dtype, device, True, seed=3 * n + k + m)
+                gate_up, w_down, _ = _tensors(m, n, 2 * k, dtype, device, False, seed=5 * n + k + m)
+                w_down = w_down[:, :k].contiguous()
+                gen = torch.Generator(device=device).manual_seed(n + m)
+                r = torch.randn(1, k, generator=gen, device=device).to(dtype)
+                g = (1 + 0.5 * torch.randn(k, generator=gen, device=device)).to(dtype)
+                for splits in (None, 2, 3):
+                    what = f"{n}x{k} M={m} splits={splits}"
+                    kernels.LAST_SPLIT_SUMS = False
+                    want = calls(x, w, b, gate_up, w_down, r, g, splits)
+                    kernels.LAST_SPLIT_SUMS = True
+                    launches = reduce.launches + norm_reduce.launches
+                    for _ in range(2):
+                        for got, expected in zip(calls(x, w, b, gate_up, w_down, r, g, splits), want):
+                            assert torch.equal(got, expected), what
+                    assert reduce.launches + norm_reduce.launches == launches, what
+                    counts = kernels._SPLIT_COUNTS.get(x.device)
+                    assert counts is None or not bool(counts.any()), what
+        assert kernels._SPLIT_COUNTS.get(torch.device(device)) is not None  # some launch was split
+        kernels.MAX_COUNTED_BLOCKS = 1
+        x, w, b = _tensors(1, 130, 1024, dtype, device, True)
+        launches = reduce.launches
+        kernels.LAST_SPLIT_SUMS = False
+        want = kernels.linear(x, w, b, splits=3)
+        kernels.LAST_SPLIT_SUMS = True
+        assert torch.equal(kernels.linear(x, w, b, splits=3), want)
+        assert reduce.launches == launches + 2
+    finally:
+        (kernels.LAST_SPLIT_SUMS, kernels.MAX_COUNTED_BLOCKS, kernels._reduce_kernel,
+         kernels._norm_reduce_kernel) = saved
+
+
 def check_llm(device: str, dtype: torch.dtype) -> None:
     """The tiny model with its layers' fused kernels, greedy, one request (its decode steps have
     one row): the tokens with the switch on (the Triton GEMV running the one-row linears, the norms
@@ -170,7 +233,8 @@ def check_llm(device: str, dtype: torch.dtype) -> None:
     assert tokens[True] == tokens[False], tokens
 
 
-CHECKS = {"kernels": [check_kernels, check_norm_kernels, check_silu_kernels], "llm": [check_llm]}
+CHECKS = {"kernels": [check_kernels, check_norm_kernels, check_silu_kernels, check_last_split_sums],
+          "llm": [check_llm]}
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ GPU: Triton's own ptxas): the machine code waits (``griddepcontrol.wait``) befor
 anything and, but for the GEMVs' first weight tile, before it loads anything; it lets the next
 kernel launch; without the flag neither instruction is there. On CUDA (``gpu`` marks): each kernel
 launched with PDL gives the bits of an ordinary launch, eagerly and replayed in a CUDA graph, and
-an engine's greedy tokens are the same with the switch on and off.
+an engine's greedy tokens are the same with the switch on and off; the same for the GEMV's split
+launches whose last program sums the splits (``gemv_triton.LAST_SPLIT_SUMS``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from interpreted import needs_triton
 from tpspec.model import dependent_launch
 
-_POINTER_TYPES = {"part_ptr": "*fp32", "sq_ptr": "*fp32", "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32",
+_POINTER_TYPES = {"part_ptr": "*fp32", "sq_ptr": "*fp32", "count_ptr": "*i32", "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32",
                   "part_l_ptr": "*fp32", "page_table_ptr": "*i32", "seq_starts_ptr": "*i64",
                   "tok_visible_ptr": "*i32", "index_ptr": "*i64"}
 _FLOATS = {"scale_log2", "eps", "hidden_f", "k_f"}
@@ -44,8 +45,8 @@ def _decoder_kernels():
 
     one_row = gemv.plan_gemv(1, 4096, 14336, device="cpu")
     gemv_constants = dict(M_PAD=1, BLOCK_N=one_row.block_n, BLOCK_K=one_row.block_k, USE_DOT=False, EVEN=True,
-                          SPLIT=True, HAS_BIAS=False, IEEE=False, NUM_STAGES=one_row.num_stages, SILU_MUL=True,
-                          ACCURATE_EXP=True)
+                          SPLIT=True, LAST_SUMS=False, HAS_BIAS=False, IEEE=False, NUM_STAGES=one_row.num_stages,
+                          SILU_MUL=True, ACCURATE_EXP=True)
     rows = gemv.plan_gemv(8, 4096, 4096, device="cpu")
     dot_constants = dict(gemv_constants, M_PAD=rows.m_pad, BLOCK_N=rows.block_n, BLOCK_K=rows.block_k, USE_DOT=True,
                          SILU_MUL=False, NUM_STAGES=rows.num_stages)
@@ -56,11 +57,15 @@ def _decoder_kernels():
     warps = {"num_warps": 4, "enable_fp_fusion": True}
     return [
         ("gemv one row, silu", gemv._gemv_kernel, gemv_constants, dict(warps, num_stages=one_row.num_stages), True),
+        ("gemv one row, silu, last split sums", gemv._gemv_kernel, dict(gemv_constants, LAST_SUMS=True),
+         dict(warps, num_stages=one_row.num_stages), True),
         ("gemv rows", gemv._gemv_kernel, dot_constants, dict(warps, num_stages=rows.num_stages), True),
+        ("gemv rows, last split sums", gemv._gemv_kernel, dict(dot_constants, LAST_SUMS=True),
+         dict(warps, num_stages=rows.num_stages), True),
         ("gemv reduce", gemv._reduce_kernel, dict(HAS_BIAS=True, BLOCK=gemv.REDUCE_BLOCK), warps, False),
-        ("norm gemv", gemv._norm_gemv_kernel,
-         dict(BLOCK_N=16, BLOCK_K=256, EVEN=True, SPLIT=True, HAS_RES=True, HAS_BIAS=False, NUM_STAGES=3),
-         dict(warps, num_stages=3), True),
+        *[(f"norm gemv, last split sums {last}", gemv._norm_gemv_kernel,
+           dict(BLOCK_N=16, BLOCK_K=256, EVEN=True, SPLIT=True, LAST_SUMS=last, HAS_RES=True, HAS_BIAS=False,
+                NUM_STAGES=3), dict(warps, num_stages=3), True) for last in (False, True)],
         ("norm reduce", gemv._norm_reduce_kernel, dict(HAS_BIAS=False, BLOCK=gemv.REDUCE_BLOCK), warps, False),
         ("rms norm", fused._rms_norm_kernel, dict(HAS_RESIDUAL=True, BLOCK=4096),
          {"num_warps": 8, "enable_fp_fusion": False}, False),
@@ -133,6 +138,10 @@ def _with_pdl(monkeypatch, on: bool) -> None:
     monkeypatch.setattr(dependent_launch, "PDL_KERNELS", on)
 
 
+# (dependent launch, the GEMV's last split sums): every combination the GPU tests compare.
+_SWITCHES = ((False, False), (True, False), (True, True), (False, True))
+
+
 @pytest.mark.gpu
 @needs_triton
 def test_cuda_kernels_with_pdl_equal_plain_launches(monkeypatch):
@@ -177,8 +186,9 @@ def test_cuda_kernels_with_pdl_equal_plain_launches(monkeypatch):
         return outs + [normed, h3, k_pages.clone(), v_pages.clone()]
 
     results = {}
-    for on in (False, True):
-        _with_pdl(monkeypatch, on)
+    for pdl, last_sums in _SWITCHES:
+        _with_pdl(monkeypatch, pdl)
+        monkeypatch.setattr(gemv, "LAST_SPLIT_SUMS", last_sums)
         eager = layer()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -186,18 +196,21 @@ def test_cuda_kernels_with_pdl_equal_plain_launches(monkeypatch):
             captured = layer()
         graph.replay()
         torch.cuda.synchronize()
-        results[on] = (eager, [t.clone() for t in captured])
-    for eager_or_graph in (0, 1):
-        for i, (plain, pdl) in enumerate(zip(results[False][eager_or_graph], results[True][eager_or_graph])):
-            assert torch.equal(plain, pdl), (eager_or_graph, i)
+        results[pdl, last_sums] = (eager, [t.clone() for t in captured])
+    plain = results[False, False]
+    for switches, got in results.items():
+        for eager_or_graph in (0, 1):
+            for i, (want, have) in enumerate(zip(plain[eager_or_graph], got[eager_or_graph])):
+                assert torch.equal(want, have), (switches, eager_or_graph, i)
 
 
 @pytest.mark.gpu
 @needs_triton
 def test_cuda_engine_tokens_with_pdl_equal_without(monkeypatch, tmp_path):
     """The tiny model in bfloat16 with graphed steps, greedy, batch 1 (every one-row kernel) and 3:
-    the same tokens with the switch on and off."""
+    the same tokens with the switches on and off (dependent launch; the GEMV's last split sums)."""
     from tpspec.mapping import Mapping
+    from tpspec.model import gemv_triton as gemv
     from tpspec.model.tiny import make_tiny_checkpoint
     from tpspec.runtime.config import EngineConfig, Request
     from tpspec.runtime.engine import Engine
@@ -207,8 +220,9 @@ def test_cuda_engine_tokens_with_pdl_equal_without(monkeypatch, tmp_path):
         pytest.skip("programmatic dependent launch needs compute capability 9.0")
     ckpt = str(make_tiny_checkpoint(str(tmp_path / "tiny"), seed=0))
     tokens = {}
-    for on in (False, True):
-        _with_pdl(monkeypatch, on)
+    for on in _SWITCHES:
+        _with_pdl(monkeypatch, on[0])
+        monkeypatch.setattr(gemv, "LAST_SPLIT_SUMS", on[1])
         engine = Engine(EngineConfig(ckpt, 1, "cuda", "bfloat16", max_batch_size=4, use_cuda_graphs=True,
                                      gpu_memory_utilization=0.2), Mapping(), "cuda")
         try:
@@ -217,4 +231,4 @@ def test_cuda_engine_tokens_with_pdl_equal_without(monkeypatch, tmp_path):
                 for batch in (1, 3)]
         finally:
             engine.close()
-    assert tokens[True] == tokens[False]
+    assert all(t == tokens[False, False] for t in tokens.values()), tokens

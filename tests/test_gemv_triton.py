@@ -7,11 +7,13 @@ float16 (the interpreter's ``tl.dot`` does not handle bfloat16) at small shapes 
 of the block, a K tail, one and several K splits), M = 1, 3, 16, bias on and off; the norm fused
 in front of it (``norm_linear``) against the float64 norm and product, with and without a
 residual; SwiGLU's ``silu(gate) * up`` fused in front of it (``silu_mul_linear``) against the
-``silu_mul`` kernel and ``linear``, bit for bit; and the tiny model's greedy tokens with the
+``silu_mul`` kernel and ``linear``, bit for bit; split launches whose last program sums the splits
+(``LAST_SPLIT_SUMS``) against the reduction kernel, bit for bit; and the tiny model's greedy tokens with the
 switches on equal those of ``F.linear``. The kernels compile for Hopper without a GPU. The
 dispatch rule is pure logic, checked here without a kernel. On CUDA (``gpu`` marks): bfloat16, float16 and float32 at the Llama-3-8B shapes for M = 1,
 8, 16 (and the fused norm at one row, ``silu(gate) * up`` in front of down_proj at 1 and 8), a
-CUDA-graph replay equal to an eager call, and the tiny model's tokens.
+CUDA-graph replay equal to an eager call, the last split sums in bfloat16 and replayed 1,000 times,
+and the tiny model's tokens.
 """
 
 from __future__ import annotations
@@ -55,17 +57,18 @@ def test_norm_kernels_compile_for_hopper():
         for n, k in (LLAMA_3_8B["qkv"], LLAMA_3_8B["gate_up"]):
             launch = kernels.plan_gemv(1, n, k, device="cpu")
             signature = {"x_ptr": ptr, "res_ptr": ptr, "g_ptr": ptr, "w_ptr": ptr, "b_ptr": ptr, "out_ptr": ptr,
-                         "h_ptr": ptr, "part_ptr": "*fp32", "sq_ptr": "*fp32", "N": "i32", "K": "i32",
-                         "stride_wn": "i32", "k_iters": "i32", "k_f": "fp32", "eps": "fp32"}
+                         "h_ptr": ptr, "part_ptr": "*fp32", "sq_ptr": "*fp32", "count_ptr": "*i32", "N": "i32",
+                         "K": "i32", "stride_wn": "i32", "k_iters": "i32", "k_f": "fp32", "eps": "fp32"}
             constants = {"BLOCK_N": launch.block_n, "BLOCK_K": launch.block_k, "EVEN": True, "SPLIT": n < 8192,
-                         "HAS_RES": True, "HAS_BIAS": False, "NUM_STAGES": launch.num_stages, "PDL": pdl}
+                         "LAST_SUMS": pdl and n < 8192, "HAS_RES": True, "HAS_BIAS": False,
+                         "NUM_STAGES": launch.num_stages, "PDL": pdl}
             asm = compile_for_hopper(kernels._norm_gemv_kernel, signature, constants, num_warps=launch.num_warps,
                                      num_stages=launch.num_stages, enable_fp_fusion=True, launch_pdl=pdl)
             assert "cubin" in asm and "ld.global" in asm["ptx"]
             assert ("griddepcontrol.wait" in asm["ptx"]) == pdl
         asm = compile_for_hopper(kernels._norm_reduce_kernel,
                                  {"part_ptr": "*fp32", "sq_ptr": "*fp32", "b_ptr": ptr, "out_ptr": ptr, "N": "i32",
-                                  "splits": "i32", "k_f": "fp32", "eps": "fp32"},
+                                  "splits": "i32", "sq_stride": "i32", "k_f": "fp32", "eps": "fp32"},
                                  {"HAS_BIAS": False, "BLOCK": kernels.REDUCE_BLOCK, "PDL": pdl}, num_warps=4,
                                  enable_fp_fusion=True, launch_pdl=pdl)
         assert "cubin" in asm
@@ -162,6 +165,43 @@ def test_cuda_kernel_matches_the_float64_reference(dtype):
     cases.check_norm_kernels("cuda", dtype, shapes=[LLAMA_3_8B["qkv"], LLAMA_3_8B["gate_up"]])
     cases.check_silu_kernels("cuda", dtype)
     cases.check_silu_kernels("cuda", dtype, shapes=[LLAMA_3_8B["down"]], rows=(1, 8))
+
+
+@pytest.mark.gpu
+@needs_triton
+def test_cuda_last_split_sums_equal_the_reduction_kernel():
+    """The last program of a split launch summing the splits: the bits of the reduction kernel at
+    the split Llama-3-8B shapes (one row and 8), and in a CUDA graph of 50 split launches, each on
+    its own input, replayed 20 times: every output the reduction kernel's bits (the partials of
+    the other splits visible to the program that sums them, and the counters back at zero, on
+    every launch)."""
+    import gemv_cases as cases
+    from tpspec.model import gemv_triton as kernels
+
+    cases.check_last_split_sums("cuda", torch.bfloat16, shapes=[LLAMA_3_8B["o"], LLAMA_3_8B["down"]], rows=(1, 8))
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    n, k = LLAMA_3_8B["down"]
+    w = (torch.randn(n, k, generator=gen, device="cuda") * k**-0.5).to(torch.bfloat16)
+    xs = [torch.randn(1, k, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(50)]
+    assert kernels.plan_gemv(1, n, k, device="cuda").splits > 1
+    want = [kernels.linear(x, w) for x in xs]
+    saved = kernels.LAST_SPLIT_SUMS
+    kernels.LAST_SPLIT_SUMS = True
+    try:
+        kernels.linear(xs[0], w)  # the counters, outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = [kernels.linear(x, w) for x in xs]
+        for _ in range(20):
+            for out in outs:
+                out.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            assert all(torch.equal(a, b) for a, b in zip(outs, want))
+        assert not bool(kernels._SPLIT_COUNTS[xs[0].device].any())
+    finally:
+        kernels.LAST_SPLIT_SUMS = saved
 
 
 @pytest.mark.gpu

@@ -15,7 +15,9 @@ stream ``W`` from memory. The kernel is built for that:
 * **Split-K.** When the feature blocks alone are too few to keep a few programs on every SM
   (``o_proj`` and ``down_proj`` at 4096 features), the contraction is cut into ``splits`` equal
   runs of whole ``BLOCK_K`` tiles; each program stores its float32 partial and ``_reduce_kernel``
-  sums the splits in split order (no atomics), adds the bias and casts.
+  sums the splits in split order (no atomics), adds the bias and casts. With ``LAST_SPLIT_SUMS``
+  the last program of a feature block to finish does that sum itself, in the same order (the same
+  bits), found by a per-block counter (:func:`split_counts`): one kernel fewer a split linear.
 
 * **The norm in front** (:func:`norm_linear`, one row). A decoder's q/k/v and gate/up follow an
   RMSNorm; ``W (h * g) * rsqrt(mean(h^2) + eps)`` is the same product, so the K loop that streams
@@ -61,6 +63,10 @@ ONE_ROW_STAGES = 3  # one row: software-pipeline stages of the K loop
 # but a program must keep enough loads in flight: docs/benchmarks.md ("Batch 1") compares 1, 2 and 4.
 ONE_ROW_PROGRAMS_PER_SM = 2
 MAX_SPLITS = 16
+# Whether a split launch's last program to finish sums the splits itself (no reduction kernel): off until a GPU run
+# checks it; see _last_split.
+LAST_SPLIT_SUMS = False
+MAX_COUNTED_BLOCKS = 4096  # feature blocks one launch may count (more: the reduction kernel runs)
 REDUCE_BLOCK = 256  # features per program of the split reduction
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -104,10 +110,24 @@ def _load_w(w_rows, k, n_ok, K, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_wn, stride_om, k_iters,
-                 M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
-                 EVEN: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
-                 NUM_STAGES: tl.constexpr, SILU_MUL: tl.constexpr, ACCURATE_EXP: tl.constexpr, PDL: tl.constexpr):
+def _last_split(count_ptr, splits):
+    """Count this program's split of its feature block as done, once its partial sums are stored;
+    True for the program that counts last, which then sums every split (and resets the count).
+
+    The barrier orders the stores of every thread of the program before the count; the count's
+    release (GPU scope) publishes them, and its acquire, in the last program, makes every other
+    split's partials visible to the loads that follow (which bypass L1: ``.cg``). The pattern of
+    a grid-wide barrier."""
+    tl.debug_barrier()
+    return tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu") == splits - 1
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+                 k_iters, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
+                 EVEN: tl.constexpr, SPLIT: tl.constexpr, LAST_SUMS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 IEEE: tl.constexpr, NUM_STAGES: tl.constexpr, SILU_MUL: tl.constexpr, ACCURATE_EXP: tl.constexpr,
+                 PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -138,9 +158,19 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, M, N, K, stride_xm, str
     if not USE_DOT:
         acc = tl.sum(acc, 1)[None, :]  # [1, BLOCK_N]; M_PAD == 1
     ok = m_ok[:, None] & n_ok[None, :]
+    last = not SPLIT
     if SPLIT:
-        tl.store(part_ptr + (split * M + m[:, None]) * N + n[None, :], acc, mask=ok)
-    else:
+        part = part_ptr + m[:, None] * N + n[None, :]
+        tl.store(part + split * M * N, acc, mask=ok)
+        if LAST_SUMS:
+            last = _last_split(count_ptr + pid_n, tl.num_programs(1))
+            if last:
+                # _reduce_kernel's sum, in its order: the same bits.
+                acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
+                for s in range(0, tl.num_programs(1)):
+                    acc += tl.load(part + s * M * N, mask=ok, other=0.0, cache_modifier=".cg")
+                tl.store(count_ptr + pid_n, 0)  # ready for the next launch
+    if last:
         if HAS_BIAS:
             acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptr + m[:, None] * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=ok)
@@ -187,10 +217,10 @@ def _norm_fold(acc_nk, sq, w, x_ptr, res_ptr, g_ptr, h_ptr, k, K, h_end, EVEN: t
 
 
 @triton.jit
-def _norm_gemv_kernel(x_ptr, res_ptr, g_ptr, w_ptr, b_ptr, out_ptr, h_ptr, part_ptr, sq_ptr, N, K, stride_wn,
-                      k_iters, k_f, eps, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
-                      SPLIT: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, NUM_STAGES: tl.constexpr,
-                      PDL: tl.constexpr):
+def _norm_gemv_kernel(x_ptr, res_ptr, g_ptr, w_ptr, b_ptr, out_ptr, h_ptr, part_ptr, sq_ptr, count_ptr, N, K,
+                      stride_wn, k_iters, k_f, eps, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+                      SPLIT: tl.constexpr, LAST_SUMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      NUM_STAGES: tl.constexpr, PDL: tl.constexpr):
     # One row: y = rstd * (W (h * g)) with h = x + residual, rstd = rsqrt(mean(h^2) + eps). The K
     # loop that streams W also sums h^2, so no program waits for a norm kernel before it.
     pid_n = tl.program_id(0)
@@ -216,18 +246,33 @@ def _norm_gemv_kernel(x_ptr, res_ptr, g_ptr, w_ptr, b_ptr, out_ptr, h_ptr, part_
         w = _load_w(w_rows, k, n_ok, K, EVEN)
         acc_nk, sq = _norm_fold(acc_nk, sq, w, x_ptr, res_ptr, g_ptr, h_ptr, k, K, h_end, EVEN, HAS_RES)
     acc = tl.sum(acc_nk, 1)  # [BLOCK_N]
+    total = tl.sum(sq, 0)
+    last = not SPLIT
     if SPLIT:
+        # Every program stores the squares of its split ([splits, feature blocks]; the same sums in
+        # every block): the last program of a block reads its own block's.
+        blocks = tl.num_programs(0)
         tl.store(part_ptr + split * N + n, acc, mask=n_ok)
-        tl.store(sq_ptr + split, tl.sum(sq, 0), mask=pid_n == 0)
-    else:
-        acc = acc * tl.math.rsqrt(tl.math.div_rn(tl.sum(sq, 0), k_f) + eps)
+        tl.store(sq_ptr + split * blocks + pid_n, total)
+        if LAST_SUMS:
+            last = _last_split(count_ptr + pid_n, tl.num_programs(1))
+            if last:
+                # _norm_reduce_kernel's sums, in its order: the same bits.
+                acc = tl.load(part_ptr + n, mask=n_ok, other=0.0, cache_modifier=".cg")
+                total = tl.load(sq_ptr + pid_n, cache_modifier=".cg")
+                for s in range(1, tl.num_programs(1)):
+                    acc += tl.load(part_ptr + s * N + n, mask=n_ok, other=0.0, cache_modifier=".cg")
+                    total += tl.load(sq_ptr + s * blocks + pid_n, cache_modifier=".cg")
+                tl.store(count_ptr + pid_n, 0)  # ready for the next launch
+    if last:
+        acc = acc * tl.math.rsqrt(tl.math.div_rn(total, k_f) + eps)
         if HAS_BIAS:
             acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
         tl.store(out_ptr + n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit
-def _norm_reduce_kernel(part_ptr, sq_ptr, b_ptr, out_ptr, N, splits, k_f, eps, HAS_BIAS: tl.constexpr,
+def _norm_reduce_kernel(part_ptr, sq_ptr, b_ptr, out_ptr, N, splits, sq_stride, k_f, eps, HAS_BIAS: tl.constexpr,
                         BLOCK: tl.constexpr, PDL: tl.constexpr):
     n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = n < N
@@ -238,7 +283,7 @@ def _norm_reduce_kernel(part_ptr, sq_ptr, b_ptr, out_ptr, N, splits, k_f, eps, H
     sq = tl.load(sq_ptr)
     for s in range(1, splits):  # split order: the same sums on every call
         acc += tl.load(part_ptr + s * N + n, mask=ok, other=0.0)
-        sq += tl.load(sq_ptr + s)
+        sq += tl.load(sq_ptr + s * sq_stride)
     acc = acc * tl.math.rsqrt(tl.math.div_rn(sq, k_f) + eps)
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=ok, other=0.0).to(tl.float32)
@@ -247,6 +292,25 @@ def _norm_reduce_kernel(part_ptr, sq_ptr, b_ptr, out_ptr, N, splits, k_f, eps, H
 
 INTERPRETED = isinstance(_gemv_kernel, InterpretedFunction)
 """Whether this import got Triton's interpreter (``TRITON_INTERPRET=1``): kernels on CPU tensors."""
+
+_SPLIT_COUNTS: dict[torch.device, torch.Tensor] = {}
+
+
+def split_counts(device: torch.device, blocks: int) -> torch.Tensor | None:
+    """The per-device int32 counters of split launches whose last program sums the splits, all zero
+    between launches (each launch's last programs reset theirs); None where the reduction kernel
+    runs instead: ``LAST_SPLIT_SUMS`` off, more than ``MAX_COUNTED_BLOCKS`` feature blocks, or no
+    counters yet while a CUDA graph is being captured (they are made outside any graph's memory
+    pool, on the first call outside a capture). Launches on one device share them, so they must
+    not overlap: kernels of one stream never do (the next waits for this one)."""
+    if not LAST_SPLIT_SUMS or blocks > MAX_COUNTED_BLOCKS:
+        return None
+    counts = _SPLIT_COUNTS.get(device)
+    if counts is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        counts = _SPLIT_COUNTS[device] = torch.zeros(MAX_COUNTED_BLOCKS, dtype=torch.int32, device=device)
+    return counts
 
 
 @functools.lru_cache(maxsize=None)
@@ -369,15 +433,16 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
     even = n % launch.block_n == 0 and k == launch.splits * launch.k_iters * launch.block_k
     bias_arg = bias if bias is not None else out  # not read without a bias
     pdl = pdl_args(x.device)
-    # FP fusion pinned on, as every GPU run compiled these kernels (Triton 3.10 turns its default off).
     grid = (triton.cdiv(n, launch.block_n), launch.splits)
-    _gemv_kernel[grid](x, weight, bias_arg, out, part, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-                       launch.k_iters, M_PAD=launch.m_pad, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
-                       USE_DOT=launch.m_pad > 1, EVEN=even, SPLIT=split, HAS_BIAS=bias is not None,
-                       IEEE=x.dtype == torch.float32, NUM_STAGES=launch.num_stages, SILU_MUL=silu_mul,
-                       ACCURATE_EXP=not INTERPRETED, num_warps=launch.num_warps,
-                       num_stages=launch.num_stages, enable_fp_fusion=True, **pdl)
-    if split:
+    counts = split_counts(x.device, grid[0]) if split else None
+    # FP fusion pinned on, as every GPU run compiled these kernels (Triton 3.10 turns its default off).
+    _gemv_kernel[grid](x, weight, bias_arg, out, part, counts if counts is not None else part, m, n, k, x.stride(0),
+                       weight.stride(0), out.stride(0), launch.k_iters, M_PAD=launch.m_pad, BLOCK_N=launch.block_n,
+                       BLOCK_K=launch.block_k, USE_DOT=launch.m_pad > 1, EVEN=even, SPLIT=split,
+                       LAST_SUMS=counts is not None, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
+                       NUM_STAGES=launch.num_stages, SILU_MUL=silu_mul, ACCURATE_EXP=not INTERPRETED,
+                       num_warps=launch.num_warps, num_stages=launch.num_stages, enable_fp_fusion=True, **pdl)
+    if split and counts is None:
         _reduce_kernel[(m, triton.cdiv(n, REDUCE_BLOCK))](part, bias_arg, out, m, n, launch.splits, out.stride(0),
                                                          HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK, num_warps=4,
                                                          enable_fp_fusion=True, **pdl)
@@ -435,20 +500,22 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
         return out, h
     launch = plan_gemv(1, n, k, device=x.device, splits=splits, element_size=x.element_size())
     split = launch.splits > 1
+    grid = (triton.cdiv(n, launch.block_n), launch.splits)
     part = torch.empty((launch.splits, n), dtype=torch.float32, device=x.device) if split else out
-    sq = torch.empty(launch.splits, dtype=torch.float32, device=x.device) if split else out
+    sq = torch.empty((launch.splits, grid[0]), dtype=torch.float32, device=x.device) if split else out
+    counts = split_counts(x.device, grid[0]) if split else None
     even = n % launch.block_n == 0 and k == launch.splits * launch.k_iters * launch.block_k
     bias_arg = bias if bias is not None else out  # not read without a bias
     pdl = pdl_args(x.device)
-    grid = (triton.cdiv(n, launch.block_n), launch.splits)
-    _norm_gemv_kernel[grid](x, res, norm_weight, weight, bias_arg, out, h, part, sq, n, k, weight.stride(0),
-                            launch.k_iters, float(k), float(eps), BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
-                            EVEN=even, SPLIT=split, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
+    _norm_gemv_kernel[grid](x, res, norm_weight, weight, bias_arg, out, h, part, sq,
+                            counts if counts is not None else sq, n, k, weight.stride(0), launch.k_iters, float(k),
+                            float(eps), BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, EVEN=even, SPLIT=split,
+                            LAST_SUMS=counts is not None, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
                             NUM_STAGES=launch.num_stages, num_warps=launch.num_warps,
                             num_stages=launch.num_stages, enable_fp_fusion=True, **pdl)
-    if split:
-        _norm_reduce_kernel[(triton.cdiv(n, REDUCE_BLOCK),)](part, sq, bias_arg, out, n, launch.splits, float(k),
-                                                              float(eps), HAS_BIAS=bias is not None,
+    if split and counts is None:
+        _norm_reduce_kernel[(triton.cdiv(n, REDUCE_BLOCK),)](part, sq, bias_arg, out, n, launch.splits, grid[0],
+                                                              float(k), float(eps), HAS_BIAS=bias is not None,
                                                               BLOCK=REDUCE_BLOCK, num_warps=4,
                                                               enable_fp_fusion=True, **pdl)
     return out, h
