@@ -62,6 +62,9 @@ ONE_ROW_STAGES = 3  # one row: software-pipeline stages of the K loop
 # One row: split K until the programs reach this many per SM. Fewer splits mean fewer partial sums to reduce,
 # but a program must keep enough loads in flight: docs/benchmarks.md ("Batch 1") compares 1, 2 and 4.
 ONE_ROW_PROGRAMS_PER_SM = 2
+ROWS_TILE = (64, 128)  # two rows or more: [features, contraction] of a weight tile (into a 16-row tl.dot)
+ROWS_STAGES = 4  # two rows or more, 16-bit weights: pipeline stages of the K loop (float32: 2)
+ROWS_PROGRAMS_PER_SM = 2  # two rows or more: split K until the programs reach this many per SM
 MAX_SPLITS = 16
 # Whether a split launch's last program to finish sums the splits itself (no reduction kernel): off until a GPU run
 # checks it; see _last_split.
@@ -340,9 +343,10 @@ def plan_gemv(m: int, n: int, k: int, *, device: torch.device | str, splits: int
     One row: ``[16, 256]`` weight tiles (``ONE_ROW_TILE``; 4 warps: four 16-byte loads a thread a
     tile, 32 float32 accumulators a thread) in 3 pipeline stages (17 KiB of shared memory and 78
     registers a thread on sm_90: six programs fit an SM). Two rows or more:
-    ``[64, 128]`` tiles into a 16-row ``tl.dot``, 4 stages for 16-bit weights (52 KiB and 114
-    registers: four programs an SM), 2 for float32 (``element_size`` 4). ``splits`` (default: 1
-    when the feature blocks reach the path's programs per SM, ``ONE_ROW_PROGRAMS_PER_SM`` and 2,
+    ``[64, 128]`` tiles (``ROWS_TILE``) into a 16-row ``tl.dot``, 4 stages for 16-bit weights
+    (52 KiB and 114 registers: four programs an SM), 2 for float32 (``element_size`` 4). ``splits``
+    (default: 1 when the feature blocks reach the path's programs per SM, ``ONE_ROW_PROGRAMS_PER_SM``
+    or ``ROWS_PROGRAMS_PER_SM``,
     else the fewest splits that get there, preferring a divisor of the tile count so every split
     reads whole tiles without masks; at most ``MAX_SPLITS`` and one split per tile) cuts ``k`` into
     equal runs of whole tiles.
@@ -353,8 +357,9 @@ def plan_gemv(m: int, n: int, k: int, *, device: torch.device | str, splits: int
         m_pad, num_stages = 1, ONE_ROW_STAGES
         target *= ONE_ROW_PROGRAMS_PER_SM
     else:
-        m_pad, block_n, block_k, num_stages = MAX_ROWS, 64, 128, 4 if element_size <= 2 else 2
-        target *= 2
+        block_n, block_k = ROWS_TILE
+        m_pad, num_stages = MAX_ROWS, ROWS_STAGES if element_size <= 2 else 2
+        target *= ROWS_PROGRAMS_PER_SM
     tiles = triton.cdiv(k, block_k)
     blocks = triton.cdiv(n, block_n)
     if splits is None:
