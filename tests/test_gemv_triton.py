@@ -126,6 +126,12 @@ def test_dispatch_rule(monkeypatch):
     gate_up = torch.zeros(1, 128)
     assert silu(gate_up, torch.zeros(32, 64)) and silu(gate_up, w)  # down_proj's K > N too
     assert not silu(torch.zeros(2, 128), torch.zeros(32, 64))  # one row only
+    assert linear_mod.TRITON_GEMV_ROWS == 1
+    monkeypatch.setattr(linear_mod, "TRITON_GEMV_ROWS", 4)  # up to four rows: linears, silu, not the norm
+    assert use(torch.zeros(4, 64), w) and not use(torch.zeros(5, 64), w) and not use(torch.zeros(4, 64), w[:32])
+    assert silu(torch.zeros(4, 128), torch.zeros(32, 64)) and not silu(torch.zeros(5, 128), torch.zeros(32, 64))
+    assert not norm(torch.zeros(2, 64), None, g, w)
+    monkeypatch.setattr(linear_mod, "TRITON_GEMV_ROWS", 1)
     assert not silu(torch.zeros(1, 64), torch.zeros(32, 64))  # gate_up is 2 K wide
     assert not silu(gate_up.half(), torch.zeros(32, 64))
     monkeypatch.setattr(linear_mod, "TRITON_SILU_DOWN", False)

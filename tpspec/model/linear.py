@@ -25,6 +25,11 @@ TRITON_GEMV = True
 a GPU run of ``tests/test_gemv_triton.py``'s ``gpu`` tests passed, the fused norm included, and
 ``tpspec bench gemv`` reads these linears faster than cuBLAS at one row (``docs/benchmarks.md``)."""
 
+TRITON_GEMV_ROWS = 1
+"""The most rows of ``x`` the rule sends to the Triton GEMV (more go to ``F.linear``). One: at two
+rows or more the GEMV's ``tl.dot`` path read the linears no faster than cuBLAS
+(``docs/benchmarks.md``, "The linears alone")."""
+
 _TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -48,7 +53,8 @@ and cuBLAS. On: a GPU run of ``tests/test_gemv_triton.py``'s ``gpu`` tests passe
 def use_triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """Whether :func:`linear` runs the Triton GEMV for these tensors.
 
-    Yes when ``TRITON_GEMV`` is on; ``x`` is one row, ``[1, K]``, and ``weight`` a contiguous
+    Yes when ``TRITON_GEMV`` is on; ``x`` is ``[M, K]`` with ``M`` at most ``TRITON_GEMV_ROWS``
+    (one: a decode step of one request), and ``weight`` a contiguous
     ``[N, K]`` with ``N >= K`` (``tpspec bench gemv``: the GEMV reads q/k/v, o_proj, gate/up and
     the LM head faster than cuBLAS at one row, not down_proj, whose ``K > N`` cuBLAS splits better),
     ``K`` a multiple of 8, 16-byte aligned (whole 16-byte loads of every row); ``x``, ``weight``
@@ -63,9 +69,9 @@ def use_triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 
 def use_triton_silu_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """Whether a SwiGLU down projection of ``gate_up`` ``[1, 2 K]`` (``cat(gate, up)``) by ``weight``
+    """Whether a SwiGLU down projection of ``gate_up`` ``[M, 2 K]`` (``cat(gate, up)``) by ``weight``
     ``[N, K]`` runs as one kernel, :func:`tpspec.model.gemv_triton.silu_mul_linear`: where
-    ``TRITON_GEMV`` and ``TRITON_SILU_DOWN`` are on, ``gate_up`` is one row, and the tensors
+    ``TRITON_GEMV`` and ``TRITON_SILU_DOWN`` are on, ``gate_up`` has at most ``TRITON_GEMV_ROWS`` rows, and the tensors
     meet :func:`use_triton_linear`'s other conditions (any ``N`` and ``K``). The same answer on every
     rank."""
     if not (TRITON_GEMV and TRITON_SILU_DOWN) or weight.dim() != 2:
@@ -74,8 +80,8 @@ def use_triton_silu_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: to
 
 
 def _gemv_runs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, width: int) -> bool:
-    """The GEMV's conditions on one row ``x`` ``[1, width]`` and ``weight`` ``[N, K]``."""
-    if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != width:
+    """The GEMV's conditions on ``x`` ``[M, width]`` (``M <= TRITON_GEMV_ROWS``) and ``weight`` ``[N, K]``."""
+    if x.dim() != 2 or not 1 <= x.shape[0] <= TRITON_GEMV_ROWS or x.shape[1] != width:
         return False
     k = weight.shape[1]
     if k % 8 or not weight.is_contiguous() or weight.data_ptr() % 16:
@@ -100,8 +106,8 @@ def use_triton_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_
     after it run as one kernel (:func:`tpspec.model.gemv_triton.norm_linear`): where
     :func:`use_triton_linear` takes the linear and ``residual`` and ``norm_weight`` are ``x``'s
     shape and ``[K]``, in its dtype and on its device. The same answer on every rank."""
-    if not use_triton_linear(x, weight, bias):
-        return False
+    if x.dim() != 2 or x.shape[0] != 1 or not use_triton_linear(x, weight, bias):
+        return False  # norm_linear takes one row
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
                                  or residual.device != x.device):
         return False
