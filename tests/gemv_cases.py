@@ -134,7 +134,9 @@ def check_last_split_sums(device: str, dtype: torch.dtype, shapes=SMALL_SHAPES[2
     reduction kernel, with the rule's splits and forced 2 and 3, twice in a row (each launch leaves
     the counters at zero for the next), and no reduction kernel runs; with more feature blocks than
     counters the reduction kernel runs again, same bits."""
-    saved = kernels.LAST_SPLIT_SUMS, kernels.MAX_COUNTED_BLOCKS, kernels._reduce_kernel, kernels._norm_reduce_kernel
+    from tpspec.model import split_counters
+
+    saved = kernels.LAST_SPLIT_SUMS, split_counters.MAX_COUNTERS, kernels._reduce_kernel, kernels._norm_reduce_kernel
     reduce, norm_reduce = _CountingLaunches(saved[2]), _CountingLaunches(saved[3])
     kernels._reduce_kernel, kernels._norm_reduce_kernel = reduce, norm_reduce
     eps = 1e-5
@@ -164,10 +166,10 @@ def check_last_split_sums(device: str, dtype: torch.dtype, shapes=SMALL_SHAPES[2
                         for got, expected in zip(calls(x, w, b, gate_up, w_down, r, g, splits), want):
                             assert torch.equal(got, expected), what
                     assert reduce.launches + norm_reduce.launches == launches, what
-                    counts = kernels._SPLIT_COUNTS.get(x.device)
+                    counts = split_counters._COUNTERS.get(x.device)
                     assert counts is None or not bool(counts.any()), what
-        assert kernels._SPLIT_COUNTS.get(torch.device(device)) is not None  # some launch was split
-        kernels.MAX_COUNTED_BLOCKS = 1
+        assert split_counters._COUNTERS.get(x.device) is not None  # some launch was split
+        split_counters.MAX_COUNTERS = 1
         x, w, b = _tensors(1, 130, 1024, dtype, device, True)
         launches = reduce.launches
         kernels.LAST_SPLIT_SUMS = False
@@ -176,7 +178,7 @@ def check_last_split_sums(device: str, dtype: torch.dtype, shapes=SMALL_SHAPES[2
         assert torch.equal(kernels.linear(x, w, b, splits=3), want)
         assert reduce.launches == launches + 2
     finally:
-        (kernels.LAST_SPLIT_SUMS, kernels.MAX_COUNTED_BLOCKS, kernels._reduce_kernel,
+        (kernels.LAST_SPLIT_SUMS, split_counters.MAX_COUNTERS, kernels._reduce_kernel,
          kernels._norm_reduce_kernel) = saved
 
 

@@ -183,6 +183,7 @@ def test_cuda_last_split_sums_equal_the_reduction_kernel():
     every launch)."""
     import gemv_cases as cases
     from tpspec.model import gemv_triton as kernels
+    from tpspec.model import split_counters
 
     cases.check_last_split_sums("cuda", torch.bfloat16, shapes=[LLAMA_3_8B["o"], LLAMA_3_8B["down"]], rows=(1, 8))
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -205,7 +206,7 @@ def test_cuda_last_split_sums_equal_the_reduction_kernel():
             graph.replay()
             torch.cuda.synchronize()
             assert all(torch.equal(a, b) for a, b in zip(outs, want))
-        assert not bool(kernels._SPLIT_COUNTS[xs[0].device].any())
+        assert not bool(split_counters._COUNTERS[xs[0].device].any())
     finally:
         kernels.LAST_SPLIT_SUMS = saved
 

@@ -17,7 +17,7 @@ stream ``W`` from memory. The kernel is built for that:
   runs of whole ``BLOCK_K`` tiles; each program stores its float32 partial and ``_reduce_kernel``
   sums the splits in split order (no atomics), adds the bias and casts. With ``LAST_SPLIT_SUMS``
   the last program of a feature block to finish does that sum itself, in the same order (the same
-  bits), found by a per-block counter (:func:`split_counts`): one kernel fewer a split linear.
+  bits), found by a per-block counter (:mod:`tpspec.model.split_counters`): one kernel fewer a split linear.
 
 * **The norm in front** (:func:`norm_linear`, one row). A decoder's q/k/v and gate/up follow an
   RMSNorm; ``W (h * g) * rsqrt(mean(h^2) + eps)`` is the same product, so the K loop that streams
@@ -55,6 +55,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from .dependent_launch import pdl_args
 from .fused_triton import silu_mul_values
+from .split_counters import last_split, split_counters
 
 MAX_ROWS = 16  # rows of x one call handles (the dot path pads to this)
 ONE_ROW_TILE = (16, 256)  # one row: [features, contraction] of a weight tile
@@ -67,9 +68,8 @@ ROWS_STAGES = 4  # two rows or more, 16-bit weights: pipeline stages of the K lo
 ROWS_PROGRAMS_PER_SM = 2  # two rows or more: split K until the programs reach this many per SM
 MAX_SPLITS = 16
 # Whether a split launch's last program to finish sums the splits itself (no reduction kernel): off until a GPU run
-# checks it; see _last_split.
+# checks it; see tpspec.model.split_counters.
 LAST_SPLIT_SUMS = False
-MAX_COUNTED_BLOCKS = 4096  # feature blocks one launch may count (more: the reduction kernel runs)
 REDUCE_BLOCK = 256  # features per program of the split reduction
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -113,19 +113,6 @@ def _load_w(w_rows, k, n_ok, K, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _last_split(count_ptr, splits):
-    """Count this program's split of its feature block as done, once its partial sums are stored;
-    True for the program that counts last, which then sums every split (and resets the count).
-
-    The barrier orders the stores of every thread of the program before the count; the count's
-    release (GPU scope) publishes them, and its acquire, in the last program, makes every other
-    split's partials visible to the loads that follow (which bypass L1: ``.cg``). The pattern of
-    a grid-wide barrier."""
-    tl.debug_barrier()
-    return tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu") == splits - 1
-
-
-@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                  k_iters, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
                  EVEN: tl.constexpr, SPLIT: tl.constexpr, LAST_SUMS: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -166,7 +153,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, str
         part = part_ptr + m[:, None] * N + n[None, :]
         tl.store(part + split * M * N, acc, mask=ok)
         if LAST_SUMS:
-            last = _last_split(count_ptr + pid_n, tl.num_programs(1))
+            last = last_split(count_ptr + pid_n, tl.num_programs(1))
             if last:
                 # _reduce_kernel's sum, in its order: the same bits.
                 acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
@@ -258,7 +245,7 @@ def _norm_gemv_kernel(x_ptr, res_ptr, g_ptr, w_ptr, b_ptr, out_ptr, h_ptr, part_
         tl.store(part_ptr + split * N + n, acc, mask=n_ok)
         tl.store(sq_ptr + split * blocks + pid_n, total)
         if LAST_SUMS:
-            last = _last_split(count_ptr + pid_n, tl.num_programs(1))
+            last = last_split(count_ptr + pid_n, tl.num_programs(1))
             if last:
                 # _norm_reduce_kernel's sums, in its order: the same bits.
                 acc = tl.load(part_ptr + n, mask=n_ok, other=0.0, cache_modifier=".cg")
@@ -295,26 +282,6 @@ def _norm_reduce_kernel(part_ptr, sq_ptr, b_ptr, out_ptr, N, splits, sq_stride, 
 
 INTERPRETED = isinstance(_gemv_kernel, InterpretedFunction)
 """Whether this import got Triton's interpreter (``TRITON_INTERPRET=1``): kernels on CPU tensors."""
-
-_SPLIT_COUNTS: dict[torch.device, torch.Tensor] = {}
-
-
-def split_counts(device: torch.device, blocks: int) -> torch.Tensor | None:
-    """The per-device int32 counters of split launches whose last program sums the splits, all zero
-    between launches (each launch's last programs reset theirs); None where the reduction kernel
-    runs instead: ``LAST_SPLIT_SUMS`` off, more than ``MAX_COUNTED_BLOCKS`` feature blocks, or no
-    counters yet while a CUDA graph is being captured (they are made outside any graph's memory
-    pool, on the first call outside a capture). Launches on one device share them, so they must
-    not overlap: kernels of one stream never do (the next waits for this one)."""
-    if not LAST_SPLIT_SUMS or blocks > MAX_COUNTED_BLOCKS:
-        return None
-    counts = _SPLIT_COUNTS.get(device)
-    if counts is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        counts = _SPLIT_COUNTS[device] = torch.zeros(MAX_COUNTED_BLOCKS, dtype=torch.int32, device=device)
-    return counts
-
 
 @functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
@@ -439,7 +406,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
     bias_arg = bias if bias is not None else out  # not read without a bias
     pdl = pdl_args(x.device)
     grid = (triton.cdiv(n, launch.block_n), launch.splits)
-    counts = split_counts(x.device, grid[0]) if split else None
+    counts = split_counters(x.device, grid[0]) if split and LAST_SPLIT_SUMS else None
     # FP fusion pinned on, as every GPU run compiled these kernels (Triton 3.10 turns its default off).
     _gemv_kernel[grid](x, weight, bias_arg, out, part, counts if counts is not None else part, m, n, k, x.stride(0),
                        weight.stride(0), out.stride(0), launch.k_iters, M_PAD=launch.m_pad, BLOCK_N=launch.block_n,
@@ -508,7 +475,7 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
     grid = (triton.cdiv(n, launch.block_n), launch.splits)
     part = torch.empty((launch.splits, n), dtype=torch.float32, device=x.device) if split else out
     sq = torch.empty((launch.splits, grid[0]), dtype=torch.float32, device=x.device) if split else out
-    counts = split_counts(x.device, grid[0]) if split else None
+    counts = split_counters(x.device, grid[0]) if split and LAST_SPLIT_SUMS else None
     even = n % launch.block_n == 0 and k == launch.splits * launch.k_iters * launch.block_k
     bias_arg = bias if bias is not None else out  # not read without a bias
     pdl = pdl_args(x.device)
