@@ -126,45 +126,6 @@ def check_kernels(device: str, dtype: torch.dtype) -> None:
                 assert err < _tolerance(dtype), f"config {config}, lens {lens}, splits {splits}: max error {err}"
 
 
-class _CountingLaunches:
-    """Stands in for a kernel in its module: counts the launches, runs the kernel."""
-
-    def __init__(self, kernel) -> None:
-        self.kernel, self.launches = kernel, 0
-
-    def __getitem__(self, grid):
-        self.launches += 1
-        return self.kernel[grid]
-
-
-def check_last_split_merges(device: str, dtype: torch.dtype, configs=CONFIGS[1:2]) -> None:
-    """Split launches whose last program merges the splits (``LAST_SPLIT_MERGES``): the bits of the
-    launches followed by the merge kernel, on the ragged batch (query blocks a short sequence does
-    not have never count) and on decode and verification rows, with two and five splits and the
-    automatic launch, twice in a row (each launch leaves its counters at zero), and no merge kernel
-    runs."""
-    from tpspec.model import split_counters
-
-    saved = kernels.LAST_SPLIT_MERGES, kernels._merge_kernel
-    merge = kernels._merge_kernel = _CountingLaunches(saved[1])
-    try:
-        for config in configs:
-            for lens in (None, decode_scenario(config[3])):
-                case = Case(config, device, dtype, lens=lens)
-                for splits in (2, 5, None):
-                    kernels.LAST_SPLIT_MERGES = False
-                    want = case.run(splits, 1)
-                    kernels.LAST_SPLIT_MERGES = True
-                    launches = merge.launches
-                    for _ in range(2):
-                        assert torch.equal(case.run(splits, 1), want), (config, lens, splits)
-                    assert merge.launches == launches, (config, lens, splits)
-                    counters = split_counters._COUNTERS.get(case.q.device)
-                    assert counters is not None and not bool(counters.any()), (config, lens, splits)
-    finally:
-        kernels.LAST_SPLIT_MERGES, kernels._merge_kernel = saved
-
-
 def check_backend(device: str, dtype: torch.dtype) -> None:
     """The ``triton`` backend through ``bind`` / ``attend`` gives the torch backend's result (an
     empty step too), and the launch rule splits a lone long decode but not a full batch."""
@@ -230,7 +191,7 @@ def check_llm(device: str, dtype: torch.dtype) -> None:
         assert tokens["torch", 1] == _tiny_greedy_hf(prompts, steps), tokens
 
 
-CHECKS = {"kernels": [check_kernels, check_backend, check_last_split_merges], "llm": [check_llm]}
+CHECKS = {"kernels": [check_kernels, check_backend], "llm": [check_llm]}
 
 
 if __name__ == "__main__":

@@ -5,9 +5,8 @@ GPU: Triton's own ptxas): the machine code waits (``griddepcontrol.wait``) befor
 anything and, but for the GEMVs' first weight tile, before it loads anything; it lets the next
 kernel launch; without the flag neither instruction is there. On CUDA (``gpu`` marks): each kernel
 launched with PDL gives the bits of an ordinary launch, eagerly and replayed in a CUDA graph, and
-an engine's greedy tokens are the same with the switch on and off; the same for the split
-launches whose last program combines the splits (``gemv_triton.LAST_SPLIT_SUMS``,
-``paged_attention_triton.LAST_SPLIT_MERGES``).
+an engine's greedy tokens are the same with the switch on and off; the same for the GEMV's split
+launches whose last program sums the splits (``gemv_triton.LAST_SPLIT_SUMS``).
 """
 
 from __future__ import annotations
@@ -54,7 +53,7 @@ def _decoder_kernels():
     launch = attn.plan_launch(num_tokens=1, num_seqs=1, q_max=1, kv_pages=64, page_size=16, num_heads=32, kv_heads=8,
                               head_dim=128, device="cpu")
     attend = dict(GROUP=4, HEAD_DIM=128, HEAD_PAD=128, PAGE_SIZE=16, BLOCK_Q=launch.block_q, BLOCK_M=launch.block_m,
-                  BLOCK_N=launch.block_n, SPLIT=True, LAST_MERGES=False, IEEE=False)
+                  BLOCK_N=launch.block_n, SPLIT=True, IEEE=False)
     warps = {"num_warps": 4, "enable_fp_fusion": True}
     return [
         ("gemv one row, silu", gemv._gemv_kernel, gemv_constants, dict(warps, num_stages=one_row.num_stages), True),
@@ -75,10 +74,7 @@ def _decoder_kernels():
         ("silu mul", fused._silu_mul_kernel, dict(ACCURATE_EXP=True, BLOCK=fused.SILU_BLOCK),
          {"num_warps": 4, "enable_fp_fusion": False}, False),
         ("attention", attn._attend_kernel, attend, dict(warps, num_stages=launch.num_stages), False),
-        ("attention, last split merges", attn._attend_kernel, dict(attend, LAST_MERGES=True),
-         dict(warps, num_stages=launch.num_stages), False),
-        ("merge", attn._merge_kernel,
-         dict(GROUP=4, HEAD_DIM=128, HEAD_PAD=128, BLOCK_Q=launch.block_q, BLOCK_M=launch.block_m), warps, False),
+        ("merge", attn._merge_kernel, dict(HEAD_DIM=128, HEAD_PAD=128, SPLITS_PAD=8), warps, False),
     ]
 
 
@@ -142,15 +138,14 @@ def _with_pdl(monkeypatch, on: bool) -> None:
     monkeypatch.setattr(dependent_launch, "PDL_KERNELS", on)
 
 
-# (dependent launch, last split sums and merges): every combination the GPU tests compare.
+# (dependent launch, the GEMV's last split sums): every combination the GPU tests compare.
 _SWITCHES = ((False, False), (True, False), (True, True), (False, True))
 
 
 def _with_last_split(monkeypatch, on: bool) -> None:
-    from tpspec.model import gemv_triton, paged_attention_triton
+    from tpspec.model import gemv_triton
 
     monkeypatch.setattr(gemv_triton, "LAST_SPLIT_SUMS", on)
-    monkeypatch.setattr(paged_attention_triton, "LAST_SPLIT_MERGES", on)
 
 
 @pytest.mark.gpu
@@ -219,7 +214,7 @@ def test_cuda_kernels_with_pdl_equal_plain_launches(monkeypatch):
 @needs_triton
 def test_cuda_engine_tokens_with_pdl_equal_without(monkeypatch, tmp_path):
     """The tiny model in bfloat16 with graphed steps, greedy, batch 1 (every one-row kernel) and 3:
-    the same tokens with the switches on and off (dependent launch; the last split sums and merges)."""
+    the same tokens with the switches on and off (dependent launch; the GEMV's last split sums)."""
     from tpspec.mapping import Mapping
     from tpspec.model.tiny import make_tiny_checkpoint
     from tpspec.runtime.config import EngineConfig, Request

@@ -9,7 +9,8 @@ in front of it (``norm_linear``) against the float64 norm and product, with and 
 residual; SwiGLU's ``silu(gate) * up`` fused in front of it (``silu_mul_linear``) against the
 ``silu_mul`` kernel and ``linear``, bit for bit; split launches whose last program sums the splits
 (``LAST_SPLIT_SUMS``) against the reduction kernel, bit for bit; and the tiny model's greedy tokens with the
-switches on equal those of ``F.linear``. The kernels compile for Hopper without a GPU. The
+switches on equal those of ``F.linear``. The kernels compile for Hopper without a GPU (the last
+split sums with their barrier, count and L1-bypassing loads in that order). The
 dispatch rule is pure logic, checked here without a kernel. On CUDA (``gpu`` marks): bfloat16, float16 and float32 at the Llama-3-8B shapes for M = 1,
 8, 16 (and the fused norm at one row, ``silu(gate) * up`` in front of down_proj at 1 and 8), a
 CUDA-graph replay equal to an eager call, the last split sums in bfloat16 and replayed 1,000 times,
@@ -68,10 +69,37 @@ def test_norm_kernels_compile_for_hopper():
             assert ("griddepcontrol.wait" in asm["ptx"]) == pdl
         asm = compile_for_hopper(kernels._norm_reduce_kernel,
                                  {"part_ptr": "*fp32", "sq_ptr": "*fp32", "b_ptr": ptr, "out_ptr": ptr, "N": "i32",
-                                  "splits": "i32", "sq_stride": "i32", "k_f": "fp32", "eps": "fp32"},
+                                  "splits": "i32", "k_f": "fp32", "eps": "fp32"},
                                  {"HAS_BIAS": False, "BLOCK": kernels.REDUCE_BLOCK, "PDL": pdl}, num_warps=4,
                                  enable_fp_fusion=True, launch_pdl=pdl)
         assert "cubin" in asm
+
+
+@needs_triton
+def test_last_split_sums_order_their_memory_accesses():
+    """A split GEMV whose last program sums the splits, compiled for Hopper (one row with ``silu``
+    fused in, and the fused norm): each program stores its partials, then a barrier, then one
+    ``atom.global.gpu.acq_rel`` (the count), then the last program's partial loads bypass L1
+    (``ld.global.cg``) and it resets its counter (a store after the loads)."""
+    from interpreted import compile_for_hopper
+    from test_dependent_launch import _signature
+    from tpspec.model import gemv_triton as kernels
+
+    one_row = kernels.plan_gemv(1, 4096, 14336, device="cpu")
+    gemv = dict(M_PAD=1, BLOCK_N=one_row.block_n, BLOCK_K=one_row.block_k, USE_DOT=False, EVEN=True, SPLIT=True,
+                LAST_SUMS=True, HAS_BIAS=False, IEEE=False, NUM_STAGES=one_row.num_stages, SILU_MUL=True,
+                ACCURATE_EXP=True, PDL=True)
+    norm = dict(BLOCK_N=16, BLOCK_K=256, EVEN=True, SPLIT=True, LAST_SUMS=True, HAS_RES=True, HAS_BIAS=False,
+                NUM_STAGES=3, PDL=True)
+    for fn, constants in ((kernels._gemv_kernel, gemv), (kernels._norm_gemv_kernel, norm)):
+        ptx = compile_for_hopper(fn, _signature(fn, constants), constants, aligned_pointers=True, launch_pdl=True,
+                                 num_warps=4, num_stages=3, enable_fp_fusion=True)["ptx"]
+        count = ptx.find("atom.global.gpu.acq_rel.add")
+        assert count > 0 and ptx.count("atom.global") == 1, fn
+        assert ptx.rfind("bar.sync", 0, count) > ptx.rfind("st.global", 0, count) > 0, fn
+        loads = ptx.find("ld.global.cg", count)
+        assert loads > count and ptx.find("ld.global.cg") == loads, fn  # no .cg load before the count
+        assert ptx.rfind("st.global") > loads, fn
 
 
 class _Kernels:

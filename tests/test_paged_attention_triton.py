@@ -4,11 +4,10 @@ On CPU through Triton's interpreter (a subprocess sets ``TRITON_INTERPRET=1`` be
 imported; skipped without ``triton``): the kernels against a float64 reference (decode,
 verification, prefill chunks; GQA groups 1, 3, 4, 8; pages of 16 and 32; ragged lengths; a
 sequence ending on a page boundary; one and several KV splits) in float32 and float16 (the
-interpreter's ``tl.dot`` does not handle bfloat16), the last split program merging the splits
-(``LAST_SPLIT_MERGES``) against the merge kernel, bit for bit, and ``LLM("tiny", attention_backend="triton")``
+interpreter's ``tl.dot`` does not handle bfloat16), and ``LLM("tiny", attention_backend="triton")``
 at TP 1 and 2 giving the torch backend's and Hugging Face transformers' greedy tokens. On CUDA
-(``gpu`` marks): the kernels in bfloat16, float16 and float32, the last split merges in bfloat16
-and replayed 1,000 times, a CUDA-graph replay against an eager run, and engines on the triton backend against the torch backend.
+(``gpu`` marks): the kernels in bfloat16, float16 and float32, a CUDA-graph replay against an
+eager run, and engines on the triton backend against the torch backend.
 
 The choice rule: ``attention_backend="auto"`` runs ``AUTO_CUDA_ATTENTION`` on CUDA (a backend a
 GPU run has checked; never FlashInfer) and torch elsewhere; ``"triton"`` on CPU outside the
@@ -86,7 +85,7 @@ def test_decode_kernel_keeps_the_next_tiles_in_flight():
 
     pointers = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16", "page_table_ptr": "*i32",
                 "seq_starts_ptr": "*i64", "tok_visible_ptr": "*i32", "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32",
-                "part_l_ptr": "*fp32", "count_ptr": "*i32"}
+                "part_l_ptr": "*fp32"}
     integers = ["num_heads", "q_blocks", "num_splits", "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kp",
                 "stride_ko", "stride_kh", "stride_vp", "stride_vo", "stride_vh", "stride_pt"]
     signature = {**pointers, "scale_log2": "fp32", **{name: "i32" for name in integers}}
@@ -95,8 +94,7 @@ def test_decode_kernel_keeps_the_next_tiles_in_flight():
         launch = kernels.plan_launch(num_tokens=8, num_seqs=8, q_max=1, kv_pages=kv_pages, page_size=16,
                                      num_heads=32, kv_heads=8, head_dim=128, device="cpu", num_splits=5)
         constants = dict(GROUP=4, HEAD_DIM=128, HEAD_PAD=launch.head_pad, PAGE_SIZE=16, BLOCK_Q=launch.block_q,
-                         BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, SPLIT=True, LAST_MERGES=False, IEEE=False,
-                         PDL=False)
+                         BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, SPLIT=True, IEEE=False, PDL=False)
         kv_strides = tuple(n for n in integers if n.startswith(("stride_k", "stride_v")))
         ptx = compile_for_hopper(kernels._attend_kernel, signature, constants, aligned_pointers=True,
                                  multiples_of_16=kv_strides, num_warps=kernels.NUM_WARPS,
@@ -176,51 +174,6 @@ def test_cuda_kernels_match_the_float64_reference(dtype):
 
     cases.check_kernels("cuda", dtype)
     cases.check_backend("cuda", dtype)
-
-
-@pytest.mark.gpu
-@needs_triton
-def test_cuda_last_split_merges_equal_the_merge_kernel():
-    """The last split program merging the splits: the merge kernel's bits on every config in
-    bfloat16, and in a CUDA graph of 50 split decode launches at Llama 3 8B's heads (1,000
-    cached tokens, each launch on its own queries), replayed 20 times: every output the merge
-    kernel's bits (the other splits' partials visible to the program that merges them, the
-    counters back at zero on every launch)."""
-    import paged_attention_cases as cases
-    from tpspec.model import paged_attention_triton as kernels
-    from tpspec.model import split_counters
-
-    cases.check_last_split_merges("cuda", torch.bfloat16, configs=cases.CONFIGS)
-    case = cases.Case((32, 8, 128, 16), "cuda", torch.bfloat16, lens=([1000], [1]))
-    meta = case.meta()
-    starts = kernels.sequence_starts(meta.tok_seq, meta.num_seqs)
-    gen = torch.Generator().manual_seed(2)
-    qs = [torch.randn(case.q.shape, generator=gen).to("cuda", torch.bfloat16) for _ in range(50)]
-
-    def attend(q):
-        return kernels.paged_attention(q, case.k, case.v, meta.page_table, starts, meta.tok_visible, case.scale,
-                                       q_max=1)
-
-    assert kernels.plan_launch(num_tokens=1, num_seqs=1, q_max=1, kv_pages=meta.page_table.shape[1], page_size=16,
-                               num_heads=32, kv_heads=8, head_dim=128, device="cuda").num_splits > 1
-    want = [attend(q) for q in qs]
-    saved = kernels.LAST_SPLIT_MERGES
-    kernels.LAST_SPLIT_MERGES = True
-    try:
-        attend(qs[0])  # the counters, outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outs = [attend(q) for q in qs]
-        for _ in range(20):
-            for out in outs:
-                out.zero_()
-            graph.replay()
-            torch.cuda.synchronize()
-            assert all(torch.equal(a, b) for a, b in zip(outs, want))
-        assert not bool(split_counters._COUNTERS[qs[0].device].any())
-    finally:
-        kernels.LAST_SPLIT_MERGES = saved
 
 
 @pytest.mark.gpu

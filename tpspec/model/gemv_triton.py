@@ -150,15 +150,15 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, str
     ok = m_ok[:, None] & n_ok[None, :]
     last = not SPLIT
     if SPLIT:
-        part = part_ptr + m[:, None] * N + n[None, :]
-        tl.store(part + split * M * N, acc, mask=ok)
+        tl.store(part_ptr + (split * M + m[:, None]) * N + n[None, :], acc, mask=ok)
         if LAST_SUMS:
             last = last_split(count_ptr + pid_n, tl.num_programs(1))
             if last:
                 # _reduce_kernel's sum, in its order: the same bits.
                 acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
                 for s in range(0, tl.num_programs(1)):
-                    acc += tl.load(part + s * M * N, mask=ok, other=0.0, cache_modifier=".cg")
+                    acc += tl.load(part_ptr + (s * M + m[:, None]) * N + n[None, :], mask=ok, other=0.0,
+                                   cache_modifier=".cg")
                 tl.store(count_ptr + pid_n, 0)  # ready for the next launch
     if last:
         if HAS_BIAS:
@@ -236,15 +236,19 @@ def _norm_gemv_kernel(x_ptr, res_ptr, g_ptr, w_ptr, b_ptr, out_ptr, h_ptr, part_
         w = _load_w(w_rows, k, n_ok, K, EVEN)
         acc_nk, sq = _norm_fold(acc_nk, sq, w, x_ptr, res_ptr, g_ptr, h_ptr, k, K, h_end, EVEN, HAS_RES)
     acc = tl.sum(acc_nk, 1)  # [BLOCK_N]
-    total = tl.sum(sq, 0)
     last = not SPLIT
     if SPLIT:
-        # Every program stores the squares of its split ([splits, feature blocks]; the same sums in
-        # every block): the last program of a block reads its own block's.
-        blocks = tl.num_programs(0)
         tl.store(part_ptr + split * N + n, acc, mask=n_ok)
-        tl.store(sq_ptr + split * blocks + pid_n, total)
-        if LAST_SUMS:
+        if not LAST_SUMS:
+            sq_at = sq_ptr + split
+            total = tl.sum(sq, 0)
+            tl.store(sq_at, total, mask=pid_n == 0)  # the same sums in every block: block 0's
+        else:
+            # Every program stores the squares of its split ([splits, feature blocks]): the last
+            # program of a block reads its own block's, counted with it.
+            blocks = tl.num_programs(0)
+            total = tl.sum(sq, 0)
+            tl.store(sq_ptr + split * blocks + pid_n, total)
             last = last_split(count_ptr + pid_n, tl.num_programs(1))
             if last:
                 # _norm_reduce_kernel's sums, in its order: the same bits.
@@ -255,14 +259,17 @@ def _norm_gemv_kernel(x_ptr, res_ptr, g_ptr, w_ptr, b_ptr, out_ptr, h_ptr, part_
                     total += tl.load(sq_ptr + s * blocks + pid_n, cache_modifier=".cg")
                 tl.store(count_ptr + pid_n, 0)  # ready for the next launch
     if last:
-        acc = acc * tl.math.rsqrt(tl.math.div_rn(total, k_f) + eps)
+        if SPLIT:
+            acc = acc * tl.math.rsqrt(tl.math.div_rn(total, k_f) + eps)
+        else:
+            acc = acc * tl.math.rsqrt(tl.math.div_rn(tl.sum(sq, 0), k_f) + eps)
         if HAS_BIAS:
             acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
         tl.store(out_ptr + n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit
-def _norm_reduce_kernel(part_ptr, sq_ptr, b_ptr, out_ptr, N, splits, sq_stride, k_f, eps, HAS_BIAS: tl.constexpr,
+def _norm_reduce_kernel(part_ptr, sq_ptr, b_ptr, out_ptr, N, splits, k_f, eps, HAS_BIAS: tl.constexpr,
                         BLOCK: tl.constexpr, PDL: tl.constexpr):
     n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = n < N
@@ -273,7 +280,7 @@ def _norm_reduce_kernel(part_ptr, sq_ptr, b_ptr, out_ptr, N, splits, sq_stride, 
     sq = tl.load(sq_ptr)
     for s in range(1, splits):  # split order: the same sums on every call
         acc += tl.load(part_ptr + s * N + n, mask=ok, other=0.0)
-        sq += tl.load(sq_ptr + s * sq_stride)
+        sq += tl.load(sq_ptr + s)
     acc = acc * tl.math.rsqrt(tl.math.div_rn(sq, k_f) + eps)
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=ok, other=0.0).to(tl.float32)
@@ -282,6 +289,7 @@ def _norm_reduce_kernel(part_ptr, sq_ptr, b_ptr, out_ptr, N, splits, sq_stride, 
 
 INTERPRETED = isinstance(_gemv_kernel, InterpretedFunction)
 """Whether this import got Triton's interpreter (``TRITON_INTERPRET=1``): kernels on CPU tensors."""
+
 
 @functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
@@ -474,8 +482,10 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
     split = launch.splits > 1
     grid = (triton.cdiv(n, launch.block_n), launch.splits)
     part = torch.empty((launch.splits, n), dtype=torch.float32, device=x.device) if split else out
-    sq = torch.empty((launch.splits, grid[0]), dtype=torch.float32, device=x.device) if split else out
     counts = split_counters(x.device, grid[0]) if split and LAST_SPLIT_SUMS else None
+    # The squares' split sums: block 0's ([splits]) for the reduction kernel, every block's for the last programs.
+    sq = torch.empty((launch.splits, grid[0] if counts is not None else 1), dtype=torch.float32,
+                     device=x.device) if split else out
     even = n % launch.block_n == 0 and k == launch.splits * launch.k_iters * launch.block_k
     bias_arg = bias if bias is not None else out  # not read without a bias
     pdl = pdl_args(x.device)
@@ -486,8 +496,8 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
                             NUM_STAGES=launch.num_stages, num_warps=launch.num_warps,
                             num_stages=launch.num_stages, enable_fp_fusion=True, **pdl)
     if split and counts is None:
-        _norm_reduce_kernel[(triton.cdiv(n, REDUCE_BLOCK),)](part, sq, bias_arg, out, n, launch.splits, grid[0],
-                                                              float(k), float(eps), HAS_BIAS=bias is not None,
+        _norm_reduce_kernel[(triton.cdiv(n, REDUCE_BLOCK),)](part, sq, bias_arg, out, n, launch.splits, float(k),
+                                                              float(eps), HAS_BIAS=bias is not None,
                                                               BLOCK=REDUCE_BLOCK, num_warps=4,
                                                               enable_fp_fusion=True, **pdl)
     return out, h

@@ -20,10 +20,7 @@ Every step shape runs the same kernel, ``_attend_kernel``. Its programs are
   equal parts (multiples of the tile length, sized by the block's own length, so a short sequence
   is spread as evenly as a long one). Each program then writes its float32 partial (running
   maximum, sum of exponentials, unnormalized output) and ``_merge_kernel`` combines the
-  splits of every ``(row, head)``, in split order. With one split the first kernel writes the
-  output itself. With ``LAST_SPLIT_MERGES`` the last split program of a ``(query block, KV head)``
-  to finish runs that merge itself (the same code: the same bits), found by a counter
-  (:mod:`tpspec.model.split_counters`): one kernel fewer a split step.
+  splits of every ``(row, head)``. With one split the first kernel writes the output itself.
 
 Scores, the online softmax and the output accumulate in float32 (``tl.exp2`` with the scale
 folded into ``log2 e``); float32 inputs use IEEE dot products. Head sizes are padded to a
@@ -52,7 +49,6 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from .dependent_launch import pdl_args
-from .split_counters import last_split, split_counters
 
 # KV positions per tile. Programs of at most SMALL_BLOCK_M rows (decode, verification) whose splits are
 # short read their one or two tiles of BLOCK_N_SMALL_M with plain loads (one long tile keeps the most loads
@@ -72,9 +68,6 @@ MAX_SPLITS = 64
 PROGRAMS_PER_SM = 2  # split until (query blocks x KV heads x splits) reaches this many programs per SM
 PARTIALS_BYTES = 1 << 28  # float32 split partials one launch may hold (fewer splits beyond)
 NUM_WARPS = 4
-# Whether a split launch's last program to finish merges the splits itself (no merge kernel): off until a GPU run
-# checks it; see tpspec.model.split_counters.
-LAST_SPLIT_MERGES = False
 _LOG2E = 1.4426950408889634
 _MIN_DOT = 16  # tl.dot's smallest M, N and K
 
@@ -111,64 +104,31 @@ def _attend_tile(n0, hi, q, k_base, v_base, pt_base, row_visible, d, d_ok, m, l,
 
 
 @triton.jit
-def _block_rows(pid, kv_head, seq_starts_ptr, q_blocks, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr,
-                BLOCK_M: tl.constexpr):
-    """The rows of program ``(pid, kv_head)``: its sequence's first row ``start`` and row count
-    ``q_len``, the block's first query row ``first``; per row its query row ``qi``, head, token
-    row ``tok`` and whether it is real (``row_ok``)."""
-    seq = pid // q_blocks
-    first = (pid % q_blocks) * BLOCK_Q  # the block's first query row within its sequence
-    start = tl.load(seq_starts_ptr + seq).to(tl.int64)
-    q_len = tl.load(seq_starts_ptr + seq + 1).to(tl.int64) - start
-    m_offs = tl.arange(0, BLOCK_M)
-    qi = first + m_offs // GROUP  # each row's query row within the sequence
-    heads = kv_head * GROUP + m_offs % GROUP
-    row_ok = (m_offs < BLOCK_Q * GROUP) & (qi < q_len)
-    return seq, start, q_len, first, qi, heads, row_ok, start + qi
-
-
-@triton.jit
-def _merge_splits(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, tok, heads, row_ok, d, d_ok, num_heads, num_splits,
-                  stride_ot, stride_oh, HEAD_PAD: tl.constexpr):
-    """Combine the split partials of the rows ``(tok, heads)`` (split order) and store their output.
-    Loads bypass L1 (``.cg``): the partials may come from programs counted a moment ago."""
-    base = (tok * num_heads + heads) * num_splits  # [BLOCK_M]
-    # Split 0 holds position 0, which every row sees: the maximum is finite. Splits that saw
-    # nothing of a row carry m = -inf and weigh 0.
-    m_max = tl.load(part_m_ptr + base, mask=row_ok, other=0.0, cache_modifier=".cg")
-    for s in range(1, num_splits):
-        m_max = tl.maximum(m_max, tl.load(part_m_ptr + base + s, mask=row_ok, other=0.0, cache_modifier=".cg"))
-    l = tl.zeros_like(m_max)
-    acc = tl.zeros([base.shape[0], HEAD_PAD], tl.float32)
-    for s in range(0, num_splits):
-        w = tl.exp2(tl.load(part_m_ptr + base + s, mask=row_ok, other=0.0, cache_modifier=".cg") - m_max)
-        l += tl.load(part_l_ptr + base + s, mask=row_ok, other=0.0, cache_modifier=".cg") * w
-        acc += tl.load(part_acc_ptr + (base + s)[:, None] * HEAD_PAD + d[None, :], mask=row_ok[:, None], other=0.0,
-                       cache_modifier=".cg") * w[:, None]
-    out = acc / tl.where(l > 0, l, 1.0)[:, None]
-    tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-
-
-@triton.jit
 def _attend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, page_table_ptr, seq_starts_ptr, tok_visible_ptr, part_acc_ptr,
-                   part_m_ptr, part_l_ptr, count_ptr, scale_log2, num_heads, q_blocks, num_splits, stride_qt,
-                   stride_qh, stride_ot, stride_oh, stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh,
-                   stride_pt, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
-                   PAGE_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   SPLIT: tl.constexpr, LAST_MERGES: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+                   part_m_ptr, part_l_ptr, scale_log2, num_heads, q_blocks, num_splits, stride_qt, stride_qh,
+                   stride_ot, stride_oh, stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh, stride_pt,
+                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                   BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+                   IEEE: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # tpspec.model.dependent_launch: nothing is read or written before the kernel before has finished
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq, start, q_len, first, qi, heads, row_ok, tok = _block_rows(pid, kv_head, seq_starts_ptr, q_blocks, GROUP,
-                                                                   BLOCK_Q, BLOCK_M)
+    seq = pid // q_blocks
+    first = (pid % q_blocks) * BLOCK_Q  # the block's first query row within its sequence
+    start = tl.load(seq_starts_ptr + seq).to(tl.int64)
+    q_len = tl.load(seq_starts_ptr + seq + 1).to(tl.int64) - start
     if first >= q_len:
-        return  # a query block this sequence does not have (none of its splits counts)
+        return  # a query block this sequence does not have
     cache_len = tl.load(tok_visible_ptr + start).to(tl.int64) - 1  # its first row sees cache_len + 1 positions
 
+    m_offs = tl.arange(0, BLOCK_M)
+    qi = first + m_offs // GROUP  # each row's query row within the sequence
+    heads = kv_head * GROUP + m_offs % GROUP
+    row_ok = (m_offs < BLOCK_Q * GROUP) & (qi < q_len)
+    tok = start + qi
     d = tl.arange(0, HEAD_PAD)
     d_ok = d < HEAD_DIM
     q = tl.load(q_ptr + tok[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
@@ -198,12 +158,6 @@ def _attend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, page_table_ptr, seq_starts_ptr,
         tl.store(part_m_ptr + part, m, mask=row_ok)
         tl.store(part_l_ptr + part, l, mask=row_ok)
         tl.store(part_acc_ptr + part[:, None] * HEAD_PAD + d[None, :], acc, mask=row_ok[:, None])
-        if LAST_MERGES:
-            counter = count_ptr + pid * tl.num_programs(1) + kv_head
-            if last_split(counter, num_splits):
-                _merge_splits(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, tok, heads, row_ok, d, d_ok, num_heads,
-                              num_splits, stride_ot, stride_oh, HEAD_PAD)
-                tl.store(counter, 0)  # ready for the next launch
     else:
         out = acc / tl.where(l > 0, l, 1.0)[:, None]  # l > 0 on every real row: it sees position 0
         tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
@@ -211,20 +165,25 @@ def _attend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, page_table_ptr, seq_starts_ptr,
 
 
 @triton.jit
-def _merge_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, seq_starts_ptr, num_heads, q_blocks, num_splits,
-                  stride_ot, stride_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
-                  BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr):
-    # The grid and rows of _attend_kernel's first two axes, and the merge its last split runs.
+def _merge_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, num_heads, num_splits, stride_ot, stride_oh,
+                  HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    seq, start, q_len, first, qi, heads, row_ok, tok = _block_rows(tl.program_id(0), tl.program_id(1),
-                                                                   seq_starts_ptr, q_blocks, GROUP, BLOCK_Q, BLOCK_M)
-    if first >= q_len:
-        return
+    t = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
     d = tl.arange(0, HEAD_PAD)
-    _merge_splits(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, tok, heads, row_ok, d, d < HEAD_DIM, num_heads,
-                  num_splits, stride_ot, stride_oh, HEAD_PAD)
+    s = tl.arange(0, SPLITS_PAD)
+    s_ok = s < num_splits
+    part = (t * num_heads + head) * num_splits + s  # [SPLITS_PAD]
+    # Split 0 holds position 0, which every row sees: the maximum is finite. Splits that saw
+    # nothing of this row carry m = -inf and weigh 0.
+    m = tl.load(part_m_ptr + part, mask=s_ok, other=float("-inf"))
+    l = tl.load(part_l_ptr + part, mask=s_ok, other=0.0)
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_PAD + d[None, :], mask=s_ok[:, None], other=0.0)
+    w = tl.exp2(m - tl.max(m, 0))
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+    tl.store(out_ptr + t * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 INTERPRETED = isinstance(_attend_kernel, InterpretedFunction)
@@ -360,21 +319,19 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     else:
         part_acc = part_m = part_l = out  # not read: the kernel writes the output itself
     pdl = pdl_args(q.device)
-    grid = (num_seqs * launch.q_blocks, kv_heads, splits)
-    counters = split_counters(q.device, grid[0] * grid[1]) if splits > 1 and LAST_SPLIT_MERGES else None
-    group = num_heads // kv_heads
     # FP fusion pinned on, as every GPU run compiled these kernels (Triton 3.10 turns its default off).
+    grid = (num_seqs * launch.q_blocks, kv_heads, splits)
     _attend_kernel[grid](
-        q, k_pages, v_pages, out, page_table, seq_starts, tok_visible, part_acc, part_m, part_l,
-        counters if counters is not None else part_m, scale * _LOG2E, num_heads, launch.q_blocks, splits, q.stride(0),
-        q.stride(1), out.stride(0), out.stride(1), k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
-        v_pages.stride(0), v_pages.stride(1), v_pages.stride(2), page_table.stride(0),
-        GROUP=group, HEAD_DIM=head_dim, HEAD_PAD=launch.head_pad, PAGE_SIZE=page_size, BLOCK_Q=launch.block_q,
-        BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, SPLIT=splits > 1, LAST_MERGES=counters is not None,
-        IEEE=q.dtype == f32, num_warps=NUM_WARPS, num_stages=launch.num_stages, enable_fp_fusion=True, **pdl)
-    if splits > 1 and counters is None:
-        _merge_kernel[grid[:2]](part_acc, part_m, part_l, out, seq_starts, num_heads, launch.q_blocks, splits,
-                                out.stride(0), out.stride(1), GROUP=group, HEAD_DIM=head_dim, HEAD_PAD=launch.head_pad,
-                                BLOCK_Q=launch.block_q, BLOCK_M=launch.block_m, num_warps=NUM_WARPS,
-                                enable_fp_fusion=True, **pdl)
+        q, k_pages, v_pages, out, page_table, seq_starts, tok_visible, part_acc, part_m, part_l, scale * _LOG2E,
+        num_heads, launch.q_blocks, splits, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_pages.stride(0), k_pages.stride(1), k_pages.stride(2), v_pages.stride(0), v_pages.stride(1),
+        v_pages.stride(2), page_table.stride(0),
+        GROUP=num_heads // kv_heads, HEAD_DIM=head_dim, HEAD_PAD=launch.head_pad, PAGE_SIZE=page_size,
+        BLOCK_Q=launch.block_q, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, SPLIT=splits > 1, IEEE=q.dtype == f32,
+        num_warps=NUM_WARPS, num_stages=launch.num_stages, enable_fp_fusion=True, **pdl)
+    if splits > 1:
+        _merge_kernel[(n, num_heads)](part_acc, part_m, part_l, out, num_heads, splits, out.stride(0), out.stride(1),
+                                      HEAD_DIM=head_dim, HEAD_PAD=launch.head_pad,
+                                      SPLITS_PAD=_pow2_at_least(splits, 1), num_warps=NUM_WARPS,
+                                      enable_fp_fusion=True, **pdl)
     return out
