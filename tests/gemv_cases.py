@@ -58,6 +58,11 @@ def check_kernels(device: str, dtype: torch.dtype, shapes=SMALL_SHAPES, rows=ROW
                     assert torch.equal(y, kernels.linear(x, w, b, splits=splits))
 
 
+def check_many_rows(device: str, dtype: torch.dtype, shapes=SMALL_SHAPES[2:4], rows=(40,)) -> None:
+    """40 rows of ``x``, padded to 64 in the ``tl.dot``: as :func:`check_kernels`."""
+    check_kernels(device, dtype, shapes, rows)
+
+
 def check_silu_kernels(device: str, dtype: torch.dtype, shapes=SMALL_SHAPES, rows=ROWS) -> None:
     """SwiGLU's ``silu(gate) * up`` formed inside the GEMV (``silu_mul_linear``): the bits of the
     ``silu_mul`` kernel followed by ``linear``, at every shape and row count, bias on and off, the
@@ -235,7 +240,7 @@ def check_llm(device: str, dtype: torch.dtype) -> None:
     assert tokens[True] == tokens[False], tokens
 
 
-CHECKS = {"kernels": [check_kernels, check_norm_kernels, check_silu_kernels, check_last_split_sums],
+CHECKS = {"kernels": [check_kernels, check_many_rows, check_norm_kernels, check_silu_kernels, check_last_split_sums],
           "llm": [check_llm]}
 
 

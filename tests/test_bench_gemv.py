@@ -35,7 +35,7 @@ def test_bench_gemv_writes_its_table(tmp_path, capsys):
     (["--kernels", "torch,magic"], "unknown \\['magic'\\]"),
     (["--tp", "3"], "cannot be split over tp_size=3"),
     (["--batch", "0"], "--batch"),
-    (["--batch", "17"], "at most 16 rows"),
+    (["--batch", "65"], "at most 64 rows"),
 ])
 def test_bench_gemv_argument_errors(tmp_path, argv, message):
     with pytest.raises(SystemExit, match=message):

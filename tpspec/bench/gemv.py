@@ -72,7 +72,7 @@ def _time(fn: Any, x: torch.Tensor, weights: list[torch.Tensor], *, iters: int) 
     return seconds_per_call(run, iters, cuda=x.is_cuda) / calls
 
 
-def _kernels_or_exit(names: list[str], device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+def _kernels_or_exit(names: list[str], device: torch.device, dtype: torch.dtype, rows: int) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
 
@@ -86,6 +86,8 @@ def _kernels_or_exit(names: list[str], device: torch.device, dtype: torch.dtype)
         kernels = gemv_kernels()
         if kernels is None:
             raise SystemExit("tpspec bench gemv: --kernels triton needs the triton package (pip install triton)")
+        if rows > kernels.MAX_ROWS:
+            raise SystemExit(f"tpspec bench gemv: --batch {rows}: the Triton GEMV takes at most {kernels.MAX_ROWS} rows")
         if kernels.INTERPRETED != (device.type == "cpu"):
             raise SystemExit("tpspec bench gemv: --kernels triton runs on CUDA, and on CPU only under Triton's "
                              "interpreter (set TRITON_INTERPRET=1 before triton is imported); "
@@ -110,8 +112,6 @@ def run(args: argparse.Namespace) -> int:
     if bad or not names:
         raise SystemExit(f"{command}: --kernels: unknown {bad or args.kernels!r}; known: {list(KERNELS)}")
     batches = number_list(args.batch, (1, 2, 4, 8, 16), option="--batch")
-    if "triton" in names and max(batches) > 16:
-        raise SystemExit(f"{command}: --batch {max(batches)}: the Triton GEMV takes at most 16 rows")
     if args.tp < 1:
         raise SystemExit(f"{command}: --tp must be a positive integer, got {args.tp}")
     try:
@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     if device.type == "cuda" and device.index is None:  # "cuda": the current device, named by its index
         device = torch.device("cuda", torch.cuda.current_device())
     dtype = getattr(torch, args.dtype)
-    fns = _kernels_or_exit(names, device, dtype)
+    fns = _kernels_or_exit(names, device, dtype, max(batches))
     elem = torch.empty((), dtype=dtype).element_size()
     copy_gbps = copy_bandwidth_gbps(device) if device.type == "cuda" else None
     gen = torch.Generator(device=device).manual_seed(0)

@@ -1,4 +1,4 @@
-"""A Triton GEMV for decode-sized batches: ``y = x W^T + b`` with few rows of ``x`` (at most 16).
+"""A Triton GEMV for decode-sized batches: ``y = x W^T + b`` with few rows of ``x`` (at most 64).
 
 Decode reads every weight once per step for a handful of rows, so the time is the time to
 stream ``W`` from memory. The kernel is built for that:
@@ -9,8 +9,8 @@ stream ``W`` from memory. The kernel is built for that:
   are 16-byte aligned (Triton's argument specialisation sees both), in a K loop pipelined by
   ``tl.range`` stages (the next tiles are in flight while one is summed).
 * **Two products, by rows.** One row multiplies each tile elementwise into a ``[BLOCK_N, BLOCK_K]``
-  float32 accumulator that is summed along ``K`` once at the end. Two rows or more pad ``x`` to 16
-  rows and use ``tl.dot`` (the tensor cores; float32 in IEEE precision); the padding costs compute,
+  float32 accumulator that is summed along ``K`` once at the end. Two rows or more pad ``x`` to 16,
+  32 or 64 rows (the next power of two) and use ``tl.dot`` (the tensor cores; float32 in IEEE precision); the padding costs compute,
   which decode has spare, and no extra weight traffic.
 * **Split-K.** When the feature blocks alone are too few to keep a few programs on every SM
   (``o_proj`` and ``down_proj`` at 4096 features), the contraction is cut into ``splits`` equal
@@ -57,13 +57,13 @@ from .dependent_launch import pdl_args
 from .fused_triton import silu_mul_values
 from .split_counters import last_split, split_counters
 
-MAX_ROWS = 16  # rows of x one call handles (the dot path pads to this)
+MAX_ROWS = 64  # rows of x one call handles (the dot path pads to a power of two, at least 16)
 ONE_ROW_TILE = (16, 256)  # one row: [features, contraction] of a weight tile
 ONE_ROW_STAGES = 3  # one row: software-pipeline stages of the K loop
 # One row: split K until the programs reach this many per SM. Fewer splits mean fewer partial sums to reduce,
 # but a program must keep enough loads in flight: docs/benchmarks.md ("Batch 1") compares 1, 2 and 4.
 ONE_ROW_PROGRAMS_PER_SM = 2
-ROWS_TILE = (64, 128)  # two rows or more: [features, contraction] of a weight tile (into a 16-row tl.dot)
+ROWS_TILE = (64, 128)  # two rows or more: [features, contraction] of a weight tile (into a tl.dot of 16 to 64 rows)
 ROWS_STAGES = 4  # two rows or more, 16-bit weights: pipeline stages of the K loop (float32: 2)
 ROWS_PROGRAMS_PER_SM = 2  # two rows or more: split K until the programs reach this many per SM
 MAX_SPLITS = 16
@@ -302,7 +302,7 @@ def _sm_count(device: torch.device) -> int:
 class GemvLaunch:
     """Tile sizes and grid of one call (from the shape, dtype and SM count only)."""
 
-    m_pad: int  # rows of x per program: 1 (elementwise product) or 16 (tl.dot)
+    m_pad: int  # rows of x per program: 1 (elementwise product), or 16, 32 or 64 (tl.dot)
     block_n: int  # output features per program
     block_k: int  # contraction elements per tile
     splits: int  # programs along K per feature block (1: no reduction kernel)
@@ -318,8 +318,9 @@ def plan_gemv(m: int, n: int, k: int, *, device: torch.device | str, splits: int
     One row: ``[16, 256]`` weight tiles (``ONE_ROW_TILE``; 4 warps: four 16-byte loads a thread a
     tile, 32 float32 accumulators a thread) in 3 pipeline stages (17 KiB of shared memory and 78
     registers a thread on sm_90: six programs fit an SM). Two rows or more:
-    ``[64, 128]`` tiles (``ROWS_TILE``) into a 16-row ``tl.dot``, 4 stages for 16-bit weights
-    (52 KiB and 114 registers: four programs an SM), 2 for float32 (``element_size`` 4). ``splits``
+    ``[64, 128]`` tiles (``ROWS_TILE``) into a ``tl.dot`` of ``m`` rows padded to 16, 32 or 64, 4
+    stages for 16-bit weights (at 16 rows 52 KiB and 114 registers: four programs an SM), 2 for
+    float32 (``element_size`` 4). ``splits``
     (default: 1 when the feature blocks reach the path's programs per SM, ``ONE_ROW_PROGRAMS_PER_SM``
     or ``ROWS_PROGRAMS_PER_SM``,
     else the fewest splits that get there, preferring a divisor of the tile count so every split
@@ -333,7 +334,7 @@ def plan_gemv(m: int, n: int, k: int, *, device: torch.device | str, splits: int
         target *= ONE_ROW_PROGRAMS_PER_SM
     else:
         block_n, block_k = ROWS_TILE
-        m_pad, num_stages = MAX_ROWS, ROWS_STAGES if element_size <= 2 else 2
+        m_pad, num_stages = max(16, 1 << (m - 1).bit_length()), ROWS_STAGES if element_size <= 2 else 2
         target *= ROWS_PROGRAMS_PER_SM
     tiles = triton.cdiv(k, block_k)
     blocks = triton.cdiv(n, block_n)
