@@ -240,7 +240,8 @@ def check_llm(device: str, dtype: torch.dtype) -> None:
     assert tokens[True] == tokens[False], tokens
 
 
-CHECKS = {"kernels": [check_kernels, check_many_rows, check_norm_kernels, check_silu_kernels, check_last_split_sums],
+CHECKS = {"kernels": [check_kernels, check_many_rows, check_norm_kernels, check_silu_kernels,
+                      check_last_split_sums],
           "llm": [check_llm]}
 
 

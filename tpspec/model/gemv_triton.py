@@ -10,14 +10,15 @@ stream ``W`` from memory. The kernel is built for that:
   ``tl.range`` stages (the next tiles are in flight while one is summed).
 * **Two products, by rows.** One row multiplies each tile elementwise into a ``[BLOCK_N, BLOCK_K]``
   float32 accumulator that is summed along ``K`` once at the end. Two rows or more pad ``x`` to 16,
-  32 or 64 rows (the next power of two) and use ``tl.dot`` (the tensor cores; float32 in IEEE precision); the padding costs compute,
-  which decode has spare, and no extra weight traffic.
+  32 or 64 rows (the next power of two) and use ``tl.dot`` (the tensor cores; float32 in IEEE
+  precision); the padding costs compute, which decode has spare, and no extra weight traffic.
 * **Split-K.** When the feature blocks alone are too few to keep a few programs on every SM
   (``o_proj`` and ``down_proj`` at 4096 features), the contraction is cut into ``splits`` equal
   runs of whole ``BLOCK_K`` tiles; each program stores its float32 partial and ``_reduce_kernel``
   sums the splits in split order (no atomics), adds the bias and casts. With ``LAST_SPLIT_SUMS``
   the last program of a feature block to finish does that sum itself, in the same order (the same
-  bits), found by a per-block counter (:mod:`tpspec.model.split_counters`): one kernel fewer a split linear.
+  bits), found by a per-block counter (:mod:`tpspec.model.split_counters`): one kernel fewer a
+  split linear.
 
 * **The norm in front** (:func:`norm_linear`, one row). A decoder's q/k/v and gate/up follow an
   RMSNorm; ``W (h * g) * rsqrt(mean(h^2) + eps)`` is the same product, so the K loop that streams
@@ -320,12 +321,10 @@ def plan_gemv(m: int, n: int, k: int, *, device: torch.device | str, splits: int
     registers a thread on sm_90: six programs fit an SM). Two rows or more:
     ``[64, 128]`` tiles (``ROWS_TILE``) into a ``tl.dot`` of ``m`` rows padded to 16, 32 or 64, 4
     stages for 16-bit weights (at 16 rows 52 KiB and 114 registers: four programs an SM), 2 for
-    float32 (``element_size`` 4). ``splits``
-    (default: 1 when the feature blocks reach the path's programs per SM, ``ONE_ROW_PROGRAMS_PER_SM``
-    or ``ROWS_PROGRAMS_PER_SM``,
-    else the fewest splits that get there, preferring a divisor of the tile count so every split
-    reads whole tiles without masks; at most ``MAX_SPLITS`` and one split per tile) cuts ``k`` into
-    equal runs of whole tiles.
+    float32 (``element_size`` 4). ``splits`` (default: 1 when the feature blocks reach the path's
+    programs per SM, ``ONE_ROW_PROGRAMS_PER_SM`` or ``ROWS_PROGRAMS_PER_SM``, else the fewest splits
+    that get there, preferring a divisor of the tile count so every split reads whole tiles without
+    masks; at most ``MAX_SPLITS`` and one split per tile) cuts ``k`` into equal runs of whole tiles.
     """
     target = _sm_count(torch.device(device))
     if m == 1:

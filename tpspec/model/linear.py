@@ -71,9 +71,9 @@ def use_triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 def use_triton_silu_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """Whether a SwiGLU down projection of ``gate_up`` ``[M, 2 K]`` (``cat(gate, up)``) by ``weight``
     ``[N, K]`` runs as one kernel, :func:`tpspec.model.gemv_triton.silu_mul_linear`: where
-    ``TRITON_GEMV`` and ``TRITON_SILU_DOWN`` are on, ``gate_up`` has at most ``TRITON_GEMV_ROWS`` rows, and the tensors
-    meet :func:`use_triton_linear`'s other conditions (any ``N`` and ``K``). The same answer on every
-    rank."""
+    ``TRITON_GEMV`` and ``TRITON_SILU_DOWN`` are on, ``gate_up`` has at most ``TRITON_GEMV_ROWS``
+    rows, and the tensors meet :func:`use_triton_linear`'s other conditions (any ``N`` and ``K``). The
+    same answer on every rank."""
     if not (TRITON_GEMV and TRITON_SILU_DOWN) or weight.dim() != 2:
         return False
     return _gemv_runs(gate_up, weight, bias, 2 * weight.shape[1])

@@ -1,10 +1,10 @@
 """Counters that let the last program of a split launch combine the splits itself.
 
-A split launch cuts one output's reduction over several programs, each storing a float32 partial;
-a second kernel used to combine them. Instead each program, once its partial is stored, counts
-itself on its output's counter (:func:`last_split`); the program that counts last reads every
-partial, combines them in split order (the second kernel's arithmetic, so the same bits) and sets
-the counter back to zero for the next launch. One kernel fewer a split launch.
+A split launch cuts one output's reduction over several programs, each storing a float32 partial
+that a second kernel combines. With a counter, the launch needs no second kernel: each program,
+once its partial is stored, counts itself on its output's counter (:func:`last_split`); the program
+that counts last reads every partial, combines them in split order (the second kernel's arithmetic,
+so the same bits) and sets the counter back to zero for the next launch.
 
 The counters are one int32 tensor per device (:func:`split_counters`), zero between launches.
 Launches on one device share them, so two launches that use them must not run at once: kernels of
