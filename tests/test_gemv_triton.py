@@ -4,11 +4,11 @@
 On CPU through Triton's interpreter (a subprocess sets ``TRITON_INTERPRET=1`` before Triton is
 imported; skipped without ``triton``): the kernel against float64 ``x @ W.T`` in float32 and
 float16 (the interpreter's ``tl.dot`` does not handle bfloat16) at small shapes (N not a multiple
-of the block, a K tail, one and several K splits), M = 1, 3, 16 (and 40), bias on and off; the
+of the block, a K tail, one and several K splits), M = 1, 3, 16 (and 40 in float32), bias on and off; the
 norm fused in front of it (``norm_linear``) against the float64 norm and product, with and without
 a residual; SwiGLU's ``silu(gate) * up`` fused in front of it (``silu_mul_linear``) against the
 ``silu_mul`` kernel and ``linear``, bit for bit; split launches whose last program sums the splits
-(``LAST_SPLIT_SUMS``) against the reduction kernel, bit for bit; and the tiny model's greedy tokens
+(``LAST_SPLIT_SUMS``) against the reduction kernel, bit for bit (float32); and the tiny model's greedy tokens
 with the switches on equal those of ``F.linear``. The kernels compile for Hopper without a GPU (the
 last split sums with their barrier, count and L1-bypassing loads in that order). The dispatch rule
 is pure logic, checked here without a kernel. On CUDA (``gpu`` marks): bfloat16, float16 and
@@ -38,6 +38,13 @@ def _interpret(group: str, *dtypes: str) -> None:
 @needs_triton
 def test_interpreted_kernel_matches_the_float64_reference():
     _interpret("kernels", "float32", "float16")
+
+
+@needs_triton
+def test_interpreted_many_rows_and_last_split_sums():
+    """40 rows (padded to 64), and the last split sums against the reduction kernel: float32 (the
+    dtype does not enter their logic; the GPU tests run bfloat16)."""
+    _interpret("rows_and_splits", "float32")
 
 
 @needs_triton
