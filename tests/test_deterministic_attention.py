@@ -16,19 +16,9 @@ from interpreted import needs_triton, run_interpreted
 from tpspec.model.attention import DeterministicPagedAttention
 
 
-def _interpret(*dtypes: str) -> None:
-    run_interpreted("det_attention_cases.py", [], dtypes)
-
-
 @needs_triton
-def test_interpreted_kernel_float32():
-    _interpret("float32")
-
-
-@needs_triton
-@pytest.mark.slow
-def test_interpreted_kernel_float16():
-    _interpret("float16")
+def test_interpreted_kernel_float32_and_float16():
+    run_interpreted("det_attention_cases.py", [], ("float32", "float16"))
 
 
 @needs_triton
