@@ -97,29 +97,32 @@ def norm_reference(x, r, g, eps, w, b):
     return y, scale, h
 
 
-def check_norm_kernels(device: str, dtype: torch.dtype, shapes=SMALL_SHAPES) -> None:
-    """The norm fused in front of the GEMV (``norm_linear``): every shape without a residual, and
-    with one with and without a bias, the rule's splits and forced 3: ``y`` within its rounding of
-    the float64 result, ``h`` the bits of torch's ``x + residual`` (``x`` itself without one), and
-    the same bits on a repeat."""
+def check_norm_kernels(device: str, dtype: torch.dtype, shapes=SMALL_SHAPES, rows=(1, 3)) -> None:
+    """The norm fused in front of the GEMV (``norm_linear``), one row and several: every shape
+    without a residual, and with one with and without a bias, the rule's splits and forced 3: ``y``
+    within its rounding of the float64 result (several rows: plus the rounding of ``h * g`` to the
+    dtype before the product), ``h`` the bits of torch's ``x + residual`` (``x`` itself without
+    one), and the same bits on a repeat."""
     eps = 1e-5
     for n, k in shapes:
-        for residual, bias in ((False, True), (True, False), (True, True)):
-            x, w, b = _tensors(1, n, k, dtype, device, bias, seed=n + k)
-            gen = torch.Generator(device=device).manual_seed(k)
-            r = torch.randn(1, k, generator=gen, device=device).to(dtype) if residual else None
-            g = (1 + 0.5 * torch.randn(k, generator=gen, device=device)).to(dtype)
-            ref, scale, h_want = norm_reference(x, r, g, eps, w, b)
-            bound = _HALF_ULP[dtype] * ref.abs() * 1.01 + 1e-6 * scale + 1e-30
-            for splits in (None, 3):
-                what = f"norm {n}x{k} residual={residual} bias={bias} splits={splits}"
-                y, h = kernels.norm_linear(x, r, g, eps, w, b, splits=splits)
-                err = (y.double() - ref).abs()
-                assert y.dtype == dtype and y.shape == (1, n), (what, y.dtype, y.shape)
-                assert bool((err <= bound).all()), f"{what}: worst excess {(err - bound).max().item():.3e}"
-                assert torch.equal(h, h_want), what
-                assert (h is x) == (r is None), what
-                assert torch.equal(y, kernels.norm_linear(x, r, g, eps, w, b, splits=splits)[0]), what
+        for m in rows:
+            for residual, bias in ((False, True), (True, False), (True, True)):
+                x, w, b = _tensors(m, n, k, dtype, device, bias, seed=n + k)
+                gen = torch.Generator(device=device).manual_seed(k)
+                r = torch.randn(m, k, generator=gen, device=device).to(dtype) if residual else None
+                g = (1 + 0.5 * torch.randn(k, generator=gen, device=device)).to(dtype)
+                ref, scale, h_want = norm_reference(x, r, g, eps, w, b)
+                inputs = _HALF_ULP[dtype] * 1.01 * scale if m > 1 else 0
+                bound = _HALF_ULP[dtype] * ref.abs() * 1.01 + inputs + 1e-6 * scale + 1e-30
+                for splits in (None, 3):
+                    what = f"norm {n}x{k} M={m} residual={residual} bias={bias} splits={splits}"
+                    y, h = kernels.norm_linear(x, r, g, eps, w, b, splits=splits)
+                    err = (y.double() - ref).abs()
+                    assert y.dtype == dtype and y.shape == (m, n), (what, y.dtype, y.shape)
+                    assert bool((err <= bound).all()), f"{what}: worst excess {(err - bound).max().item():.3e}"
+                    assert torch.equal(h, h_want), what
+                    assert (h is x) == (r is None), what
+                    assert torch.equal(y, kernels.norm_linear(x, r, g, eps, w, b, splits=splits)[0]), what
 
 
 class _CountingLaunches:
@@ -189,10 +192,10 @@ def check_last_split_sums(device: str, dtype: torch.dtype, shapes=SMALL_SHAPES[2
 
 
 def check_llm(device: str, dtype: torch.dtype) -> None:
-    """The tiny model with its layers' fused kernels, greedy, one request (its decode steps have
-    one row): the tokens with the switch on (the Triton GEMV running the one-row linears, the norms
-    fused into q/k/v and gate/up, ``silu(gate) * up`` into down_proj) equal those of ``F.linear``,
-    and every kernel ran."""
+    """The tiny model with its layers' fused kernels, greedy, two requests of different lengths (steps
+    of two rows, then of one): the tokens with the switches on (the Triton GEMV running the linears
+    of up to ``MAX_ROWS`` rows, the norms fused into q/k/v and gate/up, ``silu(gate) * up`` into
+    down_proj) equal those of ``F.linear``, and every kernel ran, at one row and at several."""
     from tpspec.mapping import Mapping
     from tpspec.model import layers as layers_mod
     from tpspec.model import linear as linear_mod
@@ -201,28 +204,30 @@ def check_llm(device: str, dtype: torch.dtype) -> None:
     from tpspec.runtime.engine import Engine
     from tpspec.sampling.params import SamplingParams
 
-    calls = {"linear": 0, "norm_linear": 0, "silu_mul_linear": 0}
-    originals = {name: getattr(kernels, name) for name in calls}
+    names = ("linear", "norm_linear", "silu_mul_linear")
+    rows_seen = {name: set() for name in names}
+    originals = {name: getattr(kernels, name) for name in names}
 
     def counting(name):
         def run(*args, **kwargs):
-            calls[name] += 1
+            rows_seen[name].add(args[0].shape[0])
             return originals[name](*args, **kwargs)
         return run
 
-    for name in calls:
+    for name in names:
         setattr(kernels, name, counting(name))
     name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
-    requests = [Request(0, (11, 12, 13, 14), SamplingParams(temperature=0.0), 12)]
+    greedy = SamplingParams(temperature=0.0)
+    requests = [Request(0, (11, 12, 13, 14), greedy, 12), Request(1, (21, 22, 23), greedy, 4)]
     tokens = {}
-    fused_before = layers_mod.FUSED_UNDER_INTERPRETER
-    silu_before = linear_mod.TRITON_SILU_DOWN
+    saved = (layers_mod.FUSED_UNDER_INTERPRETER, linear_mod.TRITON_SILU_DOWN, linear_mod.TRITON_GEMV_ROWS)
     layers_mod.FUSED_UNDER_INTERPRETER = True
     try:
         with tempfile.TemporaryDirectory() as tmp:
             ckpt = str(make_tiny_checkpoint(f"{tmp}/tiny", seed=0))
             for on in (False, True):
                 linear_mod.TRITON_GEMV = linear_mod.TRITON_SILU_DOWN = on
+                linear_mod.TRITON_GEMV_ROWS = kernels.MAX_ROWS
                 engine = Engine(EngineConfig(ckpt, 1, device, name, max_batch_size=4, use_cuda_graphs=device == "cuda",
                                              gpu_memory_utilization=0.2 if device == "cuda" else None), Mapping(), device)
                 try:
@@ -230,14 +235,13 @@ def check_llm(device: str, dtype: torch.dtype) -> None:
                 finally:
                     engine.close()
                 if not on:
-                    assert not any(calls.values()), f"a kernel ran with the switch off: {calls}"
+                    assert not any(rows_seen.values()), f"a kernel ran with the switch off: {rows_seen}"
     finally:
         linear_mod.TRITON_GEMV = False
-        linear_mod.TRITON_SILU_DOWN = silu_before
-        layers_mod.FUSED_UNDER_INTERPRETER = fused_before
+        layers_mod.FUSED_UNDER_INTERPRETER, linear_mod.TRITON_SILU_DOWN, linear_mod.TRITON_GEMV_ROWS = saved
         for name, fn in originals.items():
             setattr(kernels, name, fn)
-    assert all(calls.values()), f"the switch on never reached a kernel: {calls}"
+    assert all(1 in seen and max(seen) > 1 for seen in rows_seen.values()), f"rows each kernel ran: {rows_seen}"
     assert tokens[True] == tokens[False], tokens
 
 

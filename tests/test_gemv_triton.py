@@ -56,7 +56,7 @@ def test_interpreted_tiny_model_tokens_equal_f_linear():
 def test_norm_kernels_compile_for_hopper():
     """The fused norm + GEMV kernels compile to Hopper machine code without a GPU (Triton's own
     ptxas) as ``norm_linear`` launches them at the Llama-3-8B shapes: split (q/k/v) and not
-    (gate/up), bfloat16, with a residual."""
+    (gate/up), bfloat16, with a residual; one row, and several (a tensor-core product)."""
     from interpreted import compile_for_hopper
     from tpspec.model import gemv_triton as kernels
 
@@ -80,6 +80,25 @@ def test_norm_kernels_compile_for_hopper():
                                  {"HAS_BIAS": False, "BLOCK": kernels.REDUCE_BLOCK, "PDL": pdl}, num_warps=4,
                                  enable_fp_fusion=True, launch_pdl=pdl)
         assert "cubin" in asm
+    # Several rows: h * g into the tensor cores (an mma), split (q/k/v) and not (gate/up), and the split reduction.
+    ints = ("M", "N", "K", "stride_xm", "stride_rm", "stride_hm", "stride_om", "stride_wn", "k_iters")
+    for (n, k), m_pad, pdl in ((LLAMA_3_8B["qkv"], 16, True), (LLAMA_3_8B["gate_up"], 32, False)):
+        launch = kernels.plan_gemv(m_pad, n, k, device="cpu")
+        signature = {"x_ptr": ptr, "res_ptr": ptr, "g_ptr": ptr, "w_ptr": ptr, "b_ptr": ptr, "out_ptr": ptr,
+                     "h_ptr": ptr, "part_ptr": "*fp32", "sq_ptr": "*fp32", **{name: "i32" for name in ints},
+                     "k_f": "fp32", "eps": "fp32"}
+        constants = {"M_PAD": m_pad, "BLOCK_N": launch.block_n, "BLOCK_K": launch.block_k, "EVEN": True,
+                     "SPLIT": pdl, "HAS_RES": True, "HAS_BIAS": False, "IEEE": False,
+                     "NUM_STAGES": launch.num_stages, "PDL": pdl}
+        asm = compile_for_hopper(kernels._norm_rows_kernel, signature, constants, num_warps=launch.num_warps,
+                                 num_stages=launch.num_stages, enable_fp_fusion=True, launch_pdl=pdl)
+        assert "cubin" in asm and "mma" in asm["ptx"] and ("griddepcontrol.wait" in asm["ptx"]) == pdl
+    asm = compile_for_hopper(kernels._norm_rows_reduce_kernel,
+                             {"part_ptr": "*fp32", "sq_ptr": "*fp32", "b_ptr": ptr, "out_ptr": ptr, "M": "i32",
+                              "N": "i32", "splits": "i32", "stride_om": "i32", "k_f": "fp32", "eps": "fp32"},
+                             {"HAS_BIAS": True, "BLOCK": kernels.REDUCE_BLOCK, "PDL": True}, num_warps=4,
+                             enable_fp_fusion=True, launch_pdl=True)
+    assert "cubin" in asm
 
 
 @needs_triton
@@ -111,6 +130,7 @@ def test_last_split_sums_order_their_memory_accesses():
 
 class _Kernels:
     INTERPRETED = False
+    MAX_ROWS = 64
 
 
 def test_dispatch_rule(monkeypatch):
@@ -162,10 +182,13 @@ def test_dispatch_rule(monkeypatch):
     assert silu(gate_up, torch.zeros(32, 64)) and silu(gate_up, w)  # down_proj's K > N too
     assert not silu(torch.zeros(2, 128), torch.zeros(32, 64))  # one row only
     assert linear_mod.TRITON_GEMV_ROWS == 1
-    monkeypatch.setattr(linear_mod, "TRITON_GEMV_ROWS", 4)  # up to four rows: linears, silu, not the norm
+    monkeypatch.setattr(linear_mod, "TRITON_GEMV_ROWS", 4)  # up to four rows: linears, silu, the norm
     assert use(torch.zeros(4, 64), w) and not use(torch.zeros(5, 64), w) and not use(torch.zeros(4, 64), w[:32])
     assert silu(torch.zeros(4, 128), torch.zeros(32, 64)) and not silu(torch.zeros(5, 128), torch.zeros(32, 64))
-    assert not norm(torch.zeros(2, 64), None, g, w)
+    assert norm(torch.zeros(2, 64), None, g, w) and norm(torch.zeros(4, 64), torch.zeros(4, 64), g, w)
+    assert not norm(torch.zeros(4, 64), torch.zeros(1, 64), g, w) and not norm(torch.zeros(5, 64), None, g, w)
+    monkeypatch.setattr(linear_mod, "TRITON_GEMV_ROWS", 1000)  # never past the kernels' MAX_ROWS
+    assert use(torch.zeros(kernels.MAX_ROWS, 64), w) and not use(torch.zeros(kernels.MAX_ROWS + 1, 64), w)
     monkeypatch.setattr(linear_mod, "TRITON_GEMV_ROWS", 1)
     assert not silu(torch.zeros(1, 64), torch.zeros(32, 64))  # gate_up is 2 K wide
     assert not silu(gate_up.half(), torch.zeros(32, 64))
@@ -203,7 +226,7 @@ def test_cuda_kernel_matches_the_float64_reference(dtype):
     cases.check_kernels("cuda", dtype)
     cases.check_kernels("cuda", dtype, shapes=list(LLAMA_3_8B.values()), rows=(1, 8, 16, 32, 64))
     cases.check_norm_kernels("cuda", dtype)
-    cases.check_norm_kernels("cuda", dtype, shapes=[LLAMA_3_8B["qkv"], LLAMA_3_8B["gate_up"]])
+    cases.check_norm_kernels("cuda", dtype, shapes=[LLAMA_3_8B["qkv"], LLAMA_3_8B["gate_up"]], rows=(1, 4, 32))
     cases.check_silu_kernels("cuda", dtype)
     cases.check_silu_kernels("cuda", dtype, shapes=[LLAMA_3_8B["down"]], rows=(1, 8))
 
@@ -250,9 +273,9 @@ def test_cuda_last_split_sums_equal_the_reduction_kernel():
 @needs_triton
 @pytest.mark.parametrize("m", [1, 8])
 def test_cuda_graph_replay_equals_eager(m):
-    """Every Llama-3-8B linear (split-K ones included) with and without a bias, and at one row the
-    norm fused in front of q/k/v and gate/up, captured in one CUDA graph, replayed on new inputs
-    copied in, gives the bits of eager calls on those inputs."""
+    """Every Llama-3-8B linear (split-K ones included) with and without a bias, and the norm fused in
+    front of q/k/v and gate/up, captured in one CUDA graph, replayed on new inputs copied in, gives
+    the bits of eager calls on those inputs."""
     from tpspec.model import gemv_triton as kernels
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -264,14 +287,13 @@ def test_cuda_graph_replay_equals_eager(m):
         cases.append((torch.randn(m, k, generator=gen, device="cuda").to(dtype), w, b))
     assert any(kernels.plan_gemv(m, n, k, device="cuda").splits > 1 for n, k in LLAMA_3_8B.values())
 
-    res = torch.randn(1, 4096, generator=gen, device="cuda").to(dtype)
+    res = torch.randn(m, 4096, generator=gen, device="cuda").to(dtype)
     g = torch.randn(4096, generator=gen, device="cuda").to(dtype)
 
     def forward():
         outs = [kernels.linear(x, w, bias) for x, w, b in cases for bias in (None, b)]
-        if m == 1:  # the norm fused in front of q/k/v (split) and gate/up, with a residual and without
-            for x, w, _ in cases[:3:2]:
-                outs += kernels.norm_linear(x, res, g, 1e-5, w) + kernels.norm_linear(x, None, g, 1e-5, w)[:1]
+        for x, w, _ in cases[:3:2]:  # the norm fused in front of q/k/v and gate/up, with a residual and without
+            outs += kernels.norm_linear(x, res, g, 1e-5, w) + kernels.norm_linear(x, None, g, 1e-5, w)[:1]
         return outs
 
     forward()  # compile outside the capture

@@ -20,11 +20,12 @@ stream ``W`` from memory. The kernel is built for that:
   bits), found by a per-block counter (:mod:`tpspec.model.split_counters`): one kernel fewer a
   split linear.
 
-* **The norm in front** (:func:`norm_linear`, one row). A decoder's q/k/v and gate/up follow an
+* **The norm in front** (:func:`norm_linear`). A decoder's q/k/v and gate/up follow an
   RMSNorm; ``W (h * g) * rsqrt(mean(h^2) + eps)`` is the same product, so the K loop that streams
   ``W`` also sums ``h^2`` and the scale is applied once at the end (by the split reduction where
   the contraction is split): no norm kernel runs first, and the first feature block's programs
-  store the residual sum ``h`` the next layer needs.
+  store the residual sum ``h`` the next layer needs. One row has a kernel of its own; two rows or
+  more feed ``h * g``, rounded to the dtype, to the ``tl.dot``.
 
 * **SwiGLU in front** (:func:`silu_mul_linear`). A down projection's input is ``silu(gate) * up``;
   the K loop forms each element from the gate/up row as it loads it (the ``silu_mul`` kernel's
@@ -288,6 +289,80 @@ def _norm_reduce_kernel(part_ptr, sq_ptr, b_ptr, out_ptr, N, splits, k_f, eps, H
     tl.store(out_ptr + n, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _norm_rows_kernel(x_ptr, res_ptr, g_ptr, w_ptr, b_ptr, out_ptr, h_ptr, part_ptr, sq_ptr, M, N, K, stride_xm,
+                      stride_rm, stride_hm, stride_om, stride_wn, k_iters, k_f, eps, M_PAD: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, SPLIT: tl.constexpr,
+                      HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, NUM_STAGES: tl.constexpr,
+                      PDL: tl.constexpr):
+    # Several rows: Y = rstd * ((H * g) W^T), H = X + residual, each row's rstd from its own sum of
+    # squares, which the K loop that streams W gathers as it goes. H * g is rounded to the dtype for
+    # the tensor cores' product (float32 stays float32, in IEEE precision).
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    m = tl.arange(0, M_PAD)
+    m_ok = m < M
+    kk = tl.arange(0, BLOCK_K)
+    k_first = split * k_iters * BLOCK_K
+    h_end = K - pid_n * K  # the first feature block's programs store H (K for them, <= 0 for the rest)
+    w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
+    acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
+    sq = tl.zeros([M_PAD], tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    for i in tl.range(0, k_iters, num_stages=NUM_STAGES):
+        k = k_first + i * BLOCK_K + kk
+        w = _load_w(w_rows, k, n_ok, K, EVEN)
+        k_ok = k < K
+        ok = m_ok[:, None] & k_ok[None, :]
+        x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=ok, other=0.0)
+        g = tl.load(g_ptr + k, mask=k_ok, other=0.0)
+        if HAS_RES:
+            r = tl.load(res_ptr + m[:, None] * stride_rm + k[None, :], mask=ok, other=0.0)
+            # The sum rounded once to the dtype (what torch's ``x + residual`` gives).
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+            tl.store(h_ptr + m[:, None] * stride_hm + k[None, :], x, mask=ok & (k < h_end)[None, :])
+        h = x.to(tl.float32)
+        sq += tl.sum(h * h, 1)
+        a = (h * g.to(tl.float32)[None, :]).to(x.dtype)
+        if IEEE:
+            acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, tl.trans(w), acc)
+    ok = m_ok[:, None] & n_ok[None, :]
+    if SPLIT:
+        tl.store(part_ptr + (split * M + m[:, None]) * N + n[None, :], acc, mask=ok)
+        tl.store(sq_ptr + split * M + m, sq, mask=m < M - pid_n * M)  # the same sums in every block: block 0's
+    else:
+        acc = acc * tl.math.rsqrt(tl.math.div_rn(sq, k_f) + eps)[:, None]
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + m[:, None] * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _norm_rows_reduce_kernel(part_ptr, sq_ptr, b_ptr, out_ptr, M, N, splits, stride_om, k_f, eps,
+                             HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    row = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = n < N
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    acc = tl.load(part_ptr + row * N + n, mask=ok, other=0.0)
+    sq = tl.load(sq_ptr + row)
+    for s in range(1, splits):  # split order: the same sums on every call
+        acc += tl.load(part_ptr + (s * M + row) * N + n, mask=ok, other=0.0)
+        sq += tl.load(sq_ptr + s * M + row)
+    acc = acc * tl.math.rsqrt(tl.math.div_rn(sq, k_f) + eps)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
 INTERPRETED = isinstance(_gemv_kernel, InterpretedFunction)
 """Whether this import got Triton's interpreter (``TRITON_INTERPRET=1``): kernels on CPU tensors."""
 
@@ -432,30 +507,34 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                 weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                 splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One row's RMSNorm and the linear after it in one pass over the weight.
+    """RMSNorm and the linear after it in one pass over the weight, for up to ``MAX_ROWS`` rows.
 
     With ``h = x + residual`` rounded to the dtype (``x`` itself when ``residual`` is None), returns
-    ``(y, h)``: ``y = (W (h * norm_weight)) * rsqrt(mean(h**2) + eps) + bias``, every sum in float32
-    and ``y`` rounded once to the dtype — the norm of :func:`tpspec.model.fused_triton.rms_norm`
-    followed by :func:`linear`, except that the normed row is never rounded to the dtype — and
-    ``h``, a new tensor (``x`` itself without a residual). The K loop that streams ``W`` sums
-    ``h**2`` as it goes; the programs of the first feature block store ``h``.
+    ``(y, h)``: ``y = (W (h * norm_weight)) * rsqrt(mean(h**2) + eps) + bias`` row by row, every sum in
+    float32 and ``y`` rounded once to the dtype, and ``h``, a new tensor (``x`` itself without a
+    residual). The K loop that streams ``W`` sums ``h**2`` as it goes; the programs of the first
+    feature block store ``h``. One row is the norm of :func:`tpspec.model.fused_triton.rms_norm`
+    followed by :func:`linear`, except that the normed row is never rounded to the dtype; two rows
+    or more round ``h * norm_weight`` to the dtype for the tensor cores' ``tl.dot`` (float32: no
+    rounding) and scale the product by each row's ``rsqrt`` after it.
 
     Parameters
     ----------
-    x, residual : ``[1, K]``, one dtype of :data:`DTYPES` (float32 or float16 under the
-        interpreter), last dimension contiguous; ``residual`` may be None.
+    x, residual : ``[M, K]``, ``1 <= M <= MAX_ROWS``, one dtype of :data:`DTYPES` (float32 or float16
+        under the interpreter), last dimension contiguous; ``residual`` may be None.
     norm_weight : ``[K]`` in that dtype, contiguous.
     eps : the norm's epsilon.
     weight, bias : as for :func:`linear`.
-    splits : K splits (default: :func:`plan_gemv`'s rule for one row).
+    splits : K splits (default: :func:`plan_gemv`'s rule for ``M`` rows).
 
     Same bits on every call for one shape and device; no host synchronization, capturable in a CUDA
     graph. ``ValueError`` for anything else.
     """
-    if x.dim() != 2 or x.shape[0] != 1 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"x must be [1, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
-    k = x.shape[1]
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x must be [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    m, k = x.shape
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"x must have 1 to {MAX_ROWS} rows, got {m}")
     n = weight.shape[0]
     tensors = [x, weight, norm_weight] + [t for t in (residual, bias) if t is not None]
     if x.dtype not in DTYPES or any(t.dtype != x.dtype for t in tensors):
@@ -463,8 +542,8 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
                          f"{[t.dtype for t in tensors]}")
     if INTERPRETED and x.dtype == torch.bfloat16:
         raise ValueError("Triton's interpreter runs these kernels in float32 and float16: run bfloat16 on CUDA")
-    if residual is not None and tuple(residual.shape) != (1, k):
-        raise ValueError(f"residual must be [1, {k}], got {tuple(residual.shape)}")
+    if residual is not None and tuple(residual.shape) != (m, k):
+        raise ValueError(f"residual must be [{m}, {k}], got {tuple(residual.shape)}")
     if tuple(norm_weight.shape) != (k,) or (bias is not None and tuple(bias.shape) != (n,)):
         raise ValueError(f"norm_weight must be [{k}] and bias [{n}], got {tuple(norm_weight.shape)}"
                          + (f" and {tuple(bias.shape)}" if bias is not None else ""))
@@ -473,11 +552,13 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
     x = x.contiguous()
     h = torch.empty_like(x) if residual is not None else x
     res = residual.contiguous() if residual is not None else x  # not read without a residual
-    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if n == 0:
         if residual is not None:
             torch.add(x, residual, out=h)
         return out, h
+    if m > 1:
+        return _norm_linear_rows(x, res, residual is not None, norm_weight, eps, weight, bias, out, h, splits), h
     launch = plan_gemv(1, n, k, device=x.device, splits=splits, element_size=x.element_size())
     split = launch.splits > 1
     grid = (triton.cdiv(n, launch.block_n), launch.splits)
@@ -501,3 +582,31 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
                                                               BLOCK=REDUCE_BLOCK, num_warps=4,
                                                               enable_fp_fusion=True, **pdl)
     return out, h
+
+
+def _norm_linear_rows(x: torch.Tensor, res: torch.Tensor, has_res: bool, norm_weight: torch.Tensor, eps: float,
+                      weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, h: torch.Tensor,
+                      splits: int | None) -> torch.Tensor:
+    """:func:`norm_linear` of two rows or more, its checks done: fills ``out`` (and ``h``)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    launch = plan_gemv(m, n, k, device=x.device, splits=splits, element_size=x.element_size())
+    split = launch.splits > 1
+    grid = (triton.cdiv(n, launch.block_n), launch.splits)
+    part = torch.empty((launch.splits, m, n), dtype=torch.float32, device=x.device) if split else out
+    sq = torch.empty((launch.splits, m), dtype=torch.float32, device=x.device) if split else out
+    even = n % launch.block_n == 0 and k == launch.splits * launch.k_iters * launch.block_k
+    bias_arg = bias if bias is not None else out  # not read without a bias
+    pdl = pdl_args(x.device)
+    _norm_rows_kernel[grid](x, res, norm_weight, weight, bias_arg, out, h, part, sq, m, n, k, x.stride(0), res.stride(0),
+                            h.stride(0), out.stride(0), weight.stride(0), launch.k_iters, float(k), float(eps),
+                            M_PAD=launch.m_pad, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, EVEN=even,
+                            SPLIT=split, HAS_RES=has_res, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
+                            NUM_STAGES=launch.num_stages, num_warps=launch.num_warps, num_stages=launch.num_stages,
+                            enable_fp_fusion=True, **pdl)
+    if split:
+        _norm_rows_reduce_kernel[(m, triton.cdiv(n, REDUCE_BLOCK))](part, sq, bias_arg, out, m, n, launch.splits,
+                                                                   out.stride(0), float(k), float(eps),
+                                                                   HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK,
+                                                                   num_warps=4, enable_fp_fusion=True, **pdl)
+    return out

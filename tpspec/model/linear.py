@@ -80,7 +80,8 @@ def use_triton_silu_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: to
 
 
 def _gemv_runs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, width: int) -> bool:
-    """The GEMV's conditions on ``x`` ``[M, width]`` (``M <= TRITON_GEMV_ROWS``) and ``weight`` ``[N, K]``."""
+    """The GEMV's conditions on ``x`` ``[M, width]`` (``M <= TRITON_GEMV_ROWS``, and at most the kernels'
+    ``MAX_ROWS``) and ``weight`` ``[N, K]``."""
     if x.dim() != 2 or not 1 <= x.shape[0] <= TRITON_GEMV_ROWS or x.shape[1] != width:
         return False
     k = weight.shape[1]
@@ -95,7 +96,7 @@ def _gemv_runs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if x.device.type not in ("cuda", "cpu"):
         return False
     kernels = gemv_kernels()
-    if kernels is None or kernels.INTERPRETED != (x.device.type == "cpu"):
+    if kernels is None or kernels.INTERPRETED != (x.device.type == "cpu") or x.shape[0] > kernels.MAX_ROWS:
         return False
     return not (kernels.INTERPRETED and x.dtype == torch.bfloat16)  # the interpreter's tl.dot has none
 
@@ -106,8 +107,8 @@ def use_triton_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_
     after it run as one kernel (:func:`tpspec.model.gemv_triton.norm_linear`): where
     :func:`use_triton_linear` takes the linear and ``residual`` and ``norm_weight`` are ``x``'s
     shape and ``[K]``, in its dtype and on its device. The same answer on every rank."""
-    if x.dim() != 2 or x.shape[0] != 1 or not use_triton_linear(x, weight, bias):
-        return False  # norm_linear takes one row
+    if not use_triton_linear(x, weight, bias):
+        return False
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
                                  or residual.device != x.device):
         return False
