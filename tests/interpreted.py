@@ -120,3 +120,22 @@ def compile_for_hopper(fn: Any, signature: dict[str, str], constants: dict[str, 
     signature = dict(signature, **{name: "constexpr" for name in constants})
     return triton.compile(ASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
                           options=options).asm
+
+
+def resource_usage(asm: dict) -> dict[str, int]:
+    """Registers a thread (``REG``) and its local-memory stack in bytes (``STACK``: spilled values)
+    of a kernel compiled by :func:`compile_for_hopper`, as ``cuobjdump -res-usage`` (shipped with
+    Triton) reads them from its cubin."""
+    import re
+
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    assert tool.exists(), f"{tool} is missing: this triton ships no cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(asm["cubin"])
+        cubin.flush()
+        out = subprocess.run([str(tool), "-res-usage", cubin.name], capture_output=True, text=True, timeout=60)
+    found = re.search(r"REG:(\d+) STACK:(\d+)", out.stdout)
+    assert out.returncode == 0 and found, out.stdout + out.stderr
+    return {"REG": int(found.group(1)), "STACK": int(found.group(2))}

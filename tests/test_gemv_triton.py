@@ -102,6 +102,54 @@ def test_norm_kernels_compile_for_hopper():
 
 
 @needs_triton
+def test_kernels_keep_their_values_in_registers_on_hopper():
+    """Compiled for Hopper without a GPU as the launch rule launches them in bfloat16 at the Llama-3-8B
+    shapes (split or not as there), no kernel spills to local memory (a stack of 0 bytes, by
+    ``cuobjdump``): one row's GEMV (o_proj), ``silu_mul_linear`` (down_proj) and ``norm_linear``
+    (q/k/v, gate/up), their split reductions, and the same three at 16, 32 and 64 rows, but
+    ``norm_linear`` at 64 rows, at most 16 bytes (``[64, 128]`` tiles of 4 warps spilled up to 2.5 KB a
+    thread at 16 and 32 rows; a verification step of 4 rows a request through them took 3.3 times as
+    long as through cuBLAS)."""
+    from interpreted import compile_for_hopper, resource_usage
+    from test_dependent_launch import _signature
+    from tpspec.model import gemv_triton as kernels
+
+    compiled = {}
+    for m in (1, 16, 32, 64):
+        for name, (n, k) in (("o", LLAMA_3_8B["o"]), ("down", LLAMA_3_8B["down"]), ("qkv", LLAMA_3_8B["qkv"]),
+                             ("gate_up", LLAMA_3_8B["gate_up"])):
+            launch = kernels.plan_gemv(m, n, k, device="cpu")
+            split = n < 8192  # as the rule splits these shapes on an H100
+            opts = dict(num_warps=launch.num_warps, num_stages=launch.num_stages, enable_fp_fusion=True, launch_pdl=True)
+            tile = dict(BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, EVEN=True, SPLIT=split, HAS_BIAS=False,
+                        NUM_STAGES=launch.num_stages, PDL=True)
+            if name in ("o", "down"):
+                consts = dict(tile, M_PAD=launch.m_pad, USE_DOT=m > 1, LAST_SUMS=False, IEEE=False,
+                              SILU_MUL=name == "down", ACCURATE_EXP=True)
+                compiled[name, m] = compile_for_hopper(kernels._gemv_kernel, _signature(kernels._gemv_kernel, consts),
+                                                       consts, aligned_pointers=True, **opts)
+            elif m == 1:
+                consts = dict(tile, LAST_SUMS=False, HAS_RES=True)
+                compiled[name, m] = compile_for_hopper(kernels._norm_gemv_kernel,
+                                                       _signature(kernels._norm_gemv_kernel, consts), consts,
+                                                       aligned_pointers=True, **opts)
+            else:
+                consts = dict(tile, M_PAD=launch.m_pad, HAS_RES=True, IEEE=False)
+                compiled[name, m] = compile_for_hopper(kernels._norm_rows_kernel,
+                                                       _signature(kernels._norm_rows_kernel, consts), consts,
+                                                       aligned_pointers=True, **opts)
+    reduce = {"BLOCK": kernels.REDUCE_BLOCK, "HAS_BIAS": False, "PDL": True}
+    for kernel in (kernels._reduce_kernel, kernels._norm_reduce_kernel, kernels._norm_rows_reduce_kernel):
+        compiled[kernel.fn.__name__, 0] = compile_for_hopper(kernel, _signature(kernel, reduce), reduce, num_warps=4,
+                                                            enable_fp_fusion=True, launch_pdl=True)
+    usage = {key: resource_usage(asm) for key, asm in compiled.items()}
+    # norm_linear at 64 rows: two or four words over (255 registers); the rest none.
+    spilled = {key: u for key, u in usage.items() if u["STACK"] > (16 if key[1] == 64 and key[0] in ("qkv", "gate_up")
+                                                                  else 0)}
+    assert not spilled, spilled
+
+
+@needs_triton
 def test_last_split_sums_order_their_memory_accesses():
     """A split GEMV whose last program sums the splits, compiled for Hopper (one row with ``silu``
     fused in, and the fused norm): each program stores its partials, then a barrier, then one

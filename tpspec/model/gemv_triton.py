@@ -65,7 +65,11 @@ ONE_ROW_STAGES = 3  # one row: software-pipeline stages of the K loop
 # One row: split K until the programs reach this many per SM. Fewer splits mean fewer partial sums to reduce,
 # but a program must keep enough loads in flight: docs/benchmarks.md ("Batch 1") compares 1, 2 and 4.
 ONE_ROW_PROGRAMS_PER_SM = 2
-ROWS_TILE = (64, 128)  # two rows or more: [features, contraction] of a weight tile (into a tl.dot of 16 to 64 rows)
+# Two rows or more: [features, contraction] of a weight tile (into a tl.dot of 16 to 64 rows), and warps a program.
+# 64 x 64 with 8 warps: the GEMV, silu_mul_linear and norm_linear keep every value in registers at 16 to 64 rows
+# (64 x 128 with 4 warps spilled in the last two, tests/test_gemv_triton.py checks it).
+ROWS_TILE = (64, 64)
+ROWS_WARPS = 8
 ROWS_STAGES = 4  # two rows or more, 16-bit weights: pipeline stages of the K loop (float32: 2)
 ROWS_PROGRAMS_PER_SM = 2  # two rows or more: split K until the programs reach this many per SM
 MAX_SPLITS = 16
@@ -394,9 +398,9 @@ def plan_gemv(m: int, n: int, k: int, *, device: torch.device | str, splits: int
     One row: ``[16, 256]`` weight tiles (``ONE_ROW_TILE``; 4 warps: four 16-byte loads a thread a
     tile, 32 float32 accumulators a thread) in 3 pipeline stages (17 KiB of shared memory and 78
     registers a thread on sm_90: six programs fit an SM). Two rows or more:
-    ``[64, 128]`` tiles (``ROWS_TILE``) into a ``tl.dot`` of ``m`` rows padded to 16, 32 or 64, 4
-    stages for 16-bit weights (at 16 rows 52 KiB and 114 registers: four programs an SM), 2 for
-    float32 (``element_size`` 4). ``splits`` (default: 1 when the feature blocks reach the path's
+    ``[64, 64]`` tiles (``ROWS_TILE``) into a ``tl.dot`` of ``m`` rows padded to 16, 32 or 64, 8 warps
+    (``ROWS_WARPS``: no value of the three kernels spills to local memory at 16 to 64 rows), 4 stages
+    for 16-bit weights, 2 for float32 (``element_size`` 4). ``splits`` (default: 1 when the feature blocks reach the path's
     programs per SM, ``ONE_ROW_PROGRAMS_PER_SM`` or ``ROWS_PROGRAMS_PER_SM``, else the fewest splits
     that get there, preferring a divisor of the tile count so every split reads whole tiles without
     masks; at most ``MAX_SPLITS`` and one split per tile) cuts ``k`` into equal runs of whole tiles.
@@ -404,11 +408,12 @@ def plan_gemv(m: int, n: int, k: int, *, device: torch.device | str, splits: int
     target = _sm_count(torch.device(device))
     if m == 1:
         block_n, block_k = ONE_ROW_TILE
-        m_pad, num_stages = 1, ONE_ROW_STAGES
+        m_pad, num_stages, num_warps = 1, ONE_ROW_STAGES, 4
         target *= ONE_ROW_PROGRAMS_PER_SM
     else:
         block_n, block_k = ROWS_TILE
         m_pad, num_stages = max(16, 1 << (m - 1).bit_length()), ROWS_STAGES if element_size <= 2 else 2
+        num_warps = ROWS_WARPS
         target *= ROWS_PROGRAMS_PER_SM
     tiles = triton.cdiv(k, block_k)
     blocks = triton.cdiv(n, block_n)
@@ -423,8 +428,8 @@ def plan_gemv(m: int, n: int, k: int, *, device: torch.device | str, splits: int
     splits = max(1, min(splits, tiles))
     k_iters = triton.cdiv(tiles, splits)
     splits = triton.cdiv(tiles, k_iters)  # no split without a tile
-    return GemvLaunch(m_pad=m_pad, block_n=block_n, block_k=block_k, splits=splits, k_iters=k_iters, num_warps=4,
-                      num_stages=num_stages)
+    return GemvLaunch(m_pad=m_pad, block_n=block_n, block_k=block_k, splits=splits, k_iters=k_iters,
+                      num_warps=num_warps, num_stages=num_stages)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
