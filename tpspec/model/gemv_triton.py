@@ -81,6 +81,15 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
+def _dot(x, w, acc, IEEE: tl.constexpr):
+    """``acc + x @ w.T`` on the tensor cores (``x`` ``[M_PAD, BLOCK_K]``, ``w`` ``[BLOCK_N, BLOCK_K]``);
+    ``IEEE``: float32 inputs multiplied in IEEE precision."""
+    if IEEE:
+        return tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+    return tl.dot(x, tl.trans(w), acc)
+
+
+@triton.jit
 def _gemv_fold(acc, w, x_ptr, k, m, m_ok, K, stride_xm, USE_DOT: tl.constexpr, EVEN: tl.constexpr,
                IEEE: tl.constexpr, SILU_MUL: tl.constexpr, ACCURATE_EXP: tl.constexpr):
     """One weight tile ``w`` ``[BLOCK_N, BLOCK_K]`` (columns ``k``) times x's columns ``k``, added to ``acc``.
@@ -94,10 +103,7 @@ def _gemv_fold(acc, w, x_ptr, k, m, m_ok, K, stride_xm, USE_DOT: tl.constexpr, E
         x = tl.load(rows, mask=ok, other=0.0)
         if SILU_MUL:
             x = silu_mul_values(x, tl.load(rows + K, mask=ok, other=0.0), ACCURATE_EXP)
-        if IEEE:
-            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, tl.trans(w), acc)
+        acc = _dot(x, w, acc, IEEE)
     else:
         if EVEN:
             x = tl.load(x_ptr + k)
@@ -332,10 +338,7 @@ def _norm_rows_kernel(x_ptr, res_ptr, g_ptr, w_ptr, b_ptr, out_ptr, h_ptr, part_
         h = x.to(tl.float32)
         sq += tl.sum(h * h, 1)
         a = (h * g.to(tl.float32)[None, :]).to(x.dtype)
-        if IEEE:
-            acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, tl.trans(w), acc)
+        acc = _dot(a, w, acc, IEEE)
     ok = m_ok[:, None] & n_ok[None, :]
     if SPLIT:
         tl.store(part_ptr + (split * M + m[:, None]) * N + n[None, :], acc, mask=ok)
@@ -562,19 +565,31 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
         if residual is not None:
             torch.add(x, residual, out=h)
         return out, h
-    if m > 1:
-        return _norm_linear_rows(x, res, residual is not None, norm_weight, eps, weight, bias, out, h, splits), h
-    launch = plan_gemv(1, n, k, device=x.device, splits=splits, element_size=x.element_size())
+    launch = plan_gemv(m, n, k, device=x.device, splits=splits, element_size=x.element_size())
     split = launch.splits > 1
     grid = (triton.cdiv(n, launch.block_n), launch.splits)
-    part = torch.empty((launch.splits, n), dtype=torch.float32, device=x.device) if split else out
+    part = torch.empty((launch.splits, m, n), dtype=torch.float32, device=x.device) if split else out
+    even = n % launch.block_n == 0 and k == launch.splits * launch.k_iters * launch.block_k
+    bias_arg = bias if bias is not None else out  # not read without a bias
+    pdl = pdl_args(x.device)
+    if m > 1:
+        sq = torch.empty((launch.splits, m), dtype=torch.float32, device=x.device) if split else out
+        _norm_rows_kernel[grid](x, res, norm_weight, weight, bias_arg, out, h, part, sq, m, n, k, x.stride(0),
+                                res.stride(0), h.stride(0), out.stride(0), weight.stride(0), launch.k_iters, float(k),
+                                float(eps), M_PAD=launch.m_pad, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
+                                EVEN=even, SPLIT=split, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
+                                IEEE=x.dtype == torch.float32, NUM_STAGES=launch.num_stages,
+                                num_warps=launch.num_warps, num_stages=launch.num_stages, enable_fp_fusion=True, **pdl)
+        if split:
+            _norm_rows_reduce_kernel[(m, triton.cdiv(n, REDUCE_BLOCK))](part, sq, bias_arg, out, m, n, launch.splits,
+                                                                       out.stride(0), float(k), float(eps),
+                                                                       HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK,
+                                                                       num_warps=4, enable_fp_fusion=True, **pdl)
+        return out, h
     counts = split_counters(x.device, grid[0]) if split and LAST_SPLIT_SUMS else None
     # The squares' split sums: block 0's ([splits]) for the reduction kernel, every block's for the last programs.
     sq = torch.empty((launch.splits, grid[0] if counts is not None else 1), dtype=torch.float32,
                      device=x.device) if split else out
-    even = n % launch.block_n == 0 and k == launch.splits * launch.k_iters * launch.block_k
-    bias_arg = bias if bias is not None else out  # not read without a bias
-    pdl = pdl_args(x.device)
     _norm_gemv_kernel[grid](x, res, norm_weight, weight, bias_arg, out, h, part, sq,
                             counts if counts is not None else sq, n, k, weight.stride(0), launch.k_iters, float(k),
                             float(eps), BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, EVEN=even, SPLIT=split,
@@ -587,31 +602,3 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
                                                               BLOCK=REDUCE_BLOCK, num_warps=4,
                                                               enable_fp_fusion=True, **pdl)
     return out, h
-
-
-def _norm_linear_rows(x: torch.Tensor, res: torch.Tensor, has_res: bool, norm_weight: torch.Tensor, eps: float,
-                      weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, h: torch.Tensor,
-                      splits: int | None) -> torch.Tensor:
-    """:func:`norm_linear` of two rows or more, its checks done: fills ``out`` (and ``h``)."""
-    m, k = x.shape
-    n = weight.shape[0]
-    launch = plan_gemv(m, n, k, device=x.device, splits=splits, element_size=x.element_size())
-    split = launch.splits > 1
-    grid = (triton.cdiv(n, launch.block_n), launch.splits)
-    part = torch.empty((launch.splits, m, n), dtype=torch.float32, device=x.device) if split else out
-    sq = torch.empty((launch.splits, m), dtype=torch.float32, device=x.device) if split else out
-    even = n % launch.block_n == 0 and k == launch.splits * launch.k_iters * launch.block_k
-    bias_arg = bias if bias is not None else out  # not read without a bias
-    pdl = pdl_args(x.device)
-    _norm_rows_kernel[grid](x, res, norm_weight, weight, bias_arg, out, h, part, sq, m, n, k, x.stride(0), res.stride(0),
-                            h.stride(0), out.stride(0), weight.stride(0), launch.k_iters, float(k), float(eps),
-                            M_PAD=launch.m_pad, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, EVEN=even,
-                            SPLIT=split, HAS_RES=has_res, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
-                            NUM_STAGES=launch.num_stages, num_warps=launch.num_warps, num_stages=launch.num_stages,
-                            enable_fp_fusion=True, **pdl)
-    if split:
-        _norm_rows_reduce_kernel[(m, triton.cdiv(n, REDUCE_BLOCK))](part, sq, bias_arg, out, m, n, launch.splits,
-                                                                   out.stride(0), float(k), float(eps),
-                                                                   HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK,
-                                                                   num_warps=4, enable_fp_fusion=True, **pdl)
-    return out
