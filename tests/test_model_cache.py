@@ -112,6 +112,26 @@ def test_ngram_drafter_follows_its_definition():
         assert NgramDrafter(k, max_n, min_n).propose(hist) == by_definition(hist, k, max_n, min_n), (hist, max_n, min_n)
 
 
+def test_ngram_drafts_on_the_device_equal_the_host_drafts():
+    """A batch of random histories (small vocabularies: many repeated n-grams; lengths from 1,
+    ragged, junk after each row's end) drafted at once on the device: every row the padded drafts
+    of the host drafter on that row's history, for every n-gram range and draft count."""
+    import random
+
+    rng = random.Random(1)
+    for max_n in range(1, 5):
+        for min_n in range(1, max_n + 1):
+            for k in (1, 3, 5):
+                drafter = NgramDrafter(k, max_n, min_n)
+                width = 48
+                hists = [[rng.randrange(rng.choice([2, 3, 5, 50])) for _ in range(rng.randint(1, width))]
+                         for _ in range(64)]
+                table = torch.tensor([h + [rng.randrange(5) for _ in range(width - len(h))] for h in hists])
+                lengths = torch.tensor([len(h) for h in hists])
+                got = drafter.draft_on_device(table, lengths).tolist()
+                assert got == [drafter.draft(h) for h in hists], (max_n, min_n, k)
+
+
 def test_draft_vocab_must_match(tmp_path, tiny):
     other = make_tiny_checkpoint(tmp_path / "other", vocab_size=300, tokenizer=False)
     target_cfg = load_model(tiny[0]).config

@@ -9,6 +9,7 @@ import torch
 from graph_cases import (PROMPTS, QWEN, SPECS, assert_logprobs_close, every_step_shape, first_outputs, make_models,
                          spec_config)
 from tpspec import LLM, SamplingParams
+from tpspec.runtime import cuda_graphs
 from tpspec.runtime.cuda_graphs import GRAPHED_DRAFT_CHAIN
 
 PARAMS = every_step_shape((16, 24, 8, 12, 14, 10))
@@ -26,10 +27,12 @@ def models(tmp_path_factory):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("name", SPECS)
-def test_cuda_graphs_match_eager(models, name):
+def test_cuda_graphs_match_eager(models, name, monkeypatch):
     """Every step shape replayed from CUDA graphs (and the drafters' chained draft steps) gives the
     eager steps' tokens (logprobs within 1e-4: padding a batch to its bucket may move the logits'
-    last bits); without drafts, decode steps launched ahead of their predecessor's tokens too."""
+    last bits); steps launched ahead of their predecessor's tokens too: decode steps, and greedy
+    verification of n-gram drafts (``STEP_AHEAD_WITH_DRAFTS``, set on here whatever the default)."""
+    monkeypatch.setattr(cuda_graphs, "STEP_AHEAD_WITH_DRAFTS", True)
     results = {}
     for use_graphs in (False, True):
         # In-process (a single plain process is rank 0 of a TP group of 1): the engine is inspectable.
@@ -46,7 +49,7 @@ def test_cuda_graphs_match_eager(models, name):
                 ahead = graphs.num_ahead
                 del graphs
     assert replayed > 0, "no target step came from a graph replay"
-    assert (ahead > 0) == (name == "plain")  # without drafts, decode steps launch the next one ahead
+    assert (ahead > 0) == (name in ("plain", "ngram", "ngram-rejection"))  # no drafter to run on the host
     assert not failed, f"captures failed: {failed}"
     for got, ref in zip(results[True], results[False]):
         assert got[0] == ref[0]

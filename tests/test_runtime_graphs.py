@@ -9,6 +9,7 @@ from the requests' parameters; when graphs are off; and the capture fallback eve
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import pytest
@@ -427,6 +428,17 @@ AHEAD_CASES = {
                                             seed=15, logprobs=1)],
                      budgets=[20, 18, 20, 16, 14, 5, 12, 6], stopper=2, stop_at=9, joins={5: [6], 14: [7]},
                      aborts={}),
+    # Verification of n-gram drafts (3 a step), every request greedy: the drafts of a step launched
+    # ahead come from the device. A penalised request with logprobs, one with logprobs, a stop
+    # token inside a step launched ahead, one request aborted. Forced acceptance of 1.5 drafts a
+    # step (the benchmarks' switch; its counts follow the steps, and no request joins a running
+    # batch, so every run steps alike) makes each request emit 2 or 3 tokens a step, the drafts
+    # among them: a draft computed wrongly on the device changes the tokens.
+    "ngram": dict(params=[SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, logprobs=2),
+                          SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=-0.6, logprobs=1),
+                          SamplingParams(temperature=0.0), SamplingParams(temperature=0.0)],
+                  budgets=[30, 27, 30, 24, 20], stopper=1, stop_at=9, joins={0: [4]}, aborts={4: [0]},
+                  spec=3, forced=1.5),
 }
 
 
@@ -434,17 +446,29 @@ def _ahead_worker(rank, world, target, case):
     """The same continuous-batching run of ``AHEAD_CASES[case]``, eager, then graphed
     (``capture=False``) without and with steps launched ahead. Returns the three runs' tokens and
     logprobs per request, the keys of the steps that launched their successor ahead, the keys
-    graphed, how many steps went ahead and were replayed, and the stop token."""
+    graphed, how many steps went ahead and were replayed, the stop token and how many drafts the
+    last run kept."""
     from tpspec.mapping import Mapping
-    from tpspec.runtime.config import EngineConfig, Request
+    from tpspec.runtime.config import EngineConfig, Request, SpeculativeConfig
     from tpspec.runtime.engine import Engine
+    from tpspec.speculative.forced import ForcedAcceptanceWarning
 
     spec = AHEAD_CASES[case]
+    drafts = spec.get("spec")
     cfg = EngineConfig(model_path=target, tp_size=world, device="cpu", dtype="float32", max_batch_size=8,
-                       max_seq_len=64, max_num_tokens=64)
-    engine = Engine(cfg, Mapping(world, rank))
+                       max_seq_len=64, max_num_tokens=64,
+                       speculative=SpeculativeConfig("ngram", drafts) if drafts else None,
+                       forced_acceptance_rate=spec.get("forced"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ForcedAcceptanceWarning)
+        engine = Engine(cfg, Mapping(world, rank))
+    cuda_graphs.STEP_AHEAD_WITH_DRAFTS = True
+    stats = []  # the finished requests' stats of the last run
 
     def scenario(first_id: int, stop: tuple[int, ...]) -> tuple[dict, dict]:
+        stats.clear()
+        if engine.worker.forced_acceptance(engine.device) is not None:
+            engine.worker.forced_acceptance(engine.device).counter.zero_()  # every run draws the same counts
         reqs = [Request(first_id + i, tuple(PROMPTS[i % len(PROMPTS)]), sp, n,
                         stop_token_ids=stop if i == spec["stopper"] else ())
                 for i, (sp, n) in enumerate(zip(spec["params"], spec["budgets"], strict=True))]
@@ -459,6 +483,8 @@ def _ahead_worker(rank, world, target, case):
             for u in engine.step():
                 tokens[u.request_id - first_id] += u.new_token_ids
                 logprobs[u.request_id - first_id] += u.new_logprobs or []
+                if u.stats is not None:
+                    stats.append(u.stats)
             calls += 1
         return tokens, logprobs
 
@@ -478,10 +504,24 @@ def _ahead_worker(rank, world, target, case):
             return started
 
         graphs.launch_next = recording
+        drafts_on_device = graphs._drafts_on_device  # noqa: SLF001
+
+        def refusing_syncs(*args, drafts_on_device=drafts_on_device):
+            """The device work of a verification step launched ahead may not wait for the step before."""
+            with refusing_host_syncs():
+                draft = drafts_on_device(*args)
+
+            def checked(lengths):
+                with refusing_host_syncs():
+                    return draft(lengths)
+            return checked
+
+        graphs._drafts_on_device = refusing_syncs  # noqa: SLF001
         runs.append(scenario(200 + 100 * ahead, stop))
     engine.graphs = None
     engine.close()
-    return runs, ahead_keys, list(graphs.graphs), graphs.num_ahead, graphs.num_replayed, stop
+    kept = sum(sum(s.accepted_drafts_per_step) for s in stats)
+    return runs, ahead_keys, list(graphs.graphs), graphs.num_ahead, graphs.num_replayed, stop, kept
 
 
 def test_steps_launched_ahead_give_the_eager_tokens(models):
@@ -495,7 +535,7 @@ def test_steps_launched_ahead_give_the_eager_tokens(models):
     for world in (1, 2):
         results = run_ranks(_ahead_worker, world, models["target"], "plain", timeout_s=240)
         assert all(r == results[0] for r in results)
-        ((eager, _), (graphed, _), (ahead, _)), _, _, num_ahead, num_replayed, stop = results[0]
+        ((eager, _), (graphed, _), (ahead, _)), _, _, num_ahead, num_replayed, stop, _ = results[0]
         assert ahead == eager and graphed == eager
         assert eager[2][-1] == stop[0] and len(eager[2]) == 6 and len(eager[0]) == 20
         assert 0 < len(eager[1]) < 17  # aborted mid-run
@@ -516,7 +556,7 @@ def test_steps_with_filters_penalties_and_logprobs_launched_ahead_give_the_eager
     for world in (1, 2):
         results = run_ranks(_ahead_worker, world, models["target"], "controls", timeout_s=240)
         assert all(r == results[0] for r in results)
-        ((eager, eager_lp), (graphed, graphed_lp), (ahead, ahead_lp)), ahead_keys, keys, num_ahead, _, stop = \
+        ((eager, eager_lp), (graphed, graphed_lp), (ahead, ahead_lp)), ahead_keys, keys, num_ahead, _, stop, _ = \
             results[0]
         assert ahead == eager and graphed == eager
         assert ahead_lp == graphed_lp  # exactly
@@ -528,3 +568,25 @@ def test_steps_with_filters_penalties_and_logprobs_launched_ahead_give_the_eager
         assert any(k.filters is not None and k.filters.any_top_p_total for k in keys)  # graphed, not ahead
         assert all(k.penalties and k.top_logprobs is not None and k.filters is not None for k in ahead_keys)
         assert any(k.filters.any_min_p_only for k in ahead_keys)
+
+
+def test_verification_steps_launched_ahead_give_the_eager_outputs(models):
+    """Greedy verification of n-gram drafts goes ahead (``STEP_AHEAD_WITH_DRAFTS``): the step
+    after is launched before the host reads how many tokens each request emitted, with its cached
+    lengths, last tokens and drafts computed on the device and no host sync on the way. At TP = 2
+    (the ranks take the same decisions), with penalties, logprobs, a stop token inside a step
+    launched ahead and a request aborted, and forced acceptance (the drafts become tokens): every
+    request gets the eager steps' tokens (and the logprobs of the graphed steps without steps
+    ahead, exactly), and most graphed steps went ahead."""
+    from tpspec.testing import run_ranks
+
+    results = run_ranks(_ahead_worker, 2, models["target"], "ngram", timeout_s=240)
+    assert results[0] == results[1]
+    ((eager, eager_lp), (graphed, graphed_lp), (ahead, ahead_lp)), ahead_keys, _, num_ahead, num_replayed, stop, \
+        kept = results[0]
+    assert ahead == eager and graphed == eager
+    assert ahead_lp == graphed_lp
+    assert_logprobs_close(list(ahead_lp.values()), list(eager_lp.values()), abs_tol=1e-5)
+    assert eager[1][-1] == stop[0] and len(eager[1]) < 27 and 0 < len(eager[0]) < 30  # stopped, aborted
+    assert kept > 0 and num_ahead >= num_replayed // 2
+    assert any(k.penalties and k.top_logprobs is not None for k in ahead_keys)

@@ -35,7 +35,9 @@ Public interface (what the runtime codes against)::
 * ``make_tiny_checkpoint(path, *, seed=0, ..., draft=False)`` writes a small random
   Llama in HF format (``draft=True``: its matching draft, the target's first layer);
   CLI: ``tpspec make-tiny-model DIR [--draft DRAFT_DIR]``.
-* ``NgramDrafter(num_draft_tokens=K, max_ngram=3, min_ngram=1).propose(history) -> list[int]`` (<= K).
+* ``NgramDrafter(num_draft_tokens=K, max_ngram=3, min_ngram=1).propose(history) -> list[int]`` (<= K);
+  ``.draft(history)``: exactly K, padded; ``.draft_on_device(history [B, W], lengths [B]) -> [B, K]``: the
+  same for a batch of histories on their device, without a host sync.
 * ``DraftModel(path, mapping, device=, dtype=, exchange=, target_config=None)``: the draft,
   TP-sharded, same API as the target; greedy drafts with ``draft(batch).argmax(channel=Channel.DRAFT)``.
 """

@@ -1,7 +1,9 @@
 """Drafters: where speculative decoding's guesses come from.
 
-* :class:`NgramDrafter` — prompt lookup on the host: find the latest earlier occurrence
-  of the history's last n tokens and propose what followed it. No model, no device.
+* :class:`NgramDrafter` — prompt lookup: find the latest earlier occurrence of the history's
+  last n tokens and propose what followed it. No model: on the host for one history, or on the
+  device for a batch of them (the same drafts), which lets a verification step's successor start
+  before its tokens reach the host.
 * :class:`DraftModel` — a smaller checkpoint of the same family and vocabulary, TP-sharded
   like the target. Its vocab-sharded head yields greedy drafts through the key exchange's
   draft channel: ``draft(batch).argmax(channel=Channel.DRAFT)``.
@@ -70,6 +72,41 @@ class NgramDrafter:
                 end = latest[size]
                 return [int(t) for t in hist[end + 1:end + 1 + self.num_draft_tokens]]
         return []
+
+    def draft(self, token_history: list[int]) -> list[int]:
+        """Exactly ``num_draft_tokens`` drafts: :meth:`propose`, padded with its last token (with
+        the history's last token when it proposes none). Any token verifies correctly; a padded
+        one is just less likely kept."""
+        d = self.propose(token_history)
+        return d + [d[-1] if d else int(token_history[-1])] * (self.num_draft_tokens - len(d))
+
+    def draft_on_device(self, history: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """:meth:`draft` of a batch, on ``history``'s device, without a host sync: row ``b``'s
+        drafts continue the history ``history[b, :lengths[b]]``.
+
+        ``history``: ``[B, W]`` int64 (columns from ``lengths[b]`` on are ignored); ``lengths``:
+        ``[B]`` int64, ``1 <= lengths[b] <= W``. Returns ``[B, num_draft_tokens]`` int64: for every
+        row, the tokens :meth:`draft` gives ``history[b, :lengths[b]].tolist()``.
+        """
+        rows, width = history.shape
+        dev = history.device
+        col = torch.arange(width, device=dev).reshape(1, -1)
+        last = (lengths - 1).reshape(-1, 1)
+        top = torch.clamp(last, max=self.max_ngram)  # min(max_ngram, length - 1)
+        # An earlier position e ends a match of n tokens when hist[e - j] == hist[last - j] for
+        # j < n; n grows while n < top and e - n >= 0 (propose's rule). Every e at once:
+        run = (history == history.gather(1, last)) & (col < last)
+        size = run.to(torch.int64)
+        for j in range(1, self.max_ngram):
+            earlier = torch.nn.functional.pad(history[:, :width - j], (j, 0))  # hist[e - j]
+            run = run & (col >= j) & (j < top) & (earlier == history.gather(1, (last - j).clamp(min=0)))
+            size += run.to(torch.int64)
+        # The longest match wins, the latest among equals; one below min_ngram does not count.
+        score = torch.where(size >= self.min_ngram, size * width + col, -1)
+        best, end = score.max(dim=1, keepdim=True)
+        start = torch.where(best >= 0, end + 1, last)  # no match: the last token, repeated
+        steps = torch.arange(self.num_draft_tokens, device=dev).reshape(1, -1)
+        return history.gather(1, torch.minimum(start + steps, last))
 
 
 class DraftModel(TPLlamaForCausalLM):

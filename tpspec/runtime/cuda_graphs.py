@@ -53,6 +53,14 @@ ahead only while the batch runs on unchanged (nothing waits or prefills, no requ
 budget, the pages are free); a request that stops on a stop token has a row in the step launched
 after, whose tokens are dropped (neither committed nor counted).
 
+A graphed verification step of n-gram drafts, every request greedy, goes ahead the same way when
+:data:`STEP_AHEAD_WITH_DRAFTS` is on. How many tokens each request emits is known on the device only, so
+the next step's inputs are filled as the step's own (with the pages of the most tokens it can emit) and
+moved on there (:meth:`GraphInputs.advance`): each cached length grows by the request's count, the last
+token is the last one emitted, and the drafts come from :meth:`NgramDrafter.draft_on_device` over the
+requests' tokens, which live in ``GenerationGraphs.history`` (a row a slot: the host's tokens uploaded
+once, then each step's emitted tokens written there on the device).
+
 The drafting of a graphed step (a draft model or an EAGLE-3 head) runs its catch-up forward
 eagerly — it reads what each request's draft cache lacks, a ragged count (the whole prompt
 the first time, then 1 or 2 tokens for a draft model, 1 to K + 1 hidden-state rows for an
@@ -107,6 +115,11 @@ STEP_AHEAD = True
 tokens reach the host (:meth:`GenerationGraphs.launch_next`), so that the host's bookkeeping overlaps
 the GPU. Steps whose every row is always decided go ahead, penalties and logprobs included; steps with
 a top-p row without top-k, or with EAGLE-3 hidden states, do not (:meth:`GenerationGraphs.can_launch_next`)."""
+STEP_AHEAD_WITH_DRAFTS = False
+"""Whether a graphed verification step of n-gram drafts, every request greedy, launches the next one
+ahead too (:data:`STEP_AHEAD` on as well): the next step's cached lengths, last tokens and drafts then
+come from the device (:meth:`GraphInputs.advance`, :meth:`NgramDrafter.draft_on_device`). Tested on CPU
+(tests/test_runtime_graphs.py); off until a GPU run of tests/test_runtime_gpu.py checks it."""
 
 
 def page_bucket(pages: int) -> int:
@@ -277,6 +290,7 @@ class Launched:
     host_logprobs: tuple[torch.Tensor, ...] | None = None  # the logprobs outputs, copied to the host
     copied: Any = None  # the CUDA event after that copy (None on CPU)
     counted: bool = False  # its penalised requests' tokens were counted on the device (launch_next)
+    drafted: bool = False  # its emitted tokens were written into the device history (launch_next, drafts)
 
     def copy_to_host(self) -> None:
         """Copy the accepted tokens, their counts and the logprobs outputs (when the key has them)
@@ -338,6 +352,8 @@ class GenerationGraphs:
         self.num_repeated = 0  # steps run again eagerly because a filtered row was undecided
         self.num_replayed = 0  # target steps whose tokens came from a graph replay
         self.num_ahead = 0  # of those, steps launched before the previous one's tokens were read
+        self.history: torch.Tensor | None = None  # the requests' tokens on the device (n-gram drafts ahead)
+        self.history_len: dict[int, tuple[int, int]] = {}  # slot -> (sequence index, its tokens in history)
         self.pool = torch.cuda.graph_pool_handle() if capture else None
 
     @classmethod
@@ -403,39 +419,49 @@ class GenerationGraphs:
 
     def can_launch_next(self, launched: Launched) -> bool:
         """Whether the step after ``launched`` may start before ``launched``'s tokens reach the
-        host (:data:`STEP_AHEAD`): ``launched`` replayed a graph of a pure decode step (no drafts,
-        no attention planned on the host, no attention DP) whose every row is decided on the
-        device — greedy, temperature-only or filtered rows, but no top-p row without top-k
-        (``FilterPlan.any_top_p_total``: such a row may be undecided, and the host must read
-        ``decided`` before the step's tokens are used) — and that outputs no EAGLE-3 hidden states.
-        Penalties and logprobs may go ahead (:meth:`launch_next` counts the tokens on the device
-        and copies the logprobs out). A function of the key and the configuration: the same answer
-        on every rank. The engine decides whether its batch runs on unchanged."""
+        host (:data:`STEP_AHEAD`): ``launched`` replayed a graph (no attention planned on the host,
+        no attention DP) whose every row is decided on the device and that outputs no EAGLE-3
+        hidden states. Without drafts: greedy, temperature-only or filtered rows, but no top-p row
+        without top-k (``FilterPlan.any_top_p_total``: such a row may be undecided, and the host
+        must read ``decided`` before the step's tokens are used); penalties and logprobs may go
+        ahead (:meth:`launch_next` counts the tokens on the device and copies the logprobs out).
+        With drafts (:data:`STEP_AHEAD_WITH_DRAFTS`): n-gram drafts (drafted on the device from the
+        tokens in flight) of all-greedy batches, penalties and logprobs included: how many tokens a
+        request emits is known on the device only, and a greedy row's selection does not depend on
+        its output position. A function of the key and the configuration: the same answer on every
+        rank. The engine decides whether its batch runs on unchanged."""
         eng = self.engine
         key = launched.step.key
-        if not STEP_AHEAD or launched.graph is None or eng.num_draft or eng.dp_size > 1:
+        if not STEP_AHEAD or launched.graph is None or eng.dp_size > 1:
             return False
         if key.hidden_states or (key.filters is not None and key.filters.any_top_p_total):
             return False  # the head reads the hidden states, or an undecided row repeats the step
+        if eng.num_draft and not (STEP_AHEAD_WITH_DRAFTS and eng.ngram is not None and key.sampling == "greedy"
+                                  and not key.draft_logits):
+            return False
         return not eng.model.attention.plans_on_host
 
     def launch_next(self, launched: Launched) -> Launched | None:
         """Start the next step of ``launched``'s batch (:meth:`can_launch_next` said it may; the
-        engine checked that the batch runs on and gave its pages one more token) when its key is
-        captured. Its input tokens are ``launched``'s outputs, copied on the device; ``launched``'s
-        outputs (logprobs included) are copied to the host first (a replay of the same graph
-        overwrites them), and the tokens of its requests with penalties are counted into the
-        engine's occurrence counts on the device before the replay, which reads them (``launched``
-        is then marked ``counted``: the engine does not count them again when it commits them).
-        Returns the new step, or None (nothing started, nothing counted). The same answer on every
-        rank."""
+        engine checked that the batch runs on and gave its pages room for the most tokens
+        ``launched`` can emit and the next step's) when its key is captured. Its input tokens are
+        ``launched``'s outputs, copied on the device; ``launched``'s outputs (logprobs included)
+        are copied to the host first (a replay of the same graph overwrites them), and the tokens
+        of its requests with penalties are counted into the engine's occurrence counts on the
+        device before the replay, which reads them (``launched`` is then marked ``counted``: the
+        engine does not count them again when it commits them). With drafts, each request's
+        cached length and last token follow from the number of tokens it emitted, and its drafts
+        come from the n-gram drafter on the device, over the request's tokens there
+        (:meth:`_drafts_on_device`). Returns the new step, or None (nothing started, nothing
+        counted). The same answer on every rank."""
         eng = self.engine
         gen = launched.gen
-        step = self.plan(gen, ahead=1)
+        k = eng.num_draft
+        step = self.plan(gen, ahead=k + 1)
         if step is None or step.key not in self.graphs or step.num_padding != launched.step.num_padding:
             return None
         graph = self.graphs[step.key]
-        eng.meta.prepare(requests=step.requests, draft_len=0)
+        eng.meta.prepare(requests=step.requests, draft_len=k)
         _check_key(step.key, eng.meta, False)
         launched.copy_to_host()
         # Only requests with penalties: their slots' counts were reset when they started; other
@@ -443,13 +469,63 @@ class GenerationGraphs:
         penalised = [s.slot if s.req.sampling.has_penalties else -1 for s in gen]
         if any(slot >= 0 for slot in penalised):
             self._count_on_device(launched, [-1] * launched.step.num_padding + penalised)
-        self._load(graph, gen, [[] for _ in gen], step.num_padding, ahead=1)
         # The in-flight tokens, clamped: a failed exchange marks its rows -1 (raised at collect).
         vocab = eng.model.lm_head.vocab_size
-        graph.inputs.tensors["tokens"].copy_(launched.out.accepted[:, 0].clamp(0, vocab - 1))
+        accepted = launched.out.accepted.clamp(0, vocab - 1)
+        if k:
+            # Filled as ``launched``'s own inputs (the host knows no more), with the pages of the
+            # most tokens it can emit; then moved on by what it emitted, on the device.
+            self._load(graph, gen, [[0] * k for _ in gen], step.num_padding, reserve=k + 1)
+            draft = self._drafts_on_device(launched, graph.inputs, accepted)
+            graph.inputs.advance(accepted, launched.out.num, step.num_padding, draft)
+        else:
+            self._load(graph, gen, [[] for _ in gen], step.num_padding, ahead=1)
+            graph.inputs.tensors["tokens"].copy_(accepted[:, 0])
         graph.graph.replay()
         self.num_ahead += 1
-        return Launched(step, gen, [[] for _ in gen], graph, graph.out)
+        return Launched(step, gen, [[0] * k for _ in gen], graph, graph.out)
+
+    def _drafts_on_device(self, launched: Launched, inputs: GraphInputs,
+                          accepted: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The n-gram drafter over each request's tokens on the device, for :meth:`GraphInputs.advance`.
+
+        The engine's token history lives in ``history`` ``[max_num_seqs + 1, max_seq_len]``
+        (int32; a row per slot, the last one for padding). Here it takes the committed tokens it
+        lacks (the host's, uploaded: a request's whole history the first time) and ``launched``'s
+        emitted tokens at their positions, on the device (marked on ``launched``: :meth:`collect`
+        then counts them as there). ``inputs`` holds ``launched``'s cached lengths (just filled).
+        """
+        eng = self.engine
+        dev = eng.device
+        gen, pad = launched.gen, launched.step.num_padding
+        longest = eng.config.max_seq_len
+        if self.history is None:
+            self.history = torch.zeros(eng.config.max_batch_size + 1, longest, dtype=torch.int32, device=dev)
+        rows, cols, values = [], [], []
+        for s in gen:
+            index, count = self.history_len.get(s.slot, (None, 0))
+            have = count if index == s.index else 0
+            rows += [s.slot] * (len(s.tokens) - have)
+            cols += range(have, len(s.tokens))
+            values += s.tokens[have:]
+            self.history_len[s.slot] = (s.index, len(s.tokens))
+        pin = dev.type == "cuda"
+        if rows:
+            upload = torch.tensor([rows, cols, values], dtype=torch.int64, pin_memory=pin).to(dev, non_blocking=True)
+            self.history[upload[0], upload[1]] = upload[2].to(torch.int32)
+        slots = [eng.config.max_batch_size] * pad + [s.slot for s in gen]
+        slot_rows = torch.tensor(slots, dtype=torch.int64, pin_memory=pin).to(dev, non_blocking=True)
+        k1 = eng.num_draft + 1
+        real = (torch.arange(len(slots), device=dev) >= pad).reshape(-1, 1)
+        emitted = torch.arange(k1, device=dev).reshape(1, -1) < launched.out.num.reshape(-1, 1)
+        at = (inputs.tensors["cache_lens"].reshape(-1, 1) + 1 + torch.arange(k1, device=dev)).clamp(max=longest - 1)
+        row_index = slot_rows.reshape(-1, 1).expand(-1, k1)
+        kept = self.history[row_index, at]
+        self.history[row_index, at] = torch.where(real & emitted, accepted.to(torch.int32), kept)
+        launched.drafted = True
+        width = min(inputs.kv_pages * inputs.page_size, longest)
+        drafter = eng.ngram
+        return lambda lengths: drafter.draft_on_device(self.history[slot_rows, :width].to(torch.int64), lengths)
 
     def collect(self, launched: Launched) -> StepResult:
         """Wait for ``launched`` and give its tokens: per request still running, the tokens it
@@ -482,6 +558,11 @@ class GenerationGraphs:
             eng.exchange.check(sync=False)
         result = self._result(gen, launched.step.num_padding, out, accepted, num, logprobs)
         result.counted = launched.counted
+        if launched.drafted:  # its emitted tokens are in the device history
+            for seq in gen:
+                index, count = self.history_len.get(seq.slot, (None, 0))
+                if index == seq.index:
+                    self.history_len[seq.slot] = (index, count + len(result.emitted.get(seq.index, ())))
         return result
 
     def draft_chain(self, step: GraphStep, first: torch.Tensor, ends: list[int], tables: list[list[int]],
@@ -780,10 +861,12 @@ class GenerationGraphs:
             self.failed.add(key)
         return captured
 
-    def _load(self, g: _Graph, gen: list[Any], drafts: list[list[int]], num_padding: int, ahead: int = 0) -> None:
+    def _load(self, g: _Graph, gen: list[Any], drafts: list[list[int]], num_padding: int, ahead: int = 0,
+              reserve: int = 0) -> None:
         """The step's inputs into the graph's static tensors: one packed copy, and for a backend
-        that plans on the host (FlashInfer) its page lists and plan."""
-        g.inputs.fill(*self._input_rows(gen, drafts, num_padding, ahead))
+        that plans on the host (FlashInfer) its page lists and plan. ``reserve``: as
+        :meth:`GraphInputs.fill`'s."""
+        g.inputs.fill(*self._input_rows(gen, drafts, num_padding, ahead), reserve=reserve)
         g.inputs.upload()
         if self.engine.model.attention.plans_on_host:
             batch, _ = self._host_batch(gen, drafts, num_padding)

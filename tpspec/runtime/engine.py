@@ -771,16 +771,18 @@ class Engine:
 
     def _runs_on(self, gen: list[_Seq]) -> bool:
         """Whether the next step's batch is ``gen`` again whatever its tokens in flight (nothing
-        waits or prefills, no request reaches its token budget or ``max_seq_len`` with them), with
-        its pages for one more token a request taken now; False when they are not free (the
-        scheduler then preempts, a step later). The same answer on every rank."""
+        waits or prefills, no request reaches its token budget or ``max_seq_len`` with them: up to
+        K + 1 a request), with its pages for those tokens and the next step's K + 1 taken now;
+        False when they are not free (the scheduler then preempts, a step later). The same answer
+        on every rank."""
         if self._waiting or len(self._running) != len(gen):
             return False
+        k = self.num_draft
         longest = self.config.max_seq_len
-        if any(s.finished or s.in_context or s.num_generated + 1 >= s.req.max_new_tokens
-               or len(s.tokens) + 1 >= longest for s in gen):
+        if any(s.finished or s.in_context or s.num_generated + k + 1 >= s.req.max_new_tokens
+               or len(s.tokens) + 2 * k + 1 >= longest for s in gen):
             return False
-        return all(self.pages.grow(s.index, len(s.tokens) + 1) for s in gen)
+        return all(self.pages.grow(s.index, len(s.tokens) + 2 * k + 1) for s in gen)
 
     def _keep_hidden_states(self, in_batch: list[tuple[_Seq | None, bool]], query_lens: list[int],
                             emitted: dict[int, list[int]], captured: torch.Tensor) -> None:
@@ -802,12 +804,7 @@ class Engine:
         if k == 0:
             return [[] for _ in plan.gen]
         if self.ngram is not None:
-            out = []
-            for seq in plan.gen:
-                d = [int(t) for t in self.ngram.propose(seq.tokens)][:k]
-                # Pad a short proposal: any token verifies correctly, it is just less likely kept.
-                out.append(d + [d[-1] if d else seq.tokens[-1]] * (k - len(d)))
-            return out
+            return [self.ngram.draft(seq.tokens) for seq in plan.gen]
         if not plan.gen and not always_run_model:
             return []
         if self.eagle3 is not None:

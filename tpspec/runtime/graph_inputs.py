@@ -17,7 +17,7 @@ with the key's page-table width (``tests/test_runtime_graphs.py`` checks it).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -57,11 +57,13 @@ class GraphInputs:
         self.tensors["drafts"] = self.tensors["drafts"].view(batch, num_draft) if num_draft else None
 
     def fill(self, last_tokens: Sequence[int], drafts: Sequence[Sequence[int]], cache_lens: Sequence[int],
-             tables: Sequence[Sequence[int]]) -> None:
+             tables: Sequence[Sequence[int]], *, reserve: int = 0) -> None:
         """Write one step into the host buffer: per request (``batch`` of them, in batch order)
         its last committed token, its ``num_draft`` drafts, its cached length (the position of
-        its last token) and its pages (at least those its ``cache_len + num_draft + 1`` tokens
-        need). ``ValueError`` when a request does not fit the key's page-table width."""
+        its last token) and its pages (at least those its ``cache_len + num_draft + 1 + reserve``
+        tokens need: ``reserve`` more tokens a request for :meth:`advance`, whose page-table rows
+        then hold those pages too). ``ValueError`` when a request does not fit the key's
+        page-table width."""
         b, k1, ps = self.batch, self.num_draft + 1, self.page_size
         if self._uploaded is not None:
             self._uploaded.synchronize()  # the last upload has read the host buffer
@@ -69,7 +71,7 @@ class GraphInputs:
             raise ValueError(f"GraphInputs.fill: expected {b} requests, got {len(last_tokens)} tokens, "
                              f"{len(drafts)} draft lists, {len(cache_lens)} lengths, {len(tables)} tables")
         clens = np.asarray(cache_lens, dtype=np.int64)
-        used = [pages_needed(c + k1, ps) for c in cache_lens]
+        used = [pages_needed(c + k1 + reserve, ps) for c in cache_lens]
         if max(used) > self.kv_pages:
             raise ValueError(f"GraphInputs.fill: a request needs {max(used)} pages, the key holds {self.kv_pages}")
         if any(len(t) < n for t, n in zip(tables, used)):
@@ -92,6 +94,38 @@ class GraphInputs:
         self.device_buffer.copy_(self.host, non_blocking=True)
         if self._uploaded is not None:
             self._uploaded.record()
+
+    def advance(self, accepted: torch.Tensor, num: torch.Tensor, num_padding: int,
+                draft: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+        """Turn the uploaded inputs of a step into those of the step after it, on the device,
+        without a host sync: each request after the ``num_padding`` padding ones emitted its first
+        ``num[b]`` tokens of ``accepted[b]`` (``[batch, num_draft + 1]`` int64 and ``[batch]``
+        int64, the step's outputs on the device; clamped here to a token id and to
+        ``1 .. num_draft + 1``), so its cached length grows by ``num[b]``, its last token is the
+        last one it emitted, and its drafts are ``draft(lengths)`` (``[batch]`` the new token
+        counts, ``cache_len + 1``; returns ``[batch, num_draft]`` int64; None without drafts).
+        Padding requests keep their inputs. The page-table rows must already hold the pages of the
+        new positions (:meth:`fill`'s ``reserve``, ``num_draft + 1``)."""
+        t = self.tensors
+        b, k1, ps = self.batch, self.num_draft + 1, self.page_size
+        dev = t["cache_lens"].device
+        real = torch.arange(b, device=dev) >= num_padding
+        num = num.clamp(1, k1)
+        grow = torch.where(real, num, 0)
+        cache_lens = t["cache_lens"] + grow
+        t["cache_lens"].copy_(cache_lens)
+        pos = cache_lens.reshape(b, 1) + torch.arange(k1, device=dev).reshape(1, k1)
+        t["positions"].copy_(pos.reshape(-1))
+        t["tok_visible"].copy_((pos + 1).reshape(-1))
+        page = t["page_table"].gather(1, pos // ps)
+        t["write_index"].copy_((page * ps + pos % ps).reshape(-1))
+        tokens = t["tokens"].view(b, k1)
+        emitted = accepted.gather(1, (num - 1).reshape(b, 1)).reshape(b).clamp(min=0)
+        tokens[:, 0].copy_(torch.where(real, emitted, tokens[:, 0]))
+        if self.num_draft:
+            drafts = torch.where(real.reshape(b, 1), draft(cache_lens + 1), t["drafts"])
+            t["drafts"].copy_(drafts)
+            tokens[:, 1:].copy_(drafts)
 
     def refresh_mask(self, meta: Any) -> None:
         """Recompute ``meta.mask`` in place from the cached lengths (inside a captured step, so
