@@ -31,8 +31,10 @@ def test_cuda_graphs_match_eager(models, name, monkeypatch):
     """Every step shape replayed from CUDA graphs (and the drafters' chained draft steps) gives the
     eager steps' tokens (logprobs within 1e-4: padding a batch to its bucket may move the logits'
     last bits); steps launched ahead of their predecessor's tokens too: decode steps, and greedy
-    verification of n-gram drafts (``STEP_AHEAD_WITH_DRAFTS``, set on here whatever the default)."""
+    verification of n-gram drafts (``STEP_AHEAD_WITH_DRAFTS``, its inputs moved on by the Triton kernel:
+    ``ADVANCE_KERNEL``; both set on here whatever the defaults)."""
     monkeypatch.setattr(cuda_graphs, "STEP_AHEAD_WITH_DRAFTS", True)
+    monkeypatch.setattr(cuda_graphs, "ADVANCE_KERNEL", True)
     results = {}
     for use_graphs in (False, True):
         # In-process (a single plain process is rank 0 of a TP group of 1): the engine is inspectable.
@@ -82,3 +84,13 @@ def test_qwen_defaults_and_logprobs_at_batch_64_stay_in_the_graph(models):
     assert not failed, f"captures failed: {failed}"
     assert any(k.batch == 64 and k.sampling == "filtered" for k in keys) and repeated == 0
     assert results[True] == results[False]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_advance_kernel_equals_the_torch_ops():
+    """The Triton kernel of a verification step launched ahead, compiled for the GPU: the torch ops'
+    history, inputs and drafts (``tests/advance_cases.py``)."""
+    import advance_cases
+
+    advance_cases.check("cuda")

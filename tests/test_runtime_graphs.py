@@ -17,6 +17,7 @@ import torch
 
 from graph_cases import (PROMPTS, QWEN, SPECS, assert_logprobs_close, every_step_shape, first_outputs, make_models,
                          refusing_host_syncs, spec_config)
+from interpreted import compile_for_hopper, needs_triton, run_interpreted
 from tpspec import LLM, SamplingParams, SpeculativeConfig
 from tpspec.model.batch import AttentionMetadata
 from tpspec.runtime import cuda_graphs
@@ -504,19 +505,14 @@ def _ahead_worker(rank, world, target, case):
             return started
 
         graphs.launch_next = recording
-        drafts_on_device = graphs._drafts_on_device  # noqa: SLF001
+        advance = graphs._advance_with_drafts  # noqa: SLF001
 
-        def refusing_syncs(*args, drafts_on_device=drafts_on_device):
+        def refusing_syncs(*args, advance=advance):
             """The device work of a verification step launched ahead may not wait for the step before."""
             with refusing_host_syncs():
-                draft = drafts_on_device(*args)
+                advance(*args)
 
-            def checked(lengths):
-                with refusing_host_syncs():
-                    return draft(lengths)
-            return checked
-
-        graphs._drafts_on_device = refusing_syncs  # noqa: SLF001
+        graphs._advance_with_drafts = refusing_syncs  # noqa: SLF001
         runs.append(scenario(200 + 100 * ahead, stop))
     engine.graphs = None
     engine.close()
@@ -590,3 +586,21 @@ def test_verification_steps_launched_ahead_give_the_eager_outputs(models):
     assert eager[1][-1] == stop[0] and len(eager[1]) < 27 and 0 < len(eager[0]) < 30  # stopped, aborted
     assert kept > 0 and num_ahead >= num_replayed // 2
     assert any(k.penalties and k.top_logprobs is not None for k in ahead_keys)
+
+
+@needs_triton
+def test_advance_kernel_equals_the_torch_ops():
+    """The Triton kernel of a verification step launched ahead (``cuda_graphs.ADVANCE_KERNEL``), under
+    Triton's interpreter: the torch ops' history, inputs and drafts, over n-gram ranges 1..4, 1 to 4
+    drafts, padding requests, clamped counts and failed rows (``tests/advance_cases.py``); and it
+    compiles for Hopper."""
+    from tpspec.runtime import advance_triton
+
+    run_interpreted("advance_cases.py", [], ("int32",))
+    kernel = advance_triton._advance_kernel  # noqa: SLF001
+    signature = {name: "*i64" for name in kernel.arg_names[:9]}
+    signature.update(history_ptr="*i32", slots_ptr="*i64", num_padding="i32", vocab="i32", page_size="i32",
+                     kv_pages="i32", history_width="i32")
+    asm = compile_for_hopper(kernel, signature, dict(K1=4, K1_P2=4, MAX_N=3, MIN_N=1, BLOCK=1024),
+                             aligned_pointers=True, enable_fp_fusion=False)
+    assert "bar.sync" in asm["ptx"]  # the history's new tokens are visible to the whole program

@@ -92,14 +92,13 @@ class NgramDrafter:
         dev = history.device
         col = torch.arange(width, device=dev).reshape(1, -1)
         last = (lengths - 1).reshape(-1, 1)
-        top = torch.clamp(last, max=self.max_ngram)  # min(max_ngram, length - 1)
-        # An earlier position e ends a match of n tokens when hist[e - j] == hist[last - j] for
-        # j < n; n grows while n < top and e - n >= 0 (propose's rule). Every e at once:
+        # An earlier position e < last ends a match of n tokens when hist[e - j] == hist[last - j]
+        # for j < n, n <= max_ngram (and so n <= e + 1 <= last: propose's rule). Every e at once:
         run = (history == history.gather(1, last)) & (col < last)
         size = run.to(torch.int64)
         for j in range(1, self.max_ngram):
             earlier = torch.nn.functional.pad(history[:, :width - j], (j, 0))  # hist[e - j]
-            run = run & (col >= j) & (j < top) & (earlier == history.gather(1, (last - j).clamp(min=0)))
+            run = run & (col >= j) & (earlier == history.gather(1, (last - j).clamp(min=0)))
             size += run.to(torch.int64)
         # The longest match wins, the latest among equals; one below min_ngram does not count.
         score = torch.where(size >= self.min_ngram, size * width + col, -1)

@@ -115,6 +115,10 @@ STEP_AHEAD = True
 tokens reach the host (:meth:`GenerationGraphs.launch_next`), so that the host's bookkeeping overlaps
 the GPU. Steps whose every row is always decided go ahead, penalties and logprobs included; steps with
 a top-p row without top-k, or with EAGLE-3 hidden states, do not (:meth:`GenerationGraphs.can_launch_next`)."""
+ADVANCE_KERNEL = False
+"""Whether a verification step launched ahead moves its inputs on by one Triton kernel
+(:mod:`tpspec.runtime.advance_triton`) on CUDA instead of torch ops (the same values; tested under
+Triton's interpreter against them, off until a GPU run checks it)."""
 STEP_AHEAD_WITH_DRAFTS = False
 """Whether a graphed verification step of n-gram drafts, every request greedy, launches the next one
 ahead too (:data:`STEP_AHEAD` on as well): the next step's cached lengths, last tokens and drafts then
@@ -452,7 +456,7 @@ class GenerationGraphs:
         engine does not count them again when it commits them). With drafts, each request's
         cached length and last token follow from the number of tokens it emitted, and its drafts
         come from the n-gram drafter on the device, over the request's tokens there
-        (:meth:`_drafts_on_device`). Returns the new step, or None (nothing started, nothing
+        (:meth:`_advance_with_drafts`). Returns the new step, or None (nothing started, nothing
         counted). The same answer on every rank."""
         eng = self.engine
         gen = launched.gen
@@ -476,8 +480,7 @@ class GenerationGraphs:
             # Filled as ``launched``'s own inputs (the host knows no more), with the pages of the
             # most tokens it can emit; then moved on by what it emitted, on the device.
             self._load(graph, gen, [[0] * k for _ in gen], step.num_padding, reserve=k + 1)
-            draft = self._drafts_on_device(launched, graph.inputs, accepted)
-            graph.inputs.advance(accepted, launched.out.num, step.num_padding, draft)
+            self._advance_with_drafts(launched, graph.inputs, accepted)
         else:
             self._load(graph, gen, [[] for _ in gen], step.num_padding, ahead=1)
             graph.inputs.tensors["tokens"].copy_(accepted[:, 0])
@@ -485,16 +488,17 @@ class GenerationGraphs:
         self.num_ahead += 1
         return Launched(step, gen, [[0] * k for _ in gen], graph, graph.out)
 
-    def _drafts_on_device(self, launched: Launched, inputs: GraphInputs,
-                          accepted: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-        """The n-gram drafter over each request's tokens on the device, for :meth:`GraphInputs.advance`.
+    def _advance_with_drafts(self, launched: Launched, inputs: GraphInputs, accepted: torch.Tensor) -> None:
+        """:meth:`GraphInputs.advance` of ``inputs`` (filled as ``launched``'s own inputs) by
+        ``launched``'s emitted tokens, with the n-gram drafter's drafts over each request's tokens on
+        the device.
 
-        The engine's token history lives in ``history`` ``[max_num_seqs + 1, max_seq_len]``
-        (int32; a row per slot, the last one for padding). Here it takes the committed tokens it
-        lacks (the host's, uploaded: a request's whole history the first time) and ``launched``'s
-        emitted tokens at their positions, on the device (marked on ``launched``: :meth:`collect`
-        then counts them as there). ``inputs`` holds ``launched``'s cached lengths (just filled).
-        """
+        The requests' tokens live in ``history`` ``[max_num_seqs + 1, max_seq_len]`` (int32; a row
+        per slot, the last one for padding). Here it takes the committed tokens it lacks (the host's,
+        uploaded: a request's whole history the first time) and then ``launched``'s emitted tokens at
+        their positions, on the device (``launched`` is marked ``drafted``: :meth:`collect` then
+        counts them as there). On CUDA with :data:`ADVANCE_KERNEL` one Triton kernel does it all
+        (:mod:`advance_triton`), else torch ops: the same values."""
         eng = self.engine
         dev = eng.device
         gen, pad = launched.gen, launched.step.num_padding
@@ -515,17 +519,14 @@ class GenerationGraphs:
             self.history[upload[0], upload[1]] = upload[2].to(torch.int32)
         slots = [eng.config.max_batch_size] * pad + [s.slot for s in gen]
         slot_rows = torch.tensor(slots, dtype=torch.int64, pin_memory=pin).to(dev, non_blocking=True)
-        k1 = eng.num_draft + 1
-        real = (torch.arange(len(slots), device=dev) >= pad).reshape(-1, 1)
-        emitted = torch.arange(k1, device=dev).reshape(1, -1) < launched.out.num.reshape(-1, 1)
-        at = (inputs.tensors["cache_lens"].reshape(-1, 1) + 1 + torch.arange(k1, device=dev)).clamp(max=longest - 1)
-        row_index = slot_rows.reshape(-1, 1).expand(-1, k1)
-        kept = self.history[row_index, at]
-        self.history[row_index, at] = torch.where(real & emitted, accepted.to(torch.int32), kept)
         launched.drafted = True
-        width = min(inputs.kv_pages * inputs.page_size, longest)
-        drafter = eng.ngram
-        return lambda lengths: drafter.draft_on_device(self.history[slot_rows, :width].to(torch.int64), lengths)
+        if ADVANCE_KERNEL and dev.type == "cuda":
+            from . import advance_triton
+
+            advance_triton.advance(inputs, accepted.contiguous(), launched.out.num, pad, self.history, slot_rows,
+                                   eng.ngram, eng.model.lm_head.vocab_size)
+            return
+        inputs.advance_with_ngram(accepted, launched.out.num, pad, self.history, slot_rows, eng.ngram)
 
     def collect(self, launched: Launched) -> StepResult:
         """Wait for ``launched`` and give its tokens: per request still running, the tokens it

@@ -127,6 +127,27 @@ class GraphInputs:
             t["drafts"].copy_(drafts)
             tokens[:, 1:].copy_(drafts)
 
+    def advance_with_ngram(self, accepted: torch.Tensor, num: torch.Tensor, num_padding: int,
+                           history: torch.Tensor, slot_rows: torch.Tensor, drafter: Any) -> None:
+        """:meth:`advance` with ``drafter``'s (an ``NgramDrafter``) drafts over each request's tokens
+        on the device, after writing the tokens each real request emitted into ``history``
+        (``[rows, width]`` int32, the positions after its last token; request ``b`` owns row
+        ``slot_rows[b]``, ``[batch]`` int64; positions past ``width`` are not written). Torch ops
+        without a host sync: the CPU path, and the reference of ``advance_triton.advance``."""
+        b, k1 = self.batch, self.num_draft + 1
+        dev = history.device
+        real = (torch.arange(b, device=dev) >= num_padding).reshape(b, 1)
+        emitted = torch.arange(k1, device=dev).reshape(1, k1) < num.clamp(1, k1).reshape(b, 1)
+        at = self.tensors["cache_lens"].reshape(b, 1) + 1 + torch.arange(k1, device=dev).reshape(1, k1)
+        inside = at < history.shape[1]
+        at = at.clamp(max=history.shape[1] - 1)
+        row_index = slot_rows.reshape(b, 1).expand(b, k1)
+        kept = history[row_index, at]
+        history[row_index, at] = torch.where(real & emitted & inside, accepted.to(torch.int32), kept)
+        width = min(self.kv_pages * self.page_size, history.shape[1])
+        self.advance(accepted, num, num_padding,
+                     lambda lengths: drafter.draft_on_device(history[slot_rows, :width].to(torch.int64), lengths))
+
     def refresh_mask(self, meta: Any) -> None:
         """Recompute ``meta.mask`` in place from the cached lengths (inside a captured step, so
         each replay masks with its own lengths)."""
