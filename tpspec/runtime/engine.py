@@ -399,8 +399,9 @@ class Engine:
         """One engine step over every unfinished sequence. Collective: every rank calls it after
         the same :meth:`add_requests` / :meth:`abort` calls. Returns what each sequence gained
         (identical on every rank, attention DP included); a finished sequence appears once with
-        its ``finish_reason`` and stats and is then forgotten. A graphed pure decode step may have
-        launched the next step of its batch before returning (``cuda_graphs.STEP_AHEAD``): the
+        its ``finish_reason`` and stats and is then forgotten. A graphed decode step (or greedy
+        verification of n-gram drafts, ``cuda_graphs.STEP_AHEAD_WITH_DRAFTS``) may have launched the
+        next step of its batch before returning (``cuda_graphs.STEP_AHEAD``): the
         next call then only collects it, and requests added before that call start one call later."""
         before = {rid: (len(s.tokens), len(s.logprobs or ())) for rid, s in self._seqs.items()}
         for s in self._seqs.values():  # a zero-budget request needs no step
