@@ -53,8 +53,8 @@ ahead only while the batch runs on unchanged (nothing waits or prefills, no requ
 budget, the pages are free); a request that stops on a stop token has a row in the step launched
 after, whose tokens are dropped (neither committed nor counted).
 
-A graphed verification step of n-gram drafts, every request greedy, goes ahead the same way when
-:data:`STEP_AHEAD_WITH_DRAFTS` is on. How many tokens each request emits is known on the device only, so
+A graphed verification step of n-gram drafts, every request greedy, goes ahead the same way
+(:data:`STEP_AHEAD_WITH_DRAFTS`). How many tokens each request emits is known on the device only, so
 the next step's inputs are filled as the step's own (with the pages of the most tokens it can emit) and
 moved on there (:meth:`GraphInputs.advance`): each cached length grows by the request's count, the last
 token is the last one emitted, and the drafts come from :meth:`NgramDrafter.draft_on_device` over the
@@ -115,15 +115,15 @@ STEP_AHEAD = True
 tokens reach the host (:meth:`GenerationGraphs.launch_next`), so that the host's bookkeeping overlaps
 the GPU. Steps whose every row is always decided go ahead, penalties and logprobs included; steps with
 a top-p row without top-k, or with EAGLE-3 hidden states, do not (:meth:`GenerationGraphs.can_launch_next`)."""
-ADVANCE_KERNEL = False
+ADVANCE_KERNEL = True
 """Whether a verification step launched ahead moves its inputs on by one Triton kernel
-(:mod:`tpspec.runtime.advance_triton`) on CUDA instead of torch ops (the same values; tested under
-Triton's interpreter against them, off until a GPU run checks it)."""
-STEP_AHEAD_WITH_DRAFTS = False
+(:mod:`tpspec.runtime.advance_triton`) on CUDA instead of some sixty small torch kernels (the same
+values: tests/test_runtime_graphs.py under Triton's interpreter, tests/test_runtime_gpu.py on an H100)."""
+STEP_AHEAD_WITH_DRAFTS = True
 """Whether a graphed verification step of n-gram drafts, every request greedy, launches the next one
 ahead too (:data:`STEP_AHEAD` on as well): the next step's cached lengths, last tokens and drafts then
 come from the device (:meth:`GraphInputs.advance`, :meth:`NgramDrafter.draft_on_device`). Tested on CPU
-(tests/test_runtime_graphs.py); off until a GPU run of tests/test_runtime_gpu.py checks it."""
+(tests/test_runtime_graphs.py) and on an H100 (tests/test_runtime_gpu.py)."""
 
 
 def page_bucket(pages: int) -> int:
