@@ -1,6 +1,6 @@
 """Case script (run under Triton's interpreter by tests/test_runtime_graphs.py): the Triton kernel of a
 verification step launched ahead (``advance_triton.advance``) against the torch ops it stands for
-(``GraphInputs.advance_with_ngram``): the same history, cached lengths, positions, visible lengths,
+(``GraphInputs.advance``): the same history, cached lengths, positions, visible lengths,
 KV write rows, tokens and drafts, for random steps over several n-gram ranges and draft counts.
 
 Usage: python tests/advance_cases.py int32
@@ -47,7 +47,7 @@ def one_case(rng: random.Random, k: int, max_n: int, min_n: int, device: str = "
     want_inputs = GraphInputs(batch=batch, num_draft=k, kv_pages=kv_pages, page_size=page_size, device=dev)
     want_inputs.device_buffer.copy_(inputs.device_buffer)
     want_history = history.clone()
-    want_inputs.advance_with_ngram(accepted.clamp(0, VOCAB - 1), num, pad, want_history, slot_rows, drafter)
+    want_inputs.advance(accepted.clamp(0, VOCAB - 1), num, pad, want_history, slot_rows, drafter)
     advance_triton.advance(inputs, accepted, num, pad, history, slot_rows, drafter, VOCAB)
     assert torch.equal(history, want_history), (k, max_n, min_n)
     for name, got in inputs.tensors.items():

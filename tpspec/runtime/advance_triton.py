@@ -1,5 +1,5 @@
 """One Triton kernel for the device work of a verification step launched ahead: what
-:meth:`GraphInputs.advance` with :meth:`NgramDrafter.draft_on_device` does in some sixty small torch
+:meth:`GraphInputs.advance` (with :meth:`NgramDrafter.draft_on_device`) does in some sixty small torch
 kernels, in one launch of a program a request.
 
 For request ``b`` of the padded batch (padding requests are left as they are): write the tokens it
@@ -75,12 +75,12 @@ def _advance_kernel(accepted_ptr, num_ptr, cache_ptr, positions_ptr, visible_ptr
 
 def advance(inputs: GraphInputs, accepted: torch.Tensor, num: torch.Tensor, num_padding: int,
             history: torch.Tensor, slot_rows: torch.Tensor, drafter: NgramDrafter, vocab_size: int) -> None:
-    """:meth:`GraphInputs.advance` of ``inputs`` (a step with drafts) with ``drafter``'s drafts on the
-    device, after writing each real request's emitted tokens into ``history`` (``[rows, width]``
-    int32; request ``b`` owns row ``slot_rows[b]``, ``[batch]`` int64), in one launch, without a host
-    sync. ``accepted`` ``[batch, K + 1]`` and ``num`` ``[batch]`` int64: the step's outputs (tokens
-    clamped to ``0 .. vocab_size - 1``, counts to ``1 .. K + 1``). The same values as the torch path
-    (``GenerationGraphs`` on CPU)."""
+    """:meth:`GraphInputs.advance` of ``inputs`` (a step with drafts) in one launch, without a host
+    sync: each real request's emitted tokens into its row ``slot_rows[b]`` (``[batch]`` int64) of
+    ``history`` (``[rows, width]`` int32, contiguous), its inputs moved on, ``drafter``'s drafts.
+    ``accepted`` ``[batch, K + 1]`` (contiguous) and ``num`` ``[batch]`` int64: the step's outputs
+    (tokens clamped to ``0 .. vocab_size - 1``, counts to ``1 .. K + 1``). The same values as the
+    torch method."""
     t = inputs.tensors
     k1 = inputs.num_draft + 1
     if drafter.num_draft_tokens != inputs.num_draft or inputs.num_draft < 1:

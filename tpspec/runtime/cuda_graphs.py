@@ -461,6 +461,8 @@ class GenerationGraphs:
         eng = self.engine
         gen = launched.gen
         k = eng.num_draft
+        # The most tokens in flight: the page width covers them (positions matter only to sampled
+        # rows, which go ahead with drafts never).
         step = self.plan(gen, ahead=k + 1)
         if step is None or step.key not in self.graphs or step.num_padding != launched.step.num_padding:
             return None
@@ -523,10 +525,10 @@ class GenerationGraphs:
         if ADVANCE_KERNEL and dev.type == "cuda":
             from . import advance_triton
 
-            advance_triton.advance(inputs, accepted.contiguous(), launched.out.num, pad, self.history, slot_rows,
+            advance_triton.advance(inputs, accepted, launched.out.num, pad, self.history, slot_rows,
                                    eng.ngram, eng.model.lm_head.vocab_size)
             return
-        inputs.advance_with_ngram(accepted, launched.out.num, pad, self.history, slot_rows, eng.ngram)
+        inputs.advance(accepted, launched.out.num, pad, self.history, slot_rows, eng.ngram)
 
     def collect(self, launched: Launched) -> StepResult:
         """Wait for ``launched`` and give its tokens: per request still running, the tokens it

@@ -17,7 +17,7 @@ with the key's page-table width (``tests/test_runtime_graphs.py`` checks it).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -95,58 +95,46 @@ class GraphInputs:
         if self._uploaded is not None:
             self._uploaded.record()
 
-    def advance(self, accepted: torch.Tensor, num: torch.Tensor, num_padding: int,
-                draft: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
-        """Turn the uploaded inputs of a step into those of the step after it, on the device,
-        without a host sync: each request after the ``num_padding`` padding ones emitted its first
-        ``num[b]`` tokens of ``accepted[b]`` (``[batch, num_draft + 1]`` int64 and ``[batch]``
-        int64, the step's outputs on the device; clamped here to a token id and to
-        ``1 .. num_draft + 1``), so its cached length grows by ``num[b]``, its last token is the
-        last one it emitted, and its drafts are ``draft(lengths)`` (``[batch]`` the new token
-        counts, ``cache_len + 1``; returns ``[batch, num_draft]`` int64; None without drafts).
-        Padding requests keep their inputs. The page-table rows must already hold the pages of the
-        new positions (:meth:`fill`'s ``reserve``, ``num_draft + 1``)."""
+    def advance(self, accepted: torch.Tensor, num: torch.Tensor, num_padding: int, history: torch.Tensor,
+                slot_rows: torch.Tensor, drafter: Any) -> None:
+        """Turn the uploaded inputs of a step with drafts into those of the step after it, on the
+        device, without a host sync. Each request after the ``num_padding`` padding ones emitted
+        the first ``num[b]`` tokens of ``accepted[b]`` (``[batch, num_draft + 1]`` and ``[batch]``
+        int64, the step's outputs on the device; counts clamped to ``1 .. num_draft + 1``): they
+        join its row ``slot_rows[b]`` (``[batch]`` int64) of ``history`` (``[rows, width]`` int32)
+        after its last token (positions past ``width`` are not written), its cached length grows
+        by ``num[b]``, its last token is the last one it emitted, and its drafts are ``drafter``'s
+        (an ``NgramDrafter``: ``draft_on_device``) over its history. Padding requests keep their
+        inputs. The page-table rows must already hold the pages of the new positions
+        (:meth:`fill`'s ``reserve``, ``num_draft + 1``). Torch ops: the CPU path, and the
+        reference of ``advance_triton.advance``."""
         t = self.tensors
         b, k1, ps = self.batch, self.num_draft + 1, self.page_size
-        dev = t["cache_lens"].device
-        real = torch.arange(b, device=dev) >= num_padding
-        num = num.clamp(1, k1)
-        grow = torch.where(real, num, 0)
-        cache_lens = t["cache_lens"] + grow
-        t["cache_lens"].copy_(cache_lens)
-        pos = cache_lens.reshape(b, 1) + torch.arange(k1, device=dev).reshape(1, k1)
-        t["positions"].copy_(pos.reshape(-1))
-        t["tok_visible"].copy_((pos + 1).reshape(-1))
-        page = t["page_table"].gather(1, pos // ps)
-        t["write_index"].copy_((page * ps + pos % ps).reshape(-1))
-        tokens = t["tokens"].view(b, k1)
-        emitted = accepted.gather(1, (num - 1).reshape(b, 1)).reshape(b).clamp(min=0)
-        tokens[:, 0].copy_(torch.where(real, emitted, tokens[:, 0]))
-        if self.num_draft:
-            drafts = torch.where(real.reshape(b, 1), draft(cache_lens + 1), t["drafts"])
-            t["drafts"].copy_(drafts)
-            tokens[:, 1:].copy_(drafts)
-
-    def advance_with_ngram(self, accepted: torch.Tensor, num: torch.Tensor, num_padding: int,
-                           history: torch.Tensor, slot_rows: torch.Tensor, drafter: Any) -> None:
-        """:meth:`advance` with ``drafter``'s (an ``NgramDrafter``) drafts over each request's tokens
-        on the device, after writing the tokens each real request emitted into ``history``
-        (``[rows, width]`` int32, the positions after its last token; request ``b`` owns row
-        ``slot_rows[b]``, ``[batch]`` int64; positions past ``width`` are not written). Torch ops
-        without a host sync: the CPU path, and the reference of ``advance_triton.advance``."""
-        b, k1 = self.batch, self.num_draft + 1
         dev = history.device
         real = (torch.arange(b, device=dev) >= num_padding).reshape(b, 1)
-        emitted = torch.arange(k1, device=dev).reshape(1, k1) < num.clamp(1, k1).reshape(b, 1)
-        at = self.tensors["cache_lens"].reshape(b, 1) + 1 + torch.arange(k1, device=dev).reshape(1, k1)
+        num = num.clamp(1, k1).reshape(b, 1)
+        steps = torch.arange(k1, device=dev).reshape(1, k1)
+        # The emitted tokens join the history after the last token (position ``cache_lens``).
+        at = t["cache_lens"].reshape(b, 1) + 1 + steps
         inside = at < history.shape[1]
         at = at.clamp(max=history.shape[1] - 1)
         row_index = slot_rows.reshape(b, 1).expand(b, k1)
-        kept = history[row_index, at]
-        history[row_index, at] = torch.where(real & emitted & inside, accepted.to(torch.int32), kept)
-        width = min(self.kv_pages * self.page_size, history.shape[1])
-        self.advance(accepted, num, num_padding,
-                     lambda lengths: drafter.draft_on_device(history[slot_rows, :width].to(torch.int64), lengths))
+        history[row_index, at] = torch.where(real & (steps < num) & inside, accepted.to(torch.int32),
+                                             history[row_index, at])
+        cache_lens = t["cache_lens"].reshape(b, 1) + torch.where(real, num, 0)
+        t["cache_lens"].copy_(cache_lens.reshape(b))
+        pos = cache_lens + steps
+        t["positions"].copy_(pos.reshape(-1))
+        t["tok_visible"].copy_((pos + 1).reshape(-1))
+        t["write_index"].copy_((t["page_table"].gather(1, pos // ps) * ps + pos % ps).reshape(-1))
+        tokens = t["tokens"].view(b, k1)
+        emitted = accepted.gather(1, num - 1).clamp(min=0)
+        tokens[:, :1].copy_(torch.where(real, emitted, tokens[:, :1]))
+        width = min(self.kv_pages * ps, history.shape[1])
+        drafted = drafter.draft_on_device(history[slot_rows, :width].to(torch.int64), cache_lens.reshape(b) + 1)
+        drafts = torch.where(real, drafted, t["drafts"])
+        t["drafts"].copy_(drafts)
+        tokens[:, 1:].copy_(drafts)
 
     def refresh_mask(self, meta: Any) -> None:
         """Recompute ``meta.mask`` in place from the cached lengths (inside a captured step, so
