@@ -50,6 +50,9 @@ def _decoder_kernels():
     rows = gemv.plan_gemv(8, 4096, 4096, device="cpu")
     dot_constants = dict(gemv_constants, M_PAD=rows.m_pad, BLOCK_N=rows.block_n, BLOCK_K=rows.block_k, USE_DOT=True,
                          SILU_MUL=False, NUM_STAGES=rows.num_stages)
+    few = gemv.plan_gemv(gemv.FEW_ROWS, 4096, 14336, device="cpu")
+    few_constants = dict(BLOCK_N=few.block_n, BLOCK_K=few.block_k, EVEN=True, SPLIT=True, HAS_BIAS=False,
+                         NUM_STAGES=few.num_stages, SILU_MUL=True, ACCURATE_EXP=True)
     launch = attn.plan_launch(num_tokens=1, num_seqs=1, q_max=1, kv_pages=64, page_size=16, num_heads=32, kv_heads=8,
                               head_dim=128, device="cpu")
     attend = dict(GROUP=4, HEAD_DIM=128, HEAD_PAD=128, PAGE_SIZE=16, BLOCK_Q=launch.block_q, BLOCK_M=launch.block_m,
@@ -62,6 +65,10 @@ def _decoder_kernels():
         ("gemv rows", gemv._gemv_kernel, dot_constants, dict(warps, num_stages=rows.num_stages), True),
         ("gemv rows, last split sums", gemv._gemv_kernel, dict(dot_constants, LAST_SUMS=True),
          dict(warps, num_stages=rows.num_stages), True),
+        ("gemv few rows, silu", gemv._few_rows_kernel, few_constants, dict(warps, num_stages=few.num_stages), True),
+        ("norm gemv few rows", gemv._norm_few_rows_kernel,
+         dict(BLOCK_N=few.block_n, BLOCK_K=few.block_k, EVEN=True, SPLIT=True, HAS_RES=True, HAS_BIAS=False,
+              NUM_STAGES=few.num_stages), dict(warps, num_stages=few.num_stages), True),
         ("gemv reduce", gemv._reduce_kernel, dict(HAS_BIAS=True, BLOCK=gemv.REDUCE_BLOCK), warps, False),
         *[(f"norm gemv, last split sums {last}", gemv._norm_gemv_kernel,
            dict(BLOCK_N=16, BLOCK_K=256, EVEN=True, SPLIT=True, LAST_SUMS=last, HAS_RES=True, HAS_BIAS=False,
@@ -150,9 +157,11 @@ def _with_last_split(monkeypatch, on: bool) -> None:
 
 @pytest.mark.gpu
 @needs_triton
-def test_cuda_kernels_with_pdl_equal_plain_launches(monkeypatch):
+@pytest.mark.parametrize("rows", [1, 4])
+def test_cuda_kernels_with_pdl_equal_plain_launches(monkeypatch, rows):
     """A chain of every decoder kernel, each reading the one before's output, in bfloat16 at
-    Llama-3-8B sizes: with PDL the bits of ordinary launches, eagerly and replayed in a CUDA graph."""
+    Llama-3-8B sizes, for one decode row and for a verification step's four rows (the few-rows
+    GEMV kernels): with PDL the bits of ordinary launches, eagerly and replayed in a CUDA graph."""
     from tpspec.model import fused_triton as fused
     from tpspec.model import gemv_triton as gemv
     from tpspec.model import paged_attention_triton as attn
@@ -172,20 +181,22 @@ def test_cuda_kernels_with_pdl_equal_plain_launches(monkeypatch):
     w_down = randn(hidden, inter, scale=inter**-0.5)
     g1, g2 = randn(hidden, scale=0.1) + 1, randn(hidden, scale=0.1) + 1
     k_pages, v_pages = randn(128, page, kv_heads, hd), randn(128, page, kv_heads, hd)
-    x, res = randn(1, hidden), randn(1, hidden)
+    x, res = randn(rows, hidden), randn(rows, hidden)
     cache_len = 1000
     page_table = torch.randperm(128, generator=gen, device="cuda")[None, :].to(torch.int32)
-    write_index = (page_table[0, cache_len // page].long() * page + cache_len % page).view(1)
-    seq_starts = torch.tensor([0, 1], device="cuda")
-    tok_visible = torch.tensor([cache_len + 1], device="cuda", dtype=torch.int32)
-    angles = torch.arange(hd, device="cuda", dtype=torch.float32)[None] * 0.01 * cache_len
+    positions = torch.arange(cache_len, cache_len + rows, device="cuda")
+    write_index = page_table[0, positions // page].long() * page + positions % page
+    seq_starts = torch.tensor([0, rows], device="cuda")
+    tok_visible = (positions + 1).to(torch.int32)
+    angles = torch.arange(hd, device="cuda", dtype=torch.float32)[None] * 0.01 * positions[:, None]
     cos, sin = angles.cos().to(bf16), angles.sin().to(bf16)
+    assert gemv.plan_gemv(rows, hidden, hidden, device="cuda").m_pad == (1 if rows == 1 else gemv.FEW_ROWS)
 
     def layer():
         qkv, h = gemv.norm_linear(x, res, g1, 1e-5, w_qkv)
         q = fused.rotary_and_write_kv(qkv, cos, sin, write_index, k_pages, v_pages, heads, kv_heads, hd)
-        a = attn.paged_attention(q, k_pages, v_pages, page_table, seq_starts, tok_visible, hd**-0.5, q_max=1)
-        o = gemv.linear(a.view(1, heads * hd), w_o)
+        a = attn.paged_attention(q, k_pages, v_pages, page_table, seq_starts, tok_visible, hd**-0.5, q_max=rows)
+        o = gemv.linear(a.view(rows, heads * hd), w_o)
         gu, h2 = gemv.norm_linear(o, h, g2, 1e-5, w_gu)
         outs = [qkv, h, q, a, o, gu, h2, gemv.silu_mul_linear(gu, w_down), gemv.linear(fused.silu_mul(gu), w_down)]
         normed, h3 = fused.add_rms_norm(outs[-1], h2, g1, 1e-5)

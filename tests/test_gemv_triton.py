@@ -107,7 +107,8 @@ def test_kernels_keep_their_values_in_registers_on_hopper():
     shapes (split or not as there; the sizes and strides specialized as multiples of 16, as a launch
     specializes them at these shapes), no kernel keeps more than 32 bytes a thread in local memory (its
     stack, by ``cuobjdump``): one row's GEMV (o_proj), ``silu_mul_linear`` (down_proj) and
-    ``norm_linear`` (q/k/v, gate/up), their split reductions, and the same three at 16, 32 and 64 rows.
+    ``norm_linear`` (q/k/v, gate/up), their split reductions, and the same three at 4 rows (the
+    few-rows kernels) and at 16, 32 and 64 rows.
     ``norm_linear`` keeps 8 bytes at one row and up to 24 at several, stored once before the K loop
     and read once after it; ``[64, 128]`` tiles of 4 warps spilled up to 2.5 KB a thread at 16 and 32
     rows, and a verification step of 4 rows a request through them took 3.3 times as long as through
@@ -121,7 +122,7 @@ def test_kernels_keep_their_values_in_registers_on_hopper():
     def sixteens(kernel, consts):  # the integer arguments a launch at these shapes sees as multiples of 16
         return tuple(name for name in _signature(kernel, consts) if name in ("N", "K") or name.startswith("stride"))
 
-    for m in (1, 16, 32, 64):
+    for m in (1, 4, 16, 32, 64):
         for name, (n, k) in (("o", LLAMA_3_8B["o"]), ("down", LLAMA_3_8B["down"]), ("qkv", LLAMA_3_8B["qkv"]),
                              ("gate_up", LLAMA_3_8B["gate_up"])):
             launch = kernels.plan_gemv(m, n, k, device="cpu")
@@ -129,7 +130,13 @@ def test_kernels_keep_their_values_in_registers_on_hopper():
             opts = dict(num_warps=launch.num_warps, num_stages=launch.num_stages, enable_fp_fusion=True, launch_pdl=True)
             tile = dict(BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, EVEN=True, SPLIT=split, HAS_BIAS=False,
                         NUM_STAGES=launch.num_stages, PDL=True)
-            if name in ("o", "down"):
+            if m == kernels.FEW_ROWS:
+                fn = kernels._few_rows_kernel if name in ("o", "down") else kernels._norm_few_rows_kernel
+                consts = dict(tile, SILU_MUL=name == "down", ACCURATE_EXP=True) if name in ("o", "down") else \
+                    dict(tile, HAS_RES=True)
+                compiled[name, m] = compile_for_hopper(fn, _signature(fn, consts), consts, aligned_pointers=True,
+                                                       multiples_of_16=sixteens(fn, consts), **opts)
+            elif name in ("o", "down"):
                 consts = dict(tile, M_PAD=launch.m_pad, USE_DOT=m > 1, LAST_SUMS=False, IEEE=False,
                               SILU_MUL=name == "down", ACCURATE_EXP=True)
                 compiled[name, m] = compile_for_hopper(kernels._gemv_kernel, _signature(kernels._gemv_kernel, consts),
@@ -281,11 +288,11 @@ def test_cuda_kernel_matches_the_float64_reference(dtype):
     import gemv_cases as cases
 
     cases.check_kernels("cuda", dtype)
-    cases.check_kernels("cuda", dtype, shapes=list(LLAMA_3_8B.values()), rows=(1, 8, 16, 32, 64))
+    cases.check_kernels("cuda", dtype, shapes=list(LLAMA_3_8B.values()), rows=(1, 4, 8, 16, 32, 64))
     cases.check_norm_kernels("cuda", dtype)
     cases.check_norm_kernels("cuda", dtype, shapes=[LLAMA_3_8B["qkv"], LLAMA_3_8B["gate_up"]], rows=(1, 4, 32))
     cases.check_silu_kernels("cuda", dtype)
-    cases.check_silu_kernels("cuda", dtype, shapes=[LLAMA_3_8B["down"]], rows=(1, 8))
+    cases.check_silu_kernels("cuda", dtype, shapes=[LLAMA_3_8B["down"]], rows=(1, 4, 8))
 
 
 @pytest.mark.gpu
@@ -328,7 +335,7 @@ def test_cuda_last_split_sums_equal_the_reduction_kernel():
 
 @pytest.mark.gpu
 @needs_triton
-@pytest.mark.parametrize("m", [1, 8])
+@pytest.mark.parametrize("m", [1, 4, 8])
 def test_cuda_graph_replay_equals_eager(m):
     """Every Llama-3-8B linear (split-K ones included) with and without a bias, and the norm fused in
     front of q/k/v and gate/up, captured in one CUDA graph, replayed on new inputs copied in, gives

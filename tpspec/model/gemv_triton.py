@@ -9,23 +9,27 @@ stream ``W`` from memory. The kernel is built for that:
   are 16-byte aligned (Triton's argument specialisation sees both), in a K loop pipelined by
   ``tl.range`` stages (the next tiles are in flight while one is summed).
 * **Two products, by rows.** One row multiplies each tile elementwise into a ``[BLOCK_N, BLOCK_K]``
-  float32 accumulator that is summed along ``K`` once at the end. Two rows or more pad ``x`` to 16,
-  32 or 64 rows (the next power of two) and use ``tl.dot`` (the tensor cores; float32 in IEEE
-  precision); the padding costs compute, which decode has spare, and no extra weight traffic.
+  float32 accumulator that is summed along ``K`` once at the end. Two to four rows (``FEW_ROWS``) do
+  the same for each row, one weight tile feeding four accumulators (rows past ``M`` are zeros that
+  are never read): a verification step of one request's four rows reads its weights as a decode
+  step does. More rows pad ``x`` to 16, 32 or 64 rows (the next power of two) and use ``tl.dot``
+  (the tensor cores; float32 in IEEE precision); the padding costs compute, which decode has
+  spare, and no extra weight traffic.
 * **Split-K.** When the feature blocks alone are too few to keep a few programs on every SM
   (``o_proj`` and ``down_proj`` at 4096 features), the contraction is cut into ``splits`` equal
   runs of whole ``BLOCK_K`` tiles; each program stores its float32 partial and ``_reduce_kernel``
   sums the splits in split order (no atomics), adds the bias and casts. With ``LAST_SPLIT_SUMS``
   the last program of a feature block to finish does that sum itself, in the same order (the same
   bits), found by a per-block counter (:mod:`tpspec.model.split_counters`): one kernel fewer a
-  split linear.
+  split linear (one row and the ``tl.dot`` rows; the few-rows kernels below always reduce by kernel).
 
 * **The norm in front** (:func:`norm_linear`). A decoder's q/k/v and gate/up follow an
   RMSNorm; ``W (h * g) * rsqrt(mean(h^2) + eps)`` is the same product, so the K loop that streams
   ``W`` also sums ``h^2`` and the scale is applied once at the end (by the split reduction where
   the contraction is split): no norm kernel runs first, and the first feature block's programs
-  store the residual sum ``h`` the next layer needs. One row has a kernel of its own; two rows or
-  more feed ``h * g``, rounded to the dtype, to the ``tl.dot``.
+  store the residual sum ``h`` the next layer needs. One row has a kernel of its own, and two to
+  four rows one that does the same for each row; more rows feed ``h * g``, rounded to the dtype, to
+  the ``tl.dot``.
 
 * **SwiGLU in front** (:func:`silu_mul_linear`). A down projection's input is ``silu(gate) * up``;
   the K loop forms each element from the gate/up row as it loads it (the ``silu_mul`` kernel's
@@ -65,13 +69,19 @@ ONE_ROW_STAGES = 3  # one row: software-pipeline stages of the K loop
 # One row: split K until the programs reach this many per SM. Fewer splits mean fewer partial sums to reduce,
 # but a program must keep enough loads in flight: docs/benchmarks.md ("Batch 1") compares 1, 2 and 4.
 ONE_ROW_PROGRAMS_PER_SM = 2
-# Two rows or more: [features, contraction] of a weight tile (into a tl.dot of 16 to 64 rows), and warps a program.
+# Two to FEW_ROWS rows: the one-row product for each row (four accumulators), on [features, contraction] tiles of
+# FEW_ROWS_TILE (four accumulators of a [16, 128] tile are 64 float32 registers a thread).
+FEW_ROWS = 4
+FEW_ROWS_TILE = (16, 128)
+FEW_ROWS_STAGES = 3
+FEW_ROWS_PROGRAMS_PER_SM = 2
+# More rows: [features, contraction] of a weight tile (into a tl.dot of 16 to 64 rows), and warps a program.
 # 64 x 64 with 8 warps: the GEMV, silu_mul_linear and norm_linear keep every value in registers at 16 to 64 rows
 # (64 x 128 with 4 warps spilled in the last two, tests/test_gemv_triton.py checks it).
 ROWS_TILE = (64, 64)
 ROWS_WARPS = 8
-ROWS_STAGES = 4  # two rows or more, 16-bit weights: pipeline stages of the K loop (float32: 2)
-ROWS_PROGRAMS_PER_SM = 2  # two rows or more: split K until the programs reach this many per SM
+ROWS_STAGES = 4  # more rows, 16-bit weights: pipeline stages of the K loop (float32: 2)
+ROWS_PROGRAMS_PER_SM = 2  # more rows: split K until the programs reach this many per SM
 MAX_SPLITS = 16
 # Whether a split launch's last program to finish sums the splits itself (no reduction kernel): off until a GPU run
 # checks it; see tpspec.model.split_counters.
@@ -370,6 +380,174 @@ def _norm_rows_reduce_kernel(part_ptr, sq_ptr, b_ptr, out_ptr, M, N, splits, str
     tl.store(out_ptr + row * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _row_of_x(x_ptr, row, k, M, K, stride_xm, SILU_MUL: tl.constexpr, ACCURATE_EXP: tl.constexpr):
+    """Row ``row`` of ``x`` at columns ``k`` in float32, zeros for a row at or past ``M`` (none is
+    read); ``SILU_MUL``: the row holds ``cat(gate, up)`` and the value is ``silu(gate) * up``."""
+    ok = (k < K) & (tl.full(k.shape, row, tl.int32) < M)
+    at = x_ptr + row * stride_xm + k
+    x = tl.load(at, mask=ok, other=0.0)
+    if SILU_MUL:
+        x = silu_mul_values(x, tl.load(at + K, mask=ok, other=0.0), ACCURATE_EXP)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _fold_four_rows(acc0, acc1, acc2, acc3, w, x_ptr, k, M, K, stride_xm, SILU_MUL: tl.constexpr,
+                    ACCURATE_EXP: tl.constexpr):
+    """One weight tile ``w`` ``[BLOCK_N, BLOCK_K]`` times rows 0..3 of ``x`` at columns ``k``, each
+    into its own ``[BLOCK_N, BLOCK_K]`` float32 accumulator (the one-row kernel's product, four times)."""
+    w = w.to(tl.float32)
+    acc0 += w * _row_of_x(x_ptr, 0, k, M, K, stride_xm, SILU_MUL, ACCURATE_EXP)[None, :]
+    acc1 += w * _row_of_x(x_ptr, 1, k, M, K, stride_xm, SILU_MUL, ACCURATE_EXP)[None, :]
+    acc2 += w * _row_of_x(x_ptr, 2, k, M, K, stride_xm, SILU_MUL, ACCURATE_EXP)[None, :]
+    acc3 += w * _row_of_x(x_ptr, 3, k, M, K, stride_xm, SILU_MUL, ACCURATE_EXP)[None, :]
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _stack_four_rows(s0, s1, s2, s3, m):
+    """``[4, BLOCK_N]``: row ``i`` is ``si`` (``m`` is ``arange(0, 4)``), chosen, not added."""
+    m = m[:, None]
+    return tl.where(m == 0, s0[None, :], tl.where(m == 1, s1[None, :], tl.where(m == 2, s2[None, :], s3[None, :])))
+
+
+@triton.jit
+def _few_rows_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_wn, stride_om, k_iters,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, SPLIT: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, NUM_STAGES: tl.constexpr, SILU_MUL: tl.constexpr,
+                     ACCURATE_EXP: tl.constexpr, PDL: tl.constexpr):
+    # Two to four rows: _gemv_kernel's one-row product for each row of x (rows past M are zeros,
+    # never read), one weight tile feeding four accumulators; no tl.dot and no padding to 16 rows.
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    m = tl.arange(0, 4)
+    kk = tl.arange(0, BLOCK_K)
+    k_first = split * k_iters * BLOCK_K
+    w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
+    acc0 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc1 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc3 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    first = 0
+    if PDL:
+        # As in _gemv_kernel: the first weight tile before the wait, x after it.
+        w = _load_w(w_rows, k_first + kk, n_ok, K, EVEN)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+        acc0, acc1, acc2, acc3 = _fold_four_rows(acc0, acc1, acc2, acc3, w, x_ptr, k_first + kk, M, K, stride_xm,
+                                                 SILU_MUL, ACCURATE_EXP)
+        first = 1
+    for i in tl.range(first, k_iters, num_stages=NUM_STAGES):
+        k = k_first + i * BLOCK_K + kk
+        w = _load_w(w_rows, k, n_ok, K, EVEN)
+        acc0, acc1, acc2, acc3 = _fold_four_rows(acc0, acc1, acc2, acc3, w, x_ptr, k, M, K, stride_xm, SILU_MUL,
+                                                 ACCURATE_EXP)
+    acc = _stack_four_rows(tl.sum(acc0, 1), tl.sum(acc1, 1), tl.sum(acc2, 1), tl.sum(acc3, 1), m)  # [4, BLOCK_N]
+    ok = (m < M)[:, None] & n_ok[None, :]
+    if SPLIT:
+        tl.store(part_ptr + (split * M + m[:, None]) * N + n[None, :], acc, mask=ok)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + m[:, None] * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _norm_row(x_ptr, res_ptr, h_ptr, g, row, k, M, K, h_end, stride_xm, stride_rm, stride_hm, HAS_RES: tl.constexpr):
+    """Row ``row`` of ``h = x + residual`` (rounded to the dtype; ``x`` without a residual) at columns
+    ``k`` in float32, stored to ``h`` by the first feature block's programs; and ``h * g``."""
+    ok = (k < K) & (tl.full(k.shape, row, tl.int32) < M)
+    x = tl.load(x_ptr + row * stride_xm + k, mask=ok, other=0.0)
+    if HAS_RES:
+        r = tl.load(res_ptr + row * stride_rm + k, mask=ok, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(h_ptr + row * stride_hm + k, x, mask=ok & (k < h_end))
+    h = x.to(tl.float32)
+    return h, h * g
+
+
+@triton.jit
+def _norm_fold_four_rows(acc0, acc1, acc2, acc3, sq0, sq1, sq2, sq3, w, x_ptr, res_ptr, g_ptr, h_ptr, k, M, K,
+                         h_end, stride_xm, stride_rm, stride_hm, EVEN: tl.constexpr, HAS_RES: tl.constexpr):
+    """:func:`_norm_fold` for rows 0..3: their squares into ``sq0..sq3``, ``w * (h * g)`` into ``acc0..acc3``."""
+    if EVEN:
+        g = tl.load(g_ptr + k).to(tl.float32)
+    else:
+        g = tl.load(g_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+    w = w.to(tl.float32)
+    h, a = _norm_row(x_ptr, res_ptr, h_ptr, g, 0, k, M, K, h_end, stride_xm, stride_rm, stride_hm, HAS_RES)
+    acc0 += w * a[None, :]
+    sq0 += h * h
+    h, a = _norm_row(x_ptr, res_ptr, h_ptr, g, 1, k, M, K, h_end, stride_xm, stride_rm, stride_hm, HAS_RES)
+    acc1 += w * a[None, :]
+    sq1 += h * h
+    h, a = _norm_row(x_ptr, res_ptr, h_ptr, g, 2, k, M, K, h_end, stride_xm, stride_rm, stride_hm, HAS_RES)
+    acc2 += w * a[None, :]
+    sq2 += h * h
+    h, a = _norm_row(x_ptr, res_ptr, h_ptr, g, 3, k, M, K, h_end, stride_xm, stride_rm, stride_hm, HAS_RES)
+    acc3 += w * a[None, :]
+    sq3 += h * h
+    return acc0, acc1, acc2, acc3, sq0, sq1, sq2, sq3
+
+
+@triton.jit
+def _norm_few_rows_kernel(x_ptr, res_ptr, g_ptr, w_ptr, b_ptr, out_ptr, h_ptr, part_ptr, sq_ptr, M, N, K, stride_xm,
+                          stride_rm, stride_hm, stride_om, stride_wn, k_iters, k_f, eps, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, EVEN: tl.constexpr, SPLIT: tl.constexpr, HAS_RES: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr):
+    # Two to four rows: _norm_gemv_kernel's product for each row (the normed row never rounded to
+    # the dtype), one weight tile feeding four accumulators, each row's rstd from its own squares.
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    m = tl.arange(0, 4)
+    kk = tl.arange(0, BLOCK_K)
+    k_first = split * k_iters * BLOCK_K
+    h_end = K - pid_n * K  # the first feature block's programs store h (K for them, <= 0 for the rest)
+    w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
+    acc0 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc1 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc3 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    sq0 = tl.zeros([BLOCK_K], tl.float32)
+    sq1 = tl.zeros([BLOCK_K], tl.float32)
+    sq2 = tl.zeros([BLOCK_K], tl.float32)
+    sq3 = tl.zeros([BLOCK_K], tl.float32)
+    first = 0
+    if PDL:
+        # As in _norm_gemv_kernel: the first weight tile before the wait, x and the residual after it.
+        w = _load_w(w_rows, k_first + kk, n_ok, K, EVEN)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+        acc0, acc1, acc2, acc3, sq0, sq1, sq2, sq3 = _norm_fold_four_rows(
+            acc0, acc1, acc2, acc3, sq0, sq1, sq2, sq3, w, x_ptr, res_ptr, g_ptr, h_ptr, k_first + kk, M, K, h_end,
+            stride_xm, stride_rm, stride_hm, EVEN, HAS_RES)
+        first = 1
+    for i in tl.range(first, k_iters, num_stages=NUM_STAGES):
+        k = k_first + i * BLOCK_K + kk
+        w = _load_w(w_rows, k, n_ok, K, EVEN)
+        acc0, acc1, acc2, acc3, sq0, sq1, sq2, sq3 = _norm_fold_four_rows(
+            acc0, acc1, acc2, acc3, sq0, sq1, sq2, sq3, w, x_ptr, res_ptr, g_ptr, h_ptr, k, M, K, h_end, stride_xm,
+            stride_rm, stride_hm, EVEN, HAS_RES)
+    acc = _stack_four_rows(tl.sum(acc0, 1), tl.sum(acc1, 1), tl.sum(acc2, 1), tl.sum(acc3, 1), m)  # [4, BLOCK_N]
+    sq = tl.where(m == 0, tl.sum(sq0, 0), tl.where(m == 1, tl.sum(sq1, 0), tl.where(m == 2, tl.sum(sq2, 0),
+                                                                                     tl.sum(sq3, 0))))  # [4]
+    m_ok = m < M
+    ok = m_ok[:, None] & n_ok[None, :]
+    if SPLIT:
+        tl.store(part_ptr + (split * M + m[:, None]) * N + n[None, :], acc, mask=ok)
+        tl.store(sq_ptr + split * M + m, sq, mask=m < M - pid_n * M)  # the same sums in every block: block 0's
+    else:
+        acc = acc * tl.math.rsqrt(tl.math.div_rn(sq, k_f) + eps)[:, None]
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + m[:, None] * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
 INTERPRETED = isinstance(_gemv_kernel, InterpretedFunction)
 """Whether this import got Triton's interpreter (``TRITON_INTERPRET=1``): kernels on CPU tensors."""
 
@@ -385,7 +563,7 @@ def _sm_count(device: torch.device) -> int:
 class GemvLaunch:
     """Tile sizes and grid of one call (from the shape, dtype and SM count only)."""
 
-    m_pad: int  # rows of x per program: 1 (elementwise product), or 16, 32 or 64 (tl.dot)
+    m_pad: int  # rows of x per program: 1 or FEW_ROWS (elementwise products), or 16, 32 or 64 (tl.dot)
     block_n: int  # output features per program
     block_k: int  # contraction elements per tile
     splits: int  # programs along K per feature block (1: no reduction kernel)
@@ -400,11 +578,13 @@ def plan_gemv(m: int, n: int, k: int, *, device: torch.device | str, splits: int
 
     One row: ``[16, 256]`` weight tiles (``ONE_ROW_TILE``; 4 warps: four 16-byte loads a thread a
     tile, 32 float32 accumulators a thread) in 3 pipeline stages (17 KiB of shared memory and 78
-    registers a thread on sm_90: six programs fit an SM). Two rows or more:
+    registers a thread on sm_90: six programs fit an SM). Two to ``FEW_ROWS`` (4) rows: the same
+    product for each row on ``[16, 128]`` tiles (``FEW_ROWS_TILE``), 4 warps, 3 stages. More rows:
     ``[64, 64]`` tiles (``ROWS_TILE``) into a ``tl.dot`` of ``m`` rows padded to 16, 32 or 64, 8 warps
     (``ROWS_WARPS``: no value of the three kernels spills to local memory at 16 to 64 rows), 4 stages
-    for 16-bit weights, 2 for float32 (``element_size`` 4). ``splits`` (default: 1 when the feature blocks reach the path's
-    programs per SM, ``ONE_ROW_PROGRAMS_PER_SM`` or ``ROWS_PROGRAMS_PER_SM``, else the fewest splits
+    for 16-bit weights, 2 for float32 (``element_size`` 4). ``splits`` (default: 1 when the feature
+    blocks reach the path's programs per SM, ``ONE_ROW_PROGRAMS_PER_SM``, ``FEW_ROWS_PROGRAMS_PER_SM``
+    or ``ROWS_PROGRAMS_PER_SM``, else the fewest splits
     that get there, preferring a divisor of the tile count so every split reads whole tiles without
     masks; at most ``MAX_SPLITS`` and one split per tile) cuts ``k`` into equal runs of whole tiles.
     """
@@ -413,6 +593,10 @@ def plan_gemv(m: int, n: int, k: int, *, device: torch.device | str, splits: int
         block_n, block_k = ONE_ROW_TILE
         m_pad, num_stages, num_warps = 1, ONE_ROW_STAGES, 4
         target *= ONE_ROW_PROGRAMS_PER_SM
+    elif m <= FEW_ROWS:
+        block_n, block_k = FEW_ROWS_TILE
+        m_pad, num_stages, num_warps = FEW_ROWS, FEW_ROWS_STAGES, 4
+        target *= FEW_ROWS_PROGRAMS_PER_SM
     else:
         block_n, block_k = ROWS_TILE
         m_pad, num_stages = max(16, 1 << (m - 1).bit_length()), ROWS_STAGES if element_size <= 2 else 2
@@ -497,14 +681,23 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
     bias_arg = bias if bias is not None else out  # not read without a bias
     pdl = pdl_args(x.device)
     grid = (triton.cdiv(n, launch.block_n), launch.splits)
-    counts = split_counters(x.device, grid[0]) if split and LAST_SPLIT_SUMS else None
+    few_rows = launch.m_pad == FEW_ROWS
+    counts = split_counters(x.device, grid[0]) if split and LAST_SPLIT_SUMS and not few_rows else None
     # FP fusion pinned on, as every GPU run compiled these kernels (Triton 3.10 turns its default off).
-    _gemv_kernel[grid](x, weight, bias_arg, out, part, counts if counts is not None else part, m, n, k, x.stride(0),
-                       weight.stride(0), out.stride(0), launch.k_iters, M_PAD=launch.m_pad, BLOCK_N=launch.block_n,
-                       BLOCK_K=launch.block_k, USE_DOT=launch.m_pad > 1, EVEN=even, SPLIT=split,
-                       LAST_SUMS=counts is not None, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
-                       NUM_STAGES=launch.num_stages, SILU_MUL=silu_mul, ACCURATE_EXP=not INTERPRETED,
-                       num_warps=launch.num_warps, num_stages=launch.num_stages, enable_fp_fusion=True, **pdl)
+    if few_rows:
+        _few_rows_kernel[grid](x, weight, bias_arg, out, part, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+                               launch.k_iters, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, EVEN=even, SPLIT=split,
+                               HAS_BIAS=bias is not None, NUM_STAGES=launch.num_stages, SILU_MUL=silu_mul,
+                               ACCURATE_EXP=not INTERPRETED, num_warps=launch.num_warps,
+                               num_stages=launch.num_stages, enable_fp_fusion=True, **pdl)
+    else:
+        _gemv_kernel[grid](x, weight, bias_arg, out, part, counts if counts is not None else part, m, n, k,
+                           x.stride(0), weight.stride(0), out.stride(0), launch.k_iters, M_PAD=launch.m_pad,
+                           BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, USE_DOT=launch.m_pad > 1, EVEN=even,
+                           SPLIT=split, LAST_SUMS=counts is not None, HAS_BIAS=bias is not None,
+                           IEEE=x.dtype == torch.float32, NUM_STAGES=launch.num_stages, SILU_MUL=silu_mul,
+                           ACCURATE_EXP=not INTERPRETED, num_warps=launch.num_warps, num_stages=launch.num_stages,
+                           enable_fp_fusion=True, **pdl)
     if split and counts is None:
         _reduce_kernel[(m, triton.cdiv(n, REDUCE_BLOCK))](part, bias_arg, out, m, n, launch.splits, out.stride(0),
                                                          HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK, num_warps=4,
@@ -522,9 +715,10 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
     float32 and ``y`` rounded once to the dtype, and ``h``, a new tensor (``x`` itself without a
     residual). The K loop that streams ``W`` sums ``h**2`` as it goes; the programs of the first
     feature block store ``h``. One row is the norm of :func:`tpspec.model.fused_triton.rms_norm`
-    followed by :func:`linear`, except that the normed row is never rounded to the dtype; two rows
-    or more round ``h * norm_weight`` to the dtype for the tensor cores' ``tl.dot`` (float32: no
-    rounding) and scale the product by each row's ``rsqrt`` after it.
+    followed by :func:`linear`, except that the normed row is never rounded to the dtype (two to
+    ``FEW_ROWS`` rows likewise, each row on its own); more rows round ``h * norm_weight`` to the dtype
+    for the tensor cores' ``tl.dot`` (float32: no rounding) and scale the product by each row's
+    ``rsqrt`` after it.
 
     Parameters
     ----------
@@ -574,12 +768,14 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
     pdl = pdl_args(x.device)
     if m > 1:
         sq = torch.empty((launch.splits, m), dtype=torch.float32, device=x.device) if split else out
-        _norm_rows_kernel[grid](x, res, norm_weight, weight, bias_arg, out, h, part, sq, m, n, k, x.stride(0),
-                                res.stride(0), h.stride(0), out.stride(0), weight.stride(0), launch.k_iters, float(k),
-                                float(eps), M_PAD=launch.m_pad, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
-                                EVEN=even, SPLIT=split, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
-                                IEEE=x.dtype == torch.float32, NUM_STAGES=launch.num_stages,
-                                num_warps=launch.num_warps, num_stages=launch.num_stages, enable_fp_fusion=True, **pdl)
+        rows_kernel = _norm_few_rows_kernel if launch.m_pad == FEW_ROWS else _norm_rows_kernel
+        dot_args = {} if launch.m_pad == FEW_ROWS else dict(M_PAD=launch.m_pad, IEEE=x.dtype == torch.float32)
+        rows_kernel[grid](x, res, norm_weight, weight, bias_arg, out, h, part, sq, m, n, k, x.stride(0), res.stride(0),
+                          h.stride(0), out.stride(0), weight.stride(0), launch.k_iters, float(k), float(eps),
+                          BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, EVEN=even, SPLIT=split,
+                          HAS_RES=residual is not None, HAS_BIAS=bias is not None, NUM_STAGES=launch.num_stages,
+                          num_warps=launch.num_warps, num_stages=launch.num_stages, enable_fp_fusion=True, **dot_args,
+                          **pdl)
         if split:
             _norm_rows_reduce_kernel[(m, triton.cdiv(n, REDUCE_BLOCK))](part, sq, bias_arg, out, m, n, launch.splits,
                                                                        out.stride(0), float(k), float(eps),
