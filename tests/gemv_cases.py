@@ -59,8 +59,10 @@ def check_kernels(device: str, dtype: torch.dtype, shapes=SMALL_SHAPES, rows=ROW
 
 
 def check_many_rows(device: str, dtype: torch.dtype, shapes=SMALL_SHAPES[2:4], rows=(40,)) -> None:
-    """40 rows of ``x``, padded to 64 in the ``tl.dot``: as :func:`check_kernels`."""
+    """40 rows of ``x``, padded to 64 in the ``tl.dot``: as :func:`check_kernels` and
+    :func:`check_norm_kernels`."""
     check_kernels(device, dtype, shapes, rows)
+    check_norm_kernels(device, dtype, shapes, rows)
 
 
 def check_silu_kernels(device: str, dtype: torch.dtype, shapes=SMALL_SHAPES, rows=ROWS) -> None:
@@ -195,7 +197,8 @@ def check_llm(device: str, dtype: torch.dtype) -> None:
     """The tiny model with its layers' fused kernels, greedy, two requests of different lengths (steps
     of two rows, then of one): the tokens with the switches on (the Triton GEMV running the linears
     of up to ``MAX_ROWS`` rows, the norms fused into q/k/v and gate/up, ``silu(gate) * up`` into
-    down_proj) equal those of ``F.linear``, and every kernel ran, at one row and at several."""
+    down_proj, at every row count: ``FUSED_INPUT_ROWS`` raised too) equal those of ``F.linear``, and
+    every kernel ran, at one row and at several."""
     from tpspec.mapping import Mapping
     from tpspec.model import layers as layers_mod
     from tpspec.model import linear as linear_mod
@@ -220,14 +223,15 @@ def check_llm(device: str, dtype: torch.dtype) -> None:
     greedy = SamplingParams(temperature=0.0)
     requests = [Request(0, (11, 12, 13, 14), greedy, 12), Request(1, (21, 22, 23), greedy, 4)]
     tokens = {}
-    saved = (layers_mod.FUSED_UNDER_INTERPRETER, linear_mod.TRITON_SILU_DOWN, linear_mod.TRITON_GEMV_ROWS)
+    saved = (layers_mod.FUSED_UNDER_INTERPRETER, linear_mod.TRITON_SILU_DOWN, linear_mod.TRITON_GEMV_ROWS,
+             linear_mod.FUSED_INPUT_ROWS)
     layers_mod.FUSED_UNDER_INTERPRETER = True
     try:
         with tempfile.TemporaryDirectory() as tmp:
             ckpt = str(make_tiny_checkpoint(f"{tmp}/tiny", seed=0))
             for on in (False, True):
                 linear_mod.TRITON_GEMV = linear_mod.TRITON_SILU_DOWN = on
-                linear_mod.TRITON_GEMV_ROWS = kernels.MAX_ROWS
+                linear_mod.TRITON_GEMV_ROWS = linear_mod.FUSED_INPUT_ROWS = kernels.MAX_ROWS
                 engine = Engine(EngineConfig(ckpt, 1, device, name, max_batch_size=4, use_cuda_graphs=device == "cuda",
                                              gpu_memory_utilization=0.2 if device == "cuda" else None), Mapping(), device)
                 try:
@@ -238,7 +242,8 @@ def check_llm(device: str, dtype: torch.dtype) -> None:
                     assert not any(rows_seen.values()), f"a kernel ran with the switch off: {rows_seen}"
     finally:
         linear_mod.TRITON_GEMV = False
-        layers_mod.FUSED_UNDER_INTERPRETER, linear_mod.TRITON_SILU_DOWN, linear_mod.TRITON_GEMV_ROWS = saved
+        (layers_mod.FUSED_UNDER_INTERPRETER, linear_mod.TRITON_SILU_DOWN, linear_mod.TRITON_GEMV_ROWS,
+         linear_mod.FUSED_INPUT_ROWS) = saved
         for name, fn in originals.items():
             setattr(kernels, name, fn)
     assert all(1 in seen and max(seen) > 1 for seen in rows_seen.values()), f"rows each kernel ran: {rows_seen}"

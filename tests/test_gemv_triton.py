@@ -246,11 +246,16 @@ def test_dispatch_rule(monkeypatch):
     assert silu(gate_up, torch.zeros(32, 64)) and silu(gate_up, w)  # down_proj's K > N too
     assert not silu(torch.zeros(2, 128), torch.zeros(32, 64))  # one row only
     assert linear_mod.TRITON_GEMV_ROWS == 1
-    monkeypatch.setattr(linear_mod, "TRITON_GEMV_ROWS", 4)  # up to four rows: linears, silu, the norm
+    monkeypatch.setattr(linear_mod, "TRITON_GEMV_ROWS", 4)  # up to four rows: the linears
     assert use(torch.zeros(4, 64), w) and not use(torch.zeros(5, 64), w) and not use(torch.zeros(4, 64), w[:32])
+    assert linear_mod.FUSED_INPUT_ROWS == 1  # the norm and silu inside the GEMV at one row only
+    assert not silu(torch.zeros(2, 128), torch.zeros(32, 64)) and not norm(torch.zeros(2, 64), None, g, w)
+    assert silu(gate_up, torch.zeros(32, 64)) and norm(x, None, g, w)
+    monkeypatch.setattr(linear_mod, "FUSED_INPUT_ROWS", 4)  # up to four rows: silu and the norm too
     assert silu(torch.zeros(4, 128), torch.zeros(32, 64)) and not silu(torch.zeros(5, 128), torch.zeros(32, 64))
     assert norm(torch.zeros(2, 64), None, g, w) and norm(torch.zeros(4, 64), torch.zeros(4, 64), g, w)
     assert not norm(torch.zeros(4, 64), torch.zeros(1, 64), g, w) and not norm(torch.zeros(5, 64), None, g, w)
+    monkeypatch.setattr(linear_mod, "FUSED_INPUT_ROWS", 1)
     monkeypatch.setattr(linear_mod, "TRITON_GEMV_ROWS", 1000)  # never past the kernels' MAX_ROWS
     assert use(torch.zeros(kernels.MAX_ROWS, 64), w) and not use(torch.zeros(kernels.MAX_ROWS + 1, 64), w)
     monkeypatch.setattr(linear_mod, "TRITON_GEMV_ROWS", 1)

@@ -50,6 +50,14 @@ and cuBLAS. On: a GPU run of ``tests/test_gemv_triton.py``'s ``gpu`` tests passe
 (``docs/benchmarks.md``)."""
 
 
+FUSED_INPUT_ROWS = 1
+"""The most rows for which the norm before q/k/v and gate/up, and ``silu(gate) * up`` before the
+down projection, run inside the GEMV (:func:`use_triton_norm_linear`, :func:`use_triton_silu_linear`).
+Inside it every program forms the input of its whole contraction, each element once for every
+thread that holds its column: at one row that costs less than the kernel it saves (measured); at
+several rows the norm and ``silu`` kernels run before the GEMV (``docs/benchmarks.md``)."""
+
+
 def use_triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """Whether :func:`linear` runs the Triton GEMV for these tensors.
 
@@ -72,9 +80,11 @@ def use_triton_silu_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: to
     """Whether a SwiGLU down projection of ``gate_up`` ``[M, 2 K]`` (``cat(gate, up)``) by ``weight``
     ``[N, K]`` runs as one kernel, :func:`tpspec.model.gemv_triton.silu_mul_linear`: where
     ``TRITON_GEMV`` and ``TRITON_SILU_DOWN`` are on, ``gate_up`` has at most ``TRITON_GEMV_ROWS``
-    rows, and the tensors meet :func:`use_triton_linear`'s other conditions (any ``N`` and ``K``). The
+    and ``FUSED_INPUT_ROWS`` rows, and the tensors meet :func:`use_triton_linear`'s other conditions (any ``N`` and ``K``). The
     same answer on every rank."""
-    if not (TRITON_GEMV and TRITON_SILU_DOWN) or weight.dim() != 2:
+    if not (TRITON_GEMV and TRITON_SILU_DOWN) or weight.dim() != 2 or gate_up.dim() != 2:
+        return False
+    if gate_up.shape[0] > FUSED_INPUT_ROWS:
         return False
     return _gemv_runs(gate_up, weight, bias, 2 * weight.shape[1])
 
@@ -105,9 +115,10 @@ def use_triton_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_
                            weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """Whether the RMSNorm of ``x + residual`` (``x`` when ``residual`` is None) and the linear
     after it run as one kernel (:func:`tpspec.model.gemv_triton.norm_linear`): where
-    :func:`use_triton_linear` takes the linear and ``residual`` and ``norm_weight`` are ``x``'s
+    :func:`use_triton_linear` takes the linear, ``x`` has at most ``FUSED_INPUT_ROWS`` rows, and
+    ``residual`` and ``norm_weight`` are ``x``'s
     shape and ``[K]``, in its dtype and on its device. The same answer on every rank."""
-    if not use_triton_linear(x, weight, bias):
+    if not use_triton_linear(x, weight, bias) or x.shape[0] > FUSED_INPUT_ROWS:
         return False
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
                                  or residual.device != x.device):
