@@ -6,12 +6,15 @@ consecutive columns (:attr:`tpspec.model.deterministic.Contraction.wide_segments
 power-of-two TP size up to 8 holds whole segments. Each segment's float32 sum is computed
 by one Triton kernel whose K loop walks the segment in one fixed order: fixed
 ``BLOCK_M``/``BLOCK_N``/``BLOCK_K`` tiles, fixed warps and pipeline stages, no split-K, no
-autotuning, the tail of a segment that is not a multiple of ``BLOCK_K`` masked to zeros. An output element is therefore accumulated by the same
-instructions over the same columns whatever the number of rows ``M``, the row's place in
-its tile, the number of output columns, which rank holds the segment or how many segments
-one launch covers. The segments of a rank are then summed by the adjacent-pairs tree in
-torch (elementwise float32 adds), and the ranks' partials by the top of the same tree
-(:func:`tpspec.model.deterministic.tree_sum_ranks`).
+autotuning, the tail of a segment that is not a multiple of ``BLOCK_K`` masked to zeros. An
+output element is therefore accumulated by the same instructions over the same columns
+whatever the number of rows ``M``, the row's place in its tile, the number of output columns,
+which rank holds the segment or how many segments one launch covers. The segments of a rank
+are then summed by the adjacent-pairs tree (elementwise float32 adds: in torch, or the tree
+kernel, :func:`tree_sum`), and the ranks' partials by the top of the same tree
+(:func:`tpspec.model.deterministic.tree_sum_ranks`). :func:`segment_tree` gives the same bits
+in one launch, each program summing every segment of its tile and adding them by the tree, for
+a prefill's many rows (the segment sums are then never stored).
 
 Why our own kernel: the batch-invariant matmuls of Thinking Machines' ``batch_invariant_ops``
 (which vLLM and SGLang ship in their batch-invariant modes) fix the reduction order of the
