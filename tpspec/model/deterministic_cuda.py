@@ -86,6 +86,20 @@ def _segment_sum(x_tile, w_tile, row_ok, col_ok, stride_xm, stride_wn, k0, SEG_L
     return acc
 
 
+@triton.jit
+def _tile(pid_m, pid_n, x_ptr, w_ptr, M, N, stride_xm, stride_wn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Output tile ``(pid_m, pid_n)``: its first row and column, where its rows of ``x`` and of ``w``
+    start, and which of its rows and columns exist. The first row and column are 64-bit offsets
+    (a big weight passes 2^31 elements); offsets inside the tile stay 32-bit."""
+    row0 = pid_m.to(tl.int64) * BLOCK_M
+    col0 = pid_n.to(tl.int64) * BLOCK_N
+    x_tile = x_ptr + row0 * stride_xm
+    w_tile = w_ptr + col0 * stride_wn
+    row_ok = tl.arange(0, BLOCK_M) < M - row0
+    col_ok = tl.arange(0, BLOCK_N) < N - col0
+    return row0, col0, x_tile, w_tile, row_ok, col_ok
+
+
 @triton.jit(do_not_specialize=["M", "N"])
 def _segment_gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, stride_xm, stride_wn, SEG_LEN: tl.constexpr,
                          IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -99,14 +113,8 @@ def _segment_gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, stride_xm, stride_wn, SEG_
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
-    # 64-bit offsets of the tile's first row and column (a big weight passes 2^31 elements);
-    # offsets inside the tile stay 32-bit.
-    row0 = pid_m.to(tl.int64) * BLOCK_M
-    col0 = pid_n.to(tl.int64) * BLOCK_N
-    x_tile = x_ptr + row0 * stride_xm
-    w_tile = w_ptr + col0 * stride_wn
-    row_ok = tl.arange(0, BLOCK_M) < M - row0
-    col_ok = tl.arange(0, BLOCK_N) < N - col0
+    row0, col0, x_tile, w_tile, row_ok, col_ok = _tile(pid_m, pid_n, x_ptr, w_ptr, M, N, stride_xm, stride_wn, BLOCK_M,
+                                                       BLOCK_N)
     k0 = pid_s * SEG_LEN
     acc = _segment_sum(x_tile, w_tile, row_ok, col_ok, stride_xm, stride_wn, k0,
                        SEG_LEN, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
@@ -159,12 +167,8 @@ def _segment_tree_kernel(x_ptr, w_ptr, out_ptr, M, N, stride_xm, stride_wn, SEG_
     the ``[LOCAL, M, N]`` sums ever stored."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    row0 = pid_m.to(tl.int64) * BLOCK_M
-    col0 = pid_n.to(tl.int64) * BLOCK_N
-    x_tile = x_ptr + row0 * stride_xm
-    w_tile = w_ptr + col0 * stride_wn
-    row_ok = tl.arange(0, BLOCK_M) < M - row0
-    col_ok = tl.arange(0, BLOCK_N) < N - col0
+    row0, col0, x_tile, w_tile, row_ok, col_ok = _tile(pid_m, pid_n, x_ptr, w_ptr, M, N, stride_xm, stride_wn, BLOCK_M,
+                                                       BLOCK_N)
     if LOCAL == 1:
         total = _one_segment(x_tile, w_tile, row_ok, col_ok, stride_xm, stride_wn, 0, SEG_LEN, IEEE, BLOCK_M,
                              BLOCK_N, BLOCK_K, OPAQUE)

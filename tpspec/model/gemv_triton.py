@@ -310,6 +310,22 @@ def _norm_reduce_kernel(part_ptr, sq_ptr, b_ptr, out_ptr, N, splits, k_f, eps, H
 
 
 @triton.jit
+def _store_norm_rows(acc, sq, m, n, ok, n_ok, M, N, split, pid_n, part_ptr, sq_ptr, b_ptr, out_ptr, stride_om, k_f, eps,
+                     SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """The several-row norm kernels' end: ``acc`` ``[rows, BLOCK_N]`` and the rows' squares ``sq``
+    stored as split partials (``_norm_rows_reduce_kernel`` finishes them), or scaled by each row's
+    ``rsqrt``, biased and stored."""
+    if SPLIT:
+        tl.store(part_ptr + (split * M + m[:, None]) * N + n[None, :], acc, mask=ok)
+        tl.store(sq_ptr + split * M + m, sq, mask=m < M - pid_n * M)  # the same sums in every block: block 0's
+    else:
+        acc = acc * tl.math.rsqrt(tl.math.div_rn(sq, k_f) + eps)[:, None]
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + m[:, None] * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def _norm_rows_kernel(x_ptr, res_ptr, g_ptr, w_ptr, b_ptr, out_ptr, h_ptr, part_ptr, sq_ptr, M, N, K, stride_xm,
                       stride_rm, stride_hm, stride_om, stride_wn, k_iters, k_f, eps, M_PAD: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, SPLIT: tl.constexpr,
@@ -350,14 +366,8 @@ def _norm_rows_kernel(x_ptr, res_ptr, g_ptr, w_ptr, b_ptr, out_ptr, h_ptr, part_
         a = (h * g.to(tl.float32)[None, :]).to(x.dtype)
         acc = _dot(a, w, acc, IEEE)
     ok = m_ok[:, None] & n_ok[None, :]
-    if SPLIT:
-        tl.store(part_ptr + (split * M + m[:, None]) * N + n[None, :], acc, mask=ok)
-        tl.store(sq_ptr + split * M + m, sq, mask=m < M - pid_n * M)  # the same sums in every block: block 0's
-    else:
-        acc = acc * tl.math.rsqrt(tl.math.div_rn(sq, k_f) + eps)[:, None]
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + m[:, None] * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=ok)
+    _store_norm_rows(acc, sq, m, n, ok, n_ok, M, N, split, pid_n, part_ptr, sq_ptr, b_ptr, out_ptr, stride_om, k_f, eps,
+                     SPLIT, HAS_BIAS)
 
 
 @triton.jit
@@ -538,14 +548,8 @@ def _norm_few_rows_kernel(x_ptr, res_ptr, g_ptr, w_ptr, b_ptr, out_ptr, h_ptr, p
                                                                                      tl.sum(sq3, 0))))  # [4]
     m_ok = m < M
     ok = m_ok[:, None] & n_ok[None, :]
-    if SPLIT:
-        tl.store(part_ptr + (split * M + m[:, None]) * N + n[None, :], acc, mask=ok)
-        tl.store(sq_ptr + split * M + m, sq, mask=m < M - pid_n * M)  # the same sums in every block: block 0's
-    else:
-        acc = acc * tl.math.rsqrt(tl.math.div_rn(sq, k_f) + eps)[:, None]
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + m[:, None] * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=ok)
+    _store_norm_rows(acc, sq, m, n, ok, n_ok, M, N, split, pid_n, part_ptr, sq_ptr, b_ptr, out_ptr, stride_om, k_f, eps,
+                     SPLIT, HAS_BIAS)
 
 
 INTERPRETED = isinstance(_gemv_kernel, InterpretedFunction)
