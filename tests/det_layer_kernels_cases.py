@@ -35,7 +35,9 @@ def _sizes(device: str) -> tuple[list[int], list[int]]:
     return [64, 96, 256], [80, 1500]
 
 
-def check_tree_sum(device: str, _dtype) -> None:
+def check_tree_sum(device: str, dtype) -> None:
+    """The float32 tree, and the tree rounded to ``dtype`` inside the kernel (``FixedOrderMatmul.rounded``)
+    equal to torch's cast of it; sums of every magnitude, ties of the rounding among them."""
     gen = torch.Generator().manual_seed(21)
     for g in (1, 2, 4, 8):
         for m, n in ((1, 7), (5, 1030), (3, 4096)):
@@ -44,6 +46,18 @@ def check_tree_sum(device: str, _dtype) -> None:
             while want.shape[0] > 1:
                 want = want[0::2] + want[1::2]
             _same(kernels.tree_sum(sums), want[0], f"tree_sum G={g} {m}x{n}")
+            _same(kernels.tree_sum(sums, dtype), want[0].to(dtype), f"tree_sum G={g} {m}x{n} to {dtype}")
+    # Exact halfway cases of a 16-bit rounding (the low bits 1 followed by zeros) and values past its range.
+    ties = torch.tensor([1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, 1.0 + 2.0**-11, 1.0 + 3 * 2.0**-11, 7.0e4, -1.0e39,
+                         float("inf"), float("nan"), -0.0, 1.0e-42], dtype=torch.float32)
+    sums = torch.stack([ties, torch.zeros_like(ties)])[:, None, :].to(device)
+    _same(kernels.tree_sum(sums, dtype), (sums[0] + sums[1]).to(dtype), f"tree_sum ties to {dtype}")
+    try:
+        kernels.tree_sum(sums, torch.int32)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("tree_sum must refuse an integer dtype")
 
 
 def _reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -260,6 +260,19 @@ def test_contraction_tree_is_batch_and_split_invariant(k):
         assert torch.equal(parts[0], full), tp
 
 
+def test_rounded_is_the_partial_cast_for_a_whole_contraction():
+    """``rounded`` gives ``partial(...).to(x.dtype)`` (here on CPU; on CUDA the tree kernel rounds, checked
+    bit for bit by ``det_layer_kernels_cases.check_tree_sum``); a rank's share of a split contraction
+    is summed over the ranks first, so it has no rounded form."""
+    gen = torch.Generator().manual_seed(3)
+    x, w = torch.randn(5, 96, generator=gen).half(), torch.randn(11, 96, generator=gen).half()
+    mm = det.FixedOrderMatmul(det.Contraction.of(96), 1)
+    got = mm.rounded(x, w)
+    assert got.dtype == torch.float16 and torch.equal(got, mm.partial(x, w).to(torch.float16))
+    with pytest.raises(ValueError, match="whole"):
+        det.FixedOrderMatmul(det.Contraction.of(96), 2).rounded(x[:, :48], w[:, :48])
+
+
 def test_tp_size_must_be_a_power_of_two():
     with pytest.raises(ValueError, match="power-of-two"):
         det.check_contraction_split("k", 96, 3)

@@ -38,10 +38,21 @@ def test_switch_runs_them_only_on_cuda(monkeypatch):
 def test_kernels_compile_for_hopper_without_fused_multiply_add():
     from interpreted import compile_for_hopper
     from tpspec.model import deterministic_cuda as dc
+    from tpspec.model import fused_triton
 
+    rotary_args = {name: "*bf16" for name in ("qkv_ptr", "cos_ptr", "sin_ptr", "q_ptr", "k_ptr", "v_ptr")}
+    rotary_args.update(index_ptr="*i64", num_rows="i32",
+                       **{name: "i32" for name in ("stride_t", "stride_c", "stride_s", "stride_qt", "stride_qh",
+                                                   "stride_kr", "stride_kh", "stride_vr", "stride_vh")})
     kernels = [
         (dc._tree_sum_kernel, {"sums_ptr": "*fp32", "out_ptr": "*fp32", "count": "i32"},
          {"G": 8, "BLOCK": dc._ELEMENTS}),
+        (dc._tree_sum_kernel, {"sums_ptr": "*fp32", "out_ptr": "*bf16", "count": "i32"},
+         {"G": 8, "BLOCK": dc._ELEMENTS}),
+        # The rotary and K/V write of the fused layers, which deterministic layers run too: every product
+        # rounded before its sum, as apply_rotary rounds it.
+        (fused_triton._rotary_kv_kernel, rotary_args,
+         {"NUM_HEADS": 32, "NUM_KV_HEADS": 8, "HEAD_DIM": 128, "HALF_PAD": 64, "PDL": False}),
         (dc._rms_norm_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "leaves_ptr": "*i64", "out_ptr": "*bf16",
                                "hidden": "i32", "stride_x": "i32", "stride_o": "i32", "inv_hidden": "fp32",
                                "eps": "fp32"}, {"LEAVES": 4096, "BLOCK": 4096}),

@@ -232,6 +232,18 @@ class FixedOrderMatmul:
             self._weight_key = key
         return self._leaves
 
+    def rounded(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``partial(x, weight).to(x.dtype)`` for a contraction this rank holds whole
+        (``tp_size == 1``): the same bits, with the rounding inside the tree's kernel where the
+        layer kernels run (no float32 ``[M, N]`` stored and read back)."""
+        if self.tp_size != 1:
+            raise ValueError("only a contraction held whole by one rank is rounded before the ranks' sum")
+        gemm = segment_gemm(x.device)
+        if gemm is not None and layer_kernels(x.device) is not None:
+            seg_len = self.contraction.length // self.contraction.wide_segments
+            return gemm.tree_sum(gemm.segment_sums(x, weight, seg_len), x.dtype)
+        return self.partial(x, weight).to(x.dtype)
+
     def partial(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         gemm = segment_gemm(x.device)
         if gemm is not None:

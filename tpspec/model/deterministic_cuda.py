@@ -287,14 +287,15 @@ def segment_partial(x: torch.Tensor, weight: torch.Tensor, seg_len: int) -> torc
 
 @triton.jit
 def _tree_sum_kernel(sums_ptr, out_ptr, count, G: tl.constexpr, BLOCK: tl.constexpr):
-    """``out[e] = sum_s sums[s, e]`` by the adjacent-pairs tree over ``G`` segment sums (``G`` a power of two)."""
+    """``out[e] = sum_s sums[s, e]`` by the adjacent-pairs tree over ``G`` segment sums (``G`` a power of two),
+    rounded once to ``out``'s dtype (round to nearest even, as torch casts)."""
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = i < count
     s = tl.load(sums_ptr + tl.arange(0, G)[:, None].to(tl.int64) * count + i[None, :], mask=ok[None, :], other=0.0)
     for level in tl.static_range(G.bit_length() - 1):
         # Rows 2j and 2j + 1 become row j: the adjacent pair, one float32 add each.
         s = tl.sum(tl.reshape(s, (G >> (level + 1), 2, BLOCK)), axis=1)
-    tl.store(out_ptr + i, tl.reshape(s, (BLOCK,)), mask=ok)
+    tl.store(out_ptr + i, tl.reshape(s, (BLOCK,)).to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -378,14 +379,17 @@ INTERPRETED = isinstance(_tree_sum_kernel, InterpretedFunction)
 _ELEMENTS = 1024  # elements one tree-sum or silu program handles
 
 
-def tree_sum(sums: torch.Tensor) -> torch.Tensor:
-    """``[G, M, N]`` float32 (``G`` a power of two) -> ``[M, N]``: the adjacent-pairs tree over
-    dim 0 in one kernel, bit for bit ``while len(s) > 1: s = s[0::2] + s[1::2]``."""
+def tree_sum(sums: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``[G, M, N]`` float32 (``G`` a power of two) -> ``[M, N]`` in ``dtype`` (float32, float16 or
+    bfloat16): the adjacent-pairs tree over dim 0 in one kernel, bit for bit ``while len(s) > 1:
+    s = s[0::2] + s[1::2]`` and then ``.to(dtype)``."""
     g = sums.shape[0]
     if g & (g - 1):
         raise ValueError(f"the tree sums a power-of-two number of segments, got {g}")
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"the tree's sums are rounded to float32, float16 or bfloat16, got {dtype}")
     sums = sums.contiguous()
-    out = torch.empty(sums.shape[1:], dtype=torch.float32, device=sums.device)
+    out = torch.empty(sums.shape[1:], dtype=dtype, device=sums.device)
     count = out.numel()
     if count:
         _tree_sum_kernel[(triton.cdiv(count, _ELEMENTS),)](sums, out, count, G=g, BLOCK=_ELEMENTS, num_warps=4,

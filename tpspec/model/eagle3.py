@@ -226,7 +226,7 @@ class DraftVocabHead(nn.Module):
         local = torch.full((hidden.shape[0], self.shard_width), float("-inf"), dtype=hidden.dtype,
                            device=hidden.device)
         if self.fixed_order is not None:
-            local[:, self.columns] = self.fixed_order.partial(hidden, self.weight).to(hidden.dtype)
+            local[:, self.columns] = self.fixed_order.rounded(hidden, self.weight)
         else:
             local[:, self.columns] = torch.nn.functional.linear(hidden, self.weight)
         return VocabShardedLogits(local, self.vocab_offset, self.vocab_size, self.exchange)

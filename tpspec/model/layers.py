@@ -276,7 +276,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fixed_order is not None:
-            y = self.fixed_order.partial(x, self.weight).to(x.dtype)
+            y = self.fixed_order.rounded(x, self.weight)
             return y if self.bias is None else y + self.bias
         return linear(x, self.weight, self.bias)
 
@@ -323,7 +323,10 @@ class RowParallelLinear(nn.Module):
         if self.fixed_order is not None:
             if reduce is not None:
                 raise ValueError("deterministic mode does not support attention DP")
-            y = det.tree_sum_ranks(self.fixed_order.partial(x, self.weight), self.group, self.tp_size).to(x.dtype)
+            if self.tp_size == 1:
+                y = self.fixed_order.rounded(x, self.weight)
+            else:
+                y = det.tree_sum_ranks(self.fixed_order.partial(x, self.weight), self.group, self.tp_size).to(x.dtype)
             return y if self.bias is None else y + self.bias
         return self._sum_ranks(linear(x, self.weight), reduce)
 
@@ -352,7 +355,9 @@ class Attention(nn.Module):
     attention, :mod:`tpspec.model.attention`) and projects back (summed over the group).
     ``prefix`` (default ``model.layers.{layer}.self_attn``) names the checkpoint tensors;
     ``in_features`` (default ``hidden_size``) is the width q/k/v read. ``fused``: rotary and the
-    K/V write in one kernel (:func:`~tpspec.model.fused_triton.rotary_and_write_kv`).
+    K/V write in one kernel (:func:`~tpspec.model.fused_triton.rotary_and_write_kv`); deterministic
+    layers run that kernel too where :func:`~tpspec.model.deterministic.layer_kernels` gives their
+    kernels (it gives ``apply_rotary``'s and ``KVPages.write``'s bits, element by element).
     """
 
     def __init__(self, cfg: ModelConfig, layer: int, tp_size: int, tp_rank: int, group: Any,
@@ -360,6 +365,7 @@ class Attention(nn.Module):
                  in_features: int | None = None, deterministic: bool = False, fused: bool = False) -> None:
         super().__init__()
         self.fused = fused and not deterministic
+        self.deterministic = deterministic
         split = split_heads(cfg, tp_size, tp_rank)
         hd = cfg.head_dim
         self.head_dim = hd
@@ -386,7 +392,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 pages: KVPages, attend: AttendFn) -> torch.Tensor:
-        if self.fused:
+        if self.fused or (self.deterministic and det.layer_kernels(x.device) is not None):
             return self.attend_projected(self.qkv(x), cos, sin, meta, pages, attend)
         n = x.shape[0]
         q, k, v = self.qkv(x).split(self.qkv.out_sizes, dim=-1)

@@ -361,7 +361,7 @@ class TPLlamaForCausalLM(nn.Module):
             return StackedRowsLogits(self.lm_head(layout.head_rows.gather(x)), layout.head_rows)
         if self.head_fixed_order is not None:
             head = self.lm_head
-            local = self.head_fixed_order.partial(x, head.weight).to(x.dtype)
+            local = self.head_fixed_order.rounded(x, head.weight)
             if head.bias is not None:
                 local = local + head.bias
             return VocabShardedLogits(local, head.vocab_offset, head.vocab_size, head.exchange)
