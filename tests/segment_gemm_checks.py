@@ -22,11 +22,6 @@ Each check raises ``AssertionError`` on a mismatch:
   that is not a tile boundary.
 * ``tp_invariance``: TP = 1 equals TP = 2, 4, 8 bit for bit (each rank's partial over its
   column slice, then the adjacent-pairs tree over ranks).
-* ``segment_tree``: the one-launch subtree (``segment_tree``: every segment and the tree in one
-  program a tile) equals the segment sums added by the tree kernel, bit for bit, for every shape
-  and row count above and on a rank's column slice (strided views). On CUDA this is the check
-  that the compiler folded no addition into a segment's tile product: the segments shorter
-  than the K block are one tile product each.
 """
 
 from __future__ import annotations
@@ -113,22 +108,6 @@ def check_tp_invariance(device: str, dtype: torch.dtype) -> None:
             tp *= 2
 
 
-def check_segment_tree(device: str, dtype: torch.dtype) -> None:
-    from tpspec.model import deterministic_cuda as dc
-
-    for k, g in SHAPES:
-        seg = k // g
-        w = _randn(COLUMNS, k, seed=k + 6, dtype=dtype, device=device)
-        for m in ROWS:
-            x = _randn(m, k, seed=1000 * m + k + 7, dtype=dtype, device=device)
-            assert torch.equal(dc.segment_tree(x, w, seg), dc.tree_sum(dc.segment_sums(x, w, seg))), (k, m)
-        if g >= 2:  # the second rank of two: strided views of half the columns
-            half = k // 2
-            x = _randn(130, k, seed=k + 8, dtype=dtype, device=device)[:, half:]
-            assert torch.equal(dc.segment_tree(x, w[:, half:], seg),
-                               dc.tree_sum(dc.segment_sums(x, w[:, half:], seg))), (k, "rank 1 of 2")
-
-
 def interpret_dot() -> None:
     """Under ``TRITON_INTERPRET=1``: make the interpreter's ``tl.dot`` a per-element float32
     sum (products, then the running sum over the K axis), the same for every place in a tile."""
@@ -147,7 +126,7 @@ def interpret_dot() -> None:
 
 
 CHECKS = {"reference": check_reference, "batch_invariance": check_batch_invariance,
-          "tp_invariance": check_tp_invariance, "segment_tree": check_segment_tree}
+          "tp_invariance": check_tp_invariance}
 
 
 if __name__ == "__main__":

@@ -35,8 +35,7 @@ def segment_gemm():
 
 @pytest.mark.parametrize("check,dtype", [("reference", torch.bfloat16), ("batch_invariance", torch.bfloat16),
                                          ("tp_invariance", torch.bfloat16), ("reference", torch.float32),
-                                         ("tp_invariance", torch.float32), ("segment_tree", torch.bfloat16),
-                                         ("segment_tree", torch.float16)])
+                                         ("tp_invariance", torch.float32)])
 def test_segment_gemm_checks_on_cuda(segment_gemm, check, dtype):
     """Float32's batch invariance is checked on the model (``test_deterministic_on_cuda``):
     compiling its eight-segment variants takes long."""
@@ -55,25 +54,6 @@ def test_fixed_order_matmul_dispatches_to_the_segment_gemm(segment_gemm):
     rank = det.FixedOrderMatmul(c, 4).partial(x[:, 24:48].cuda(), w[:, 24:48].cuda())
     assert torch.equal(rank, segment_gemm.segment_partial(x[:, 24:48].cuda(), w[:, 24:48].cuda(), 12))
     torch.testing.assert_close(got.cpu(), det.FixedOrderMatmul(c, 1).partial(x, w), rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("rows", [65, 300, 2048])
-def test_segment_tree_at_a_model_shape(segment_gemm, monkeypatch, rows):
-    """At Llama 3 8B's q/k/v shape (K 4096 in 8 segments of 512, 6144 features, bf16) the one-launch
-    subtree equals the segment sums added by the tree kernel, bit for bit; with the switch on,
-    ``FixedOrderMatmul.partial`` runs it where ``tree_fills_device`` says (a prefill's rows), and
-    gives the same bits either way."""
-    gen = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 4096, generator=gen).to(torch.bfloat16).cuda()
-    w = (torch.randn(6144, 4096, generator=gen) * 0.02).to(torch.bfloat16).cuda()
-    expected = segment_gemm.tree_sum(segment_gemm.segment_sums(x, w, 512))
-    assert torch.equal(segment_gemm.segment_tree(x, w, 512), expected)
-    matmul = det.FixedOrderMatmul(det.Contraction.of(4096), 1)
-    monkeypatch.setattr(det, "SEGMENT_TREE_ON_CUDA", True)
-    # A decode step's rows keep the segment sums; a long prefill's take the one launch.
-    assert not segment_gemm.tree_fills_device(64, 6144, x.device)
-    assert segment_gemm.tree_fills_device(2048, 6144, x.device)
-    assert torch.equal(matmul.partial(x, w), expected)
 
 
 def _cuda_scenarios(rank: int, world: int, path: str) -> dict[str, torch.Tensor] | None:

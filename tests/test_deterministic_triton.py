@@ -1,9 +1,8 @@
 """Deterministic mode's CUDA segment GEMM run by Triton's interpreter on CPU tensors: segment
 sums against float64, a row's bits alone vs at other places of other batches and with the
-columns cut in two, TP = 1 vs 2/4/8 partials, the one-launch subtree against the segment sums and their
-tree (``segment_gemm_checks``; there, why the
+columns cut in two, TP = 1 vs 2/4/8 partials (``segment_gemm_checks``; there, why the
 interpreter's ``tl.dot`` is made a per-element sum). Each check runs in a subprocess with
-``TRITON_INTERPRET=1``, so the interpreter never reaches other tests; the four run side by side. Skipped without
+``TRITON_INTERPRET=1``, so the interpreter never reaches other tests; the three run side by side. Skipped without
 ``triton``; the same checks run on CUDA in ``test_deterministic_gpu.py``."""
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")]
 
 
-CHECKS = ("reference", "batch_invariance", "tp_invariance", "segment_tree")
+CHECKS = ("reference", "batch_invariance", "tp_invariance")
 
 
 @pytest.fixture(scope="module")
@@ -65,30 +64,3 @@ def test_segment_gemm_compiles_for_hopper(dtype, instruction):
     assert instruction in ptx and "cubin" in asm
     if dtype == "fp32":
         assert "wgmma" not in ptx and "mma.sync" not in ptx and "tf32" not in ptx
-
-
-def test_segment_tree_compiles_to_the_segment_sums_instructions_on_hopper():
-    """The one-launch subtree (bf16, eight segments of 512 columns: Llama 3 8B's hidden size at TP 1)
-    compiles for Hopper without a GPU to the same tensor-core instruction as the segment-sums kernel
-    (a different one would round differently), its segment sums kept opaque (``mov.b32``, no fold of
-    an addition into a tile product) and every value in registers."""
-    import re
-
-    from interpreted import compile_for_hopper, resource_usage
-    from tpspec.model import deterministic_cuda as dc
-
-    signature = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp32", "M": "i32", "N": "i32",
-                 "stride_xm": "i32", "stride_wn": "i32"}
-    tiles = {"SEG_LEN": 512, "IEEE": False, "BLOCK_M": dc.BLOCK_M, "BLOCK_N": dc.BLOCK_N, "BLOCK_K": dc.BLOCK_K}
-    options = dict(num_warps=dc.NUM_WARPS, num_stages=dc.NUM_STAGES, enable_fp_fusion=True, aligned_pointers=True,
-                   multiples_of_16=("stride_xm", "stride_wn"))
-    tree = compile_for_hopper(dc._segment_tree_kernel, signature, dict(tiles, LOCAL=8, OPAQUE=True), **options)
-    sums = compile_for_hopper(dc._segment_gemm_kernel, signature, tiles, **options)
-
-    def products(asm):
-        return set(re.findall(r"wgmma\.mma_async[.a-z0-9]*", asm["ptx"]))
-
-    assert products(tree) == products(sums) and len(products(sums)) == 1, (products(tree), products(sums))
-    assert tree["ptx"].count("wgmma.mma_async") == 8 * sums["ptx"].count("wgmma.mma_async")
-    assert "mov.b32" in tree["ptx"]
-    assert resource_usage(tree)["STACK"] == 0

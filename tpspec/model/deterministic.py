@@ -183,13 +183,6 @@ def segment_gemm(device: torch.device) -> Any:
 LAYER_KERNELS_ON_CUDA = True
 
 
-# Whether a deterministic contraction of many rows on CUDA (a prefill) sums its segments and their tree in one
-# kernel (`deterministic_cuda.segment_tree`, the same bits as the segment sums and the tree kernel) where
-# `deterministic_cuda.tree_fills_device` says so. Its bits passed their GPU checks (an H200); off until its speed has
-# been measured against the segment sums on one machine.
-SEGMENT_TREE_ON_CUDA = False
-
-
 def layer_kernels(device: torch.device) -> Any:
     """:mod:`tpspec.model.deterministic_cuda` when deterministic layers on ``device`` run its fused
     kernels (CUDA, ``triton`` importable, :data:`LAYER_KERNELS_ON_CUDA` on), else None (torch)."""
@@ -249,8 +242,6 @@ class FixedOrderMatmul:
         if gemm is not None:
             seg_len = self.contraction.length // self.contraction.wide_segments
             if layer_kernels(x.device) is not None:
-                if SEGMENT_TREE_ON_CUDA and gemm.tree_fills_device(x.shape[0], weight.shape[0], x.device):
-                    return gemm.segment_tree(x, weight, seg_len)  # the same bits, no stored segment sums
                 return gemm.tree_sum(gemm.segment_sums(x, weight, seg_len))
             return gemm.segment_partial(x, weight, seg_len)
         m, n = x.shape[0], weight.shape[0]

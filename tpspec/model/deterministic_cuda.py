@@ -12,9 +12,7 @@ whatever the number of rows ``M``, the row's place in its tile, the number of ou
 which rank holds the segment or how many segments one launch covers. The segments of a rank
 are then summed by the adjacent-pairs tree (elementwise float32 adds: in torch, or the tree
 kernel, :func:`tree_sum`), and the ranks' partials by the top of the same tree
-(:func:`tpspec.model.deterministic.tree_sum_ranks`). :func:`segment_tree` gives the same bits
-in one launch, each program summing every segment of its tile and adding them by the tree, for
-a prefill's many rows (the segment sums are then never stored).
+(:func:`tpspec.model.deterministic.tree_sum_ranks`).
 
 Why our own kernel: the batch-invariant matmuls of Thinking Machines' ``batch_invariant_ops``
 (which vLLM and SGLang ship in their batch-invariant modes) fix the reduction order of the
@@ -123,71 +121,6 @@ def _segment_gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, stride_xm, stride_wn, SEG_
     tl.store(out, acc, mask=row_ok[:, None] & col_ok[None, :])
 
 
-@triton.jit
-def _opaque(acc, OPAQUE: tl.constexpr):
-    """``acc`` unchanged, hidden from the compiler's rewrites where ``OPAQUE`` (CUDA): an addition
-    of a segment sum is then never folded into that segment's last tile product (``add(x, dot(a,
-    b, 0))`` into ``dot(a, b, x)``, which rounds differently). The interpreter folds nothing."""
-    if OPAQUE:
-        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [acc], dtype=tl.float32, is_pure=True,
-                                         pack=1)
-    return acc
-
-
-@triton.jit
-def _one_segment(x_tile, w_tile, row_ok, col_ok, stride_xm, stride_wn, s, SEG_LEN: tl.constexpr,
-                 IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 OPAQUE: tl.constexpr):
-    """Segment ``s``'s sum over the tile, from zero (:func:`_segment_sum`), made opaque."""
-    return _opaque(_segment_sum(x_tile, w_tile, row_ok, col_ok, stride_xm, stride_wn, s * SEG_LEN, SEG_LEN, IEEE,
-                                BLOCK_M, BLOCK_N, BLOCK_K), OPAQUE)
-
-
-@triton.jit
-def _segment_pair(x_tile, w_tile, row_ok, col_ok, stride_xm, stride_wn, p, SEG_LEN: tl.constexpr,
-                  IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  OPAQUE: tl.constexpr):
-    """Segments ``2 p`` and ``2 p + 1``, each summed from zero, added: the tree's first level."""
-    first = _one_segment(x_tile, w_tile, row_ok, col_ok, stride_xm, stride_wn, 2 * p, SEG_LEN, IEEE, BLOCK_M,
-                         BLOCK_N, BLOCK_K, OPAQUE)
-    second = _one_segment(x_tile, w_tile, row_ok, col_ok, stride_xm, stride_wn, 2 * p + 1, SEG_LEN, IEEE, BLOCK_M,
-                          BLOCK_N, BLOCK_K, OPAQUE)
-    return first + second
-
-
-@triton.jit(do_not_specialize=["M", "N"])
-def _segment_tree_kernel(x_ptr, w_ptr, out_ptr, M, N, stride_xm, stride_wn, SEG_LEN: tl.constexpr,
-                         LOCAL: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, OPAQUE: tl.constexpr):
-    """Program ``(i, j)``: rows tile ``i``, columns tile ``j``, every one of the ``LOCAL`` (1, 2, 4
-    or 8) segments summed by :func:`_segment_sum` (each from zero, as one program of
-    :func:`_segment_gemm_kernel` sums it) and the sums added by the adjacent-pairs tree
-    (``((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))``, as :func:`tree_sum` adds them), written
-    to ``out[rows, cols]`` (``[M, N]`` float32): the bits of ``tree_sum(segment_sums(...))`` without
-    the ``[LOCAL, M, N]`` sums ever stored."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    row0, col0, x_tile, w_tile, row_ok, col_ok = _tile(pid_m, pid_n, x_ptr, w_ptr, M, N, stride_xm, stride_wn, BLOCK_M,
-                                                       BLOCK_N)
-    if LOCAL == 1:
-        total = _one_segment(x_tile, w_tile, row_ok, col_ok, stride_xm, stride_wn, 0, SEG_LEN, IEEE, BLOCK_M,
-                             BLOCK_N, BLOCK_K, OPAQUE)
-    else:
-        total = _segment_pair(x_tile, w_tile, row_ok, col_ok, stride_xm, stride_wn, 0, SEG_LEN, IEEE, BLOCK_M,
-                              BLOCK_N, BLOCK_K, OPAQUE)
-    if LOCAL >= 4:
-        total = total + _segment_pair(x_tile, w_tile, row_ok, col_ok, stride_xm, stride_wn, 1, SEG_LEN, IEEE,
-                                      BLOCK_M, BLOCK_N, BLOCK_K, OPAQUE)
-    if LOCAL == 8:
-        left = _segment_pair(x_tile, w_tile, row_ok, col_ok, stride_xm, stride_wn, 2, SEG_LEN, IEEE, BLOCK_M,
-                             BLOCK_N, BLOCK_K, OPAQUE)
-        right = _segment_pair(x_tile, w_tile, row_ok, col_ok, stride_xm, stride_wn, 3, SEG_LEN, IEEE, BLOCK_M,
-                              BLOCK_N, BLOCK_K, OPAQUE)
-        total = total + (left + right)
-    out = out_ptr + (row0 + tl.arange(0, BLOCK_M)[:, None]) * N + col0 + tl.arange(0, BLOCK_N)[None, :]
-    tl.store(out, total, mask=row_ok[:, None] & col_ok[None, :])
-
-
 def _operands(x: torch.Tensor, weight: torch.Tensor, seg_len: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x [M, K_local] and weight [N, K_local] expected, got {tuple(x.shape)} and "
@@ -231,47 +164,6 @@ def segment_sums(x: torch.Tensor, weight: torch.Tensor, seg_len: int) -> torch.T
                                IEEE=x.dtype == torch.float32, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
                                num_warps=NUM_WARPS, num_stages=NUM_STAGES, enable_fp_fusion=True)
     return out
-
-
-def segment_tree(x: torch.Tensor, weight: torch.Tensor, seg_len: int) -> torch.Tensor:
-    """``[M, N]`` float32: this rank's subtree of the contraction in one launch, bit for bit
-    ``tree_sum(segment_sums(x, weight, seg_len))`` (shapes and dtypes as :func:`segment_sums`).
-
-    One program a ``[BLOCK_M, BLOCK_N]`` output tile sums each of the rank's segments by the same
-    K loop as :func:`segment_sums` (the same tiles, warps and stages) and adds the sums by the
-    adjacent-pairs tree, so the ``[local, M, N]`` float32 sums are never stored and read back:
-    what a prefill of many rows saves. It has ``local`` times fewer programs, so few rows are
-    better served by :func:`segment_sums` (:func:`tree_fills_device` is the rule)."""
-    x, weight, local = _operands(x, weight, seg_len)
-    m, n = x.shape[0], weight.shape[0]
-    out = torch.empty(m, n, dtype=torch.float32, device=x.device)
-    if m == 0 or n == 0:
-        return out
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
-    _segment_tree_kernel[grid](x, weight, out, m, n, x.stride(0), weight.stride(0), SEG_LEN=seg_len, LOCAL=local,
-                               IEEE=x.dtype == torch.float32, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                               OPAQUE=not INTERPRETED, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
-                               enable_fp_fusion=True)
-    return out
-
-
-TREE_PROGRAMS_PER_SM = 2  # segment_tree's programs a SM, at least, before the rule picks it
-
-
-def tree_fills_device(m: int, n: int, device: torch.device) -> bool:
-    """Whether an ``[m, n]`` output is summed by :func:`segment_tree`: more than one tile of rows
-    (a prefill: the stored sums would be many times a decode step's) and at least
-    ``TREE_PROGRAMS_PER_SM`` programs for every SM of ``device``. Shapes only: the same answer on
-    every rank, and the bits are the same either way."""
-    programs = triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N)
-    return m > BLOCK_M and programs >= TREE_PROGRAMS_PER_SM * _sm_count(device)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 1  # the interpreter
 
 
 def segment_partial(x: torch.Tensor, weight: torch.Tensor, seg_len: int) -> torch.Tensor:
