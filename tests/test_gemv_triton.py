@@ -198,10 +198,10 @@ class _Kernels:
 
 
 def test_dispatch_rule(monkeypatch):
-    """On by default (GPU-checked); with the switch on, only one-row, ``N >= K``, aligned,
-    same-dtype calls on a device the kernels run on (CUDA compiled, CPU interpreted) go to the
-    kernel; with it off, none. SwiGLU's down projection with ``silu(gate) * up`` inside: one row
-    of ``2 K``, any ``N``, both switches on."""
+    """On by default (GPU-checked); with the switch on, only one-row ``N >= K`` and two- to four-row
+    ``N <= K``, aligned, same-dtype calls on a device the kernels run on (CUDA compiled, CPU
+    interpreted) go to the kernel; with it off, none. SwiGLU's down projection with ``silu(gate) * up``
+    inside: one row of ``2 K``, any ``N``, both switches on."""
     assert linear_mod.TRITON_GEMV is True
     use = linear_mod.use_triton_linear
     x, w, b = torch.zeros(1, 64), torch.zeros(64, 64), torch.zeros(64)
@@ -217,8 +217,8 @@ def test_dispatch_rule(monkeypatch):
     kernels.INTERPRETED = True
     assert use(x, w, b) and use(x, w) and use(x, torch.zeros(96, 64))
     assert use(x.half(), w.half(), b.half())
-    assert not use(x, torch.zeros(32, 64))  # K > N (down_proj): cuBLAS
-    assert not use(torch.zeros(2, 64), w)  # more than one row: cuBLAS
+    assert not use(x, torch.zeros(32, 64))  # one row, K > N (down_proj): silu_mul_linear's rule, else cuBLAS
+    assert not use(torch.zeros(2, 64), torch.zeros(96, 64))  # two rows, N > K (q/k/v, gate/up): cuBLAS
     assert not use(x.bfloat16(), w.bfloat16())  # the interpreter's tl.dot has no bfloat16
     assert not use(torch.zeros(0, 64), w)
     assert not use(torch.zeros(1, 60), torch.zeros(64, 60))  # K not a multiple of 8
@@ -245,9 +245,10 @@ def test_dispatch_rule(monkeypatch):
     gate_up = torch.zeros(1, 128)
     assert silu(gate_up, torch.zeros(32, 64)) and silu(gate_up, w)  # down_proj's K > N too
     assert not silu(torch.zeros(2, 128), torch.zeros(32, 64))  # one row only
-    assert linear_mod.TRITON_GEMV_ROWS == 1
-    monkeypatch.setattr(linear_mod, "TRITON_GEMV_ROWS", 4)  # up to four rows: the linears
-    assert use(torch.zeros(4, 64), w) and not use(torch.zeros(5, 64), w) and not use(torch.zeros(4, 64), w[:32])
+    assert linear_mod.TRITON_GEMV_ROWS == 4  # up to four rows: at one N >= K, at two to four N <= K
+    assert use(torch.zeros(4, 64), w) and not use(torch.zeros(5, 64), w)
+    assert use(torch.zeros(4, 64), w[:32]) and use(torch.zeros(2, 64), w[:32]) and not use(x, w[:32])
+    assert not use(torch.zeros(4, 64), torch.zeros(128, 64)) and use(x, torch.zeros(128, 64))
     assert linear_mod.FUSED_INPUT_ROWS == 1  # the norm and silu inside the GEMV at one row only
     assert not silu(torch.zeros(2, 128), torch.zeros(32, 64)) and not norm(torch.zeros(2, 64), None, g, w)
     assert silu(gate_up, torch.zeros(32, 64)) and norm(x, None, g, w)
@@ -259,6 +260,7 @@ def test_dispatch_rule(monkeypatch):
     monkeypatch.setattr(linear_mod, "TRITON_GEMV_ROWS", 1000)  # never past the kernels' MAX_ROWS
     assert use(torch.zeros(kernels.MAX_ROWS, 64), w) and not use(torch.zeros(kernels.MAX_ROWS + 1, 64), w)
     monkeypatch.setattr(linear_mod, "TRITON_GEMV_ROWS", 1)
+    assert not use(torch.zeros(2, 64), w) and use(x, w)
     assert not silu(torch.zeros(1, 64), torch.zeros(32, 64))  # gate_up is 2 K wide
     assert not silu(gate_up.half(), torch.zeros(32, 64))
     monkeypatch.setattr(linear_mod, "TRITON_SILU_DOWN", False)

@@ -70,9 +70,10 @@ ONE_ROW_STAGES = 3  # one row: software-pipeline stages of the K loop
 # but a program must keep enough loads in flight: docs/benchmarks.md ("Batch 1") compares 1, 2 and 4.
 ONE_ROW_PROGRAMS_PER_SM = 2
 # Two to FEW_ROWS rows: the one-row product for each row (four accumulators), on [features, contraction] tiles of
-# FEW_ROWS_TILE (four accumulators of a [16, 128] tile are 64 float32 registers a thread).
+# FEW_ROWS_TILE (four accumulators of an [8, 256] tile are 64 float32 registers a thread). 256 columns: a warp's 32
+# threads hold one row of the tile, 8 columns each, as at one row; docs/benchmarks.md compares the tiles.
 FEW_ROWS = 4
-FEW_ROWS_TILE = (16, 128)
+FEW_ROWS_TILE = (8, 256)
 FEW_ROWS_STAGES = 3
 FEW_ROWS_PROGRAMS_PER_SM = 2
 # More rows: [features, contraction] of a weight tile (into a tl.dot of 16 to 64 rows), and warps a program.
@@ -583,7 +584,7 @@ def plan_gemv(m: int, n: int, k: int, *, device: torch.device | str, splits: int
     One row: ``[16, 256]`` weight tiles (``ONE_ROW_TILE``; 4 warps: four 16-byte loads a thread a
     tile, 32 float32 accumulators a thread) in 3 pipeline stages (17 KiB of shared memory and 78
     registers a thread on sm_90: six programs fit an SM). Two to ``FEW_ROWS`` (4) rows: the same
-    product for each row on ``[16, 128]`` tiles (``FEW_ROWS_TILE``), 4 warps, 3 stages. More rows:
+    product for each row on ``[8, 256]`` tiles (``FEW_ROWS_TILE``), 4 warps, 3 stages. More rows:
     ``[64, 64]`` tiles (``ROWS_TILE``) into a ``tl.dot`` of ``m`` rows padded to 16, 32 or 64, 8 warps
     (``ROWS_WARPS``: no value of the three kernels spills to local memory at 16 to 64 rows), 4 stages
     for 16-bit weights, 2 for float32 (``element_size`` 4). ``splits`` (default: 1 when the feature

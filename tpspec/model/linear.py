@@ -25,9 +25,10 @@ TRITON_GEMV = True
 a GPU run of ``tests/test_gemv_triton.py``'s ``gpu`` tests passed, the fused norm included, and
 ``tpspec bench gemv`` reads these linears faster than cuBLAS at one row (``docs/benchmarks.md``)."""
 
-TRITON_GEMV_ROWS = 1
-"""The most rows of ``x`` the rule sends to the Triton GEMV (more go to ``F.linear``). One: at two
-rows or more the GEMV's ``tl.dot`` path read the linears no faster than cuBLAS
+TRITON_GEMV_ROWS = 4
+"""The most rows of ``x`` the rule sends to the Triton GEMV (more go to ``F.linear``). Four: a
+verification step of one request (three drafts), whose rows the few-rows kernels read as one row
+is read; from five rows on the GEMV's ``tl.dot`` path read the linears no faster than cuBLAS
 (``docs/benchmarks.md``, "The linears alone")."""
 
 _TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -62,18 +63,23 @@ def use_triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     """Whether :func:`linear` runs the Triton GEMV for these tensors.
 
     Yes when ``TRITON_GEMV`` is on; ``x`` is ``[M, K]`` with ``M`` at most ``TRITON_GEMV_ROWS``
-    (one: a decode step of one request), and ``weight`` a contiguous
-    ``[N, K]`` with ``N >= K`` (``tpspec bench gemv``: the GEMV reads q/k/v, o_proj, gate/up and
-    the LM head faster than cuBLAS at one row, not down_proj, whose ``K > N`` cuBLAS splits better),
+    (four: a decode step of one request, or its verification step), and ``weight`` a contiguous
+    ``[N, K]`` with ``N >= K`` at one row and ``N <= K`` at more rows (``tpspec bench gemv``: at one
+    row the GEMV reads q/k/v, o_proj, gate/up and the LM head faster than cuBLAS, and down_proj runs
+    with ``silu`` inside, :func:`use_triton_silu_linear`; at four rows it reads o_proj and down_proj
+    faster, where cuBLAS leaves bandwidth unused, and q/k/v, gate/up and the LM head slower),
     ``K`` a multiple of 8, 16-byte aligned (whole 16-byte loads of every row); ``x``, ``weight``
     and ``bias`` share a dtype of float32, float16, bfloat16 and a device; nothing needs
     gradients; and the kernels can run there: CUDA with ``triton`` compiled, or CPU under Triton's
     interpreter (``TRITON_INTERPRET=1``; not bfloat16 there). Reads only shapes, dtypes, devices
     and pointers: no host synchronization, the same answer on every rank of a TP group.
     """
-    if not TRITON_GEMV or weight.dim() != 2 or weight.shape[1] > weight.shape[0]:
+    if not TRITON_GEMV or weight.dim() != 2 or x.dim() != 2:
         return False
-    return _gemv_runs(x, weight, bias, weight.shape[1])
+    n, k = weight.shape
+    if k > n if x.shape[0] == 1 else n > k:
+        return False
+    return _gemv_runs(x, weight, bias, k)
 
 
 def use_triton_silu_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
