@@ -356,13 +356,15 @@ def test_cuda_graph_replay_equals_eager(m):
         w = torch.randn(n, k, generator=gen, device="cuda").to(dtype)
         b = torch.randn(n, generator=gen, device="cuda").to(dtype)
         cases.append((torch.randn(m, k, generator=gen, device="cuda").to(dtype), w, b))
-    assert any(kernels.plan_gemv(m, n, k, device="cuda").splits > 1 for n, k in LLAMA_3_8B.values())
+    o_proj = cases[1]
+    assert kernels.plan_gemv(m, *o_proj[1].shape, device="cuda", splits=4).splits == 4  # a split launch at every m
 
     res = torch.randn(m, 4096, generator=gen, device="cuda").to(dtype)
     g = torch.randn(4096, generator=gen, device="cuda").to(dtype)
 
     def forward():
         outs = [kernels.linear(x, w, bias) for x, w, b in cases for bias in (None, b)]
+        outs.append(kernels.linear(*o_proj, splits=4))
         for x, w, _ in cases[:3:2]:  # the norm fused in front of q/k/v and gate/up, with a residual and without
             outs += kernels.norm_linear(x, res, g, 1e-5, w) + kernels.norm_linear(x, None, g, 1e-5, w)[:1]
         return outs
