@@ -93,6 +93,51 @@ def test_bench_step_roofline_only_several_attention_backends(tmp_path, capsys):
     assert list(meta["failed"]) == ["flashinfer"] and "needs CUDA" in meta["failed"]["flashinfer"]
 
 
+def test_bench_step_profile_writes_each_cells_operators_per_rank(tmp_path):
+    """--profile: after the timed steps of each cell, every rank writes its profile (JSON and text), named by
+    rank, backend, step, context, batch and column; on CPU the rows are operators by their own CPU time, the
+    matmuls among them, and the TP=2 ranks' all-reduce shows. The table is written as without it."""
+    out = tmp_path / "bench"
+    assert main(["bench", "step", "--device", "cpu", "--quick", "--tp", "2", "--roofline-only", "--roofline-batch", "1",
+                 "--contexts", "16", "--verify-batch", "1", "--roofline-columns", "greedy", "--iters", "1",
+                 "--warmup", "0", "--profile", "--out", str(out)]) == 0
+    report = json.loads((out / "step_roofline.json").read_text())
+    assert len(report["rows"]) == 2 and report["meta"]["profile_dir"] == str(out / "profile")
+    names = sorted(p.name for p in (out / "profile").iterdir())
+    want = [f"rank{r}-auto-{step}-c16-b1-greedy.{ext}" for r in (0, 1) for step in ("decode", "verify")
+            for ext in ("json", "txt")]
+    assert names == sorted(want)
+    for r in (0, 1):
+        prof = json.loads((out / "profile" / f"rank{r}-auto-verify-c16-b1-greedy.json").read_text())
+        assert prof["steps"] == roofline.PROFILE_STEPS and prof["what"] == "operators, own CPU time"
+        rows = {row["name"]: row for row in prof["rows"]}
+        assert rows["aten::mm"]["us_per_step"] > 0 and rows["aten::mm"]["calls_per_step"] >= 1
+        assert any("allreduce" in name for name in rows)
+        times = [row["us_per_step"] for row in prof["rows"]]
+        assert times == sorted(times, reverse=True)
+        text = (out / "profile" / f"rank{r}-auto-verify-c16-b1-greedy.txt").read_text().splitlines()
+        assert text[0].startswith(f"rank{r}-auto-verify-c16-b1-greedy: {roofline.PROFILE_STEPS} steps")
+        assert 1 < len(text) <= roofline.PROFILE_TOP + 1
+    with pytest.raises(SystemExit, match="--profile profiles the roofline"):
+        main(["bench", "step", "--device", "cpu", "--quick", "--no-roofline", "--profile", "--out", str(tmp_path)])
+
+
+def test_profile_rows_keep_the_device_events_on_cuda():
+    """On CUDA the rows are the device's events (kernels, copies) by device time; CPU operators are left out; the
+    largest first. Elsewhere every operator with its own CPU time."""
+    from types import SimpleNamespace
+
+    def event(key, device_type, device_us, self_cpu_us, count=2):
+        return SimpleNamespace(key=key, device_type=device_type, device_time_total=device_us,
+                               self_cpu_time_total=self_cpu_us, count=count)
+
+    events = [event("aten::mm", "DeviceType.CPU", 0.0, 40.0), event("gemv", "DeviceType.CUDA", 30.0, 0.0),
+              event("Memcpy HtoD", "DeviceType.CUDA", 50.0, 0.0, 1), event("idle", "DeviceType.CUDA", 0.0, 0.0)]
+    assert roofline.profile_rows(events, True) == [{"name": "Memcpy HtoD", "calls": 1, "us": 50.0},
+                                                    {"name": "gemv", "calls": 2, "us": 30.0}]
+    assert roofline.profile_rows(events, False) == [{"name": "aten::mm", "calls": 2, "us": 40.0}]
+
+
 @pytest.mark.slow
 def test_bench_step_real_shape_with_fewer_layers(tmp_path):
     """A real model shape (Qwen2.5 7B's layer: 28 heads, 4 KV heads, head_dim 128, q/k/v biases) built with

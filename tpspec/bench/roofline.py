@@ -23,7 +23,9 @@ Per context ``C`` (``--contexts``) and batch ``B`` (``--roofline-batch``):
 
 Each cell reports the median ``Engine.step()`` time after ``--warmup`` untimed steps (the first
 step of a new shape captures its CUDA graph), and whether the runtime ran the timed steps in its
-CUDA graph (``graph``) or eagerly (``eager``). The floor of a step is
+CUDA graph (``graph``) or eagerly (``eager``). With ``--profile`` each cell then runs
+:data:`PROFILE_STEPS` more steps under ``torch.profiler`` (never among the timed ones) and every
+rank writes where their device time went (:func:`profile_rows`, :func:`write_profile`). The floor of a step is
 ``(weight bytes of the rank, embedding table left out + KV bytes the step reads) / copy bandwidth``:
 a decode step reads only the embedding rows of its tokens; every request reads its cached entries
 plus the rows it writes, in K and V of every layer; the bandwidth is a device-to-device copy
@@ -54,6 +56,8 @@ QUICK_ROOFLINE_CONTEXTS = (32, 64)
 QUICK_VERIFY_BATCHES = (1,)
 COLUMNS = ("greedy", "defaults", "logprobs")
 LOGPROBS = 5
+PROFILE_STEPS = 5  # --profile: steps a cell runs under torch.profiler after its timed ones
+PROFILE_TOP = 25  # --profile: kernels (operators on CPU) the text summary lists
 # Qwen2.5-Instruct's generation_config.json: every request of the ``defaults`` column samples with it.
 QWEN25_DEFAULTS = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}
 
@@ -177,10 +181,16 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def cell_steps(cfg: dict) -> int:
+    """The steps a cell runs: ``warmup + iters``, and :data:`PROFILE_STEPS` more with a profile."""
+    return cfg["warmup"] + cfg["iters"] + (PROFILE_STEPS if cfg.get("profile_dir") else 0)
+
+
 def roofline_cells(rank: int, world_size: int, cfg: dict, device: torch.device) -> list[dict]:
     """Every cell of the table on this rank (collective: every rank runs the same engines and
     steps). ``cfg``: model, device, dtype, exchange, graphs, attention_backends, contexts,
-    roofline_batches, verify_batches, columns, draft_len, warmup, iters."""
+    roofline_batches, verify_batches, columns, draft_len, warmup, iters, and ``profile_dir``
+    (optional: where each cell's profile goes, :func:`write_profile`)."""
     bandwidth = copy_bandwidth(device)
     _free(device)
     out: list[dict] = []
@@ -206,7 +216,7 @@ def _build_engine(rank: int, world_size: int, cfg: dict, backend: str, num_draft
     from ..runtime.engine import Engine
 
     spec = SpeculativeConfig("ngram", num_speculative_tokens=num_draft) if num_draft else None
-    steps = cfg["warmup"] + cfg["iters"]
+    steps = cell_steps(cfg)
     config = EngineConfig(
         model_path=cfg["model"], tp_size=world_size, device=cfg["device"], dtype=cfg["dtype"], speculative=spec,
         max_batch_size=max_batch, max_seq_len=max(cfg["contexts"]) + _new_tokens(steps, num_draft) + num_draft + 1,
@@ -242,6 +252,10 @@ def _engine_cells(engine: Any, cfg: dict, backend: str, batches: Sequence[int], 
                 next_id += batch
                 cell = _time_cell(engine, counter, ids, prompts, column, cfg, per_token, device)
                 kv = cell.pop("kv_bytes")
+                profile = cell.pop("profile", None)
+                if profile is not None:
+                    write_profile(cfg["profile_dir"], f"rank{engine.mapping.tp_rank}-{backend}-{step_kind}-c{context}"
+                                  f"-b{batch}-{column}", profile, PROFILE_STEPS, device)
                 out.append(dict(cell, kind="roofline", attention=backend, resolved=model.attention.name,
                                 step=step_kind, column=column, context=context, batch=batch,
                                 rows=engine.num_draft + 1, weight_bytes=weight_bytes, kv_bytes=kv,
@@ -251,12 +265,14 @@ def _engine_cells(engine: Any, cfg: dict, backend: str, batches: Sequence[int], 
 
 def _time_cell(engine: Any, counter: "_GraphedSteps", ids: list[int], prompts: list[list[int]], column: str,
                cfg: dict, per_token: int, device: torch.device) -> dict:
-    """Start the requests, time ``Engine.step()`` (median over the timed steps), drop them."""
+    """Start the requests, time ``Engine.step()`` (median over the timed steps), profile
+    :data:`PROFILE_STEPS` more where ``cfg["profile_dir"]`` is set (``"profile"``: :func:`profile_rows`),
+    drop them."""
     from ..runtime.config import Request
 
     k = engine.num_draft
     steps = cfg["warmup"] + cfg["iters"]
-    requests = [Request(rid, tuple(p), column_params(column, i), max_new_tokens=_new_tokens(steps, k))
+    requests = [Request(rid, tuple(p), column_params(column, i), max_new_tokens=_new_tokens(cell_steps(cfg), k))
                 for i, (rid, p) in enumerate(zip(ids, prompts))]
     start_generating(engine, requests)
     preempted = engine.num_preemptions
@@ -280,12 +296,71 @@ def _time_cell(engine: Any, counter: "_GraphedSteps", ids: list[int], prompts: l
                 times.append(elapsed)
                 kv.append(kv_bytes_read(cached, k + 1, per_token))
                 graphed += counter.graphed
+        profile = _profiled_steps(engine, device) if cfg.get("profile_dir") else None
     finally:
         engine.abort(ids)
     if engine.num_preemptions != preempted:  # start_generating checked the pages: not expected
         raise RuntimeError("a request was preempted inside a roofline cell: its KV pages ran out")
-    return {"step_ms": statistics.median(times), "kv_bytes": statistics.mean(kv),
-            "path": path_of(graphed, len(times))}
+    out = {"step_ms": statistics.median(times), "kv_bytes": statistics.mean(kv), "path": path_of(graphed, len(times))}
+    if profile is not None:
+        out["profile"] = profile
+    return out
+
+
+def _profiled_steps(engine: Any, device: torch.device) -> list[dict]:
+    """:data:`PROFILE_STEPS` steps of ``engine`` under ``torch.profiler`` (the device synchronized
+    before and after them): :func:`profile_rows` of the trace."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    _sync(device)
+    with profile(activities=activities) as prof:
+        for _ in range(PROFILE_STEPS):
+            for u in engine.step():
+                if u.finish_reason is not None:
+                    raise RuntimeError(f"request {u.request_id} finished inside a roofline cell's profile")
+        _sync(device)
+    return profile_rows(prof.key_averages(), device.type == "cuda")
+
+
+def profile_rows(events: Any, on_cuda: bool) -> list[dict]:
+    """``[{"name", "calls", "us"}]`` from ``torch.profiler``'s ``key_averages()``, the largest
+    first: on CUDA every kernel and copy the device ran (its device time), elsewhere every operator
+    (its own CPU time, children excluded). Totals over the profiled steps."""
+    rows = []
+    for e in events:
+        if on_cuda:
+            if "CUDA" not in str(getattr(e, "device_type", "")):
+                continue
+            us = getattr(e, "device_time_total", None)
+            us = e.cuda_time_total if us is None else us
+        else:
+            us = e.self_cpu_time_total
+        if us > 0:
+            rows.append({"name": e.key, "calls": int(e.count), "us": float(us)})
+    return sorted(rows, key=lambda r: -r["us"])
+
+
+def write_profile(out_dir: str, name: str, rows: list[dict], steps: int, device: torch.device) -> None:
+    """``<out_dir>/<name>.json`` (``steps`` and every row of :func:`profile_rows` with ``calls`` and
+    ``us`` per step) and ``<name>.txt`` (the :data:`PROFILE_TOP` largest, and their total)."""
+    import json
+    import os
+
+    os.makedirs(out_dir, exist_ok=True)
+    per_step = [{"name": r["name"], "calls_per_step": r["calls"] / steps, "us_per_step": r["us"] / steps}
+                for r in rows]
+    what = "kernels and copies, device time" if device.type == "cuda" else "operators, own CPU time"
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+        json.dump({"steps": steps, "device": str(device), "what": what, "rows": per_step}, f, indent=1)
+    total = sum(r["us_per_step"] for r in per_step)
+    overlap = " (kernels launched dependently overlap: their times may add up to more than the step)" \
+        if device.type == "cuda" else ""
+    lines = [f"{name}: {steps} steps under torch.profiler; {what}: {total:.1f} us a step in all{overlap}"]
+    lines += [f"{r['us_per_step']:10.1f} us {r['calls_per_step']:7.1f} calls  {r['name'][:120]}"
+              for r in per_step[:PROFILE_TOP]]
+    with open(os.path.join(out_dir, f"{name}.txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")
 
 
 def start_generating(engine: Any, requests: list[Any]) -> None:

@@ -364,6 +364,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"tpspec bench step: --modes must name some of {MODES}, got {args.modes!r}")
     if args.roofline_only and args.no_roofline:
         raise SystemExit("tpspec bench step: --roofline-only and --no-roofline leave nothing to run")
+    if args.profile and args.no_roofline:
+        raise SystemExit("tpspec bench step: --profile profiles the roofline's cells; it cannot go with --no-roofline")
     try:
         dtype = resolve_dtype(args.dtype, device)
     except ValueError as exc:
@@ -391,7 +393,7 @@ def run(args: argparse.Namespace) -> int:
 
     model_config = config_from_path(cfg["model"])
     if cfg["roofline"]:
-        longest = max(cfg["contexts"]) + 2 + (cfg["warmup"] + cfg["iters"] + 1) * (args.draft_len + 1)
+        longest = max(cfg["contexts"]) + 2 + (roofline.cell_steps(cfg) + 1) * (args.draft_len + 1)
         if longest > model_config.max_position_embeddings:
             raise SystemExit(f"tpspec bench step: --contexts up to {max(cfg['contexts'])} need {longest} positions, "
                              f"the model has {model_config.max_position_embeddings}")
@@ -444,7 +446,8 @@ def _run_roofline(args: argparse.Namespace, cfg: dict, meta: dict, backend: str)
             per_rank = [mine + new for mine, new in zip(per_rank, results)]
         roofline_meta = dict(meta, contexts=cfg["contexts"], roofline_batches=cfg["roofline_batches"],
                              verify_batches=cfg["verify_batches"], columns=list(cfg["columns"]),
-                             attention_backends=cfg["attention_backends"], cuda_graphs=cfg["graphs"], failed=failed)
+                             attention_backends=cfg["attention_backends"], cuda_graphs=cfg["graphs"], failed=failed,
+                             profile_dir=cfg["profile_dir"])
         roofline.write_roofline_report(args.out, roofline.roofline_rows(per_rank), roofline_meta)
     return failed
 
@@ -479,6 +482,11 @@ def add_roofline_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--roofline-only", action="store_true", help="skip the sharded-vs-gather table")
     parser.add_argument("--no-roofline", action="store_true", help="skip the roofline table")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="roofline engines without CUDA graphs")
+    parser.add_argument("--profile", action="store_true",
+                        help=f"after each roofline cell's timed steps, run {roofline.PROFILE_STEPS} more under "
+                             "torch.profiler: every rank writes each kernel's device time a step (on CPU: each "
+                             "operator's CPU time) to OUT/profile/rank<R>-<backend>-<step>-c<context>-b<batch>-"
+                             "<column>.json and its largest to a .txt beside it")
 
 
 def _model_path(args: argparse.Namespace, vocab: int) -> str:
@@ -517,4 +525,5 @@ def roofline_config(args: argparse.Namespace, device: str) -> dict:
         "columns": [c for c in roofline.COLUMNS if c in columns],
         "attention_backends": backends,
         "graphs": device == "cuda" and not args.no_cuda_graphs,
+        "profile_dir": os.path.join(args.out, "profile") if args.profile else None,
     }
