@@ -2,9 +2,9 @@
 
 :func:`linear` is what the column- and row-parallel linears and the vocabulary-parallel LM head
 call outside deterministic mode. :func:`use_triton_linear` is the one rule that sends a call to
-:func:`tpspec.model.gemv_triton.linear`: one row (a decode step of one request), read at the
-weights' memory bandwidth; everything else, and everything while ``TRITON_GEMV`` is off, runs
-``F.linear``. Where the rule takes a linear that follows an RMSNorm (q/k/v and gate/up of a fused
+:func:`tpspec.model.gemv_triton.linear`: one row (a decode step of one request), and the ``N <= K``
+linears of two to four rows (its verification step), read at the weights' memory bandwidth;
+everything else, and everything while ``TRITON_GEMV`` is off, runs ``F.linear``. Where the rule takes a linear that follows an RMSNorm (q/k/v and gate/up of a fused
 layer), :func:`use_triton_norm_linear` also puts the norm in front of the GEMV, in one kernel
 (:func:`tpspec.model.gemv_triton.norm_linear`); :func:`use_triton_silu_linear` decides the same for
 SwiGLU's ``silu(gate) * up`` before the down projection. This module imports no ``triton``: the
@@ -21,9 +21,10 @@ import torch
 import torch.nn.functional as F
 
 TRITON_GEMV = True
-"""Whether one-row linears run the Triton GEMV (with the norm before q/k/v and gate/up fused in). On:
-a GPU run of ``tests/test_gemv_triton.py``'s ``gpu`` tests passed, the fused norm included, and
-``tpspec bench gemv`` reads these linears faster than cuBLAS at one row (``docs/benchmarks.md``)."""
+"""Whether the linears :func:`use_triton_linear` takes run the Triton GEMV (at one row with the norm
+before q/k/v and gate/up fused in). On: a GPU run of ``tests/test_gemv_triton.py``'s ``gpu`` tests
+passed, the fused norm included, and ``tpspec bench gemv`` reads these linears faster than cuBLAS
+(``docs/benchmarks.md``)."""
 
 TRITON_GEMV_ROWS = 4
 """The most rows of ``x`` the rule sends to the Triton GEMV (more go to ``F.linear``). Four: a
