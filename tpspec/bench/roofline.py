@@ -332,8 +332,7 @@ def profile_rows(events: Any, on_cuda: bool) -> list[dict]:
         if on_cuda:
             if "CUDA" not in str(getattr(e, "device_type", "")):
                 continue
-            us = getattr(e, "device_time_total", None)
-            us = e.cuda_time_total if us is None else us
+            us = e.device_time_total
         else:
             us = e.self_cpu_time_total
         if us > 0:

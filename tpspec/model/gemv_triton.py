@@ -424,12 +424,11 @@ def _stack_four_rows(s0, s1, s2, s3, m):
 
 
 @triton.jit
-def _few_rows_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_wn, stride_om, k_iters,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, SPLIT: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, NUM_STAGES: tl.constexpr, SILU_MUL: tl.constexpr,
-                     ACCURATE_EXP: tl.constexpr, PDL: tl.constexpr):
-    # Two to four rows: _gemv_kernel's one-row product for each row of x (rows past M are zeros,
-    # never read), one weight tile feeding four accumulators; no tl.dot and no padding to 16 rows.
+def _few_rows_tile(w_ptr, N, K, stride_wn, k_iters, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The few-rows kernels' program: its feature block ``n`` (and ``n_ok``), split, rows ``m``
+    (``arange(0, 4)``), tile columns ``kk``, first column ``k_first``, ``h_end`` (the norm kernel's:
+    the first feature block's programs store ``h``, ``K`` for them and ``<= 0`` for the rest), weight
+    rows ``w_rows``, and four zero ``[BLOCK_N, BLOCK_K]`` float32 accumulators."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -437,11 +436,21 @@ def _few_rows_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, M, N, K, stride_xm,
     m = tl.arange(0, 4)
     kk = tl.arange(0, BLOCK_K)
     k_first = split * k_iters * BLOCK_K
+    h_end = K - pid_n * K
     w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
-    acc0 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    acc1 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    acc3 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    zeros = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    return pid_n, split, n, n_ok, m, kk, k_first, h_end, w_rows, zeros, zeros, zeros, zeros
+
+
+@triton.jit
+def _few_rows_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_wn, stride_om, k_iters,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, SPLIT: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, NUM_STAGES: tl.constexpr, SILU_MUL: tl.constexpr,
+                     ACCURATE_EXP: tl.constexpr, PDL: tl.constexpr):
+    # Two to four rows: _gemv_kernel's one-row product for each row of x (rows past M are zeros,
+    # never read), one weight tile feeding four accumulators; no tl.dot and no padding to 16 rows.
+    (pid_n, split, n, n_ok, m, kk, k_first, _, w_rows,
+     acc0, acc1, acc2, acc3) = _few_rows_tile(w_ptr, N, K, stride_wn, k_iters, BLOCK_N, BLOCK_K)
     first = 0
     if PDL:
         # As in _gemv_kernel: the first weight tile before the wait, x after it.
@@ -511,19 +520,8 @@ def _norm_few_rows_kernel(x_ptr, res_ptr, g_ptr, w_ptr, b_ptr, out_ptr, h_ptr, p
                           HAS_BIAS: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr):
     # Two to four rows: _norm_gemv_kernel's product for each row (the normed row never rounded to
     # the dtype), one weight tile feeding four accumulators, each row's rstd from its own squares.
-    pid_n = tl.program_id(0)
-    split = tl.program_id(1)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < N
-    m = tl.arange(0, 4)
-    kk = tl.arange(0, BLOCK_K)
-    k_first = split * k_iters * BLOCK_K
-    h_end = K - pid_n * K  # the first feature block's programs store h (K for them, <= 0 for the rest)
-    w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
-    acc0 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    acc1 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    acc3 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    (pid_n, split, n, n_ok, m, kk, k_first, h_end, w_rows,
+     acc0, acc1, acc2, acc3) = _few_rows_tile(w_ptr, N, K, stride_wn, k_iters, BLOCK_N, BLOCK_K)
     sq0 = tl.zeros([BLOCK_K], tl.float32)
     sq1 = tl.zeros([BLOCK_K], tl.float32)
     sq2 = tl.zeros([BLOCK_K], tl.float32)

@@ -4,7 +4,8 @@
 call outside deterministic mode. :func:`use_triton_linear` is the one rule that sends a call to
 :func:`tpspec.model.gemv_triton.linear`: one row (a decode step of one request), and the ``N <= K``
 linears of two to four rows (its verification step), read at the weights' memory bandwidth;
-everything else, and everything while ``TRITON_GEMV`` is off, runs ``F.linear``. Where the rule takes a linear that follows an RMSNorm (q/k/v and gate/up of a fused
+everything else, and everything while ``TRITON_GEMV`` is off, runs ``F.linear``. Where the rule
+takes a linear that follows an RMSNorm (q/k/v and gate/up of a fused
 layer), :func:`use_triton_norm_linear` also puts the norm in front of the GEMV, in one kernel
 (:func:`tpspec.model.gemv_triton.norm_linear`); :func:`use_triton_silu_linear` decides the same for
 SwiGLU's ``silu(gate) * up`` before the down projection. This module imports no ``triton``: the
@@ -87,8 +88,8 @@ def use_triton_silu_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: to
     """Whether a SwiGLU down projection of ``gate_up`` ``[M, 2 K]`` (``cat(gate, up)``) by ``weight``
     ``[N, K]`` runs as one kernel, :func:`tpspec.model.gemv_triton.silu_mul_linear`: where
     ``TRITON_GEMV`` and ``TRITON_SILU_DOWN`` are on, ``gate_up`` has at most ``TRITON_GEMV_ROWS``
-    and ``FUSED_INPUT_ROWS`` rows, and the tensors meet :func:`use_triton_linear`'s other conditions (any ``N`` and ``K``). The
-    same answer on every rank."""
+    and ``FUSED_INPUT_ROWS`` rows, and the tensors meet :func:`use_triton_linear`'s other conditions
+    (any ``N`` and ``K``). The same answer on every rank."""
     if not (TRITON_GEMV and TRITON_SILU_DOWN) or weight.dim() != 2 or gate_up.dim() != 2:
         return False
     if gate_up.shape[0] > FUSED_INPUT_ROWS:
