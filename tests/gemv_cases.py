@@ -141,7 +141,8 @@ class _CountingLaunches:
 def check_last_split_sums(device: str, dtype: torch.dtype, shapes=SMALL_SHAPES[2:], rows=(1, 16)) -> None:
     """Split launches whose last program sums the splits (``LAST_SPLIT_SUMS``): ``linear``,
     ``silu_mul_linear`` and (one row) ``norm_linear`` give the bits of the launches followed by the
-    reduction kernel (one row and the ``tl.dot`` rows: the few-rows kernels always reduce by kernel), with forced 2 and 3 splits (and on CUDA the rule's), twice in a row (each
+    reduction kernel (one row and the ``tl.dot`` rows: the few-rows kernels always reduce by kernel),
+    with forced 2 and 3 splits (and on CUDA the rule's), twice in a row (each
     launch leaves the counters at zero for the next), and no reduction kernel runs; with more
     feature blocks than counters the reduction kernel runs again, same bits."""
     from tpspec.model import split_counters
