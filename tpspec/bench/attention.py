@@ -12,22 +12,25 @@ own KV pages, enough of them (at most 32) that the step reads more than the L2 c
 page table is as wide as a graphed engine step's (the next power of two of the pages a sequence
 reads). The table reports microseconds per layer, the KV bytes a layer reads over that time
 (``kv_GBps``), that as a share of the device-to-device copy bandwidth measured in the same run,
-and each row's speed-up over the torch backend's row of the same configuration. On CPU (a smoke
-run; ``triton`` only under ``TRITON_INTERPRET=1``) the steps run eagerly and the times mean little.
+and each row's speed-up over the torch backend's row of the same configuration. ``num_splits``
+is the KV splits a query block of the triton backend's launch: its own choice
+(:func:`~tpspec.model.paged_attention_triton.plan_launch`), or each of ``--num-splits`` in a row
+of its own. On CPU (a smoke run; ``triton`` only under ``TRITON_INTERPRET=1``) the steps run
+eagerly and the times mean little.
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from . import bench_device, number_list, report, seconds_per_call
 
 if TYPE_CHECKING:
     import torch
 
-COLUMNS = ["backend", "batch", "context", "query_len", "layers", "us_per_layer", "kv_GBps", "pct_copy_bw",
-           "speedup_vs_torch"]
+COLUMNS = ["backend", "batch", "context", "query_len", "num_splits", "layers", "us_per_layer", "kv_GBps",
+           "pct_copy_bw", "speedup_vs_torch"]
 L2_BYTES = 256 << 20  # several times the L2 of current GPUs: the layers of one graph read more than this
 MAX_LAYERS = 32
 
@@ -48,13 +51,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
     parser.add_argument("--iters", type=int, default=20, help="timed graph replays per configuration (default 20)")
+    parser.add_argument("--num-splits", default=None,
+                        help="comma-separated KV split counts the triton backend launches with, a row each "
+                             "(default: its own choice)")
 
 
 def _step(backend_name: str, *, batch: int, context: int, query_len: int, page_size: int, heads: int,
-          kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, iters: int) -> dict[str, Any]:
+          kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, iters: int,
+          num_splits: int | None = None) -> dict[str, Any]:
     import torch
 
-    from ..model.attention import make_attention_backend
+    from ..model.attention import make_attention_backend, triton_kernels
     from ..model.batch import AttentionMetadata, ForwardBatch, pages_needed
     from ..model.kv_cache import KVPages
     from ..runtime.cuda_graphs import page_bucket
@@ -80,26 +87,43 @@ def _step(backend_name: str, *, batch: int, context: int, query_len: int, page_s
     fb = ForwardBatch(torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64), tables,
                       [context - query_len] * batch, [query_len] * batch)
     meta = AttentionMetadata.build(fb, device, page_size, kv_pages=page_bucket(per_seq) if on_cuda else None)
+    if num_splits is not None and backend_name != "triton":
+        raise ValueError(f"num_splits sets the triton backend's launch, not {backend_name!r}'s")
+    scale = head_dim**-0.5
     attn = make_attention_backend(backend_name, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-                                  scale=head_dim**-0.5, dtype=dtype, device=device)
+                                  scale=scale, dtype=dtype, device=device)
     q = torch.randn(n, heads, head_dim, generator=gen, device=device, dtype=torch.float32).to(dtype)
     attn.plan(meta, graph=on_cuda)
+    splits = None  # the triton launch's KV splits
+    if backend_name == "triton":
+        kernels = triton_kernels()
+        splits = kernels.plan_launch(num_tokens=n, num_seqs=batch, q_max=query_len, kv_pages=meta.page_table.shape[1],
+                                     page_size=page_size, num_heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                                     device=device, num_splits=num_splits).num_splits
+
+    def bind() -> Callable[[torch.Tensor, KVPages], torch.Tensor]:
+        if num_splits is None:
+            return attn.bind(meta)
+        # What the triton backend's bind returns, but for the split count.
+        starts = kernels.sequence_starts(meta.tok_seq, meta.num_seqs)
+        return lambda q, pages: kernels.paged_attention(q, pages.k, pages.v, meta.page_table, starts, meta.tok_visible,
+                                                        scale, q_max=meta.q_max, num_splits=num_splits)
 
     def forward() -> None:
-        attend = attn.bind(meta)
+        attend = bind()
         for pages in caches:
             attend(q, pages)
 
     seconds = seconds_per_call(forward, iters, cuda=on_cuda, warmups=2)
     per_layer = seconds / layers
-    return dict(backend=backend_name, batch=batch, context=context, query_len=query_len, layers=layers,
-                us_per_layer=per_layer * 1e6, kv_GBps=layer_bytes / per_layer / 1e9)
+    return dict(backend=backend_name, batch=batch, context=context, query_len=query_len, num_splits=splits,
+                layers=layers, us_per_layer=per_layer * 1e6, kv_GBps=layer_bytes / per_layer / 1e9)
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from ..model.attention import ATTENTION_BACKENDS, choose_attention_backend
+    from ..model.attention import ATTENTION_BACKENDS, choose_attention_backend, triton_kernels
     from ..model.shapes import shape_config
     from .exchange import copy_bandwidth_gbps
 
@@ -112,6 +136,14 @@ def run(args: argparse.Namespace) -> int:
     batches = number_list(args.batch, (1, 8, 32, 64), option="--batch")
     contexts = number_list(args.context, (1024, 4096), option="--context")
     query_lens = number_list(args.query_len, (1,), option="--query-len")
+    split_counts = number_list(args.num_splits, (), option="--num-splits")
+    if split_counts and "triton" not in backends:
+        raise SystemExit("tpspec bench attention: --num-splits sets the triton backend's launches; add triton to "
+                         "--backends")
+    kernels = triton_kernels() if split_counts else None  # None too where triton does not import (refused below)
+    if kernels is not None and max(split_counts) > kernels.MAX_SPLITS:
+        raise SystemExit(f"tpspec bench attention: --num-splits: at most {kernels.MAX_SPLITS} splits, got "
+                         f"{max(split_counts)}")
     if max(query_lens) > min(contexts):
         raise SystemExit(f"tpspec bench attention: --query-len {max(query_lens)} exceeds --context {min(contexts)}")
     cfg = shape_config(args.model_shape)
@@ -128,18 +160,22 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise SystemExit(f"tpspec bench attention: {exc}") from None
     copy_gbps = copy_bandwidth_gbps(device) if device.type == "cuda" else None
+    # (backend, split count): the triton backend once per --num-splits count, else once with its own choice.
+    runs = [(name, splits) for name in backends for splits in (split_counts if name == "triton" and split_counts
+                                                                else [None])]
     results = []
     for ql in query_lens:
         for ctx in contexts:
             for b in batches:
                 base = None
-                for name in backends:
+                for name, splits in runs:
                     r = _step(name, batch=b, context=ctx, query_len=ql, page_size=args.page_size, heads=heads,
-                              kv_heads=kv_heads, head_dim=cfg.head_dim, dtype=dtype, device=device, iters=args.iters)
+                              kv_heads=kv_heads, head_dim=cfg.head_dim, dtype=dtype, device=device, iters=args.iters,
+                              num_splits=splits)
                     r["pct_copy_bw"] = 100.0 * r["kv_GBps"] / copy_gbps if copy_gbps else None
                     base = r["us_per_layer"] if name == "torch" else base
                     results.append(r)
-                for r in results[-len(backends):]:
+                for r in results[-len(runs):]:
                     r["speedup_vs_torch"] = base / r["us_per_layer"] if base else None
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
@@ -149,13 +185,15 @@ def run(args: argparse.Namespace) -> int:
                 copy_bandwidth_GBps=copy_gbps, graphs=device.type == "cuda")
 
     def plot(ax: Any) -> None:
-        for name in backends:
+        for name, splits in dict.fromkeys(runs):
             for ql in query_lens:
                 for ctx in contexts:
                     pts = [(r["batch"], r["us_per_layer"]) for r in results
-                           if r["backend"] == name and r["context"] == ctx and r["query_len"] == ql]
+                           if r["backend"] == name and r["context"] == ctx and r["query_len"] == ql
+                           and (splits is None or r["num_splits"] == splits)]
                     ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
-                            label=f"{name} ctx {ctx}" + (f" q {ql}" if len(query_lens) > 1 else ""))
+                            label=f"{name}" + (f" {splits} splits" if splits else "") + f" ctx {ctx}"
+                                  + (f" q {ql}" if len(query_lens) > 1 else ""))
         report.log_log_axes(ax, xlabel="batch (sequences)", ylabel="microseconds per layer", legend_fontsize=8,
                             title=f"paged attention, {args.model_shape} heads {heads}/{kv_heads} x {cfg.head_dim}, "
                                   f"{args.dtype}")
