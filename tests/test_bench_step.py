@@ -136,6 +136,25 @@ def test_profile_rows_keep_the_device_events_on_cuda():
     assert roofline.profile_rows(events, True) == [{"name": "Memcpy HtoD", "calls": 1, "us": 50.0},
                                                     {"name": "gemv", "calls": 2, "us": 30.0}]
     assert roofline.profile_rows(events, False) == [{"name": "aten::mm", "calls": 2, "us": 40.0}]
+    rows = roofline.profile_rows(events, True, {"gemv": 12.5, "Memcpy HtoD": 50.0})
+    assert rows == [{"name": "Memcpy HtoD", "calls": 1, "us": 50.0, "exposed_us": 50.0},
+                    {"name": "gemv", "calls": 2, "us": 30.0, "exposed_us": 12.5}]
+
+
+def test_exposed_device_time_counts_each_kernel_past_the_ones_before():
+    """Each device event counts from where the events started before it had ended; one launched
+    early that waits counts only its time past its predecessor, one inside another nothing, a gap
+    nobody; CPU events are left out. The counts add up to the device's busy time."""
+    from types import SimpleNamespace
+
+    def event(name, start, end, device_type="DeviceType.CUDA"):
+        return SimpleNamespace(name=name, device_type=device_type, time_range=SimpleNamespace(start=start, end=end))
+
+    events = [event("attend", 0.0, 10.0), event("merge", 4.0, 12.0), event("gemv", 15.0, 30.0),
+              event("norm", 20.0, 25.0), event("attend", 30.0, 35.0), event("aten::mm", 0.0, 100.0, "DeviceType.CPU")]
+    exposed = roofline.exposed_device_time(reversed(events))
+    assert exposed == {"attend": 15.0, "merge": 2.0, "gemv": 15.0, "norm": 0.0}
+    assert sum(exposed.values()) == 32.0  # busy [0, 12] and [15, 35]
 
 
 @pytest.mark.slow
@@ -277,3 +296,19 @@ def test_graphed_steps_count_what_the_runtime_graphs_ran():
     assert counter.graphed == 0
     Engine.graphs = None
     assert roofline._GraphedSteps(Engine()).graphed == 0
+
+
+def test_write_profile_lists_exposed_time_where_the_rows_have_it(tmp_path):
+    """With ``exposed_us`` in every row (a CUDA profile), the JSON holds it per step and the text lists
+    it beside each kernel's own time, their sum (the device's busy time) in the first line."""
+    import torch
+
+    rows = [{"name": "gemv", "calls": 4, "us": 60.0, "exposed_us": 50.0},
+            {"name": "merge", "calls": 2, "us": 20.0, "exposed_us": 4.0}]
+    roofline.write_profile(str(tmp_path), "cell", rows, 2, torch.device("cuda"))
+    prof = json.loads((tmp_path / "cell.json").read_text())
+    assert prof["rows"] == [{"name": "gemv", "calls_per_step": 2.0, "us_per_step": 30.0, "exposed_us_per_step": 25.0},
+                            {"name": "merge", "calls_per_step": 1.0, "us_per_step": 10.0, "exposed_us_per_step": 2.0}]
+    text = (tmp_path / "cell.txt").read_text().splitlines()
+    assert "40.0 us a step in all" in text[0] and "27.0 us a step, the device busy" in text[0]
+    assert text[1].split()[:4] == ["30.0", "us", "25.0", "exposed"] and text[2].endswith("merge")

@@ -25,7 +25,8 @@ Each cell reports the median ``Engine.step()`` time after ``--warmup`` untimed s
 step of a new shape captures its CUDA graph), and whether the runtime ran the timed steps in its
 CUDA graph (``graph``) or eagerly (``eager``). With ``--profile`` each cell then runs
 :data:`PROFILE_STEPS` more steps under ``torch.profiler`` (never among the timed ones) and every
-rank writes where their device time went (:func:`profile_rows`, :func:`write_profile`). The floor of a step is
+rank writes where their device time went (:func:`profile_rows`, :func:`exposed_device_time`,
+:func:`write_profile`). The floor of a step is
 ``(weight bytes of the rank, embedding table left out + KV bytes the step reads) / copy bandwidth``:
 a decode step reads only the embedding rows of its tokens; every request reads its cached entries
 plus the rows it writes, in K and V of every layer; the bandwidth is a device-to-device copy
@@ -320,13 +321,32 @@ def _profiled_steps(engine: Any, device: torch.device) -> list[dict]:
                 if u.finish_reason is not None:
                     raise RuntimeError(f"request {u.request_id} finished inside a roofline cell's profile")
         _sync(device)
-    return profile_rows(prof.key_averages(), device.type == "cuda")
+    on_cuda = device.type == "cuda"
+    return profile_rows(prof.key_averages(), on_cuda, exposed_device_time(prof.events()) if on_cuda else None)
 
 
-def profile_rows(events: Any, on_cuda: bool) -> list[dict]:
+def exposed_device_time(events: Any) -> dict[str, float]:
+    """Microseconds by name that each of the device's events (kernels, copies: ``torch.profiler``'s
+    events whose ``device_type`` is CUDA, with their ``time_range``) moved the device's busy time on:
+    taken in the order they started, an event counts from where the ones before it had ended (its
+    start, if later) to its end, and nothing if they outlast it. A kernel launched dependently that
+    waits on the one before counts only its time after that one; the counts add up to the time the
+    device was busy. Totals over the events given."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                   if "CUDA" in str(getattr(e, "device_type", "")))
+    exposed: dict[str, float] = {}
+    reached = float("-inf")
+    for start, end, name in spans:
+        exposed[name] = exposed.get(name, 0.0) + max(0.0, end - max(start, reached))
+        reached = max(reached, end)
+    return exposed
+
+
+def profile_rows(events: Any, on_cuda: bool, exposed: dict[str, float] | None = None) -> list[dict]:
     """``[{"name", "calls", "us"}]`` from ``torch.profiler``'s ``key_averages()``, the largest
     first: on CUDA every kernel and copy the device ran (its device time), elsewhere every operator
-    (its own CPU time, children excluded). Totals over the profiled steps."""
+    (its own CPU time, children excluded). Totals over the profiled steps. ``exposed``
+    (:func:`exposed_device_time`): each row gets its name's ``exposed_us`` too."""
     rows = []
     for e in events:
         if on_cuda:
@@ -336,28 +356,35 @@ def profile_rows(events: Any, on_cuda: bool) -> list[dict]:
         else:
             us = e.self_cpu_time_total
         if us > 0:
-            rows.append({"name": e.key, "calls": int(e.count), "us": float(us)})
+            row = {"name": e.key, "calls": int(e.count), "us": float(us)}
+            if exposed is not None:
+                row["exposed_us"] = float(exposed.get(e.key, 0.0))
+            rows.append(row)
     return sorted(rows, key=lambda r: -r["us"])
 
 
 def write_profile(out_dir: str, name: str, rows: list[dict], steps: int, device: torch.device) -> None:
-    """``<out_dir>/<name>.json`` (``steps`` and every row of :func:`profile_rows` with ``calls`` and
-    ``us`` per step) and ``<name>.txt`` (the :data:`PROFILE_TOP` largest, and their total)."""
+    """``<out_dir>/<name>.json`` (``steps`` and every row of :func:`profile_rows` with ``calls``, ``us``
+    and, where the rows have it, ``exposed_us`` per step) and ``<name>.txt`` (the :data:`PROFILE_TOP`
+    largest, and the totals)."""
     import json
     import os
 
     os.makedirs(out_dir, exist_ok=True)
-    per_step = [{"name": r["name"], "calls_per_step": r["calls"] / steps, "us_per_step": r["us"] / steps}
-                for r in rows]
+    per_step = [{"name": r["name"], "calls_per_step": r["calls"] / steps, "us_per_step": r["us"] / steps,
+                 **({"exposed_us_per_step": r["exposed_us"] / steps} if "exposed_us" in r else {})} for r in rows]
+    exposed = bool(per_step) and all("exposed_us_per_step" in r for r in per_step)
     what = "kernels and copies, device time" if device.type == "cuda" else "operators, own CPU time"
     with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
         json.dump({"steps": steps, "device": str(device), "what": what, "rows": per_step}, f, indent=1)
     total = sum(r["us_per_step"] for r in per_step)
-    overlap = " (kernels launched dependently overlap: their times may add up to more than the step)" \
-        if device.type == "cuda" else ""
-    lines = [f"{name}: {steps} steps under torch.profiler; {what}: {total:.1f} us a step in all{overlap}"]
-    lines += [f"{r['us_per_step']:10.1f} us {r['calls_per_step']:7.1f} calls  {r['name'][:120]}"
-              for r in per_step[:PROFILE_TOP]]
+    lines = [f"{name}: {steps} steps under torch.profiler; {what}: {total:.1f} us a step in all"]
+    if exposed:
+        busy = sum(r["exposed_us_per_step"] for r in per_step)
+        lines[0] += (f"; exposed (each one's time past the end of those started before it, so kernels launched "
+                     f"dependently count only after the one they wait on): {busy:.1f} us a step, the device busy")
+    lines += [f"{r['us_per_step']:10.1f} us" + (f" {r['exposed_us_per_step']:10.1f} exposed" if exposed else "")
+              + f" {r['calls_per_step']:7.1f} calls  {r['name'][:120]}" for r in per_step[:PROFILE_TOP]]
     with open(os.path.join(out_dir, f"{name}.txt"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
