@@ -25,6 +25,7 @@ import argparse
 from typing import TYPE_CHECKING, Any, Callable
 
 from . import bench_device, number_list, report, seconds_per_call
+from .overrides import add_set_argument, apply_overrides, parse_overrides
 
 if TYPE_CHECKING:
     import torch
@@ -54,6 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-splits", default=None,
                         help="comma-separated KV split counts the triton backend launches with, a row each "
                              "(default: its own choice)")
+    add_set_argument(parser)
 
 
 def _step(backend_name: str, *, batch: int, context: int, query_len: int, page_size: int, heads: int,
@@ -127,6 +129,8 @@ def run(args: argparse.Namespace) -> int:
     from ..model.shapes import shape_config
     from .exchange import copy_bandwidth_gbps
 
+    overrides = parse_overrides(args.set, option="tpspec bench attention: --set")
+    apply_overrides(overrides)
     device = torch.device(bench_device(args.device, "tpspec bench attention"))
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     bad = [b for b in backends if b not in ATTENTION_BACKENDS or b == "auto"]
@@ -182,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
     rows = [[r[c] if r[c] is not None else "-" for c in COLUMNS] for r in results]
     meta = dict(model_shape=args.model_shape, tp=args.tp, heads=heads, kv_heads=kv_heads, head_dim=cfg.head_dim,
                 page_size=args.page_size, dtype=args.dtype, device=str(device), iters=args.iters,
-                copy_bandwidth_GBps=copy_gbps, graphs=device.type == "cuda")
+                copy_bandwidth_GBps=copy_gbps, graphs=device.type == "cuda", overrides=overrides)
 
     def plot(ax: Any) -> None:
         for name, splits in dict.fromkeys(runs):

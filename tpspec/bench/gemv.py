@@ -22,6 +22,7 @@ import argparse
 from typing import TYPE_CHECKING, Any
 
 from . import bench_device, number_list, report, seconds_per_call
+from .overrides import add_set_argument, apply_overrides, parse_overrides
 
 if TYPE_CHECKING:
     import torch
@@ -45,6 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
     parser.add_argument("--iters", type=int, default=20, help="timed graph replays per configuration (default 20)")
+    add_set_argument(parser)
 
 
 def linear_shapes(cfg: Any, tp: int) -> dict[str, tuple[int, int]]:
@@ -106,6 +108,8 @@ def run(args: argparse.Namespace) -> int:
     from .exchange import copy_bandwidth_gbps
 
     command = "tpspec bench gemv"
+    overrides = parse_overrides(args.set, option=f"{command}: --set")
+    apply_overrides(overrides)
     device = torch.device(bench_device(args.device, command))
     names = [k.strip() for k in args.kernels.split(",") if k.strip()]
     bad = [k for k in names if k not in KERNELS]
@@ -153,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
     meta = dict(model_shape=args.model_shape, tp=args.tp, num_layers=cfg.num_layers, vocab_size=cfg.vocab_size,
                 dtype=args.dtype, device=str(device), iters=args.iters, copy_bandwidth_GBps=copy_gbps,
                 graphs=device.type == "cuda", shapes={k: list(v) for k, v in shapes.items()},
-                step_us_estimate=step_us)
+                step_us_estimate=step_us, overrides=overrides)
     for name, by_batch in step_us.items():
         print(f"{name}: {cfg.num_layers} layers + LM head, us per step by batch: "
               + ", ".join(f"{b}: {us:.1f}" for b, us in by_batch.items()))

@@ -52,6 +52,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from . import bench_device, model_shape_path, number_list, report, roofline
+from .overrides import add_set_argument, apply_overrides, parse_overrides
 from .roofline import PAGE_SIZE, QWEN25_DEFAULTS
 
 if TYPE_CHECKING:
@@ -173,6 +174,7 @@ def _step_worker(rank: int, world_size: int, cfg: dict) -> list[dict]:
     runtime's engines, built after that model is gone)."""
     import torch
 
+    apply_overrides(cfg["overrides"])  # before anything reads them (this is a fresh process)
     if cfg["device"] == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
         device = torch.device("cuda", torch.cuda.current_device())
@@ -356,6 +358,8 @@ def run(args: argparse.Namespace) -> int:
     from ..testing import rank_backend, run_ranks, shared_gpu_mps
     from ..validation import resolve_dtype
 
+    overrides = parse_overrides(args.set, option="tpspec bench step: --set")
+    apply_overrides(overrides)
     device = bench_device(args.device, "tpspec bench step")
     if args.tp < 1 or args.draft_len < 1:
         raise SystemExit("tpspec bench step: --tp and --draft-len must be >= 1")
@@ -385,6 +389,7 @@ def run(args: argparse.Namespace) -> int:
         # The CPU reference of the Gumbel noise is slow (Philox in int64 tensor ops): fewer steps there.
         "iters": args.iters or (3 if args.quick else (20 if device == "cuda" else 5)),
         "warmup": args.warmup if args.warmup is not None else (1 if args.quick else 3),
+        "overrides": overrides,
         **roofline_config(args, device),
     }
     if cfg["iters"] < 1 or cfg["warmup"] < 0:
@@ -402,7 +407,7 @@ def run(args: argparse.Namespace) -> int:
         "command": "tpspec bench step", "tp": args.tp, "device": device, "dtype": dtype, "model": args.model,
         "model_path": cfg["model"], "vocab_size": model_config.vocab_size,
         "draft_len": args.draft_len, "iters": cfg["iters"], "warmup": cfg["warmup"], "backend": backend,
-        "exchange": args.exchange, "quick": args.quick,
+        "exchange": args.exchange, "quick": args.quick, "overrides": overrides,
     }
     equal: dict[str, bool] = {}
     failed: dict[str, str] = {}
@@ -487,6 +492,7 @@ def add_roofline_arguments(parser: argparse.ArgumentParser) -> None:
                              "torch.profiler: every rank writes each kernel's device time a step (on CPU: each "
                              "operator's CPU time) to OUT/profile/rank<R>-<backend>-<step>-c<context>-b<batch>-"
                              "<column>.json and its largest to a .txt beside it")
+    add_set_argument(parser)
 
 
 def _model_path(args: argparse.Namespace, vocab: int) -> str:
