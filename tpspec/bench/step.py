@@ -352,6 +352,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes, a few seconds on CPU")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds before the ranks are killed")
     add_roofline_arguments(parser)
+    add_set_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -492,7 +493,6 @@ def add_roofline_arguments(parser: argparse.ArgumentParser) -> None:
                              "torch.profiler: every rank writes each kernel's device time a step (on CPU: each "
                              "operator's CPU time) to OUT/profile/rank<R>-<backend>-<step>-c<context>-b<batch>-"
                              "<column>.json and its largest to a .txt beside it")
-    add_set_argument(parser)
 
 
 def _model_path(args: argparse.Namespace, vocab: int) -> str:
