@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import time
 import warnings
 from typing import Any
 
@@ -244,10 +245,20 @@ def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
     return out
 
 
+# Gloo's worker threads let go of a finished collective's tensors after its caller has returned, and
+# a tensor whose Python object is already gone needs the GIL to be freed. A worker that gets the GIL
+# only once the interpreter is finalizing aborts the process ("terminate called without an active
+# exception") -- so the teardown gives the GIL away for a moment, for them to finish while Python is up.
+EXIT_DRAIN_S = 0.05
+
+
 def destroy_distributed() -> None:
-    """Tear down the default group (idempotent)."""
+    """Tear down the default group (idempotent), then sleep :data:`EXIT_DRAIN_S` with the GIL
+    released, so that no collective's worker thread is left to free its tensors while the
+    interpreter exits."""
     global _TP_GROUP, _TP_GROUP_RANKS
     _TP_GROUP = None
     _TP_GROUP_RANKS = None
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+        time.sleep(EXIT_DRAIN_S)
