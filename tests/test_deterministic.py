@@ -263,7 +263,7 @@ def test_contraction_tree_is_batch_and_split_invariant(k):
 def test_rounded_is_the_partial_cast_for_a_whole_contraction():
     """``rounded`` gives ``partial(...).to(x.dtype)`` (here on CPU; on CUDA the tree kernel rounds, checked
     bit for bit by ``det_layer_kernels_cases.check_tree_sum``); a rank's share of a split contraction
-    is summed over the ranks first, so it has no rounded form."""
+    is summed over the ranks first, so without their group it has no rounded form."""
     gen = torch.Generator().manual_seed(3)
     x, w = torch.randn(5, 96, generator=gen).half(), torch.randn(11, 96, generator=gen).half()
     mm = det.FixedOrderMatmul(det.Contraction.of(96), 1)

@@ -22,7 +22,7 @@ eagerly and the times mean little.
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from . import bench_device, number_list, report, seconds_per_call
 from .overrides import add_set_argument, apply_overrides, parse_overrides
@@ -91,28 +91,20 @@ def _step(backend_name: str, *, batch: int, context: int, query_len: int, page_s
     meta = AttentionMetadata.build(fb, device, page_size, kv_pages=page_bucket(per_seq) if on_cuda else None)
     if num_splits is not None and backend_name != "triton":
         raise ValueError(f"num_splits sets the triton backend's launch, not {backend_name!r}'s")
-    scale = head_dim**-0.5
     attn = make_attention_backend(backend_name, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-                                  scale=scale, dtype=dtype, device=device)
+                                  scale=head_dim**-0.5, dtype=dtype, device=device)
     q = torch.randn(n, heads, head_dim, generator=gen, device=device, dtype=torch.float32).to(dtype)
     attn.plan(meta, graph=on_cuda)
     splits = None  # the triton launch's KV splits
     if backend_name == "triton":
-        kernels = triton_kernels()
-        splits = kernels.plan_launch(num_tokens=n, num_seqs=batch, q_max=query_len, kv_pages=meta.page_table.shape[1],
-                                     page_size=page_size, num_heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                                     device=device, num_splits=num_splits).num_splits
-
-    def bind() -> Callable[[torch.Tensor, KVPages], torch.Tensor]:
-        if num_splits is None:
-            return attn.bind(meta)
-        # What the triton backend's bind returns, but for the split count.
-        starts = kernels.sequence_starts(meta.tok_seq, meta.num_seqs)
-        return lambda q, pages: kernels.paged_attention(q, pages.k, pages.v, meta.page_table, starts, meta.tok_visible,
-                                                        scale, q_max=meta.q_max, num_splits=num_splits)
+        attn.num_splits = num_splits
+        splits = triton_kernels().plan_launch(num_tokens=n, num_seqs=batch, q_max=query_len,
+                                              kv_pages=meta.page_table.shape[1], page_size=page_size, num_heads=heads,
+                                              kv_heads=kv_heads, head_dim=head_dim, device=device,
+                                              num_splits=num_splits).num_splits
 
     def forward() -> None:
-        attend = bind()
+        attend = attn.bind(meta)
         for pages in caches:
             attend(q, pages)
 

@@ -186,6 +186,7 @@ class TritonPagedAttention:
         if why is not None:
             raise ValueError(f"attention_backend='triton' cannot run here: {why}")
         self.kernels = triton_kernels()
+        self.num_splits: int | None = None  # KV splits of every launch (None: plan_launch's choice)
 
     def plan(self, meta: AttentionMetadata, *, graph: bool = False) -> None:
         """Nothing to plan on the host: the kernels read the metadata's device tensors."""
@@ -194,9 +195,9 @@ class TritonPagedAttention:
         if meta.num_tokens == 0:
             return lambda q, pages: q
         starts = self.kernels.sequence_starts(meta.tok_seq, meta.num_seqs)
-        kernels, scale, q_max = self.kernels, self.scale, meta.q_max
+        kernels, scale, q_max, splits = self.kernels, self.scale, meta.q_max, self.num_splits
         return lambda q, pages: kernels.paged_attention(q, pages.k, pages.v, meta.page_table, starts,
-                                                        meta.tok_visible, scale, q_max=q_max)
+                                                        meta.tok_visible, scale, q_max=q_max, num_splits=splits)
 
 
 class DeterministicPagedAttention:

@@ -225,12 +225,16 @@ class FixedOrderMatmul:
             self._weight_key = key
         return self._leaves
 
-    def rounded(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """``partial(x, weight).to(x.dtype)`` for a contraction this rank holds whole
-        (``tp_size == 1``): the same bits, with the rounding inside the tree's kernel where the
-        layer kernels run (no float32 ``[M, N]`` stored and read back)."""
+    def rounded(self, x: torch.Tensor, weight: torch.Tensor, group: Any = None) -> torch.Tensor:
+        """The whole contraction in ``x``'s dtype: ``tree_sum_ranks(partial(x, weight), group,
+        tp_size).to(x.dtype)`` (``group``: the ranks that hold its parts, where ``tp_size > 1``). A
+        contraction one rank holds whole is rounded inside the tree's kernel where the layer kernels
+        run (the same bits, no float32 ``[M, N]`` stored and read back)."""
         if self.tp_size != 1:
-            raise ValueError("only a contraction held whole by one rank is rounded before the ranks' sum")
+            if group is None:
+                raise ValueError("only a contraction held whole by one rank is rounded without the group of "
+                                 "ranks that sum its parts")
+            return tree_sum_ranks(self.partial(x, weight), group, self.tp_size).to(x.dtype)
         gemm = segment_gemm(x.device)
         if gemm is not None and layer_kernels(x.device) is not None:
             seg_len = self.contraction.length // self.contraction.wide_segments

@@ -323,10 +323,7 @@ class RowParallelLinear(nn.Module):
         if self.fixed_order is not None:
             if reduce is not None:
                 raise ValueError("deterministic mode does not support attention DP")
-            if self.tp_size == 1:
-                y = self.fixed_order.rounded(x, self.weight)
-            else:
-                y = det.tree_sum_ranks(self.fixed_order.partial(x, self.weight), self.group, self.tp_size).to(x.dtype)
+            y = self.fixed_order.rounded(x, self.weight, self.group)
             return y if self.bias is None else y + self.bias
         return self._sum_ranks(linear(x, self.weight), reduce)
 
