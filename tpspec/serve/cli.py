@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 
 SHUTDOWN_GRACE_S = 2.0
@@ -85,10 +86,22 @@ def run(args: argparse.Namespace) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             http=header_timeout_protocol(AutoHTTPProtocol, args.header_timeout_s),
                             timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+    # uvicorn handles SIGTERM / SIGINT itself (a graceful shutdown, whose lifespan stops the
+    # engine), then raises the signal again for the handler it found. Exit normally there: a
+    # process killed by the signal skips the exit handlers, and multiprocessing's, which unlink
+    # the rank queues' semaphores, must run.
+    previous = {sig: signal.signal(sig, _exit_normally) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        # The app's shutdown stops the engine: uvicorn ends a SIGTERM by raising the signal
-        # again, so nothing after this call would run then.
         uvicorn.Server(config).run()
+    except SystemExit as stopped:
+        if stopped.code != 0:
+            raise
     finally:
         engine.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0
+
+
+def _exit_normally(signum: int, frame: object) -> None:
+    raise SystemExit(0)
