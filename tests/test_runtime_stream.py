@@ -29,14 +29,18 @@ def llm(ckpt):
 
 
 def _joined(stream) -> dict:
-    """``{(request_id, index): (text, token_ids, finish_reason, stop_reason)}`` from a stream."""
+    """``{(request_id, index): (text, token_ids, logprobs, cumulative_logprob, finish_reason,
+    stop_reason)}`` from a stream: the deltas joined, the last cumulative logprob."""
     acc: dict = {}
     finished = []
     for out in stream:
         assert out.request_id not in finished, "output after the request finished"
         for c in out.outputs:
-            text, ids, _, _ = acc.get((out.request_id, c.index), ("", [], None, None))
-            acc[(out.request_id, c.index)] = (text + c.text, ids + c.token_ids, c.finish_reason, c.stop_reason)
+            text, ids, lps, _, _, _ = acc.get((out.request_id, c.index), ("", [], None, None, None, None))
+            if c.logprobs is not None:
+                lps = (lps or []) + c.logprobs
+            acc[(out.request_id, c.index)] = (text + c.text, ids + c.token_ids, lps, c.cumulative_logprob,
+                                              c.finish_reason, c.stop_reason)
         if out.finished:
             finished.append(out.request_id)
     assert sorted(finished) == sorted({rid for rid, _ in acc})
@@ -44,13 +48,16 @@ def _joined(stream) -> dict:
 
 
 def test_stream_deltas_join_to_the_batch_output(llm):
-    params = [SamplingParams(temperature=0, max_tokens=16), SamplingParams(temperature=0.9, seed=4, n=2, max_tokens=14),
+    params = [SamplingParams(temperature=0, max_tokens=16, logprobs=2),
+              SamplingParams(temperature=0.9, seed=4, n=2, max_tokens=14, logprobs=0),
               SamplingParams(temperature=0, max_tokens=12, stop=["e"]), SamplingParams(temperature=0.7, seed=1)]
     batch = llm.generate(PROMPTS, params)
     streamed = _joined(llm.generate(PROMPTS, params, stream=True))
-    want = {(str(int(o.request_id) + len(PROMPTS)), c.index): (c.text, c.token_ids, c.finish_reason, c.stop_reason)
+    want = {(str(int(o.request_id) + len(PROMPTS)), c.index): (c.text, c.token_ids, c.logprobs, c.cumulative_logprob,
+                                                               c.finish_reason, c.stop_reason)
             for o in batch for c in o.outputs}
     assert streamed == want
+    assert all(v[2] is not None and len(v[2]) == len(v[1]) for k, v in want.items() if k[0] in ("4", "5")), want
 
 
 @pytest.mark.parametrize("adp", [False, True], ids=["tp2", "tp2-adp"])

@@ -500,9 +500,10 @@ class LLM:
 
         ``stream=True`` returns an iterator instead: after every engine step it yields one
         ``RequestOutput`` per request that changed, whose samples hold only what the step added
-        (``text`` and ``token_ids`` are deltas; a sample appears once more, possibly empty, when
-        it finishes; ``finished`` is set on a request's last output). Joining each sample's
-        deltas gives exactly the non-streamed output.
+        (``text``, ``token_ids`` and ``logprobs`` are deltas, ``cumulative_logprob`` the sum so
+        far; a sample appears once more, possibly empty, when it finishes; ``finished`` is set on
+        a request's last output). Joining each sample's deltas gives exactly the non-streamed
+        output.
 
         Raises ``ValueError`` naming the bad prompt/parameter before any work starts (the LLM
         stays usable), and :class:`~tpspec.runtime.launchers.WorkerError` when a worker dies
@@ -707,9 +708,12 @@ class LLM:
             if u.stats is not None:
                 live.stats[owner[1]] = u.stats
             logprobs = None if u.new_logprobs is None else sample.decoded(u.new_logprobs[:len(kept)])
+            if logprobs is not None:
+                sample.add_logprobs(logprobs, kept)
             changed.setdefault(owner[0], []).append(CompletionOutput(
-                index=sample.index, text=text, token_ids=kept, logprobs=logprobs,
-                finish_reason=sample.finish_reason, stop_reason=sample.stop_reason, stats=live.stats[owner[1]]))
+                index=sample.index, text=text, token_ids=kept, cumulative_logprob=sample.cumulative_logprob,
+                logprobs=logprobs, finish_reason=sample.finish_reason, stop_reason=sample.stop_reason,
+                stats=live.stats[owner[1]]))
         unowned = []
         for rid, deltas in changed.items():
             live = self._live[rid]
@@ -989,6 +993,8 @@ class _Sample:
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        # The streamed deltas' running sum (the whole output sums its list, in the same order).
+        self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
         self.detok = None
         if tokenizer is not None:
             self.detok = IncrementalDetokenizer(tokenizer, req.prompt, stop=params.stop,
@@ -1013,6 +1019,12 @@ class _Sample:
                 self.finish_reason, self.stop_reason = "stop", self.detok.stop_reason
                 break
         return kept, self.text[before:]
+
+    def add_logprobs(self, logprobs: list[dict[int, Logprob]], token_ids: list[int]) -> None:
+        """Add the logprobs of ``token_ids`` (a delta's, in order) to :attr:`cumulative_logprob`."""
+        if self.cumulative_logprob is not None:
+            for entry, t in zip(logprobs, token_ids):
+                self.cumulative_logprob += entry[t].logprob
 
     def finish(self, engine_reason: str) -> str:
         """The engine ended the sample (``"stop"`` or ``"length"``); return the text it adds."""
