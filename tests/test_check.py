@@ -39,7 +39,7 @@ def test_perturbed_rank_fails_the_ranks_agree_row(tmp_path, capsys, monkeypatch)
     code = main(["check", "--tp", "2", "--launcher", "mp", "--device", "cpu", "--quick", "--skip",
                  "generate_tp,rejection_exact", "--json", str(out)])
     text = capsys.readouterr().out
-    assert code != 0
+    assert code == 1
     rows = {r["key"]: r for r in json.loads(out.read_text())["results"]}
     assert rows["ranks_agree"]["status"] == C.FAIL
     assert rows["ranks_agree"]["mismatches"] > 0 and "rank 1" in rows["ranks_agree"]["detail"]

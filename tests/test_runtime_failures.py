@@ -44,13 +44,15 @@ def _after_first_progress(llm: LLM, action) -> threading.Event:
     return started
 
 
-@pytest.mark.parametrize("sig,expect", [(signal.SIGKILL, "rank 1 died"),
-                                        (signal.SIGSTOP, r"did not finish within 3 s .*rank 1 holds the others up")],
-                         ids=["killed", "hung"])
-def test_broken_worker_raises(ckpt, sig, expect):
+@pytest.mark.parametrize("victim,sig,expect", [
+    (0, signal.SIGKILL, "rank 0 died"),  # the rank whose results the driver returns
+    (1, signal.SIGKILL, "rank 1 died"),
+    (1, signal.SIGSTOP, r"did not finish within 3 s .*rank 1 holds the others up"),
+], ids=["rank0-killed", "rank1-killed", "rank1-hung"])
+def test_broken_worker_raises(ckpt, victim, sig, expect):
     with LLM(ckpt, tensor_parallel_size=2, max_model_len=2048, step_timeout_s=3.0) as llm:
         pids = llm._executor.pids  # noqa: SLF001
-        started = _after_first_progress(llm, lambda p: os.kill(p[1], sig))
+        started = _after_first_progress(llm, lambda p: os.kill(p[victim], sig))
         with pytest.raises(WorkerError, match=expect):
             llm.generate([[5, 6, 7]], LONG)
         assert started.is_set()

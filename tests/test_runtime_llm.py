@@ -241,9 +241,22 @@ def test_bad_requests_rejected_without_disturbing_others(llm_tp2, baseline):
         # 10 MB of text: refused from its length alone (5 characters at most a token), never tokenized.
         (["x" * 10**7], None, r"prompt 0 has at least 2000000 tokens \(10000000 characters, at most 5 a token\)"),
     ]
-    for prompts, sp, msg in cases:
-        with pytest.raises(ValueError, match=msg):
-            llm_tp2.generate(prompts, sp)
+    executor = llm_tp2._executor  # noqa: SLF001 - test hook: count what reaches the ranks
+    calls = []
+    original_call = executor.call
+
+    def counted_call(*args, **kwargs):
+        calls.append(args[0])
+        return original_call(*args, **kwargs)
+
+    executor.call = counted_call
+    try:
+        for prompts, sp, msg in cases:
+            with pytest.raises(ValueError, match=msg):
+                llm_tp2.generate(prompts, sp)
+        assert calls == [], "a rejected request reached the ranks"
+    finally:
+        del executor.call
     # The LLM is still healthy and deterministic after the rejected calls.
     assert tokens(llm_tp2.generate(PROMPTS[:2], greedy())) == baseline[:2]
     assert tokens(llm_tp2.generate([{"prompt_token_ids": PROMPTS[0]}], greedy())) == baseline[:1]

@@ -97,6 +97,11 @@ def test_prompt_logprobs_tp2_equal_tp1_in_deterministic_mode(deterministic_tp1):
     assert _prompt_logprobs(2, deterministic=True)[0] == deterministic_tp1
 
 
+def test_prompt_logprobs_with_speculation_equal_without_in_deterministic_mode(deterministic_tp1):
+    ngram = {"method": "ngram", "num_speculative_tokens": 3}
+    assert _prompt_logprobs(1, deterministic=True, speculative_config=ngram)[0] == deterministic_tp1
+
+
 def test_chunked_prefill_gives_the_prompt_logprobs_of_one_chunk(deterministic_tp1):
     """The long prompt in chunks of 8 tokens beside the others: bit for bit in deterministic mode,
     within 1e-5 in the default mode (the kernels' rounding depends on the chunk's shape)."""

@@ -239,7 +239,7 @@ def test_grammar_end_stops_and_length_cuts(llm):
     out = llm.generate("The cat", SamplingParams(temperature=0, max_tokens=20, structured_outputs=so))[0].outputs[0]
     assert out.text in ("yes", "no") and out.finish_reason == "stop" and out.stop_reason is None
     # The grammar ends after its last token: no EOS is generated for it.
-    assert len(out.token_ids) < 20
+    assert len(out.token_ids) < 20 and not set(out.token_ids) & set(llm.eos_token_ids), out.token_ids
     person = StructuredOutputsParams(json=PERSON, disable_any_whitespace=True)
     cut = llm.generate("The cat", SamplingParams(temperature=0, max_tokens=2, structured_outputs=person))[0].outputs[0]
     assert cut.finish_reason == "length" and len(cut.token_ids) == 2 and cut.text.startswith("{")

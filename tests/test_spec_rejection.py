@@ -75,6 +75,26 @@ def test_same_tokens_at_tp_1_2_4_and_greedy_is_strict():
     assert 0 < int((num[2:] - 1).sum()) < 22 * K  # some drafts kept, some rejected
 
 
+def test_each_request_draws_from_its_own_stream_on_the_shards():
+    """A request's verdict depends on its rows, seed and offset only: the same alone, at any
+    position of a permuted batch; another offset draws anew. (The same tokens at TP 2 and 4:
+    the test above.)"""
+    n = 24
+    case = make_case(n, seed=5)
+    accepted, num = verify(case, 1, 0, LocalKeyExchange("cpu"))
+    per_request = ("temperature", "drafts", "lens", "seeds", "offsets", "row_index")
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(6))
+    permuted = dict(case, **{k: case[k][perm] for k in per_request}, draft=case["draft"][perm])
+    got, got_num = verify(permuted, 1, 0, LocalKeyExchange("cpu"))
+    assert torch.equal(got, accepted[perm]) and torch.equal(got_num, num[perm])
+    for i in (0, 1, 5, n - 1):
+        alone = dict(case, **{k: case[k][i:i + 1] for k in per_request}, draft=case["draft"][i:i + 1])
+        one, one_num = verify(alone, 1, 0, LocalKeyExchange("cpu"))
+        assert torch.equal(one[0], accepted[i]) and int(one_num[0]) == int(num[i]), i
+    moved = dict(case, offsets=case["offsets"] + 1000 * 32)
+    assert not torch.equal(verify(moved, 1, 0, LocalKeyExchange("cpu"))[0], accepted)
+
+
 def test_draft_equal_to_target_accepts_everything():
     case = make_case(32, seed=2, draft_equals_target=True)
     accepted, num = verify(case, 1, 0, LocalKeyExchange("cpu"))

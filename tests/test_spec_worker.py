@@ -9,7 +9,7 @@ from tpspec import SamplingParams, VocabShardedLogits
 from tpspec.exchange import AllGatherKeyExchange
 from tpspec.sampling import filtered_probs, sample_tokens
 from tpspec.sampling.penalties import OccurrenceCounts, apply_penalties
-from tpspec.speculative import FORCE_ENV, SpecMetadata, SpecWorker, select_draft_tokens, strict_accept
+from tpspec.speculative import FORCE_ENV, ForcedAcceptance, SpecMetadata, SpecWorker, select_draft_tokens, strict_accept
 
 EX = AllGatherKeyExchange()
 
@@ -70,6 +70,26 @@ def test_worker_rejection_step_is_lossless():
     assert counts[~live].sum() == 0
     expected = (p0[live] / p0[live].sum()).numpy() * n
     assert stats.chisquare(counts[live], expected).pvalue > 1e-3
+
+
+def test_a_repeated_step_draws_the_forced_counts_of_the_step_it_repeats():
+    """``repeat=True`` (a graphed step its candidates could not decide, run again eagerly) steps
+    the forced-acceptance counter back first: the repeat accepts what the step it repeats
+    accepted, and the step after it draws anew."""
+    forced = ForcedAcceptance(1.5)
+    worker = SpecWorker("strict", forced=forced)
+    requests = [(f"r{i}", i, None, False) for i in range(8)]
+
+    def step(repeat: bool = False) -> torch.Tensor:
+        meta = SpecMetadata(8, 3).prepare(requests, draft_len=3)
+        lg = logits(meta.num_rows, 50, 0)
+        return worker.step(lg, torch.zeros(8, 3, dtype=torch.int64), meta, repeat=repeat).num_accepted
+
+    first = step()
+    assert int(forced.counter) == 1 and set(first.tolist()) == {2, 3}  # 1 or 2 drafts, then the target's token
+    assert torch.equal(step(repeat=True), first) and int(forced.counter) == 1
+    second = step()
+    assert int(forced.counter) == 2 and not torch.equal(second, first)
 
 
 def test_gathered_rejection_path_draws_each_request_from_its_own_stream():
