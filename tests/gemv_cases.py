@@ -47,7 +47,8 @@ def _tensors(m: int, n: int, k: int, dtype: torch.dtype, device: str, bias: bool
 
 def check_kernels(device: str, dtype: torch.dtype, shapes=SMALL_SHAPES, rows=ROWS) -> None:
     """Every shape x rows x bias on/off, with the launch rule's splits and forced 1 and 3 splits;
-    the split results also equal one another's bits on a repeat (a fixed reduction order)."""
+    on CUDA the results also equal their bits on a repeat (a fixed reduction order; Triton's
+    interpreter runs the programs one after another, so a repeat there could not differ)."""
     for n, k in shapes:
         for m in rows:
             for bias in (False, True):
@@ -55,7 +56,8 @@ def check_kernels(device: str, dtype: torch.dtype, shapes=SMALL_SHAPES, rows=ROW
                 for splits in (None, 1, 3):
                     y = kernels.linear(x, w, b, splits=splits)
                     assert_close(y, x, w, b, f"{n}x{k} M={m} bias={bias} splits={splits}")
-                    assert torch.equal(y, kernels.linear(x, w, b, splits=splits))
+                    if device == "cuda":
+                        assert torch.equal(y, kernels.linear(x, w, b, splits=splits))
 
 
 def check_many_rows(device: str, dtype: torch.dtype, shapes=SMALL_SHAPES[2:4], rows=(40,)) -> None:
@@ -104,7 +106,7 @@ def check_norm_kernels(device: str, dtype: torch.dtype, shapes=SMALL_SHAPES, row
     without a residual, and with one with and without a bias, the rule's splits and forced 3: ``y``
     within its rounding of the float64 result (several rows: plus the rounding of ``h * g`` to the
     dtype before the product), ``h`` the bits of torch's ``x + residual`` (``x`` itself without
-    one), and the same bits on a repeat."""
+    one), and on CUDA the same bits on a repeat."""
     eps = 1e-5
     for n, k in shapes:
         for m in rows:
@@ -124,7 +126,8 @@ def check_norm_kernels(device: str, dtype: torch.dtype, shapes=SMALL_SHAPES, row
                     assert bool((err <= bound).all()), f"{what}: worst excess {(err - bound).max().item():.3e}"
                     assert torch.equal(h, h_want), what
                     assert (h is x) == (r is None), what
-                    assert torch.equal(y, kernels.norm_linear(x, r, g, eps, w, b, splits=splits)[0]), what
+                    if device == "cuda":
+                        assert torch.equal(y, kernels.norm_linear(x, r, g, eps, w, b, splits=splits)[0]), what
 
 
 class _CountingLaunches:
