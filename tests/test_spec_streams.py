@@ -55,9 +55,10 @@ def test_noise_is_keyed_by_output_position(params):
     alone = run_history([([("r", 0, params, True, 0)], 0)] + [([("r", 0, params, False, p)], 0) for p in range(1, 9)])
     crowded = run_history([
         ([("x", 3, UNSEEDED, True), ("y", 1, SEEDED, True, 0)], 4),
-        ([("x", 3, UNSEEDED, False, 1), ("y", 1, SEEDED, False, 1), ("r", 5, params, True, 0)], 4),
-        ([("r", 5, params, False, 1), ("q", 0, SamplingParams(temperature=0.0), True)], 4),  # positions 1..5
-        ([("y", 1, SEEDED, False, 6), ("r", 5, params, False, 6)], 2),  # 6..8
+        ([("x", 3, UNSEEDED, False, 1), ("y", 1, SEEDED, False, 1)], 4),
+        ([("y", 1, SEEDED, False, 6), ("r", 3, params, True, 0)], 4),  # r in the slot x used
+        ([("r", 3, params, False, 1), ("q", 0, SamplingParams(temperature=0.0), True)], 4),  # positions 1..5
+        ([("y", 1, SEEDED, False, 11), ("r", 3, params, False, 6)], 2),  # 6..8
     ], max_draft_len=4)
     assert alone == {p: crowded[p] for p in alone}
     assert {p: v[:2] for p, v in alone.items()} == {p: (params.seed, position_offset(0, p)) for p in alone}
