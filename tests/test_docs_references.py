@@ -1,4 +1,4 @@
-"""Every test the README and docs name exists and can fail.
+"""Every test the README and docs name exists and can fail; every repository path they name exists.
 
 The guarantees table (README, "Guarantees and their tests") and the docs back each promise with
 named tests: ``tests/test_x.py``, ``tests/test_x.py::test_name`` or, later in the same paragraph
@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 _REF = re.compile(r"(tests/[\w/]+\.py)(?:::(\w+))?|(?<![\w/.])::(\w+)")
 _NAME_ALONE = re.compile(r"`(test_\w+)(?:\[[^\]`]*\])?`")
+_PATH = re.compile(r"`((?:tpspec|launch|tests|docs|examples|csrc|\.ci)/[\w./-]+)`")
 
 
 def named_tests(text: str) -> list[tuple[int, str, str | None]]:
@@ -102,3 +103,10 @@ def test_every_named_test_exists_and_can_fail(doc):
             elif _only_a_docstring(every[name]):
                 problems.append(f"{doc.name}:{number}: {name} has no body: it cannot fail")
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_every_repository_path_named_exists(doc):
+    missing = [f"{doc.name}:{number}: {path}" for number, line in enumerate(doc.read_text().splitlines(), 1)
+               for path in _PATH.findall(line) if not (ROOT / path).exists()]
+    assert not missing, "\n".join(missing)
