@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from listeners import LOOPBACK, listening_addresses
 from tpspec import LLM, SamplingParams
 from tpspec.model.tiny import make_tiny_checkpoint
 from tpspec.runtime import WorkerError
@@ -239,32 +240,10 @@ def test_threads_mixing_streams_and_calls_each_get_their_own_outputs(llm_tp2):
 
 # ------------------------------------------------------------------ listeners
 
-def _listening_addresses(pid: int) -> list[str]:
-    """Local addresses (hex, as /proc/net/tcp* writes them) of the TCP sockets ``pid`` listens on."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            inodes.add(link[len("socket:["):-1])
-    found = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            for line in f.read().splitlines()[1:]:
-                fields = line.split()
-                if fields[3] == "0A" and fields[9] in inodes:  # 0A = LISTEN
-                    found.append(fields[1].rsplit(":", 1)[0])
-    return found
-
-
-LOOPBACK = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
-
 
 def test_every_listener_of_an_mp_job_is_on_loopback(llm_tp2):
     llm_tp2.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=2))
-    addresses = [a for pid in llm_tp2._executor.pids for a in _listening_addresses(pid)]  # noqa: SLF001
+    addresses = [a for pid in llm_tp2._executor.pids for a in listening_addresses(pid)]  # noqa: SLF001
     assert addresses, "no listening socket found (the store of rank 0 at least listens)"
     assert set(addresses) <= LOOPBACK, f"listeners off loopback: {addresses}"
 

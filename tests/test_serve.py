@@ -19,8 +19,10 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Callable
 
 import pytest
+from listeners import LOOPBACK, listening_addresses
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -155,6 +157,13 @@ def test_models_and_health(server):
         assert r.status == 200
 
 
+def test_the_server_and_its_ranks_listen_on_loopback_only(server):
+    """No --host: the HTTP port and every rank's sockets bind to loopback."""
+    addresses = {pid: listening_addresses(pid) for pid in [server.proc.pid, *_descendants(server.proc.pid)]}
+    assert addresses[server.proc.pid], addresses  # the HTTP listener
+    assert set().union(*addresses.values()) <= LOOPBACK, addresses
+
+
 def test_completions_and_chat_streamed_and_not(server):
     c = server.client
     full = c.completions.create(model=MODEL, prompt="The cat sat on the", max_tokens=12, temperature=0)
@@ -163,6 +172,11 @@ def test_completions_and_chat_streamed_and_not(server):
     streamed = "".join(ch.choices[0].text for ch in c.completions.create(
         model=MODEL, prompt="The cat sat on the", max_tokens=12, temperature=0, stream=True))
     assert streamed == text
+    # stream_options.include_usage: a last chunk without choices carries the request's usage.
+    chunks = list(c.completions.create(model=MODEL, prompt="The cat sat on the", max_tokens=12, temperature=0,
+                                       stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
+    assert all(ch.usage is None for ch in chunks[:-1])
     messages = [{"role": "user", "content": "Say something."}]
     reply = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
     assert reply.choices[0].message.role == "assistant"
@@ -396,6 +410,47 @@ def _metrics(base: str) -> dict[str, int]:
     return {k: int(v) for k, v in (line.split() for line in lines if not line.startswith("#"))}
 
 
+def _streaming_request(port: int, max_tokens: int) -> socket.socket:
+    """A raw streamed completion, read until its first event has arrived (it is generating)."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    body = json.dumps({"model": MODEL, "prompt": "Once upon a time", "max_tokens": max_tokens, "stream": True,
+                       "ignore_eos": True, "temperature": 0}).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    data = b""
+    while b"data: {" not in data:
+        part = sock.recv(65536)
+        assert part, data
+        data += part
+    return sock
+
+
+def _wait_for_metrics(base: str, done: Callable[[dict[str, int]], bool], timeout_s: float = 30.0) -> dict[str, int]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        now = _metrics(base)
+        if done(now) or time.monotonic() > deadline:
+            return now
+        time.sleep(0.05)
+
+
+def test_a_client_that_disconnects_leaves_the_batch(server):
+    """A stream whose client goes away is aborted: the server's running requests drop to none,
+    and the tokens generated stop growing far below what the request asked for."""
+    before = _metrics(server.base)
+    sock = _streaming_request(server.port, max_tokens=1500)
+    running = _wait_for_metrics(server.base, lambda m: m["tpspec:num_requests_running"] == 1)
+    assert running["tpspec:num_requests_running"] == 1, running
+    sock.close()
+    idle = _wait_for_metrics(server.base, lambda m: m["tpspec:num_requests_running"] == 0)
+    assert idle["tpspec:num_requests_running"] == idle["tpspec:num_requests_waiting"] == 0, idle
+    time.sleep(0.5)
+    after = _metrics(server.base)
+    generated = after["tpspec:generation_tokens_total"] - before["tpspec:generation_tokens_total"]
+    assert after["tpspec:generation_tokens_total"] == idle["tpspec:generation_tokens_total"]  # nothing runs on
+    assert 0 < generated < 1500, generated
+
+
 def test_metrics_count_prefix_cache_hits_and_a_prompt_too_long_gets_400(server):
     prompt = [(7 * i) % 400 + 3 for i in range(40)]  # 2 full pages of 16 and a part
     before = _metrics(server.base)
@@ -406,6 +461,10 @@ def test_metrics_count_prefix_cache_hits_and_a_prompt_too_long_gets_400(server):
     assert after["tpspec:prefix_cache_queries_total"] - before["tpspec:prefix_cache_queries_total"] == 80
     assert after["tpspec:prefix_cache_hits_total"] - before["tpspec:prefix_cache_hits_total"] == 32
     assert after["tpspec:num_preemptions_total"] >= 0
+    assert after["tpspec:prompt_tokens_total"] - before["tpspec:prompt_tokens_total"] == 80
+    generated = sum(o.usage.completion_tokens for o in outs)
+    assert after["tpspec:generation_tokens_total"] - before["tpspec:generation_tokens_total"] == generated
+    assert after["tpspec:num_requests_running"] == after["tpspec:num_requests_waiting"] == 0  # idle
     too_long = json.dumps({"model": MODEL, "prompt": [5] * 4096, "max_tokens": 1}).encode()
     code, reply = _post(server.base, "/v1/completions", too_long)
     assert code == 400 and "max_model_len" in reply["error"]["message"], reply
@@ -413,13 +472,15 @@ def test_metrics_count_prefix_cache_hits_and_a_prompt_too_long_gets_400(server):
 
 def test_clean_shutdown_leaves_no_rank_process(server):
     """Runs last on the module's server (default timeouts: a body may take 60 s). Five clients
-    hold half-sent bodies; SIGTERM still ends the server within 5 s: the requests get 2 s, then
-    503; the engine stops its ranks; the server exits normally (0), so its exit handlers unlink
-    the rank queues' semaphores (no "leaked" warning); no process is left."""
+    hold half-sent bodies and one stream is generating 1500 tokens; SIGTERM still ends the server
+    within 5 s: the requests get 2 s, then the bodies get 503 and the stream an error event and
+    ``[DONE]``, with no traceback in the log; the engine stops its ranks; the server exits normally (0), so its exit handlers
+    unlink the rank queues' semaphores (no "leaked" warning); no process is left."""
     ranks = server.ranks()
     assert len(ranks) >= 2, ranks
     below = _descendants(server.proc.pid)
     clients = [_half_sent_body(server.port) for _ in range(5)]
+    generating = _streaming_request(server.port, max_tokens=1500)
     try:
         time.sleep(0.5)  # the requests are in: their handlers wait for the bodies
         started = time.monotonic()
@@ -427,14 +488,18 @@ def test_clean_shutdown_leaves_no_rank_process(server):
         server.proc.wait(timeout=30)
         took = time.monotonic() - started
         replies = [_read_response(c) for c in clients]
+        streamed = _read_response(generating)
     finally:
-        for c in clients:
+        for c in clients + [generating]:
             c.close()
         server.log.close()
     log = server.log_path.read_text()
     assert took < 5.0, (took, log[-2000:])
     assert server.proc.returncode == 0, log[-2000:]
     assert all(r.startswith(b"HTTP/1.1 503") and b"shutting down" in r for r in replies), replies
+    # The stream was cut off: an error event, then [DONE].
+    assert streamed.count(b"data: {") < 1500 and b"the server is shutting down" in streamed, streamed[-300:]
+    assert streamed.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"), streamed[-300:]  # and the response ends properly
     assert "Application shutdown complete" in log and "leaked" not in log and "Traceback" not in log, log[-3000:]
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(_alive(p) for p in below):

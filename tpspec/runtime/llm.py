@@ -191,15 +191,20 @@ class GenerateStats:
 
 @dataclass
 class EngineCounters:
-    """Counters over the life of an ``LLM`` (vLLM's ``prefix_cache_queries``, ``prefix_cache_hits``
-    and ``num_preemptions``), counted by the driver from its samples as they start and run:
-    ``prefix_cache_queries`` the prompt tokens of the samples that looked in the prefix cache
-    (all of them while it is on, but those asking ``prompt_logprobs``), ``prefix_cache_hits`` the
-    prompt tokens found there, ``num_preemptions`` how often a running sample was preempted."""
+    """Counters over the life of an ``LLM`` (vLLM's ``prefix_cache_queries``, ``prefix_cache_hits``,
+    ``num_preemptions``, ``prompt_tokens`` and ``generation_tokens``), counted by the driver from its
+    samples as they start and run: ``prefix_cache_queries`` the prompt tokens of the samples that
+    looked in the prefix cache (all of them while it is on, but those asking ``prompt_logprobs``),
+    ``prefix_cache_hits`` the prompt tokens found there, ``num_preemptions`` how often a running
+    sample was preempted, ``prompt_tokens`` the prompt tokens of the samples that started (each
+    sample of an ``n > 1`` request counts its prompt), ``generation_tokens`` the tokens the samples
+    returned (an aborted sample's up to its abort)."""
 
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -555,6 +560,7 @@ class LLM:
                 state = _Sample(i, req, entry.params, self.tokenizer)
                 state.feed(res.token_ids)
                 state.finish(res.finish_reason)
+                self.counters.generation_tokens += len(state.token_ids)
                 samples.append(state.output(res.stats, res.logprobs))
                 if res.prompt_logprobs is not None:
                     prompt_logprobs = state.decoded(res.prompt_logprobs)
@@ -656,6 +662,20 @@ class LLM:
             self._check_open()
             self._executor.call(_noop_on_rank)
 
+    def num_requests(self) -> tuple[int, int]:
+        """``(running, waiting)`` over the requests driven step by step (:meth:`add_request`,
+        streams, a server's): running, those with a sample that has produced a token and not
+        finished; waiting, the others (queued, or still in their prompt's prefill). Read without
+        the lock (a monitoring thread never waits for a step): a snapshot, possibly a step old."""
+        running = waiting = 0
+        for live in list(self._live.values()):
+            started = any(c is not None and s.finish_reason is None for c, s in zip(live.cached, live.samples))
+            if started:
+                running += 1
+            elif all(s.finish_reason is None for s in live.samples):
+                waiting += 1
+        return running, waiting
+
     def has_unfinished_requests(self) -> bool:
         """Whether requests added with :meth:`add_request` are still running (a stream's or
         another ``generate`` call's requests are theirs, not counted here)."""
@@ -701,6 +721,7 @@ class LLM:
             if u.prompt_logprobs is not None:
                 prompt_logprobs[owner[0]] = sample.decoded(u.prompt_logprobs)
             kept, text = sample.feed(u.new_token_ids)
+            self.counters.generation_tokens += len(kept)
             if sample.finish_reason is not None and u.finish_reason is None:  # a stop string: leave the batch
                 self._aborts.append(u.request_id)
             if u.finish_reason is not None:
@@ -743,6 +764,7 @@ class LLM:
     def _count(self, req: Request, num_cached_tokens: int, num_preemptions: int) -> None:
         """A sample started (``num_cached_tokens`` of its prompt cached) and was preempted
         ``num_preemptions`` times so far: into :attr:`counters`."""
+        self.counters.prompt_tokens += len(req.prompt)
         if self.config.enable_prefix_caching and req.sampling.prompt_logprobs is None:
             self.counters.prefix_cache_queries += len(req.prompt)
             self.counters.prefix_cache_hits += num_cached_tokens

@@ -85,7 +85,7 @@ def build_app(engine: EngineLoop, model_name: str, *, max_body_bytes: int = DEFA
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(_prometheus(engine.llm.counters))
+        return PlainTextResponse(_prometheus(engine.llm.counters, *engine.llm.num_requests()))
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -176,13 +176,19 @@ def _parse_body(data: bytes, model: type[pydantic.BaseModel]) -> Any:
         raise ApiError("the request body nests JSON arrays or objects too deeply") from None
 
 
-def _prometheus(counters: Any) -> str:
-    """The LLM's :class:`~tpspec.runtime.llm.EngineCounters` in Prometheus' text format (vLLM's names,
+def _prometheus(counters: Any, running: int, waiting: int) -> str:
+    """The LLM's :class:`~tpspec.runtime.llm.EngineCounters` and its running and waiting requests
+    (:meth:`~tpspec.runtime.llm.LLM.num_requests`) in Prometheus' text format (vLLM's names,
     ``tpspec:`` for ``vllm:``)."""
     lines = []
+    for name, value, what in (("num_requests_running", running, "Requests generating (a token out, not finished)."),
+                              ("num_requests_waiting", waiting, "Requests queued or in their prompt's prefill.")):
+        lines += [f"# HELP tpspec:{name} {what}", f"# TYPE tpspec:{name} gauge", f"tpspec:{name} {value}"]
     for name, what in (("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
                        ("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
-                       ("num_preemptions", "Requests preempted because KV pages ran out.")):
+                       ("num_preemptions", "Requests preempted because KV pages ran out."),
+                       ("prompt_tokens", "Prompt tokens of the requests started."),
+                       ("generation_tokens", "Tokens generated.")):
         lines += [f"# HELP tpspec:{name} {what}", f"# TYPE tpspec:{name} counter",
                   f"tpspec:{name}_total {getattr(counters, name)}"]
     return "\n".join(lines) + "\n"

@@ -4,7 +4,10 @@ its body may take to arrive.
 * :class:`RequestLimits` — ASGI middleware: a body above ``max_body_bytes`` gets 413 (at once
   when ``Content-Length`` says so, else as soon as the bytes read pass the limit), a body not
   complete ``body_timeout_s`` after its headers gets 408, one still arriving when the server
-  shuts down gets 503. The errors are OpenAI-shaped.
+  shuts down gets 503. A request still running when the server's shutdown grace ends (uvicorn
+  then cancels it) is answered too, rather than logged as a traceback: 503 when its response has
+  not started, and a stream ends with an error event and ``data: [DONE]``. The errors are
+  OpenAI-shaped.
 * :func:`header_timeout_protocol` — the HTTP protocol class for uvicorn with a deadline on the
   headers: a connection whose request headers are not complete ``header_timeout_s`` after it
   opened (or after its previous response) is closed. ASGI only sees a request once its headers
@@ -54,7 +57,7 @@ class RequestLimits:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.body_timeout_s
         received = 0
-        body_done = started = False
+        body_done = started = event_stream = False
 
         async def limited_receive() -> dict:
             nonlocal received, body_done
@@ -75,9 +78,11 @@ class RequestLimits:
             return message
 
         async def tracked_send(message: dict) -> None:
-            nonlocal started
+            nonlocal started, event_stream
             if message["type"] == "http.response.start":
                 started = True
+                content_type = dict(message.get("headers") or []).get(b"content-type", b"")
+                event_stream = content_type.startswith(b"text/event-stream")
             await send(message)
 
         try:
@@ -85,6 +90,14 @@ class RequestLimits:
         except BodyRejected as exc:
             if not started:
                 await _answer(send, exc)
+        except asyncio.CancelledError:  # the shutdown's grace is over: end the request, no traceback
+            shutting_down = BodyRejected(503, "the server is shutting down", "ServiceUnavailableError")
+            if not started:
+                await _answer(send, shutting_down)
+            elif event_stream:
+                error = json.dumps(error_body(shutting_down.message, 503, kind=shutting_down.kind))
+                await send({"type": "http.response.body", "body": f"data: {error}\n\ndata: [DONE]\n\n".encode(),
+                            "more_body": False})
 
     def _too_large(self) -> BodyRejected:
         return BodyRejected(413, f"the request body is larger than {self.max_body_bytes} bytes (the server's "
