@@ -284,23 +284,33 @@ def test_prefix_cache_counters_and_metrics_text():
     from tpspec.serve.app import _prometheus
 
     with _llm(deterministic=False) as llm:
-        llm.generate([P0], _params(None))
+        first_outs = llm.generate([P0], _params(None))
         outs = llm.generate([P0, P0[:31] + [3]], [_params(None), SamplingParams(max_tokens=2, prompt_logprobs=1)])
         assert [o.num_cached_tokens for o in outs] == [28, 0]
         c = llm.counters
         assert (c.prefix_cache_queries, c.prefix_cache_hits, c.num_preemptions) == (64, 28, 0)
         assert c.prefix_cache_hit_rate == 28 / 64
         assert llm.last_stats.num_cached_tokens == 28
+        generated = sum(len(o.outputs[0].token_ids) for o in first_outs + outs)
+        assert (c.prompt_tokens, c.generation_tokens) == (3 * len(P0), generated)
+        assert llm.num_requests() == (0, 0)
         # Step by step (streams and the server): counted as the samples start.
         rid = llm.add_request({"prompt_token_ids": P0}, _params(None))
+        assert llm.num_requests() == (0, 1)  # waiting
         first = llm.step()
         assert [o.num_cached_tokens for o in first] == [28] and first[0].request_id == rid
+        generated += len(first[0].outputs[0].token_ids)
+        assert not first[0].finished and llm.num_requests() == (1, 0)  # running
         while llm.has_unfinished_requests():
-            llm.step()
+            generated += sum(len(o.outputs[0].token_ids) for o in llm.step())
         assert (llm.counters.prefix_cache_queries, llm.counters.prefix_cache_hits) == (96, 56)
-        text = _prometheus(llm.counters)
+        assert (llm.counters.prompt_tokens, llm.counters.generation_tokens) == (4 * len(P0), generated)
+        assert llm.num_requests() == (0, 0)
+        text = _prometheus(llm.counters, 2, 3)
     assert "tpspec:prefix_cache_queries_total 96\n" in text and "tpspec:prefix_cache_hits_total 56\n" in text
     assert "# TYPE tpspec:num_preemptions counter\ntpspec:num_preemptions_total 0\n" in text
+    assert "# TYPE tpspec:num_requests_running gauge\ntpspec:num_requests_running 2\n" in text
+    assert "tpspec:num_requests_waiting 3\n" in text and f"tpspec:generation_tokens_total {generated}\n" in text
 
 
 def test_a_request_that_can_never_fit_is_refused_clearly():
