@@ -77,6 +77,23 @@ def tp_group_worker(rank, world):
     return mapping.tp_group_ranks, value.item(), D.group_size(D.tp_group()), (again.rank, again.world_size)
 
 
+def test_rank_threads_come_from_the_spec_the_variable_or_the_cores(monkeypatch):
+    """``TPSPEC_NUM_THREADS``: a positive integer, else ``ValueError``; unset, the host's cores
+    split between its ranks; ``GroupSpec(num_threads=)`` wins over both."""
+    from tpspec.runtime.launchers import GroupSpec
+
+    monkeypatch.delenv("TPSPEC_NUM_THREADS", raising=False)
+    assert GroupSpec(world_size=2).threads(2) == max(1, (os.cpu_count() or 1) // 2)
+    assert GroupSpec(world_size=2).threads(4 * (os.cpu_count() or 1)) == 1
+    monkeypatch.setenv("TPSPEC_NUM_THREADS", "3")
+    assert GroupSpec(world_size=2).threads(2) == 3
+    assert GroupSpec(world_size=2, num_threads=5).threads(2) == 5
+    for bad in ("0", "-1", "x", "1.5"):
+        monkeypatch.setenv("TPSPEC_NUM_THREADS", bad)
+        with pytest.raises(ValueError, match="TPSPEC_NUM_THREADS must be a positive integer"):
+            GroupSpec(world_size=2).threads(2)
+
+
 def test_tp_groups_reduce_within_their_group():
     results = run_ranks(tp_group_worker, 4, tp_size=2)
     assert [r[1] for r in results] == [3.0, 3.0, 7.0, 7.0]

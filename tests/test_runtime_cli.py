@@ -1,5 +1,5 @@
 """`tpspec generate`: the README's main job as a smoke test, and the torchrun launcher
-(every process a rank) giving the tokens of the mp launcher."""
+(`launch/torchrun.sh`: every process a rank) giving the tokens of the mp launcher."""
 
 from __future__ import annotations
 
@@ -8,12 +8,15 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from started import Started
 from tpspec import LLM, SpeculativeConfig
 from tpspec.runtime.generate_cli import DEFAULT_PROMPTS
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _env() -> dict[str, str]:
@@ -31,14 +34,13 @@ TORCHRUN = shutil.which("torchrun", path=os.path.dirname(sys.executable))
 def started(tmp_path_factory):
     """The module's command lines, started at once, side by side: name -> :class:`Started`."""
     programs = {"main_job": [sys.executable, "-m", "tpspec", "generate"]}
-    if TORCHRUN is not None:
-        programs["torchrun"] = [TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "tpspec", "generate",
-                                "--json", "--max-tokens", "16", "--num-prompts", "3", "--temperature", "0.8",
-                                "--seed", "5"]
+    if TORCHRUN is not None:  # the README's script: torchrun, 2 ranks, the external launcher
+        programs["torchrun"] = ["bash", str(REPO / "launch" / "torchrun.sh"), "--json", "--max-tokens", "16",
+                                "--num-prompts", "3", "--temperature", "0.8", "--seed", "5"]
     runs: dict[str, Started] = {}
     try:
         for name, args in programs.items():
-            runs[name] = Started(args, tmp_path_factory.mktemp(name), _env())
+            runs[name] = Started(args, tmp_path_factory.mktemp(name), dict(_env(), PYTHON=sys.executable))
         yield runs
     finally:
         for run in runs.values():

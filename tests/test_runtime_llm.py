@@ -202,6 +202,20 @@ def test_stop_rules_and_per_prompt_budgets(llm_tp2, baseline):
     assert len(later.token_ids) > first + 1 and later.token_ids[: first + 1] == ref[: first + 1]
 
 
+def test_an_llm_seed_makes_unseeded_requests_reproducible(ckpt):
+    """``LLM(seed=)``: an unseeded request draws with a seed derived from the LLM's and from its
+    number among the LLM's requests. The same calls on another LLM with that seed give the same
+    tokens; two requests of one call differ; another seed gives others."""
+    params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+    runs = {}
+    for name, seed in (("first", 0), ("again", 0), ("other", 1)):
+        with LLM(ckpt[0], tensor_parallel_size=1, seed=seed) as llm:
+            runs[name] = tokens(llm.generate([[5, 6, 7], [5, 6, 7]], params)) + tokens(llm.generate([[5, 6, 7]], params))
+    assert runs["first"] == runs["again"]
+    assert len({tuple(t) for t in runs["first"]}) == 3, runs["first"]
+    assert runs["other"] != runs["first"]
+
+
 def test_max_seq_len_ends_requests(ckpt):
     with LLM(ckpt[0], tensor_parallel_size=1, max_model_len=16,
              speculative_config=SpeculativeConfig("ngram", num_speculative_tokens=4)) as llm:

@@ -75,6 +75,9 @@ DRIVER = textwrap.dedent("""
     from tpspec import LLM, SamplingParams
 
     llm = LLM(sys.argv[1], tensor_parallel_size=2, distributed_executor_backend=sys.argv[2])
+    if sys.argv[3] == "idle":
+        print("idle", flush=True)
+        time.sleep(600)
     executor, generating = llm._executor, threading.Event()
     original = executor.call
 
@@ -105,18 +108,18 @@ RAY_AGENTS = ("ray::DashboardAgent", "ray::RuntimeEnvAgent")
 exit, which Ray gives a minute; they hold no rank and no device."""
 
 
-def _kill_driver_mid_generate(tmp_path: Path, ckpt: str, backend: str) -> set[int]:
-    """Start a driver, SIGKILL it once its ranks generate; return its processes still alive
-    10 s later (the workers, the forkserver, the resource tracker, Ray's raylet, head and
-    actors; Ray's agents are killed here, not counted)."""
+def _kill_driver(tmp_path: Path, ckpt: str, backend: str, state: str = "generating") -> set[int]:
+    """Start a driver, SIGKILL it once its ranks generate (``state="idle"``: once its LLM is up);
+    return its processes still alive 10 s later (the workers, the forkserver, the resource
+    tracker, Ray's raylet, head and actors; Ray's agents are killed here, not counted)."""
     script = tmp_path / "driver.py"
     script.write_text(DRIVER)
     env = dict(os.environ, PYTHONPATH=str(REPO), TPSPEC_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, str(script), ckpt, backend], stdout=subprocess.PIPE, text=True,
-                            env=env, cwd=tmp_path)
+    proc = subprocess.Popen([sys.executable, str(script), ckpt, backend, "idle" if state == "idle" else "busy"],
+                            stdout=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
     try:
         line = proc.stdout.readline()  # bounded: the driver gives up waiting after 300 s
-        assert line.strip() == "generating", f"the driver did not start generating: {line!r}"
+        assert line.strip() == state, f"the driver did not get {state}: {line!r}"
         family = _descendants(proc.pid)
         assert len(family) >= 2, "no worker processes found"
         agents = {pid for pid in family if _command(pid).startswith(RAY_AGENTS)}
@@ -135,17 +138,18 @@ def _kill_driver_mid_generate(tmp_path: Path, ckpt: str, backend: str) -> set[in
             proc.wait(timeout=30)
 
 
-def test_killing_the_driver_mid_generate_leaves_nothing_running(tmp_path, ckpt):
-    left = _kill_driver_mid_generate(tmp_path, ckpt, "mp")
+@pytest.mark.parametrize("state", ["generating", "idle"])
+def test_killing_the_driver_leaves_nothing_running(tmp_path, ckpt, state):
+    left = _kill_driver(tmp_path, ckpt, "mp", state)
     for pid in left:  # clean up before failing
         os.kill(pid, signal.SIGKILL)
-    assert not left, f"processes of the killed driver still running after 10 s: {sorted(left)}"
+    assert not left, f"processes of the killed driver ({state}) still running after 10 s: {sorted(left)}"
 
 
 @pytest.mark.slow
 def test_killing_the_ray_driver_mid_generate_leaves_nothing_running(tmp_path, ckpt):
     pytest.importorskip("ray")
-    left = _kill_driver_mid_generate(tmp_path, ckpt, "ray")
+    left = _kill_driver(tmp_path, ckpt, "ray")
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert not left, f"processes of the killed Ray driver still running after 10 s: {sorted(left)}"
@@ -172,6 +176,21 @@ def test_a_script_that_never_calls_shutdown_exits_cleanly(tmp_path, ckpt):
     assert proc.returncode == 0, proc.stderr
     pids = {int(p) for p in proc.stdout.splitlines()[-1].split()}
     assert "leaked" not in proc.stderr and "resource_tracker" not in proc.stderr, proc.stderr
+    assert not _alive(pids)
+
+
+def test_a_garbage_collected_llm_ends_its_workers(ckpt):
+    """An ``LLM`` nobody holds any more shuts its workers down when it is collected."""
+    import gc
+
+    llm = LLM(ckpt, tensor_parallel_size=2)
+    assert llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=2))[0].outputs[0].token_ids
+    pids = set(llm._executor.pids)  # noqa: SLF001
+    del llm
+    gc.collect()
+    deadline = time.monotonic() + 10.0
+    while _alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert not _alive(pids)
 
 
