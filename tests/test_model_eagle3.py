@@ -233,6 +233,39 @@ def test_bad_heads_raise_checkpoint_error_naming_the_problem(ckpt, tmp_path):
     assert model.aux_layer_ids == ()  # a failed head leaves the target as it was
 
 
+def test_llm_refuses_a_bad_vocabulary_map_in_the_driver_and_names_a_missing_weight(ckpt, tmp_path, monkeypatch):
+    """Through ``LLM``: a config that does not fit, a corrupt file or a bad ``d2t`` / ``t2d`` raise
+    ``CheckpointError`` in the driver, before any worker starts; a missing weight is found by the
+    ranks as they load it, and the driver's ``WorkerError`` names it."""
+    from tpspec import LLM
+    from tpspec.runtime import WorkerError
+    from tpspec.runtime import launchers
+
+    target_dir, head_dir = ckpt
+    d2t = load_file(os.path.join(head_dir, "model.safetensors"))["d2t"]
+    not_increasing = d2t.clone()
+    not_increasing[5] = d2t[4] - 1
+
+    def spec(head: str) -> dict:
+        return {"method": "eagle3", "model": head, "num_speculative_tokens": 2}
+
+    def no_workers(*args, **kwargs):
+        raise AssertionError("a worker was started")
+
+    with monkeypatch.context() as m:
+        m.setattr(launchers, "make_executor", no_workers)
+        m.setattr("tpspec.runtime.llm.make_executor", no_workers)
+        for i, (kw, needle) in enumerate([(dict(replace={"d2t": not_increasing}), "strictly increasing"),
+                                          (dict(replace={"t2d": torch.zeros(512, dtype=torch.bool)}), "'t2d'"),
+                                          (dict(config={"hidden_size": 64}), "hidden_size=64")]):
+            bad = _broken_head(head_dir, tmp_path / f"driver{i}", **kw)
+            with pytest.raises(CheckpointError, match=needle):
+                LLM(target_dir, speculative_config=spec(bad))
+    missing = _broken_head(head_dir, tmp_path / "missing", drop="midlayer.hidden_norm.weight")
+    with pytest.raises(WorkerError, match="midlayer.hidden_norm.weight"):
+        LLM(target_dir, speculative_config=spec(missing))
+
+
 def test_tiny_head_layout_and_cli(tmp_path):
     from tpspec.cli import main
 

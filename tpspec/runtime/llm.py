@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from ..log import get_logger
-from ..model.loader import verify_checkpoint
+from ..model.loader import CheckpointReader, check_draft_vocab_map, verify_checkpoint
 from ..sampling.logprobs import Logprob
 from ..sampling.params import SamplingParams
 from ..speculative.forced import read_forced_rate
@@ -304,7 +304,7 @@ class LLM:
         enable_prefix_caching: bool = True,
     ) -> None:
         from ..model.attention import choose_attention_backend
-        from ..model.shapes import config_from_path, is_shape_path
+        from ..model.shapes import config_from_path, is_eagle3_shape_path, is_shape_path
 
         self._executor: Executor | None = None
         self._lock = threading.Lock()
@@ -363,6 +363,10 @@ class LLM:
 
             draft_path = resolve_model(spec.model, kind="eagle3")
             head_cfg = Eagle3Config.from_pretrained(draft_path, self.model_config)  # CheckpointError before any worker
+            if not is_eagle3_shape_path(draft_path):  # a corrupt file, a bad d2t / t2d: before any worker too
+                verify_checkpoint(draft_path)
+                with CheckpointReader(draft_path) as reader:
+                    check_draft_vocab_map(reader, head_cfg.draft_vocab_size, head_cfg.target_vocab_size)
             _check_layout(head_cfg, tp_size, attention_dp, draft_path, deterministic)
             draft_cfg = head_cfg.layer  # its one decoder layer's KV shares the pages
         k = spec.num_speculative_tokens if spec is not None else 0
