@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 
 from tpspec import LLM, SpeculativeConfig
 from tpspec.mapping import Mapping
@@ -222,3 +223,28 @@ def test_the_profiled_step_runs_on_every_paged_model(ckpt):
         _profile_step(model, cfg)
         assert model.num_pages == 4  # the profiling pages: 64 tokens of 16
     engine.close()
+
+
+def test_cpu_default_cache_is_min_of_max_num_seqs_and_8_requests_within_its_byte_cap(monkeypatch):
+    """Without ``kv_cache_bytes`` on CPU: ``min(max_num_seqs, 8)`` requests of ``max_model_len``,
+    at most ``CPU_DEFAULT_KV_BYTES`` (scratch pages included)."""
+    from types import SimpleNamespace
+
+    from tpspec.model.batch import pages_needed
+    from tpspec.runtime import kv_sizing
+
+    class Paged:  # a paged model of 1 KiB a page
+        def page_bytes(self, page_size: int) -> int:
+            return 1024
+
+    def plan(max_num_seqs: int) -> kv_sizing.KVPlan:
+        config = SimpleNamespace(page_size=16, num_draft_tokens=0, kv_cache_bytes=None, max_batch_size=max_num_seqs,
+                                 max_seq_len=256, gpu_memory_utilization=None)
+        return kv_sizing.plan_kv_cache(config, [Paged()], None, torch.device("cpu"))
+
+    assert plan(3).num_pages == 3 * pages_needed(255, 16)
+    assert plan(256).num_pages == 8 * pages_needed(255, 16)
+    monkeypatch.setattr(kv_sizing, "CPU_DEFAULT_KV_BYTES", 40 * 1024)
+    capped = plan(256)
+    assert capped.total_bytes == 40 * 1024 and capped.num_pages == 40 - capped.num_scratch_pages
+    assert "the CPU default of" in capped.source

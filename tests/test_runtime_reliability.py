@@ -295,9 +295,11 @@ def test_a_stray_forcing_variable_warns_and_is_recorded(ckpt, monkeypatch):
             1, len(plain[0].outputs[0].stats.accepted_drafts_per_step))
 
 
-def test_max_model_len_beyond_the_models_positions_is_refused(ckpt):
+def test_max_model_len_defaults_to_the_models_positions_and_beyond_is_refused(ckpt):
     with pytest.raises(ValueError, match=r"max_model_len=1000000 exceeds the model's max_position_embeddings"):
         LLM(ckpt, max_model_len=1_000_000)
+    with LLM(ckpt, distributed_executor_backend="external_launcher", tensor_parallel_size=1) as llm:
+        assert llm.config.max_seq_len == llm.model_config.max_position_embeddings
 
 
 def test_numpy_ids_seeds_and_temperatures_are_accepted(ckpt):

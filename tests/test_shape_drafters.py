@@ -97,6 +97,19 @@ def test_eagle3_shape_config_sizes_the_head_for_the_target():
     assert small.draft_vocab_size == 100 and small.aux_layer_ids == (0, 0, 0)
     ids = spread_draft_ids(32000, 128256)
     assert ids[0] == 0 and int(ids[-1]) < 128256 and bool((ids[1:] > ids[:-1]).all()) and ids.dtype == torch.int64
+    gaps = ids[1:] - ids[:-1]
+    assert int(gaps.max()) - int(gaps.min()) <= 1  # spread evenly
+    # The default draft vocabulary: 32000, at most half the target's.
+    half = Eagle3Config.from_pretrained("shape-eagle3:llama-3-8b", shape_config("llama-3-8b", 1, 4096))
+    assert half.draft_vocab_size == 2048
+
+
+def test_shape_models_are_bfloat16_under_llm_auto():
+    """``dtype="auto"`` takes a shape's own dtype (bfloat16), as a checkpoint's ``torch_dtype``."""
+    from tpspec.validation import resolve_dtype
+
+    for name in ("llama-3-8b", "llama-3.2-1b", "qwen2.5-7b"):
+        assert resolve_dtype("auto", "cpu", checkpoint_dtype=shape_config(name).torch_dtype) == "bfloat16", name
 
 
 def test_shape_drafter_errors_before_any_worker():
