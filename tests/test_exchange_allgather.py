@@ -92,6 +92,12 @@ def rank_worker(rank: int, world: int) -> dict:
     out["head_argmax"] = logits.argmax()
     out["head_gather"] = logits.gather()
     out["head_sample"] = logits.sample(0.7, torch.arange(5), torch.zeros(5, dtype=torch.int64))
+    out["head_local"] = (tuple(logits.local.shape), head.shard_width, bool((head.weight[head.real_width:] == 0).all()))
+    lp, top_ids, top_lp, ranks = logits.logprobs(torch.zeros(5, dtype=torch.int64), top_n=3)
+    out["logprob_dtypes"] = (lp.dtype, top_lp.dtype, tuple(top_ids.shape))
+    # The filters' collectives: rank-major columns side by side; an exact int64 sum (float64 would round).
+    out["gather_rows"] = ex.gather_rows(torch.arange(6, dtype=torch.int64).reshape(3, 2) + 100 * rank)
+    out["sum_rows"] = ex.sum_rows(torch.full((3,), 2**60 + rank, dtype=torch.int64))
     # A batch of no rows gathers to [0, vocab]; a mapping naming another rank is refused.
     out["gather_empty"] = tuple(VocabShardedLogits(torch.zeros(0, head.shard_width), head.vocab_offset, 999,
                                                    ex).gather().shape)
@@ -128,6 +134,13 @@ def reference(world_results: list[dict]) -> None:
             torch.full((5,), 0.7), torch.arange(5), torch.zeros(5, dtype=torch.int64)))
         assert torch.equal(rank_out["head_sample"], tp1)
         assert rank_out["gather_empty"] == (0, 999)
+        world = len(world_results)
+        width = -(-999 // world)
+        assert rank_out["head_local"] == ((5, width), width, True)  # the last shard's padding rows are zero
+        assert rank_out["logprob_dtypes"] == (torch.float64, torch.float64, (5, 3))
+        want = torch.cat([torch.arange(6, dtype=torch.int64).reshape(3, 2) + 100 * r for r in range(world)], dim=1)
+        assert torch.equal(rank_out["gather_rows"], want)
+        assert rank_out["sum_rows"].tolist() == [world * 2**60 + sum(range(world))] * 3
         assert "but this process is rank" in rank_out["wrong_rank"]
     first = world_results[0]["unseeded"]
     assert not all(torch.equal(first[0], d) for d in first[1:]), "unseeded draws did not change between calls"

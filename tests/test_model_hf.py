@@ -52,6 +52,9 @@ def _hf_checkpoint(tmp_path, kind: str):
         cfg = transformers.LlamaConfig(**common, tie_word_embeddings=True,
                                        rope_scaling={"rope_type": "linear", "factor": 2.0})
         model = transformers.LlamaForCausalLM(cfg)
+    elif kind == "mistral":  # Mistral without a sliding window: Llama's layout under another name
+        cfg = transformers.MistralConfig(**common, sliding_window=None, rope_theta=1e6)
+        model = transformers.MistralForCausalLM(cfg)
     else:  # Qwen2: q/k/v biases, tied embeddings
         cfg = transformers.Qwen2Config(**common, tie_word_embeddings=True, rope_theta=1e6)
         model = transformers.Qwen2ForCausalLM(cfg)
@@ -72,11 +75,12 @@ def _hf_greedy(model, prompt: list[int], steps: int) -> list[int]:
     return ids[len(prompt):]
 
 
-@pytest.mark.parametrize("kind", ["llama3", "linear", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama3", "linear", "qwen2", "mistral"])
 def test_matches_transformers(tmp_path, kind):
     hf, path = _hf_checkpoint(tmp_path, kind)
     model = load_model(path)
-    assert model.config.architecture == ("Qwen2ForCausalLM" if kind == "qwen2" else "LlamaForCausalLM")
+    assert model.config.architecture == {"qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}.get(
+        kind, "LlamaForCausalLM")
     allocate_slots(model, 4)
     for slot, prompt in enumerate(PROMPTS):
         ours = model(make_batch([(slot, 0, prompt)], list(range(len(prompt))))).gather()

@@ -1,11 +1,15 @@
 """The README's user-facing Python is true: every spelling of its vLLM table runs as written,
-top to bottom. Its first Python example runs as a script in tests/test_install.py, against the
-package installed into a fresh virtual environment."""
+top to bottom; its script that keeps ranks between executor calls prints what it says. Its first
+Python example runs as a script in tests/test_install.py, against the package installed into a
+fresh virtual environment."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,3 +49,14 @@ def test_every_vllm_spelling_in_the_readme_runs(monkeypatch):
     finally:
         if "llm" in names:
             names["llm"].shutdown()
+
+
+def test_the_readme_executor_script_keeps_state_between_calls(tmp_path):
+    block = next(b.split("```", 1)[0] for b in README.split("```python\n")[1:] if "MPExecutor(GroupSpec" in b)
+    script = tmp_path / "executor_script.py"
+    script.write_text(block)
+    env = dict(os.environ, PYTHONPATH=str(REPO), TPSPEC_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[0, 45]", proc.stdout
