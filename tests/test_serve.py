@@ -535,3 +535,21 @@ def test_dead_rank_gets_503(ckpt, tmp_path):
         leftovers = srv.stop()
     assert leftovers == []
     assert "every request now gets 503" in (tmp_path / "server.log").read_text()
+
+
+def test_fields_left_out_take_the_checkpoints_generation_defaults():
+    """A request's fields over the checkpoint's generation defaults (``LLM.generation_defaults``,
+    fields of ``SamplingParams``); a default ``max_tokens`` is cut to the room the prompt leaves,
+    one the request sets must fit (400). The LLM here is a stand-in with just those attributes."""
+    from types import SimpleNamespace
+
+    from tpspec.serve.app import ApiError, _prepare
+
+    config = SimpleNamespace(max_seq_len=20, check_prompt_len=lambda n, what: None)
+    llm = SimpleNamespace(config=config, generation_defaults={"temperature": 0.6, "top_k": 20, "max_tokens": 50})
+    _, params = _prepare(llm, [5, 6, 7], {"temperature": 0.9}, "prompt")
+    assert (params.temperature, params.top_k, params.max_tokens) == (0.9, 20, 17)
+    _, params = _prepare(llm, [5, 6, 7], {"max_tokens": 4}, "prompt")
+    assert (params.temperature, params.top_k, params.max_tokens) == (0.6, 20, 4)
+    with pytest.raises(ApiError, match="max_tokens"):
+        _prepare(llm, [5, 6, 7], {"max_tokens": 18}, "prompt")
