@@ -3,9 +3,10 @@
 #
 # Usage: bash launch/gpu_run.sh [--dry-run] OUT_DIR [GROUP_OR_STEP ...]
 #
-#   Groups, in run order: quick (only when named), correctness, exchange, sampling, runtime, generate
-#   (default: all but quick). quick: the GPU tests, the roofline table, the attention alone, tpspec against
-#   transformers and deterministic mode's cost at the Llama 3 8B shape, in under 9 minutes on one GPU.
+#   Groups, in run order: quick and profile (only when named), correctness, exchange, sampling, runtime,
+#   generate (default: all but quick and profile). quick: the GPU tests, the roofline table, the attention alone,
+#   tpspec against transformers and deterministic mode's cost at the Llama 3 8B shape, in under 9 minutes on one
+#   GPU. profile: the roofline's one- and eight-request steps kernel by kernel, and the attention's split counts.
 #   A step's name runs that step alone (`--dry-run` lists the selected ones). Steps run in the order
 #   this script lists them, whatever the order of the arguments.
 #   --dry-run  print each selected step's time limit and command, and whether this build's `tpspec`
@@ -72,6 +73,12 @@ step quick quick-attention-llama-3-8b 40 "$T bench attention --device cuda --mod
 step quick quick-hf-llama-3-8b 140 "$T bench generate $S8B --baseline hf --num-prompts 1,8,32 --prompt-len 128 --max-new-tokens 64 --timeout 130 --out $o/quick-hf-llama-3-8b"
 step quick quick-deterministic-llama-3-8b 60 "$T bench generate $S8B --rates none --deterministic --num-prompts 1,8,32 --prompt-len 128 --max-new-tokens 64 --timeout 50 --out $o/quick-deterministic-llama-3-8b"
 
+# 0b. Profile (one GPU, only when named, under 6 minutes): where the roofline's one- and eight-request steps spend
+#     their time, kernel by kernel (each kernel's time past those that started before it), at 1K and 4K; and
+#     the Triton attention alone at the split counts around the launch rule's choice.
+step profile profile-roofline-llama-3-8b 300 "$T bench step $S8B --roofline-only --attention-backends triton --roofline-columns greedy --contexts 1024,4096 --roofline-batch 1,8 --verify-batch 1,8 --profile --iters 10 --warmup 2 --timeout 280 --out $o/profile-roofline-llama-3-8b"
+step profile profile-attention-splits 90 "$T bench attention --device cuda --model-shape llama-3-8b --backends triton --batch 1,8 --query-len 1,4 --num-splits 1,2,4,5,8,12,16 --out $o/profile-attention-splits"
+
 # 1. Correctness: every GPU-marked test; the determinism suite with N rank processes on the GPU(s); the LL
 #    kernel bit for bit against the CPU reference.
 step correctness gpu-tests 540 "$PY -m pytest -m gpu -v -rfE -p no:cacheprovider tests"
@@ -111,7 +118,7 @@ step generate generate-llama-3-8b-deterministic 400 "$T bench generate --device 
 selected=()
 if [ $# -eq 0 ]; then
     for i in "${!STEP_NAME[@]}"; do
-        [ "${STEP_GROUP[$i]}" = quick ] || selected+=("$i")
+        case "${STEP_GROUP[$i]}" in quick|profile) ;; *) selected+=("$i") ;; esac
     done
 else
     for want in "$@"; do
@@ -120,7 +127,7 @@ else
             [ "${STEP_GROUP[$i]}" = "$want" ] || [ "${STEP_NAME[$i]}" = "$want" ] && found=1
         done
         if [ $found = 0 ]; then
-            echo "gpu_run.sh: no group or step named '$want' (groups: quick correctness exchange sampling runtime generate;" \
+            echo "gpu_run.sh: no group or step named '$want' (groups: quick profile correctness exchange sampling runtime generate;" \
                  "steps: bash launch/gpu_run.sh --dry-run OUT)" >&2
             exit 2
         fi

@@ -48,7 +48,23 @@ def test_dry_run_lists_every_step_and_runs_nothing(tmp_path):
     for name in ("check-tp2", "check-tp8", "exchange-tp1", "exchange-tp8", "step-llama-3-8b-tp1"):
         assert f"    {name}: accepted" in text
     assert "NOT ACCEPTED" not in text
-    assert "quick" not in text  # the quick group runs only when named
+    assert "quick" not in text and "profile" not in text  # these groups run only when named
+
+
+def test_profile_group_fits_nine_minutes_and_every_command_parses(tmp_path):
+    """`gpu_run.sh OUT profile`: the roofline's one- and eight-request steps with `--profile` at 1K
+    and 4K, and the Triton attention at forced split counts, under 9 minutes together."""
+    out = tmp_path / "out"
+    result = run_script("--dry-run", str(out), "profile")
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    steps = [line for line in text.splitlines() if line.endswith(" s]")]
+    assert [line.split(" [")[0] for line in steps] == ["profile-roofline-llama-3-8b", "profile-attention-splits"]
+    assert sum(int(line.split(", ")[1].split(" s]")[0]) for line in steps) <= 520
+    assert "--roofline-batch 1,8 --verify-batch 1,8 --profile" in text and "--num-splits 1,2,4,5,8,12,16" in text
+    for name in ("profile-roofline-llama-3-8b", "profile-attention-splits"):
+        assert f"    {name}: accepted" in text
+    assert "NOT ACCEPTED" not in text
 
 
 def test_quick_group_fits_nine_minutes_and_every_command_parses(tmp_path):
