@@ -74,6 +74,18 @@ def test_generate_with_stop_strings(llm):
     assert (again.text, again.token_ids) == (out.text, out.token_ids)
 
 
+def test_skip_special_tokens_decides_whether_eos_is_in_the_text(llm):
+    """EOS forced by ``logit_bias`` past ``ignore_eos``: left out of the text by default (vLLM's
+    ``skip_special_tokens=True``), written out with ``False``; the token ids hold it either way."""
+    eos = llm.eos_token_ids[0]
+    params = dict(temperature=0, max_tokens=3, ignore_eos=True, logit_bias={eos: 100.0})
+    skipped = llm.generate("The cat", SamplingParams(**params))[0].outputs[0]
+    kept = llm.generate("The cat", SamplingParams(**params, skip_special_tokens=False))[0].outputs[0]
+    assert skipped.token_ids == kept.token_ids == [eos] * 3
+    special = load_tokenizer(llm.model_path).decode([eos])
+    assert skipped.text == "" and kept.text == special * 3 and special
+
+
 def test_chat_uses_the_checkpoint_template(llm):
     tok = llm.get_tokenizer()
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
