@@ -272,6 +272,7 @@ def test_ray_starts_its_own_cluster_unless_one_is_named(monkeypatch):
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     assert ray_init_arguments()["address"] == "local"  # a new local Ray, never a recorded cluster
+    assert ray_init_arguments()["include_dashboard"] is False
     assert ray_init_arguments({"address": "ray://head:10001"}) == {"address": "ray://head:10001"}
     monkeypatch.setenv("RAY_ADDRESS", "head:6379")
     assert "address" not in ray_init_arguments()

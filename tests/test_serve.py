@@ -553,3 +553,14 @@ def test_fields_left_out_take_the_checkpoints_generation_defaults():
     assert (params.temperature, params.top_k, params.max_tokens) == (0.6, 20, 4)
     with pytest.raises(ApiError, match="max_tokens"):
         _prepare(llm, [5, 6, 7], {"max_tokens": 18}, "prompt")
+
+
+def test_serve_defaults_are_the_readmes():
+    """`tpspec serve` with no options: loopback, port 8000, a 32 MiB body, 10 s for the headers
+    and 60 s for the body, prefix caching on, 256 sequences."""
+    from tpspec.cli import build_parser
+
+    args = build_parser(["serve"]).parse_args(["serve"])
+    assert (args.host, args.port, args.max_body_bytes, args.header_timeout_s, args.body_timeout_s) == (
+        "127.0.0.1", 8000, 32 * 2**20, 10.0, 60.0)
+    assert args.enable_prefix_caching is True and args.max_num_seqs == 256
