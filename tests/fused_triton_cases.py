@@ -7,8 +7,9 @@ References are the torch layers themselves (``RMSNorm``, ``apply_rotary`` + ``KV
 ``F.silu(gate) * up``). Tolerances: the residual add, rotary and the KV rows are compared bit for
 bit (each output is one rounding of a sum of two products, as in torch). The norm's sum of
 squares (up to 16384 terms) is reduced in another order and ``rsqrt`` may differ by an ulp, so
-its float32 statistic can differ by a few ulps: :func:`tolerance` allows 8 ulps in float32 and 2
-ulps of float16 / bfloat16 (where that difference shows only as a rounding flipped in the
+its float32 statistic can differ by a few ulps: :func:`tolerance` allows 8 machine epsilons
+(relative and absolute) in float32 and 2 in float16 / bfloat16 (where that difference shows only
+as a rounding flipped in the
 normalized value or the weight product). ``silu`` calls another ``exp`` (numpy's under the
 interpreter, libdevice's on CUDA): the same tolerance.
 """
@@ -33,7 +34,7 @@ CUDA_SHAPES = CPU_SHAPES + [(4096, 14336, 32, 8, 128), (16384, 1024, 8, 8, 64)]
 
 
 def tolerance(dtype: torch.dtype) -> float:
-    """rtol = atol of the norm and silu checks: 8 ulps in float32, 2 in float16 and bfloat16."""
+    """rtol = atol of the norm and silu checks: 8 machine epsilons in float32, 2 in float16 and bfloat16."""
     return (8 if dtype == torch.float32 else 2) * torch.finfo(dtype).eps
 
 

@@ -72,13 +72,33 @@ class InterpretedRun:
 
         self.dtypes = dtypes
         self.run = Started([sys.executable, str(TESTS / script), *args, *dtypes], ROOT, interpreter_env(),
-                           logs=logs, name="-".join([Path(script).stem, *args]))
+                           logs=logs, name="-".join([Path(script).stem, *args, *dtypes]))
 
     def check(self, timeout_s: float = 600) -> None:
         _assert_ok(*self.run.output(timeout_s), self.dtypes)
 
     def close(self) -> None:
         self.run.close()
+
+
+class InterpretedGroups:
+    """Every group of a case script in each of its dtypes, one process each, all started at once:
+    a test module's interpreted checks then share the machine's cores instead of leaving one idle
+    while a single-dtype group runs. ``check(group)`` waits for that group's runs and asserts them;
+    ``close()`` ends whatever still runs."""
+
+    def __init__(self, script: str, groups: dict[str, tuple[str, ...]], logs: Path) -> None:
+        self.runs = {group: [InterpretedRun(script, [group], (dtype,), logs) for dtype in dtypes]
+                     for group, dtypes in groups.items()}
+
+    def check(self, group: str) -> None:
+        for run in self.runs[group]:
+            run.check()
+
+    def close(self) -> None:
+        for runs in self.runs.values():
+            for run in runs:
+                run.close()
 
 
 def run_checks(checks: dict[str, list[Callable[[str, Any], None]]], group: str, device: str,

@@ -2,8 +2,8 @@
 
 On CPU through Triton's interpreter (a subprocess sets ``TRITON_INTERPRET=1`` before Triton is
 imported; skipped without ``triton``): each kernel against the torch layers in float32 and float16
-(rotary, the KV rows and the residual sum bit for bit; the norm and ``silu`` within 8 ulps in
-float32 and 2 in the half types, see ``fused_triton_cases.py``); and with the kernels against
+(rotary, the KV rows and the residual sum bit for bit; the norm and ``silu`` within 8 machine
+epsilons, relative and absolute, in float32 and 2 in the half types, see ``fused_triton_cases.py``); and with the kernels against
 without: a small random model's logits and greedy tokens at TP 1, TP 2 and under attention DP
 (gloo ranks), the tiny EAGLE-3 head's drafts, and the tiny checkpoint's engine (n-gram drafts)
 giving the same greedy tokens. On CUDA (``gpu`` marks): the kernels in float32, float16 and
@@ -20,32 +20,36 @@ from __future__ import annotations
 import pytest
 import torch
 
-from interpreted import needs_triton, run_interpreted
+from interpreted import InterpretedGroups, needs_triton
 from tpspec.model import layers
 
 
-def _interpret(group: str, *dtypes: str) -> None:
-    run_interpreted("fused_triton_cases.py", [group], dtypes)
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    """This module's interpreted groups, started at once (side by side on the machine's cores)."""
+    groups = InterpretedGroups("fused_triton_cases.py", {"kernels": ("float32", "float16"), "model": ("float32",), "tp": ("float32",), "engine": ("float32",)}, tmp_path_factory.mktemp("fused_triton"))
+    yield groups
+    groups.close()
 
 
 @needs_triton
-def test_interpreted_kernels_match_torch_layers():
-    _interpret("kernels", "float32", "float16")
+def test_interpreted_kernels_match_torch_layers(interpreted):
+    interpreted.check("kernels")
 
 
 @needs_triton
-def test_interpreted_model_logits_and_tokens_match_torch_layers():
-    _interpret("model", "float32")
+def test_interpreted_model_logits_and_tokens_match_torch_layers(interpreted):
+    interpreted.check("model")
 
 
 @needs_triton
-def test_interpreted_tp_and_attention_dp_match_torch_layers():
-    _interpret("tp", "float32")
+def test_interpreted_tp_and_attention_dp_match_torch_layers(interpreted):
+    interpreted.check("tp")
 
 
 @needs_triton
-def test_interpreted_engine_tokens_equal_torch_layers():
-    _interpret("engine", "float32")
+def test_interpreted_engine_tokens_equal_torch_layers(interpreted):
+    interpreted.check("engine")
 
 
 def test_switch_decides_per_device_and_mode(monkeypatch):

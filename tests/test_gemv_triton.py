@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from interpreted import needs_triton, run_interpreted
+from interpreted import InterpretedGroups, needs_triton
 from tpspec.model import linear as linear_mod
 
 
@@ -31,25 +31,29 @@ LLAMA_3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), 
               "lm_head": (128256, 4096)}
 
 
-def _interpret(group: str, *dtypes: str) -> None:
-    run_interpreted("gemv_cases.py", [group], dtypes)
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    """This module's interpreted groups, started at once (side by side on the machine's cores)."""
+    groups = InterpretedGroups("gemv_cases.py", {"kernels": ("float32", "float16"), "rows_and_splits": ("float32",), "llm": ("float32",)}, tmp_path_factory.mktemp("gemv"))
+    yield groups
+    groups.close()
 
 
 @needs_triton
-def test_interpreted_kernel_matches_the_float64_reference():
-    _interpret("kernels", "float32", "float16")
+def test_interpreted_kernel_matches_the_float64_reference(interpreted):
+    interpreted.check("kernels")
 
 
 @needs_triton
-def test_interpreted_many_rows_and_last_split_sums():
+def test_interpreted_many_rows_and_last_split_sums(interpreted):
     """40 rows (padded to 64), and the last split sums against the reduction kernel: float32 (the
     dtype does not enter their logic; the GPU tests run bfloat16)."""
-    _interpret("rows_and_splits", "float32")
+    interpreted.check("rows_and_splits")
 
 
 @needs_triton
-def test_interpreted_tiny_model_tokens_equal_f_linear():
-    _interpret("llm", "float32")
+def test_interpreted_tiny_model_tokens_equal_f_linear(interpreted):
+    interpreted.check("llm")
 
 
 @needs_triton

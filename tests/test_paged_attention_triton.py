@@ -21,7 +21,7 @@ import os
 import pytest
 import torch
 
-from interpreted import has_triton, needs_triton, run_interpreted
+from interpreted import InterpretedGroups, has_triton, needs_triton
 from tpspec.model import attention as attention_mod
 from tpspec.model.attention import AUTO_CUDA_ATTENTION, choose_attention_backend
 
@@ -38,18 +38,22 @@ needs_interpreter = pytest.mark.skipif(not has_triton or _interpreter_too_old(),
                                        reason="needs triton >= 3.9 (its interpreter runs the attention kernel)")
 
 
-def _interpret(group: str, *dtypes: str) -> None:
-    run_interpreted("paged_attention_cases.py", [group], dtypes)
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    """This module's interpreted groups, started at once (side by side on the machine's cores)."""
+    groups = InterpretedGroups("paged_attention_cases.py", {"kernels": ("float32", "float16"), "llm": ("float32",)}, tmp_path_factory.mktemp("paged_attention"))
+    yield groups
+    groups.close()
 
 
 @needs_interpreter
-def test_interpreted_kernels_match_the_float64_reference():
-    _interpret("kernels", "float32", "float16")
+def test_interpreted_kernels_match_the_float64_reference(interpreted):
+    interpreted.check("kernels")
 
 
 @needs_interpreter
-def test_interpreted_llm_tokens_equal_torch_backend_and_transformers():
-    _interpret("llm", "float32")
+def test_interpreted_llm_tokens_equal_torch_backend_and_transformers(interpreted):
+    interpreted.check("llm")
 
 
 @needs_triton
