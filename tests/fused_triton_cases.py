@@ -9,8 +9,7 @@ bit (each output is one rounding of a sum of two products, as in torch). The nor
 squares (up to 16384 terms) is reduced in another order and ``rsqrt`` may differ by an ulp, so
 its float32 statistic can differ by a few ulps: :func:`tolerance` allows 8 machine epsilons
 (relative and absolute) in float32 and 2 in float16 / bfloat16 (where that difference shows only
-as a rounding flipped in the
-normalized value or the weight product). ``silu`` calls another ``exp`` (numpy's under the
+as a rounding flipped in the normalized value or the weight product). ``silu`` calls another ``exp`` (numpy's under the
 interpreter, libdevice's on CUDA): the same tolerance.
 """
 
