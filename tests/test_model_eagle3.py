@@ -261,6 +261,11 @@ def test_llm_refuses_a_bad_vocabulary_map_in_the_driver_and_names_a_missing_weig
             bad = _broken_head(head_dir, tmp_path / f"driver{i}", **kw)
             with pytest.raises(CheckpointError, match=needle):
                 LLM(target_dir, speculative_config=spec(bad))
+        corrupt = _broken_head(head_dir, tmp_path / "corrupt")
+        with open(os.path.join(corrupt, "model.safetensors"), "r+b") as f:
+            f.truncate(os.path.getsize(f.name) - 100)
+        with pytest.raises(CheckpointError, match="model.safetensors"):
+            LLM(target_dir, speculative_config=spec(corrupt))
     missing = _broken_head(head_dir, tmp_path / "missing", drop="midlayer.hidden_norm.weight")
     with pytest.raises(WorkerError, match="midlayer.hidden_norm.weight"):
         LLM(target_dir, speculative_config=spec(missing))
