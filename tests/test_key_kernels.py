@@ -15,29 +15,27 @@ from __future__ import annotations
 
 import pytest
 
-from interpreted import InterpretedRun, needs_triton
+from interpreted import InterpretedGroups, needs_triton
 from tpspec import vocab_parallel
 
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory):
-    """Both groups of checks started at once, side by side: ``group -> InterpretedRun``."""
-    logs = tmp_path_factory.mktemp("key_kernels")
-    runs = {group: InterpretedRun("key_kernels_cases.py", [group], ("int64",), logs)
-            for group in ("arithmetic", "selection")}
-    yield runs
-    for run in runs.values():
-        run.close()
+    """Both groups of checks started at once, side by side."""
+    groups = InterpretedGroups("key_kernels_cases.py", {"arithmetic": ("int64",), "selection": ("int64",)},
+                               tmp_path_factory.mktemp("key_kernels"))
+    yield groups
+    groups.close()
 
 
 @needs_triton
 def test_interpreted_kernels_equal_torch_bit_for_bit(interpreted):
-    interpreted["arithmetic"].check()
+    interpreted.check("arithmetic")
 
 
 @needs_triton
 def test_interpreted_selection_equals_torch_at_tp1_and_tp2(interpreted):
-    interpreted["selection"].check()
+    interpreted.check("selection")
 
 
 def test_switch_decides_per_device(monkeypatch):

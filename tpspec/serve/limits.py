@@ -69,7 +69,7 @@ class RequestLimits:
                 raise BodyRejected(408, f"the request body did not arrive within {self.body_timeout_s:g} s",
                                    "RequestTimeoutError") from None
             except asyncio.CancelledError:  # the server is shutting down: answer, rather than log a traceback
-                raise BodyRejected(503, "the server is shutting down", "ServiceUnavailableError") from None
+                raise _shutting_down() from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_body_bytes:
@@ -91,17 +91,21 @@ class RequestLimits:
             if not started:
                 await _answer(send, exc)
         except asyncio.CancelledError:  # the shutdown's grace is over: end the request, no traceback
-            shutting_down = BodyRejected(503, "the server is shutting down", "ServiceUnavailableError")
             if not started:
-                await _answer(send, shutting_down)
+                await _answer(send, _shutting_down())
             elif event_stream:
-                error = json.dumps(error_body(shutting_down.message, 503, kind=shutting_down.kind))
+                exc = _shutting_down()
+                error = json.dumps(error_body(exc.message, exc.status, kind=exc.kind))
                 await send({"type": "http.response.body", "body": f"data: {error}\n\ndata: [DONE]\n\n".encode(),
                             "more_body": False})
 
     def _too_large(self) -> BodyRejected:
         return BodyRejected(413, f"the request body is larger than {self.max_body_bytes} bytes (the server's "
                                  f"--max-body-bytes)", "RequestTooLargeError")
+
+
+def _shutting_down() -> BodyRejected:
+    return BodyRejected(503, "the server is shutting down", "ServiceUnavailableError")
 
 
 async def _answer(send: Callable[[dict], Awaitable[None]], exc: BodyRejected) -> None:
