@@ -42,7 +42,9 @@ def named_tests(text: str) -> list[tuple[int, str, str | None]]:
     return refs
 
 
+@functools.lru_cache(maxsize=None)
 def _functions(path: Path) -> dict[str, ast.FunctionDef]:
+    """The functions of a Python file by name (each file parsed once)."""
     tree = ast.parse(path.read_text())
     found: dict[str, ast.FunctionDef] = {}
     for node in ast.walk(tree):
@@ -77,7 +79,6 @@ def test_the_parser_binds_bare_names_to_the_last_file_of_their_paragraph_or_row(
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_every_named_test_exists_and_can_fail(doc):
     problems = []
-    functions: dict[str, dict[str, ast.FunctionDef]] = {}
     for number, path, name in named_tests(doc.read_text()):
         where = f"{doc.name}:{number}"
         if not path:
@@ -88,9 +89,7 @@ def test_every_named_test_exists_and_can_fail(doc):
             continue
         if name is None:
             continue
-        if path not in functions:
-            functions[path] = _functions(ROOT / path)
-        fn = functions[path].get(name)
+        fn = _functions(ROOT / path).get(name)
         if fn is None:
             problems.append(f"{where}: {path} has no function {name}")
         elif _only_a_docstring(fn):
