@@ -256,18 +256,48 @@ def _graph_reason_worker(rank, world):
     torch.cuda.is_available = lambda: True  # this process only: the decision past the device check
     engine = SimpleNamespace(device=torch.device("cuda", 0), dp_size=1, group=D.tp_group())
     plain = graphs_unavailable_reason(engine)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert GenerationGraphs.maybe_create(engine) is None
+    warned = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     engine.dp_size = world
-    return plain, graphs_unavailable_reason(engine)
+    return plain, graphs_unavailable_reason(engine), warned
 
 
 def test_graphs_are_off_when_tp_collectives_cannot_be_captured():
     """A TP group on gloo (ranks sharing a GPU) cannot be captured: every rank decides so
-    up front, instead of failing captures at run time."""
+    up front, instead of failing captures at run time, and rank 0 alone warns, once, with
+    the reason."""
     from tpspec.testing import run_ranks
 
-    for plain, dp in run_ranks(_graph_reason_worker, 2, timeout_s=60):
+    for rank, (plain, dp, warned) in enumerate(run_ranks(_graph_reason_worker, 2, timeout_s=60)):
         assert plain is not None and "gloo" in plain
         assert dp is not None and "attention DP" in dp
+        assert warned == ([f"CUDA graphs are off for this engine: {plain}"] if rank == 0 else [])
+
+
+def test_a_failed_capture_warns_and_runs_the_step_eagerly(models, monkeypatch):
+    """A step shape whose capture fails is run eagerly from then on, with a warning naming the
+    shape and the error, to the tokens of an engine without graphs."""
+
+    class FailingCapture(cuda_graphs._EagerReplay):  # noqa: SLF001 - stands in for a capture
+        def __init__(self, step):
+            raise RuntimeError("out of memory in capture")
+
+    with LLM(models["target"], distributed_executor_backend="external_launcher", tensor_parallel_size=1,
+             device="cpu", max_num_seqs=8) as llm:
+        engine = llm._executor.ctx.state["engine"]  # noqa: SLF001
+        ref = first_outputs(llm.generate(PROMPTS[:3], GREEDY))
+        engine.graphs = graphs = GenerationGraphs(engine, capture=False)
+        monkeypatch.setattr(cuda_graphs, "_EagerReplay", FailingCapture)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = first_outputs(llm.generate(PROMPTS[:3], GREEDY))
+        engine.graphs = None
+    assert got == ref and graphs.failed and not graphs.graphs
+    warned = [str(w.message) for w in caught if "CUDA graph capture" in str(w.message)]
+    assert len(warned) == len(graphs.failed)  # one warning a shape, not one a step
+    assert all("failed, running it eagerly: RuntimeError: out of memory in capture" in w for w in warned)
 
 
 def _capture_protocol(fails_in: str | None, *, peers_vote: int, votes: list[int]):
