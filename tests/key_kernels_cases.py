@@ -127,6 +127,52 @@ def check_score_keys(device: str, _dtype) -> None:
             _same(counts.cpu(), (real & ((want >> 32) >= high.reshape(-1, 1))).sum(dim=1), "counts at or above")
 
 
+def check_row_argmax(device: str, _dtype) -> None:
+    """``row_argmax`` against ``torch.argmax`` of the real columns: ties to the lowest column, the
+    first NaN, ``-0.0 == +0.0``, every value -inf, a winner in the last partial block; and the
+    argmax of a one-rank head with the switch on, the kernel seen to run."""
+    from tpspec.exchange.local import LocalKeyExchange
+    from tpspec.vocab_parallel import VocabShardedLogits
+
+    gen = torch.Generator().manual_seed(21)
+    cases = [(3, 5000, 0, 5000), (2, 4100, 300, 4350), (1, 7, 0, 7), (4, 2048, 0, 2048)]
+    if device == "cuda":
+        cases += [(1, 128256, 0, 128256), (32, 128256, 0, 128256), (64, 16032, 0, 16000)]
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for rows, width, offset, vocab in cases:
+            real = min(width, vocab - offset)
+            x = (torch.randn(rows, width, generator=gen) * 4).to(dtype)
+            x[0, real // 3] = x[0, real // 2] = x[0].max() + 1  # a tie: the lower column wins
+            if rows > 1:
+                x[1, :] = float("-inf")
+                x[1, real - 1] = float("nan")
+                x[1, real // 2] = float("nan")  # the first NaN wins
+            if rows > 2:
+                x[2, :] = -1.0
+                x[2, real - 2] = -0.0
+                x[2, real - 1] = 0.0  # -0.0 == +0.0: the first of them
+            if rows > 3:
+                x[3, :] = float("-inf")  # no finite value: column 0
+            x[-1, real - 1] = float("inf")  # the last partial block's column
+            if real < width:
+                x[:, real:] = float("nan")  # padding columns are never chosen
+            want = torch.argmax(x[:, :real], dim=1) + offset
+            got = KT.row_argmax(x.to(device), offset, real).cpu()
+            _same(got, want, f"row_argmax {dtype} {rows}x{width}+{offset}")
+            calls = []
+            saved = KT.row_argmax
+            saved_switches = (vocab_parallel.GREEDY_ARGMAX_KERNEL, vocab_parallel.KEY_KERNELS_UNDER_INTERPRETER)
+            KT.row_argmax = lambda *a: calls.append(1) or saved(*a)
+            vocab_parallel.GREEDY_ARGMAX_KERNEL = vocab_parallel.KEY_KERNELS_UNDER_INTERPRETER = True
+            try:
+                head = VocabShardedLogits(x.to(device), offset, vocab, LocalKeyExchange(device))
+                _same(head.argmax().cpu(), want, "a one-rank head's argmax with the kernel")
+            finally:
+                KT.row_argmax = saved
+                vocab_parallel.GREEDY_ARGMAX_KERNEL, vocab_parallel.KEY_KERNELS_UNDER_INTERPRETER = saved_switches
+            assert calls == [1], "the switch sends a one-rank argmax to the kernel"
+
+
 def check_penalties(device: str, _dtype) -> None:
     gen = torch.Generator().manual_seed(13)
     for rows, width, offset, _ in _slice_cases(device):
@@ -324,7 +370,8 @@ def check_selection_tp2(device: str, _dtype) -> None:
 
 
 CHECKS = {
-    "arithmetic": [check_portable_arithmetic, check_score_keys, check_penalties, check_candidate_draw],
+    "arithmetic": [check_portable_arithmetic, check_score_keys, check_row_argmax, check_penalties,
+                   check_candidate_draw],
     "selection": [check_selection_tp1, check_selection_tp2],
 }
 

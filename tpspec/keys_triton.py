@@ -10,6 +10,8 @@ correctly rounded one), the recipe ``tpspec.keys`` fixes for every device.
 * :func:`score_keys`: a rank's ``[R, W]`` logits slice (optionally divided by per-row
   temperatures, as ``tpspec.sampling.ops.scaled_scores``) to keys (``pack_keys``; columns at or
   past the vocabulary: ``EMPTY_KEY``) and the best key of every :data:`KEY_BLOCK` columns.
+* :func:`row_argmax`: the argmax of whole logits rows (``torch.argmax``'s pick), the best key of
+  every :data:`ARGMAX_BLOCK` columns first, then of each row.
 * :func:`top_keys`: a row's ``count`` best keys, best first (``torch.topk``'s values), read from
   the ``count`` blocks whose best keys are the largest: the row's ``count``-th key is at least the
   ``count``-th largest block maximum, so every key above it lies in those blocks.
@@ -40,6 +42,8 @@ KEY_BLOCK = 128
 """Columns per block whose best key :func:`score_keys` records."""
 _PROGRAM_COLUMNS = 1024  # columns one score_keys program handles (KEY_BLOCK divides it)
 _SUM_COLUMNS = 1024  # columns one row_masses_and_counts program handles
+ARGMAX_BLOCK = 2048
+"""Columns per program of :func:`row_argmax`'s first launch."""
 
 # tpspec.keys' float32 constants (each rounds to the same float32 in a kernel), as the constexprs a
 # jit function may read.
@@ -253,6 +257,25 @@ def _row_sums_kernel(keys_ptr, best_ptr, high_ptr, mass_ptr, count_ptr, width, s
     tl.store(count_ptr + row * num_programs + part, tl.sum(at_least.to(tl.int64), axis=0))
 
 
+@triton.jit
+def _block_best_kernel(x_ptr, best_ptr, width, vocab_offset, stride_x, num_blocks, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    block = tl.program_id(1)
+    cols = block * BLOCK + tl.arange(0, BLOCK)
+    inside = cols < width
+    x = canonical(tl.load(x_ptr + row * stride_x + cols, mask=inside, other=0.0).to(tl.float32))
+    keys = tl.where(inside, pack(x, (vocab_offset + cols).to(tl.int64)), empty_keys(cols.to(tl.int64)))
+    tl.store(best_ptr + row * num_blocks + block, tl.max(keys, axis=0))
+
+
+@triton.jit
+def _best_column_kernel(best_ptr, out_ptr, num_blocks, BLOCKS_PAD: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    b = tl.arange(0, BLOCKS_PAD)
+    keys = tl.load(best_ptr + row * num_blocks + b, mask=b < num_blocks, other=-9223372036854775808)
+    tl.store(out_ptr + row, key_columns(tl.max(keys, axis=0)))
+
+
 INTERPRETED = isinstance(_score_keys_kernel, InterpretedFunction)
 
 
@@ -290,6 +313,30 @@ def score_keys(local: torch.Tensor, vocab_offset: int, vocab_size: int,
                              keys.stride(0), blocks, K.GREEDY_TEMPERATURE_THRESHOLD, SCALE=temperature is not None,
                              BLOCK=_PROGRAM_COLUMNS, KEY_BLOCK_=KEY_BLOCK, num_warps=4, enable_fp_fusion=False)
     return keys, block_max
+
+
+def row_argmax(local: torch.Tensor, vocab_offset: int, width: int) -> torch.Tensor:
+    """Greedy tokens of a whole logits row: ``[R]`` int64, ``vocab_offset + torch.argmax(local[:,
+    :width], dim=1)`` (the largest value, the first NaN, ties to the lowest column, ``-0.0 ==
+    +0.0``: the maximum of ``pack_keys``).
+
+    ``local``: ``[R, >= width]`` float32 / bfloat16 / float16, its last dimension contiguous,
+    ``width >= 1``. Two launches: the best key of every :data:`ARGMAX_BLOCK` columns, then each
+    row's best (one program a row: a torch argmax of a few rows runs one program a row over the
+    whole width)."""
+    rows = local.shape[0]
+    if local.stride(1) != 1:
+        local = local.contiguous()
+    blocks = triton.cdiv(width, ARGMAX_BLOCK)
+    best = torch.empty(rows, blocks, dtype=torch.int64, device=local.device)
+    out = torch.empty(rows, dtype=torch.int64, device=local.device)
+    if rows == 0:
+        return out
+    _block_best_kernel[(rows, blocks)](local, best, width, vocab_offset, local.stride(0), blocks, BLOCK=ARGMAX_BLOCK,
+                                       num_warps=4, enable_fp_fusion=False)
+    _best_column_kernel[(rows,)](best, out, blocks, BLOCKS_PAD=triton.next_power_of_2(blocks), num_warps=4,
+                                 enable_fp_fusion=False)
+    return out
 
 
 def top_keys(keys: torch.Tensor, block_max: torch.Tensor, count: int) -> torch.Tensor:

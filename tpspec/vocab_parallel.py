@@ -29,6 +29,11 @@ KEY_KERNELS_ON_CUDA = True
 :mod:`tpspec.sampling.kernels_triton` (bit for bit the torch functions they replace) for the
 filtered draw, penalties and logprobs; see :func:`use_key_kernels`. On: tests/test_key_kernels.py's
 ``gpu`` tests passed on a GPU (only such a checked path may stand on)."""
+GREEDY_ARGMAX_KERNEL = True
+"""Whether, where the key kernels run, the argmax of a head that is not vocabulary-sharded (one
+rank: TP 1, or attention DP's replicated head) runs :func:`tpspec.keys_triton.row_argmax` instead
+of ``torch.argmax``: the same tokens (tests/test_key_kernels.py, on a GPU at Llama 3's 128256
+columns too), in two short launches where ``torch.argmax`` runs one program a row."""
 KEY_KERNELS_UNDER_INTERPRETER = False
 """The CPU tests' switch: selection on CPU runs the same kernels under Triton's interpreter."""
 
@@ -112,6 +117,10 @@ class VocabShardedLogits:
 
     def argmax(self, *, channel: int = Channel.TARGET) -> torch.Tensor:
         """Greedy tokens: ``[R]`` int64 == ``torch.argmax`` of the full logits rows."""
+        if GREEDY_ARGMAX_KERNEL and self.exchange.world_size == 1 and use_key_kernels(self.local.device):
+            real = min(self.shard_width, self.vocab_size - self.vocab_offset)
+            if real > 0:
+                return key_kernels().row_argmax(self.local, self.vocab_offset, real)
         return self.exchange.argmax_logits(self.local, self.vocab_offset, vocab_size=self.vocab_size, channel=channel)
 
     def sample(
