@@ -110,6 +110,47 @@ def check_rotary(device: str, dtype: torch.dtype, shapes=None) -> None:
         assert torch.equal(flat_v[kept], before_v.view(-1, kv_heads, head_dim)[kept])
 
 
+def check_cos_sin(device: str, dtype: torch.dtype, shapes=None) -> None:
+    """``rotary_cos_sin`` against ``RotaryEmbedding``'s torch ops: bit for bit on CUDA (CUDA's
+    ``cosf``/``sinf`` both ways) at Llama 3.1's frequencies, positions up to 131071; under the
+    interpreter (numpy's ``cos``/``sin``) within one rounding of the dtype. The rotary of a fused
+    model with the kernel switched on is the torch ops' too."""
+    import dataclasses
+
+    from tpspec.model.layers import RotaryEmbedding
+    from tpspec.model.shapes import shape_config
+
+    cfg = shape_config("llama-3-8b")
+    if device != "cuda":
+        cfg = dataclasses.replace(cfg, head_dim=40)  # 20 frequencies: a padded half
+    plain = RotaryEmbedding(cfg, device=device)
+    limit = 131072 if device == "cuda" else 5000
+    positions = torch.cat([torch.arange(0, limit, 1 if device == "cuda" else 7), torch.tensor([limit - 1])]).to(device)
+    want = plain(positions, dtype)
+    got = kernels.rotary_cos_sin(positions, plain.inv_freq, dtype)
+    for g, w, name in zip(got, want, ("cos", "sin")):
+        assert g.shape == w.shape and g.dtype == dtype
+        if device == "cuda":
+            assert torch.equal(g, w), f"{name} must be the torch ops' bit for bit"
+        else:
+            eps = torch.finfo(dtype).eps
+            assert torch.allclose(g.float(), w.float(), rtol=eps, atol=eps), name
+    fused = RotaryEmbedding(cfg, device=device, fused=True)
+    saved = layers.ROTARY_KERNEL
+    layers.ROTARY_KERNEL = True
+    try:
+        calls = []
+        real = kernels.rotary_cos_sin
+        kernels.rotary_cos_sin = lambda *a: calls.append(1) or real(*a)
+        try:
+            again = fused(positions, dtype)
+        finally:
+            kernels.rotary_cos_sin = real
+    finally:
+        layers.ROTARY_KERNEL = saved
+    assert calls == [1] and all(torch.equal(a, g) for a, g in zip(again, got))
+
+
 def check_silu_mul(device: str, dtype: torch.dtype, shapes=None) -> None:
     gen = torch.Generator().manual_seed(2)
     for _, inter, *_ in shapes or (CUDA_SHAPES if device == "cuda" else CPU_SHAPES):
@@ -275,7 +316,7 @@ def check_engine(device: str, dtype: torch.dtype) -> None:
         assert engine_tokens(device, name, ckpt, True) == torch_tokens
 
 
-CHECKS = {"kernels": [check_norm, check_rotary, check_silu_mul, check_errors], "model": [check_model, check_eagle3],
+CHECKS = {"kernels": [check_norm, check_rotary, check_cos_sin, check_silu_mul, check_errors], "model": [check_model, check_eagle3],
           "tp": [check_tp],
           "engine": [check_engine]}
 

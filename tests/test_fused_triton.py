@@ -88,6 +88,23 @@ def test_deterministic_layers_never_fuse():
     assert not layers.RMSNorm("w", 8, 1e-5, **kw).fused
     assert not layers.Attention(cfg, 0, 1, 0, None, **kw).fused
     assert not layers.MLP(cfg, 0, 1, 0, None, **kw).fused
+    assert not layers.RotaryEmbedding(cfg, **{k: v for k, v in kw.items() if k != "dtype"}).fused
+
+
+@needs_triton
+def test_cos_sin_kernel_compiles_to_cuda_cosf_and_sinf():
+    """The rotary cos and sin kernel compiled for Hopper (no GPU: Triton's own ptxas) calls CUDA's
+    accurate ``cosf``/``sinf`` (what torch's ``cos``/``sin`` run), never the approximate
+    instructions."""
+    from interpreted import compile_for_hopper
+    from tpspec.model import fused_triton
+
+    signature = {"pos_ptr": "*i64", "inv_freq_ptr": "*fp32", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "n": "i32"}
+    asm = compile_for_hopper(fused_triton._cos_sin_kernel, signature,
+                             {"HALF": 64, "HALF_PAD": 64, "BLOCK_T": 4, "ACCURATE": True}, num_warps=1,
+                             enable_fp_fusion=False)
+    assert "cubin" in asm
+    assert "sin.approx" not in asm["ptx"] and "cos.approx" not in asm["ptx"]
 
 
 # ---------------------------------------------------------------------------------------- GPU

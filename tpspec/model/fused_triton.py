@@ -1,5 +1,6 @@
 """Fused elementwise kernels of a decoder layer in Triton: RMSNorm (with the residual add),
-rotary embedding with the KV-cache write, and SwiGLU's ``silu(gate) * up``.
+rotary embedding with the KV-cache write, SwiGLU's ``silu(gate) * up``, and a step's rotary
+``cos`` and ``sin`` (bit for bit on CUDA, which calls the ``cosf``/``sinf`` torch's kernels call).
 
 Each kernel replaces a chain of small torch kernels and rounds exactly where that chain does
 (intermediate results in the tensors' dtype, the norm's statistics in float32), so a layer gives
@@ -10,8 +11,8 @@ reduced in another order) and for ``silu`` (another ``exp``). Floating-point con
 
 Launches depend only on the tensors' shapes (one program per row, or per row and head), never on
 their values, and allocate only outputs of those shapes: a step that runs them can be captured
-in a CUDA graph. Where :func:`tpspec.model.dependent_launch.use_pdl` says so they launch with
-programmatic dependent launch, waiting before their first memory access.
+in a CUDA graph. Where :func:`tpspec.model.dependent_launch.use_pdl` says so the layer kernels launch
+with programmatic dependent launch, waiting before their first memory access.
 
 This module imports ``triton``. Triton's interpreter (``TRITON_INTERPRET=1`` set before
 ``triton`` is imported) runs the same kernels on CPU tensors, which is how the CPU tests check
@@ -100,6 +101,31 @@ def _rotary_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, index_ptr, q_ptr, k_ptr, v_ptr,
 
 
 @triton.jit
+def _cos_sin_kernel(pos_ptr, inv_freq_ptr, cos_ptr, sin_ptr, n, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+                    BLOCK_T: tl.constexpr, ACCURATE: tl.constexpr):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < n
+    j = tl.arange(0, HALF_PAD)
+    j_ok = j < HALF
+    pos = tl.load(pos_ptr + t, mask=t_ok, other=0).to(tl.float32)
+    inv_freq = tl.load(inv_freq_ptr + j, mask=j_ok, other=0.0)
+    angles = pos[:, None] * inv_freq[None, :]  # RotaryEmbedding.forward's float32 products
+    if ACCURATE:  # CUDA's cosf and sinf, what torch's cos and sin call (tl.cos / tl.sin: approximations)
+        c = libdevice.cos(angles)
+        s = libdevice.sin(angles)
+    else:
+        c = tl.cos(angles)
+        s = tl.sin(angles)
+    dtype = cos_ptr.dtype.element_ty
+    at = t[:, None].to(tl.int64) * (2 * HALF) + j[None, :]
+    ok = t_ok[:, None] & j_ok[None, :]
+    tl.store(cos_ptr + at, c.to(dtype), mask=ok)
+    tl.store(cos_ptr + at + HALF, c.to(dtype), mask=ok)
+    tl.store(sin_ptr + at, s.to(dtype), mask=ok)
+    tl.store(sin_ptr + at + HALF, s.to(dtype), mask=ok)
+
+
+@triton.jit
 def silu_mul_values(gate, up, ACCURATE_EXP: tl.constexpr):
     """``F.silu(gate) * up`` of two tiles in their dtype: ``silu`` in float32 rounded to the dtype,
     then the product rounded (what torch's two ops give). ``ACCURATE_EXP``: CUDA's ``expf``, what
@@ -180,6 +206,28 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     ``x + residual`` gives in torch), in one pass. ``x``, ``residual``: ``[N, hidden]`` of one
     dtype; see :func:`rms_norm` for the rest. Neither input is modified."""
     return _norm(x, residual, weight, eps)
+
+
+def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` of the rotary angles ``positions[:, None] * inv_freq[None, :]`` (float32),
+    each ``[N, 2 * len(inv_freq)]`` in ``dtype`` with the half-split layout (both halves alike),
+    in one launch: :class:`~tpspec.model.layers.RotaryEmbedding`'s values (on CUDA, CUDA's
+    ``cosf``/``sinf`` as torch's ``cos``/``sin``; under the interpreter numpy's). ``positions``:
+    ``[N]`` integer on ``inv_freq``'s device; ``inv_freq``: ``[head_dim / 2]`` float32."""
+    if positions.dim() != 1 or inv_freq.dim() != 1 or inv_freq.dtype != torch.float32:
+        raise ValueError(f"positions must be [N] and inv_freq [head_dim / 2] float32, got {tuple(positions.shape)} "
+                         f"and {tuple(inv_freq.shape)} {inv_freq.dtype}")
+    n, half = positions.shape[0], inv_freq.shape[0]
+    cos = torch.empty((n, 2 * half), dtype=dtype, device=inv_freq.device)
+    sin = torch.empty_like(cos)
+    if n:
+        block_t = 4
+        _cos_sin_kernel[(triton.cdiv(n, block_t),)](
+            positions.contiguous(), inv_freq.contiguous(), cos, sin, n, HALF=half,
+            HALF_PAD=triton.next_power_of_2(half), BLOCK_T=block_t, ACCURATE=not INTERPRETED, num_warps=1,
+            enable_fp_fusion=False)
+    return cos, sin
 
 
 def rotary_and_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, write_index: torch.Tensor,

@@ -41,6 +41,9 @@ from .linear import gemv_kernels, linear, use_triton_norm_linear, use_triton_sil
 FUSED_CUDA_KERNELS = True
 # The CPU tests' switch: models on CPU run the same kernels under Triton's interpreter (TRITON_INTERPRET=1).
 FUSED_UNDER_INTERPRETER = False
+# Whether fused models compute the rotary cos and sin in one kernel (fused_triton.rotary_cos_sin) rather than
+# torch's chain of six elementwise launches: the same bits on CUDA (tests/test_fused_triton.py's GPU test).
+ROTARY_KERNEL = True
 
 
 @functools.lru_cache(maxsize=None)
@@ -175,12 +178,14 @@ class RotaryEmbedding(nn.Module):
     """Rotary position embedding with ``default``, ``linear`` or ``llama3`` frequency scaling.
 
     ``forward(positions [N]) -> (cos, sin)``, each ``[N, head_dim]`` in ``dtype``; the
-    angles are computed in float32 from the positions on the fly (no table to outgrow).
+    angles are computed in float32 from the positions on the fly (no table to outgrow). ``fused``
+    (with :data:`ROTARY_KERNEL`): in one kernel, :func:`~tpspec.model.fused_triton.rotary_cos_sin`.
     """
 
-    def __init__(self, cfg: ModelConfig, *, device: Any, deterministic: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, *, device: Any, deterministic: bool = False, fused: bool = False) -> None:
         super().__init__()
         self.deterministic = deterministic
+        self.fused = fused and not deterministic
         dim = cfg.head_dim
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim))
         scaling = cfg.rope_scaling
@@ -193,6 +198,8 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if self.deterministic:
             return det.rotary_cos_sin(positions, self.inv_freq, dtype)
+        if self.fused and ROTARY_KERNEL:
+            return fused_kernels().rotary_cos_sin(positions, self.inv_freq, dtype)
         angles = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         emb = torch.cat((angles, angles), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)

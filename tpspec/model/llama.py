@@ -239,7 +239,7 @@ class TPLlamaForCausalLM(nn.Module):
         )
         self.norm = RMSNorm("model.norm.weight", config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device,
                             deterministic=deterministic, fused=self.fused)
-        self.rotary = RotaryEmbedding(config, device=device, deterministic=deterministic)
+        self.rotary = RotaryEmbedding(config, device=device, deterministic=deterministic, fused=self.fused)
         self.lm_head = VocabParallelHead(config.hidden_size, config.vocab_size, mapping,
                                          self._head_exchange(exchange), dtype=dtype, device=device)
         self.lm_head.weight.requires_grad_(False)
