@@ -42,7 +42,7 @@ FUSED_CUDA_KERNELS = True
 # The CPU tests' switch: models on CPU run the same kernels under Triton's interpreter (TRITON_INTERPRET=1).
 FUSED_UNDER_INTERPRETER = False
 # Whether fused models compute the rotary cos and sin in one kernel (fused_triton.rotary_cos_sin) rather than
-# torch's chain of six elementwise launches: the same bits on CUDA (tests/test_fused_triton.py's GPU test).
+# torch's chain of seven elementwise launches: the same bits on CUDA (tests/test_fused_triton.py's GPU test).
 ROTARY_KERNEL = True
 
 
