@@ -151,6 +151,33 @@ def check_cos_sin(device: str, dtype: torch.dtype, shapes=None) -> None:
     assert calls == [1] and all(torch.equal(a, g) for a, g in zip(again, got))
 
 
+def check_embed(device: str, dtype: torch.dtype, shapes=None) -> None:
+    """``embed`` against ``VocabParallelEmbedding``'s torch ops, bit for bit: the whole table
+    (TP 1) and a padded last slice (TP 3's third rank), ids inside, outside and negative (zeros);
+    a fused embedding with the kernel switched on runs it, to the same rows."""
+    from tpspec.model.layers import VocabParallelEmbedding
+
+    gen = torch.Generator().manual_seed(5)
+    for hidden, *_ in shapes or (CUDA_SHAPES if device == "cuda" else CPU_SHAPES):
+        for vocab, tp, rank in ((1000, 1, 0), (1000, 3, 2)):
+            kw = dict(dtype=dtype, device=device)
+            plain = VocabParallelEmbedding("w", vocab, hidden, tp, rank, None, **kw)
+            plain.weight.copy_(_randn(gen, *plain.weight.shape, device=device, dtype=dtype))
+            ids = torch.tensor([0, 999, 668, 667, 5, 1000, -1, 700, 2**40], device=device)
+            want = plain(ids)
+            got = kernels.embed(ids, plain.weight, plain.offset, plain.real_width)
+            assert torch.equal(got, want), f"embed {dtype} {hidden} tp {tp}"
+            fused = VocabParallelEmbedding("w", vocab, hidden, tp, rank, None, fused=True, **kw)
+            fused.weight.copy_(plain.weight)
+            saved, layers.EMBED_KERNEL = layers.EMBED_KERNEL, True
+            calls, real = [], kernels.embed
+            kernels.embed = lambda *a: calls.append(1) or real(*a)
+            try:
+                assert torch.equal(fused(ids), want) and calls == [1]
+            finally:
+                layers.EMBED_KERNEL, kernels.embed = saved, real
+
+
 def check_silu_mul(device: str, dtype: torch.dtype, shapes=None) -> None:
     gen = torch.Generator().manual_seed(2)
     for _, inter, *_ in shapes or (CUDA_SHAPES if device == "cuda" else CPU_SHAPES):
@@ -316,7 +343,7 @@ def check_engine(device: str, dtype: torch.dtype) -> None:
         assert engine_tokens(device, name, ckpt, True) == torch_tokens
 
 
-CHECKS = {"kernels": [check_norm, check_rotary, check_cos_sin, check_silu_mul, check_errors], "model": [check_model, check_eagle3],
+CHECKS = {"kernels": [check_norm, check_rotary, check_cos_sin, check_embed, check_silu_mul, check_errors], "model": [check_model, check_eagle3],
           "tp": [check_tp],
           "engine": [check_engine]}
 

@@ -92,10 +92,10 @@ def test_deterministic_layers_never_fuse():
 
 
 @needs_triton
-def test_cos_sin_kernel_compiles_to_cuda_cosf_and_sinf():
+def test_once_a_step_kernels_compile_for_hopper():
     """The rotary cos and sin kernel compiled for Hopper (no GPU: Triton's own ptxas) calls CUDA's
     accurate ``cosf``/``sinf`` (what torch's ``cos``/``sin`` run), never the approximate
-    instructions."""
+    instructions; the embedding kernel compiles too."""
     from interpreted import compile_for_hopper
     from tpspec.model import fused_triton
 
@@ -105,6 +105,11 @@ def test_cos_sin_kernel_compiles_to_cuda_cosf_and_sinf():
                              enable_fp_fusion=False)
     assert "cubin" in asm
     assert "sin.approx" not in asm["ptx"] and "cos.approx" not in asm["ptx"]
+    embed = compile_for_hopper(fused_triton._embed_kernel,
+                               {"ids_ptr": "*i64", "weight_ptr": "*bf16", "out_ptr": "*bf16",
+                                **{name: "i32" for name in ("offset", "real_width", "hidden", "stride_w", "stride_o")}},
+                               {"BLOCK": fused_triton.EMBED_BLOCK}, num_warps=4, enable_fp_fusion=False)
+    assert "cubin" in embed
 
 
 # ---------------------------------------------------------------------------------------- GPU

@@ -1,6 +1,7 @@
 """Fused elementwise kernels of a decoder layer in Triton: RMSNorm (with the residual add),
-rotary embedding with the KV-cache write, SwiGLU's ``silu(gate) * up``, and a step's rotary
-``cos`` and ``sin`` (bit for bit on CUDA, which calls the ``cosf``/``sinf`` torch's kernels call).
+rotary embedding with the KV-cache write, SwiGLU's ``silu(gate) * up``, and what a step runs once:
+the token embedding's lookup and the rotary ``cos`` and ``sin`` (bit for bit on CUDA, which calls the
+``cosf``/``sinf`` torch's kernels call).
 
 Each kernel replaces a chain of small torch kernels and rounds exactly where that chain does
 (intermediate results in the tensors' dtype, the norm's statistics in float32), so a layer gives
@@ -32,6 +33,7 @@ from .dependent_launch import pdl_args
 
 MAX_HIDDEN = 65536  # the widest row one norm program holds
 SILU_BLOCK = 1024  # intermediate features per silu_mul program
+EMBED_BLOCK = 1024  # hidden features per embed program
 
 
 @triton.jit
@@ -126,6 +128,17 @@ def _cos_sin_kernel(pos_ptr, inv_freq_ptr, cos_ptr, sin_ptr, n, HALF: tl.constex
 
 
 @triton.jit
+def _embed_kernel(ids_ptr, weight_ptr, out_ptr, offset, real_width, hidden, stride_w, stride_o, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < hidden
+    local = tl.zeros([BLOCK], tl.int64) + (tl.load(ids_ptr + t).to(tl.int64) - offset)  # the id, on every lane
+    valid = (local >= 0) & (local < real_width)
+    x = tl.load(weight_ptr + tl.where(valid, local, 0) * stride_w + cols, mask=ok & valid, other=0.0)
+    tl.store(out_ptr + t * stride_o + cols, x, mask=ok)
+
+
+@triton.jit
 def silu_mul_values(gate, up, ACCURATE_EXP: tl.constexpr):
     """``F.silu(gate) * up`` of two tiles in their dtype: ``silu`` in float32 rounded to the dtype,
     then the product rounded (what torch's two ops give). ``ACCURATE_EXP``: CUDA's ``expf``, what
@@ -206,6 +219,24 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     ``x + residual`` gives in torch), in one pass. ``x``, ``residual``: ``[N, hidden]`` of one
     dtype; see :func:`rms_norm` for the rest. Neither input is modified."""
     return _norm(x, residual, weight, eps)
+
+
+def embed(ids: torch.Tensor, weight: torch.Tensor, offset: int, real_width: int) -> torch.Tensor:
+    """The rows of ``weight`` (``[width, hidden]``, its last dimension contiguous) at ``ids - offset``
+    for the ids in ``[offset, offset + real_width)``, ``+0.0`` rows for every other id, in one
+    launch: ``[N, hidden]`` in ``weight``'s dtype (``ids``: ``[N]`` integer on its device). A
+    rank's part of :class:`~tpspec.model.layers.VocabParallelEmbedding`: its rows copied as they
+    are."""
+    if ids.dim() != 1 or weight.dim() != 2 or weight.stride(1) != 1:
+        raise ValueError(f"ids must be [N] and weight [width, hidden] with a contiguous last dimension, got "
+                         f"{tuple(ids.shape)} and {tuple(weight.shape)}")
+    n, hidden = ids.shape[0], weight.shape[1]
+    out = torch.empty((n, hidden), dtype=weight.dtype, device=weight.device)
+    if n and hidden:
+        _embed_kernel[(n, triton.cdiv(hidden, EMBED_BLOCK))](ids.contiguous(), weight, out, offset, real_width, hidden,
+                                                             weight.stride(0), out.stride(0), BLOCK=EMBED_BLOCK,
+                                                             num_warps=4, enable_fp_fusion=False)
+    return out
 
 
 def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor,

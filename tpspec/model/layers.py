@@ -44,6 +44,10 @@ FUSED_UNDER_INTERPRETER = False
 # Whether fused models compute the rotary cos and sin in one kernel (fused_triton.rotary_cos_sin) rather than
 # torch's chain of seven elementwise launches: the same bits on CUDA (tests/test_fused_triton.py's GPU test).
 ROTARY_KERNEL = True
+# Whether fused models look up their token embedding in one kernel (fused_triton.embed) rather than nine torch
+# launches (the range mask, the lookup, the product with the mask): the same rows on CUDA (tests/test_fused_triton.py's
+# GPU test).
+EMBED_KERNEL = True
 
 
 @functools.lru_cache(maxsize=None)
@@ -229,12 +233,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class VocabParallelEmbedding(nn.Module):
     """Token embedding split over the vocabulary like :class:`~tpspec.VocabParallelHead`:
     each rank looks up the ids of its slice, zeros the others, and the TP group sums.
-    Ids outside ``[0, vocab_size)`` embed to zeros (never an indexing crash)."""
+    Ids outside ``[0, vocab_size)`` embed to zeros (never an indexing crash). ``fused`` (with
+    :data:`EMBED_KERNEL`): a rank's lookup in one kernel, :func:`~tpspec.model.fused_triton.embed`."""
 
     def __init__(self, name: str, vocab_size: int, hidden_size: int, tp_size: int, tp_rank: int, group: Any,
-                 *, dtype: torch.dtype, device: Any, deterministic: bool = False) -> None:
+                 *, dtype: torch.dtype, device: Any, deterministic: bool = False, fused: bool = False) -> None:
         super().__init__()
         self.deterministic = deterministic
+        self.fused = fused and not deterministic
         self.offset, width, self.real_width = vocab_shard_bounds(vocab_size, tp_size, tp_rank)
         self.tp_size = tp_size
         self.group = group
@@ -242,6 +248,11 @@ class VocabParallelEmbedding(nn.Module):
         self.plan = {"weight": [ShardSpec(name, (vocab_size, hidden_size), 0, self.offset, self.real_width)]}
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.fused and EMBED_KERNEL:
+            out = fused_kernels().embed(ids, self.weight, self.offset, self.real_width)
+            if self.tp_size > 1:
+                all_reduce_sum(out, self.group)
+            return out
         local = ids - self.offset
         valid = (local >= 0) & (local < self.real_width)
         out = F.embedding(torch.where(valid, local, torch.zeros_like(local)), self.weight)

@@ -231,7 +231,7 @@ class TPLlamaForCausalLM(nn.Module):
         embed_tp, embed_rank = (1, 0) if self.attention_dp else (tp, mapping.tp_rank)
         self.embed_tokens = VocabParallelEmbedding("model.embed_tokens.weight", config.vocab_size, config.hidden_size,
                                                    embed_tp, embed_rank, self.group, dtype=dtype, device=device,
-                                                   deterministic=deterministic)
+                                                   deterministic=deterministic, fused=self.fused)
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, mapping, self.group, dtype=dtype, device=device, deterministic=deterministic,
                          fused=self.fused)
