@@ -171,6 +171,19 @@ def check_row_argmax(device: str, _dtype) -> None:
                 KT.row_argmax = saved
                 vocab_parallel.GREEDY_ARGMAX_KERNEL, vocab_parallel.KEY_KERNELS_UNDER_INTERPRETER = saved_switches
             assert calls == [1], "the switch sends a one-rank argmax to the kernel"
+    # Logits of another dtype are refused as without the kernel, not rounded to float32 keys.
+    saved_switches = (vocab_parallel.GREEDY_ARGMAX_KERNEL, vocab_parallel.KEY_KERNELS_UNDER_INTERPRETER)
+    vocab_parallel.GREEDY_ARGMAX_KERNEL = vocab_parallel.KEY_KERNELS_UNDER_INTERPRETER = True
+    try:
+        head = VocabShardedLogits(torch.ones(1, 300, dtype=torch.float64, device=device), 0, 300,
+                                  LocalKeyExchange(device))
+        try:
+            head.argmax()
+            raise AssertionError("float64 logits must be refused")
+        except ValueError as exc:
+            assert "float32, bfloat16 or float16" in str(exc)
+    finally:
+        vocab_parallel.GREEDY_ARGMAX_KERNEL, vocab_parallel.KEY_KERNELS_UNDER_INTERPRETER = saved_switches
 
 
 def check_penalties(device: str, _dtype) -> None:

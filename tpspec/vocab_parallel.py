@@ -118,6 +118,8 @@ class VocabShardedLogits:
     def argmax(self, *, channel: int = Channel.TARGET) -> torch.Tensor:
         """Greedy tokens: ``[R]`` int64 == ``torch.argmax`` of the full logits rows."""
         if GREEDY_ARGMAX_KERNEL and self.exchange.world_size == 1 and use_key_kernels(self.local.device):
+            # The exchange's checks (host only), then its pick: the maximum of the float32 keys.
+            self.exchange.validate_logits_call(self.local, self.vocab_offset, self.vocab_size, None, channel)
             real = min(self.shard_width, self.vocab_size - self.vocab_offset)
             if real > 0:
                 return key_kernels().row_argmax(self.local, self.vocab_offset, real)

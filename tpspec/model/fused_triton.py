@@ -112,7 +112,7 @@ def _cos_sin_kernel(pos_ptr, inv_freq_ptr, cos_ptr, sin_ptr, n, HALF: tl.constex
     pos = tl.load(pos_ptr + t, mask=t_ok, other=0).to(tl.float32)
     inv_freq = tl.load(inv_freq_ptr + j, mask=j_ok, other=0.0)
     angles = pos[:, None] * inv_freq[None, :]  # RotaryEmbedding.forward's float32 products
-    if ACCURATE:  # CUDA's cosf and sinf, what torch's cos and sin call (tl.cos / tl.sin: approximations)
+    if ACCURATE:  # libdevice's cosf and sinf, what torch's cos and sin call (the interpreter has no libdevice)
         c = libdevice.cos(angles)
         s = libdevice.sin(angles)
     else:
