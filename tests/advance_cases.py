@@ -1,7 +1,8 @@
 """Case script (run under Triton's interpreter by tests/test_runtime_graphs.py): the Triton kernel of a
 verification step launched ahead (``advance_triton.advance``) against the torch ops it stands for
 (``GraphInputs.advance``): the same history, cached lengths, positions, visible lengths,
-KV write rows, tokens and drafts, for random steps over several n-gram ranges and draft counts.
+KV write rows, tokens and drafts, for random steps over several n-gram ranges and draft counts; and
+the strict-acceptance kernel (``accept_triton.accept``) against ``accept_from_targets``.
 
 Usage: python tests/advance_cases.py int32
 """
@@ -63,8 +64,33 @@ def check(device: str) -> None:
                     one_case(rng, k, max_n, min_n, device)
 
 
+def check_accept(device: str) -> None:
+    """``accept_triton.accept`` against ``accept_from_targets`` (after the rows' gather): 1 to 4 drafts,
+    every draft matching, none, a mismatch at each position, lengths 0 .. D, rows in any order."""
+    from tpspec.speculative import accept_triton
+    from tpspec.speculative.accept import accept_from_targets
+
+    gen = torch.Generator().manual_seed(3)
+    for d in (1, 2, 3, 4):
+        batch = 40
+        rows = torch.randperm(batch * (d + 1), generator=gen)
+        row_tokens = torch.randint(0, 3, (batch * (d + 1),), generator=gen)  # 3 tokens: many matches
+        row_index = rows.reshape(batch, d + 1)
+        drafts = torch.randint(0, 3, (batch, d), generator=gen)
+        drafts[0] = row_tokens[row_index[0, :d]]  # every draft matches
+        drafts[1] = (row_tokens[row_index[1, :d]] + 1) % 3  # none does
+        lens = torch.randint(0, d + 1, (batch,), generator=gen)
+        lens[:2] = d
+        want = accept_from_targets(row_tokens[row_index], drafts, lens, check_values=False)
+        got = accept_triton.accept(*(t.to(device) for t in (row_tokens, row_index, drafts, lens)))
+        for g, w, name in zip(got, want, ("accepted", "num")):
+            assert torch.equal(g.cpu(), w), (d, name)
+        assert int(want[1][0]) == d + 1 and int(want[1][1]) == 1
+
+
 def main(dtype: str) -> None:
     check("cpu")
+    check_accept("cpu")
     print(f"advance torch.{dtype}: ok")
 
 

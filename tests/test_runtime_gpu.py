@@ -90,7 +90,9 @@ def test_qwen_defaults_and_logprobs_at_batch_64_stay_in_the_graph(models):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_advance_kernel_equals_the_torch_ops():
     """The Triton kernel of a verification step launched ahead, compiled for the GPU: the torch ops'
-    history, inputs and drafts (``tests/advance_cases.py``)."""
+    history, inputs and drafts (``tests/advance_cases.py``); the strict-acceptance kernel the
+    torch function's values."""
     import advance_cases
 
     advance_cases.check("cuda")
+    advance_cases.check_accept("cuda")

@@ -622,8 +622,9 @@ def test_verification_steps_launched_ahead_give_the_eager_outputs(models):
 def test_advance_kernel_equals_the_torch_ops():
     """The Triton kernel of a verification step launched ahead (``cuda_graphs.ADVANCE_KERNEL``), under
     Triton's interpreter: the torch ops' history, inputs and drafts, over n-gram ranges 1..4, 1 to 4
-    drafts, padding requests, clamped counts and failed rows (``tests/advance_cases.py``); and it
-    compiles for Hopper."""
+    drafts, padding requests, clamped counts and failed rows (``tests/advance_cases.py``), and the
+    strict-acceptance kernel (``worker.ACCEPT_KERNEL``) the values of ``accept_from_targets``; both
+    compile for Hopper."""
     from tpspec.runtime import advance_triton
 
     run_interpreted("advance_cases.py", [], ("int32",))
@@ -634,3 +635,9 @@ def test_advance_kernel_equals_the_torch_ops():
     asm = compile_for_hopper(kernel, signature, dict(K1=4, K1_P2=4, MAX_N=3, MIN_N=1, BLOCK=1024),
                              aligned_pointers=True, enable_fp_fusion=False)
     assert "bar.sync" in asm["ptx"]  # the history's new tokens are visible to the whole program
+    from tpspec.speculative import accept_triton
+
+    kernel = accept_triton._accept_kernel  # noqa: SLF001
+    accept = compile_for_hopper(kernel, {name: "*i64" for name in kernel.arg_names[:6]},
+                                dict(D=3, D1_PAD=4, PAD=accept_triton.PAD_TOKEN), num_warps=1, enable_fp_fusion=False)
+    assert "cubin" in accept

@@ -36,6 +36,11 @@ from .forced import ForcedAcceptance
 from .metadata import SpecMetadata
 from .rejection import sharded_rejection_sample, sharded_rejection_sample_deferred
 
+ACCEPT_KERNEL = False
+"""Whether strict acceptance on CUDA runs :mod:`tpspec.speculative.accept_triton`'s one kernel instead of
+the gather and the torch ops of :func:`~tpspec.speculative.accept.accept_from_targets` (the same values
+under Triton's interpreter, ``tests/advance_cases.py``). Off until a GPU run has checked it."""
+
 
 @dataclass
 class SpecStepOutput:
@@ -157,7 +162,12 @@ class SpecWorker:
         if self.acceptance == "strict" or meta.is_all_greedy:
             row_tokens = target_tokens(self.sampling_stats)
             # Lengths come from the metadata: no value check, so this path has no host sync.
-            accepted, num = accept_from_targets(row_tokens[row_index], drafts, lens, check_values=False)
+            if ACCEPT_KERNEL and device.type == "cuda":
+                from . import accept_triton
+
+                accepted, num = accept_triton.accept(row_tokens, row_index, drafts, lens)
+            else:
+                accepted, num = accept_from_targets(row_tokens[row_index], drafts, lens, check_values=False)
         elif deferred:
             if draft_probs is not None or not self._rows_are_shared(target_logits, meta):
                 raise ValueError("a deferred rejection-sampling step verifies on the shards: no draft_probs, "
