@@ -136,19 +136,23 @@ def check_cos_sin(device: str, dtype: torch.dtype, shapes=None) -> None:
             eps = torch.finfo(dtype).eps
             assert torch.allclose(g.float(), w.float(), rtol=eps, atol=eps), name
     fused = RotaryEmbedding(cfg, device=device, fused=True)
-    saved = layers.ROTARY_KERNEL
-    layers.ROTARY_KERNEL = True
-    try:
-        calls = []
-        real = kernels.rotary_cos_sin
-        kernels.rotary_cos_sin = lambda *a: calls.append(1) or real(*a)
-        try:
-            again = fused(positions, dtype)
-        finally:
-            kernels.rotary_cos_sin = real
-    finally:
-        layers.ROTARY_KERNEL = saved
+    with _switched_on("ROTARY_KERNEL", "rotary_cos_sin") as calls:
+        again = fused(positions, dtype)
     assert calls == [1] and all(torch.equal(a, g) for a, g in zip(again, got))
+
+
+@contextlib.contextmanager
+def _switched_on(switch: str, kernel: str):
+    """``layers.<switch>`` on and ``kernels.<kernel>`` counted: yields the list its calls are appended to."""
+    calls: list[int] = []
+    saved, real = getattr(layers, switch), getattr(kernels, kernel)
+    setattr(layers, switch, True)
+    setattr(kernels, kernel, lambda *a: calls.append(1) or real(*a))
+    try:
+        yield calls
+    finally:
+        setattr(layers, switch, saved)
+        setattr(kernels, kernel, real)
 
 
 def check_embed(device: str, dtype: torch.dtype, shapes=None) -> None:
@@ -169,13 +173,8 @@ def check_embed(device: str, dtype: torch.dtype, shapes=None) -> None:
             assert torch.equal(got, want), f"embed {dtype} {hidden} tp {tp}"
             fused = VocabParallelEmbedding("w", vocab, hidden, tp, rank, None, fused=True, **kw)
             fused.weight.copy_(plain.weight)
-            saved, layers.EMBED_KERNEL = layers.EMBED_KERNEL, True
-            calls, real = [], kernels.embed
-            kernels.embed = lambda *a: calls.append(1) or real(*a)
-            try:
+            with _switched_on("EMBED_KERNEL", "embed") as calls:
                 assert torch.equal(fused(ids), want) and calls == [1]
-            finally:
-                layers.EMBED_KERNEL, kernels.embed = saved, real
 
 
 def check_silu_mul(device: str, dtype: torch.dtype, shapes=None) -> None:
@@ -343,7 +342,8 @@ def check_engine(device: str, dtype: torch.dtype) -> None:
         assert engine_tokens(device, name, ckpt, True) == torch_tokens
 
 
-CHECKS = {"kernels": [check_norm, check_rotary, check_cos_sin, check_embed, check_silu_mul, check_errors], "model": [check_model, check_eagle3],
+CHECKS = {"kernels": [check_norm, check_rotary, check_cos_sin, check_embed, check_silu_mul, check_errors],
+          "model": [check_model, check_eagle3],
           "tp": [check_tp],
           "engine": [check_engine]}
 

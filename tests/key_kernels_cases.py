@@ -14,6 +14,7 @@ off at TP 1 and, under the interpreter, TP 2 (gloo ranks).
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import torch
@@ -159,22 +160,12 @@ def check_row_argmax(device: str, _dtype) -> None:
             want = torch.argmax(x[:, :real], dim=1) + offset
             got = KT.row_argmax(x.to(device), offset, real).cpu()
             _same(got, want, f"row_argmax {dtype} {rows}x{width}+{offset}")
-            calls = []
-            saved = KT.row_argmax
-            saved_switches = (vocab_parallel.GREEDY_ARGMAX_KERNEL, vocab_parallel.KEY_KERNELS_UNDER_INTERPRETER)
-            KT.row_argmax = lambda *a: calls.append(1) or saved(*a)
-            vocab_parallel.GREEDY_ARGMAX_KERNEL = vocab_parallel.KEY_KERNELS_UNDER_INTERPRETER = True
-            try:
+            with _argmax_kernel_on() as calls:
                 head = VocabShardedLogits(x.to(device), offset, vocab, LocalKeyExchange(device))
                 _same(head.argmax().cpu(), want, "a one-rank head's argmax with the kernel")
-            finally:
-                KT.row_argmax = saved
-                vocab_parallel.GREEDY_ARGMAX_KERNEL, vocab_parallel.KEY_KERNELS_UNDER_INTERPRETER = saved_switches
             assert calls == [1], "the switch sends a one-rank argmax to the kernel"
     # Logits of another dtype are refused as without the kernel, not rounded to float32 keys.
-    saved_switches = (vocab_parallel.GREEDY_ARGMAX_KERNEL, vocab_parallel.KEY_KERNELS_UNDER_INTERPRETER)
-    vocab_parallel.GREEDY_ARGMAX_KERNEL = vocab_parallel.KEY_KERNELS_UNDER_INTERPRETER = True
-    try:
+    with _argmax_kernel_on():
         head = VocabShardedLogits(torch.ones(1, 300, dtype=torch.float64, device=device), 0, 300,
                                   LocalKeyExchange(device))
         try:
@@ -182,8 +173,21 @@ def check_row_argmax(device: str, _dtype) -> None:
             raise AssertionError("float64 logits must be refused")
         except ValueError as exc:
             assert "float32, bfloat16 or float16" in str(exc)
+
+
+@contextlib.contextmanager
+def _argmax_kernel_on():
+    """The one-rank argmax kernel switched on (here: under the interpreter); yields the list its
+    calls are appended to."""
+    calls: list[int] = []
+    saved = (KT.row_argmax, vocab_parallel.GREEDY_ARGMAX_KERNEL, vocab_parallel.KEY_KERNELS_UNDER_INTERPRETER)
+    real = saved[0]
+    KT.row_argmax = lambda *a: calls.append(1) or real(*a)
+    vocab_parallel.GREEDY_ARGMAX_KERNEL = vocab_parallel.KEY_KERNELS_UNDER_INTERPRETER = True
+    try:
+        yield calls
     finally:
-        vocab_parallel.GREEDY_ARGMAX_KERNEL, vocab_parallel.KEY_KERNELS_UNDER_INTERPRETER = saved_switches
+        KT.row_argmax, vocab_parallel.GREEDY_ARGMAX_KERNEL, vocab_parallel.KEY_KERNELS_UNDER_INTERPRETER = saved
 
 
 def check_penalties(device: str, _dtype) -> None:

@@ -27,7 +27,9 @@ from tpspec.model import layers
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory):
     """This module's interpreted groups, started at once (side by side on the machine's cores)."""
-    groups = InterpretedGroups("fused_triton_cases.py", {"kernels": ("float32", "float16"), "model": ("float32",), "tp": ("float32",), "engine": ("float32",)}, tmp_path_factory.mktemp("fused_triton"))
+    groups = InterpretedGroups("fused_triton_cases.py", {"kernels": ("float32", "float16"), "model": ("float32",),
+                                                         "tp": ("float32",), "engine": ("float32",)},
+                               tmp_path_factory.mktemp("fused_triton"))
     yield groups
     groups.close()
 

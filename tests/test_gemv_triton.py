@@ -34,7 +34,9 @@ LLAMA_3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory):
     """This module's interpreted groups, started at once (side by side on the machine's cores)."""
-    groups = InterpretedGroups("gemv_cases.py", {"kernels": ("float32", "float16"), "rows_and_splits": ("float32",), "llm": ("float32",)}, tmp_path_factory.mktemp("gemv"))
+    groups = InterpretedGroups("gemv_cases.py",
+                               {"kernels": ("float32", "float16"), "rows_and_splits": ("float32",), "llm": ("float32",)},
+                               tmp_path_factory.mktemp("gemv"))
     yield groups
     groups.close()
 

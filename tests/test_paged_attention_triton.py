@@ -41,7 +41,8 @@ needs_interpreter = pytest.mark.skipif(not has_triton or _interpreter_too_old(),
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory):
     """This module's interpreted groups, started at once (side by side on the machine's cores)."""
-    groups = InterpretedGroups("paged_attention_cases.py", {"kernels": ("float32", "float16"), "llm": ("float32",)}, tmp_path_factory.mktemp("paged_attention"))
+    groups = InterpretedGroups("paged_attention_cases.py", {"kernels": ("float32", "float16"), "llm": ("float32",)},
+                               tmp_path_factory.mktemp("paged_attention"))
     yield groups
     groups.close()
 
