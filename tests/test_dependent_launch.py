@@ -38,11 +38,9 @@ def _signature(fn, constants):
 
 def _decoder_kernels():
     """``(name, kernel, constants, options, prefetches)`` of every kernel a decode step may launch with
-    PDL, at Llama-3-8B-like sizes; ``prefetches``: it touches weight bytes before the wait (the GEMVs read
-    their first tile, the L2 prefetch asks for its chunks)."""
+    PDL, at Llama-3-8B-like sizes; ``prefetches``: it reads its first weight tile before the wait."""
     from tpspec.model import fused_triton as fused
     from tpspec.model import gemv_triton as gemv
-    from tpspec.model import l2_prefetch
     from tpspec.model import paged_attention_triton as attn
 
     one_row = gemv.plan_gemv(1, 4096, 14336, device="cpu")
@@ -58,7 +56,7 @@ def _decoder_kernels():
     launch = attn.plan_launch(num_tokens=1, num_seqs=1, q_max=1, kv_pages=64, page_size=16, num_heads=32, kv_heads=8,
                               head_dim=128, device="cpu")
     attend = dict(GROUP=4, HEAD_DIM=128, HEAD_PAD=128, PAGE_SIZE=16, BLOCK_Q=launch.block_q, BLOCK_M=launch.block_m,
-                  BLOCK_N=launch.block_n, SPLIT=True, IEEE=False, EVICT="")
+                  BLOCK_N=launch.block_n, SPLIT=True, IEEE=False)
     warps = {"num_warps": 4, "enable_fp_fusion": True}
     return [
         ("gemv one row, silu", gemv._gemv_kernel, gemv_constants, dict(warps, num_stages=one_row.num_stages), True),
@@ -84,8 +82,6 @@ def _decoder_kernels():
          {"num_warps": 4, "enable_fp_fusion": False}, False),
         ("attention", attn._attend_kernel, attend, dict(warps, num_stages=launch.num_stages), False),
         ("merge", attn._merge_kernel, dict(HEAD_DIM=128, HEAD_PAD=128, SPLITS_PAD=8), warps, False),
-        ("L2 prefetch", l2_prefetch._prefetch_kernel, dict(PER_PROGRAM=l2_prefetch.CHUNKS_PER_PROGRAM),
-         {"num_warps": 4}, True),
     ]
 
 

@@ -99,8 +99,7 @@ def test_decode_kernel_keeps_the_next_tiles_in_flight():
         launch = kernels.plan_launch(num_tokens=8, num_seqs=8, q_max=1, kv_pages=kv_pages, page_size=16,
                                      num_heads=32, kv_heads=8, head_dim=128, device="cpu", num_splits=5)
         constants = dict(GROUP=4, HEAD_DIM=128, HEAD_PAD=launch.head_pad, PAGE_SIZE=16, BLOCK_Q=launch.block_q,
-                         BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, SPLIT=True, IEEE=False, EVICT="",
-                         PDL=False)
+                         BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, SPLIT=True, IEEE=False, PDL=False)
         kv_strides = tuple(n for n in integers if n.startswith(("stride_k", "stride_v")))
         ptx = compile_for_hopper(kernels._attend_kernel, signature, constants, aligned_pointers=True,
                                  multiples_of_16=kv_strides, num_warps=kernels.NUM_WARPS,

@@ -48,14 +48,6 @@ ROTARY_KERNEL = True
 # launches (the range mask, the lookup, the product with the mask): the same rows on CUDA (tests/test_fused_triton.py's
 # GPU test).
 EMBED_KERNEL = True
-# Bytes of each linear's weight a fused layer asks to have copied into L2 (tpspec.model.l2_prefetch) before the
-# kernels that run ahead of that linear, while they leave HBM bandwidth idle: the q/k/v weight before the input norm,
-# o_proj's before rotary and attention, gate/up's before the second norm, down_proj's before silu. A hint that
-# changes no value; 0 (none) until a GPU run shows a step it makes shorter.
-QKV_PREFETCH_BYTES = 0
-O_PROJ_PREFETCH_BYTES = 0
-GATE_UP_PREFETCH_BYTES = 0
-DOWN_PREFETCH_BYTES = 0
 
 
 @functools.lru_cache(maxsize=None)
@@ -65,13 +57,6 @@ def fused_kernels() -> Any:
         return importlib.import_module(f"{__package__}.fused_triton")
     except ImportError:
         return None
-
-
-def prefetch_weight(weight: torch.Tensor, max_bytes: int) -> None:
-    """Ask for the first ``max_bytes`` of ``weight`` in L2 (:func:`tpspec.model.l2_prefetch.prefetch`;
-    nothing where ``max_bytes`` is 0 or the device has no bulk prefetch). Changes no value."""
-    if max_bytes > 0:
-        importlib.import_module(f"{__package__}.l2_prefetch").prefetch(weight, max_bytes)
 
 
 def use_fused_kernels(device: torch.device | str, *, deterministic: bool = False) -> bool:
@@ -438,7 +423,6 @@ class Attention(nn.Module):
         """:meth:`forward` after the q/k/v projection ``qkv`` (``fused`` layers): rotary and the K/V
         write in one kernel, attention, o_proj."""
         n = qkv.shape[0]
-        prefetch_weight(self.o_proj.weight, O_PROJ_PREFETCH_BYTES)
         q = fused_kernels().rotary_and_write_kv(qkv, cos, sin, meta.write_index, pages.k, pages.v,
                                                 self.num_heads, self.num_kv_heads, self.head_dim)
         return self.o_proj(attend(q, pages).reshape(n, self.num_heads * self.head_dim))
@@ -485,7 +469,6 @@ class MLP(nn.Module):
         """:meth:`forward` after the gate/up projection ``gate_up`` (``fused`` layers):
         ``silu(gate) * up`` in one kernel, then down_proj; both in one where
         :func:`~tpspec.model.linear.use_triton_silu_linear` says so (one row)."""
-        prefetch_weight(self.down.weight, DOWN_PREFETCH_BYTES)
         if use_triton_silu_linear(gate_up, self.down.weight):
             return self.down.silu_mul_forward(gate_up, reduce)
         return self.down(fused_kernels().silu_mul(gate_up), reduce)

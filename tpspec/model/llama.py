@@ -26,15 +26,14 @@ from ..mapping import Mapping
 from ..validation import check_int
 from ..vocab_parallel import VocabParallelHead, VocabShardedLogits, vocab_shard_bounds
 from . import deterministic as det
-from . import layers
 from .attention import AttendFn, choose_attention_backend, make_attention_backend
 from .batch import AttentionMetadata, ForwardBatch, check_paged_batch
 from .comm import LocalKeyExchange, VarlenRows, exchange_counts
 from .config import ModelConfig
 from .kv_cache import KVPages, page_bytes
 from .linear import linear
-from .layers import MLP, Attention, RMSNorm, RotaryEmbedding, ShardSpec, VocabParallelEmbedding, prefetch_weight, \
-    shard_plan, split_evenly, split_heads, use_fused_kernels
+from .layers import MLP, Attention, RMSNorm, RotaryEmbedding, ShardSpec, VocabParallelEmbedding, shard_plan, \
+    split_evenly, split_heads, use_fused_kernels
 
 
 def check_split(config: ModelConfig, mapping: Mapping, *, deterministic: bool = False) -> None:
@@ -133,10 +132,8 @@ class DecoderLayer(nn.Module):
         output ``mlp + h``. Returns ``(mlp, h, input)``: the next layer's ``x`` and ``residual``, and
         this layer's input (what :meth:`forward` would have received)."""
         attn = self.self_attn
-        prefetch_weight(attn.qkv.weight, layers.QKV_PREFETCH_BYTES)
         qkv, x_in = attn.qkv.norm_forward(self.input_layernorm, x, residual)
         a = attn.attend_projected(qkv, cos, sin, meta, pages, attend)
-        prefetch_weight(self.mlp.gate_up.weight, layers.GATE_UP_PREFETCH_BYTES)
         if dp_rows is None:
             gate_up, h = self.mlp.gate_up.norm_forward(self.post_attention_layernorm, a, x_in)
             return self.mlp.down_projected(gate_up), h, x_in

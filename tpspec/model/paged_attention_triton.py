@@ -68,17 +68,13 @@ MAX_SPLITS = 64
 PROGRAMS_PER_SM = 2  # split until (query blocks x KV heads x splits) reaches this many programs per SM
 PARTIALS_BYTES = 1 << 28  # float32 split partials one launch may hold (fewer splits beyond)
 NUM_WARPS = 4
-# L2 eviction policy of the key and value loads ("" the default, "evict_first": a step's KV lines go first, so a
-# weight pulled into L2 ahead of o_proj (tpspec.model.l2_prefetch) stays). The default until a GPU run shows a gain.
-KV_EVICTION = ""
 _LOG2E = 1.4426950408889634
 _MIN_DOT = 16  # tl.dot's smallest M, N and K
 
 
 @triton.jit
 def _attend_tile(n0, hi, q, k_base, v_base, pt_base, row_visible, d, d_ok, m, l, acc, scale_log2, stride_kp,
-                 stride_ko, stride_vp, stride_vo, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                 EVICT: tl.constexpr):
+                 stride_ko, stride_vp, stride_vo, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
     """One KV tile (positions ``[n0, n0 + BLOCK_N)``, those below ``hi``) folded into the online
     softmax state ``(m, l, acc)`` of the program's rows."""
     pos = n0 + tl.arange(0, BLOCK_N)
@@ -86,7 +82,7 @@ def _attend_tile(n0, hi, q, k_base, v_base, pt_base, row_visible, d, d_ok, m, l,
     page = tl.load(pt_base + pos // PAGE_SIZE, mask=in_range, other=0).to(tl.int64)
     slot = pos % PAGE_SIZE
     k = tl.load(k_base + page[None, :] * stride_kp + slot[None, :] * stride_ko + d[:, None],
-                mask=in_range[None, :] & d_ok[:, None], other=0.0, eviction_policy=EVICT)  # [HEAD_PAD, BLOCK_N]
+                mask=in_range[None, :] & d_ok[:, None], other=0.0)  # [HEAD_PAD, BLOCK_N]
     if IEEE:
         scores = tl.dot(q, k, input_precision="ieee")
     else:
@@ -99,7 +95,7 @@ def _attend_tile(n0, hi, q, k_base, v_base, pt_base, row_visible, d, d_ok, m, l,
     alpha = tl.exp2(m - m_ref)
     p = tl.exp2(scores - m_ref[:, None])
     v = tl.load(v_base + page[:, None] * stride_vp + slot[:, None] * stride_vo + d[None, :],
-                mask=in_range[:, None] & d_ok[None, :], other=0.0, eviction_policy=EVICT)  # [BLOCK_N, HEAD_PAD]
+                mask=in_range[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, HEAD_PAD]
     if IEEE:
         pv = tl.dot(p, v, input_precision="ieee")
     else:
@@ -113,7 +109,7 @@ def _attend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, page_table_ptr, seq_starts_ptr,
                    stride_ot, stride_oh, stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh, stride_pt,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
                    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                   IEEE: tl.constexpr, EVICT: tl.constexpr, PDL: tl.constexpr):
+                   IEEE: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # tpspec.model.dependent_launch: nothing is read or written before the kernel before has finished
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -155,7 +151,7 @@ def _attend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, page_table_ptr, seq_starts_ptr,
     pt_base = page_table_ptr + seq * stride_pt
     for n0 in range(lo, hi, BLOCK_N):
         m, l, acc = _attend_tile(n0, hi, q, k_base, v_base, pt_base, row_visible, d, d_ok, m, l, acc, scale_log2,
-                                 stride_kp, stride_ko, stride_vp, stride_vo, PAGE_SIZE, BLOCK_N, IEEE, EVICT)
+                                 stride_kp, stride_ko, stride_vp, stride_vo, PAGE_SIZE, BLOCK_N, IEEE)
 
     if SPLIT:
         part = (tok * num_heads + heads) * num_splits + split  # [BLOCK_M]
@@ -332,7 +328,7 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
         v_pages.stride(2), page_table.stride(0),
         GROUP=num_heads // kv_heads, HEAD_DIM=head_dim, HEAD_PAD=launch.head_pad, PAGE_SIZE=page_size,
         BLOCK_Q=launch.block_q, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, SPLIT=splits > 1, IEEE=q.dtype == f32,
-        EVICT=KV_EVICTION, num_warps=NUM_WARPS, num_stages=launch.num_stages, enable_fp_fusion=True, **pdl)
+        num_warps=NUM_WARPS, num_stages=launch.num_stages, enable_fp_fusion=True, **pdl)
     if splits > 1:
         _merge_kernel[(n, num_heads)](part_acc, part_m, part_l, out, num_heads, splits, out.stride(0), out.stride(1),
                                       HEAD_DIM=head_dim, HEAD_PAD=launch.head_pad,
