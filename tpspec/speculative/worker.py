@@ -36,10 +36,11 @@ from .forced import ForcedAcceptance
 from .metadata import SpecMetadata
 from .rejection import sharded_rejection_sample, sharded_rejection_sample_deferred
 
-ACCEPT_KERNEL = False
+ACCEPT_KERNEL = True
 """Whether strict acceptance on CUDA runs :mod:`tpspec.speculative.accept_triton`'s one kernel instead of
-the gather and the torch ops of :func:`~tpspec.speculative.accept.accept_from_targets` (the same values
-under Triton's interpreter, ``tests/advance_cases.py``). Off until a GPU run has checked it."""
+the gather and the torch ops of :func:`~tpspec.speculative.accept.accept_from_targets`: the same values
+under Triton's interpreter and on an H100 (``tests/advance_cases.py``, its GPU test in
+``tests/test_runtime_gpu.py``)."""
 
 
 @dataclass
