@@ -6,7 +6,8 @@
 #   Groups, in run order: quick and profile (only when named), correctness, exchange, sampling, runtime,
 #   generate (default: all but quick and profile). quick: the GPU tests, the roofline table, the attention alone,
 #   tpspec against transformers and deterministic mode's cost at the Llama 3 8B shape, in under 9 minutes on one
-#   GPU. profile: the roofline's one- and eight-request steps kernel by kernel, and the attention's split counts.
+#   GPU. profile: the roofline's one- and eight-request steps and its batch-64 sampled columns kernel by kernel,
+#   and the attention's split counts.
 #   A step's name runs that step alone (`--dry-run` lists the selected ones). Steps run in the order
 #   this script lists them, whatever the order of the arguments.
 #   --dry-run  print each selected step's time limit and command, and whether this build's `tpspec`
@@ -31,7 +32,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '3,10p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '3,14p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 
 dry_run=0
 if [ "${1:-}" = "--dry-run" ]; then dry_run=1; shift; fi
@@ -73,10 +74,12 @@ step quick quick-attention-llama-3-8b 40 "$T bench attention --device cuda --mod
 step quick quick-hf-llama-3-8b 140 "$T bench generate $S8B --baseline hf --num-prompts 1,8,32 --prompt-len 128 --max-new-tokens 64 --timeout 130 --out $o/quick-hf-llama-3-8b"
 step quick quick-deterministic-llama-3-8b 60 "$T bench generate $S8B --rates none --deterministic --num-prompts 1,8,32 --prompt-len 128 --max-new-tokens 64 --timeout 50 --out $o/quick-deterministic-llama-3-8b"
 
-# 0b. Profile (one GPU, only when named, under 6 minutes): where the roofline's one- and eight-request steps spend
-#     their time, kernel by kernel (each kernel's time past those that started before it), at 1K and 4K; and
-#     the Triton attention alone at the split counts around the launch rule's choice.
+# 0b. Profile (one GPU, only when named, under 9 minutes): where the roofline's one- and eight-request steps spend
+#     their time, kernel by kernel (each kernel's time past those that started before it), at 1K and 4K; the
+#     batch-64 decode step greedy, on Qwen2.5's defaults and with logprobs=5 (what the sampled columns add), at 1K;
+#     and the Triton attention alone at the split counts around the launch rule's choice.
 step profile profile-roofline-llama-3-8b 300 "$T bench step $S8B --roofline-only --attention-backends triton --roofline-columns greedy --contexts 1024,4096 --roofline-batch 1,8 --verify-batch 1,8 --profile --iters 10 --warmup 2 --timeout 280 --out $o/profile-roofline-llama-3-8b"
+step profile profile-roofline-sampled-b64 120 "$T bench step $S8B --roofline-only --attention-backends triton --roofline-columns greedy,defaults,logprobs --contexts 1024 --roofline-batch 64 --verify-batch none --profile --iters 10 --warmup 2 --timeout 110 --out $o/profile-roofline-sampled-b64"
 step profile profile-attention-splits 90 "$T bench attention --device cuda --model-shape llama-3-8b --backends triton --batch 1,8 --query-len 1,4 --num-splits 1,2,4,5,8,12,16 --out $o/profile-attention-splits"
 
 # 1. Correctness: every GPU-marked test; the determinism suite with N rank processes on the GPU(s); the LL

@@ -53,16 +53,19 @@ def test_dry_run_lists_every_step_and_runs_nothing(tmp_path):
 
 def test_profile_group_fits_nine_minutes_and_every_command_parses(tmp_path):
     """`gpu_run.sh OUT profile`: the roofline's one- and eight-request steps with `--profile` at 1K
-    and 4K, and the Triton attention at forced split counts, under 9 minutes together."""
+    and 4K, its batch-64 decode step's greedy and sampled columns at 1K, and the Triton attention at
+    forced split counts, under 9 minutes together."""
     out = tmp_path / "out"
     result = run_script("--dry-run", str(out), "profile")
     assert result.returncode == 0, result.stderr
     text = result.stdout
     steps = [line for line in text.splitlines() if line.endswith(" s]")]
-    assert [line.split(" [")[0] for line in steps] == ["profile-roofline-llama-3-8b", "profile-attention-splits"]
+    names = ["profile-roofline-llama-3-8b", "profile-roofline-sampled-b64", "profile-attention-splits"]
+    assert [line.split(" [")[0] for line in steps] == names
     assert sum(int(line.split(", ")[1].split(" s]")[0]) for line in steps) <= 520
     assert "--roofline-batch 1,8 --verify-batch 1,8 --profile" in text and "--num-splits 1,2,4,5,8,12,16" in text
-    for name in ("profile-roofline-llama-3-8b", "profile-attention-splits"):
+    assert "--roofline-columns greedy,defaults,logprobs --contexts 1024 --roofline-batch 64 --verify-batch none --profile" in text
+    for name in names:
         assert f"    {name}: accepted" in text
     assert "NOT ACCEPTED" not in text
 
