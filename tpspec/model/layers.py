@@ -248,25 +248,23 @@ class VocabParallelEmbedding(nn.Module):
         self.plan = {"weight": [ShardSpec(name, (vocab_size, hidden_size), 0, self.offset, self.real_width)]}
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = self._local_rows(ids)
+        if self.tp_size > 1:
+            all_reduce_sum(out, self.group)
+        # Deterministic: one rank holds the value, the others +0, so the sum is that value in any
+        # order; + 0.0 turns a -0.0 into +0.0 at every TP size alike (TP=1 included).
+        return out + 0.0 if self.deterministic else out
+
+    def _local_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's rows for ``ids``: its slice's rows, zeros for ids outside it."""
         if self.fused and EMBED_KERNEL:
-            out = fused_kernels().embed(ids, self.weight, self.offset, self.real_width)
-            if self.tp_size > 1:
-                all_reduce_sum(out, self.group)
-            return out
+            return fused_kernels().embed(ids, self.weight, self.offset, self.real_width)
         local = ids - self.offset
         valid = (local >= 0) & (local < self.real_width)
         out = F.embedding(torch.where(valid, local, torch.zeros_like(local)), self.weight)
         if self.deterministic:
-            # One rank holds the value, the others +0: the sum is that value in any order; + 0.0
-            # turns a -0.0 into +0.0 at every TP size alike (TP=1 included).
-            out = torch.where(valid[:, None], out, torch.zeros_like(out))
-            if self.tp_size > 1:
-                all_reduce_sum(out, self.group)
-            return out + 0.0
-        out = out * valid[:, None].to(out.dtype)
-        if self.tp_size > 1:
-            all_reduce_sum(out, self.group)
-        return out
+            return torch.where(valid[:, None], out, torch.zeros_like(out))
+        return out * valid[:, None].to(out.dtype)
 
 
 class ColumnParallelLinear(nn.Module):
