@@ -3,11 +3,12 @@
 #
 # Usage: bash launch/gpu_run.sh [--dry-run] OUT_DIR [GROUP_OR_STEP ...]
 #
-#   Groups, in run order: quick and profile (only when named), correctness, exchange, sampling, runtime,
-#   generate (default: all but quick and profile). quick: the GPU tests, the roofline table, the attention alone,
+#   Groups, in run order: quick, profile and switches (only when named), correctness, exchange, sampling, runtime,
+#   generate (default: all but those three). quick: the GPU tests, the roofline table, the attention alone,
 #   tpspec against transformers and deterministic mode's cost at the Llama 3 8B shape, in under 9 minutes on one
 #   GPU. profile: the roofline's one- and eight-request steps and its batch-64 sampled columns kernel by kernel,
-#   and the attention's split counts.
+#   and the attention's split counts. switches: the GPU tests of the kernels that are off until a GPU checks
+#   them, then the roofline steps they touch with them off and on, twice.
 #   A step's name runs that step alone (`--dry-run` lists the selected ones). Steps run in the order
 #   this script lists them, whatever the order of the arguments.
 #   --dry-run  print each selected step's time limit and command, and whether this build's `tpspec`
@@ -32,7 +33,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '3,14p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '3,15p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 
 dry_run=0
 if [ "${1:-}" = "--dry-run" ]; then dry_run=1; shift; fi
@@ -82,6 +83,19 @@ step profile profile-roofline-llama-3-8b 300 "$T bench step $S8B --roofline-only
 step profile profile-roofline-sampled-b64 120 "$T bench step $S8B --roofline-only --attention-backends triton --roofline-columns greedy,defaults,logprobs --contexts 1024 --roofline-batch 64 --verify-batch none --profile --iters 10 --warmup 2 --timeout 110 --out $o/profile-roofline-sampled-b64"
 step profile profile-attention-splits 90 "$T bench attention --device cuda --model-shape llama-3-8b --backends triton --batch 1,8 --query-len 1,4 --num-splits 1,2,4,5,8,12,16 --out $o/profile-attention-splits"
 
+# 0c. Switches (one GPU, only when named, under 9 minutes): the kernels that are off until a GPU run checks them,
+#     their GPU tests (bit for bit against the torch path, and the graphed steps with them on against eager),
+#     then the batch-64 decode step's sampled columns with them off and on (off, on, off, on; `--set` switches
+#     them in the rank processes).
+SWITCHES_ON="--set tpspec.sampling.select.PENALIZED_KEYS_KERNEL=True --set tpspec.sampling.penalties.COUNT_KERNEL=True"
+step switches switches-gpu-tests 150 "$PY -m pytest -m gpu -v -rfE -p no:cacheprovider tests/test_key_kernels.py tests/test_runtime_gpu.py::test_qwen_defaults_and_logprobs_at_batch_64_stay_in_the_graph"
+for run in 1 2; do
+    for state in off on; do
+        set_args=""; [ $state = on ] && set_args=" $SWITCHES_ON"
+        step switches switches-sampled-b64-$state-$run 90 "$T bench step $S8B --roofline-only --attention-backends triton --roofline-columns greedy,defaults,logprobs --contexts 1024,4096 --roofline-batch 64 --verify-batch none --iters 10 --warmup 2 --timeout 80$set_args --out $o/switches-sampled-b64-$state-$run"
+    done
+done
+
 # 1. Correctness: every GPU-marked test; the determinism suite with N rank processes on the GPU(s); the LL
 #    kernel bit for bit against the CPU reference.
 step correctness gpu-tests 540 "$PY -m pytest -m gpu -v -rfE -p no:cacheprovider tests"
@@ -121,7 +135,7 @@ step generate generate-llama-3-8b-deterministic 400 "$T bench generate --device 
 selected=()
 if [ $# -eq 0 ]; then
     for i in "${!STEP_NAME[@]}"; do
-        case "${STEP_GROUP[$i]}" in quick|profile) ;; *) selected+=("$i") ;; esac
+        case "${STEP_GROUP[$i]}" in quick|profile|switches) ;; *) selected+=("$i") ;; esac
     done
 else
     for want in "$@"; do
@@ -130,7 +144,7 @@ else
             [ "${STEP_GROUP[$i]}" = "$want" ] || [ "${STEP_NAME[$i]}" = "$want" ] && found=1
         done
         if [ $found = 0 ]; then
-            echo "gpu_run.sh: no group or step named '$want' (groups: quick profile correctness exchange sampling runtime generate;" \
+            echo "gpu_run.sh: no group or step named '$want' (groups: quick profile switches correctness exchange sampling runtime generate;" \
                  "steps: bash launch/gpu_run.sh --dry-run OUT)" >&2
             exit 2
         fi

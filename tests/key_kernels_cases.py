@@ -214,6 +214,54 @@ def check_penalties(device: str, _dtype) -> None:
             _same(got, want, f"penalties {dtype} {rows}x{width}")
 
 
+def check_penalized_keys_and_counts(device: str, _dtype) -> None:
+    """``penalized_keys`` against ``score_keys`` of ``penalize``'s slice, and ``count_tokens``
+    against the torch counting (``COUNT_KERNEL`` off), bit for bit."""
+    from tpspec.sampling import penalties as P
+
+    gen = torch.Generator().manual_seed(17)
+    for rows, width, offset, vocab in _slice_cases(device):
+        for dtype in (torch.float32, torch.bfloat16):
+            prompts = torch.randint(offset, offset + width, (6, 7), generator=gen)
+            out = torch.randint(offset - 3, offset + width + 3, (6, 9), generator=gen)
+            out[1, 2:] = out[1, 1]  # one token many times in a row
+            out[2, 4:] = -1  # padding
+            tables = []
+            for kernel in (False, True):
+                counts = OccurrenceCounts(6, vocab_offset=offset, width=width, device=device)
+                for slot in range(6):
+                    counts.reset(slot, prompts[slot].tolist())
+                saved = (P.COUNT_KERNEL, vocab_parallel.KEY_KERNELS_UNDER_INTERPRETER, vocab_parallel.KEY_KERNELS_ON_CUDA)
+                P.COUNT_KERNEL = kernel
+                vocab_parallel.KEY_KERNELS_UNDER_INTERPRETER = vocab_parallel.KEY_KERNELS_ON_CUDA = True
+                try:
+                    counts.add(torch.tensor([0, 1, 2, 3, -1, 7]).to(device), out.to(device))
+                    counts.add(torch.tensor([5, 5]).to(device), out[:2].to(device))  # the same slot twice
+                    counts.add(torch.tensor([4, 0, 3]).to(device), out[3:].to(device),  # the first tokens of each
+                               torch.tensor([0, 5, 12]).to(device))
+                finally:
+                    P.COUNT_KERNEL, vocab_parallel.KEY_KERNELS_UNDER_INTERPRETER, vocab_parallel.KEY_KERNELS_ON_CUDA = saved
+                tables.append(counts)
+            _same(tables[1].output_counts.cpu(), tables[0].output_counts.cpu(), f"count_tokens {rows}x{width}")
+            counts = tables[1]
+            assert counts.output_counts.sum() > 0
+            table_counts, table_seen = counts._tables()
+            slots = torch.randint(-1, 6, (rows,), generator=gen)
+            index = counts._slot_index(slots.to(device))
+            x = (torch.randn(rows, width, generator=gen) * 3).to(dtype)
+            x[0, :3] = torch.tensor([0.0, -0.0, float("nan")])[:width].to(dtype)
+            rep = (torch.rand(rows, generator=gen) + 0.5).to(device)
+            pres = torch.randn(rows, generator=gen).to(device)
+            freq = torch.randn(rows, generator=gen).to(device)
+            t = torch.tensor([0.7, 0.0, 1.3, 2.0, 1e-6])[torch.arange(rows) % 5].to(device)
+            x = x.to(device)
+            penalised = ST.penalize(x, table_counts, table_seen, index, rep, pres, freq)
+            want = KT.score_keys(penalised, offset, vocab, t)
+            got = ST.penalized_keys(x, offset, vocab, t, table_counts, table_seen, index, rep, pres, freq)
+            _same(got[0].cpu(), want[0].cpu(), f"penalized_keys {dtype} {rows}x{width}+{offset}")
+            _same(got[1].cpu(), want[1].cpu(), f"penalized_keys block maxima {dtype} {rows}x{width}+{offset}")
+
+
 def _random_candidates(rows: int, n: int, gen: torch.Generator) -> dict:
     """Candidate keys best first over a few ranks' columns, some rows padded, one with a NaN best,
     one with an infinite best, and random filters of every kind."""
@@ -345,6 +393,68 @@ def check_selection_tp1(device: str, _dtype) -> None:
         _same(b, a, f"TP 1 {name}")
 
 
+def check_fused_penalties_tp1(device: str, _dtype) -> None:
+    """A deferred draw of penalised rows that are all filtered (top-k, top-p with top-k, top-p alone)
+    with the penalties inside the keys kernel (``PENALIZED_KEYS_KERNEL``) gives the tokens and
+    verdicts of the penalised slice drawn by the same kernels, and ``select_tokens``' tokens on the
+    decided rows; the fused kernel is seen to run, and not to run for a plan with a plain row."""
+    from tpspec.exchange.local import LocalKeyExchange
+    from tpspec.vocab_parallel import VocabShardedLogits
+
+    gen = torch.Generator().manual_seed(18)
+    vocab = 9000 if device == "cpu" else 128256
+    rows = 8 if device == "cpu" else 64
+    logits, rows_obj = _selection_inputs(rows, vocab, device, gen)
+    import dataclasses
+
+    temperature = torch.tensor([0.7, 1.0, 0.3, 0.5])[torch.arange(rows) % 4].to(device)
+    top_k = torch.tensor([20, 5, 1000000, 50])[torch.arange(rows) % 4].to(device)
+    top_p = torch.tensor([0.8, 1.0, 0.9, 1.0])[torch.arange(rows) % 4].to(device)
+    # Every row's 30 best columns seen in its prompt and a strong repetition penalty: the draw without
+    # the penalties would pick among other columns.
+    counts = OccurrenceCounts(rows, vocab_offset=0, width=vocab, device=device)
+    for slot in range(rows):
+        counts.reset(slot, torch.topk(logits[slot].cpu(), 30).indices.tolist())
+    penalties = dataclasses.replace(rows_obj.penalties, counts=counts,
+                                    repetition=torch.full((rows,), 50.0, device=device))
+    filtered = dataclasses.replace(rows_obj, temperature=temperature, top_k=top_k, top_p=top_p, min_p=None,
+                                   penalties=penalties)
+    sharded = VocabShardedLogits(logits.contiguous(), 0, vocab, LocalKeyExchange(device))
+    calls = []
+    real = ST.penalized_keys
+    ST.penalized_keys = lambda *a: calls.append(1) or real(*a)
+    saved = (select.PENALIZED_KEYS_KERNEL, vocab_parallel.KEY_KERNELS_UNDER_INTERPRETER,
+             vocab_parallel.KEY_KERNELS_ON_CUDA)
+    vocab_parallel.KEY_KERNELS_UNDER_INTERPRETER = vocab_parallel.KEY_KERNELS_ON_CUDA = True
+    results = []
+    try:
+        for fused in (False, True):
+            select.PENALIZED_KEYS_KERNEL = fused
+            plan = select.FilterPlan.of_rows(filtered, vocab, logits.device)
+            assert not plan.any_plain and plan.any_top_p_total
+            tokens, decided = select.select_tokens_deferred(sharded, filtered, plan)
+            results.append((tokens.cpu(), decided.cpu()))
+            assert calls == ([1] if fused else []), (fused, calls)
+        reference = select.select_tokens(sharded, filtered).cpu()
+        calls.clear()
+        greedy_row = dataclasses.replace(filtered, temperature=torch.where(
+            torch.arange(rows, device=device) == 0, 0.0, temperature))
+        plan = select.FilterPlan.of_rows(greedy_row, vocab, logits.device)
+        select.select_tokens_deferred(sharded, greedy_row, plan)
+        assert calls == [], "a plan with a plain row draws from the penalised slice"
+    finally:
+        ST.penalized_keys = real
+        select.PENALIZED_KEYS_KERNEL, vocab_parallel.KEY_KERNELS_UNDER_INTERPRETER, \
+            vocab_parallel.KEY_KERNELS_ON_CUDA = saved
+    (off_tokens, off_decided), (on_tokens, on_decided) = results
+    _same(on_tokens, off_tokens, "fused penalties: tokens")
+    _same(on_decided, off_decided, "fused penalties: verdict")
+    assert bool(on_decided), "every row decided from its candidates"
+    _same(on_tokens, reference, "fused penalties against select_tokens")
+    best = torch.topk(logits.cpu(), 30).indices
+    assert not (best == on_tokens.reshape(-1, 1)).any(), "no row drew a penalised column"
+
+
 def _tp2_worker(rank: int, world: int, vocab: int) -> list[torch.Tensor]:
     from tpspec.exchange.allgather import AllGatherKeyExchange
     from tpspec import distributed as D
@@ -388,8 +498,8 @@ def check_selection_tp2(device: str, _dtype) -> None:
 
 CHECKS = {
     "arithmetic": [check_portable_arithmetic, check_score_keys, check_row_argmax, check_penalties,
-                   check_candidate_draw],
-    "selection": [check_selection_tp1, check_selection_tp2],
+                   check_penalized_keys_and_counts, check_candidate_draw],
+    "selection": [check_selection_tp1, check_fused_penalties_tp1, check_selection_tp2],
 }
 
 

@@ -48,7 +48,7 @@ def test_dry_run_lists_every_step_and_runs_nothing(tmp_path):
     for name in ("check-tp2", "check-tp8", "exchange-tp1", "exchange-tp8", "step-llama-3-8b-tp1"):
         assert f"    {name}: accepted" in text
     assert "NOT ACCEPTED" not in text
-    assert "quick" not in text and "profile" not in text  # these groups run only when named
+    assert "quick" not in text and "profile" not in text and "switches" not in text  # these run only when named
 
 
 def test_profile_group_fits_nine_minutes_and_every_command_parses(tmp_path):
@@ -67,6 +67,29 @@ def test_profile_group_fits_nine_minutes_and_every_command_parses(tmp_path):
     assert "--roofline-columns greedy,defaults,logprobs --contexts 1024 --roofline-batch 64 --verify-batch none --profile" in text
     for name in names:
         assert f"    {name}: accepted" in text
+    assert "NOT ACCEPTED" not in text
+
+
+def test_switches_group_fits_nine_minutes_and_every_command_parses(tmp_path):
+    """`gpu_run.sh OUT switches`: the GPU tests of the kernels that are off until a GPU checks them,
+    then the batch-64 sampled columns with them off, on, off, on (`--set` of every switch), under 9
+    minutes together."""
+    out = tmp_path / "out"
+    result = run_script("--dry-run", str(out), "switches")
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    steps = [line for line in text.splitlines() if line.endswith(" s]")]
+    runs = [f"switches-sampled-b64-{state}-{run}" for run in (1, 2) for state in ("off", "on")]
+    assert [line.split(" [")[0] for line in steps] == ["switches-gpu-tests", *runs]
+    assert sum(int(line.split(", ")[1].split(" s]")[0]) for line in steps) <= 540
+    switches = ("--set tpspec.sampling.select.PENALIZED_KEYS_KERNEL=True "
+                "--set tpspec.sampling.penalties.COUNT_KERNEL=True")
+    commands = {line.split(" [")[0]: text.splitlines()[i + 1] for i, line in enumerate(text.splitlines())
+                if line in steps}
+    for name in runs:
+        assert (switches in commands[name]) == ("-on-" in name), name
+        assert f"    {name}: accepted" in text
+    assert "test_qwen_defaults_and_logprobs_at_batch_64_stay_in_the_graph" in commands["switches-gpu-tests"]
     assert "NOT ACCEPTED" not in text
 
 

@@ -677,9 +677,7 @@ class GenerationGraphs:
         out = launched.out
         dev = out.accepted.device
         slot_ids = torch.tensor(slots, dtype=torch.int64, pin_memory=dev.type == "cuda").to(dev, non_blocking=True)
-        columns = torch.arange(out.accepted.shape[1], device=dev).reshape(1, -1)
-        tokens = torch.where(columns < out.num.reshape(-1, 1), out.accepted, torch.full_like(out.accepted, -1))
-        self.engine.occurrences.add(slot_ids, tokens)
+        self.engine.occurrences.add(slot_ids, out.accepted, out.num)
         launched.counted = True
 
     def _result(self, gen: list[Any], num_padding: int, out: _StepOut, accepted: torch.Tensor,

@@ -3,6 +3,11 @@
 * :func:`penalize`: repetition, presence and frequency penalties on a rank's slice
   (:func:`tpspec.sampling.penalties.apply_penalties` without drafts), one pass over the row, its
   occurrence counts and its prompt flags.
+* :func:`penalized_keys`: the same penalties and then ``tpspec.keys_triton.score_keys`` in one pass:
+  the keys of the penalised, temperature-scaled slice and their block maxima, without the float32
+  penalised slice ever stored.
+* :func:`count_tokens`: a step's emitted tokens added to the occurrence counts
+  (:meth:`tpspec.sampling.penalties.OccurrenceCounts.add`), one program a row, integer atomics.
 * :func:`draw_candidates`: the filtered draw from a row's gathered candidate keys
   (:func:`tpspec.sampling.select.draw_filtered` after the candidate exchange): the top-k, top-p and
   min-p cuts of ``tpspec.sampling.ops.sorted_filter_mask``, whether the candidates decide the row,
@@ -28,11 +33,9 @@ MAX_CANDIDATES = 8192
 
 
 @triton.jit
-def _penalties_kernel(x_ptr, counts_ptr, seen_ptr, slot_ptr, rep_ptr, pres_ptr, freq_ptr, out_ptr, width, stride_x,
-                      stride_table, stride_o, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    inside = cols < width
+def _penalized_row(x_ptr, counts_ptr, seen_ptr, slot_ptr, rep_ptr, pres_ptr, freq_ptr, row, cols, inside, stride_x,
+                   stride_table):
+    """The penalised float32 values of ``cols`` of ``row`` (``apply_penalties``' operations, in its order)."""
     slot = tl.load(slot_ptr + row)
     x = tl.load(x_ptr + row * stride_x + cols, mask=inside, other=0.0).to(tl.float32)
     counts = tl.load(counts_ptr + slot * stride_table + cols, mask=inside, other=0)
@@ -44,7 +47,57 @@ def _penalties_kernel(x_ptr, counts_ptr, seen_ptr, slot_ptr, rep_ptr, pres_ptr, 
     repeated = tl.where(x > 0, tl.math.div_rn(x, r), x * r)
     x = tl.where(in_output | seen, repeated, x)
     counted = (x - f * counts.to(tl.float32)) - p
-    tl.store(out_ptr + row * stride_o + cols, tl.where(in_output, counted, x), mask=inside)
+    return tl.where(in_output, counted, x)
+
+
+@triton.jit
+def _penalties_kernel(x_ptr, counts_ptr, seen_ptr, slot_ptr, rep_ptr, pres_ptr, freq_ptr, out_ptr, width, stride_x,
+                      stride_table, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = cols < width
+    x = _penalized_row(x_ptr, counts_ptr, seen_ptr, slot_ptr, rep_ptr, pres_ptr, freq_ptr, row, cols, inside,
+                       stride_x, stride_table)
+    tl.store(out_ptr + row * stride_o + cols, x, mask=inside)
+
+
+@triton.jit
+def _penalized_keys_kernel(x_ptr, counts_ptr, seen_ptr, slot_ptr, rep_ptr, pres_ptr, freq_ptr, t_ptr, keys_ptr,
+                           block_max_ptr, width, vocab_offset, vocab_size, stride_x, stride_table, stride_k,
+                           num_blocks, greedy_threshold, BLOCK: tl.constexpr, KEY_BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    start = tl.program_id(1) * BLOCK
+    cols = start + tl.arange(0, BLOCK)
+    inside = cols < width
+    x = _penalized_row(x_ptr, counts_ptr, seen_ptr, slot_ptr, rep_ptr, pres_ptr, freq_ptr, row, cols, inside,
+                       stride_x, stride_table)
+    # keys_triton's score keys of the penalised value (a float32 already: the load's cast is exact).
+    x = keys_triton.canonical(x)
+    t = tl.load(t_ptr + row).to(tl.float32)
+    t = tl.where(t < greedy_threshold, 1.0, t)
+    x = keys_triton.canonical(tl.math.div_rn(x, t))
+    columns = (vocab_offset + cols).to(tl.int64)
+    keys = tl.where(inside & (columns < vocab_size), keys_triton.pack(x, columns), keys_triton.empty_keys(columns))
+    tl.store(keys_ptr + row * stride_k + cols, keys, mask=cols < num_blocks * KEY_BLOCK)
+    best = tl.max(tl.reshape(keys, (BLOCK // KEY_BLOCK, KEY_BLOCK)), axis=1)
+    blocks = start // KEY_BLOCK + tl.arange(0, BLOCK // KEY_BLOCK)
+    tl.store(block_max_ptr + row * num_blocks + blocks, best, mask=blocks < num_blocks)
+
+
+@triton.jit
+def _count_kernel(counts_ptr, slot_ptr, tokens_ptr, lengths_ptr, num_tokens, num_slots, vocab_offset, width,
+                  stride_table, stride_t, HAS_LENGTHS: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + row)
+    counted = num_tokens
+    if HAS_LENGTHS:
+        counted = tl.minimum(tl.load(lengths_ptr + row), num_tokens)
+    counted = tl.where((slot >= 0) & (slot < num_slots), counted, 0)  # a row of no slot counts nothing
+    j = tl.arange(0, BLOCK)
+    tokens = tl.load(tokens_ptr + row * stride_t + j, mask=j < num_tokens, other=-1)
+    cols = tokens - vocab_offset
+    ok = (j < counted) & (tokens >= 0) & (cols >= 0) & (cols < width)
+    tl.atomic_add(counts_ptr + slot * stride_table + cols, tl.full([BLOCK], 1, tl.int32), mask=ok)
 
 
 @triton.jit
@@ -137,6 +190,63 @@ def penalize(local: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor, slot
                             counts.stride(0), out.stride(0), BLOCK=_PENALTY_COLUMNS, num_warps=4,
                             enable_fp_fusion=False)
     return out
+
+
+def penalized_keys(local: torch.Tensor, vocab_offset: int, vocab_size: int, temperature: torch.Tensor,
+                   counts: torch.Tensor, seen: torch.Tensor, slot_index: torch.Tensor, repetition: torch.Tensor,
+                   presence: torch.Tensor, frequency: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``keys_triton.score_keys(penalize(local, ...), vocab_offset, vocab_size, temperature)`` in one
+    pass: ``(keys [R, B * KEY_BLOCK] int64, block_max [R, B] int64)``, the same bits.
+
+    ``local`` ``[R, W]`` float32 / bfloat16 / float16 (its last dimension contiguous), global columns
+    ``[vocab_offset, vocab_offset + W)``; ``temperature`` ``[R]``; the occurrence tables and per-row
+    penalties as :func:`penalize` takes them. The penalised float32 slice is never stored.
+    """
+    rows, width = local.shape
+    if local.stride(1) != 1:
+        local = local.contiguous()
+    blocks = keys_triton.key_blocks(width)
+    block = keys_triton.KEY_BLOCK
+    keys = torch.empty(rows, blocks * block, dtype=torch.int64, device=local.device)
+    block_max = torch.empty(rows, blocks, dtype=torch.int64, device=local.device)
+    if rows == 0 or width == 0:
+        return keys, block_max
+    if counts.stride() != seen.stride() or counts.stride(1) != 1:
+        raise ValueError("the occurrence tables must share one row-major layout")
+    dev = local.device
+
+    def per_row(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device=dev, dtype=torch.float32).contiguous()
+
+    grid = (rows, triton.cdiv(blocks * block, _PENALTY_COLUMNS))
+    _penalized_keys_kernel[grid](local, counts, seen.view(torch.uint8), slot_index.to(dev, torch.int64).contiguous(),
+                                 per_row(repetition), per_row(presence), per_row(frequency), per_row(temperature),
+                                 keys, block_max, width, vocab_offset, vocab_size, local.stride(0), counts.stride(0),
+                                 keys.stride(0), blocks, K.GREEDY_TEMPERATURE_THRESHOLD, BLOCK=_PENALTY_COLUMNS,
+                                 KEY_BLOCK=block, num_warps=4, enable_fp_fusion=False)
+    return keys, block_max
+
+
+def count_tokens(counts: torch.Tensor, slot_index: torch.Tensor, tokens: torch.Tensor,
+                 lengths: torch.Tensor | None = None, *, num_slots: int, vocab_offset: int, width: int) -> None:
+    """Adds one to ``counts[slot, token - vocab_offset]`` for every token of ``tokens`` ``[N, T]``
+    (int64; negative = padding) of row ``n`` whose ``slot_index[n]`` is in ``[0, num_slots)`` and
+    whose column is in ``[0, width)`` (with ``lengths`` ``[N]``: among the row's first
+    ``lengths[n]`` tokens); everything else is skipped. ``counts``: ``[>= num_slots, >= width]``
+    int32, its last dimension contiguous. Integer atomics: the same counts whatever the order the
+    programs run in; no host synchronization."""
+    rows, num_tokens = tokens.shape
+    if rows == 0 or num_tokens == 0:
+        return
+    if counts.dtype != torch.int32 or counts.stride(1) != 1:
+        raise ValueError("the counts must be an int32 table with contiguous rows")
+    dev = counts.device
+    tokens = tokens.to(dev, torch.int64).contiguous()
+    has_lengths = lengths is not None
+    lengths = lengths.to(dev, torch.int64).contiguous() if has_lengths else tokens
+    _count_kernel[(rows,)](counts, slot_index.to(dev, torch.int64).contiguous(), tokens, lengths, num_tokens,
+                           num_slots, vocab_offset, width, counts.stride(0), num_tokens, HAS_LENGTHS=has_lengths,
+                           BLOCK=max(16, triton.next_power_of_2(num_tokens)), num_warps=1)
 
 
 def draw_candidates(ranked: torch.Tensor, floor: torch.Tensor, total: torch.Tensor | None, top_k: torch.Tensor,

@@ -33,6 +33,12 @@ from ..validation import check_int
 from ..vocab_parallel import VocabShardedLogits, use_key_kernels
 
 
+COUNT_KERNEL = False
+"""Whether :meth:`OccurrenceCounts.add` counts a step's tokens in one kernel
+(:func:`tpspec.sampling.kernels_triton.count_tokens`) where the key kernels run, rather than a chain of
+torch ops ending in an accumulating ``index_put_``. Off until a GPU run checks it."""
+
+
 class OccurrenceCounts:
     """Per-KV-slot token occurrences of one rank's vocabulary columns.
 
@@ -78,6 +84,14 @@ class OccurrenceCounts:
         """``[num_slots, width]`` bool: the local column's token is in the slot's prompt."""
         return self._tables()[1][: self.num_slots, : self.width]
 
+    def check_covers(self, vocab_offset: int, width: int) -> None:
+        """``ValueError`` unless these counts cover exactly the global columns ``[vocab_offset,
+        vocab_offset + width)`` of a logits slice."""
+        if self.vocab_offset != vocab_offset or self.width != width:
+            raise ValueError(f"the occurrence counts cover columns [{self.vocab_offset}, "
+                             f"{self.vocab_offset + self.width}) but the logits hold [{vocab_offset}, "
+                             f"{vocab_offset + width})")
+
     def _columns(self, tokens: torch.Tensor) -> torch.Tensor:
         """Local columns of global ``tokens``; the sink column for tokens this rank does not hold."""
         cols = tokens.to(device=self.device, dtype=torch.int64) - self.vocab_offset
@@ -98,13 +112,26 @@ class OccurrenceCounts:
         prompt = torch.as_tensor(prompt_tokens, dtype=torch.int64).reshape(-1)
         seen[slot].index_fill_(0, self._columns(prompt), True)
 
-    def add(self, slot_ids: torch.Tensor, tokens: torch.Tensor) -> None:
+    def add(self, slot_ids: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor | None = None) -> None:
         """Count ``tokens`` ``[N, T]`` (negative = padding) as output of the requests in
-        ``slot_ids`` ``[N]`` (-1 = none). The same call on every rank."""
+        ``slot_ids`` ``[N]`` (-1 = none); with ``lengths`` ``[N]``, only the first ``lengths[n]``
+        tokens of row ``n``. The same call on every rank; no host synchronization."""
         if tokens.dim() != 2 or slot_ids.dim() != 1 or slot_ids.shape[0] != tokens.shape[0]:
             raise ValueError(f"add needs slot_ids [N] and tokens [N, T], got {tuple(slot_ids.shape)} and "
                              f"{tuple(tokens.shape)}")
+        if lengths is not None and tuple(lengths.shape) != (tokens.shape[0],):
+            raise ValueError(f"lengths must be [{tokens.shape[0]}], got {tuple(lengths.shape)}")
         counts, _ = self._tables()
+        if COUNT_KERNEL and use_key_kernels(self.device):
+            from .kernels_triton import count_tokens  # the same counts in one launch
+
+            count_tokens(counts, slot_ids, tokens, lengths, num_slots=self.num_slots, vocab_offset=self.vocab_offset,
+                         width=self.width)
+            return
+        if lengths is not None:
+            tokens = tokens.to(self.device)
+            columns = torch.arange(tokens.shape[1], device=self.device).reshape(1, -1)
+            tokens = torch.where(columns < lengths.to(self.device).reshape(-1, 1), tokens, torch.full_like(tokens, -1))
         rows = self._slot_index(slot_ids).reshape(-1, 1).expand(-1, tokens.shape[1])
         # Tokens of no slot go to the sink column too: the sink row stays zero (rows without
         # a request read it).
@@ -154,10 +181,7 @@ def apply_penalties(
     if local_logits.dim() != 2:
         raise ValueError(f"local_logits must be [rows, width], got {tuple(local_logits.shape)}")
     rows, width = local_logits.shape
-    if counts.vocab_offset != vocab_offset or counts.width != width:
-        raise ValueError(f"the occurrence counts cover columns [{counts.vocab_offset}, "
-                         f"{counts.vocab_offset + counts.width}) but the logits hold [{vocab_offset}, "
-                         f"{vocab_offset + width})")
+    counts.check_covers(vocab_offset, width)
     for name, t in (("slots", slots), ("repetition", repetition), ("presence", presence), ("frequency", frequency)):
         if t.dim() != 1 or t.shape[0] != rows:
             raise ValueError(f"{name} must be [{rows}], got {tuple(t.shape)}")

@@ -63,12 +63,16 @@ from ..validation import check_int, is_int, is_real
 from ..vocab_parallel import VocabShardedLogits, use_key_kernels
 from .ops import filter_flags, sample_from_logits, scaled_scores, sorted_filter_mask
 from .params import TOP_K_DISABLED
-from .penalties import penalized_logits
+from .penalties import RowPenalties, penalized_logits
 
 DEFAULT_CANDIDATES = 64
 """Candidate keys each rank sends per filtered row (raised to the batch's largest top-k)."""
 RETRY_FACTOR = 4
 """An uncertified top-p row retries once with this many times more candidates."""
+PENALIZED_KEYS_KERNEL = False
+"""Whether a deferred draw whose rows are all filtered (no plain row, no min-p-only row) applies its
+penalties inside the keys kernel (:func:`tpspec.sampling.kernels_triton.penalized_keys`: the penalised
+float32 slice is never stored) where the key kernels run. Off until a GPU run checks it."""
 
 
 def candidate_bucket(count: int) -> int:
@@ -253,7 +257,7 @@ def select_tokens_deferred(
         if rs.seeds is None:
             seeds, offsets = sharded_logits.exchange.unseeded_streams(rs.num_rows)
             rs = dataclasses.replace(rs, seeds=seeds, offsets=offsets)
-        tokens, decided = draw_filtered(penalized_logits(sharded_logits, rs.penalties), rs, plan, channel=channel)
+        tokens, decided = draw_filtered(sharded_logits, rs, plan, channel=channel, penalties=rs.penalties)
         return tokens, decided.all()
     return select_tokens(sharded_logits, rs, channel=channel), None
 
@@ -402,11 +406,28 @@ def _kernels(device: torch.device) -> Any:
     return kernels_triton
 
 
+def _fused_penalties(penalties: Any, plan: FilterPlan, kernels: Any, device: torch.device) -> bool:
+    """Whether the keys kernel applies ``penalties`` (:data:`PENALIZED_KEYS_KERNEL`): plain
+    :class:`RowPenalties` without drafts, tables on the logits' device, and a plan whose every row
+    reads the slice only through its keys (no plain row's exchange draw, no min-p-only row's masked
+    draw). Host facts only: the same answer on every rank."""
+    return (PENALIZED_KEYS_KERNEL and kernels is not None and type(penalties) is RowPenalties
+            and (penalties.drafts is None or not penalties.drafts.numel())
+            and penalties.counts._tables()[0].device == device and not plan.any_plain and not plan.any_min_p_only)
+
+
 def _local_keys(logits: VocabShardedLogits, local: torch.Tensor, temperature: torch.Tensor,
-                kernels: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+                kernels: Any, penalties: RowPenalties | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """This rank's score keys ``s = logit / T`` (padding columns: ``EMPTY_KEY``), ``[R, >= W]``
     (columns past ``W`` hold ``EMPTY_KEY``), and with the kernels the best key of each block of
-    ``keys_triton.KEY_BLOCK`` columns (else None)."""
+    ``keys_triton.KEY_BLOCK`` columns (else None). ``penalties``: applied to ``local`` first, in the
+    same kernel (only where :func:`_fused_penalties` said so)."""
+    if penalties is not None:
+        penalties.counts.check_covers(logits.vocab_offset, local.shape[1])
+        counts, seen = penalties.counts._tables()
+        return kernels.penalized_keys(local, logits.vocab_offset, logits.vocab_size, temperature, counts, seen,
+                                      penalties.counts._slot_index(penalties.slots), penalties.repetition,
+                                      penalties.presence, penalties.frequency)
     if kernels is not None and local.shape[0] and local.shape[1]:
         return kernels.keys_triton.score_keys(local, logits.vocab_offset, logits.vocab_size, temperature)
     scores = scaled_scores(local, temperature)
@@ -441,7 +462,7 @@ def _candidates(logits: VocabShardedLogits, keys: torch.Tensor, block_max: torch
 
 
 def draw_filtered(logits: VocabShardedLogits, rows: SamplingRows, plan: FilterPlan, *,
-                  channel: int = Channel.TARGET) -> tuple[torch.Tensor, torch.Tensor]:
+                  channel: int = Channel.TARGET, penalties: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One pass of the filtered draw over every row, without a host sync: ``(tokens [R] int64,
     decided [R] bool)``, equal on every rank.
 
@@ -451,7 +472,13 @@ def draw_filtered(logits: VocabShardedLogits, rows: SamplingRows, plan: FilterPl
     the masked exchange when ``plan.any_min_p_only``). An undecided row (``decided`` False) holds
     token 0, which means nothing. Decided rows hold the tokens of ``sample_from_logits`` on the gathered rows.
     ``rows.seeds`` must be set; ``plan`` must cover the rows (see :class:`FilterPlan`).
+    ``penalties``: the rows' penalties when ``logits`` do not have them applied yet (None: applied
+    already, or none), applied here (inside the keys kernel where :func:`_fused_penalties` says so).
     """
+    kernels = _kernels(logits.local.device)
+    fused = penalties if _fused_penalties(penalties, plan, kernels, logits.local.device) else None
+    if fused is None:
+        logits = penalized_logits(logits, penalties)
     ex = logits.exchange
     num_rows, device = logits.num_rows, logits.local.device
     local = logits.local.detach()
@@ -473,8 +500,7 @@ def draw_filtered(logits: VocabShardedLogits, rows: SamplingRows, plan: FilterPl
     top_p = param(rows.top_p, 1.0, torch.float32)
     min_p = param(rows.min_p, 0.0, torch.float32)
     seeds, offsets = rows.seeds.to(device), rows.offsets.to(device)
-    kernels = _kernels(device)
-    keys, block_max = _local_keys(logits, local, temperature, kernels)
+    keys, block_max = _local_keys(logits, local, temperature, kernels, fused)
     width = local.shape[1]
     ranked, floor = _candidates(logits, keys, block_max, plan.candidates, channel, kernels)
     total = None
