@@ -87,7 +87,7 @@ step profile profile-attention-splits 90 "$T bench attention --device cuda --mod
 #     their GPU tests (bit for bit against the torch path, and the graphed steps with them on against eager),
 #     then the batch-64 decode step's sampled columns with them off and on (off, on, off, on; `--set` switches
 #     them in the rank processes).
-SWITCHES_ON="--set tpspec.sampling.select.PENALIZED_KEYS_KERNEL=True --set tpspec.sampling.penalties.COUNT_KERNEL=True"
+SWITCHES_ON="--set tpspec.sampling.select.PENALIZED_KEYS_KERNEL=True --set tpspec.sampling.select.FILTERS_IN_DRAW_KERNEL=True --set tpspec.sampling.penalties.COUNT_KERNEL=True"
 step switches switches-gpu-tests 150 "$PY -m pytest -m gpu -v -rfE -p no:cacheprovider tests/test_key_kernels.py tests/test_runtime_gpu.py::test_qwen_defaults_and_logprobs_at_batch_64_stay_in_the_graph"
 for run in 1 2; do
     for state in off on; do

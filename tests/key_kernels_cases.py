@@ -312,6 +312,76 @@ def check_candidate_draw(device: str, _dtype) -> None:
     assert verdicts.any() and not verdicts.all(), "the cases decide some rows and leave some undecided"
 
 
+def check_draw_rows(device: str, _dtype) -> None:
+    """``draw_rows`` against the torch path it replaces: ``_row_filters`` and the parameters' fills,
+    ``decide_and_draw``, then ``draw_filtered``'s final tokens and verdicts, over random candidates,
+    temperatures at and around the greedy threshold, top-p values whose fixed point is a tie (half
+    to even), each filter absent in turn, with and without plain tokens."""
+    gen = torch.Generator().manual_seed(19)
+    vocab = 1 << 20
+    for rows, n in [(40, 64), (16, 128), (9, 2)] + ([(64, 2048)] if device == "cuda" else []):
+        case = _random_candidates(rows, n, gen)
+        threshold = K.GREEDY_TEMPERATURE_THRESHOLD
+        temperature = torch.tensor([0.7, 0.0, threshold, 1.3, 5e-6])[torch.arange(rows) % 5].to(torch.float32)
+        top_k = case["top_k"].clone()
+        top_k[::7] = vocab  # off
+        top_p = case["top_p"].clone()
+        top_p[1::6] = 1.0  # off
+        top_p[2::6] = (2 * torch.arange(len(top_p[2::6])) + 5_000_001).to(torch.float32) / 2**25  # ties at 2**24
+        min_p = case["min_p"].clone()
+        min_p[::3] = 0.0  # off
+        plain = torch.randint(0, vocab, (rows,), generator=gen)
+        for absent, plain_tokens, total in ((None, plain, case["total"]), (None, None, None),
+                                            ("top_k", None, case["total"]), ("top_p", plain, None),
+                                            ("min_p", plain, case["total"])):
+            filters = {"top_k": top_k, "top_p": top_p, "min_p": min_p}
+            if absent is not None:
+                filters[absent] = None
+            sampling = K.SamplingRows(temperature, case["seeds"], case["offsets"], **filters)
+            k_on, p_on, m_on, _ = select._row_filters(sampling, vocab, torch.device("cpu"))
+            filtered = k_on | p_on | m_on
+
+            def fill(t, value, dtype):
+                return torch.full((rows,), value, dtype=dtype) if t is None else t
+
+            drawn, decided = select.decide_and_draw(
+                case["ranked"], case["floor"], total, fill(filters["top_k"], 2**31 - 1, torch.int64), k_on,
+                p_on, m_on, fill(filters["top_p"], 1.0, torch.float32),
+                fill(filters["min_p"], 0.0, torch.float32), case["seeds"], case["offsets"])
+            decided = decided | ~filtered
+            base = plain_tokens if plain_tokens is not None else torch.zeros(rows, dtype=torch.int64)
+            want = torch.where(decided, torch.where(filtered, drawn, base), torch.zeros_like(base))
+
+            def dev(t):
+                return None if t is None else t.to(device)
+
+            got = ST.draw_rows(dev(case["ranked"]), dev(case["floor"]), dev(total), dev(temperature),
+                               dev(filters["top_k"]), dev(filters["top_p"]), dev(filters["min_p"]),
+                               dev(case["seeds"]), dev(case["offsets"]), dev(plain_tokens), vocab_size=vocab,
+                               greedy_threshold=threshold)
+            what = f"draw_rows {rows}x{n} without {absent} plain={plain_tokens is not None} total={total is not None}"
+            _same(got[0].cpu(), want, what + ": tokens")
+            _same(got[1].cpu(), decided, what + ": verdicts")
+    # The fixed points themselves: top-p (half to even) and min-p (truncated), ties and ends included.
+    top_p = torch.cat([torch.rand(5000, generator=gen), torch.tensor([0.0, 1.0, 0.5, 2.0**-25, 3 * 2.0**-25]),
+                       (2 * torch.arange(100) + 1).to(torch.float32) / 2**25]).to(torch.float32)
+    assert ((top_p * 2**24) % 1 == 0.5).sum() >= 100  # ties
+    bits = torch.empty(len(top_p), dtype=torch.int64, device=device)
+    thresholds = torch.empty(len(top_p), dtype=torch.int64, device=device)
+    _fixed_point_kernel[(triton.cdiv(len(top_p), 512),)](top_p.to(device), bits, thresholds, len(top_p), BLOCK=512,
+                                                         enable_fp_fusion=False)
+    _same(bits.cpu(), K.top_p_fixed(top_p), "top-p fixed point")
+    _same(thresholds.cpu(), K.min_p_threshold(top_p), "min-p threshold")
+
+
+@triton.jit
+def _fixed_point_kernel(x_ptr, bits_ptr, thr_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + i, mask=i < n, other=0.0)
+    tl.store(bits_ptr + i, ST._top_p_fixed(x), mask=i < n)
+    tl.store(thr_ptr + i, ST._min_p_threshold(x), mask=i < n)
+
+
 def _selection_inputs(rows: int, vocab: int, device: str, gen: torch.Generator):
     from tpspec.sampling.penalties import RowPenalties
 
@@ -455,6 +525,42 @@ def check_fused_penalties_tp1(device: str, _dtype) -> None:
     assert not (best == on_tokens.reshape(-1, 1)).any(), "no row drew a penalised column"
 
 
+def check_draw_rows_selection_tp1(device: str, _dtype) -> None:
+    """The deferred and the plain selection with ``FILTERS_IN_DRAW_KERNEL`` on give the tokens and
+    verdicts of the switch off (the key kernels on in both), for a batch with greedy, top-p-only and
+    penalised rows, and one of filtered rows only; ``draw_rows`` is seen to run."""
+    from tpspec.exchange.local import LocalKeyExchange
+
+    gen = torch.Generator().manual_seed(20)
+    vocab = 9000 if device == "cpu" else 128256
+    rows = 8 if device == "cpu" else 64
+    logits, mixed = _selection_inputs(rows, vocab, device, gen)
+    import dataclasses
+
+    only_filtered = dataclasses.replace(mixed, temperature=torch.tensor([0.7, 1.0, 0.3, 0.5])[torch.arange(rows) % 4]
+                                        .to(device), min_p=None)
+    calls = []
+    real = ST.draw_rows
+    ST.draw_rows = lambda *a, **k: calls.append(1) or real(*a, **k)
+    saved = (select.FILTERS_IN_DRAW_KERNEL, vocab_parallel.KEY_KERNELS_UNDER_INTERPRETER,
+             vocab_parallel.KEY_KERNELS_ON_CUDA)
+    vocab_parallel.KEY_KERNELS_UNDER_INTERPRETER = vocab_parallel.KEY_KERNELS_ON_CUDA = True
+    try:
+        for rows_obj in (mixed, only_filtered):
+            results = []
+            for on in (False, True):
+                select.FILTERS_IN_DRAW_KERNEL = on
+                calls.clear()
+                results.append(_select_all(logits, rows_obj, LocalKeyExchange(device), 0, vocab, vocab)[:3])
+                assert bool(calls) == on, (on, calls)
+            for name, a, b in zip(("tokens", "deferred", "decided"), *results):
+                _same(b, a, f"draw_rows in the selection: {name}")
+    finally:
+        ST.draw_rows = real
+        select.FILTERS_IN_DRAW_KERNEL, vocab_parallel.KEY_KERNELS_UNDER_INTERPRETER, \
+            vocab_parallel.KEY_KERNELS_ON_CUDA = saved
+
+
 def _tp2_worker(rank: int, world: int, vocab: int) -> list[torch.Tensor]:
     from tpspec.exchange.allgather import AllGatherKeyExchange
     from tpspec import distributed as D
@@ -474,12 +580,19 @@ def _tp2_worker(rank: int, world: int, vocab: int) -> list[torch.Tensor]:
 
     rows_obj = dataclasses.replace(rows_obj, penalties=dataclasses.replace(rows_obj.penalties, counts=counts))
     exchange = AllGatherKeyExchange(D.tp_group())
-    return _switched(lambda: _select_all(logits, rows_obj, exchange, offset, width, vocab))
+    off, on = _switched(lambda: _select_all(logits, rows_obj, exchange, offset, width, vocab))
+    saved = (select.FILTERS_IN_DRAW_KERNEL, vocab_parallel.KEY_KERNELS_UNDER_INTERPRETER)
+    select.FILTERS_IN_DRAW_KERNEL = vocab_parallel.KEY_KERNELS_UNDER_INTERPRETER = True
+    try:
+        in_kernel = _select_all(logits, rows_obj, exchange, offset, width, vocab)
+    finally:
+        select.FILTERS_IN_DRAW_KERNEL, vocab_parallel.KEY_KERNELS_UNDER_INTERPRETER = saved
+    return off, on, in_kernel
 
 
 def check_selection_tp2(device: str, _dtype) -> None:
     """Two gloo ranks (CPU only): the kernels on each rank's slice give the switch-off results, which
-    equal TP 1's."""
+    equal TP 1's, and so do they with the filters read in the draw kernel (``FILTERS_IN_DRAW_KERNEL``)."""
     if device != "cpu":
         return
     from tpspec.exchange.local import LocalKeyExchange
@@ -490,16 +603,18 @@ def check_selection_tp2(device: str, _dtype) -> None:
     gen = torch.Generator().manual_seed(16)
     logits, rows_obj = _selection_inputs(8, vocab, "cpu", gen)
     tp1 = _select_all(logits, rows_obj, LocalKeyExchange(), 0, vocab, vocab)
-    for off, on in results:
-        for a, b, want in zip(off, on, tp1):
+    for off, on, in_kernel in results:
+        for a, b, c, want in zip(off, on, in_kernel, tp1):
             _same(a, want, "TP 2 without kernels against TP 1")
             _same(b, want, "TP 2 with kernels against TP 1")
+            _same(c, want, "TP 2 with the filters in the draw kernel against TP 1")
 
 
 CHECKS = {
     "arithmetic": [check_portable_arithmetic, check_score_keys, check_row_argmax, check_penalties,
-                   check_penalized_keys_and_counts, check_candidate_draw],
-    "selection": [check_selection_tp1, check_fused_penalties_tp1, check_selection_tp2],
+                   check_penalized_keys_and_counts, check_candidate_draw, check_draw_rows],
+    "selection": [check_selection_tp1, check_fused_penalties_tp1, check_draw_rows_selection_tp1,
+                  check_selection_tp2],
 }
 
 

@@ -83,6 +83,7 @@ def test_switches_group_fits_nine_minutes_and_every_command_parses(tmp_path):
     assert [line.split(" [")[0] for line in steps] == ["switches-gpu-tests", *runs]
     assert sum(int(line.split(", ")[1].split(" s]")[0]) for line in steps) <= 540
     switches = ("--set tpspec.sampling.select.PENALIZED_KEYS_KERNEL=True "
+                "--set tpspec.sampling.select.FILTERS_IN_DRAW_KERNEL=True "
                 "--set tpspec.sampling.penalties.COUNT_KERNEL=True")
     commands = {line.split(" [")[0]: text.splitlines()[i + 1] for i, line in enumerate(text.splitlines())
                 if line in steps}

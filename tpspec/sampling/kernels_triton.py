@@ -12,6 +12,9 @@
   (:func:`tpspec.sampling.select.draw_filtered` after the candidate exchange): the top-k, top-p and
   min-p cuts of ``tpspec.sampling.ops.sorted_filter_mask``, whether the candidates decide the row,
   and the Gumbel-max draw over the survivors, one program a row.
+* :func:`draw_rows`: the same draw with each row's filters read from its own parameters and its
+  final token given (the plain rows' draw where no filter is on): the torch launches around
+  :func:`draw_candidates` in one kernel.
 
 The float32 arithmetic is the torch functions' sequence of basic IEEE operations
 (``enable_fp_fusion=False``, division through ``div_rn``); the rest is integer arithmetic. The
@@ -107,9 +110,9 @@ def _top_p_target(total, bits):
 
 
 @triton.jit
-def _candidate_draw_kernel(ranked_ptr, floor_ptr, total_ptr, k_ptr, flags_ptr, p_bits_ptr, m_thr_ptr, seeds_ptr,
-                           offsets_ptr, drawn_ptr, decided_ptr, n, HAS_TOTAL: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _draw_row(ranked_ptr, floor_ptr, total_ptr, seeds_ptr, offsets_ptr, row, n, k_on, p_on, m_on, k, p_bits, m_thr,
+              HAS_TOTAL: tl.constexpr, BLOCK: tl.constexpr):
+    """One row's filtered draw from its candidates: ``(drawn, decided)``, as ``decide_and_draw``."""
     j = tl.arange(0, BLOCK)
     keys = tl.load(ranked_ptr + row * n + j, mask=j < n, other=-9223372036854775808)
     empty = keys_triton.empty_keys(keys)
@@ -119,24 +122,18 @@ def _candidate_draw_kernel(ranked_ptr, floor_ptr, total_ptr, k_ptr, flags_ptr, p
     # Not degenerate (through int32: Triton's interpreter cannot mix a float compare's flag with a tensor's).
     finite = (tl.abs(best) < float("inf")).to(tl.int32) != 0
     masses = tl.where(real, keys_triton.column_masses(tl.where(real, values, 0.0), best), 0)
-    flags = tl.load(flags_ptr + row)
-    k_on = (flags & 1) != 0
-    p_on = (flags & 2) != 0
-    m_on = (flags & 4) != 0
     first = j == 0
     # sorted_filter_mask with top-k and top-p (and ``total`` on rows without top-k).
-    keep_k = tl.where(k_on, j < tl.load(k_ptr + row), True)
+    keep_k = tl.where(k_on, j < k, True)
     kept_mass = tl.where(keep_k, masses, 0)
     z = tl.sum(kept_mass, axis=0)
     if HAS_TOTAL:
         total = tl.load(total_ptr + row)
         z = tl.where(k_on, z, total)
-    p_bits = tl.load(p_bits_ptr + row)
     before = tl.cumsum(kept_mass, axis=0) - kept_mass
     keep_kp = keep_k & tl.where(p_on, before < _top_p_target(z, p_bits), True)
     keep_kp = tl.where(first, True, keep_kp & real & finite)
     # sorted_filter_mask with min-p alone.
-    m_thr = tl.load(m_thr_ptr + row)
     keep_m = tl.where(first, True, tl.where(m_on, masses >= m_thr, True) & real & finite)
     keep = keep_kp & keep_m
     # Which rows the candidates decide (every input is equal on every rank).
@@ -156,7 +153,80 @@ def _candidate_draw_kernel(ranked_ptr, floor_ptr, total_ptr, k_ptr, flags_ptr, p
     columns = tl.where(real, keys_triton.key_columns(keys), 0)
     noisy = keys_triton.gumbel_at(values, columns, tl.load(seeds_ptr + row), tl.load(offsets_ptr + row))
     winner = tl.max(tl.where(keep & real, keys_triton.pack(keys_triton.canonical(noisy), columns), empty), axis=0)
-    tl.store(drawn_ptr + row, 4294967295 - (winner & 4294967295))
+    return 4294967295 - (winner & 4294967295), decided
+
+
+@triton.jit
+def _candidate_draw_kernel(ranked_ptr, floor_ptr, total_ptr, k_ptr, flags_ptr, p_bits_ptr, m_thr_ptr, seeds_ptr,
+                           offsets_ptr, drawn_ptr, decided_ptr, n, HAS_TOTAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    flags = tl.load(flags_ptr + row)
+    drawn, decided = _draw_row(ranked_ptr, floor_ptr, total_ptr, seeds_ptr, offsets_ptr, row, n, (flags & 1) != 0,
+                               (flags & 2) != 0, (flags & 4) != 0, tl.load(k_ptr + row), tl.load(p_bits_ptr + row),
+                               tl.load(m_thr_ptr + row), HAS_TOTAL, BLOCK)
+    tl.store(drawn_ptr + row, drawn)
+    tl.store(decided_ptr + row, decided.to(tl.int8))
+
+
+@triton.jit
+def _round_half_even(x):
+    """``torch.round`` of a non-negative float32 below ``2**24`` as int64 (exact: ``x - floor(x)`` is)."""
+    whole = tl.floor(x)
+    frac = x - whole
+    up = (frac > 0.5) | ((frac == 0.5) & ((whole.to(tl.int64) & 1) == 1))
+    return whole.to(tl.int64) + up.to(tl.int64)
+
+
+@triton.jit
+def _top_p_fixed(top_p):
+    """``keys.top_p_fixed``: ``round(top_p * 2**24)``, half to even (the product is exact)."""
+    return _round_half_even(top_p * 16777216.0)
+
+
+@triton.jit
+def _min_p_threshold(min_p):
+    """``keys.min_p_threshold``: ``min_p * 2**40`` in float32 (exact), truncated to int64 as torch's cast."""
+    return (min_p * 1099511627776.0).to(tl.int64)
+
+
+@triton.jit
+def _row_draw_kernel(ranked_ptr, floor_ptr, total_ptr, t_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seeds_ptr,
+                     offsets_ptr, plain_ptr, tokens_ptr, decided_ptr, n, vocab_size, greedy_threshold,
+                     HAS_K: tl.constexpr, HAS_P: tl.constexpr, HAS_M: tl.constexpr, HAS_PLAIN: tl.constexpr,
+                     HAS_TOTAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    # draw_filtered's row filters (_row_filters, draw_candidates' wrapper, keys.top_p_fixed and
+    # keys.min_p_threshold) from the rows' own parameters.
+    # Float compares' flags through int32, as in _draw_row (Triton's interpreter).
+    sampled = (tl.load(t_ptr + row) >= greedy_threshold).to(tl.int32) != 0
+    k_on = sampled & False
+    p_on = sampled & False
+    m_on = sampled & False
+    k = 1
+    p_bits = 0
+    m_thr = 0
+    if HAS_K:
+        top_k = tl.load(top_k_ptr + row)
+        k_on = sampled & (top_k < vocab_size)
+        k = tl.maximum(top_k, 1)
+    if HAS_P:
+        top_p = tl.load(top_p_ptr + row)
+        p_on = sampled & ((top_p < 1.0).to(tl.int32) != 0)
+        p_bits = _top_p_fixed(top_p)
+    if HAS_M:
+        min_p = tl.load(min_p_ptr + row)
+        m_on = sampled & ((min_p > 0.0).to(tl.int32) != 0)
+        m_thr = _min_p_threshold(min_p)
+    drawn, decided = _draw_row(ranked_ptr, floor_ptr, total_ptr, seeds_ptr, offsets_ptr, row, n, k_on, p_on, m_on,
+                               k, p_bits, m_thr, HAS_TOTAL, BLOCK)
+    filtered = k_on | p_on | m_on
+    decided = decided | (filtered == 0)
+    token = drawn
+    if HAS_PLAIN:
+        token = tl.where(filtered, drawn, tl.load(plain_ptr + row))
+    else:
+        token = tl.where(filtered, drawn, 0)
+    tl.store(tokens_ptr + row, tl.where(decided, token, 0))
     tl.store(decided_ptr + row, decided.to(tl.int8))
 
 
@@ -247,6 +317,42 @@ def count_tokens(counts: torch.Tensor, slot_index: torch.Tensor, tokens: torch.T
     _count_kernel[(rows,)](counts, slot_index.to(dev, torch.int64).contiguous(), tokens, lengths, num_tokens,
                            num_slots, vocab_offset, width, counts.stride(0), num_tokens, HAS_LENGTHS=has_lengths,
                            BLOCK=max(16, triton.next_power_of_2(num_tokens)), num_warps=1)
+
+
+def draw_rows(ranked: torch.Tensor, floor: torch.Tensor, total: torch.Tensor | None, temperature: torch.Tensor,
+              top_k: torch.Tensor | None, top_p: torch.Tensor | None, min_p: torch.Tensor | None, seeds: torch.Tensor,
+              offsets: torch.Tensor, plain: torch.Tensor | None, *, vocab_size: int,
+              greedy_threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The filtered draw of every row from its candidates, its filters read from the rows' own
+    parameters, and each row's final token: ``(tokens [R] int64, decided [R] bool)``, what
+    ``tpspec.sampling.select.draw_filtered`` returns for a plan without min-p-only rows.
+
+    ``ranked``/``floor``/``total``/``seeds``/``offsets``: as :func:`draw_candidates`;
+    ``temperature`` ``[R]`` float32 (rows below ``greedy_threshold`` are not sampled, so no filter
+    is on for them); ``top_k`` int64, ``top_p`` and ``min_p`` float32 ``[R]`` or None (off for every
+    row); ``plain`` ``[R]`` int64: the exchange's draw of the rows without a filter (None: no such
+    row). A filtered row takes its draw where the candidates decide it, token 0 where they do not;
+    a row without a filter takes ``plain`` and is decided.
+    """
+    rows, n = ranked.shape
+    dev = ranked.device
+    tokens = torch.empty(rows, dtype=torch.int64, device=dev)
+    decided = torch.empty(rows, dtype=torch.int8, device=dev)
+    if rows == 0:
+        return tokens, decided.bool()
+    if not 0 < n <= MAX_CANDIDATES:
+        raise ValueError(f"draw_rows takes 1 to {MAX_CANDIDATES} candidates a row, got {n}")
+
+    def arg(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        return floor if t is None else t.to(dev, dtype).contiguous()  # None: never read
+
+    _row_draw_kernel[(rows,)](
+        ranked.contiguous(), floor.contiguous(), arg(total, torch.int64), arg(temperature, torch.float32),
+        arg(top_k, torch.int64), arg(top_p, torch.float32), arg(min_p, torch.float32), arg(seeds, torch.int64),
+        arg(offsets, torch.int64), arg(plain, torch.int64), tokens, decided, n, vocab_size, greedy_threshold,
+        HAS_K=top_k is not None, HAS_P=top_p is not None, HAS_M=min_p is not None, HAS_PLAIN=plain is not None,
+        HAS_TOTAL=total is not None, BLOCK=max(16, triton.next_power_of_2(n)), num_warps=4, enable_fp_fusion=False)
+    return tokens, decided.bool()
 
 
 def draw_candidates(ranked: torch.Tensor, floor: torch.Tensor, total: torch.Tensor | None, top_k: torch.Tensor,

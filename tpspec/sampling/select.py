@@ -69,6 +69,10 @@ DEFAULT_CANDIDATES = 64
 """Candidate keys each rank sends per filtered row (raised to the batch's largest top-k)."""
 RETRY_FACTOR = 4
 """An uncertified top-p row retries once with this many times more candidates."""
+FILTERS_IN_DRAW_KERNEL = False
+"""Whether a filtered draw without min-p-only rows runs :func:`tpspec.sampling.kernels_triton.draw_rows`
+where the key kernels run: each row's filters read from its own parameters and its final token given in the
+draw kernel, rather than some thirty small torch launches around it. Off until a GPU run checks it."""
 PENALIZED_KEYS_KERNEL = False
 """Whether a deferred draw whose rows are all filtered (no plain row, no min-p-only row) applies its
 penalties inside the keys kernel (:func:`tpspec.sampling.kernels_triton.penalized_keys`: the penalised
@@ -483,22 +487,19 @@ def draw_filtered(logits: VocabShardedLogits, rows: SamplingRows, plan: FilterPl
     num_rows, device = logits.num_rows, logits.local.device
     local = logits.local.detach()
     temperature = rows.temperature.to(device=device, dtype=torch.float32)
-    k_on, p_on, m_on, _ = _row_filters(rows, logits.vocab_size, device)
-    filtered = k_on | p_on | m_on
-    tokens = torch.zeros(num_rows, dtype=torch.int64, device=device)
+    # The draw kernel reads the filters from the rows' own parameters and gives the final tokens
+    # (FILTERS_IN_DRAW_KERNEL): no flag is computed here then, unless a top-p total needs them.
+    in_kernel = FILTERS_IN_DRAW_KERNEL and kernels is not None and plan.any_filtered and not plan.any_min_p_only
+    flags = None if in_kernel else _row_filters(rows, logits.vocab_size, device)
+    plain_tokens = None
     if plan.any_plain:
         plain = SamplingRows(temperature, rows.seeds, rows.offsets, greedy_threshold=rows.greedy_threshold)
-        tokens = ex.argmax_logits(local, logits.vocab_offset, vocab_size=logits.vocab_size, rows=plain,
-                                  channel=channel)
+        plain_tokens = ex.argmax_logits(local, logits.vocab_offset, vocab_size=logits.vocab_size, rows=plain,
+                                        channel=channel)
     if not plan.any_filtered:
-        return tokens, ~filtered
-
-    def param(t: torch.Tensor | None, fill: float, dtype: torch.dtype) -> torch.Tensor:
-        return torch.full((num_rows,), fill, dtype=dtype, device=device) if t is None else t.to(device, dtype)
-
-    top_k = param(rows.top_k, TOP_K_DISABLED, torch.int64)
-    top_p = param(rows.top_p, 1.0, torch.float32)
-    min_p = param(rows.min_p, 0.0, torch.float32)
+        k_on, p_on, m_on, _ = flags
+        tokens = plain_tokens if plain_tokens is not None else torch.zeros(num_rows, dtype=torch.int64, device=device)
+        return tokens, ~(k_on | p_on | m_on)
     seeds, offsets = rows.seeds.to(device), rows.offsets.to(device)
     keys, block_max = _local_keys(logits, local, temperature, kernels, fused)
     width = local.shape[1]
@@ -509,11 +510,25 @@ def draw_filtered(logits: VocabShardedLogits, rows: SamplingRows, plan: FilterPl
         scores, _ = unpack_keys(keys[:, :width])
     if plan.any_top_p_total:
         # Z of the top-p rows without top-k: the exact sum of every rank's masses (0 elsewhere).
+        k_on, p_on, _, _ = flags if flags is not None else _row_filters(rows, logits.vocab_size, device)
         best, _ = unpack_keys(ranked[:, 0])
         needs = (p_on & ~k_on).reshape(-1, 1)
         masses = column_masses(scores, best)
         masses = torch.where((keys[:, :width] != EMPTY_KEY) & needs, masses, torch.zeros_like(masses))
         total = ex.sum_rows(masses.sum(dim=1), channel=channel)
+    if in_kernel and ranked.shape[1] <= kernels.MAX_CANDIDATES:
+        return kernels.draw_rows(ranked, floor, total, temperature, rows.top_k, rows.top_p, rows.min_p, seeds, offsets,
+                                 plain_tokens, vocab_size=logits.vocab_size, greedy_threshold=rows.greedy_threshold)
+    k_on, p_on, m_on, _ = flags if flags is not None else _row_filters(rows, logits.vocab_size, device)
+    filtered = k_on | p_on | m_on
+    tokens = plain_tokens if plain_tokens is not None else torch.zeros(num_rows, dtype=torch.int64, device=device)
+
+    def param(t: torch.Tensor | None, fill: float, dtype: torch.dtype) -> torch.Tensor:
+        return torch.full((num_rows,), fill, dtype=dtype, device=device) if t is None else t.to(device, dtype)
+
+    top_k = param(rows.top_k, TOP_K_DISABLED, torch.int64)
+    top_p = param(rows.top_p, 1.0, torch.float32)
+    min_p = param(rows.min_p, 0.0, torch.float32)
     if kernels is not None and ranked.shape[1] <= kernels.MAX_CANDIDATES:
         drawn, decided = kernels.draw_candidates(ranked, floor, total, top_k, k_on, p_on, m_on, top_p, min_p, seeds,
                                                  offsets)
