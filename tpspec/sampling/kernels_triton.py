@@ -110,65 +110,6 @@ def _top_p_target(total, bits):
 
 
 @triton.jit
-def _draw_row(ranked_ptr, floor_ptr, total_ptr, seeds_ptr, offsets_ptr, row, n, k_on, p_on, m_on, k, p_bits, m_thr,
-              HAS_TOTAL: tl.constexpr, BLOCK: tl.constexpr):
-    """One row's filtered draw from its candidates: ``(drawn, decided)``, as ``decide_and_draw``."""
-    j = tl.arange(0, BLOCK)
-    keys = tl.load(ranked_ptr + row * n + j, mask=j < n, other=-9223372036854775808)
-    empty = keys_triton.empty_keys(keys)
-    real = keys != empty
-    values = keys_triton.key_values(keys)
-    best = keys_triton.key_values(tl.load(ranked_ptr + row * n))
-    # Not degenerate (through int32: Triton's interpreter cannot mix a float compare's flag with a tensor's).
-    finite = (tl.abs(best) < float("inf")).to(tl.int32) != 0
-    masses = tl.where(real, keys_triton.column_masses(tl.where(real, values, 0.0), best), 0)
-    first = j == 0
-    # sorted_filter_mask with top-k and top-p (and ``total`` on rows without top-k).
-    keep_k = tl.where(k_on, j < k, True)
-    kept_mass = tl.where(keep_k, masses, 0)
-    z = tl.sum(kept_mass, axis=0)
-    if HAS_TOTAL:
-        total = tl.load(total_ptr + row)
-        z = tl.where(k_on, z, total)
-    before = tl.cumsum(kept_mass, axis=0) - kept_mass
-    keep_kp = keep_k & tl.where(p_on, before < _top_p_target(z, p_bits), True)
-    keep_kp = tl.where(first, True, keep_kp & real & finite)
-    # sorted_filter_mask with min-p alone.
-    keep_m = tl.where(first, True, tl.where(m_on, masses >= m_thr, True) & real & finite)
-    keep = keep_kp & keep_m
-    # Which rows the candidates decide (every input is equal on every rank).
-    kept = tl.sum(keep_kp.to(tl.int64), axis=0)
-    last_kept = tl.max(tl.where(j == kept - 1, keys, empty), axis=0)
-    floor = tl.load(floor_ptr + row)
-    if HAS_TOTAL:
-        reached = tl.sum(tl.where(keep_kp & real, masses, 0), axis=0) >= _top_p_target(total, p_bits)
-        p_decided = p_on & reached & (last_kept >= floor)
-    else:
-        p_decided = p_on & False
-    floor_mass = keys_triton.column_masses(keys_triton.key_values(floor), best)
-    floor_mass = tl.where(floor == -9223372036854775808, -1, floor_mass)
-    only_m = m_on & (k_on == 0) & (p_on == 0)
-    decided = (finite == 0) | k_on | p_decided | (only_m & (floor_mass < m_thr))
-    # Gumbel-max over the survivors (the noise is keyed by global column: no exchange).
-    columns = tl.where(real, keys_triton.key_columns(keys), 0)
-    noisy = keys_triton.gumbel_at(values, columns, tl.load(seeds_ptr + row), tl.load(offsets_ptr + row))
-    winner = tl.max(tl.where(keep & real, keys_triton.pack(keys_triton.canonical(noisy), columns), empty), axis=0)
-    return 4294967295 - (winner & 4294967295), decided
-
-
-@triton.jit
-def _candidate_draw_kernel(ranked_ptr, floor_ptr, total_ptr, k_ptr, flags_ptr, p_bits_ptr, m_thr_ptr, seeds_ptr,
-                           offsets_ptr, drawn_ptr, decided_ptr, n, HAS_TOTAL: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    flags = tl.load(flags_ptr + row)
-    drawn, decided = _draw_row(ranked_ptr, floor_ptr, total_ptr, seeds_ptr, offsets_ptr, row, n, (flags & 1) != 0,
-                               (flags & 2) != 0, (flags & 4) != 0, tl.load(k_ptr + row), tl.load(p_bits_ptr + row),
-                               tl.load(m_thr_ptr + row), HAS_TOTAL, BLOCK)
-    tl.store(drawn_ptr + row, drawn)
-    tl.store(decided_ptr + row, decided.to(tl.int8))
-
-
-@triton.jit
 def _round_half_even(x):
     """``torch.round`` of a non-negative float32 below ``2**24`` as int64 (exact: ``x - floor(x)`` is)."""
     whole = tl.floor(x)
@@ -190,38 +131,113 @@ def _min_p_threshold(min_p):
 
 
 @triton.jit
+def _draw_row(ranked_ptr, floor_ptr, total_ptr, k_ptr, flags_ptr, p_bits_ptr, m_thr_ptr, seeds_ptr, offsets_ptr, row,
+              n, vocab_size, greedy_threshold, RAW: tl.constexpr, HAS_K: tl.constexpr, HAS_P: tl.constexpr,
+              HAS_M: tl.constexpr, HAS_TOTAL: tl.constexpr, BLOCK: tl.constexpr):
+    """One row's filtered draw from its candidates, as ``decide_and_draw``: ``(drawn, decided,
+    filtered)``. Its filters come as ``draw_candidates`` computes them (``k_ptr``: the clamped top-k,
+    ``flags_ptr``: on-flags, ``p_bits_ptr``, ``m_thr_ptr``: the fixed points) or, with ``RAW``, from
+    the rows' own parameters: ``flags_ptr`` the temperatures, ``k_ptr`` the top-k (with ``HAS_K``),
+    ``p_bits_ptr`` the top-p and ``m_thr_ptr`` the min-p (float32, with ``HAS_P`` / ``HAS_M``)."""
+    j = tl.arange(0, BLOCK)
+    keys = tl.load(ranked_ptr + row * n + j, mask=j < n, other=-9223372036854775808)
+    empty = keys_triton.empty_keys(keys)
+    real = keys != empty
+    values = keys_triton.key_values(keys)
+    best = keys_triton.key_values(tl.load(ranked_ptr + row * n))
+    # Not degenerate (through int32: Triton's interpreter cannot mix a float compare's flag with a tensor's).
+    finite = (tl.abs(best) < float("inf")).to(tl.int32) != 0
+    masses = tl.where(real, keys_triton.column_masses(tl.where(real, values, 0.0), best), 0)
+    if RAW:
+        # _row_filters: a filter is on where its value says so and the row is sampled (float compares'
+        # flags through int32, as above).
+        sampled = (tl.load(flags_ptr + row) >= greedy_threshold).to(tl.int32) != 0
+        k_on = sampled & False
+        p_on = sampled & False
+        m_on = sampled & False
+        top_k = 1
+        if HAS_K:
+            top_k = tl.load(k_ptr + row)
+            k_on = sampled & (top_k < vocab_size)
+        if HAS_P:
+            p_on = sampled & ((tl.load(p_bits_ptr + row) < 1.0).to(tl.int32) != 0)
+        if HAS_M:
+            m_on = sampled & ((tl.load(m_thr_ptr + row) > 0.0).to(tl.int32) != 0)
+    else:
+        flags = tl.load(flags_ptr + row)
+        k_on = (flags & 1) != 0
+        p_on = (flags & 2) != 0
+        m_on = (flags & 4) != 0
+    first = j == 0
+    # sorted_filter_mask with top-k and top-p (and ``total`` on rows without top-k).
+    if RAW:
+        keep_k = tl.where(k_on, j < tl.maximum(top_k, 1), True)
+    else:
+        keep_k = tl.where(k_on, j < tl.load(k_ptr + row), True)
+    kept_mass = tl.where(keep_k, masses, 0)
+    z = tl.sum(kept_mass, axis=0)
+    if HAS_TOTAL:
+        total = tl.load(total_ptr + row)
+        z = tl.where(k_on, z, total)
+    if RAW:
+        p_bits = 0
+        if HAS_P:
+            p_bits = _top_p_fixed(tl.load(p_bits_ptr + row))
+    else:
+        p_bits = tl.load(p_bits_ptr + row)
+    before = tl.cumsum(kept_mass, axis=0) - kept_mass
+    keep_kp = keep_k & tl.where(p_on, before < _top_p_target(z, p_bits), True)
+    keep_kp = tl.where(first, True, keep_kp & real & finite)
+    # sorted_filter_mask with min-p alone.
+    if RAW:
+        m_thr = 0
+        if HAS_M:
+            m_thr = _min_p_threshold(tl.load(m_thr_ptr + row))
+    else:
+        m_thr = tl.load(m_thr_ptr + row)
+    keep_m = tl.where(first, True, tl.where(m_on, masses >= m_thr, True) & real & finite)
+    keep = keep_kp & keep_m
+    # Which rows the candidates decide (every input is equal on every rank).
+    kept = tl.sum(keep_kp.to(tl.int64), axis=0)
+    last_kept = tl.max(tl.where(j == kept - 1, keys, empty), axis=0)
+    floor = tl.load(floor_ptr + row)
+    if HAS_TOTAL:
+        reached = tl.sum(tl.where(keep_kp & real, masses, 0), axis=0) >= _top_p_target(total, p_bits)
+        p_decided = p_on & reached & (last_kept >= floor)
+    else:
+        p_decided = p_on & False
+    floor_mass = keys_triton.column_masses(keys_triton.key_values(floor), best)
+    floor_mass = tl.where(floor == -9223372036854775808, -1, floor_mass)
+    only_m = m_on & (k_on == 0) & (p_on == 0)
+    decided = (finite == 0) | k_on | p_decided | (only_m & (floor_mass < m_thr))
+    # Gumbel-max over the survivors (the noise is keyed by global column: no exchange).
+    columns = tl.where(real, keys_triton.key_columns(keys), 0)
+    noisy = keys_triton.gumbel_at(values, columns, tl.load(seeds_ptr + row), tl.load(offsets_ptr + row))
+    winner = tl.max(tl.where(keep & real, keys_triton.pack(keys_triton.canonical(noisy), columns), empty), axis=0)
+    return 4294967295 - (winner & 4294967295), decided, k_on | p_on | m_on
+
+
+@triton.jit
+def _candidate_draw_kernel(ranked_ptr, floor_ptr, total_ptr, k_ptr, flags_ptr, p_bits_ptr, m_thr_ptr, seeds_ptr,
+                           offsets_ptr, drawn_ptr, decided_ptr, n, HAS_TOTAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    drawn, decided, _ = _draw_row(ranked_ptr, floor_ptr, total_ptr, k_ptr, flags_ptr, p_bits_ptr, m_thr_ptr,
+                                  seeds_ptr, offsets_ptr, row, n, 0, 0.0, False, True, True, True, HAS_TOTAL, BLOCK)
+    tl.store(drawn_ptr + row, drawn)
+    tl.store(decided_ptr + row, decided.to(tl.int8))
+
+
+@triton.jit
 def _row_draw_kernel(ranked_ptr, floor_ptr, total_ptr, t_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seeds_ptr,
                      offsets_ptr, plain_ptr, tokens_ptr, decided_ptr, n, vocab_size, greedy_threshold,
                      HAS_K: tl.constexpr, HAS_P: tl.constexpr, HAS_M: tl.constexpr, HAS_PLAIN: tl.constexpr,
                      HAS_TOTAL: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    # draw_filtered's row filters (_row_filters, draw_candidates' wrapper, keys.top_p_fixed and
-    # keys.min_p_threshold) from the rows' own parameters.
-    # Float compares' flags through int32, as in _draw_row (Triton's interpreter).
-    sampled = (tl.load(t_ptr + row) >= greedy_threshold).to(tl.int32) != 0
-    k_on = sampled & False
-    p_on = sampled & False
-    m_on = sampled & False
-    k = 1
-    p_bits = 0
-    m_thr = 0
-    if HAS_K:
-        top_k = tl.load(top_k_ptr + row)
-        k_on = sampled & (top_k < vocab_size)
-        k = tl.maximum(top_k, 1)
-    if HAS_P:
-        top_p = tl.load(top_p_ptr + row)
-        p_on = sampled & ((top_p < 1.0).to(tl.int32) != 0)
-        p_bits = _top_p_fixed(top_p)
-    if HAS_M:
-        min_p = tl.load(min_p_ptr + row)
-        m_on = sampled & ((min_p > 0.0).to(tl.int32) != 0)
-        m_thr = _min_p_threshold(min_p)
-    drawn, decided = _draw_row(ranked_ptr, floor_ptr, total_ptr, seeds_ptr, offsets_ptr, row, n, k_on, p_on, m_on,
-                               k, p_bits, m_thr, HAS_TOTAL, BLOCK)
-    filtered = k_on | p_on | m_on
+    drawn, decided, filtered = _draw_row(ranked_ptr, floor_ptr, total_ptr, top_k_ptr, t_ptr, top_p_ptr, min_p_ptr,
+                                         seeds_ptr, offsets_ptr, row, n, vocab_size, greedy_threshold, True, HAS_K,
+                                         HAS_P, HAS_M, HAS_TOTAL, BLOCK)
+    # draw_filtered's last step: unfiltered rows are decided and take the plain draw (or 0).
     decided = decided | (filtered == 0)
-    token = drawn
     if HAS_PLAIN:
         token = tl.where(filtered, drawn, tl.load(plain_ptr + row))
     else:
