@@ -199,7 +199,7 @@ def check_penalties(device: str, _dtype) -> None:
                 counts.reset(slot, torch.randint(offset, offset + width, (7,), generator=gen).tolist())
             out = torch.randint(offset - 3, offset + width + 3, (6, 9), generator=gen)
             counts.add(torch.arange(6), out.to(device))
-            slots = torch.randint(-1, 6, (rows,), generator=gen)
+            slots = torch.randint(-2, 8, (rows,), generator=gen)  # past both ends too: no request
             x = (torch.randn(rows, width, generator=gen) * 3).to(dtype)
             x[0, :3] = torch.tensor([0.0, -0.0, float("nan")])[:width].to(dtype)
             rep = torch.rand(rows, generator=gen) + 0.5
@@ -246,7 +246,7 @@ def check_penalized_keys_and_counts(device: str, _dtype) -> None:
             counts = tables[1]
             assert counts.output_counts.sum() > 0
             table_counts, table_seen = counts._tables()
-            slots = torch.randint(-1, 6, (rows,), generator=gen)
+            slots = torch.randint(-2, 8, (rows,), generator=gen)  # past both ends too: no request
             index = counts._slot_index(slots.to(device))
             x = (torch.randn(rows, width, generator=gen) * 3).to(dtype)
             x[0, :3] = torch.tensor([0.0, -0.0, float("nan")])[:width].to(dtype)
@@ -257,7 +257,8 @@ def check_penalized_keys_and_counts(device: str, _dtype) -> None:
             x = x.to(device)
             penalised = ST.penalize(x, table_counts, table_seen, index, rep, pres, freq)
             want = KT.score_keys(penalised, offset, vocab, t)
-            got = ST.penalized_keys(x, offset, vocab, t, table_counts, table_seen, index, rep, pres, freq)
+            got = ST.penalized_keys(x, offset, vocab, t, table_counts, table_seen, slots.to(device), rep, pres, freq,
+                                    num_slots=counts.num_slots)
             _same(got[0].cpu(), want[0].cpu(), f"penalized_keys {dtype} {rows}x{width}+{offset}")
             _same(got[1].cpu(), want[1].cpu(), f"penalized_keys block maxima {dtype} {rows}x{width}+{offset}")
 
@@ -492,7 +493,7 @@ def check_fused_penalties_tp1(device: str, _dtype) -> None:
     sharded = VocabShardedLogits(logits.contiguous(), 0, vocab, LocalKeyExchange(device))
     calls = []
     real = ST.penalized_keys
-    ST.penalized_keys = lambda *a: calls.append(1) or real(*a)
+    ST.penalized_keys = lambda *a, **k: calls.append(1) or real(*a, **k)
     saved = (select.PENALIZED_KEYS_KERNEL, vocab_parallel.KEY_KERNELS_UNDER_INTERPRETER,
              vocab_parallel.KEY_KERNELS_ON_CUDA)
     vocab_parallel.KEY_KERNELS_UNDER_INTERPRETER = vocab_parallel.KEY_KERNELS_ON_CUDA = True

@@ -36,10 +36,10 @@ MAX_CANDIDATES = 8192
 
 
 @triton.jit
-def _penalized_row(x_ptr, counts_ptr, seen_ptr, slot_ptr, rep_ptr, pres_ptr, freq_ptr, row, cols, inside, stride_x,
+def _penalized_row(x_ptr, counts_ptr, seen_ptr, slot, rep_ptr, pres_ptr, freq_ptr, row, cols, inside, stride_x,
                    stride_table):
-    """The penalised float32 values of ``cols`` of ``row`` (``apply_penalties``' operations, in its order)."""
-    slot = tl.load(slot_ptr + row)
+    """The penalised float32 values of ``cols`` of ``row``, whose occurrences are the tables' row
+    ``slot`` (``apply_penalties``' operations, in its order)."""
     x = tl.load(x_ptr + row * stride_x + cols, mask=inside, other=0.0).to(tl.float32)
     counts = tl.load(counts_ptr + slot * stride_table + cols, mask=inside, other=0)
     seen = tl.load(seen_ptr + slot * stride_table + cols, mask=inside, other=0) != 0
@@ -59,20 +59,23 @@ def _penalties_kernel(x_ptr, counts_ptr, seen_ptr, slot_ptr, rep_ptr, pres_ptr, 
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = cols < width
-    x = _penalized_row(x_ptr, counts_ptr, seen_ptr, slot_ptr, rep_ptr, pres_ptr, freq_ptr, row, cols, inside,
+    slot = tl.load(slot_ptr + row)
+    x = _penalized_row(x_ptr, counts_ptr, seen_ptr, slot, rep_ptr, pres_ptr, freq_ptr, row, cols, inside,
                        stride_x, stride_table)
     tl.store(out_ptr + row * stride_o + cols, x, mask=inside)
 
 
 @triton.jit
 def _penalized_keys_kernel(x_ptr, counts_ptr, seen_ptr, slot_ptr, rep_ptr, pres_ptr, freq_ptr, t_ptr, keys_ptr,
-                           block_max_ptr, width, vocab_offset, vocab_size, stride_x, stride_table, stride_k,
-                           num_blocks, greedy_threshold, BLOCK: tl.constexpr, KEY_BLOCK: tl.constexpr):
+                           block_max_ptr, width, vocab_offset, vocab_size, num_slots, stride_x, stride_table,
+                           stride_k, num_blocks, greedy_threshold, BLOCK: tl.constexpr, KEY_BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     start = tl.program_id(1) * BLOCK
     cols = start + tl.arange(0, BLOCK)
     inside = cols < width
-    x = _penalized_row(x_ptr, counts_ptr, seen_ptr, slot_ptr, rep_ptr, pres_ptr, freq_ptr, row, cols, inside,
+    slot = tl.load(slot_ptr + row)
+    slot = tl.where((slot >= 0) & (slot < num_slots), slot, num_slots)  # no request: the sink row of zeros
+    x = _penalized_row(x_ptr, counts_ptr, seen_ptr, slot, rep_ptr, pres_ptr, freq_ptr, row, cols, inside,
                        stride_x, stride_table)
     # keys_triton's score keys of the penalised value (a float32 already: the load's cast is exact).
     x = keys_triton.canonical(x)
@@ -279,14 +282,17 @@ def penalize(local: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor, slot
 
 
 def penalized_keys(local: torch.Tensor, vocab_offset: int, vocab_size: int, temperature: torch.Tensor,
-                   counts: torch.Tensor, seen: torch.Tensor, slot_index: torch.Tensor, repetition: torch.Tensor,
-                   presence: torch.Tensor, frequency: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                   counts: torch.Tensor, seen: torch.Tensor, slots: torch.Tensor, repetition: torch.Tensor,
+                   presence: torch.Tensor, frequency: torch.Tensor, *,
+                   num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``keys_triton.score_keys(penalize(local, ...), vocab_offset, vocab_size, temperature)`` in one
     pass: ``(keys [R, B * KEY_BLOCK] int64, block_max [R, B] int64)``, the same bits.
 
     ``local`` ``[R, W]`` float32 / bfloat16 / float16 (its last dimension contiguous), global columns
     ``[vocab_offset, vocab_offset + W)``; ``temperature`` ``[R]``; the occurrence tables and per-row
-    penalties as :func:`penalize` takes them. The penalised float32 slice is never stored.
+    penalties as :func:`penalize` takes them, but ``slots`` ``[R]`` the rows' own slots: a slot
+    outside ``[0, num_slots)`` (no request) reads the tables' row ``num_slots``, the sink row of
+    zeros. The penalised float32 slice is never stored.
     """
     rows, width = local.shape
     if local.stride(1) != 1:
@@ -305,9 +311,12 @@ def penalized_keys(local: torch.Tensor, vocab_offset: int, vocab_size: int, temp
         return t.to(device=dev, dtype=torch.float32).contiguous()
 
     grid = (rows, triton.cdiv(blocks * block, _PENALTY_COLUMNS))
-    _penalized_keys_kernel[grid](local, counts, seen.view(torch.uint8), slot_index.to(dev, torch.int64).contiguous(),
+    if counts.shape[0] <= num_slots:
+        raise ValueError(f"the tables need the sink row {num_slots} past the slots, got {counts.shape[0]} rows")
+    _penalized_keys_kernel[grid](local, counts, seen.view(torch.uint8), slots.to(dev, torch.int64).contiguous(),
                                  per_row(repetition), per_row(presence), per_row(frequency), per_row(temperature),
-                                 keys, block_max, width, vocab_offset, vocab_size, local.stride(0), counts.stride(0),
+                                 keys, block_max, width, vocab_offset, vocab_size, num_slots, local.stride(0),
+                                 counts.stride(0),
                                  keys.stride(0), blocks, K.GREEDY_TEMPERATURE_THRESHOLD, BLOCK=_PENALTY_COLUMNS,
                                  KEY_BLOCK=block, num_warps=4, enable_fp_fusion=False)
     return keys, block_max

@@ -430,8 +430,8 @@ def _local_keys(logits: VocabShardedLogits, local: torch.Tensor, temperature: to
         penalties.counts.check_covers(logits.vocab_offset, local.shape[1])
         counts, seen = penalties.counts._tables()
         return kernels.penalized_keys(local, logits.vocab_offset, logits.vocab_size, temperature, counts, seen,
-                                      penalties.counts._slot_index(penalties.slots), penalties.repetition,
-                                      penalties.presence, penalties.frequency)
+                                      penalties.slots, penalties.repetition, penalties.presence, penalties.frequency,
+                                      num_slots=penalties.counts.num_slots)
     if kernels is not None and local.shape[0] and local.shape[1]:
         return kernels.keys_triton.score_keys(local, logits.vocab_offset, logits.vocab_size, temperature)
     scores = scaled_scores(local, temperature)
