@@ -245,7 +245,7 @@ def check_penalized_keys_and_counts(device: str, _dtype) -> None:
             _same(tables[1].output_counts.cpu(), tables[0].output_counts.cpu(), f"count_tokens {rows}x{width}")
             counts = tables[1]
             assert counts.output_counts.sum() > 0
-            table_counts, table_seen = counts._tables()
+            table_counts, table_seen = counts.tables()
             slots = torch.randint(-2, 8, (rows,), generator=gen)  # past both ends too: no request
             index = counts._slot_index(slots.to(device))
             x = (torch.randn(rows, width, generator=gen) * 3).to(dtype)

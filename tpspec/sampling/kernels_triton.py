@@ -305,27 +305,27 @@ def penalized_keys(local: torch.Tensor, vocab_offset: int, vocab_size: int, temp
         return keys, block_max
     if counts.stride() != seen.stride() or counts.stride(1) != 1:
         raise ValueError("the occurrence tables must share one row-major layout")
+    if counts.shape[0] <= num_slots or counts.shape[1] < width:
+        raise ValueError(f"the tables [{counts.shape[0]}, {counts.shape[1]}] need the sink row {num_slots} and "
+                         f"{width} columns")
     dev = local.device
 
     def per_row(t: torch.Tensor) -> torch.Tensor:
         return t.to(device=dev, dtype=torch.float32).contiguous()
 
     grid = (rows, triton.cdiv(blocks * block, _PENALTY_COLUMNS))
-    if counts.shape[0] <= num_slots:
-        raise ValueError(f"the tables need the sink row {num_slots} past the slots, got {counts.shape[0]} rows")
     _penalized_keys_kernel[grid](local, counts, seen.view(torch.uint8), slots.to(dev, torch.int64).contiguous(),
                                  per_row(repetition), per_row(presence), per_row(frequency), per_row(temperature),
                                  keys, block_max, width, vocab_offset, vocab_size, num_slots, local.stride(0),
-                                 counts.stride(0),
-                                 keys.stride(0), blocks, K.GREEDY_TEMPERATURE_THRESHOLD, BLOCK=_PENALTY_COLUMNS,
-                                 KEY_BLOCK=block, num_warps=4, enable_fp_fusion=False)
+                                 counts.stride(0), keys.stride(0), blocks, K.GREEDY_TEMPERATURE_THRESHOLD,
+                                 BLOCK=_PENALTY_COLUMNS, KEY_BLOCK=block, num_warps=4, enable_fp_fusion=False)
     return keys, block_max
 
 
-def count_tokens(counts: torch.Tensor, slot_index: torch.Tensor, tokens: torch.Tensor,
+def count_tokens(counts: torch.Tensor, slots: torch.Tensor, tokens: torch.Tensor,
                  lengths: torch.Tensor | None = None, *, num_slots: int, vocab_offset: int, width: int) -> None:
     """Adds one to ``counts[slot, token - vocab_offset]`` for every token of ``tokens`` ``[N, T]``
-    (int64; negative = padding) of row ``n`` whose ``slot_index[n]`` is in ``[0, num_slots)`` and
+    (int64; negative = padding) of row ``n`` whose slot ``slots[n]`` is in ``[0, num_slots)`` and
     whose column is in ``[0, width)`` (with ``lengths`` ``[N]``: among the row's first
     ``lengths[n]`` tokens); everything else is skipped. ``counts``: ``[>= num_slots, >= width]``
     int32, its last dimension contiguous. Integer atomics: the same counts whatever the order the
@@ -335,11 +335,14 @@ def count_tokens(counts: torch.Tensor, slot_index: torch.Tensor, tokens: torch.T
         return
     if counts.dtype != torch.int32 or counts.stride(1) != 1:
         raise ValueError("the counts must be an int32 table with contiguous rows")
+    if counts.shape[0] < num_slots or counts.shape[1] < width:
+        raise ValueError(f"the counts [{counts.shape[0]}, {counts.shape[1]}] do not hold {num_slots} slots of "
+                         f"{width} columns")
     dev = counts.device
     tokens = tokens.to(dev, torch.int64).contiguous()
     has_lengths = lengths is not None
     lengths = lengths.to(dev, torch.int64).contiguous() if has_lengths else tokens
-    _count_kernel[(rows,)](counts, slot_index.to(dev, torch.int64).contiguous(), tokens, lengths, num_tokens,
+    _count_kernel[(rows,)](counts, slots.to(dev, torch.int64).contiguous(), tokens, lengths, num_tokens,
                            num_slots, vocab_offset, width, counts.stride(0), num_tokens, HAS_LENGTHS=has_lengths,
                            BLOCK=max(16, triton.next_power_of_2(num_tokens)), num_warps=1)
 

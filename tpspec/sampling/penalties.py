@@ -84,6 +84,12 @@ class OccurrenceCounts:
         """``[num_slots, width]`` bool: the local column's token is in the slot's prompt."""
         return self._tables()[1][: self.num_slots, : self.width]
 
+    def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(counts, seen)``, ``[num_slots + 1, width + 1]`` each (int32, bool), allocated on first
+        use: the slots' rows, then the sink row of zeros that rows without a request read, and the
+        sink column, never read."""
+        return self._tables()
+
     def check_covers(self, vocab_offset: int, width: int) -> None:
         """``ValueError`` unless these counts cover exactly the global columns ``[vocab_offset,
         vocab_offset + width)`` of a logits slice."""

@@ -417,7 +417,7 @@ def _fused_penalties(penalties: Any, plan: FilterPlan, kernels: Any, device: tor
     draw). Host facts only: the same answer on every rank."""
     return (PENALIZED_KEYS_KERNEL and kernels is not None and type(penalties) is RowPenalties
             and (penalties.drafts is None or not penalties.drafts.numel())
-            and penalties.counts._tables()[0].device == device and not plan.any_plain and not plan.any_min_p_only)
+            and penalties.counts.tables()[0].device == device and not plan.any_plain and not plan.any_min_p_only)
 
 
 def _local_keys(logits: VocabShardedLogits, local: torch.Tensor, temperature: torch.Tensor,
@@ -428,7 +428,7 @@ def _local_keys(logits: VocabShardedLogits, local: torch.Tensor, temperature: to
     same kernel (only where :func:`_fused_penalties` said so)."""
     if penalties is not None:
         penalties.counts.check_covers(logits.vocab_offset, local.shape[1])
-        counts, seen = penalties.counts._tables()
+        counts, seen = penalties.counts.tables()
         return kernels.penalized_keys(local, logits.vocab_offset, logits.vocab_size, temperature, counts, seen,
                                       penalties.slots, penalties.repetition, penalties.presence, penalties.frequency,
                                       num_slots=penalties.counts.num_slots)
