@@ -226,6 +226,7 @@ def check_penalized_keys_and_counts(device: str, _dtype) -> None:
             out = torch.randint(offset - 3, offset + width + 3, (6, 9), generator=gen)
             out[1, 2:] = out[1, 1]  # one token many times in a row
             out[2, 4:] = -1  # padding
+            long_output = torch.randint(offset - 3, offset + width + 3, (1, 300), generator=gen)
             tables = []
             for kernel in (False, True):
                 counts = OccurrenceCounts(6, vocab_offset=offset, width=width, device=device)
@@ -239,6 +240,8 @@ def check_penalized_keys_and_counts(device: str, _dtype) -> None:
                     counts.add(torch.tensor([5, 5]).to(device), out[:2].to(device))  # the same slot twice
                     counts.add(torch.tensor([4, 0, 3]).to(device), out[3:].to(device),  # the first tokens of each
                                torch.tensor([0, 5, 12]).to(device))
+                    # A resumed request's whole output at once: more tokens than one loop of the kernel.
+                    counts.add(torch.tensor([2]).to(device), long_output.to(device))
                 finally:
                     P.COUNT_KERNEL, vocab_parallel.KEY_KERNELS_UNDER_INTERPRETER, vocab_parallel.KEY_KERNELS_ON_CUDA = saved
                 tables.append(counts)

@@ -31,6 +31,7 @@ from .. import keys as K
 from .. import keys_triton
 
 _PENALTY_COLUMNS = 1024  # columns one penalty program handles
+_COUNT_BLOCK = 128  # tokens one counting program adds per loop iteration
 MAX_CANDIDATES = 8192
 """The most candidate keys a row may bring to :func:`draw_candidates` (one program holds them)."""
 
@@ -99,11 +100,12 @@ def _count_kernel(counts_ptr, slot_ptr, tokens_ptr, lengths_ptr, num_tokens, num
     if HAS_LENGTHS:
         counted = tl.minimum(tl.load(lengths_ptr + row), num_tokens)
     counted = tl.where((slot >= 0) & (slot < num_slots), counted, 0)  # a row of no slot counts nothing
-    j = tl.arange(0, BLOCK)
-    tokens = tl.load(tokens_ptr + row * stride_t + j, mask=j < num_tokens, other=-1)
-    cols = tokens - vocab_offset
-    ok = (j < counted) & (tokens >= 0) & (cols >= 0) & (cols < width)
-    tl.atomic_add(counts_ptr + slot * stride_table + cols, tl.full([BLOCK], 1, tl.int32), mask=ok)
+    for start in range(0, counted, BLOCK):  # a resumed request brings its whole output at once
+        j = start + tl.arange(0, BLOCK)
+        tokens = tl.load(tokens_ptr + row * stride_t + j, mask=j < counted, other=-1)
+        cols = tokens - vocab_offset
+        ok = (j < counted) & (tokens >= 0) & (cols >= 0) & (cols < width)
+        tl.atomic_add(counts_ptr + slot * stride_table + cols, tl.full([BLOCK], 1, tl.int32), mask=ok)
 
 
 @triton.jit
@@ -344,7 +346,7 @@ def count_tokens(counts: torch.Tensor, slots: torch.Tensor, tokens: torch.Tensor
     lengths = lengths.to(dev, torch.int64).contiguous() if has_lengths else tokens
     _count_kernel[(rows,)](counts, slots.to(dev, torch.int64).contiguous(), tokens, lengths, num_tokens,
                            num_slots, vocab_offset, width, counts.stride(0), num_tokens, HAS_LENGTHS=has_lengths,
-                           BLOCK=max(16, triton.next_power_of_2(num_tokens)), num_warps=1)
+                           BLOCK=min(_COUNT_BLOCK, max(16, triton.next_power_of_2(num_tokens))), num_warps=1)
 
 
 def draw_rows(ranked: torch.Tensor, floor: torch.Tensor, total: torch.Tensor | None, temperature: torch.Tensor,
