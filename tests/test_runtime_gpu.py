@@ -70,19 +70,20 @@ def test_cuda_graphs_match_eager(models, name, monkeypatch):
 def test_qwen_defaults_and_logprobs_at_batch_64_stay_in_the_graph(models, fused, monkeypatch):
     """64 requests on Qwen2.5's defaults (T 0.7, top-p 0.8, top-k 20, repetition penalty 1.05)
     with logprobs=5 run from the graph of bucket 64, never repeated eagerly (top-k decides every
-    row from the candidates), and give the eager tokens; ``fused``: with the penalties inside the
-    keys kernel (``select.PENALIZED_KEYS_KERNEL``), the filters read in the draw kernel
-    (``select.FILTERS_IN_DRAW_KERNEL``) and the tokens counted by one kernel
-    (``penalties.COUNT_KERNEL``), whatever their defaults."""
+    row from the candidates), and give the eager tokens. The eager steps run with the penalties
+    applied apart, the filters' flags in torch and the tokens counted by torch ops; ``fused``: the
+    graphed steps with the penalties inside the keys kernel (``select.PENALIZED_KEYS_KERNEL``), the
+    filters read in the draw kernel (``select.FILTERS_IN_DRAW_KERNEL``) and the tokens counted by
+    one kernel (``penalties.COUNT_KERNEL``)."""
     from tpspec.sampling import penalties, select
 
-    monkeypatch.setattr(select, "PENALIZED_KEYS_KERNEL", fused)
-    monkeypatch.setattr(select, "FILTERS_IN_DRAW_KERNEL", fused)
-    monkeypatch.setattr(penalties, "COUNT_KERNEL", fused)
     prompts = [[(7 * i + j) % 500 + 1 for j in range(4 + i % 5)] for i in range(64)]
     params = [SamplingParams(**QWEN, seed=i, max_tokens=12, ignore_eos=True, logprobs=5) for i in range(64)]
     results = {}
     for use_graphs in (False, True):
+        monkeypatch.setattr(select, "PENALIZED_KEYS_KERNEL", fused and use_graphs)
+        monkeypatch.setattr(select, "FILTERS_IN_DRAW_KERNEL", fused and use_graphs)
+        monkeypatch.setattr(penalties, "COUNT_KERNEL", fused and use_graphs)
         with LLM(models["target"], distributed_executor_backend="external_launcher", tensor_parallel_size=1,
                  device="cuda", dtype="float32", max_num_seqs=64, enforce_eager=not use_graphs) as llm:
             results[use_graphs] = first_outputs(llm.generate(prompts, params))[0]
