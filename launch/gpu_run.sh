@@ -7,8 +7,8 @@
 #   generate (default: all but those three). quick: the GPU tests, the roofline table, the attention alone,
 #   tpspec against transformers and deterministic mode's cost at the Llama 3 8B shape, in under 9 minutes on one
 #   GPU. profile: the roofline's one- and eight-request steps and its batch-64 sampled columns kernel by kernel,
-#   and the attention's split counts. switches: the GPU tests of the kernels that are off until a GPU checks
-#   them, then the roofline steps they touch with them off and on, twice.
+#   and the attention's split counts. switches: the GPU tests of the sampled columns' tail kernels, then the
+#   batch-64 sampled columns with them switched off and on, twice.
 #   A step's name runs that step alone (`--dry-run` lists the selected ones). Steps run in the order
 #   this script lists them, whatever the order of the arguments.
 #   --dry-run  print each selected step's time limit and command, and whether this build's `tpspec`
@@ -69,8 +69,8 @@ print(",".join(accepted(["torch", "triton"])))' 2>/dev/null) || quick_backends=t
 done
 S8B="--device cuda --tp 1 --model-shape llama-3-8b"
 QUICK_GPU_TESTS="tests/test_dependent_launch.py tests/test_gemv_triton.py::test_cuda_last_split_sums_equal_the_reduction_kernel tests/test_gemv_triton.py::test_cuda_graph_replay_equals_eager tests/test_key_kernels.py tests/test_deterministic_layer_kernels.py tests/test_deterministic_attention.py tests/test_runtime_gpu.py tests/test_paged_attention_triton.py"
-# The switches group checks the kernels that are still off (the case with them on is left out here).
-QUICK_DESELECT="--deselect 'tests/test_runtime_gpu.py::test_qwen_defaults_and_logprobs_at_batch_64_stay_in_the_graph[fused]'"
+# The switches group also runs the batch-64 graph test with the tail kernels switched off.
+QUICK_DESELECT="--deselect 'tests/test_runtime_gpu.py::test_qwen_defaults_and_logprobs_at_batch_64_stay_in_the_graph[apart]'"
 step quick quick-gpu-tests 200 "$PY -m pytest -m 'gpu and not slow' -v -rfE --durations=15 -p no:cacheprovider $QUICK_DESELECT $QUICK_GPU_TESTS"
 step quick quick-roofline-llama-3-8b 80 "$T bench step $S8B --roofline-only --attention-backends $quick_backends --iters 10 --warmup 2 --timeout 70 --out $o/quick-roofline-llama-3-8b"
 step quick quick-attention-llama-3-8b 40 "$T bench attention --device cuda --model-shape llama-3-8b --backends $quick_backends --out $o/quick-attention-llama-3-8b"
@@ -85,15 +85,16 @@ step profile profile-roofline-llama-3-8b 300 "$T bench step $S8B --roofline-only
 step profile profile-roofline-sampled-b64 120 "$T bench step $S8B --roofline-only --attention-backends triton --roofline-columns greedy,defaults,logprobs --contexts 1024 --roofline-batch 64 --verify-batch none --profile --iters 10 --warmup 2 --timeout 110 --out $o/profile-roofline-sampled-b64"
 step profile profile-attention-splits 90 "$T bench attention --device cuda --model-shape llama-3-8b --backends triton --batch 1,8 --query-len 1,4 --num-splits 1,2,4,5,8,12,16 --out $o/profile-attention-splits"
 
-# 0c. Switches (one GPU, only when named, under 9 minutes): the kernels that are off until a GPU run checks them,
-#     their GPU tests (bit for bit against the torch path, and the graphed steps with them on against eager),
-#     then the batch-64 decode step's sampled columns with them off and on (off, on, off, on; `--set` switches
-#     them in the rank processes).
-SWITCHES_ON="--set tpspec.sampling.select.PENALIZED_KEYS_KERNEL=True --set tpspec.sampling.select.FILTERS_IN_DRAW_KERNEL=True --set tpspec.sampling.penalties.COUNT_KERNEL=True"
+# 0c. Switches (one GPU, only when named, under 9 minutes): the kernels of the sampled columns' tail, each behind
+#     its switch (the penalties inside the keys kernel, the filters read in the draw kernel, the count of a
+#     step's tokens), their GPU tests (bit for bit against the torch path, and the graphed steps with them on and
+#     off against eager), then the batch-64 decode step's sampled columns with them off and on (off, on, off, on;
+#     `--set` switches them off in the rank processes).
+SWITCHES_OFF="--set tpspec.sampling.select.PENALIZED_KEYS_KERNEL=False --set tpspec.sampling.select.FILTERS_IN_DRAW_KERNEL=False --set tpspec.sampling.penalties.COUNT_KERNEL=False"
 step switches switches-gpu-tests 150 "$PY -m pytest -m gpu -v -rfE -p no:cacheprovider tests/test_key_kernels.py tests/test_runtime_gpu.py::test_qwen_defaults_and_logprobs_at_batch_64_stay_in_the_graph"
 for run in 1 2; do
     for state in off on; do
-        set_args=""; [ $state = on ] && set_args=" $SWITCHES_ON"
+        set_args=""; [ $state = off ] && set_args=" $SWITCHES_OFF"
         step switches switches-sampled-b64-$state-$run 90 "$T bench step $S8B --roofline-only --attention-backends triton --roofline-columns greedy,defaults,logprobs --contexts 1024,4096 --roofline-batch 64 --verify-batch none --iters 10 --warmup 2 --timeout 80$set_args --out $o/switches-sampled-b64-$state-$run"
     done
 done

@@ -421,7 +421,9 @@ def _select_all(logits_full: torch.Tensor, rows_obj, exchange, offset: int, widt
     return [tokens.cpu(), deferred.cpu(), decided.cpu(), *(t.cpu() for t in logprobs)]
 
 
-KERNELS = ((KT, ("score_keys", "top_keys", "row_masses_and_counts")), (ST, ("penalize", "draw_candidates")))
+# What the selection runs with the key kernels on and every other switch at its default: the draw with the
+# rows' filters read in its kernel (draw_rows); these rows' plain and top-p-only rows keep the penalties apart.
+KERNELS = ((KT, ("score_keys", "top_keys", "row_masses_and_counts")), (ST, ("penalize", "draw_rows")))
 
 
 def _switched(fn):
@@ -588,17 +590,18 @@ def _tp2_worker(rank: int, world: int, vocab: int) -> list[torch.Tensor]:
     exchange = AllGatherKeyExchange(D.tp_group())
     off, on = _switched(lambda: _select_all(logits, rows_obj, exchange, offset, width, vocab))
     saved = (select.FILTERS_IN_DRAW_KERNEL, vocab_parallel.KEY_KERNELS_UNDER_INTERPRETER)
-    select.FILTERS_IN_DRAW_KERNEL = vocab_parallel.KEY_KERNELS_UNDER_INTERPRETER = True
+    select.FILTERS_IN_DRAW_KERNEL, vocab_parallel.KEY_KERNELS_UNDER_INTERPRETER = False, True
     try:
-        in_kernel = _select_all(logits, rows_obj, exchange, offset, width, vocab)
+        flags_apart = _select_all(logits, rows_obj, exchange, offset, width, vocab)
     finally:
         select.FILTERS_IN_DRAW_KERNEL, vocab_parallel.KEY_KERNELS_UNDER_INTERPRETER = saved
-    return off, on, in_kernel
+    return off, on, flags_apart
 
 
 def check_selection_tp2(device: str, _dtype) -> None:
     """Two gloo ranks (CPU only): the kernels on each rank's slice give the switch-off results, which
-    equal TP 1's, and so do they with the filters read in the draw kernel (``FILTERS_IN_DRAW_KERNEL``)."""
+    equal TP 1's, and so do they with the filters' flags computed in torch around the draw kernel
+    (``FILTERS_IN_DRAW_KERNEL`` off)."""
     if device != "cpu":
         return
     from tpspec.exchange.local import LocalKeyExchange
@@ -609,11 +612,11 @@ def check_selection_tp2(device: str, _dtype) -> None:
     gen = torch.Generator().manual_seed(16)
     logits, rows_obj = _selection_inputs(8, vocab, "cpu", gen)
     tp1 = _select_all(logits, rows_obj, LocalKeyExchange(), 0, vocab, vocab)
-    for off, on, in_kernel in results:
-        for a, b, c, want in zip(off, on, in_kernel, tp1):
+    for off, on, flags_apart in results:
+        for a, b, c, want in zip(off, on, flags_apart, tp1):
             _same(a, want, "TP 2 without kernels against TP 1")
             _same(b, want, "TP 2 with kernels against TP 1")
-            _same(c, want, "TP 2 with the filters in the draw kernel against TP 1")
+            _same(c, want, "TP 2 with the filters' flags in torch around the draw kernel against TP 1")
 
 
 CHECKS = {

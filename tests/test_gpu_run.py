@@ -71,8 +71,8 @@ def test_profile_group_fits_nine_minutes_and_every_command_parses(tmp_path):
 
 
 def test_switches_group_fits_nine_minutes_and_every_command_parses(tmp_path):
-    """`gpu_run.sh OUT switches`: the GPU tests of the kernels that are off until a GPU checks them,
-    then the batch-64 sampled columns with them off, on, off, on (`--set` of every switch), under 9
+    """`gpu_run.sh OUT switches`: the GPU tests of the sampled columns' tail kernels, then the
+    batch-64 sampled columns with them off, on, off, on (`--set` of every switch to off), under 9
     minutes together."""
     out = tmp_path / "out"
     result = run_script("--dry-run", str(out), "switches")
@@ -82,13 +82,13 @@ def test_switches_group_fits_nine_minutes_and_every_command_parses(tmp_path):
     runs = [f"switches-sampled-b64-{state}-{run}" for run in (1, 2) for state in ("off", "on")]
     assert [line.split(" [")[0] for line in steps] == ["switches-gpu-tests", *runs]
     assert sum(int(line.split(", ")[1].split(" s]")[0]) for line in steps) <= 540
-    switches = ("--set tpspec.sampling.select.PENALIZED_KEYS_KERNEL=True "
-                "--set tpspec.sampling.select.FILTERS_IN_DRAW_KERNEL=True "
-                "--set tpspec.sampling.penalties.COUNT_KERNEL=True")
+    switches = ("--set tpspec.sampling.select.PENALIZED_KEYS_KERNEL=False "
+                "--set tpspec.sampling.select.FILTERS_IN_DRAW_KERNEL=False "
+                "--set tpspec.sampling.penalties.COUNT_KERNEL=False")
     commands = {line.split(" [")[0]: text.splitlines()[i + 1] for i, line in enumerate(text.splitlines())
                 if line in steps}
     for name in runs:
-        assert (switches in commands[name]) == ("-on-" in name), name
+        assert (switches in commands[name]) == ("-off-" in name), name
         assert f"    {name}: accepted" in text
     assert "test_qwen_defaults_and_logprobs_at_batch_64_stay_in_the_graph" in commands["switches-gpu-tests"]
     assert "NOT ACCEPTED" not in text
@@ -113,9 +113,9 @@ def test_quick_group_fits_nine_minutes_and_every_command_parses(tmp_path):
     backends = ",".join(accepted_attention_backends(["torch", "triton"]))
     assert backends.startswith("torch")
     for fragment in ("-m pytest -m 'gpu and not slow' ",
-                     # the case with the kernels still off switched on belongs to the switches group
+                     # the case with the tail kernels switched off belongs to the switches group
                      "--deselect 'tests/test_runtime_gpu.py::test_qwen_defaults_and_logprobs_at_batch_64_stay_in_the_"
-                     "graph[fused]' ",
+                     "graph[apart]' ",
                      "bench step --device cuda --tp 1 --model-shape llama-3-8b --roofline-only "
                      f"--attention-backends {backends} ",
                      f"bench attention --device cuda --model-shape llama-3-8b --backends {backends} ",

@@ -33,10 +33,11 @@ from ..validation import check_int
 from ..vocab_parallel import VocabShardedLogits, use_key_kernels
 
 
-COUNT_KERNEL = False
+COUNT_KERNEL = True
 """Whether :meth:`OccurrenceCounts.add` counts a step's tokens in one kernel
 (:func:`tpspec.sampling.kernels_triton.count_tokens`) where the key kernels run, rather than a chain of
-torch ops ending in an accumulating ``index_put_``. Off until a GPU run checks it."""
+torch ops ending in an accumulating ``index_put_``. On: its GPU test passed on an H100
+(``tests/test_key_kernels.py``, and the graphed steps of ``tests/test_runtime_gpu.py`` with it on)."""
 
 
 class OccurrenceCounts:
