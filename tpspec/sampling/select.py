@@ -73,8 +73,9 @@ FILTERS_IN_DRAW_KERNEL = True
 """Whether a filtered draw without min-p-only rows runs :func:`tpspec.sampling.kernels_triton.draw_rows`
 where the key kernels run: each row's filters read from its own parameters and its final token given in the
 draw kernel, rather than some thirty small torch launches around it. On: its GPU test passed on an H100
-(``tests/test_key_kernels.py``, the torch path's bits at Llama 3 sizes), and with the two switches below it
-took a batch-64 step on Qwen2.5's defaults from 1.04-1.05x greedy to 1.025x (``docs/benchmarks.md``)."""
+(``tests/test_key_kernels.py``, the torch path's bits at Llama 3 sizes), and with :data:`PENALIZED_KEYS_KERNEL`
+and ``tpspec.sampling.penalties.COUNT_KERNEL`` it took a batch-64 step on Qwen2.5's defaults from 1.04-1.05x
+greedy to 1.025x (``docs/benchmarks.md``)."""
 PENALIZED_KEYS_KERNEL = True
 """Whether a deferred draw whose rows are all filtered (no plain row, no min-p-only row) applies its
 penalties inside the keys kernel (:func:`tpspec.sampling.kernels_triton.penalized_keys`: the penalised
