@@ -20,8 +20,8 @@ correctly rounded one), the recipe ``tpspec.keys`` fixes for every device.
   at least a threshold (what logprobs need beside the best keys).
 
 The ``@triton.jit`` helpers (:func:`portable_exp`, :func:`portable_log`,
-:func:`exponential_from_words`, :func:`philox_word`, :func:`pack`) are the same functions for
-kernels of the layers above.
+:func:`exponential_from_words`, :func:`philox_word`, :func:`pack`, :func:`store_score_keys`) are the
+same functions for kernels of the layers above.
 
 This module imports ``triton``. Triton's interpreter (``TRITON_INTERPRET=1`` set before ``triton``
 is imported) runs the same kernels on CPU tensors, which is how the CPU tests check them
@@ -229,7 +229,18 @@ def _score_keys_kernel(x_ptr, t_ptr, keys_ptr, block_max_ptr, width, vocab_offse
     start = tl.program_id(1) * BLOCK
     cols = start + tl.arange(0, BLOCK)
     inside = cols < width
-    x = canonical(tl.load(x_ptr + row * stride_x + cols, mask=inside, other=0.0).to(tl.float32))
+    x = tl.load(x_ptr + row * stride_x + cols, mask=inside, other=0.0).to(tl.float32)
+    store_score_keys(x, row, start, cols, inside, t_ptr, keys_ptr, block_max_ptr, vocab_offset, vocab_size, stride_k,
+                     num_blocks, greedy_threshold, SCALE, BLOCK, KEY_BLOCK_)
+
+
+@triton.jit
+def store_score_keys(x, row, start, cols, inside, t_ptr, keys_ptr, block_max_ptr, vocab_offset, vocab_size, stride_k,
+                     num_blocks, greedy_threshold, SCALE: tl.constexpr, BLOCK: tl.constexpr,
+                     KEY_BLOCK_: tl.constexpr):
+    """:func:`score_keys` of one program's float32 values ``x`` (columns ``cols`` of ``row``, from
+    ``start``): their keys (divided by the row's temperature with ``SCALE``) and their blocks' best keys."""
+    x = canonical(x)
     if SCALE:
         t = tl.load(t_ptr + row).to(tl.float32)
         t = tl.where(t < greedy_threshold, 1.0, t)

@@ -78,17 +78,8 @@ def _penalized_keys_kernel(x_ptr, counts_ptr, seen_ptr, slot_ptr, rep_ptr, pres_
     slot = tl.where((slot >= 0) & (slot < num_slots), slot, num_slots)  # no request: the sink row of zeros
     x = _penalized_row(x_ptr, counts_ptr, seen_ptr, slot, rep_ptr, pres_ptr, freq_ptr, row, cols, inside,
                        stride_x, stride_table)
-    # keys_triton's score keys of the penalised value (a float32 already: the load's cast is exact).
-    x = keys_triton.canonical(x)
-    t = tl.load(t_ptr + row).to(tl.float32)
-    t = tl.where(t < greedy_threshold, 1.0, t)
-    x = keys_triton.canonical(tl.math.div_rn(x, t))
-    columns = (vocab_offset + cols).to(tl.int64)
-    keys = tl.where(inside & (columns < vocab_size), keys_triton.pack(x, columns), keys_triton.empty_keys(columns))
-    tl.store(keys_ptr + row * stride_k + cols, keys, mask=cols < num_blocks * KEY_BLOCK)
-    best = tl.max(tl.reshape(keys, (BLOCK // KEY_BLOCK, KEY_BLOCK)), axis=1)
-    blocks = start // KEY_BLOCK + tl.arange(0, BLOCK // KEY_BLOCK)
-    tl.store(block_max_ptr + row * num_blocks + blocks, best, mask=blocks < num_blocks)
+    keys_triton.store_score_keys(x, row, start, cols, inside, t_ptr, keys_ptr, block_max_ptr, vocab_offset, vocab_size,
+                                 stride_k, num_blocks, greedy_threshold, True, BLOCK, KEY_BLOCK)
 
 
 @triton.jit
@@ -349,6 +340,16 @@ def count_tokens(counts: torch.Tensor, slots: torch.Tensor, tokens: torch.Tensor
                            BLOCK=min(_COUNT_BLOCK, max(16, triton.next_power_of_2(num_tokens))), num_warps=1)
 
 
+def _draw_outputs(ranked: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``[R]`` int64 tokens and int8 verdicts a draw of ``ranked`` ``[R, N]`` writes; ``ValueError``
+    unless a row brings 1 to ``MAX_CANDIDATES`` candidates (any count when there is no row)."""
+    rows, n = ranked.shape
+    if rows and not 0 < n <= MAX_CANDIDATES:
+        raise ValueError(f"{name} takes 1 to {MAX_CANDIDATES} candidates a row, got {n}")
+    return (torch.empty(rows, dtype=torch.int64, device=ranked.device),
+            torch.empty(rows, dtype=torch.int8, device=ranked.device))
+
+
 def draw_rows(ranked: torch.Tensor, floor: torch.Tensor, total: torch.Tensor | None, temperature: torch.Tensor,
               top_k: torch.Tensor | None, top_p: torch.Tensor | None, min_p: torch.Tensor | None, seeds: torch.Tensor,
               offsets: torch.Tensor, plain: torch.Tensor | None, *, vocab_size: int,
@@ -366,12 +367,9 @@ def draw_rows(ranked: torch.Tensor, floor: torch.Tensor, total: torch.Tensor | N
     """
     rows, n = ranked.shape
     dev = ranked.device
-    tokens = torch.empty(rows, dtype=torch.int64, device=dev)
-    decided = torch.empty(rows, dtype=torch.int8, device=dev)
+    tokens, decided = _draw_outputs(ranked, "draw_rows")
     if rows == 0:
         return tokens, decided.bool()
-    if not 0 < n <= MAX_CANDIDATES:
-        raise ValueError(f"draw_rows takes 1 to {MAX_CANDIDATES} candidates a row, got {n}")
 
     def arg(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
         return floor if t is None else t.to(dev, dtype).contiguous()  # None: never read
@@ -402,12 +400,9 @@ def draw_candidates(ranked: torch.Tensor, floor: torch.Tensor, total: torch.Tens
     """
     rows, n = ranked.shape
     dev = ranked.device
-    drawn = torch.empty(rows, dtype=torch.int64, device=dev)
-    decided = torch.empty(rows, dtype=torch.int8, device=dev)
+    drawn, decided = _draw_outputs(ranked, "draw_candidates")
     if rows == 0:
         return drawn, decided.bool()
-    if not 0 < n <= MAX_CANDIDATES:
-        raise ValueError(f"draw_candidates takes 1 to {MAX_CANDIDATES} candidates a row, got {n}")
     flags = (k_on.to(dev, torch.int32) + 2 * p_on.to(dev, torch.int32) + 4 * m_on.to(dev, torch.int32)).contiguous()
     k = top_k.to(dev, torch.int64).clamp(min=1).contiguous()
     p_bits = K.top_p_fixed(top_p.to(dev)).contiguous()
