@@ -190,6 +190,34 @@ def _argmax_kernel_on():
         KT.row_argmax, vocab_parallel.GREEDY_ARGMAX_KERNEL, vocab_parallel.KEY_KERNELS_UNDER_INTERPRETER = saved
 
 
+@contextlib.contextmanager
+def _set(*settings):
+    """Each ``(module, name, value)`` set for the block, the old values back after it."""
+    saved = [(module, name, getattr(module, name)) for module, name, _ in settings]
+    for module, name, value in settings:
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
+
+
+def _key_kernels_on(*settings):
+    """The key kernels on wherever this runs (the interpreter or CUDA), and ``settings`` (see :func:`_set`)."""
+    return _set((vocab_parallel, "KEY_KERNELS_UNDER_INTERPRETER", True), (vocab_parallel, "KEY_KERNELS_ON_CUDA", True),
+                *settings)
+
+
+@contextlib.contextmanager
+def _calls(module, name):
+    """``module.name`` counted for the block: yields the list each call appends to."""
+    calls: list[int] = []
+    real = getattr(module, name)
+    with _set((module, name, lambda *a, **k: calls.append(1) or real(*a, **k))):
+        yield calls
+
+
 def check_penalties(device: str, _dtype) -> None:
     gen = torch.Generator().manual_seed(13)
     for rows, width, offset, _ in _slice_cases(device):
@@ -232,18 +260,13 @@ def check_penalized_keys_and_counts(device: str, _dtype) -> None:
                 counts = OccurrenceCounts(6, vocab_offset=offset, width=width, device=device)
                 for slot in range(6):
                     counts.reset(slot, prompts[slot].tolist())
-                saved = (P.COUNT_KERNEL, vocab_parallel.KEY_KERNELS_UNDER_INTERPRETER, vocab_parallel.KEY_KERNELS_ON_CUDA)
-                P.COUNT_KERNEL = kernel
-                vocab_parallel.KEY_KERNELS_UNDER_INTERPRETER = vocab_parallel.KEY_KERNELS_ON_CUDA = True
-                try:
+                with _key_kernels_on((P, "COUNT_KERNEL", kernel)):
                     counts.add(torch.tensor([0, 1, 2, 3, -1, 7]).to(device), out.to(device))
                     counts.add(torch.tensor([5, 5]).to(device), out[:2].to(device))  # the same slot twice
                     counts.add(torch.tensor([4, 0, 3]).to(device), out[3:].to(device),  # the first tokens of each
                                torch.tensor([0, 5, 12]).to(device))
                     # A resumed request's whole output at once: more tokens than one loop of the kernel.
                     counts.add(torch.tensor([2]).to(device), long_output.to(device))
-                finally:
-                    P.COUNT_KERNEL, vocab_parallel.KEY_KERNELS_UNDER_INTERPRETER, vocab_parallel.KEY_KERNELS_ON_CUDA = saved
                 tables.append(counts)
             _same(tables[1].output_counts.cpu(), tables[0].output_counts.cpu(), f"count_tokens {rows}x{width}")
             counts = tables[1]
@@ -496,32 +519,23 @@ def check_fused_penalties_tp1(device: str, _dtype) -> None:
     filtered = dataclasses.replace(rows_obj, temperature=temperature, top_k=top_k, top_p=top_p, min_p=None,
                                    penalties=penalties)
     sharded = VocabShardedLogits(logits.contiguous(), 0, vocab, LocalKeyExchange(device))
-    calls = []
-    real = ST.penalized_keys
-    ST.penalized_keys = lambda *a, **k: calls.append(1) or real(*a, **k)
-    saved = (select.PENALIZED_KEYS_KERNEL, vocab_parallel.KEY_KERNELS_UNDER_INTERPRETER,
-             vocab_parallel.KEY_KERNELS_ON_CUDA)
-    vocab_parallel.KEY_KERNELS_UNDER_INTERPRETER = vocab_parallel.KEY_KERNELS_ON_CUDA = True
     results = []
-    try:
+    with _calls(ST, "penalized_keys") as calls:
         for fused in (False, True):
-            select.PENALIZED_KEYS_KERNEL = fused
-            plan = select.FilterPlan.of_rows(filtered, vocab, logits.device)
-            assert not plan.any_plain and plan.any_top_p_total
-            tokens, decided = select.select_tokens_deferred(sharded, filtered, plan)
+            with _key_kernels_on((select, "PENALIZED_KEYS_KERNEL", fused)):
+                plan = select.FilterPlan.of_rows(filtered, vocab, logits.device)
+                assert not plan.any_plain and plan.any_top_p_total
+                tokens, decided = select.select_tokens_deferred(sharded, filtered, plan)
             results.append((tokens.cpu(), decided.cpu()))
             assert calls == ([1] if fused else []), (fused, calls)
-        reference = select.select_tokens(sharded, filtered).cpu()
-        calls.clear()
-        greedy_row = dataclasses.replace(filtered, temperature=torch.where(
-            torch.arange(rows, device=device) == 0, 0.0, temperature))
-        plan = select.FilterPlan.of_rows(greedy_row, vocab, logits.device)
-        select.select_tokens_deferred(sharded, greedy_row, plan)
+        with _key_kernels_on():
+            reference = select.select_tokens(sharded, filtered).cpu()
+            calls.clear()
+            greedy_row = dataclasses.replace(filtered, temperature=torch.where(
+                torch.arange(rows, device=device) == 0, 0.0, temperature))
+            plan = select.FilterPlan.of_rows(greedy_row, vocab, logits.device)
+            select.select_tokens_deferred(sharded, greedy_row, plan)
         assert calls == [], "a plan with a plain row draws from the penalised slice"
-    finally:
-        ST.penalized_keys = real
-        select.PENALIZED_KEYS_KERNEL, vocab_parallel.KEY_KERNELS_UNDER_INTERPRETER, \
-            vocab_parallel.KEY_KERNELS_ON_CUDA = saved
     (off_tokens, off_decided), (on_tokens, on_decided) = results
     _same(on_tokens, off_tokens, "fused penalties: tokens")
     _same(on_decided, off_decided, "fused penalties: verdict")
@@ -547,26 +561,16 @@ def check_draw_rows_selection_tp1(device: str, _dtype) -> None:
 
     only_filtered = dataclasses.replace(mixed, temperature=torch.tensor([0.7, 1.0, 0.3, 0.5])[torch.arange(rows) % 4]
                                         .to(device), min_p=None)
-    calls = []
-    real = ST.draw_rows
-    ST.draw_rows = lambda *a, **k: calls.append(1) or real(*a, **k)
-    saved = (select.FILTERS_IN_DRAW_KERNEL, vocab_parallel.KEY_KERNELS_UNDER_INTERPRETER,
-             vocab_parallel.KEY_KERNELS_ON_CUDA)
-    vocab_parallel.KEY_KERNELS_UNDER_INTERPRETER = vocab_parallel.KEY_KERNELS_ON_CUDA = True
-    try:
+    with _calls(ST, "draw_rows") as calls:
         for rows_obj in (mixed, only_filtered):
             results = []
             for on in (False, True):
-                select.FILTERS_IN_DRAW_KERNEL = on
                 calls.clear()
-                results.append(_select_all(logits, rows_obj, LocalKeyExchange(device), 0, vocab, vocab)[:3])
+                with _key_kernels_on((select, "FILTERS_IN_DRAW_KERNEL", on)):
+                    results.append(_select_all(logits, rows_obj, LocalKeyExchange(device), 0, vocab, vocab)[:3])
                 assert bool(calls) == on, (on, calls)
             for name, a, b in zip(("tokens", "deferred", "decided"), *results):
                 _same(b, a, f"draw_rows in the selection: {name}")
-    finally:
-        ST.draw_rows = real
-        select.FILTERS_IN_DRAW_KERNEL, vocab_parallel.KEY_KERNELS_UNDER_INTERPRETER, \
-            vocab_parallel.KEY_KERNELS_ON_CUDA = saved
 
 
 def _tp2_worker(rank: int, world: int, vocab: int) -> list[torch.Tensor]:
@@ -589,12 +593,8 @@ def _tp2_worker(rank: int, world: int, vocab: int) -> list[torch.Tensor]:
     rows_obj = dataclasses.replace(rows_obj, penalties=dataclasses.replace(rows_obj.penalties, counts=counts))
     exchange = AllGatherKeyExchange(D.tp_group())
     off, on = _switched(lambda: _select_all(logits, rows_obj, exchange, offset, width, vocab))
-    saved = (select.FILTERS_IN_DRAW_KERNEL, vocab_parallel.KEY_KERNELS_UNDER_INTERPRETER)
-    select.FILTERS_IN_DRAW_KERNEL, vocab_parallel.KEY_KERNELS_UNDER_INTERPRETER = False, True
-    try:
+    with _key_kernels_on((select, "FILTERS_IN_DRAW_KERNEL", False)):
         flags_apart = _select_all(logits, rows_obj, exchange, offset, width, vocab)
-    finally:
-        select.FILTERS_IN_DRAW_KERNEL, vocab_parallel.KEY_KERNELS_UNDER_INTERPRETER = saved
     return off, on, flags_apart
 
 
