@@ -130,6 +130,22 @@ def check_norm_kernels(device: str, dtype: torch.dtype, shapes=SMALL_SHAPES, row
                         assert torch.equal(y, kernels.norm_linear(x, r, g, eps, w, b, splits=splits)[0]), what
 
 
+def check_both_operand_orders(device: str, dtype: torch.dtype, shapes=SMALL_SHAPES, rows=(16, 40)) -> None:
+    """The ``tl.dot`` rows with either operand on the left (``ROWS_WEIGHTS_LEFT`` off and on): as
+    :func:`check_kernels`, :func:`check_norm_kernels` (16 and 40 rows) and :func:`check_silu_kernels`
+    (16 rows), each order within its rounding of the float64 result."""
+    saved = kernels.ROWS_WEIGHTS_LEFT
+    try:
+        for left in (False, True):
+            kernels.ROWS_WEIGHTS_LEFT = left
+            assert kernels.plan_gemv(rows[0], 64, 64, device=device).w_left == left
+            check_kernels(device, dtype, shapes, rows)
+            check_norm_kernels(device, dtype, shapes, rows)
+            check_silu_kernels(device, dtype, shapes[:2], rows[:1])
+    finally:
+        kernels.ROWS_WEIGHTS_LEFT = saved
+
+
 class _CountingLaunches:
     """Stands in for a kernel in its module: counts the launches, runs the kernel."""
 
@@ -201,9 +217,9 @@ def check_llm(device: str, dtype: torch.dtype) -> None:
     """The tiny model with its layers' fused kernels, greedy, two requests of different lengths (steps
     of two rows, then of one): the tokens with the switches on (the Triton GEMV running the linears
     of up to ``MAX_ROWS`` rows, the norms fused into q/k/v and gate/up, ``silu(gate) * up`` into
-    down_proj, at every row count: ``FUSED_INPUT_ROWS`` raised too) equal those of ``F.linear``, and
-    every kernel ran at one row, the GEMV and ``silu_mul_linear`` at several too (the norm's linears,
-    ``N > K``, take the GEMV at one row only)."""
+    down_proj, at one row and from five rows on: ``FUSED_INPUT_ROWS`` raised too) equal those of
+    ``F.linear``, and every kernel ran at one row and at the prompts' seven rows, the GEMV at two rows too
+    (the norm's linears, ``N > K``, take the GEMV at one row and from five rows on)."""
     from tpspec.mapping import Mapping
     from tpspec.model import layers as layers_mod
     from tpspec.model import linear as linear_mod
@@ -251,15 +267,18 @@ def check_llm(device: str, dtype: torch.dtype) -> None:
          linear_mod.FUSED_INPUT_ROWS) = saved
         for name, fn in originals.items():
             setattr(kernels, name, fn)
-    # q/k/v and gate/up (N > K) take the GEMV, with their norm inside, at one row only (the rule of
-    # use_triton_linear); o_proj, down_proj and the LM head at several rows too.
-    assert all(1 in seen for seen in rows_seen.values()) and rows_seen["norm_linear"] == {1}, rows_seen
-    assert max(rows_seen["linear"]) > 1 and max(rows_seen["silu_mul_linear"]) > 1, rows_seen
+    # q/k/v and gate/up (N > K) take the GEMV, with their norm inside, at one row and at five rows or
+    # more (the prompts' seven), not at two to four (the rule of use_triton_linear); o_proj, down_proj and
+    # the LM head at two rows too.
+    few = set(range(2, kernels.FEW_ROWS + 1))
+    assert all(1 in seen for seen in rows_seen.values()) and 7 in rows_seen["norm_linear"], rows_seen
+    assert not rows_seen["norm_linear"] & few and rows_seen["linear"] & few, rows_seen
+    assert max(rows_seen["silu_mul_linear"]) > kernels.FEW_ROWS, rows_seen
     assert tokens[True] == tokens[False], tokens
 
 
 CHECKS = {"kernels": [check_kernels, check_norm_kernels, check_silu_kernels],
-          "rows_and_splits": [check_many_rows, check_last_split_sums], "llm": [check_llm]}
+          "rows_and_splits": [check_many_rows, check_last_split_sums, check_both_operand_orders], "llm": [check_llm]}
 
 
 if __name__ == "__main__":

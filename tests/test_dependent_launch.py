@@ -46,10 +46,12 @@ def _decoder_kernels():
     one_row = gemv.plan_gemv(1, 4096, 14336, device="cpu")
     gemv_constants = dict(M_PAD=1, BLOCK_N=one_row.block_n, BLOCK_K=one_row.block_k, USE_DOT=False, EVEN=True,
                           SPLIT=True, LAST_SUMS=False, HAS_BIAS=False, IEEE=False, NUM_STAGES=one_row.num_stages,
-                          SILU_MUL=True, ACCURATE_EXP=True)
+                          SILU_MUL=True, ACCURATE_EXP=True, W_LEFT=False)
     rows = gemv.plan_gemv(8, 4096, 4096, device="cpu")
     dot_constants = dict(gemv_constants, M_PAD=rows.m_pad, BLOCK_N=rows.block_n, BLOCK_K=rows.block_k, USE_DOT=True,
-                         SILU_MUL=False, NUM_STAGES=rows.num_stages)
+                         SILU_MUL=False, NUM_STAGES=rows.num_stages, W_LEFT=rows.w_left)
+    norm_rows_constants = dict(M_PAD=rows.m_pad, BLOCK_N=rows.block_n, BLOCK_K=rows.block_k, EVEN=True, SPLIT=True,
+                               HAS_RES=True, HAS_BIAS=False, IEEE=False, NUM_STAGES=rows.num_stages, W_LEFT=rows.w_left)
     few = gemv.plan_gemv(gemv.FEW_ROWS, 4096, 14336, device="cpu")
     few_constants = dict(BLOCK_N=few.block_n, BLOCK_K=few.block_k, EVEN=True, SPLIT=True, HAS_BIAS=False,
                          NUM_STAGES=few.num_stages, SILU_MUL=True, ACCURATE_EXP=True)
@@ -65,6 +67,10 @@ def _decoder_kernels():
         ("gemv rows", gemv._gemv_kernel, dot_constants, dict(warps, num_stages=rows.num_stages), True),
         ("gemv rows, last split sums", gemv._gemv_kernel, dict(dot_constants, LAST_SUMS=True),
          dict(warps, num_stages=rows.num_stages), True),
+        ("gemv rows, the other operand order", gemv._gemv_kernel, dict(dot_constants, W_LEFT=not rows.w_left),
+         dict(warps, num_stages=rows.num_stages), True),
+        *[(f"norm gemv rows, weights left {left}", gemv._norm_rows_kernel, dict(norm_rows_constants, W_LEFT=left),
+           dict(warps, num_stages=rows.num_stages), True) for left in (False, True)],
         ("gemv few rows, silu", gemv._few_rows_kernel, few_constants, dict(warps, num_stages=few.num_stages), True),
         ("norm gemv few rows", gemv._norm_few_rows_kernel,
          dict(BLOCK_N=few.block_n, BLOCK_K=few.block_k, EVEN=True, SPLIT=True, HAS_RES=True, HAS_BIAS=False,

@@ -48,8 +48,9 @@ def test_interpreted_kernel_matches_the_float64_reference(interpreted):
 
 @needs_triton
 def test_interpreted_many_rows_and_last_split_sums(interpreted):
-    """40 rows (padded to 64), and the last split sums against the reduction kernel: float32 (the
-    dtype does not enter their logic; the GPU tests run bfloat16)."""
+    """40 rows (padded to 64), the last split sums against the reduction kernel, and the ``tl.dot``
+    rows with the weight tile as either operand: float32 (the dtype does not enter their logic; the
+    GPU tests run bfloat16)."""
     interpreted.check("rows_and_splits")
 
 
@@ -95,7 +96,7 @@ def test_norm_kernels_compile_for_hopper():
                      "k_f": "fp32", "eps": "fp32"}
         constants = {"M_PAD": m_pad, "BLOCK_N": launch.block_n, "BLOCK_K": launch.block_k, "EVEN": True,
                      "SPLIT": pdl, "HAS_RES": True, "HAS_BIAS": False, "IEEE": False,
-                     "NUM_STAGES": launch.num_stages, "PDL": pdl}
+                     "NUM_STAGES": launch.num_stages, "W_LEFT": launch.w_left, "PDL": pdl}
         asm = compile_for_hopper(kernels._norm_rows_kernel, signature, constants, num_warps=launch.num_warps,
                                  num_stages=launch.num_stages, enable_fp_fusion=True, launch_pdl=pdl)
         assert "cubin" in asm and "mma" in asm["ptx"] and ("griddepcontrol.wait" in asm["ptx"]) == pdl
@@ -116,9 +117,9 @@ def test_kernels_keep_their_values_in_registers_on_hopper():
     ``norm_linear`` (q/k/v, gate/up), their split reductions, and the same three at 4 rows (the
     few-rows kernels) and at 16, 32 and 64 rows.
     ``norm_linear`` keeps 8 bytes at one row and up to 24 at several, stored once before the K loop
-    and read once after it; ``[64, 128]`` tiles of 4 warps spilled up to 2.5 KB a thread at 16 and 32
-    rows, and a verification step of 4 rows a request through them took 3.3 times as long as through
-    cuBLAS."""
+    and read once after it; ``[64, 128]`` tiles of 4 warps with ``x`` as the product's left operand
+    spilled up to 2.5 KB a thread at 16 and 32 rows, and a verification step of 4 rows a request
+    through them took 3.3 times as long as through cuBLAS."""
     from interpreted import compile_for_hopper, resource_usage
     from test_dependent_launch import _signature
     from tpspec.model import gemv_triton as kernels
@@ -144,7 +145,7 @@ def test_kernels_keep_their_values_in_registers_on_hopper():
                                                        multiples_of_16=sixteens(fn, consts), **opts)
             elif name in ("o", "down"):
                 consts = dict(tile, M_PAD=launch.m_pad, USE_DOT=m > 1, LAST_SUMS=False, IEEE=False,
-                              SILU_MUL=name == "down", ACCURATE_EXP=True)
+                              SILU_MUL=name == "down", ACCURATE_EXP=True, W_LEFT=launch.w_left)
                 compiled[name, m] = compile_for_hopper(kernels._gemv_kernel, _signature(kernels._gemv_kernel, consts),
                                                        consts, aligned_pointers=True,
                                                        multiples_of_16=sixteens(kernels._gemv_kernel, consts), **opts)
@@ -156,7 +157,7 @@ def test_kernels_keep_their_values_in_registers_on_hopper():
                                                        multiples_of_16=sixteens(kernels._norm_gemv_kernel, consts),
                                                        **opts)
             else:
-                consts = dict(tile, M_PAD=launch.m_pad, HAS_RES=True, IEEE=False)
+                consts = dict(tile, M_PAD=launch.m_pad, HAS_RES=True, IEEE=False, W_LEFT=launch.w_left)
                 compiled[name, m] = compile_for_hopper(kernels._norm_rows_kernel,
                                                        _signature(kernels._norm_rows_kernel, consts), consts,
                                                        aligned_pointers=True,
@@ -184,7 +185,7 @@ def test_last_split_sums_order_their_memory_accesses():
     one_row = kernels.plan_gemv(1, 4096, 14336, device="cpu")
     gemv = dict(M_PAD=1, BLOCK_N=one_row.block_n, BLOCK_K=one_row.block_k, USE_DOT=False, EVEN=True, SPLIT=True,
                 LAST_SUMS=True, HAS_BIAS=False, IEEE=False, NUM_STAGES=one_row.num_stages, SILU_MUL=True,
-                ACCURATE_EXP=True, PDL=True)
+                ACCURATE_EXP=True, W_LEFT=False, PDL=True)
     norm = dict(BLOCK_N=16, BLOCK_K=256, EVEN=True, SPLIT=True, LAST_SUMS=True, HAS_RES=True, HAS_BIAS=False,
                 NUM_STAGES=3, PDL=True)
     for fn, constants in ((kernels._gemv_kernel, gemv), (kernels._norm_gemv_kernel, norm)):
@@ -206,8 +207,10 @@ class _Kernels:
 def test_dispatch_rule(monkeypatch):
     """On by default (GPU-checked); with the switch on, only one-row ``N >= K`` and two- to four-row
     ``N <= K``, aligned, same-dtype calls on a device the kernels run on (CUDA compiled, CPU
-    interpreted) go to the kernel; with it off, none. SwiGLU's down projection with ``silu(gate) * up``
-    inside: one row of ``2 K``, any ``N``, both switches on."""
+    interpreted) go to the kernel, and with ``TRITON_GEMV_ROWS`` raised every linear of five rows
+    and more; with it off, none. SwiGLU's down projection with ``silu(gate) * up`` inside: one row of
+    ``2 K``, any ``N``, both switches on, and where ``FUSED_INPUT_ROWS`` says five rows and more (two
+    to four only with ``FUSED_FEW_ROWS``)."""
     assert linear_mod.TRITON_GEMV is True
     use = linear_mod.use_triton_linear
     x, w, b = torch.zeros(1, 64), torch.zeros(64, 64), torch.zeros(64)
@@ -258,10 +261,25 @@ def test_dispatch_rule(monkeypatch):
     assert linear_mod.FUSED_INPUT_ROWS == 1  # the norm and silu inside the GEMV at one row only
     assert not silu(torch.zeros(2, 128), torch.zeros(32, 64)) and not norm(torch.zeros(2, 64), None, g, w)
     assert silu(gate_up, torch.zeros(32, 64)) and norm(x, None, g, w)
-    monkeypatch.setattr(linear_mod, "FUSED_INPUT_ROWS", 4)  # up to four rows: silu and the norm too
+    assert linear_mod.FUSED_FEW_ROWS is False
+    monkeypatch.setattr(linear_mod, "FUSED_INPUT_ROWS", 4)  # the few-rows kernels take them only when told
+    assert not silu(torch.zeros(4, 128), torch.zeros(32, 64)) and not norm(torch.zeros(2, 64), None, g, w)
+    monkeypatch.setattr(linear_mod, "FUSED_FEW_ROWS", True)  # up to four rows: silu and the norm too
     assert silu(torch.zeros(4, 128), torch.zeros(32, 64)) and not silu(torch.zeros(5, 128), torch.zeros(32, 64))
     assert norm(torch.zeros(2, 64), None, g, w) and norm(torch.zeros(4, 64), torch.zeros(4, 64), g, w)
     assert not norm(torch.zeros(4, 64), torch.zeros(1, 64), g, w) and not norm(torch.zeros(5, 64), None, g, w)
+    monkeypatch.setattr(linear_mod, "FUSED_FEW_ROWS", False)
+    # Five rows and more (the tl.dot path): every linear, N > K too, and the norm and silu inside up to
+    # FUSED_INPUT_ROWS, while two to four rows keep them outside.
+    monkeypatch.setattr(linear_mod, "TRITON_GEMV_ROWS", 8)
+    monkeypatch.setattr(linear_mod, "FUSED_INPUT_ROWS", 6)
+    wide = torch.zeros(128, 64)  # N > K: q/k/v, gate/up
+    assert use(torch.zeros(5, 64), wide) and use(torch.zeros(8, 64), wide) and not use(torch.zeros(9, 64), wide)
+    assert not use(torch.zeros(4, 64), wide) and use(torch.zeros(8, 64), torch.zeros(32, 64))
+    assert norm(torch.zeros(5, 64), None, g, wide) and norm(torch.zeros(6, 64), torch.zeros(6, 64), g, wide)
+    assert not norm(torch.zeros(7, 64), None, g, wide) and not norm(torch.zeros(4, 64), None, g, w)
+    assert silu(torch.zeros(6, 128), torch.zeros(32, 64)) and not silu(torch.zeros(7, 128), torch.zeros(32, 64))
+    assert not silu(torch.zeros(4, 128), torch.zeros(32, 64)) and silu(gate_up, torch.zeros(32, 64))
     monkeypatch.setattr(linear_mod, "FUSED_INPUT_ROWS", 1)
     monkeypatch.setattr(linear_mod, "TRITON_GEMV_ROWS", 1000)  # never past the kernels' MAX_ROWS
     assert use(torch.zeros(kernels.MAX_ROWS, 64), w) and not use(torch.zeros(kernels.MAX_ROWS + 1, 64), w)

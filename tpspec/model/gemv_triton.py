@@ -76,13 +76,16 @@ FEW_ROWS = 4
 FEW_ROWS_TILE = (8, 256)
 FEW_ROWS_STAGES = 3
 FEW_ROWS_PROGRAMS_PER_SM = 2
-# More rows: [features, contraction] of a weight tile (into a tl.dot of 16 to 64 rows), and warps a program.
-# 64 x 64 with 8 warps: the GEMV, silu_mul_linear and norm_linear keep every value in registers at 16 to 64 rows
-# (64 x 128 with 4 warps spilled in the last two, tests/test_gemv_triton.py checks it).
-ROWS_TILE = (64, 64)
-ROWS_WARPS = 8
-ROWS_STAGES = 4  # more rows, 16-bit weights: pipeline stages of the K loop (float32: 2)
+# More rows: [features, contraction] of a weight tile (into a tl.dot of 16 to 64 rows), warps a program, and which
+# operand the weight tile is. The tile on the left (W x^T: its 64 features fill the rows of Hopper's warpgroup
+# product, which a few rows of x padded to 16 cannot) read the layers' linears faster than x on the left with the
+# [64, 64] tiles of 8 warps before, and [64, 128] tiles of 4 warps in 3 stages were the fastest of ten tile shapes
+# (docs/benchmarks.md, "The linears alone"). No value spills to local memory (tests/test_gemv_triton.py).
+ROWS_TILE = (64, 128)
+ROWS_WARPS = 4
+ROWS_STAGES = 3  # more rows, 16-bit weights: pipeline stages of the K loop (float32: 2)
 ROWS_PROGRAMS_PER_SM = 2  # more rows: split K until the programs reach this many per SM
+ROWS_WEIGHTS_LEFT = True  # False: x W^T, x padded to 16 to 64 rows as the left operand
 MAX_SPLITS = 16
 # Whether a split launch's last program to finish sums the splits itself (no reduction kernel): off until a GPU run
 # checks it; see tpspec.model.split_counters.
@@ -92,17 +95,45 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
-def _dot(x, w, acc, IEEE: tl.constexpr):
-    """``acc + x @ w.T`` on the tensor cores (``x`` ``[M_PAD, BLOCK_K]``, ``w`` ``[BLOCK_N, BLOCK_K]``);
-    ``IEEE``: float32 inputs multiplied in IEEE precision."""
-    if IEEE:
-        return tl.dot(x, tl.trans(w), acc, input_precision="ieee")
-    return tl.dot(x, tl.trans(w), acc)
+def _dot(x, w, acc, IEEE: tl.constexpr, W_LEFT: tl.constexpr):
+    """The tensor cores' product of ``x`` ``[M_PAD, BLOCK_K]`` and ``w`` ``[BLOCK_N, BLOCK_K]`` added to
+    ``acc``: ``acc + x @ w.T`` (``acc`` ``[M_PAD, BLOCK_N]``), or with ``W_LEFT`` ``acc + w @ x.T``
+    (``acc`` ``[BLOCK_N, M_PAD]``: the weight tile as the left operand, whose rows may fill an
+    instruction's 64 that a few rows of ``x`` cannot). ``IEEE``: float32 multiplied in IEEE precision."""
+    if W_LEFT:
+        if IEEE:
+            acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, tl.trans(x), acc)
+    else:
+        if IEEE:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+    return acc
+
+
+@triton.jit
+def _dot_zeros(M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, W_LEFT: tl.constexpr):
+    """The float32 accumulator :func:`_dot` adds to: ``[BLOCK_N, M_PAD]`` with ``W_LEFT``, else ``[M_PAD, BLOCK_N]``."""
+    if W_LEFT:
+        acc = tl.zeros([BLOCK_N, M_PAD], tl.float32)
+    else:
+        acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
+    return acc
+
+
+@triton.jit
+def _dot_rows(acc, W_LEFT: tl.constexpr):
+    """:func:`_dot`'s accumulator as ``[M_PAD, BLOCK_N]``."""
+    if W_LEFT:
+        acc = tl.trans(acc)
+    return acc
 
 
 @triton.jit
 def _gemv_fold(acc, w, x_ptr, k, m, m_ok, K, stride_xm, USE_DOT: tl.constexpr, EVEN: tl.constexpr,
-               IEEE: tl.constexpr, SILU_MUL: tl.constexpr, ACCURATE_EXP: tl.constexpr):
+               IEEE: tl.constexpr, SILU_MUL: tl.constexpr, ACCURATE_EXP: tl.constexpr, W_LEFT: tl.constexpr):
     """One weight tile ``w`` ``[BLOCK_N, BLOCK_K]`` (columns ``k``) times x's columns ``k``, added to ``acc``.
     ``SILU_MUL``: x's row holds ``cat(gate, up)`` (``2 K`` wide) and the product's input is ``silu(gate) * up``."""
     if USE_DOT:
@@ -114,7 +145,7 @@ def _gemv_fold(acc, w, x_ptr, k, m, m_ok, K, stride_xm, USE_DOT: tl.constexpr, E
         x = tl.load(rows, mask=ok, other=0.0)
         if SILU_MUL:
             x = silu_mul_values(x, tl.load(rows + K, mask=ok, other=0.0), ACCURATE_EXP)
-        acc = _dot(x, w, acc, IEEE)
+        acc = _dot(x, w, acc, IEEE, W_LEFT)
     else:
         if EVEN:
             x = tl.load(x_ptr + k)
@@ -140,7 +171,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, str
                  k_iters, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
                  EVEN: tl.constexpr, SPLIT: tl.constexpr, LAST_SUMS: tl.constexpr, HAS_BIAS: tl.constexpr,
                  IEEE: tl.constexpr, NUM_STAGES: tl.constexpr, SILU_MUL: tl.constexpr, ACCURATE_EXP: tl.constexpr,
-                 PDL: tl.constexpr):
+                 W_LEFT: tl.constexpr, PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -151,7 +182,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, str
     k_first = split * k_iters * BLOCK_K
     w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
     if USE_DOT:
-        acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
+        acc = _dot_zeros(M_PAD, BLOCK_N, W_LEFT)
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # summed along K once, after the loop
     first = 0
@@ -162,13 +193,16 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, str
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
         acc = _gemv_fold(acc, w, x_ptr, k_first + kk, m, m_ok, K, stride_xm, USE_DOT, EVEN, IEEE, SILU_MUL,
-                         ACCURATE_EXP)
+                         ACCURATE_EXP, W_LEFT)
         first = 1
     for i in tl.range(first, k_iters, num_stages=NUM_STAGES):
         k = k_first + i * BLOCK_K + kk
         w = _load_w(w_rows, k, n_ok, K, EVEN)
-        acc = _gemv_fold(acc, w, x_ptr, k, m, m_ok, K, stride_xm, USE_DOT, EVEN, IEEE, SILU_MUL, ACCURATE_EXP)
-    if not USE_DOT:
+        acc = _gemv_fold(acc, w, x_ptr, k, m, m_ok, K, stride_xm, USE_DOT, EVEN, IEEE, SILU_MUL, ACCURATE_EXP,
+                         W_LEFT)
+    if USE_DOT:
+        acc = _dot_rows(acc, W_LEFT)
+    else:
         acc = tl.sum(acc, 1)[None, :]  # [1, BLOCK_N]; M_PAD == 1
     ok = m_ok[:, None] & n_ok[None, :]
     last = not SPLIT
@@ -327,11 +361,30 @@ def _store_norm_rows(acc, sq, m, n, ok, n_ok, M, N, split, pid_n, part_ptr, sq_p
 
 
 @triton.jit
+def _norm_rows_fold(acc, sq, w, x_ptr, res_ptr, g_ptr, h_ptr, k, m, m_ok, K, h_end, stride_xm, stride_rm, stride_hm,
+                    HAS_RES: tl.constexpr, IEEE: tl.constexpr, W_LEFT: tl.constexpr):
+    """One weight tile of :func:`_norm_rows_kernel`: ``H`` over columns ``k`` (stored by the first feature
+    block's programs), its squares into ``sq``, ``(H * g)`` rounded to the dtype into the product."""
+    k_ok = k < K
+    ok = m_ok[:, None] & k_ok[None, :]
+    x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=ok, other=0.0)
+    g = tl.load(g_ptr + k, mask=k_ok, other=0.0)
+    if HAS_RES:
+        r = tl.load(res_ptr + m[:, None] * stride_rm + k[None, :], mask=ok, other=0.0)
+        # The sum rounded once to the dtype (what torch's ``x + residual`` gives).
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(h_ptr + m[:, None] * stride_hm + k[None, :], x, mask=ok & (k < h_end)[None, :])
+    h = x.to(tl.float32)
+    a = (h * g.to(tl.float32)[None, :]).to(x.dtype)
+    return _dot(a, w, acc, IEEE, W_LEFT), sq + tl.sum(h * h, 1)
+
+
+@triton.jit
 def _norm_rows_kernel(x_ptr, res_ptr, g_ptr, w_ptr, b_ptr, out_ptr, h_ptr, part_ptr, sq_ptr, M, N, K, stride_xm,
                       stride_rm, stride_hm, stride_om, stride_wn, k_iters, k_f, eps, M_PAD: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, SPLIT: tl.constexpr,
                       HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, NUM_STAGES: tl.constexpr,
-                      PDL: tl.constexpr):
+                      W_LEFT: tl.constexpr, PDL: tl.constexpr):
     # Several rows: Y = rstd * ((H * g) W^T), H = X + residual, each row's rstd from its own sum of
     # squares, which the K loop that streams W gathers as it goes. H * g is rounded to the dtype for
     # the tensor cores' product (float32 stays float32, in IEEE precision).
@@ -345,27 +398,23 @@ def _norm_rows_kernel(x_ptr, res_ptr, g_ptr, w_ptr, b_ptr, out_ptr, h_ptr, part_
     k_first = split * k_iters * BLOCK_K
     h_end = K - pid_n * K  # the first feature block's programs store H (K for them, <= 0 for the rest)
     w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
-    acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
+    acc = _dot_zeros(M_PAD, BLOCK_N, W_LEFT)
     sq = tl.zeros([M_PAD], tl.float32)
+    first = 0
     if PDL:
+        # As in _gemv_kernel: the first weight tile before the wait, x and the residual after it.
+        w = _load_w(w_rows, k_first + kk, n_ok, K, EVEN)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    for i in tl.range(0, k_iters, num_stages=NUM_STAGES):
+        acc, sq = _norm_rows_fold(acc, sq, w, x_ptr, res_ptr, g_ptr, h_ptr, k_first + kk, m, m_ok, K, h_end,
+                                  stride_xm, stride_rm, stride_hm, HAS_RES, IEEE, W_LEFT)
+        first = 1
+    for i in tl.range(first, k_iters, num_stages=NUM_STAGES):
         k = k_first + i * BLOCK_K + kk
         w = _load_w(w_rows, k, n_ok, K, EVEN)
-        k_ok = k < K
-        ok = m_ok[:, None] & k_ok[None, :]
-        x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=ok, other=0.0)
-        g = tl.load(g_ptr + k, mask=k_ok, other=0.0)
-        if HAS_RES:
-            r = tl.load(res_ptr + m[:, None] * stride_rm + k[None, :], mask=ok, other=0.0)
-            # The sum rounded once to the dtype (what torch's ``x + residual`` gives).
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-            tl.store(h_ptr + m[:, None] * stride_hm + k[None, :], x, mask=ok & (k < h_end)[None, :])
-        h = x.to(tl.float32)
-        sq += tl.sum(h * h, 1)
-        a = (h * g.to(tl.float32)[None, :]).to(x.dtype)
-        acc = _dot(a, w, acc, IEEE)
+        acc, sq = _norm_rows_fold(acc, sq, w, x_ptr, res_ptr, g_ptr, h_ptr, k, m, m_ok, K, h_end, stride_xm,
+                                  stride_rm, stride_hm, HAS_RES, IEEE, W_LEFT)
+    acc = _dot_rows(acc, W_LEFT)
     ok = m_ok[:, None] & n_ok[None, :]
     _store_norm_rows(acc, sq, m, n, ok, n_ok, M, N, split, pid_n, part_ptr, sq_ptr, b_ptr, out_ptr, stride_om, k_f, eps,
                      SPLIT, HAS_BIAS)
@@ -573,6 +622,7 @@ class GemvLaunch:
     k_iters: int  # BLOCK_K tiles per split
     num_warps: int
     num_stages: int  # software pipeline depth of the K loop (cp.async; 1: plain register loads)
+    w_left: bool = False  # tl.dot paths: the weight tile is the product's left operand (ROWS_WEIGHTS_LEFT)
 
 
 def plan_gemv(m: int, n: int, k: int, *, device: torch.device | str, splits: int | None = None,
@@ -583,9 +633,10 @@ def plan_gemv(m: int, n: int, k: int, *, device: torch.device | str, splits: int
     tile, 32 float32 accumulators a thread) in 3 pipeline stages (17 KiB of shared memory and 78
     registers a thread on sm_90: six programs fit an SM). Two to ``FEW_ROWS`` (4) rows: the same
     product for each row on ``[8, 256]`` tiles (``FEW_ROWS_TILE``), 4 warps, 3 stages. More rows:
-    ``[64, 64]`` tiles (``ROWS_TILE``) into a ``tl.dot`` of ``m`` rows padded to 16, 32 or 64, 8 warps
-    (``ROWS_WARPS``: no value of the three kernels spills to local memory at 16 to 64 rows), 4 stages
-    for 16-bit weights, 2 for float32 (``element_size`` 4). ``splits`` (default: 1 when the feature
+    ``[64, 128]`` tiles (``ROWS_TILE``) in a ``tl.dot`` with ``m`` rows padded to 16, 32 or 64, the
+    weight tile as its left operand (``ROWS_WEIGHTS_LEFT``), 4 warps (``ROWS_WARPS``: no value of the
+    three kernels spills to local memory at 16 to 64 rows), 3 stages for 16-bit weights, 2 for
+    float32 (``element_size`` 4). ``splits`` (default: 1 when the feature
     blocks reach the path's programs per SM, ``ONE_ROW_PROGRAMS_PER_SM``, ``FEW_ROWS_PROGRAMS_PER_SM``
     or ``ROWS_PROGRAMS_PER_SM``, else the fewest splits
     that get there, preferring a divisor of the tile count so every split reads whole tiles without
@@ -619,7 +670,7 @@ def plan_gemv(m: int, n: int, k: int, *, device: torch.device | str, splits: int
     k_iters = triton.cdiv(tiles, splits)
     splits = triton.cdiv(tiles, k_iters)  # no split without a tile
     return GemvLaunch(m_pad=m_pad, block_n=block_n, block_k=block_k, splits=splits, k_iters=k_iters,
-                      num_warps=num_warps, num_stages=num_stages)
+                      num_warps=num_warps, num_stages=num_stages, w_left=m_pad > FEW_ROWS and ROWS_WEIGHTS_LEFT)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -699,8 +750,8 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
                            BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, USE_DOT=launch.m_pad > 1, EVEN=even,
                            SPLIT=split, LAST_SUMS=counts is not None, HAS_BIAS=bias is not None,
                            IEEE=x.dtype == torch.float32, NUM_STAGES=launch.num_stages, SILU_MUL=silu_mul,
-                           ACCURATE_EXP=not INTERPRETED, num_warps=launch.num_warps, num_stages=launch.num_stages,
-                           enable_fp_fusion=True, **pdl)
+                           ACCURATE_EXP=not INTERPRETED, W_LEFT=launch.w_left, num_warps=launch.num_warps,
+                           num_stages=launch.num_stages, enable_fp_fusion=True, **pdl)
     if split and counts is None:
         _reduce_kernel[(m, triton.cdiv(n, REDUCE_BLOCK))](part, bias_arg, out, m, n, launch.splits, out.stride(0),
                                                          HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK, num_warps=4,
@@ -772,7 +823,8 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
     if m > 1:
         sq = torch.empty((launch.splits, m), dtype=torch.float32, device=x.device) if split else out
         rows_kernel = _norm_few_rows_kernel if launch.m_pad == FEW_ROWS else _norm_rows_kernel
-        dot_args = {} if launch.m_pad == FEW_ROWS else dict(M_PAD=launch.m_pad, IEEE=x.dtype == torch.float32)
+        dot_args = {} if launch.m_pad == FEW_ROWS else dict(M_PAD=launch.m_pad, IEEE=x.dtype == torch.float32,
+                                                            W_LEFT=launch.w_left)
         rows_kernel[grid](x, res, norm_weight, weight, bias_arg, out, h, part, sq, m, n, k, x.stride(0), res.stride(0),
                           h.stride(0), out.stride(0), weight.stride(0), launch.k_iters, float(k), float(eps),
                           BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, EVEN=even, SPLIT=split,

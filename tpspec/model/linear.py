@@ -31,7 +31,8 @@ TRITON_GEMV_ROWS = 4
 """The most rows of ``x`` the rule sends to the Triton GEMV (more go to ``F.linear``). Four: a
 verification step of one request (three drafts), whose rows the few-rows kernels read as one row
 is read; from five rows on the GEMV's ``tl.dot`` path read the linears no faster than cuBLAS
-(``docs/benchmarks.md``, "The linears alone")."""
+(``docs/benchmarks.md``, "The linears alone"). Raised past four, the ``tl.dot`` path takes every
+linear of five rows and more, whatever its ``N`` and ``K``."""
 
 _TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -58,7 +59,20 @@ FUSED_INPUT_ROWS = 1
 down projection, run inside the GEMV (:func:`use_triton_norm_linear`, :func:`use_triton_silu_linear`).
 Inside it every program forms the input of its whole contraction, each element once for every
 thread that holds its column: at one row that costs less than the kernel it saves (measured); at
-several rows the norm and ``silu`` kernels run before the GEMV (``docs/benchmarks.md``)."""
+several rows the norm and ``silu`` kernels run before the GEMV (``docs/benchmarks.md``). The
+few-rows kernels (two to four rows) take them inside only with ``FUSED_FEW_ROWS``."""
+
+FUSED_FEW_ROWS = False
+"""Whether two to four rows (the few-rows kernels), where ``FUSED_INPUT_ROWS`` reaches them, take the
+norm and ``silu`` inside too: off, a verification step of one request took almost twice as long with
+them inside (``docs/benchmarks.md``, "Two to four rows")."""
+
+_FEW_ROWS = 4  # gemv_triton.FEW_ROWS (this module does not import it): the few-rows kernels' most rows
+
+
+def _fused_input(rows: int) -> bool:
+    """Whether a call of ``rows`` rows takes the norm or ``silu`` inside the GEMV (the rule's part on rows)."""
+    return rows <= FUSED_INPUT_ROWS and (rows == 1 or rows > _FEW_ROWS or FUSED_FEW_ROWS)
 
 
 def use_triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
@@ -79,7 +93,8 @@ def use_triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     if not TRITON_GEMV or weight.dim() != 2 or x.dim() != 2:
         return False
     n, k = weight.shape
-    if k > n if x.shape[0] == 1 else n > k:
+    rows = x.shape[0]
+    if (k > n) if rows == 1 else (n > k and rows <= _FEW_ROWS):
         return False
     return _gemv_runs(x, weight, bias, k)
 
@@ -92,7 +107,7 @@ def use_triton_silu_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: to
     (any ``N`` and ``K``). The same answer on every rank."""
     if not (TRITON_GEMV and TRITON_SILU_DOWN) or weight.dim() != 2 or gate_up.dim() != 2:
         return False
-    if gate_up.shape[0] > FUSED_INPUT_ROWS:
+    if not _fused_input(gate_up.shape[0]):
         return False
     return _gemv_runs(gate_up, weight, bias, 2 * weight.shape[1])
 
@@ -126,7 +141,7 @@ def use_triton_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_
     :func:`use_triton_linear` takes the linear, ``x`` has at most ``FUSED_INPUT_ROWS`` rows, and
     ``residual`` and ``norm_weight`` are ``x``'s
     shape and ``[K]``, in its dtype and on its device. The same answer on every rank."""
-    if not use_triton_linear(x, weight, bias) or x.shape[0] > FUSED_INPUT_ROWS:
+    if not use_triton_linear(x, weight, bias) or not _fused_input(x.shape[0]):
         return False
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
                                  or residual.device != x.device):
