@@ -49,7 +49,7 @@ def test_interpreted_kernel_matches_the_float64_reference(interpreted):
 @needs_triton
 def test_interpreted_many_rows_and_last_split_sums(interpreted):
     """40 rows (padded to 64), the last split sums against the reduction kernel, and the ``tl.dot``
-    rows with the weight tile as either operand: float32 (the dtype does not enter their logic; the
+    rows with the operand order not chosen: float32 (the dtype does not enter their logic; the
     GPU tests run bfloat16)."""
     interpreted.check("rows_and_splits")
 
