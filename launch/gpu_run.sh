@@ -3,12 +3,13 @@
 #
 # Usage: bash launch/gpu_run.sh [--dry-run] OUT_DIR [GROUP_OR_STEP ...]
 #
-#   Groups, in run order: quick, profile and switches (only when named), correctness, exchange, sampling, runtime,
-#   generate (default: all but those three). quick: the GPU tests, the roofline table, the attention alone,
+#   Groups, in run order: quick, profile, switches and rows (only when named), correctness, exchange, sampling,
+#   runtime, generate (default: all but those four). quick: the GPU tests, the roofline table, the attention alone,
 #   tpspec against transformers and deterministic mode's cost at the Llama 3 8B shape, in under 9 minutes on one
 #   GPU. profile: the roofline's one- and eight-request steps and its batch-64 sampled columns kernel by kernel,
 #   and the attention's split counts. switches: the GPU tests of the sampled columns' tail kernels, then the
-#   batch-64 sampled columns with them switched off and on, twice.
+#   batch-64 sampled columns with them switched off and on, twice. rows: the several-row GEMV's GPU tests and
+#   linears, then the steps of 8 and 32 requests with gate/up and the LM head in it and in cuBLAS, twice.
 #   A step's name runs that step alone (`--dry-run` lists the selected ones). Steps run in the order
 #   this script lists them, whatever the order of the arguments.
 #   --dry-run  print each selected step's time limit and command, and whether this build's `tpspec`
@@ -33,7 +34,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '3,15p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '3,16p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 
 dry_run=0
 if [ "${1:-}" = "--dry-run" ]; then dry_run=1; shift; fi
@@ -134,11 +135,24 @@ for spec in draft_model eagle3; do
 done
 step generate generate-llama-3-8b-deterministic 400 "$T bench generate --device cuda --tp 1 --model-shape llama-3-8b --rates 0,1.5,3 --deterministic --timeout 380 --out $o/generate-llama-3-8b-deterministic"
 
+# 0d. Rows (one GPU, only when named, under 9 minutes): the several-row GEMV (five rows and more: the weight tile on
+#     the left of a tl.dot), which no default takes: its GPU tests, the linears alone at 8 and 32 rows against
+#     cuBLAS, then the roofline's steps of 8 and 32 requests with TRITON_GEMV_ROWS raised to 32 (gate/up and the LM
+#     head, the linears ROWS_MIN_WIDENING admits, in the GEMV) and as they run (cuBLAS), off, on, off, on.
+step rows rows-gpu-tests 180 "$PY -m pytest -m gpu -v -rfE -p no:cacheprovider tests/test_gemv_triton.py"
+step rows rows-gemv-llama-3-8b 50 "$T bench gemv --device cuda --model-shape llama-3-8b --batch 8,32 --out $o/rows-gemv-llama-3-8b"
+for run in 1 2; do
+    for state in off on; do
+        set_args=""; [ $state = on ] && set_args=" --set tpspec.model.linear.TRITON_GEMV_ROWS=32"
+        step rows rows-steps-$state-$run 65 "$T bench step $S8B --roofline-only --attention-backends triton --roofline-columns greedy --contexts 1024,4096 --roofline-batch 8,32 --verify-batch 8 --iters 10 --warmup 2 --timeout 55$set_args --out $o/rows-steps-$state-$run"
+    done
+done
+
 # ------------------------------------------------------------------------------------------- the selection
 selected=()
 if [ $# -eq 0 ]; then
     for i in "${!STEP_NAME[@]}"; do
-        case "${STEP_GROUP[$i]}" in quick|profile|switches) ;; *) selected+=("$i") ;; esac
+        case "${STEP_GROUP[$i]}" in quick|profile|switches|rows) ;; *) selected+=("$i") ;; esac
     done
 else
     for want in "$@"; do
@@ -147,7 +161,7 @@ else
             [ "${STEP_GROUP[$i]}" = "$want" ] || [ "${STEP_NAME[$i]}" = "$want" ] && found=1
         done
         if [ $found = 0 ]; then
-            echo "gpu_run.sh: no group or step named '$want' (groups: quick profile switches correctness exchange sampling runtime generate;" \
+            echo "gpu_run.sh: no group or step named '$want' (groups: quick profile switches rows correctness exchange sampling runtime generate;" \
                  "steps: bash launch/gpu_run.sh --dry-run OUT)" >&2
             exit 2
         fi

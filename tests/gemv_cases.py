@@ -217,7 +217,8 @@ def check_llm(device: str, dtype: torch.dtype) -> None:
     """The tiny model with its layers' fused kernels, greedy, two requests of different lengths (steps
     of two rows, then of one): the tokens with the switches on (the Triton GEMV running the linears
     of up to ``MAX_ROWS`` rows, the norms fused into q/k/v and gate/up, ``silu(gate) * up`` into
-    down_proj, at one row and from five rows on: ``FUSED_INPUT_ROWS`` raised too) equal those of
+    down_proj, at one row and from five rows on: ``FUSED_INPUT_ROWS`` raised too, and every linear
+    from five rows on: ``ROWS_MIN_WIDENING`` 0) equal those of
     ``F.linear``, and every kernel ran at one row and at the prompts' seven rows, the GEMV at two rows too
     (the norm's linears, ``N > K``, take the GEMV at one row and from five rows on)."""
     from tpspec.mapping import Mapping
@@ -245,7 +246,7 @@ def check_llm(device: str, dtype: torch.dtype) -> None:
     requests = [Request(0, (11, 12, 13, 14), greedy, 12), Request(1, (21, 22, 23), greedy, 4)]
     tokens = {}
     saved = (layers_mod.FUSED_UNDER_INTERPRETER, linear_mod.TRITON_SILU_DOWN, linear_mod.TRITON_GEMV_ROWS,
-             linear_mod.FUSED_INPUT_ROWS)
+             linear_mod.FUSED_INPUT_ROWS, linear_mod.ROWS_MIN_WIDENING)
     layers_mod.FUSED_UNDER_INTERPRETER = True
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -253,6 +254,7 @@ def check_llm(device: str, dtype: torch.dtype) -> None:
             for on in (False, True):
                 linear_mod.TRITON_GEMV = linear_mod.TRITON_SILU_DOWN = on
                 linear_mod.TRITON_GEMV_ROWS = linear_mod.FUSED_INPUT_ROWS = kernels.MAX_ROWS
+                linear_mod.ROWS_MIN_WIDENING = 0
                 engine = Engine(EngineConfig(ckpt, 1, device, name, max_batch_size=4, use_cuda_graphs=device == "cuda",
                                              gpu_memory_utilization=0.2 if device == "cuda" else None), Mapping(), device)
                 try:
@@ -264,7 +266,7 @@ def check_llm(device: str, dtype: torch.dtype) -> None:
     finally:
         linear_mod.TRITON_GEMV = False
         (layers_mod.FUSED_UNDER_INTERPRETER, linear_mod.TRITON_SILU_DOWN, linear_mod.TRITON_GEMV_ROWS,
-         linear_mod.FUSED_INPUT_ROWS) = saved
+         linear_mod.FUSED_INPUT_ROWS, linear_mod.ROWS_MIN_WIDENING) = saved
         for name, fn in originals.items():
             setattr(kernels, name, fn)
     # q/k/v and gate/up (N > K) take the GEMV, with their norm inside, at one row and at five rows or

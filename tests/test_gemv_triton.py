@@ -207,10 +207,11 @@ class _Kernels:
 def test_dispatch_rule(monkeypatch):
     """On by default (GPU-checked); with the switch on, only one-row ``N >= K`` and two- to four-row
     ``N <= K``, aligned, same-dtype calls on a device the kernels run on (CUDA compiled, CPU
-    interpreted) go to the kernel, and with ``TRITON_GEMV_ROWS`` raised every linear of five rows
-    and more; with it off, none. SwiGLU's down projection with ``silu(gate) * up`` inside: one row of
-    ``2 K``, any ``N``, both switches on, and where ``FUSED_INPUT_ROWS`` says five rows and more (two
-    to four only with ``FUSED_FEW_ROWS``)."""
+    interpreted) go to the kernel, and with ``TRITON_GEMV_ROWS`` raised the linears of five rows and
+    more at least ``ROWS_MIN_WIDENING`` times as wide as their inputs; with it off, none. SwiGLU's down
+    projection with ``silu(gate) * up`` inside: one row of ``2 K``, any ``N``, both switches on, and
+    where ``FUSED_INPUT_ROWS`` says five rows and more of a wide enough weight (two to four only with
+    ``FUSED_FEW_ROWS``)."""
     assert linear_mod.TRITON_GEMV is True
     use = linear_mod.use_triton_linear
     x, w, b = torch.zeros(1, 64), torch.zeros(64, 64), torch.zeros(64)
@@ -269,20 +270,28 @@ def test_dispatch_rule(monkeypatch):
     assert norm(torch.zeros(2, 64), None, g, w) and norm(torch.zeros(4, 64), torch.zeros(4, 64), g, w)
     assert not norm(torch.zeros(4, 64), torch.zeros(1, 64), g, w) and not norm(torch.zeros(5, 64), None, g, w)
     monkeypatch.setattr(linear_mod, "FUSED_FEW_ROWS", False)
-    # Five rows and more (the tl.dot path): every linear, N > K too, and the norm and silu inside up to
+    # Five rows and more (the tl.dot path): the linears at least ROWS_MIN_WIDENING times as wide as their
+    # inputs (gate/up, the LM head), every linear with it at 0, and the norm and silu inside up to
     # FUSED_INPUT_ROWS, while two to four rows keep them outside.
+    assert linear_mod.ROWS_MIN_WIDENING == 4
     monkeypatch.setattr(linear_mod, "TRITON_GEMV_ROWS", 8)
     monkeypatch.setattr(linear_mod, "FUSED_INPUT_ROWS", 6)
-    wide = torch.zeros(128, 64)  # N > K: q/k/v, gate/up
+    wide = torch.zeros(256, 64)  # N = 4 K: as gate/up
     assert use(torch.zeros(5, 64), wide) and use(torch.zeros(8, 64), wide) and not use(torch.zeros(9, 64), wide)
-    assert not use(torch.zeros(4, 64), wide) and use(torch.zeros(8, 64), torch.zeros(32, 64))
+    assert not use(torch.zeros(4, 64), wide) and use(torch.zeros(4, 64), torch.zeros(32, 64))
+    assert not use(torch.zeros(8, 64), torch.zeros(32, 64)) and not use(torch.zeros(8, 64), torch.zeros(248, 64))
     assert norm(torch.zeros(5, 64), None, g, wide) and norm(torch.zeros(6, 64), torch.zeros(6, 64), g, wide)
     assert not norm(torch.zeros(7, 64), None, g, wide) and not norm(torch.zeros(4, 64), None, g, w)
-    assert silu(torch.zeros(6, 128), torch.zeros(32, 64)) and not silu(torch.zeros(7, 128), torch.zeros(32, 64))
+    assert silu(torch.zeros(6, 32), torch.zeros(64, 16)) and not silu(torch.zeros(7, 32), torch.zeros(64, 16))
+    assert not silu(torch.zeros(6, 128), torch.zeros(32, 64))  # down_proj's N < K: cuBLAS, silu outside
     assert not silu(torch.zeros(4, 128), torch.zeros(32, 64)) and silu(gate_up, torch.zeros(32, 64))
+    monkeypatch.setattr(linear_mod, "ROWS_MIN_WIDENING", 0)  # every linear
+    assert use(torch.zeros(8, 64), torch.zeros(32, 64)) and use(torch.zeros(8, 64), torch.zeros(96, 64))
+    assert silu(torch.zeros(6, 128), torch.zeros(32, 64))
+    monkeypatch.setattr(linear_mod, "ROWS_MIN_WIDENING", 4)
     monkeypatch.setattr(linear_mod, "FUSED_INPUT_ROWS", 1)
     monkeypatch.setattr(linear_mod, "TRITON_GEMV_ROWS", 1000)  # never past the kernels' MAX_ROWS
-    assert use(torch.zeros(kernels.MAX_ROWS, 64), w) and not use(torch.zeros(kernels.MAX_ROWS + 1, 64), w)
+    assert use(torch.zeros(kernels.MAX_ROWS, 64), wide) and not use(torch.zeros(kernels.MAX_ROWS + 1, 64), wide)
     monkeypatch.setattr(linear_mod, "TRITON_GEMV_ROWS", 1)
     assert not use(torch.zeros(2, 64), w) and use(x, w)
     assert not silu(torch.zeros(1, 64), torch.zeros(32, 64))  # gate_up is 2 K wide

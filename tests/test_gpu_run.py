@@ -49,6 +49,7 @@ def test_dry_run_lists_every_step_and_runs_nothing(tmp_path):
         assert f"    {name}: accepted" in text
     assert "NOT ACCEPTED" not in text
     assert "quick" not in text and "profile" not in text and "switches" not in text  # these run only when named
+    assert "rows-" not in text
 
 
 def test_profile_group_fits_nine_minutes_and_every_command_parses(tmp_path):
@@ -91,6 +92,29 @@ def test_switches_group_fits_nine_minutes_and_every_command_parses(tmp_path):
         assert (switches in commands[name]) == ("-off-" in name), name
         assert f"    {name}: accepted" in text
     assert "test_qwen_defaults_and_logprobs_at_batch_64_stay_in_the_graph" in commands["switches-gpu-tests"]
+    assert "NOT ACCEPTED" not in text
+
+
+def test_rows_group_fits_nine_minutes_and_every_command_parses(tmp_path):
+    """`gpu_run.sh OUT rows`: the several-row GEMV's GPU tests, its linears at 8 and 32 rows, then the
+    steps of 8 and 32 requests as they run and with `TRITON_GEMV_ROWS` raised to 32, off, on, off,
+    on, under 9 minutes together."""
+    out = tmp_path / "out"
+    result = run_script("--dry-run", str(out), "rows")
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    steps = [line for line in text.splitlines() if line.endswith(" s]")]
+    runs = [f"rows-steps-{state}-{run}" for run in (1, 2) for state in ("off", "on")]
+    assert [line.split(" [")[0] for line in steps] == ["rows-gpu-tests", "rows-gemv-llama-3-8b", *runs]
+    assert sum(int(line.split(", ")[1].split(" s]")[0]) for line in steps) <= 540
+    commands = {line.split(" [")[0]: text.splitlines()[i + 1] for i, line in enumerate(text.splitlines())
+                if line in steps}
+    for name in runs:
+        assert ("--set tpspec.model.linear.TRITON_GEMV_ROWS=32" in commands[name]) == ("-on-" in name), name
+        assert "--roofline-batch 8,32 --verify-batch 8" in commands[name], name
+        assert f"    {name}: accepted" in text
+    assert "--batch 8,32" in commands["rows-gemv-llama-3-8b"] and "    rows-gemv-llama-3-8b: accepted" in text
+    assert "tests/test_gemv_triton.py" in commands["rows-gpu-tests"]
     assert "NOT ACCEPTED" not in text
 
 

@@ -31,8 +31,15 @@ TRITON_GEMV_ROWS = 4
 """The most rows of ``x`` the rule sends to the Triton GEMV (more go to ``F.linear``). Four: a
 verification step of one request (three drafts), whose rows the few-rows kernels read as one row
 is read; from five rows on the GEMV's ``tl.dot`` path read the linears no faster than cuBLAS
-(``docs/benchmarks.md``, "The linears alone"). Raised past four, the ``tl.dot`` path takes every
-linear of five rows and more, whatever its ``N`` and ``K``."""
+(``docs/benchmarks.md``, "The linears alone"). Raised past four, the ``tl.dot`` path takes the
+linears of five rows and more that ``ROWS_MIN_WIDENING`` admits."""
+
+ROWS_MIN_WIDENING = 4
+"""From five rows on (where ``TRITON_GEMV_ROWS`` reaches), the rule takes only the linears with at
+least this many times as many output features as inputs: gate/up (7) and the LM head (31) at the
+Llama 3 8B shape. At 32 rows on an H100 the ``tl.dot`` kernels read gate/up faster than cuBLAS and
+q/k/v (1.5), o_proj (1) and down_proj (0.29) slower (``docs/benchmarks.md``, "The weight tile on
+the left"). 0: every linear."""
 
 _TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -80,10 +87,11 @@ def use_triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
     Yes when ``TRITON_GEMV`` is on; ``x`` is ``[M, K]`` with ``M`` at most ``TRITON_GEMV_ROWS``
     (four: a decode step of one request, or its verification step), and ``weight`` a contiguous
-    ``[N, K]`` with ``N >= K`` at one row and ``N <= K`` at more rows (``tpspec bench gemv``: at one
-    row the GEMV reads q/k/v, o_proj, gate/up and the LM head faster than cuBLAS, and down_proj runs
-    with ``silu`` inside, :func:`use_triton_silu_linear`; at four rows it reads o_proj and down_proj
-    faster, where cuBLAS leaves bandwidth unused, and q/k/v, gate/up and the LM head slower),
+    ``[N, K]`` with ``N >= K`` at one row, ``N <= K`` at two to four rows and ``N >= ROWS_MIN_WIDENING
+    * K`` at five and more (``tpspec bench gemv``: at one row the GEMV reads q/k/v, o_proj, gate/up and
+    the LM head faster than cuBLAS, and down_proj runs with ``silu`` inside,
+    :func:`use_triton_silu_linear`; at four rows it reads o_proj and down_proj faster, where cuBLAS
+    leaves bandwidth unused, and q/k/v, gate/up and the LM head slower),
     ``K`` a multiple of 8, 16-byte aligned (whole 16-byte loads of every row); ``x``, ``weight``
     and ``bias`` share a dtype of float32, float16, bfloat16 and a device; nothing needs
     gradients; and the kernels can run there: CUDA with ``triton`` compiled, or CPU under Triton's
@@ -94,7 +102,13 @@ def use_triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         return False
     n, k = weight.shape
     rows = x.shape[0]
-    if (k > n) if rows == 1 else (n > k and rows <= _FEW_ROWS):
+    if rows == 1:
+        if k > n:
+            return False
+    elif rows <= _FEW_ROWS:
+        if n > k:
+            return False
+    elif n < ROWS_MIN_WIDENING * k:
         return False
     return _gemv_runs(x, weight, bias, k)
 
@@ -103,11 +117,13 @@ def use_triton_silu_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: to
     """Whether a SwiGLU down projection of ``gate_up`` ``[M, 2 K]`` (``cat(gate, up)``) by ``weight``
     ``[N, K]`` runs as one kernel, :func:`tpspec.model.gemv_triton.silu_mul_linear`: where
     ``TRITON_GEMV`` and ``TRITON_SILU_DOWN`` are on, ``gate_up`` has at most ``TRITON_GEMV_ROWS``
-    and ``FUSED_INPUT_ROWS`` rows, and the tensors meet :func:`use_triton_linear`'s other conditions
-    (any ``N`` and ``K``). The same answer on every rank."""
+    and ``FUSED_INPUT_ROWS`` rows (two to four only with ``FUSED_FEW_ROWS``), and the tensors meet
+    :func:`use_triton_linear`'s other conditions (any ``N`` and ``K`` up to four rows; from five rows
+    ``N >= ROWS_MIN_WIDENING * K``). The same answer on every rank."""
     if not (TRITON_GEMV and TRITON_SILU_DOWN) or weight.dim() != 2 or gate_up.dim() != 2:
         return False
-    if not _fused_input(gate_up.shape[0]):
+    rows = gate_up.shape[0]
+    if not _fused_input(rows) or (rows > _FEW_ROWS and weight.shape[0] < ROWS_MIN_WIDENING * weight.shape[1]):
         return False
     return _gemv_runs(gate_up, weight, bias, 2 * weight.shape[1])
 
