@@ -313,6 +313,16 @@ def test_dispatch_rule(monkeypatch):
         assert use(xc, wc) and use(xc.bfloat16(), wc.bfloat16()) and not use(x, w) and not use(xc, w)
 
 
+@needs_triton
+def test_rule_and_kernels_agree_on_the_few_rows():
+    """The rule's two-to-four-row band is the few-rows kernels' (the rule's module imports no triton)."""
+    from tpspec.model import gemv_triton as kernels
+
+    assert linear_mod._FEW_ROWS == kernels.FEW_ROWS
+    assert kernels.plan_gemv(kernels.FEW_ROWS, 64, 64, device="cpu").m_pad == kernels.FEW_ROWS
+    assert kernels.plan_gemv(kernels.FEW_ROWS + 1, 64, 64, device="cpu").m_pad > kernels.FEW_ROWS
+
+
 def test_linear_is_f_linear_with_the_switch_off():
     gen = torch.Generator().manual_seed(0)
     x, w, b = torch.randn(3, 16, generator=gen), torch.randn(8, 16, generator=gen), torch.randn(8, generator=gen)
