@@ -17,6 +17,21 @@ def run_script(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", SCRIPT, *args], capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
 
 
+def dry_run_group(out, group: str) -> tuple[str, dict[str, int], dict[str, str]]:
+    """`gpu_run.sh --dry-run OUT group`: its output, each listed step's time limit (in run order) and
+    each step's command line."""
+    result = run_script("--dry-run", str(out), group)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    limits, commands = {}, {}
+    for i, line in enumerate(lines):
+        if line.endswith(" s]"):
+            name = line.split(" [")[0]
+            limits[name] = int(line.split(", ")[1].split(" s]")[0])
+            commands[name] = lines[i + 1]
+    return result.stdout, limits, commands
+
+
 def test_dry_run_lists_every_step_and_runs_nothing(tmp_path):
     out = tmp_path / "out"
     result = run_script("--dry-run", str(out))
@@ -56,14 +71,10 @@ def test_profile_group_fits_nine_minutes_and_every_command_parses(tmp_path):
     """`gpu_run.sh OUT profile`: the roofline's one- and eight-request steps with `--profile` at 1K
     and 4K, its batch-64 decode step's greedy and sampled columns at 1K, and the Triton attention at
     forced split counts, under 9 minutes together."""
-    out = tmp_path / "out"
-    result = run_script("--dry-run", str(out), "profile")
-    assert result.returncode == 0, result.stderr
-    text = result.stdout
-    steps = [line for line in text.splitlines() if line.endswith(" s]")]
+    text, limits, _ = dry_run_group(tmp_path / "out", "profile")
     names = ["profile-roofline-llama-3-8b", "profile-roofline-sampled-b64", "profile-attention-splits"]
-    assert [line.split(" [")[0] for line in steps] == names
-    assert sum(int(line.split(", ")[1].split(" s]")[0]) for line in steps) <= 520
+    assert list(limits) == names
+    assert sum(limits.values()) <= 520
     assert "--roofline-batch 1,8 --verify-batch 1,8 --profile" in text and "--num-splits 1,2,4,5,8,12,16" in text
     assert "--roofline-columns greedy,defaults,logprobs --contexts 1024 --roofline-batch 64 --verify-batch none --profile" in text
     for name in names:
@@ -75,19 +86,13 @@ def test_switches_group_fits_nine_minutes_and_every_command_parses(tmp_path):
     """`gpu_run.sh OUT switches`: the GPU tests of the sampled columns' tail kernels, then the
     batch-64 sampled columns with them off, on, off, on (`--set` of every switch to off), under 9
     minutes together."""
-    out = tmp_path / "out"
-    result = run_script("--dry-run", str(out), "switches")
-    assert result.returncode == 0, result.stderr
-    text = result.stdout
-    steps = [line for line in text.splitlines() if line.endswith(" s]")]
+    text, limits, commands = dry_run_group(tmp_path / "out", "switches")
     runs = [f"switches-sampled-b64-{state}-{run}" for run in (1, 2) for state in ("off", "on")]
-    assert [line.split(" [")[0] for line in steps] == ["switches-gpu-tests", *runs]
-    assert sum(int(line.split(", ")[1].split(" s]")[0]) for line in steps) <= 540
+    assert list(limits) == ["switches-gpu-tests", *runs]
+    assert sum(limits.values()) <= 540
     switches = ("--set tpspec.sampling.select.PENALIZED_KEYS_KERNEL=False "
                 "--set tpspec.sampling.select.FILTERS_IN_DRAW_KERNEL=False "
                 "--set tpspec.sampling.penalties.COUNT_KERNEL=False")
-    commands = {line.split(" [")[0]: text.splitlines()[i + 1] for i, line in enumerate(text.splitlines())
-                if line in steps}
     for name in runs:
         assert (switches in commands[name]) == ("-off-" in name), name
         assert f"    {name}: accepted" in text
@@ -99,16 +104,10 @@ def test_rows_group_fits_nine_minutes_and_every_command_parses(tmp_path):
     """`gpu_run.sh OUT rows`: the several-row GEMV's GPU tests, its linears at 8 and 32 rows, then the
     steps of 8 and 32 requests as they run and with `TRITON_GEMV_ROWS` raised to 32, off, on, off,
     on, under 9 minutes together."""
-    out = tmp_path / "out"
-    result = run_script("--dry-run", str(out), "rows")
-    assert result.returncode == 0, result.stderr
-    text = result.stdout
-    steps = [line for line in text.splitlines() if line.endswith(" s]")]
+    text, limits, commands = dry_run_group(tmp_path / "out", "rows")
     runs = [f"rows-steps-{state}-{run}" for run in (1, 2) for state in ("off", "on")]
-    assert [line.split(" [")[0] for line in steps] == ["rows-gpu-tests", "rows-gemv-llama-3-8b", *runs]
-    assert sum(int(line.split(", ")[1].split(" s]")[0]) for line in steps) <= 540
-    commands = {line.split(" [")[0]: text.splitlines()[i + 1] for i, line in enumerate(text.splitlines())
-                if line in steps}
+    assert list(limits) == ["rows-gpu-tests", "rows-gemv-llama-3-8b", *runs]
+    assert sum(limits.values()) <= 540
     for name in runs:
         assert ("--set tpspec.model.linear.TRITON_GEMV_ROWS=32" in commands[name]) == ("-on-" in name), name
         assert "--roofline-batch 8,32 --verify-batch 8" in commands[name], name
@@ -126,14 +125,10 @@ def test_quick_group_fits_nine_minutes_and_every_command_parses(tmp_path):
     from tpspec.bench.roofline import accepted_attention_backends
 
     out = tmp_path / "out"
-    result = run_script("--dry-run", str(out), "quick")
-    assert result.returncode == 0, result.stderr
-    text = result.stdout
-    steps = [line for line in text.splitlines() if line.endswith(" s]")]
-    assert [line.split(" [")[0] for line in steps] == ["quick-gpu-tests", "quick-roofline-llama-3-8b",
-                                                        "quick-attention-llama-3-8b", "quick-hf-llama-3-8b",
-                                                        "quick-deterministic-llama-3-8b"]
-    assert sum(int(line.split(", ")[1].split(" s]")[0]) for line in steps) <= 520
+    text, limits, _ = dry_run_group(out, "quick")
+    assert list(limits) == ["quick-gpu-tests", "quick-roofline-llama-3-8b", "quick-attention-llama-3-8b",
+                            "quick-hf-llama-3-8b", "quick-deterministic-llama-3-8b"]
+    assert sum(limits.values()) <= 520
     backends = ",".join(accepted_attention_backends(["torch", "triton"]))
     assert backends.startswith("torch")
     for fragment in ("-m pytest -m 'gpu and not slow' ",

@@ -77,6 +77,12 @@ them inside (``docs/benchmarks.md``, "Two to four rows")."""
 _FEW_ROWS = 4  # gemv_triton.FEW_ROWS (this module does not import it): the few-rows kernels' most rows
 
 
+def _dot_rows_take(rows: int, n: int, k: int) -> bool:
+    """The rule's part from five rows on (the ``tl.dot`` kernels): an ``[n, k]`` weight at least
+    ``ROWS_MIN_WIDENING`` times as wide as its input; True for fewer rows, whose parts are the callers'."""
+    return rows <= _FEW_ROWS or n >= ROWS_MIN_WIDENING * k
+
+
 def _fused_input(rows: int) -> bool:
     """Whether a call of ``rows`` rows takes the norm or ``silu`` inside the GEMV (the rule's part on rows)."""
     return rows <= FUSED_INPUT_ROWS and (rows == 1 or rows > _FEW_ROWS or FUSED_FEW_ROWS)
@@ -108,7 +114,7 @@ def use_triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     elif rows <= _FEW_ROWS:
         if n > k:
             return False
-    elif n < ROWS_MIN_WIDENING * k:
+    elif not _dot_rows_take(rows, n, k):
         return False
     return _gemv_runs(x, weight, bias, k)
 
@@ -123,7 +129,7 @@ def use_triton_silu_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: to
     if not (TRITON_GEMV and TRITON_SILU_DOWN) or weight.dim() != 2 or gate_up.dim() != 2:
         return False
     rows = gate_up.shape[0]
-    if not _fused_input(rows) or (rows > _FEW_ROWS and weight.shape[0] < ROWS_MIN_WIDENING * weight.shape[1]):
+    if not _fused_input(rows) or not _dot_rows_take(rows, *weight.shape):
         return False
     return _gemv_runs(gate_up, weight, bias, 2 * weight.shape[1])
 
