@@ -494,14 +494,20 @@ def draw_filtered(logits: VocabShardedLogits, rows: SamplingRows, plan: FilterPl
     # The draw kernel reads the filters from the rows' own parameters and gives the final tokens
     # (FILTERS_IN_DRAW_KERNEL): no flag is computed here then, unless a top-p total needs them.
     in_kernel = FILTERS_IN_DRAW_KERNEL and kernels is not None and plan.any_filtered and not plan.any_min_p_only
-    flags = None if in_kernel else _row_filters(rows, logits.vocab_size, device)
+    flags = []  # _row_filters' four tensors, computed on first use
+
+    def filters() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not flags:
+            flags.extend(_row_filters(rows, logits.vocab_size, device))
+        return tuple(flags)
+
     plain_tokens = None
     if plan.any_plain:
         plain = SamplingRows(temperature, rows.seeds, rows.offsets, greedy_threshold=rows.greedy_threshold)
         plain_tokens = ex.argmax_logits(local, logits.vocab_offset, vocab_size=logits.vocab_size, rows=plain,
                                         channel=channel)
     if not plan.any_filtered:
-        k_on, p_on, m_on, _ = flags
+        k_on, p_on, m_on, _ = filters()
         tokens = plain_tokens if plain_tokens is not None else torch.zeros(num_rows, dtype=torch.int64, device=device)
         return tokens, ~(k_on | p_on | m_on)
     seeds, offsets = rows.seeds.to(device), rows.offsets.to(device)
@@ -514,7 +520,7 @@ def draw_filtered(logits: VocabShardedLogits, rows: SamplingRows, plan: FilterPl
         scores, _ = unpack_keys(keys[:, :width])
     if plan.any_top_p_total:
         # Z of the top-p rows without top-k: the exact sum of every rank's masses (0 elsewhere).
-        k_on, p_on, _, _ = flags if flags is not None else _row_filters(rows, logits.vocab_size, device)
+        k_on, p_on, _, _ = filters()
         best, _ = unpack_keys(ranked[:, 0])
         needs = (p_on & ~k_on).reshape(-1, 1)
         masses = column_masses(scores, best)
@@ -523,7 +529,7 @@ def draw_filtered(logits: VocabShardedLogits, rows: SamplingRows, plan: FilterPl
     if in_kernel and ranked.shape[1] <= kernels.MAX_CANDIDATES:
         return kernels.draw_rows(ranked, floor, total, temperature, rows.top_k, rows.top_p, rows.min_p, seeds, offsets,
                                  plain_tokens, vocab_size=logits.vocab_size, greedy_threshold=rows.greedy_threshold)
-    k_on, p_on, m_on, _ = flags if flags is not None else _row_filters(rows, logits.vocab_size, device)
+    k_on, p_on, m_on, _ = filters()
     filtered = k_on | p_on | m_on
     tokens = plain_tokens if plain_tokens is not None else torch.zeros(num_rows, dtype=torch.int64, device=device)
 
