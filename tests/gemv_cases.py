@@ -87,6 +87,30 @@ def check_silu_kernels(device: str, dtype: torch.dtype, shapes=SMALL_SHAPES, row
                 assert_close(y, hidden, w, b, what)
 
 
+def check_silu_out_kernels(device: str, dtype: torch.dtype, shapes=SMALL_SHAPES, rows=ROWS) -> None:
+    """SwiGLU's ``silu(gate) * up`` formed as the gate/up projection stores its output
+    (``linear_silu_mul``): the bits of ``linear`` followed by the ``silu_mul`` kernel, at every
+    shape (as ``I`` features: ``W`` ``[2 I, K]``) and row count, the rule's splits and forced 1 and
+    3, a bias on every other shape; an odd number of weight rows is refused."""
+    from tpspec.model import fused_triton
+
+    for index, (n, k) in enumerate(shapes):
+        bias = index % 2 == 0
+        for m in rows:
+            x, w, b = _tensors(m, 2 * n, k, dtype, device, bias, seed=11 * n + k)
+            for splits in (None, 1, 3):
+                what = f"silu out {n}x{k} M={m} bias={bias} splits={splits}"
+                y = kernels.linear_silu_mul(x, w, b, splits=splits)
+                assert y.shape == (m, n) and y.dtype == dtype, (what, y.shape, y.dtype)
+                assert torch.equal(y, fused_triton.silu_mul(kernels.linear(x, w, b, splits=splits))), what
+    try:
+        kernels.linear_silu_mul(x, w[1:], None)
+    except ValueError as exc:
+        assert "even number of rows" in str(exc), exc
+    else:
+        raise AssertionError("an odd number of gate/up rows was accepted")
+
+
 def norm_reference(x, r, g, eps, w, b):
     """``(y, scale, h)`` in float64: the norm of ``h = x + r`` (rounded to the dtype, as torch
     adds) times ``g``, through ``W`` (and ``b``); ``scale`` bounds the accumulated magnitudes."""
@@ -142,6 +166,7 @@ def check_the_other_operand_order(device: str, dtype: torch.dtype, shapes=SMALL_
         check_kernels(device, dtype, shapes, rows)
         check_norm_kernels(device, dtype, shapes, rows)
         check_silu_kernels(device, dtype, shapes[:2], rows)
+        check_silu_out_kernels(device, dtype, shapes[:2], rows)
     finally:
         kernels.ROWS_WEIGHTS_LEFT = saved
 
@@ -159,7 +184,7 @@ class _CountingLaunches:
 
 def check_last_split_sums(device: str, dtype: torch.dtype, shapes=SMALL_SHAPES[2:], rows=(1, 16)) -> None:
     """Split launches whose last program sums the splits (``LAST_SPLIT_SUMS``): ``linear``,
-    ``silu_mul_linear`` and (one row) ``norm_linear`` give the bits of the launches followed by the
+    ``silu_mul_linear``, ``linear_silu_mul`` and (one row) ``norm_linear`` give the bits of the launches followed by the
     reduction kernel (one row and the ``tl.dot`` rows: the few-rows kernels always reduce by kernel),
     with forced 2 and 3 splits (and on CUDA the rule's), twice in a row (each
     launch leaves the counters at zero for the next), and no reduction kernel runs; with more
@@ -173,7 +198,8 @@ def check_last_split_sums(device: str, dtype: torch.dtype, shapes=SMALL_SHAPES[2
     splits_tried = (2, 3) if device == "cpu" else (None, 2, 3)  # the interpreter's rule does not split these
 
     def calls(x, w, b, gate_up, w_down, r, g, splits):
-        out = [kernels.linear(x, w, b, splits=splits), kernels.silu_mul_linear(gate_up, w_down, b, splits=splits)]
+        out = [kernels.linear(x, w, b, splits=splits), kernels.silu_mul_linear(gate_up, w_down, b, splits=splits),
+               kernels.linear_silu_mul(x, torch.cat((w, w.flip(0))), b.repeat(2), splits=splits)]
         if x.shape[0] == 1:
             out += kernels.norm_linear(x, r, g, eps, w, b, splits=splits)
         return out
@@ -215,12 +241,14 @@ def check_last_split_sums(device: str, dtype: torch.dtype, shapes=SMALL_SHAPES[2
 
 def check_llm(device: str, dtype: torch.dtype) -> None:
     """The tiny model with its layers' fused kernels, greedy, two requests of different lengths (steps
-    of two rows, then of one): the tokens with the switches on (the Triton GEMV running the linears
-    of up to ``MAX_ROWS`` rows, the norms fused into q/k/v and gate/up, ``silu(gate) * up`` into
-    down_proj, at one row and from five rows on: ``FUSED_INPUT_ROWS`` raised too, and every linear
-    from five rows on: ``ROWS_MIN_WIDENING`` 0) equal those of
-    ``F.linear``, and every kernel ran at one row and at the prompts' seven rows, the GEMV at two rows too
-    (the norm's linears, ``N > K``, take the GEMV at one row and from five rows on)."""
+    of two rows, then of one): the tokens with the switches on equal those of ``F.linear``, in two
+    settings. "inside": the Triton GEMV runs the linears of up to ``MAX_ROWS`` rows (every linear
+    from five rows on: ``ROWS_MIN_WIDENING`` 0) with the norms fused into q/k/v and gate/up and
+    ``silu(gate) * up`` into down_proj, at one row and from five rows on (``FUSED_INPUT_ROWS``
+    raised); every kernel ran at one row and at the prompts' seven rows, the GEMV at two rows too
+    (the norm's linears, ``N > K``, take the GEMV at one row and from five rows on). "after": the
+    norms outside from two rows on, and gate/up storing ``silu(gate) * up``
+    (``TRITON_GATE_UP_SILU``), which ran at the prompts' seven rows."""
     from tpspec.mapping import Mapping
     from tpspec.model import layers as layers_mod
     from tpspec.model import linear as linear_mod
@@ -229,9 +257,9 @@ def check_llm(device: str, dtype: torch.dtype) -> None:
     from tpspec.runtime.engine import Engine
     from tpspec.sampling.params import SamplingParams
 
-    names = ("linear", "norm_linear", "silu_mul_linear")
-    rows_seen = {name: set() for name in names}
+    names = ("linear", "norm_linear", "silu_mul_linear", "linear_silu_mul")
     originals = {name: getattr(kernels, name) for name in names}
+    rows_seen: dict[str, set[int]] = {}
 
     def counting(name):
         def run(*args, **kwargs):
@@ -244,42 +272,49 @@ def check_llm(device: str, dtype: torch.dtype) -> None:
     name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
     greedy = SamplingParams(temperature=0.0)
     requests = [Request(0, (11, 12, 13, 14), greedy, 12), Request(1, (21, 22, 23), greedy, 4)]
-    tokens = {}
-    saved = (layers_mod.FUSED_UNDER_INTERPRETER, linear_mod.TRITON_SILU_DOWN, linear_mod.TRITON_GEMV_ROWS,
-             linear_mod.FUSED_INPUT_ROWS, linear_mod.ROWS_MIN_WIDENING)
+    switches = ("TRITON_GEMV", "TRITON_SILU_DOWN", "TRITON_GEMV_ROWS", "FUSED_INPUT_ROWS", "ROWS_MIN_WIDENING",
+                "TRITON_GATE_UP_SILU")
+    settings = {"off": (False, False, 4, 1, 4, False),
+                "inside": (True, True, kernels.MAX_ROWS, kernels.MAX_ROWS, 0, False),
+                "after": (True, True, kernels.MAX_ROWS, 1, 0, True)}
+    saved = layers_mod.FUSED_UNDER_INTERPRETER, {switch: getattr(linear_mod, switch) for switch in switches}
     layers_mod.FUSED_UNDER_INTERPRETER = True
+    tokens, seen = {}, {}
     try:
         with tempfile.TemporaryDirectory() as tmp:
             ckpt = str(make_tiny_checkpoint(f"{tmp}/tiny", seed=0))
-            for on in (False, True):
-                linear_mod.TRITON_GEMV = linear_mod.TRITON_SILU_DOWN = on
-                linear_mod.TRITON_GEMV_ROWS = linear_mod.FUSED_INPUT_ROWS = kernels.MAX_ROWS
-                linear_mod.ROWS_MIN_WIDENING = 0
+            for setting, values in settings.items():
+                for switch, value in zip(switches, values):
+                    setattr(linear_mod, switch, value)
+                rows_seen.update({name: set() for name in names})
                 engine = Engine(EngineConfig(ckpt, 1, device, name, max_batch_size=4, use_cuda_graphs=device == "cuda",
                                              gpu_memory_utilization=0.2 if device == "cuda" else None), Mapping(), device)
                 try:
-                    tokens[on] = [r.token_ids for r in engine.generate(requests)]
+                    tokens[setting] = [r.token_ids for r in engine.generate(requests)]
                 finally:
                     engine.close()
-                if not on:
-                    assert not any(rows_seen.values()), f"a kernel ran with the switch off: {rows_seen}"
+                seen[setting] = {name: set(rows) for name, rows in rows_seen.items()}
     finally:
-        linear_mod.TRITON_GEMV = False
-        (layers_mod.FUSED_UNDER_INTERPRETER, linear_mod.TRITON_SILU_DOWN, linear_mod.TRITON_GEMV_ROWS,
-         linear_mod.FUSED_INPUT_ROWS, linear_mod.ROWS_MIN_WIDENING) = saved
+        layers_mod.FUSED_UNDER_INTERPRETER = saved[0]
+        for switch, value in saved[1].items():
+            setattr(linear_mod, switch, value)
         for name, fn in originals.items():
             setattr(kernels, name, fn)
+    assert not any(seen["off"].values()), f"a kernel ran with the switch off: {seen['off']}"
     # q/k/v and gate/up (N > K) take the GEMV, with their norm inside, at one row and at five rows or
     # more (the prompts' seven), not at two to four (the rule of use_triton_linear); o_proj, down_proj and
     # the LM head at two rows too.
     few = set(range(2, kernels.FEW_ROWS + 1))
-    assert all(1 in seen for seen in rows_seen.values()) and 7 in rows_seen["norm_linear"], rows_seen
-    assert not rows_seen["norm_linear"] & few and rows_seen["linear"] & few, rows_seen
-    assert max(rows_seen["silu_mul_linear"]) > kernels.FEW_ROWS, rows_seen
-    assert tokens[True] == tokens[False], tokens
+    inside = seen["inside"]
+    assert all(1 in inside[name] for name in names[:3]) and 7 in inside["norm_linear"], inside
+    assert not inside["norm_linear"] & few and inside["linear"] & few and not inside["linear_silu_mul"], inside
+    assert max(inside["silu_mul_linear"]) > kernels.FEW_ROWS, inside
+    after = seen["after"]
+    assert after["linear_silu_mul"] == {7} and after["norm_linear"] == after["silu_mul_linear"] == {1}, after
+    assert tokens["inside"] == tokens["off"] and tokens["after"] == tokens["off"], tokens
 
 
-CHECKS = {"kernels": [check_kernels, check_norm_kernels, check_silu_kernels],
+CHECKS = {"kernels": [check_kernels, check_norm_kernels, check_silu_kernels, check_silu_out_kernels],
           "rows_and_splits": [check_many_rows, check_last_split_sums, check_the_other_operand_order], "llm": [check_llm]}
 
 

@@ -46,7 +46,7 @@ def _decoder_kernels():
     one_row = gemv.plan_gemv(1, 4096, 14336, device="cpu")
     gemv_constants = dict(M_PAD=1, BLOCK_N=one_row.block_n, BLOCK_K=one_row.block_k, USE_DOT=False, EVEN=True,
                           SPLIT=True, LAST_SUMS=False, HAS_BIAS=False, IEEE=False, NUM_STAGES=one_row.num_stages,
-                          SILU_MUL=True, ACCURATE_EXP=True, W_LEFT=False)
+                          SILU_MUL=True, SILU_MUL_OUT=False, ACCURATE_EXP=True, W_LEFT=False)
     rows = gemv.plan_gemv(8, 4096, 4096, device="cpu")
     dot_constants = dict(gemv_constants, M_PAD=rows.m_pad, BLOCK_N=rows.block_n, BLOCK_K=rows.block_k, USE_DOT=True,
                          SILU_MUL=False, NUM_STAGES=rows.num_stages, W_LEFT=rows.w_left)
@@ -54,7 +54,7 @@ def _decoder_kernels():
                                HAS_RES=True, HAS_BIAS=False, IEEE=False, NUM_STAGES=rows.num_stages, W_LEFT=rows.w_left)
     few = gemv.plan_gemv(gemv.FEW_ROWS, 4096, 14336, device="cpu")
     few_constants = dict(BLOCK_N=few.block_n, BLOCK_K=few.block_k, EVEN=True, SPLIT=True, HAS_BIAS=False,
-                         NUM_STAGES=few.num_stages, SILU_MUL=True, ACCURATE_EXP=True)
+                         NUM_STAGES=few.num_stages, SILU_MUL=True, SILU_MUL_OUT=False, ACCURATE_EXP=True)
     launch = attn.plan_launch(num_tokens=1, num_seqs=1, q_max=1, kv_pages=64, page_size=16, num_heads=32, kv_heads=8,
                               head_dim=128, device="cpu")
     attend = dict(GROUP=4, HEAD_DIM=128, HEAD_PAD=128, PAGE_SIZE=16, BLOCK_Q=launch.block_q, BLOCK_M=launch.block_m,
@@ -69,13 +69,17 @@ def _decoder_kernels():
          dict(warps, num_stages=rows.num_stages), True),
         ("gemv rows, the other operand order", gemv._gemv_kernel, dict(dot_constants, W_LEFT=not rows.w_left),
          dict(warps, num_stages=rows.num_stages), True),
+        ("gemv rows, silu out", gemv._gemv_kernel, dict(dot_constants, SPLIT=False, SILU_MUL_OUT=True),
+         dict(warps, num_stages=rows.num_stages), True),
         *[(f"norm gemv rows, weights left {left}", gemv._norm_rows_kernel, dict(norm_rows_constants, W_LEFT=left),
            dict(warps, num_stages=rows.num_stages), True) for left in (False, True)],
         ("gemv few rows, silu", gemv._few_rows_kernel, few_constants, dict(warps, num_stages=few.num_stages), True),
         ("norm gemv few rows", gemv._norm_few_rows_kernel,
          dict(BLOCK_N=few.block_n, BLOCK_K=few.block_k, EVEN=True, SPLIT=True, HAS_RES=True, HAS_BIAS=False,
               NUM_STAGES=few.num_stages), dict(warps, num_stages=few.num_stages), True),
-        ("gemv reduce", gemv._reduce_kernel, dict(HAS_BIAS=True, BLOCK=gemv.REDUCE_BLOCK), warps, False),
+        *[(f"gemv reduce, silu out {out}", gemv._reduce_kernel,
+           dict(HAS_BIAS=True, SILU_MUL_OUT=out, ACCURATE_EXP=True, BLOCK=gemv.REDUCE_BLOCK), warps, False)
+          for out in (False, True)],
         *[(f"norm gemv, last split sums {last}", gemv._norm_gemv_kernel,
            dict(BLOCK_N=16, BLOCK_K=256, EVEN=True, SPLIT=True, LAST_SUMS=last, HAS_RES=True, HAS_BIAS=False,
                 NUM_STAGES=3), dict(warps, num_stages=3), True) for last in (False, True)],

@@ -4,17 +4,19 @@
 On CPU through Triton's interpreter (a subprocess sets ``TRITON_INTERPRET=1`` before Triton is
 imported; skipped without ``triton``): the kernel against float64 ``x @ W.T`` in float32 and
 float16 (the interpreter's ``tl.dot`` does not handle bfloat16) at small shapes (N not a multiple
-of the block, a K tail, one and several K splits), M = 1, 3, 16 (and 40 in float32), bias on and off; the
-norm fused in front of it (``norm_linear``) against the float64 norm and product, with and without
-a residual; SwiGLU's ``silu(gate) * up`` fused in front of it (``silu_mul_linear``) against the
-``silu_mul`` kernel and ``linear``, bit for bit; split launches whose last program sums the splits
-(``LAST_SPLIT_SUMS``) against the reduction kernel, bit for bit (float32); and the tiny model's greedy tokens
-with the switches on equal those of ``F.linear``. The kernels compile for Hopper without a GPU (the
-last split sums with their barrier, count and L1-bypassing loads in that order). The dispatch rule
-is pure logic, checked here without a kernel. On CUDA (``gpu`` marks): bfloat16, float16 and
-float32 at the Llama-3-8B shapes for M = 1, 8, 16, 32, 64 (and the fused norm at one row,
-``silu(gate) * up`` in front of down_proj at 1 and 8), a CUDA-graph replay equal to an eager call,
-the last split sums in bfloat16 and replayed 1,000 times, and the tiny model's tokens.
+of the block, a K tail, one and several K splits), M = 1, 3, 16 (and 40 in float32), bias on and
+off; the norm fused in front of it (``norm_linear``) against the float64 norm and product, with
+and without a residual; SwiGLU's ``silu(gate) * up`` fused in front of it (``silu_mul_linear``)
+against the ``silu_mul`` kernel and ``linear``, and formed as the gate/up projection stores its
+output (``linear_silu_mul``) against ``linear`` and the ``silu_mul`` kernel, both bit for bit; split
+launches whose last program sums the splits (``LAST_SPLIT_SUMS``) against the reduction kernel,
+bit for bit (float32); and the tiny model's greedy tokens with the switches on equal those of
+``F.linear``. The kernels compile for Hopper without a GPU (the last split sums with their
+barrier, count and L1-bypassing loads in that order). The dispatch rule is pure logic, checked
+here without a kernel. On CUDA (``gpu`` marks): bfloat16, float16 and float32 at the Llama-3-8B
+shapes for M = 1, 8, 16, 32, 64 (and the fused norm at one row, ``silu(gate) * up`` in front of
+down_proj at 1 and 8, and stored by gate/up at 8 and 32), a CUDA-graph replay equal to an eager
+call, the last split sums in bfloat16 and replayed 1,000 times, and the tiny model's tokens.
 """
 
 from __future__ import annotations
@@ -115,7 +117,7 @@ def test_kernels_keep_their_values_in_registers_on_hopper():
     specializes them at these shapes), no kernel keeps more than 32 bytes a thread in local memory (its
     stack, by ``cuobjdump``): one row's GEMV (o_proj), ``silu_mul_linear`` (down_proj) and
     ``norm_linear`` (q/k/v, gate/up), their split reductions, and the same three at 4 rows (the
-    few-rows kernels) and at 16, 32 and 64 rows.
+    few-rows kernels) and at 16, 32 and 64 rows, where ``linear_silu_mul`` (gate/up) too.
     ``norm_linear`` keeps 8 bytes at one row and up to 24 at several, stored once before the K loop
     and read once after it; ``[64, 128]`` tiles of 4 warps with ``x`` as the product's left operand
     spilled up to 2.5 KB a thread at 16 and 32 rows, and a verification step of 4 rows a request
@@ -139,13 +141,13 @@ def test_kernels_keep_their_values_in_registers_on_hopper():
                         NUM_STAGES=launch.num_stages, PDL=True)
             if m == kernels.FEW_ROWS:
                 fn = kernels._few_rows_kernel if name in ("o", "down") else kernels._norm_few_rows_kernel
-                consts = dict(tile, SILU_MUL=name == "down", ACCURATE_EXP=True) if name in ("o", "down") else \
-                    dict(tile, HAS_RES=True)
+                consts = dict(tile, SILU_MUL=name == "down", SILU_MUL_OUT=False, ACCURATE_EXP=True) \
+                    if name in ("o", "down") else dict(tile, HAS_RES=True)
                 compiled[name, m] = compile_for_hopper(fn, _signature(fn, consts), consts, aligned_pointers=True,
                                                        multiples_of_16=sixteens(fn, consts), **opts)
             elif name in ("o", "down"):
                 consts = dict(tile, M_PAD=launch.m_pad, USE_DOT=m > 1, LAST_SUMS=False, IEEE=False,
-                              SILU_MUL=name == "down", ACCURATE_EXP=True, W_LEFT=launch.w_left)
+                              SILU_MUL=name == "down", SILU_MUL_OUT=False, ACCURATE_EXP=True, W_LEFT=launch.w_left)
                 compiled[name, m] = compile_for_hopper(kernels._gemv_kernel, _signature(kernels._gemv_kernel, consts),
                                                        consts, aligned_pointers=True,
                                                        multiples_of_16=sixteens(kernels._gemv_kernel, consts), **opts)
@@ -163,9 +165,18 @@ def test_kernels_keep_their_values_in_registers_on_hopper():
                                                        aligned_pointers=True,
                                                        multiples_of_16=sixteens(kernels._norm_rows_kernel, consts),
                                                        **opts)
+                if name == "gate_up":  # storing silu(gate) * up (linear_silu_mul)
+                    consts = dict(tile, M_PAD=launch.m_pad, USE_DOT=True, LAST_SUMS=False, IEEE=False, SILU_MUL=False,
+                                  SILU_MUL_OUT=True, ACCURATE_EXP=True, W_LEFT=launch.w_left)
+                    compiled["gate_up silu out", m] = compile_for_hopper(
+                        kernels._gemv_kernel, _signature(kernels._gemv_kernel, consts), consts, aligned_pointers=True,
+                        multiples_of_16=sixteens(kernels._gemv_kernel, consts), **opts)
     reduce = {"BLOCK": kernels.REDUCE_BLOCK, "HAS_BIAS": False, "PDL": True}
-    for kernel in (kernels._reduce_kernel, kernels._norm_reduce_kernel, kernels._norm_rows_reduce_kernel):
-        compiled[kernel.fn.__name__, 0] = compile_for_hopper(kernel, _signature(kernel, reduce), reduce, num_warps=4,
+    silu_out = {"SILU_MUL_OUT": True, "ACCURATE_EXP": True}
+    for kernel, extra in ((kernels._reduce_kernel, silu_out), (kernels._norm_reduce_kernel, {}),
+                          (kernels._norm_rows_reduce_kernel, {})):
+        consts = dict(reduce, **extra)
+        compiled[kernel.fn.__name__, 0] = compile_for_hopper(kernel, _signature(kernel, consts), consts, num_warps=4,
                                                             enable_fp_fusion=True, launch_pdl=True)
     usage = {key: resource_usage(asm) for key, asm in compiled.items()}
     spilled = {key: u for key, u in usage.items() if u["STACK"] > 32}
@@ -185,7 +196,7 @@ def test_last_split_sums_order_their_memory_accesses():
     one_row = kernels.plan_gemv(1, 4096, 14336, device="cpu")
     gemv = dict(M_PAD=1, BLOCK_N=one_row.block_n, BLOCK_K=one_row.block_k, USE_DOT=False, EVEN=True, SPLIT=True,
                 LAST_SUMS=True, HAS_BIAS=False, IEEE=False, NUM_STAGES=one_row.num_stages, SILU_MUL=True,
-                ACCURATE_EXP=True, W_LEFT=False, PDL=True)
+                SILU_MUL_OUT=False, ACCURATE_EXP=True, W_LEFT=False, PDL=True)
     norm = dict(BLOCK_N=16, BLOCK_K=256, EVEN=True, SPLIT=True, LAST_SUMS=True, HAS_RES=True, HAS_BIAS=False,
                 NUM_STAGES=3, PDL=True)
     for fn, constants in ((kernels._gemv_kernel, gemv), (kernels._norm_gemv_kernel, norm)):
@@ -313,6 +324,32 @@ def test_dispatch_rule(monkeypatch):
         assert use(xc, wc) and use(xc.bfloat16(), wc.bfloat16()) and not use(x, w) and not use(xc, w)
 
 
+def test_gate_up_silu_rule(monkeypatch):
+    """``silu(gate) * up`` stored by the gate/up GEMV: off by default; on, from two rows where the rule
+    takes the linear (gate/up from five rows only with ``TRITON_GEMV_ROWS`` raised), an even number
+    of weight rows; never at one row (the down projection takes ``silu`` inside there)."""
+    assert linear_mod.TRITON_GATE_UP_SILU is False
+    after = linear_mod.use_triton_linear_silu_mul
+    kernels = _Kernels()
+    kernels.INTERPRETED = True
+    monkeypatch.setattr(linear_mod, "gemv_kernels", lambda: kernels)
+    gate_up, rows = torch.zeros(256, 64), torch.zeros(8, 64)  # N = 4 K, as gate/up
+    monkeypatch.setattr(linear_mod, "TRITON_GEMV_ROWS", 8)
+    assert linear_mod.use_triton_linear(rows, gate_up) and not after(rows, gate_up)
+    monkeypatch.setattr(linear_mod, "TRITON_GATE_UP_SILU", True)
+    assert after(rows, gate_up) and after(rows, gate_up, torch.zeros(256)) and after(torch.zeros(5, 64), gate_up)
+    assert not after(torch.zeros(1, 64), gate_up)  # one row: silu inside the down projection
+    assert not after(torch.zeros(4, 64), gate_up)  # two to four rows: gate/up (N > K) in cuBLAS
+    assert after(torch.zeros(4, 64), torch.zeros(32, 64))  # ... a narrow one in the few-rows kernels
+    assert not after(torch.zeros(9, 64), gate_up)  # past TRITON_GEMV_ROWS
+    odd = torch.zeros(257, 64)  # an odd number of rows
+    assert linear_mod.use_triton_linear(rows, odd) and not after(rows, odd)
+    assert not after(rows, torch.zeros(128, 64))  # narrower than ROWS_MIN_WIDENING allows from five rows
+    assert not after(rows.half(), gate_up) and not after(rows[None], gate_up)
+    monkeypatch.setattr(linear_mod, "TRITON_GEMV", False)
+    assert not after(rows, gate_up)
+
+
 @needs_triton
 def test_rule_and_kernels_agree_on_the_few_rows():
     """The rule's two-to-four-row band is the few-rows kernels' (the rule's module imports no triton)."""
@@ -343,6 +380,9 @@ def test_cuda_kernel_matches_the_float64_reference(dtype):
     cases.check_norm_kernels("cuda", dtype, shapes=[LLAMA_3_8B["qkv"], LLAMA_3_8B["gate_up"]], rows=(1, 4, 32))
     cases.check_silu_kernels("cuda", dtype)
     cases.check_silu_kernels("cuda", dtype, shapes=[LLAMA_3_8B["down"]], rows=(1, 4, 8))
+    cases.check_silu_out_kernels("cuda", dtype)
+    gate_up_features = (LLAMA_3_8B["gate_up"][0] // 2, LLAMA_3_8B["gate_up"][1])
+    cases.check_silu_out_kernels("cuda", dtype, shapes=[gate_up_features], rows=(8, 32))
 
 
 @pytest.mark.gpu

@@ -160,6 +160,42 @@ def _gemv_fold(acc, w, x_ptr, k, m, m_ok, K, stride_xm, USE_DOT: tl.constexpr, E
 
 
 @triton.jit
+def _tile_features(pid_n, N, BLOCK_N: tl.constexpr, SILU_MUL_OUT: tl.constexpr):
+    """The ``[BLOCK_N]`` rows of ``W`` (``N`` rows) that feature block ``pid_n`` reads, and which exist.
+    ``SILU_MUL_OUT``: ``W`` is ``cat(gate, up)`` and the block's first half reads gate rows ``pid_n *
+    BLOCK_N / 2 + i``, its second half the up rows of the same features (``N / 2`` further on)."""
+    r = tl.arange(0, BLOCK_N)
+    if SILU_MUL_OUT:
+        HALF: tl.constexpr = BLOCK_N // 2
+        feature = pid_n * HALF + r % HALF
+        n = tl.where(r < HALF, feature, N // 2 + feature)
+        n_ok = feature < N // 2
+    else:
+        n = pid_n * BLOCK_N + r
+        n_ok = n < N
+    return n, n_ok
+
+
+@triton.jit
+def _store_out(acc, m, m_ok, n, n_ok, pid_n, N, b_ptr, out_ptr, stride_om, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+               HAS_BIAS: tl.constexpr, SILU_MUL_OUT: tl.constexpr, ACCURATE_EXP: tl.constexpr):
+    """``acc`` ``[M_PAD, BLOCK_N]`` (W's rows ``n``), plus the bias, rounded to the output's dtype and
+    stored; with ``SILU_MUL_OUT`` (:func:`_tile_features`'s halves) ``silu(gate) * up`` of the rounded
+    halves is stored instead, at the block's ``BLOCK_N / 2`` features of the ``N / 2`` wide output."""
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    y = acc.to(out_ptr.dtype.element_ty)
+    if SILU_MUL_OUT:
+        HALF: tl.constexpr = BLOCK_N // 2
+        gate, up = tl.split(tl.permute(tl.reshape(y, [M_PAD, 2, HALF]), [0, 2, 1]))
+        cols = pid_n * HALF + tl.arange(0, HALF)
+        tl.store(out_ptr + m[:, None] * stride_om + cols[None, :], silu_mul_values(gate, up, ACCURATE_EXP),
+                 mask=m_ok[:, None] & (cols < N // 2)[None, :])
+    else:
+        tl.store(out_ptr + m[:, None] * stride_om + n[None, :], y, mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
 def _load_w(w_rows, k, n_ok, K, EVEN: tl.constexpr):
     if EVEN:  # every tile lies inside W: no masks, so nothing stands in the way of vector loads
         return tl.load(w_rows + k[None, :])
@@ -170,12 +206,11 @@ def _load_w(w_rows, k, n_ok, K, EVEN: tl.constexpr):
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                  k_iters, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
                  EVEN: tl.constexpr, SPLIT: tl.constexpr, LAST_SUMS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 IEEE: tl.constexpr, NUM_STAGES: tl.constexpr, SILU_MUL: tl.constexpr, ACCURATE_EXP: tl.constexpr,
-                 W_LEFT: tl.constexpr, PDL: tl.constexpr):
+                 IEEE: tl.constexpr, NUM_STAGES: tl.constexpr, SILU_MUL: tl.constexpr, SILU_MUL_OUT: tl.constexpr,
+                 ACCURATE_EXP: tl.constexpr, W_LEFT: tl.constexpr, PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < N
+    n, n_ok = _tile_features(pid_n, N, BLOCK_N, SILU_MUL_OUT)
     m = tl.arange(0, M_PAD)
     m_ok = m < M
     kk = tl.arange(0, BLOCK_K)
@@ -218,26 +253,38 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, str
                                    cache_modifier=".cg")
                 tl.store(count_ptr + pid_n, 0)  # ready for the next launch
     if last:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + m[:, None] * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=ok)
+        _store_out(acc, m, m_ok, n, n_ok, pid_n, N, b_ptr, out_ptr, stride_om, M_PAD, BLOCK_N, HAS_BIAS, SILU_MUL_OUT,
+                   ACCURATE_EXP)
 
 
 @triton.jit
-def _reduce_kernel(part_ptr, b_ptr, out_ptr, M, N, splits, stride_om, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
-                   PDL: tl.constexpr):
-    row = tl.program_id(0)
-    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = n < N
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    acc = tl.zeros([BLOCK], tl.float32)
-    for s in range(0, splits):  # split order: the same sum on every call
+def _split_sum(part_ptr, b_ptr, row, n, ok, M, N, splits, HAS_BIAS: tl.constexpr):
+    """Features ``n`` of ``row``: the splits' partials summed in split order (the same sum on every
+    call), plus the bias, in float32."""
+    acc = tl.zeros(n.shape, tl.float32)
+    for s in range(0, splits):
         acc += tl.load(part_ptr + (s * M + row) * N + n, mask=ok, other=0.0)
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    return acc
+
+
+@triton.jit
+def _reduce_kernel(part_ptr, b_ptr, out_ptr, M, N, splits, stride_om, HAS_BIAS: tl.constexpr,
+                   SILU_MUL_OUT: tl.constexpr, ACCURATE_EXP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    # SILU_MUL_OUT: the partials are cat(gate, up) (N wide), the output silu(gate) * up (N / 2 wide).
+    row = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    width = N // 2 if SILU_MUL_OUT else N
+    ok = n < width
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    y = _split_sum(part_ptr, b_ptr, row, n, ok, M, N, splits, HAS_BIAS).to(out_ptr.dtype.element_ty)
+    if SILU_MUL_OUT:
+        up = _split_sum(part_ptr, b_ptr, row, width + n, ok, M, N, splits, HAS_BIAS).to(out_ptr.dtype.element_ty)
+        y = silu_mul_values(y, up, ACCURATE_EXP)
+    tl.store(out_ptr + row * stride_om + n, y, mask=ok)
 
 
 @triton.jit
@@ -473,15 +520,15 @@ def _stack_four_rows(s0, s1, s2, s3, m):
 
 
 @triton.jit
-def _few_rows_tile(w_ptr, N, K, stride_wn, k_iters, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The few-rows kernels' program: its feature block ``n`` (and ``n_ok``), split, rows ``m``
-    (``arange(0, 4)``), tile columns ``kk``, first column ``k_first``, ``h_end`` (the norm kernel's:
-    the first feature block's programs store ``h``, ``K`` for them and ``<= 0`` for the rest), weight
-    rows ``w_rows``, and four zero ``[BLOCK_N, BLOCK_K]`` float32 accumulators."""
+def _few_rows_tile(w_ptr, N, K, stride_wn, k_iters, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   SILU_MUL_OUT: tl.constexpr):
+    """The few-rows kernels' program: its weight rows ``n`` (and ``n_ok``; :func:`_tile_features`), split,
+    rows ``m`` (``arange(0, 4)``), tile columns ``kk``, first column ``k_first``, ``h_end`` (the norm
+    kernel's: the first feature block's programs store ``h``, ``K`` for them and ``<= 0`` for the rest),
+    weight row pointers ``w_rows``, and four zero ``[BLOCK_N, BLOCK_K]`` float32 accumulators."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < N
+    n, n_ok = _tile_features(pid_n, N, BLOCK_N, SILU_MUL_OUT)
     m = tl.arange(0, 4)
     kk = tl.arange(0, BLOCK_K)
     k_first = split * k_iters * BLOCK_K
@@ -495,11 +542,11 @@ def _few_rows_tile(w_ptr, N, K, stride_wn, k_iters, BLOCK_N: tl.constexpr, BLOCK
 def _few_rows_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_wn, stride_om, k_iters,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, SPLIT: tl.constexpr,
                      HAS_BIAS: tl.constexpr, NUM_STAGES: tl.constexpr, SILU_MUL: tl.constexpr,
-                     ACCURATE_EXP: tl.constexpr, PDL: tl.constexpr):
+                     SILU_MUL_OUT: tl.constexpr, ACCURATE_EXP: tl.constexpr, PDL: tl.constexpr):
     # Two to four rows: _gemv_kernel's one-row product for each row of x (rows past M are zeros,
     # never read), one weight tile feeding four accumulators; no tl.dot and no padding to 16 rows.
     (pid_n, split, n, n_ok, m, kk, k_first, _, w_rows,
-     acc0, acc1, acc2, acc3) = _few_rows_tile(w_ptr, N, K, stride_wn, k_iters, BLOCK_N, BLOCK_K)
+     acc0, acc1, acc2, acc3) = _few_rows_tile(w_ptr, N, K, stride_wn, k_iters, BLOCK_N, BLOCK_K, SILU_MUL_OUT)
     first = 0
     if PDL:
         # As in _gemv_kernel: the first weight tile before the wait, x after it.
@@ -515,13 +562,12 @@ def _few_rows_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, M, N, K, stride_xm,
         acc0, acc1, acc2, acc3 = _fold_four_rows(acc0, acc1, acc2, acc3, w, x_ptr, k, M, K, stride_xm, SILU_MUL,
                                                  ACCURATE_EXP)
     acc = _stack_four_rows(tl.sum(acc0, 1), tl.sum(acc1, 1), tl.sum(acc2, 1), tl.sum(acc3, 1), m)  # [4, BLOCK_N]
-    ok = (m < M)[:, None] & n_ok[None, :]
+    m_ok = m < M
     if SPLIT:
-        tl.store(part_ptr + (split * M + m[:, None]) * N + n[None, :], acc, mask=ok)
+        tl.store(part_ptr + (split * M + m[:, None]) * N + n[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
     else:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + m[:, None] * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=ok)
+        _store_out(acc, m, m_ok, n, n_ok, pid_n, N, b_ptr, out_ptr, stride_om, 4, BLOCK_N, HAS_BIAS, SILU_MUL_OUT,
+                   ACCURATE_EXP)
 
 
 @triton.jit
@@ -570,7 +616,7 @@ def _norm_few_rows_kernel(x_ptr, res_ptr, g_ptr, w_ptr, b_ptr, out_ptr, h_ptr, p
     # Two to four rows: _norm_gemv_kernel's product for each row (the normed row never rounded to
     # the dtype), one weight tile feeding four accumulators, each row's rstd from its own squares.
     (pid_n, split, n, n_ok, m, kk, k_first, h_end, w_rows,
-     acc0, acc1, acc2, acc3) = _few_rows_tile(w_ptr, N, K, stride_wn, k_iters, BLOCK_N, BLOCK_K)
+     acc0, acc1, acc2, acc3) = _few_rows_tile(w_ptr, N, K, stride_wn, k_iters, BLOCK_N, BLOCK_K, False)
     sq0 = tl.zeros([BLOCK_K], tl.float32)
     sq1 = tl.zeros([BLOCK_K], tl.float32)
     sq2 = tl.zeros([BLOCK_K], tl.float32)
@@ -689,7 +735,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     bias) rounded once. The same shape on the same device gives the same bits on every call; no
     host synchronization, capturable in a CUDA graph. ``ValueError`` for anything else.
     """
-    return _linear(x, weight, bias, splits=splits, silu_mul=False)
+    return _linear(x, weight, bias, splits=splits, silu_mul=False, silu_mul_out=False)
+
+
+def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                    splits: int | None = None) -> torch.Tensor:
+    """``fused_triton.silu_mul(linear(x, weight, bias))`` in one kernel: SwiGLU's gate/up projection
+    with ``silu(gate) * up`` formed as its output is stored (the ``[M, 2 I]`` projection never is).
+
+    ``weight`` is ``[2 I, K]`` (``cat(gate, up)``, the fused gate/up projection's rows) and ``bias``
+    ``[2 I]`` or None; otherwise as :func:`linear`, whose launch it takes. Each program reads half a
+    block of gate rows and the up rows of the same features, so it holds both values of each output.
+    Returns ``[M, I]``: the bits of :func:`linear` followed by
+    :func:`tpspec.model.fused_triton.silu_mul` (each projection rounded to the dtype first; a split
+    launch's reduction forms it in the same order).
+    """
+    if weight.dim() == 2 and weight.shape[0] % 2:
+        raise ValueError(f"weight must be cat(gate, up), an even number of rows, got {tuple(weight.shape)}")
+    return _linear(x, weight, bias, splits=splits, silu_mul=False, silu_mul_out=True)
 
 
 def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -702,11 +765,11 @@ def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     :func:`tpspec.model.fused_triton.silu_mul` gives (``silu`` in float32 rounded to the dtype, the
     product rounded), so the result is that of ``silu_mul`` then :func:`linear`, bit for bit.
     """
-    return _linear(gate_up, weight, bias, splits=splits, silu_mul=True)
+    return _linear(gate_up, weight, bias, splits=splits, silu_mul=True, silu_mul_out=False)
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, splits: int | None,
-            silu_mul: bool) -> torch.Tensor:
+            silu_mul: bool, silu_mul_out: bool) -> torch.Tensor:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != (2 if silu_mul else 1) * weight.shape[1]:
         what = "gate_up must be [M, 2 K]" if silu_mul else "x must be [M, K]"
         raise ValueError(f"{what} and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
@@ -725,7 +788,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
         raise ValueError("weight and bias must be contiguous")
     if x.stride(1) != 1:
         x = x.contiguous()
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, n // 2 if silu_mul_out else n), dtype=x.dtype, device=x.device)
     if n == 0:
         return out
     launch = plan_gemv(m, n, k, device=x.device, splits=splits, element_size=x.element_size())
@@ -742,7 +805,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
         _few_rows_kernel[grid](x, weight, bias_arg, out, part, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
                                launch.k_iters, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, EVEN=even, SPLIT=split,
                                HAS_BIAS=bias is not None, NUM_STAGES=launch.num_stages, SILU_MUL=silu_mul,
-                               ACCURATE_EXP=not INTERPRETED, num_warps=launch.num_warps,
+                               SILU_MUL_OUT=silu_mul_out, ACCURATE_EXP=not INTERPRETED, num_warps=launch.num_warps,
                                num_stages=launch.num_stages, enable_fp_fusion=True, **pdl)
     else:
         _gemv_kernel[grid](x, weight, bias_arg, out, part, counts if counts is not None else part, m, n, k,
@@ -750,12 +813,13 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
                            BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, USE_DOT=launch.m_pad > 1, EVEN=even,
                            SPLIT=split, LAST_SUMS=counts is not None, HAS_BIAS=bias is not None,
                            IEEE=x.dtype == torch.float32, NUM_STAGES=launch.num_stages, SILU_MUL=silu_mul,
-                           ACCURATE_EXP=not INTERPRETED, W_LEFT=launch.w_left, num_warps=launch.num_warps,
-                           num_stages=launch.num_stages, enable_fp_fusion=True, **pdl)
+                           SILU_MUL_OUT=silu_mul_out, ACCURATE_EXP=not INTERPRETED, W_LEFT=launch.w_left,
+                           num_warps=launch.num_warps, num_stages=launch.num_stages, enable_fp_fusion=True, **pdl)
     if split and counts is None:
-        _reduce_kernel[(m, triton.cdiv(n, REDUCE_BLOCK))](part, bias_arg, out, m, n, launch.splits, out.stride(0),
-                                                         HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK, num_warps=4,
-                                                         enable_fp_fusion=True, **pdl)
+        _reduce_kernel[(m, triton.cdiv(out.shape[1], REDUCE_BLOCK))](
+            part, bias_arg, out, m, n, launch.splits, out.stride(0), HAS_BIAS=bias is not None,
+            SILU_MUL_OUT=silu_mul_out, ACCURATE_EXP=not INTERPRETED, BLOCK=REDUCE_BLOCK, num_warps=4,
+            enable_fp_fusion=True, **pdl)
     return out
 
 

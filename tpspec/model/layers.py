@@ -34,7 +34,8 @@ from .batch import AttentionMetadata
 from .comm import all_reduce_sum
 from .config import ModelConfig
 from .kv_cache import KVPages
-from .linear import gemv_kernels, linear, use_triton_norm_linear, use_triton_silu_linear
+from .linear import (gemv_kernels, linear, use_triton_linear_silu_mul, use_triton_norm_linear,
+                     use_triton_silu_linear)
 
 # Whether models on CUDA run the fused Triton kernels of :mod:`tpspec.model.fused_triton`: on, since a
 # GPU run of tests/test_fused_triton.py's ``gpu`` tests passed (only such a checked path may stand on).
@@ -150,7 +151,8 @@ class RMSNorm(nn.Module):
     """``x / rms(x) * weight``, computed in float32 and cast back (as transformers does).
 
     ``forward(x)``: the norm of ``x``; ``add_forward(x, residual)``: ``(norm(h), h)`` with
-    ``h = residual + x`` (one kernel when ``fused``)."""
+    ``h = residual + x`` (one kernel when ``fused``); ``residual_forward(x, residual)``: the same,
+    or ``(norm(x), x)`` when ``residual`` is None."""
 
     def __init__(self, name: str, hidden_size: int, eps: float, *, dtype: torch.dtype, device: Any,
                  deterministic: bool = False, fused: bool = False) -> None:
@@ -176,6 +178,11 @@ class RMSNorm(nn.Module):
             return fused_kernels().add_rms_norm(x, residual, self.weight, self.eps)
         h = residual + x
         return self(h), h
+
+    def residual_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self(x), x
+        return self.add_forward(x, residual)
 
 
 class RotaryEmbedding(nn.Module):
@@ -299,15 +306,18 @@ class ColumnParallelLinear(nn.Module):
     def norm_forward(self, norm: RMSNorm, x: torch.Tensor,
                      residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(self(norm(h)), h)`` with ``h = x + residual`` (``x`` when ``residual`` is None): one
-        kernel where :func:`~tpspec.model.linear.use_triton_norm_linear` says so (a one-row step),
-        else ``norm``'s own path, then :meth:`forward`."""
-        if (self.fixed_order is None and not norm.deterministic
-                and use_triton_norm_linear(x, residual, norm.weight, self.weight, self.bias)):
+        kernel where :meth:`takes_norm` says so (a one-row step), else ``norm``'s own path, then
+        :meth:`forward`."""
+        if self.takes_norm(norm, x, residual):
             return gemv_kernels().norm_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias)
-        if residual is None:
-            return self(norm(x)), x
-        normed, h = norm.add_forward(x, residual)
+        normed, h = norm.residual_forward(x, residual)
         return self(normed), h
+
+    def takes_norm(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
+        """Whether :meth:`norm_forward` runs the norm inside this linear's GEMV
+        (:func:`~tpspec.model.linear.use_triton_norm_linear`)."""
+        return (self.fixed_order is None and not norm.deterministic
+                and use_triton_norm_linear(x, residual, norm.weight, self.weight, self.bias))
 
 
 class RowParallelLinear(nn.Module):
@@ -456,11 +466,27 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
         if self.fused:
-            return self.down_projected(self.gate_up(x), reduce)
+            gate_up = self.gate_up
+            if use_triton_linear_silu_mul(x, gate_up.weight, gate_up.bias):
+                return self.down(gemv_kernels().linear_silu_mul(x, gate_up.weight, gate_up.bias), reduce)
+            return self.down_projected(gate_up(x), reduce)
         if self.deterministic:
             return self.down(det.silu_mul(self.gate_up(x)), reduce)
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.down(F.silu(gate) * up, reduce)
+
+    def norm_forward(self, norm: RMSNorm, x: torch.Tensor,
+                     residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(self(norm(h)), h)`` with ``h = x + residual`` (``x`` when ``residual`` is None), for
+        ``fused`` layers: the norm inside the gate/up GEMV where
+        :meth:`ColumnParallelLinear.takes_norm` says so (a one-row step), else the norm's kernel,
+        then :meth:`forward` (``silu(gate) * up`` as gate/up stores its output where
+        :func:`~tpspec.model.linear.use_triton_linear_silu_mul` says so)."""
+        if self.gate_up.takes_norm(norm, x, residual):
+            gate_up, h = self.gate_up.norm_forward(norm, x, residual)
+            return self.down_projected(gate_up), h
+        normed, h = norm.residual_forward(x, residual)
+        return self(normed), h
 
     def down_projected(self, gate_up: torch.Tensor,
                        reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:

@@ -8,7 +8,8 @@ everything else, and everything while ``TRITON_GEMV`` is off, runs ``F.linear``.
 takes a linear that follows an RMSNorm (q/k/v and gate/up of a fused
 layer), :func:`use_triton_norm_linear` also puts the norm in front of the GEMV, in one kernel
 (:func:`tpspec.model.gemv_triton.norm_linear`); :func:`use_triton_silu_linear` decides the same for
-SwiGLU's ``silu(gate) * up`` before the down projection. This module imports no ``triton``: the
+SwiGLU's ``silu(gate) * up`` before the down projection, and :func:`use_triton_linear_silu_mul`
+after the gate/up projection. This module imports no ``triton``: the
 kernels' module is imported on the first call the rule accepts.
 """
 
@@ -59,6 +60,15 @@ TRITON_SILU_DOWN = True
 and cuBLAS. On: a GPU run of ``tests/test_gemv_triton.py``'s ``gpu`` tests passed (the bits of
 ``silu_mul`` and the GEMV), and one-request decode steps took less time with it
 (``docs/benchmarks.md``)."""
+
+
+TRITON_GATE_UP_SILU = False
+"""Whether a gate/up projection of two rows or more that the rule sends to the Triton GEMV forms
+SwiGLU's ``silu(gate) * up`` as it stores its output (:func:`use_triton_linear_silu_mul`): no
+``silu_mul`` kernel runs, and the intermediate is written and read once at half its width. The rule
+takes gate/up (``N > K``) from five rows on only where ``TRITON_GEMV_ROWS`` is raised; at one row
+``silu`` goes inside the down projection instead (``TRITON_SILU_DOWN``). Off until a GPU run has
+timed it in the steps."""
 
 
 FUSED_INPUT_ROWS = 1
@@ -132,6 +142,17 @@ def use_triton_silu_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: to
     if not _fused_input(rows) or not _dot_rows_take(rows, *weight.shape):
         return False
     return _gemv_runs(gate_up, weight, bias, 2 * weight.shape[1])
+
+
+def use_triton_linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether SwiGLU's gate/up projection of ``x`` ``[M, K]`` by ``weight`` ``[2 I, K]``
+    (``cat(gate, up)``) runs as :func:`tpspec.model.gemv_triton.linear_silu_mul`, returning
+    ``silu(gate) * up`` ``[M, I]``: where ``TRITON_GATE_UP_SILU`` is on, ``M >= 2`` (one row: the
+    down projection takes ``silu`` inside), ``weight`` has an even number of rows and
+    :func:`use_triton_linear` takes the linear. The same answer on every rank."""
+    if not TRITON_GATE_UP_SILU or x.dim() != 2 or x.shape[0] < 2 or weight.dim() != 2 or weight.shape[0] % 2:
+        return False
+    return use_triton_linear(x, weight, bias)
 
 
 def _gemv_runs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, width: int) -> bool:

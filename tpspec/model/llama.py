@@ -135,8 +135,8 @@ class DecoderLayer(nn.Module):
         qkv, x_in = attn.qkv.norm_forward(self.input_layernorm, x, residual)
         a = attn.attend_projected(qkv, cos, sin, meta, pages, attend)
         if dp_rows is None:
-            gate_up, h = self.mlp.gate_up.norm_forward(self.post_attention_layernorm, a, x_in)
-            return self.mlp.down_projected(gate_up), h, x_in
+            y, h = self.mlp.norm_forward(self.post_attention_layernorm, a, x_in)
+            return y, h, x_in
         y, h = self.post_attention_layernorm.add_forward(a, x_in)
         return self._mlp(y, dp_rows), h, x_in
 
