@@ -266,7 +266,8 @@ def test_dispatch_rule(monkeypatch):
     gate_up = torch.zeros(1, 128)
     assert silu(gate_up, torch.zeros(32, 64)) and silu(gate_up, w)  # down_proj's K > N too
     assert not silu(torch.zeros(2, 128), torch.zeros(32, 64))  # one row only
-    assert linear_mod.TRITON_GEMV_ROWS == 4  # up to four rows: at one N >= K, at two to four N <= K
+    assert linear_mod.TRITON_GEMV_ROWS == 32
+    monkeypatch.setattr(linear_mod, "TRITON_GEMV_ROWS", 4)  # up to four rows: at one N >= K, at two to four N <= K
     assert use(torch.zeros(4, 64), w) and not use(torch.zeros(5, 64), w)
     assert use(torch.zeros(4, 64), w[:32]) and use(torch.zeros(2, 64), w[:32]) and not use(x, w[:32])
     assert not use(torch.zeros(4, 64), torch.zeros(128, 64)) and use(x, torch.zeros(128, 64))
@@ -325,18 +326,19 @@ def test_dispatch_rule(monkeypatch):
 
 
 def test_gate_up_silu_rule(monkeypatch):
-    """``silu(gate) * up`` stored by the gate/up GEMV: off by default; on, from two rows where the rule
-    takes the linear (gate/up from five rows only with ``TRITON_GEMV_ROWS`` raised), an even number
-    of weight rows; never at one row (the down projection takes ``silu`` inside there)."""
-    assert linear_mod.TRITON_GATE_UP_SILU is False
+    """``silu(gate) * up`` stored by the gate/up GEMV (on by default): from two rows where the rule
+    takes the linear (gate/up from five rows to ``TRITON_GEMV_ROWS``), an even number of weight
+    rows; never at one row (the down projection takes ``silu`` inside there); none with the switch off."""
+    assert linear_mod.TRITON_GATE_UP_SILU is True
     after = linear_mod.use_triton_linear_silu_mul
     kernels = _Kernels()
     kernels.INTERPRETED = True
     monkeypatch.setattr(linear_mod, "gemv_kernels", lambda: kernels)
     gate_up, rows = torch.zeros(256, 64), torch.zeros(8, 64)  # N = 4 K, as gate/up
-    monkeypatch.setattr(linear_mod, "TRITON_GEMV_ROWS", 8)
+    monkeypatch.setattr(linear_mod, "TRITON_GATE_UP_SILU", False)
     assert linear_mod.use_triton_linear(rows, gate_up) and not after(rows, gate_up)
     monkeypatch.setattr(linear_mod, "TRITON_GATE_UP_SILU", True)
+    monkeypatch.setattr(linear_mod, "TRITON_GEMV_ROWS", 8)
     assert after(rows, gate_up) and after(rows, gate_up, torch.zeros(256)) and after(torch.zeros(5, 64), gate_up)
     assert not after(torch.zeros(1, 64), gate_up)  # one row: silu inside the down projection
     assert not after(torch.zeros(4, 64), gate_up)  # two to four rows: gate/up (N > K) in cuBLAS
