@@ -9,8 +9,8 @@
 #   GPU. profile: the roofline's one- and eight-request steps and its batch-64 sampled columns kernel by kernel,
 #   and the attention's split counts. switches: the GPU tests of the sampled columns' tail kernels, then the
 #   batch-64 sampled columns with them switched off and on, twice. rows: the several-row GEMV's GPU tests and
-#   linears, then the steps of 8 and 32 requests with gate/up and the LM head in cuBLAS, in it, and in it
-#   storing silu(gate) * up, twice.
+#   linears, then the steps of 8 and 32 requests with gate/up and the LM head in cuBLAS, in it, and as they run
+#   (gate/up in it storing silu(gate) * up), twice.
 #   A step's name runs that step alone (`--dry-run` lists the selected ones). Steps run in the order
 #   this script lists them, whatever the order of the arguments.
 #   --dry-run  print each selected step's time limit and command, and whether this build's `tpspec`
@@ -137,17 +137,19 @@ done
 step generate generate-llama-3-8b-deterministic 400 "$T bench generate --device cuda --tp 1 --model-shape llama-3-8b --rates 0,1.5,3 --deterministic --timeout 380 --out $o/generate-llama-3-8b-deterministic"
 
 # 0d. Rows (one GPU, only when named, under 9 minutes): the several-row GEMV (five rows and more: the weight tile on
-#     the left of a tl.dot), which no default takes: its GPU tests, the linears alone at 8 and 32 rows against
-#     cuBLAS, then the roofline's steps of 8 and 32 requests as they run (off: cuBLAS), with TRITON_GEMV_ROWS raised
-#     to 32 (on: gate/up and the LM head, the linears ROWS_MIN_WIDENING admits, in the GEMV), and with gate/up
-#     storing silu(gate) * up too (silu: TRITON_GATE_UP_SILU), off, on, silu, twice.
-step rows rows-gpu-tests 180 "$PY -m pytest -m gpu -v -rfE -p no:cacheprovider tests/test_gemv_triton.py"
-step rows rows-gemv-llama-3-8b 50 "$T bench gemv --device cuda --model-shape llama-3-8b --batch 8,32 --out $o/rows-gemv-llama-3-8b"
+#     the left of a tl.dot): its GPU tests (the float64 reference in bfloat16 only), the linears alone at 8 and 32
+#     rows against cuBLAS, then the roofline's steps of 8 and 32 requests with gate/up and the LM head in cuBLAS
+#     (cublas: TRITON_GEMV_ROWS=4), in the GEMV (gemv: TRITON_GATE_UP_SILU off) and as they run (default: gate/up
+#     storing silu(gate) * up), twice.
+step rows rows-gpu-tests 200 "$PY -m pytest -m gpu -v -rfE -p no:cacheprovider tests/test_gemv_triton.py -k 'bfloat16 or not float64_reference'"
+step rows rows-gemv-llama-3-8b 40 "$T bench gemv --device cuda --model-shape llama-3-8b --batch 8,32 --out $o/rows-gemv-llama-3-8b"
 for run in 1 2; do
-    for state in off on silu; do
-        set_args=""
-        [ $state != off ] && set_args=" --set tpspec.model.linear.TRITON_GEMV_ROWS=32"
-        [ $state = silu ] && set_args="$set_args --set tpspec.model.linear.TRITON_GATE_UP_SILU=True"
+    for state in cublas gemv default; do
+        case $state in
+            cublas) set_args=" --set tpspec.model.linear.TRITON_GEMV_ROWS=4" ;;
+            gemv) set_args=" --set tpspec.model.linear.TRITON_GATE_UP_SILU=False" ;;
+            default) set_args="" ;;
+        esac
         step rows rows-steps-$state-$run 50 "$T bench step $S8B --roofline-only --attention-backends triton --roofline-columns greedy --contexts 1024,4096 --roofline-batch 8,32 --verify-batch 8 --iters 10 --warmup 2 --timeout 42$set_args --out $o/rows-steps-$state-$run"
     done
 done

@@ -372,7 +372,7 @@ def test_linear_is_f_linear_with_the_switch_off():
 
 @pytest.mark.gpu
 @needs_triton
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 def test_cuda_kernel_matches_the_float64_reference(dtype):
     import gemv_cases as cases
 
