@@ -154,6 +154,37 @@ def check_norm_kernels(device: str, dtype: torch.dtype, shapes=SMALL_SHAPES, row
                         assert torch.equal(y, kernels.norm_linear(x, r, g, eps, w, b, splits=splits)[0]), what
 
 
+def check_norm_silu_out_kernels(device: str, dtype: torch.dtype, shapes=SMALL_SHAPES, rows=(3, 16)) -> None:
+    """The norm in front and ``silu(gate) * up`` stored (``norm_linear_silu_mul``): the bits of
+    ``norm_linear`` followed by the ``silu_mul`` kernel, and its ``h``, at every shape (as ``I``
+    features) and row count, with and without a residual and a bias, the rule's splits and forced
+    1 and 3; one row and an odd number of weight rows are refused."""
+    from tpspec.model import fused_triton
+
+    eps = 1e-5
+    for index, (n, k) in enumerate(shapes):
+        for m in rows:
+            for residual in (False, True):
+                bias = (index + residual) % 2 == 0
+                x, w, b = _tensors(m, 2 * n, k, dtype, device, bias, seed=13 * n + k)
+                gen = torch.Generator(device=device).manual_seed(k + m)
+                r = torch.randn(m, k, generator=gen, device=device).to(dtype) if residual else None
+                g = (1 + 0.5 * torch.randn(k, generator=gen, device=device)).to(dtype)
+                for splits in (None, 1, 3):
+                    what = f"norm silu out {n}x{k} M={m} residual={residual} bias={bias} splits={splits}"
+                    y, h = kernels.norm_linear_silu_mul(x, r, g, eps, w, b, splits=splits)
+                    y_want, h_want = kernels.norm_linear(x, r, g, eps, w, b, splits=splits)
+                    assert y.shape == (m, n) and y.dtype == dtype, (what, y.shape, y.dtype)
+                    assert torch.equal(y, fused_triton.silu_mul(y_want)) and torch.equal(h, h_want), what
+    for bad, message in (((x[:1], None, g, eps, w), "2 or more rows"), ((x, None, g, eps, w[1:]), "even number")):
+        try:
+            kernels.norm_linear_silu_mul(*bad)
+        except ValueError as exc:
+            assert message in str(exc), exc
+        else:
+            raise AssertionError(f"accepted: {message}")
+
+
 def check_the_other_operand_order(device: str, dtype: torch.dtype, shapes=SMALL_SHAPES, rows=(16,)) -> None:
     """The ``tl.dot`` rows with the operand order that ``ROWS_WEIGHTS_LEFT`` does not choose (``x`` on
     the left, as it stands; the other checks run the chosen one): as :func:`check_kernels`,
@@ -167,6 +198,7 @@ def check_the_other_operand_order(device: str, dtype: torch.dtype, shapes=SMALL_
         check_norm_kernels(device, dtype, shapes, rows)
         check_silu_kernels(device, dtype, shapes[:2], rows)
         check_silu_out_kernels(device, dtype, shapes[:2], rows)
+        check_norm_silu_out_kernels(device, dtype, shapes[:2], rows)
     finally:
         kernels.ROWS_WEIGHTS_LEFT = saved
 
@@ -248,7 +280,8 @@ def check_llm(device: str, dtype: torch.dtype) -> None:
     raised); every kernel ran at one row and at the prompts' seven rows, the GEMV at two rows too
     (the norm's linears, ``N > K``, take the GEMV at one row and from five rows on). "after": the
     norms outside from two rows on, and gate/up storing ``silu(gate) * up``
-    (``TRITON_GATE_UP_SILU``), which ran at the prompts' seven rows."""
+    (``TRITON_GATE_UP_SILU``), which ran at the prompts' seven rows. "both": the norm inside and
+    ``silu(gate) * up`` stored by gate/up at seven rows."""
     from tpspec.mapping import Mapping
     from tpspec.model import layers as layers_mod
     from tpspec.model import linear as linear_mod
@@ -257,7 +290,7 @@ def check_llm(device: str, dtype: torch.dtype) -> None:
     from tpspec.runtime.engine import Engine
     from tpspec.sampling.params import SamplingParams
 
-    names = ("linear", "norm_linear", "silu_mul_linear", "linear_silu_mul")
+    names = ("linear", "norm_linear", "silu_mul_linear", "linear_silu_mul", "norm_linear_silu_mul")
     originals = {name: getattr(kernels, name) for name in names}
     rows_seen: dict[str, set[int]] = {}
 
@@ -276,7 +309,8 @@ def check_llm(device: str, dtype: torch.dtype) -> None:
                 "TRITON_GATE_UP_SILU")
     settings = {"off": (False, False, 4, 1, 4, False),
                 "inside": (True, True, kernels.MAX_ROWS, kernels.MAX_ROWS, 0, False),
-                "after": (True, True, kernels.MAX_ROWS, 1, 0, True)}
+                "after": (True, True, kernels.MAX_ROWS, 1, 0, True),
+                "both": (True, True, kernels.MAX_ROWS, kernels.MAX_ROWS, 0, True)}
     saved = layers_mod.FUSED_UNDER_INTERPRETER, {switch: getattr(linear_mod, switch) for switch in switches}
     layers_mod.FUSED_UNDER_INTERPRETER = True
     tokens, seen = {}, {}
@@ -307,14 +341,19 @@ def check_llm(device: str, dtype: torch.dtype) -> None:
     few = set(range(2, kernels.FEW_ROWS + 1))
     inside = seen["inside"]
     assert all(1 in inside[name] for name in names[:3]) and 7 in inside["norm_linear"], inside
-    assert not inside["norm_linear"] & few and inside["linear"] & few and not inside["linear_silu_mul"], inside
+    assert not inside["norm_linear"] & few and inside["linear"] & few, inside
+    assert not inside["linear_silu_mul"] and not inside["norm_linear_silu_mul"], inside
     assert max(inside["silu_mul_linear"]) > kernels.FEW_ROWS, inside
     after = seen["after"]
     assert after["linear_silu_mul"] == {7} and after["norm_linear"] == after["silu_mul_linear"] == {1}, after
-    assert tokens["inside"] == tokens["off"] and tokens["after"] == tokens["off"], tokens
+    assert not after["norm_linear_silu_mul"], after
+    both = seen["both"]
+    assert both["norm_linear_silu_mul"] == {7} and both["norm_linear"] == {1, 7} and not both["linear_silu_mul"], both
+    assert all(tokens[setting] == tokens["off"] for setting in settings), tokens
 
 
-CHECKS = {"kernels": [check_kernels, check_norm_kernels, check_silu_kernels, check_silu_out_kernels],
+CHECKS = {"kernels": [check_kernels, check_norm_kernels, check_silu_kernels, check_silu_out_kernels,
+                      check_norm_silu_out_kernels],
           "rows_and_splits": [check_many_rows, check_last_split_sums, check_the_other_operand_order], "llm": [check_llm]}
 
 

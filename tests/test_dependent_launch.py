@@ -51,7 +51,8 @@ def _decoder_kernels():
     dot_constants = dict(gemv_constants, M_PAD=rows.m_pad, BLOCK_N=rows.block_n, BLOCK_K=rows.block_k, USE_DOT=True,
                          SILU_MUL=False, NUM_STAGES=rows.num_stages, W_LEFT=rows.w_left)
     norm_rows_constants = dict(M_PAD=rows.m_pad, BLOCK_N=rows.block_n, BLOCK_K=rows.block_k, EVEN=True, SPLIT=True,
-                               HAS_RES=True, HAS_BIAS=False, IEEE=False, NUM_STAGES=rows.num_stages, W_LEFT=rows.w_left)
+                               HAS_RES=True, HAS_BIAS=False, IEEE=False, NUM_STAGES=rows.num_stages,
+                               SILU_MUL_OUT=False, ACCURATE_EXP=True, W_LEFT=rows.w_left)
     few = gemv.plan_gemv(gemv.FEW_ROWS, 4096, 14336, device="cpu")
     few_constants = dict(BLOCK_N=few.block_n, BLOCK_K=few.block_k, EVEN=True, SPLIT=True, HAS_BIAS=False,
                          NUM_STAGES=few.num_stages, SILU_MUL=True, SILU_MUL_OUT=False, ACCURATE_EXP=True)
@@ -73,10 +74,13 @@ def _decoder_kernels():
          dict(warps, num_stages=rows.num_stages), True),
         *[(f"norm gemv rows, weights left {left}", gemv._norm_rows_kernel, dict(norm_rows_constants, W_LEFT=left),
            dict(warps, num_stages=rows.num_stages), True) for left in (False, True)],
+        ("norm gemv rows, silu out", gemv._norm_rows_kernel, dict(norm_rows_constants, SPLIT=False, SILU_MUL_OUT=True),
+         dict(warps, num_stages=rows.num_stages), True),
         ("gemv few rows, silu", gemv._few_rows_kernel, few_constants, dict(warps, num_stages=few.num_stages), True),
         ("norm gemv few rows", gemv._norm_few_rows_kernel,
          dict(BLOCK_N=few.block_n, BLOCK_K=few.block_k, EVEN=True, SPLIT=True, HAS_RES=True, HAS_BIAS=False,
-              NUM_STAGES=few.num_stages), dict(warps, num_stages=few.num_stages), True),
+              NUM_STAGES=few.num_stages, SILU_MUL_OUT=False, ACCURATE_EXP=True),
+         dict(warps, num_stages=few.num_stages), True),
         *[(f"gemv reduce, silu out {out}", gemv._reduce_kernel,
            dict(HAS_BIAS=True, SILU_MUL_OUT=out, ACCURATE_EXP=True, BLOCK=gemv.REDUCE_BLOCK), warps, False)
           for out in (False, True)],

@@ -8,14 +8,15 @@ of the block, a K tail, one and several K splits), M = 1, 3, 16 (and 40 in float
 off; the norm fused in front of it (``norm_linear``) against the float64 norm and product, with
 and without a residual; SwiGLU's ``silu(gate) * up`` fused in front of it (``silu_mul_linear``)
 against the ``silu_mul`` kernel and ``linear``, and formed as the gate/up projection stores its
-output (``linear_silu_mul``) against ``linear`` and the ``silu_mul`` kernel, both bit for bit; split
+output (``linear_silu_mul``, ``norm_linear_silu_mul``) against ``linear`` or ``norm_linear`` and the
+``silu_mul`` kernel, both bit for bit; split
 launches whose last program sums the splits (``LAST_SPLIT_SUMS``) against the reduction kernel,
 bit for bit (float32); and the tiny model's greedy tokens with the switches on equal those of
 ``F.linear``. The kernels compile for Hopper without a GPU (the last split sums with their
 barrier, count and L1-bypassing loads in that order). The dispatch rule is pure logic, checked
 here without a kernel. On CUDA (``gpu`` marks): bfloat16, float16 and float32 at the Llama-3-8B
 shapes for M = 1, 8, 16, 32, 64 (and the fused norm at one row, ``silu(gate) * up`` in front of
-down_proj at 1 and 8, and stored by gate/up at 8 and 32), a CUDA-graph replay equal to an eager
+down_proj at 1 and 8, and stored by gate/up at 8 and 32, the norm inside or not), a CUDA-graph replay equal to an eager
 call, the last split sums in bfloat16 and replayed 1,000 times, and the tiny model's tokens.
 """
 
@@ -65,7 +66,8 @@ def test_interpreted_tiny_model_tokens_equal_f_linear(interpreted):
 def test_norm_kernels_compile_for_hopper():
     """The fused norm + GEMV kernels compile to Hopper machine code without a GPU (Triton's own
     ptxas) as ``norm_linear`` launches them at the Llama-3-8B shapes: split (q/k/v) and not
-    (gate/up), bfloat16, with a residual; one row, and several (a tensor-core product)."""
+    (gate/up, storing ``silu(gate) * up`` as ``norm_linear_silu_mul`` does), bfloat16, with a
+    residual; one row, and several (a tensor-core product)."""
     from interpreted import compile_for_hopper
     from tpspec.model import gemv_triton as kernels
 
@@ -98,14 +100,16 @@ def test_norm_kernels_compile_for_hopper():
                      "k_f": "fp32", "eps": "fp32"}
         constants = {"M_PAD": m_pad, "BLOCK_N": launch.block_n, "BLOCK_K": launch.block_k, "EVEN": True,
                      "SPLIT": pdl, "HAS_RES": True, "HAS_BIAS": False, "IEEE": False,
-                     "NUM_STAGES": launch.num_stages, "W_LEFT": launch.w_left, "PDL": pdl}
+                     "NUM_STAGES": launch.num_stages, "SILU_MUL_OUT": not pdl, "ACCURATE_EXP": True,
+                     "W_LEFT": launch.w_left, "PDL": pdl}
         asm = compile_for_hopper(kernels._norm_rows_kernel, signature, constants, num_warps=launch.num_warps,
                                  num_stages=launch.num_stages, enable_fp_fusion=True, launch_pdl=pdl)
         assert "cubin" in asm and "mma" in asm["ptx"] and ("griddepcontrol.wait" in asm["ptx"]) == pdl
     asm = compile_for_hopper(kernels._norm_rows_reduce_kernel,
                              {"part_ptr": "*fp32", "sq_ptr": "*fp32", "b_ptr": ptr, "out_ptr": ptr, "M": "i32",
                               "N": "i32", "splits": "i32", "stride_om": "i32", "k_f": "fp32", "eps": "fp32"},
-                             {"HAS_BIAS": True, "BLOCK": kernels.REDUCE_BLOCK, "PDL": True}, num_warps=4,
+                             {"HAS_BIAS": True, "SILU_MUL_OUT": True, "ACCURATE_EXP": True,
+                              "BLOCK": kernels.REDUCE_BLOCK, "PDL": True}, num_warps=4,
                              enable_fp_fusion=True, launch_pdl=True)
     assert "cubin" in asm
 
@@ -142,7 +146,7 @@ def test_kernels_keep_their_values_in_registers_on_hopper():
             if m == kernels.FEW_ROWS:
                 fn = kernels._few_rows_kernel if name in ("o", "down") else kernels._norm_few_rows_kernel
                 consts = dict(tile, SILU_MUL=name == "down", SILU_MUL_OUT=False, ACCURATE_EXP=True) \
-                    if name in ("o", "down") else dict(tile, HAS_RES=True)
+                    if name in ("o", "down") else dict(tile, HAS_RES=True, SILU_MUL_OUT=False, ACCURATE_EXP=True)
                 compiled[name, m] = compile_for_hopper(fn, _signature(fn, consts), consts, aligned_pointers=True,
                                                        multiples_of_16=sixteens(fn, consts), **opts)
             elif name in ("o", "down"):
@@ -159,12 +163,12 @@ def test_kernels_keep_their_values_in_registers_on_hopper():
                                                        multiples_of_16=sixteens(kernels._norm_gemv_kernel, consts),
                                                        **opts)
             else:
-                consts = dict(tile, M_PAD=launch.m_pad, HAS_RES=True, IEEE=False, W_LEFT=launch.w_left)
-                compiled[name, m] = compile_for_hopper(kernels._norm_rows_kernel,
-                                                       _signature(kernels._norm_rows_kernel, consts), consts,
-                                                       aligned_pointers=True,
-                                                       multiples_of_16=sixteens(kernels._norm_rows_kernel, consts),
-                                                       **opts)
+                for out in (False, True) if name == "gate_up" else (False,):  # storing silu(gate) * up
+                    consts = dict(tile, M_PAD=launch.m_pad, HAS_RES=True, IEEE=False, SILU_MUL_OUT=out,
+                                  ACCURATE_EXP=True, W_LEFT=launch.w_left)
+                    compiled[name, m, out] = compile_for_hopper(
+                        kernels._norm_rows_kernel, _signature(kernels._norm_rows_kernel, consts), consts,
+                        aligned_pointers=True, multiples_of_16=sixteens(kernels._norm_rows_kernel, consts), **opts)
                 if name == "gate_up":  # storing silu(gate) * up (linear_silu_mul)
                     consts = dict(tile, M_PAD=launch.m_pad, USE_DOT=True, LAST_SUMS=False, IEEE=False, SILU_MUL=False,
                                   SILU_MUL_OUT=True, ACCURATE_EXP=True, W_LEFT=launch.w_left)
@@ -174,7 +178,7 @@ def test_kernels_keep_their_values_in_registers_on_hopper():
     reduce = {"BLOCK": kernels.REDUCE_BLOCK, "HAS_BIAS": False, "PDL": True}
     silu_out = {"SILU_MUL_OUT": True, "ACCURATE_EXP": True}
     for kernel, extra in ((kernels._reduce_kernel, silu_out), (kernels._norm_reduce_kernel, {}),
-                          (kernels._norm_rows_reduce_kernel, {})):
+                          (kernels._norm_rows_reduce_kernel, silu_out)):
         consts = dict(reduce, **extra)
         compiled[kernel.fn.__name__, 0] = compile_for_hopper(kernel, _signature(kernel, consts), consts, num_warps=4,
                                                             enable_fp_fusion=True, launch_pdl=True)
@@ -385,6 +389,7 @@ def test_cuda_kernel_matches_the_float64_reference(dtype):
     cases.check_silu_out_kernels("cuda", dtype)
     gate_up_features = (LLAMA_3_8B["gate_up"][0] // 2, LLAMA_3_8B["gate_up"][1])
     cases.check_silu_out_kernels("cuda", dtype, shapes=[gate_up_features], rows=(8, 32))
+    cases.check_norm_silu_out_kernels("cuda", dtype, shapes=[gate_up_features], rows=(8, 32))
 
 
 @pytest.mark.gpu

@@ -392,19 +392,20 @@ def _norm_reduce_kernel(part_ptr, sq_ptr, b_ptr, out_ptr, N, splits, k_f, eps, H
 
 
 @triton.jit
-def _store_norm_rows(acc, sq, m, n, ok, n_ok, M, N, split, pid_n, part_ptr, sq_ptr, b_ptr, out_ptr, stride_om, k_f, eps,
-                     SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """The several-row norm kernels' end: ``acc`` ``[rows, BLOCK_N]`` and the rows' squares ``sq``
-    stored as split partials (``_norm_rows_reduce_kernel`` finishes them), or scaled by each row's
-    ``rsqrt``, biased and stored."""
+def _store_norm_rows(acc, sq, m, n, n_ok, M, N, split, pid_n, part_ptr, sq_ptr, b_ptr, out_ptr, stride_om, k_f, eps,
+                     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     SILU_MUL_OUT: tl.constexpr, ACCURATE_EXP: tl.constexpr):
+    """The several-row norm kernels' end: ``acc`` ``[M_PAD, BLOCK_N]`` (W's rows ``n``) and the rows'
+    squares ``sq`` stored as split partials (``_norm_rows_reduce_kernel`` finishes them), or scaled by
+    each row's ``rsqrt`` and stored as :func:`_store_out` stores."""
+    m_ok = m < M
     if SPLIT:
-        tl.store(part_ptr + (split * M + m[:, None]) * N + n[None, :], acc, mask=ok)
+        tl.store(part_ptr + (split * M + m[:, None]) * N + n[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
         tl.store(sq_ptr + split * M + m, sq, mask=m < M - pid_n * M)  # the same sums in every block: block 0's
     else:
         acc = acc * tl.math.rsqrt(tl.math.div_rn(sq, k_f) + eps)[:, None]
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + m[:, None] * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=ok)
+        _store_out(acc, m, m_ok, n, n_ok, pid_n, N, b_ptr, out_ptr, stride_om, M_PAD, BLOCK_N, HAS_BIAS, SILU_MUL_OUT,
+                   ACCURATE_EXP)
 
 
 @triton.jit
@@ -431,14 +432,14 @@ def _norm_rows_kernel(x_ptr, res_ptr, g_ptr, w_ptr, b_ptr, out_ptr, h_ptr, part_
                       stride_rm, stride_hm, stride_om, stride_wn, k_iters, k_f, eps, M_PAD: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, SPLIT: tl.constexpr,
                       HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, NUM_STAGES: tl.constexpr,
-                      W_LEFT: tl.constexpr, PDL: tl.constexpr):
+                      SILU_MUL_OUT: tl.constexpr, ACCURATE_EXP: tl.constexpr, W_LEFT: tl.constexpr,
+                      PDL: tl.constexpr):
     # Several rows: Y = rstd * ((H * g) W^T), H = X + residual, each row's rstd from its own sum of
     # squares, which the K loop that streams W gathers as it goes. H * g is rounded to the dtype for
     # the tensor cores' product (float32 stays float32, in IEEE precision).
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < N
+    n, n_ok = _tile_features(pid_n, N, BLOCK_N, SILU_MUL_OUT)
     m = tl.arange(0, M_PAD)
     m_ok = m < M
     kk = tl.arange(0, BLOCK_K)
@@ -462,29 +463,43 @@ def _norm_rows_kernel(x_ptr, res_ptr, g_ptr, w_ptr, b_ptr, out_ptr, h_ptr, part_
         acc, sq = _norm_rows_fold(acc, sq, w, x_ptr, res_ptr, g_ptr, h_ptr, k, m, m_ok, K, h_end, stride_xm,
                                   stride_rm, stride_hm, HAS_RES, IEEE, W_LEFT)
     acc = _dot_rows(acc, W_LEFT)
-    ok = m_ok[:, None] & n_ok[None, :]
-    _store_norm_rows(acc, sq, m, n, ok, n_ok, M, N, split, pid_n, part_ptr, sq_ptr, b_ptr, out_ptr, stride_om, k_f, eps,
-                     SPLIT, HAS_BIAS)
+    _store_norm_rows(acc, sq, m, n, n_ok, M, N, split, pid_n, part_ptr, sq_ptr, b_ptr, out_ptr, stride_om, k_f, eps,
+                     M_PAD, BLOCK_N, SPLIT, HAS_BIAS, SILU_MUL_OUT, ACCURATE_EXP)
 
 
 @triton.jit
 def _norm_rows_reduce_kernel(part_ptr, sq_ptr, b_ptr, out_ptr, M, N, splits, stride_om, k_f, eps,
-                             HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+                             HAS_BIAS: tl.constexpr, SILU_MUL_OUT: tl.constexpr, ACCURATE_EXP: tl.constexpr,
+                             BLOCK: tl.constexpr, PDL: tl.constexpr):
+    # SILU_MUL_OUT: the partials are cat(gate, up) (N wide), the output silu(gate) * up (N / 2 wide).
     row = tl.program_id(0)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = n < N
+    width = N // 2 if SILU_MUL_OUT else N
+    ok = n < width
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    acc = tl.load(part_ptr + row * N + n, mask=ok, other=0.0)
     sq = tl.load(sq_ptr + row)
-    for s in range(1, splits):  # split order: the same sums on every call
-        acc += tl.load(part_ptr + (s * M + row) * N + n, mask=ok, other=0.0)
+    for s in range(1, splits):  # split order: the same sum on every call
         sq += tl.load(sq_ptr + s * M + row)
-    acc = acc * tl.math.rsqrt(tl.math.div_rn(sq, k_f) + eps)
+    rstd = tl.math.rsqrt(tl.math.div_rn(sq, k_f) + eps)
+    y = _norm_split_sum(part_ptr, b_ptr, row, n, ok, M, N, splits, rstd, HAS_BIAS).to(out_ptr.dtype.element_ty)
+    if SILU_MUL_OUT:
+        up = _norm_split_sum(part_ptr, b_ptr, row, width + n, ok, M, N, splits, rstd, HAS_BIAS)
+        y = silu_mul_values(y, up.to(out_ptr.dtype.element_ty), ACCURATE_EXP)
+    tl.store(out_ptr + row * stride_om + n, y, mask=ok)
+
+
+@triton.jit
+def _norm_split_sum(part_ptr, b_ptr, row, n, ok, M, N, splits, rstd, HAS_BIAS: tl.constexpr):
+    """Features ``n`` of ``row``: the splits' partials summed in split order, scaled by ``rstd``, plus the bias."""
+    acc = tl.load(part_ptr + row * N + n, mask=ok, other=0.0)
+    for s in range(1, splits):
+        acc += tl.load(part_ptr + (s * M + row) * N + n, mask=ok, other=0.0)
+    acc = acc * rstd
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    return acc
 
 
 @triton.jit
@@ -612,11 +627,12 @@ def _norm_fold_four_rows(acc0, acc1, acc2, acc3, sq0, sq1, sq2, sq3, w, x_ptr, r
 def _norm_few_rows_kernel(x_ptr, res_ptr, g_ptr, w_ptr, b_ptr, out_ptr, h_ptr, part_ptr, sq_ptr, M, N, K, stride_xm,
                           stride_rm, stride_hm, stride_om, stride_wn, k_iters, k_f, eps, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, EVEN: tl.constexpr, SPLIT: tl.constexpr, HAS_RES: tl.constexpr,
-                          HAS_BIAS: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr):
+                          HAS_BIAS: tl.constexpr, NUM_STAGES: tl.constexpr, SILU_MUL_OUT: tl.constexpr,
+                          ACCURATE_EXP: tl.constexpr, PDL: tl.constexpr):
     # Two to four rows: _norm_gemv_kernel's product for each row (the normed row never rounded to
     # the dtype), one weight tile feeding four accumulators, each row's rstd from its own squares.
     (pid_n, split, n, n_ok, m, kk, k_first, h_end, w_rows,
-     acc0, acc1, acc2, acc3) = _few_rows_tile(w_ptr, N, K, stride_wn, k_iters, BLOCK_N, BLOCK_K, False)
+     acc0, acc1, acc2, acc3) = _few_rows_tile(w_ptr, N, K, stride_wn, k_iters, BLOCK_N, BLOCK_K, SILU_MUL_OUT)
     sq0 = tl.zeros([BLOCK_K], tl.float32)
     sq1 = tl.zeros([BLOCK_K], tl.float32)
     sq2 = tl.zeros([BLOCK_K], tl.float32)
@@ -640,10 +656,8 @@ def _norm_few_rows_kernel(x_ptr, res_ptr, g_ptr, w_ptr, b_ptr, out_ptr, h_ptr, p
     acc = _stack_four_rows(tl.sum(acc0, 1), tl.sum(acc1, 1), tl.sum(acc2, 1), tl.sum(acc3, 1), m)  # [4, BLOCK_N]
     sq = tl.where(m == 0, tl.sum(sq0, 0), tl.where(m == 1, tl.sum(sq1, 0), tl.where(m == 2, tl.sum(sq2, 0),
                                                                                      tl.sum(sq3, 0))))  # [4]
-    m_ok = m < M
-    ok = m_ok[:, None] & n_ok[None, :]
-    _store_norm_rows(acc, sq, m, n, ok, n_ok, M, N, split, pid_n, part_ptr, sq_ptr, b_ptr, out_ptr, stride_om, k_f, eps,
-                     SPLIT, HAS_BIAS)
+    _store_norm_rows(acc, sq, m, n, n_ok, M, N, split, pid_n, part_ptr, sq_ptr, b_ptr, out_ptr, stride_om, k_f, eps, 4,
+                     BLOCK_N, SPLIT, HAS_BIAS, SILU_MUL_OUT, ACCURATE_EXP)
 
 
 INTERPRETED = isinstance(_gemv_kernel, InterpretedFunction)
@@ -850,6 +864,30 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
     Same bits on every call for one shape and device; no host synchronization, capturable in a CUDA
     graph. ``ValueError`` for anything else.
     """
+    return _norm_linear(x, residual, norm_weight, eps, weight, bias, splits=splits, silu_mul_out=False)
+
+
+def norm_linear_silu_mul(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                         weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                         splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`norm_linear` of SwiGLU's gate/up projection storing ``silu(gate) * up``, for 2 to
+    ``MAX_ROWS`` rows: ``weight`` is ``[2 I, K]`` (``cat(gate, up)``), ``bias`` ``[2 I]`` or None.
+
+    Returns ``(fused_triton.silu_mul(y), h)`` for ``(y, h) = norm_linear(...)``, bit for bit, the
+    activation ``[M, I]`` (programs read gate rows and the up rows of the same features, as
+    :func:`linear_silu_mul`). One row has no such kernel (its down projection takes ``silu`` inside,
+    :func:`silu_mul_linear`): ``ValueError``, as for anything :func:`norm_linear` refuses.
+    """
+    if x.dim() == 2 and x.shape[0] == 1:
+        raise ValueError("norm_linear_silu_mul takes 2 or more rows; one row: norm_linear, then silu_mul_linear")
+    if weight.dim() == 2 and weight.shape[0] % 2:
+        raise ValueError(f"weight must be cat(gate, up), an even number of rows, got {tuple(weight.shape)}")
+    return _norm_linear(x, residual, norm_weight, eps, weight, bias, splits=splits, silu_mul_out=True)
+
+
+def _norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                 weight: torch.Tensor, bias: torch.Tensor | None, *, splits: int | None,
+                 silu_mul_out: bool) -> tuple[torch.Tensor, torch.Tensor]:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x must be [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
     m, k = x.shape
@@ -872,7 +910,7 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
     x = x.contiguous()
     h = torch.empty_like(x) if residual is not None else x
     res = residual.contiguous() if residual is not None else x  # not read without a residual
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, n // 2 if silu_mul_out else n), dtype=x.dtype, device=x.device)
     if n == 0:
         if residual is not None:
             torch.add(x, residual, out=h)
@@ -893,14 +931,15 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
                           h.stride(0), out.stride(0), weight.stride(0), launch.k_iters, float(k), float(eps),
                           BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, EVEN=even, SPLIT=split,
                           HAS_RES=residual is not None, HAS_BIAS=bias is not None, NUM_STAGES=launch.num_stages,
-                          num_warps=launch.num_warps, num_stages=launch.num_stages, enable_fp_fusion=True, **dot_args,
-                          **pdl)
+                          SILU_MUL_OUT=silu_mul_out, ACCURATE_EXP=not INTERPRETED, num_warps=launch.num_warps,
+                          num_stages=launch.num_stages, enable_fp_fusion=True, **dot_args, **pdl)
         if split:
-            _norm_rows_reduce_kernel[(m, triton.cdiv(n, REDUCE_BLOCK))](part, sq, bias_arg, out, m, n, launch.splits,
-                                                                       out.stride(0), float(k), float(eps),
-                                                                       HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK,
-                                                                       num_warps=4, enable_fp_fusion=True, **pdl)
+            _norm_rows_reduce_kernel[(m, triton.cdiv(out.shape[1], REDUCE_BLOCK))](
+                part, sq, bias_arg, out, m, n, launch.splits, out.stride(0), float(k), float(eps),
+                HAS_BIAS=bias is not None, SILU_MUL_OUT=silu_mul_out, ACCURATE_EXP=not INTERPRETED,
+                BLOCK=REDUCE_BLOCK, num_warps=4, enable_fp_fusion=True, **pdl)
         return out, h
+    assert not silu_mul_out, "one row has no norm kernel storing silu(gate) * up"
     counts = split_counters(x.device, grid[0]) if split and LAST_SPLIT_SUMS else None
     # The squares' split sums: block 0's ([splits]) for the reduction kernel, every block's for the last programs.
     sq = torch.empty((launch.splits, grid[0] if counts is not None else 1), dtype=torch.float32,

@@ -480,11 +480,16 @@ class MLP(nn.Module):
         """``(self(norm(h)), h)`` with ``h = x + residual`` (``x`` when ``residual`` is None), for
         ``fused`` layers: the norm inside the gate/up GEMV where
         :meth:`ColumnParallelLinear.takes_norm` says so (a one-row step), else the norm's kernel,
-        then :meth:`forward` (``silu(gate) * up`` as gate/up stores its output where
-        :func:`~tpspec.model.linear.use_triton_linear_silu_mul` says so)."""
-        if self.gate_up.takes_norm(norm, x, residual):
-            gate_up, h = self.gate_up.norm_forward(norm, x, residual)
-            return self.down_projected(gate_up), h
+        then :meth:`forward`; either way ``silu(gate) * up`` formed as gate/up stores its output where
+        :func:`~tpspec.model.linear.use_triton_linear_silu_mul` says so."""
+        gate_up = self.gate_up
+        if gate_up.takes_norm(norm, x, residual):
+            if use_triton_linear_silu_mul(x, gate_up.weight, gate_up.bias):
+                act, h = gemv_kernels().norm_linear_silu_mul(x, residual, norm.weight, norm.eps, gate_up.weight,
+                                                             gate_up.bias)
+                return self.down(act), h
+            y, h = gate_up.norm_forward(norm, x, residual)
+            return self.down_projected(y), h
         normed, h = norm.residual_forward(x, residual)
         return self(normed), h
 
