@@ -8,16 +8,16 @@ of the block, a K tail, one and several K splits), M = 1, 3, 16 (and 40 in float
 off; the norm fused in front of it (``norm_linear``) against the float64 norm and product, with
 and without a residual; SwiGLU's ``silu(gate) * up`` fused in front of it (``silu_mul_linear``)
 against the ``silu_mul`` kernel and ``linear``, and formed as the gate/up projection stores its
-output (``linear_silu_mul``, ``norm_linear_silu_mul``) against ``linear`` or ``norm_linear`` and the
-``silu_mul`` kernel, both bit for bit; split
-launches whose last program sums the splits (``LAST_SPLIT_SUMS``) against the reduction kernel,
-bit for bit (float32); and the tiny model's greedy tokens with the switches on equal those of
-``F.linear``. The kernels compile for Hopper without a GPU (the last split sums with their
-barrier, count and L1-bypassing loads in that order). The dispatch rule is pure logic, checked
-here without a kernel. On CUDA (``gpu`` marks): bfloat16, float16 and float32 at the Llama-3-8B
-shapes for M = 1, 8, 16, 32, 64 (and the fused norm at one row, ``silu(gate) * up`` in front of
-down_proj at 1 and 8, and stored by gate/up at 8 and 32, the norm inside or not), a CUDA-graph replay equal to an eager
-call, the last split sums in bfloat16 and replayed 1,000 times, and the tiny model's tokens.
+output (``linear_silu_mul``, ``norm_linear_silu_mul``) against ``linear`` or ``norm_linear`` and
+the ``silu_mul`` kernel, all bit for bit; split launches whose last program sums the splits
+(``LAST_SPLIT_SUMS``) against the reduction kernel, bit for bit (float32); and the tiny model's
+greedy tokens with the switches on equal those of ``F.linear``. The kernels compile for Hopper
+without a GPU (the last split sums with their barrier, count and L1-bypassing loads in that
+order). The dispatch rule is pure logic, checked here without a kernel. On CUDA (``gpu`` marks):
+bfloat16, float16 and float32 at the Llama-3-8B shapes for M = 1, 8, 16, 32, 64 (and the fused
+norm at one row, ``silu(gate) * up`` in front of down_proj at 1 and 8, and stored by gate/up at 8
+and 32, its norm inside or not), a CUDA-graph replay equal to an eager call, the last split sums in
+bfloat16 and replayed 1,000 times, and the tiny model's tokens.
 """
 
 from __future__ import annotations

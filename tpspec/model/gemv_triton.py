@@ -34,6 +34,10 @@ stream ``W`` from memory. The kernel is built for that:
 * **SwiGLU in front** (:func:`silu_mul_linear`). A down projection's input is ``silu(gate) * up``;
   the K loop forms each element from the gate/up row as it loads it (the ``silu_mul`` kernel's
   arithmetic), so that kernel does not run and its output is never stored.
+* **SwiGLU after** (:func:`linear_silu_mul`, :func:`norm_linear_silu_mul`). A gate/up projection's
+  output feeds ``silu(gate) * up``; each program reads half a block of gate rows and the up rows of
+  the same features, so it stores ``silu(gate) * up`` of its features itself (the values of
+  :func:`linear` followed by the ``silu_mul`` kernel), and the ``[M, 2 I]`` projection is never stored.
 * **Dependent launch.** Where :func:`tpspec.model.dependent_launch.use_pdl` says so, every kernel
   here launches with programmatic dependent launch: the GEMVs load their first weight tile, then
   wait for the kernel before (whose output is their ``x``), then stream the rest.
