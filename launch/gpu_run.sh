@@ -3,14 +3,15 @@
 #
 # Usage: bash launch/gpu_run.sh [--dry-run] OUT_DIR [GROUP_OR_STEP ...]
 #
-#   Groups, in run order: quick, profile, switches and rows (only when named), correctness, exchange, sampling,
-#   runtime, generate (default: all but those four). quick: the GPU tests, the roofline table, the attention alone,
-#   tpspec against transformers and deterministic mode's cost at the Llama 3 8B shape, in under 9 minutes on one
-#   GPU. profile: the roofline's one- and eight-request steps and its batch-64 sampled columns kernel by kernel,
+#   Groups, in run order: quick, profile, switches, rows and fused (only when named), correctness, exchange,
+#   sampling, runtime, generate (default: all but those five). quick: the GPU tests, the roofline table, the
+#   attention alone, tpspec against transformers and deterministic mode's cost at the Llama 3 8B shape, in under
+#   9 minutes on one GPU. profile: the roofline's one- and eight-request steps and its batch-64 sampled columns kernel by kernel,
 #   and the attention's split counts. switches: the GPU tests of the sampled columns' tail kernels, then the
 #   batch-64 sampled columns with them switched off and on, twice. rows: the several-row GEMV's GPU tests and
 #   linears, then the steps of 8 and 32 requests with gate/up and the LM head in cuBLAS, in it, and as they run
-#   (gate/up in it storing silu(gate) * up), twice.
+#   (gate/up in it storing silu(gate) * up), twice. fused: rotary inside the attention kernel and gate/up's norm
+#   inside its GEMV, their GPU tests, then the steps with each against the default, twice.
 #   A step's name runs that step alone (`--dry-run` lists the selected ones). Steps run in the order
 #   this script lists them, whatever the order of the arguments.
 #   --dry-run  print each selected step's time limit and command, and whether this build's `tpspec`
@@ -35,7 +36,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '3,16p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '3,18p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 
 dry_run=0
 if [ "${1:-}" = "--dry-run" ]; then dry_run=1; shift; fi
@@ -154,11 +155,28 @@ for run in 1 2; do
     done
 done
 
+# 0e. Fused (one GPU, only when named, under 9 minutes): two fusions no default takes yet. Their GPU tests (rotary
+#     and the K/V write inside the Triton attention, paged_attention_qkv, against the two kernels it replaces; the
+#     several-row norm kernel storing silu(gate) * up), then the roofline's greedy steps as they run (default), with
+#     rotary inside the attention (rotary: tpspec.model.attention.FUSED_ROTARY) and with gate/up's norm inside its
+#     GEMV from five rows (norm: FUSED_INPUT_ROWS=32), twice.
+step fused fused-gpu-tests 150 "$PY -m pytest -m gpu -v -rfE -p no:cacheprovider tests/test_paged_attention_triton.py::test_cuda_rotary_inside_equals_the_two_kernels tests/test_gemv_triton.py::test_cuda_gate_up_stores_silu_mul"
+for run in 1 2; do
+    for state in default rotary norm; do
+        case $state in
+            default) set_args="" ;;
+            rotary) set_args=" --set tpspec.model.attention.FUSED_ROTARY=True" ;;
+            norm) set_args=" --set tpspec.model.linear.FUSED_INPUT_ROWS=32" ;;
+        esac
+        step fused fused-steps-$state-$run 55 "$T bench step $S8B --roofline-only --attention-backends triton --roofline-columns greedy --contexts 1024,4096 --roofline-batch 1,8,32 --verify-batch 1,8 --iters 10 --warmup 2 --timeout 47$set_args --out $o/fused-steps-$state-$run"
+    done
+done
+
 # ------------------------------------------------------------------------------------------- the selection
 selected=()
 if [ $# -eq 0 ]; then
     for i in "${!STEP_NAME[@]}"; do
-        case "${STEP_GROUP[$i]}" in quick|profile|switches|rows) ;; *) selected+=("$i") ;; esac
+        case "${STEP_GROUP[$i]}" in quick|profile|switches|rows|fused) ;; *) selected+=("$i") ;; esac
     done
 else
     for want in "$@"; do
@@ -167,7 +185,7 @@ else
             [ "${STEP_GROUP[$i]}" = "$want" ] || [ "${STEP_NAME[$i]}" = "$want" ] && found=1
         done
         if [ $found = 0 ]; then
-            echo "gpu_run.sh: no group or step named '$want' (groups: quick profile switches rows correctness exchange sampling runtime generate;" \
+            echo "gpu_run.sh: no group or step named '$want' (groups: quick profile switches rows fused correctness exchange sampling runtime generate;" \
                  "steps: bash launch/gpu_run.sh --dry-run OUT)" >&2
             exit 2
         fi

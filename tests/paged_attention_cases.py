@@ -126,6 +126,59 @@ def check_kernels(device: str, dtype: torch.dtype) -> None:
                 assert err < _tolerance(dtype), f"config {config}, lens {lens}, splits {splits}: max error {err}"
 
 
+def check_rotary_in_the_kernel(device: str, dtype: torch.dtype) -> None:
+    """``paged_attention_qkv`` (rotary and the K/V write inside the attention kernel) against
+    ``rotary_and_write_kv`` followed by ``paged_attention``, bit for bit, the output and both pages
+    (every row, not only the written ones): every config, a step of decode and verification rows
+    (one of them across a KV tile, and with three splits across two splits) and one over long caches,
+    one split and several over a page table wider than the batch reads; a step whose rows do not fit
+    one query block is refused, pointing to the two kernels."""
+    from tpspec.model import fused_triton
+
+    for index, config in enumerate(CONFIGS):
+        heads, kv_heads, head_dim, page = config
+        # Verification rows at positions 126..129 cross a 128-position tile, and with 3 splits a split.
+        crossing = ([2 * page - 1, 37, 126, 5 * page + 3], [1, 4, 4, 1])
+        for lens, tried in ((crossing, [(1, 0), (3, 2), (None, 1)]), (long_scenario(page), [(2, 0)])):
+            case = Case(config, device, dtype, seed=index, lens=lens)
+            n = sum(case.query_lens)
+            gen = torch.Generator().manual_seed(100 + index)
+            qkv = torch.randn(n, (heads + 2 * kv_heads) * head_dim, generator=gen).to(device=device, dtype=dtype)
+            angles = torch.rand(n, head_dim // 2, generator=gen) * 6.3
+            cos = torch.cat([angles.cos()] * 2, -1).to(device=device, dtype=dtype)
+            sin = torch.cat([angles.sin()] * 2, -1).to(device=device, dtype=dtype)
+            for splits, extra in tried:
+                meta = case.meta(extra)
+                starts = kernels.sequence_starts(meta.tok_seq, meta.num_seqs)
+                k_want, v_want = case.k.clone(), case.v.clone()
+                q = fused_triton.rotary_and_write_kv(qkv, cos, sin, meta.write_index, k_want, v_want, heads, kv_heads,
+                                                     head_dim)
+                want = kernels.paged_attention(q, k_want, v_want, meta.page_table, starts, meta.tok_visible, case.scale,
+                                               q_max=meta.q_max, num_splits=splits)
+                k_got, v_got = case.k.clone(), case.v.clone()
+                got = kernels.paged_attention_qkv(qkv, cos, sin, k_got, v_got, meta.page_table, starts,
+                                                  meta.tok_visible, case.scale, num_heads=heads, q_max=meta.q_max,
+                                                  num_splits=splits)
+                what = f"config {config}, lens {lens}, splits {splits}"
+                assert torch.equal(k_got, k_want) and torch.equal(v_got, v_want), what
+                assert torch.equal(got, want), f"{what}: max difference {(got.double() - want.double()).abs().max()}"
+    case = Case(CONFIGS[2], device, dtype)  # group 8: the ragged batch's prefill chunk spans query blocks
+    meta = case.meta()
+    heads, kv_heads, head_dim, _ = CONFIGS[2]
+    n = sum(case.query_lens)
+    qkv = torch.zeros(n, (heads + 2 * kv_heads) * head_dim, device=device, dtype=dtype)
+    cos = torch.zeros(n, head_dim, device=device, dtype=dtype)
+    assert not kernels.fits_one_query_block(q_max=meta.q_max, num_heads=heads, kv_heads=kv_heads)
+    try:
+        kernels.paged_attention_qkv(qkv, cos, cos, case.k, case.v, meta.page_table,
+                                    kernels.sequence_starts(meta.tok_seq, meta.num_seqs), meta.tok_visible, case.scale,
+                                    num_heads=heads, q_max=meta.q_max)
+    except ValueError as exc:
+        assert "rotary_and_write_kv, then paged_attention" in str(exc), exc
+    else:
+        raise AssertionError("a prefill chunk past one query block was accepted")
+
+
 def check_backend(device: str, dtype: torch.dtype) -> None:
     """The ``triton`` backend through ``bind`` / ``attend`` gives the torch backend's result (an
     empty step too), and the launch rule splits a lone long decode but not a full batch."""
@@ -191,7 +244,64 @@ def check_llm(device: str, dtype: torch.dtype) -> None:
         assert tokens["torch", 1] == _tiny_greedy_hf(prompts, steps), tokens
 
 
-CHECKS = {"kernels": [check_kernels, check_backend], "llm": [check_llm]}
+def check_engine_rotary_inside(device: str, dtype: torch.dtype) -> None:
+    """The tiny model's engine with its layers' fused kernels and the ``triton`` backend, greedy, with
+    n-gram drafts (prefill, then verification steps of four rows) and without (decode steps of one
+    row): the tokens with ``FUSED_ROTARY`` on equal those with it off, and with it on the kernel ran
+    rotary inside at one and four rows, never for a prefill chunk past one query block."""
+    import tempfile
+
+    from tpspec.mapping import Mapping
+    from tpspec.model import attention as attention_mod
+    from tpspec.model import layers as layers_mod
+    from tpspec.model.tiny import make_tiny_checkpoint
+    from tpspec.runtime.config import EngineConfig, Request, SpeculativeConfig
+    from tpspec.runtime.engine import Engine
+    from tpspec.sampling.params import SamplingParams
+
+    fused_rows: set[int] = set()
+    original = kernels.paged_attention_qkv
+
+    def counting(qkv, *args, **kwargs):
+        fused_rows.add(kwargs["q_max"])
+        return original(qkv, *args, **kwargs)
+
+    name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+    greedy = SamplingParams(temperature=0.0)
+    requests = [Request(0, (5, 6, 7, 8, 9, 10, 5, 6, 7), greedy, 10), Request(1, tuple(range(3, 43)), greedy, 6),
+                Request(2, (7,), greedy, 5)]
+    tokens = {}
+    saved = layers_mod.FUSED_UNDER_INTERPRETER, attention_mod.FUSED_ROTARY
+    layers_mod.FUSED_UNDER_INTERPRETER = True
+    kernels.paged_attention_qkv = counting
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            ckpt = str(make_tiny_checkpoint(f"{tmp}/tiny", seed=0))
+            for spec in (SpeculativeConfig("ngram", 3), None):
+                for on in (False, True):
+                    attention_mod.FUSED_ROTARY = on
+                    config = EngineConfig(ckpt, 1, device, name, speculative=spec, max_batch_size=4,
+                                          attention_backend="triton", use_cuda_graphs=device == "cuda",
+                                          gpu_memory_utilization=0.2 if device == "cuda" else None)
+                    before = set(fused_rows)
+                    fused_rows.clear()
+                    engine = Engine(config, Mapping(), device)
+                    try:
+                        tokens[spec is not None, on] = [r.token_ids for r in engine.generate(requests)]
+                    finally:
+                        engine.close()
+                    assert on or not fused_rows, fused_rows
+                    fused_rows.update(before)
+    finally:
+        layers_mod.FUSED_UNDER_INTERPRETER, attention_mod.FUSED_ROTARY = saved
+        kernels.paged_attention_qkv = original
+    assert {1, 4} <= fused_rows and max(fused_rows) <= 4, fused_rows
+    for spec in (True, False):
+        assert tokens[spec, True] == tokens[spec, False], (spec, tokens)
+
+
+CHECKS = {"kernels": [check_kernels, check_rotary_in_the_kernel, check_backend],
+          "llm": [check_llm, check_engine_rotary_inside]}
 
 
 if __name__ == "__main__":

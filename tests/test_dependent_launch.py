@@ -59,7 +59,7 @@ def _decoder_kernels():
     launch = attn.plan_launch(num_tokens=1, num_seqs=1, q_max=1, kv_pages=64, page_size=16, num_heads=32, kv_heads=8,
                               head_dim=128, device="cpu")
     attend = dict(GROUP=4, HEAD_DIM=128, HEAD_PAD=128, PAGE_SIZE=16, BLOCK_Q=launch.block_q, BLOCK_M=launch.block_m,
-                  BLOCK_N=launch.block_n, SPLIT=True, IEEE=False)
+                  BLOCK_N=launch.block_n, SPLIT=True, IEEE=False, ROTARY=False)
     warps = {"num_warps": 4, "enable_fp_fusion": True}
     return [
         ("gemv one row, silu", gemv._gemv_kernel, gemv_constants, dict(warps, num_stages=one_row.num_stages), True),
@@ -95,6 +95,8 @@ def _decoder_kernels():
         ("silu mul", fused._silu_mul_kernel, dict(ACCURATE_EXP=True, BLOCK=fused.SILU_BLOCK),
          {"num_warps": 4, "enable_fp_fusion": False}, False),
         ("attention", attn._attend_kernel, attend, dict(warps, num_stages=launch.num_stages), False),
+        ("attention, rotary inside", attn._attend_kernel, dict(attend, ROTARY=True),
+         dict(warps, num_stages=launch.num_stages), False),
         ("merge", attn._merge_kernel, dict(HEAD_DIM=128, HEAD_PAD=128, SPLITS_PAD=8), warps, False),
     ]
 

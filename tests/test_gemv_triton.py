@@ -387,9 +387,18 @@ def test_cuda_kernel_matches_the_float64_reference(dtype):
     cases.check_silu_kernels("cuda", dtype)
     cases.check_silu_kernels("cuda", dtype, shapes=[LLAMA_3_8B["down"]], rows=(1, 4, 8))
     cases.check_silu_out_kernels("cuda", dtype)
-    gate_up_features = (LLAMA_3_8B["gate_up"][0] // 2, LLAMA_3_8B["gate_up"][1])
-    cases.check_silu_out_kernels("cuda", dtype, shapes=[gate_up_features], rows=(8, 32))
-    cases.check_norm_silu_out_kernels("cuda", dtype, shapes=[gate_up_features], rows=(8, 32))
+
+
+@pytest.mark.gpu
+@needs_triton
+def test_cuda_gate_up_stores_silu_mul():
+    """At gate/up's Llama-3-8B shape in bfloat16, 8 and 32 rows: ``linear_silu_mul`` and
+    ``norm_linear_silu_mul`` give the bits of ``linear`` or ``norm_linear`` and the ``silu_mul`` kernel."""
+    import gemv_cases as cases
+
+    features = (LLAMA_3_8B["gate_up"][0] // 2, LLAMA_3_8B["gate_up"][1])
+    cases.check_silu_out_kernels("cuda", torch.bfloat16, shapes=[features], rows=(8, 32))
+    cases.check_norm_silu_out_kernels("cuda", torch.bfloat16, shapes=[features], rows=(8, 32))
 
 
 @pytest.mark.gpu

@@ -64,7 +64,25 @@ def test_dry_run_lists_every_step_and_runs_nothing(tmp_path):
         assert f"    {name}: accepted" in text
     assert "NOT ACCEPTED" not in text
     assert "quick" not in text and "profile" not in text and "switches" not in text  # these run only when named
-    assert "rows-" not in text
+    assert "rows-" not in text and "fused-" not in text
+
+
+def test_fused_group_fits_nine_minutes_and_every_command_parses(tmp_path):
+    """`gpu_run.sh OUT fused`: the GPU tests of rotary inside the attention and of the norm kernel
+    storing `silu(gate) * up`, then the greedy steps as they run, with `FUSED_ROTARY` and with
+    `FUSED_INPUT_ROWS` raised to 32, twice, under 9 minutes together."""
+    text, limits, commands = dry_run_group(tmp_path / "out", "fused")
+    runs = [f"fused-steps-{state}-{run}" for run in (1, 2) for state in ("default", "rotary", "norm")]
+    assert list(limits) == ["fused-gpu-tests", *runs]
+    assert sum(limits.values()) <= 540
+    for name in runs:
+        assert ("--set tpspec.model.attention.FUSED_ROTARY=True" in commands[name]) == ("-rotary-" in name), name
+        assert ("--set tpspec.model.linear.FUSED_INPUT_ROWS=32" in commands[name]) == ("-norm-" in name), name
+        assert "--roofline-batch 1,8,32 --verify-batch 1,8" in commands[name], name
+        assert f"    {name}: accepted" in text
+    tests = commands["fused-gpu-tests"]
+    assert "test_paged_attention_triton.py::test_cuda_rotary_inside_equals_the_two_kernels" in tests
+    assert "tests/test_gemv_triton.py::test_cuda_gate_up_stores_silu_mul" in tests and "NOT ACCEPTED" not in text
 
 
 def test_profile_group_fits_nine_minutes_and_every_command_parses(tmp_path):

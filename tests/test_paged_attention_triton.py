@@ -5,9 +5,11 @@ imported; skipped without ``triton``): the kernels against a float64 reference (
 verification, prefill chunks; GQA groups 1, 3, 4, 8; pages of 16 and 32; ragged lengths; a
 sequence ending on a page boundary; one and several KV splits) in float32 and float16 (the
 interpreter's ``tl.dot`` does not handle bfloat16), and ``LLM("tiny", attention_backend="triton")``
-at TP 1 and 2 giving the torch backend's and Hugging Face transformers' greedy tokens. On CUDA
-(``gpu`` marks): the kernels in bfloat16, float16 and float32, a CUDA-graph replay against an
-eager run, and engines on the triton backend against the torch backend.
+at TP 1 and 2 giving the torch backend's and Hugging Face transformers' greedy tokens; rotary and
+the K/V write inside the kernel (``paged_attention_qkv``, ``FUSED_ROTARY``) against the rotary
+kernel and the attention, bit for bit, and an engine's tokens with it on and off. On CUDA (``gpu``
+marks): the kernels in bfloat16, float16 and float32, rotary inside in the 16-bit dtypes, a
+CUDA-graph replay against an eager run, and engines on the triton backend against the torch backend.
 
 The choice rule: ``attention_backend="auto"`` runs ``AUTO_CUDA_ATTENTION`` on CUDA (a backend a
 GPU run has checked; never FlashInfer) and torch elsewhere; ``"triton"`` on CPU outside the
@@ -83,29 +85,32 @@ def test_decode_kernel_keeps_the_next_tiles_in_flight():
     """Compiled for Hopper without a GPU, as a bfloat16 decode launch of Llama 3's heads compiles
     it (pointers 16-byte aligned; the K/V strides, multiples of 16, specialized so): with a long
     split, the loop over its KV tiles is software-pipelined, the K and V tiles copied
-    asynchronously (``cp.async``) while the previous tile is summed; with a short split's plan the
-    same kernel loads them synchronously."""
+    asynchronously (``cp.async``) while the previous tile is summed, with rotary and the K/V write
+    inside too; with a short split's plan the same kernel loads them synchronously."""
     from interpreted import compile_for_hopper
     from tpspec.model import paged_attention_triton as kernels
 
     pointers = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16", "page_table_ptr": "*i32",
                 "seq_starts_ptr": "*i64", "tok_visible_ptr": "*i32", "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32",
-                "part_l_ptr": "*fp32"}
+                "part_l_ptr": "*fp32", "cos_ptr": "*bf16", "sin_ptr": "*bf16"}
     integers = ["num_heads", "q_blocks", "num_splits", "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kp",
-                "stride_ko", "stride_kh", "stride_vp", "stride_vo", "stride_vh", "stride_pt"]
+                "stride_ko", "stride_kh", "stride_vp", "stride_vo", "stride_vh", "stride_pt", "stride_ct", "stride_st"]
     signature = {**pointers, "scale_log2": "fp32", **{name: "i32" for name in integers}}
     async_copies = {}
-    for kv_pages in (512, 128):  # 1639 and 410 positions a split
+    for kv_pages, rotary in ((512, False), (128, False), (512, True)):  # 1639 and 410 positions a split
         launch = kernels.plan_launch(num_tokens=8, num_seqs=8, q_max=1, kv_pages=kv_pages, page_size=16,
                                      num_heads=32, kv_heads=8, head_dim=128, device="cpu", num_splits=5)
         constants = dict(GROUP=4, HEAD_DIM=128, HEAD_PAD=launch.head_pad, PAGE_SIZE=16, BLOCK_Q=launch.block_q,
-                         BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, SPLIT=True, IEEE=False, PDL=False)
+                         BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, SPLIT=True, IEEE=False, ROTARY=rotary,
+                         PDL=False)
         kv_strides = tuple(n for n in integers if n.startswith(("stride_k", "stride_v")))
         ptx = compile_for_hopper(kernels._attend_kernel, signature, constants, aligned_pointers=True,
                                  multiples_of_16=kv_strides, num_warps=kernels.NUM_WARPS,
                                  num_stages=launch.num_stages, enable_fp_fusion=True)["ptx"]
-        async_copies[kv_pages] = ptx.count("cp.async.cg.shared.global")
-    assert async_copies[512] >= 16 and async_copies[128] == 0, async_copies
+        async_copies[kv_pages, rotary] = ptx.count("cp.async.cg.shared.global")
+    # With rotary and the K/V write inside (paged_attention_qkv), the loop over the cached tiles stays pipelined.
+    assert async_copies[512, False] >= 16 and async_copies[128, False] == 0, async_copies
+    assert async_copies[512, True] >= 16, async_copies
 
 
 def test_auto_runs_only_the_checked_backend(monkeypatch):
@@ -179,6 +184,20 @@ def test_cuda_kernels_match_the_float64_reference(dtype):
 
     cases.check_kernels("cuda", dtype)
     cases.check_backend("cuda", dtype)
+
+
+@pytest.mark.gpu
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_cuda_rotary_inside_equals_the_two_kernels(dtype):
+    """``paged_attention_qkv`` gives the bits of ``rotary_and_write_kv`` and ``paged_attention`` (the
+    output and the pages) in the 16-bit dtypes, and an engine with ``FUSED_ROTARY`` on (graphed
+    steps) the greedy tokens of one with it off."""
+    import paged_attention_cases as cases
+
+    cases.check_rotary_in_the_kernel("cuda", dtype)
+    if dtype == torch.bfloat16:
+        cases.check_engine_rotary_inside("cuda", dtype)
 
 
 @pytest.mark.gpu

@@ -51,6 +51,12 @@ FLASHINFER_WORKSPACE_BYTES = 128 * 1024 * 1024
 
 AttendFn = Callable[[torch.Tensor, KVPages], torch.Tensor]
 
+FUSED_ROTARY = False
+"""Whether the Triton backend runs rotary and the K/V write inside its attention kernel for steps
+whose sequences' rows fit one query block (decode and verification;
+:func:`paged_attention_triton.paged_attention_qkv`): one kernel a layer fewer, the same bits in
+float16 and bfloat16. Off until a GPU run has checked its values and timed the steps."""
+
 
 def flashinfer_available() -> bool:
     return importlib.util.find_spec("flashinfer") is not None
@@ -182,6 +188,7 @@ class TritonPagedAttention:
     def __init__(self, *, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, dtype: torch.dtype,
                  device: torch.device) -> None:
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.dtype = dtype
         why = _triton_unusable(torch.device(device))
         if why is not None:
             raise ValueError(f"attention_backend='triton' cannot run here: {why}")
@@ -192,12 +199,47 @@ class TritonPagedAttention:
         """Nothing to plan on the host: the kernels read the metadata's device tensors."""
 
     def bind(self, meta: AttentionMetadata) -> AttendFn:
+        """``attend(q, pages)``; where :meth:`rotary_inside` takes the step, the returned callable
+        also has ``rotary_and_attend(qkv, cos, sin, pages)`` (the fused projection in, rotary and
+        the K/V write inside the kernel), else that attribute is None."""
         if meta.num_tokens == 0:
-            return lambda q, pages: q
+            return _TritonAttend(None, meta, self, None)
         starts = self.kernels.sequence_starts(meta.tok_seq, meta.num_seqs)
-        kernels, scale, q_max, splits = self.kernels, self.scale, meta.q_max, self.num_splits
-        return lambda q, pages: kernels.paged_attention(q, pages.k, pages.v, meta.page_table, starts,
-                                                        meta.tok_visible, scale, q_max=q_max, num_splits=splits)
+        return _TritonAttend(starts, meta, self, self.rotary_inside(meta))
+
+    def rotary_inside(self, meta: AttentionMetadata) -> bool:
+        """Whether this step's layers run rotary and the K/V write inside the attention kernel:
+        ``FUSED_ROTARY`` on, every sequence's rows in one query block, an even head size, and
+        float16 or bfloat16 on CUDA (in float32 the separate rotary kernel's unfused products
+        decide the bits; any of the three under Triton's interpreter). The same answer on every rank."""
+        return (FUSED_ROTARY and self.head_dim % 2 == 0 and meta.num_tokens > 0
+                and (self.dtype in (torch.float16, torch.bfloat16) or self.kernels.INTERPRETED)
+                and self.kernels.fits_one_query_block(q_max=meta.q_max, num_heads=self.num_heads,
+                                                      kv_heads=self.num_kv_heads))
+
+
+class _TritonAttend:
+    """:meth:`TritonPagedAttention.bind`'s callable: ``attend(q, pages)``, and ``rotary_and_attend``
+    (None where the step keeps rotary outside the kernel)."""
+
+    def __init__(self, starts: torch.Tensor | None, meta: AttentionMetadata, backend: TritonPagedAttention,
+                 rotary: bool | None) -> None:
+        self.starts, self.meta, self.backend = starts, meta, backend
+        self.rotary_and_attend = self._rotary_and_attend if rotary else None
+
+    def __call__(self, q: torch.Tensor, pages: KVPages) -> torch.Tensor:
+        if self.starts is None:  # an empty step
+            return q
+        b, meta = self.backend, self.meta
+        return b.kernels.paged_attention(q, pages.k, pages.v, meta.page_table, self.starts, meta.tok_visible, b.scale,
+                                         q_max=meta.q_max, num_splits=b.num_splits)
+
+    def _rotary_and_attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                           pages: KVPages) -> torch.Tensor:
+        b, meta = self.backend, self.meta
+        return b.kernels.paged_attention_qkv(qkv, cos, sin, pages.k, pages.v, meta.page_table, self.starts,
+                                             meta.tok_visible, b.scale, num_heads=b.num_heads, q_max=meta.q_max,
+                                             num_splits=b.num_splits)
 
 
 class DeterministicPagedAttention:

@@ -429,11 +429,18 @@ class Attention(nn.Module):
     def attend_projected(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                          pages: KVPages, attend: AttendFn) -> torch.Tensor:
         """:meth:`forward` after the q/k/v projection ``qkv`` (``fused`` layers): rotary and the K/V
-        write in one kernel, attention, o_proj."""
+        write in one kernel, attention, o_proj; rotary and the K/V write inside the attention kernel
+        where the backend's ``attend`` offers ``rotary_and_attend`` for this step
+        (:meth:`~tpspec.model.attention.TritonPagedAttention.rotary_inside`)."""
         n = qkv.shape[0]
-        q = fused_kernels().rotary_and_write_kv(qkv, cos, sin, meta.write_index, pages.k, pages.v,
-                                                self.num_heads, self.num_kv_heads, self.head_dim)
-        return self.o_proj(attend(q, pages).reshape(n, self.num_heads * self.head_dim))
+        rotary_and_attend = getattr(attend, "rotary_and_attend", None)
+        if rotary_and_attend is not None:
+            out = rotary_and_attend(qkv, cos, sin, pages)
+        else:
+            q = fused_kernels().rotary_and_write_kv(qkv, cos, sin, meta.write_index, pages.k, pages.v,
+                                                    self.num_heads, self.num_kv_heads, self.head_dim)
+            out = attend(q, pages)
+        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):

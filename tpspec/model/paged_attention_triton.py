@@ -104,12 +104,80 @@ def _attend_tile(n0, hi, q, k_base, v_base, pt_base, row_visible, d, d_ok, m, l,
 
 
 @triton.jit
+def _rotated(x, rows, cos_rows, sin_rows, d, ok, HEAD_DIM: tl.constexpr):
+    """``x`` (the elements ``d`` of the rows at ``rows``, loaded by the caller) rotated as
+    :func:`tpspec.model.fused_triton.rotary_and_write_kv` rotates it: ``x * cos + rotate_half(x) *
+    sin`` (half-split layout), each product and the sum rounded to ``x``'s dtype."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    first = d < HALF
+    partner = tl.load(rows + tl.where(first, d + HALF, d - HALF), mask=ok, other=0.0).to(tl.float32)
+    c = tl.load(cos_rows + d, mask=ok, other=0.0).to(tl.float32)
+    s = tl.load(sin_rows + d, mask=ok, other=0.0).to(tl.float32)
+    dtype = x.dtype
+    turned = (tl.where(first, -partner, partner) * s).to(dtype).to(tl.float32)
+    return ((x.to(tl.float32) * c).to(dtype).to(tl.float32) + turned).to(dtype)
+
+
+@triton.jit
+def _attend_mixed_tile(n0, hi, q, qkv_ptr, cos_ptr, sin_ptr, k_base, v_base, pt_base, start, cache_len, row_visible, d,
+                       d_ok, m, l, acc, scale_log2, num_heads, kv_head, stride_qt, stride_ct, stride_st, stride_kp,
+                       stride_ko, stride_vp, stride_vo, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                       BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """:func:`_attend_tile` for a tile that may hold the step's own positions (``cache_len`` on):
+    those keys and values come from the fused projection ``qkv`` (the keys rotated) and are stored
+    into the pages (this program's split is the one that holds them); the rest from the pages. The
+    same tile, the same products and sums: the bits of the two kernels it replaces."""
+    pos = n0 + tl.arange(0, BLOCK_N)
+    in_range = pos < hi
+    new = in_range & (pos >= cache_len)
+    cached = in_range & (pos < cache_len)
+    page = tl.load(pt_base + pos // PAGE_SIZE, mask=in_range, other=0).to(tl.int64)
+    slot = pos % PAGE_SIZE
+    tok = start + pos - cache_len  # the step's row of each new position
+    k_at = k_base + page[None, :] * stride_kp + slot[None, :] * stride_ko + d[:, None]
+    k = tl.load(k_at, mask=cached[None, :] & d_ok[:, None], other=0.0)  # [HEAD_PAD, BLOCK_N]
+    k_ok = new[None, :] & d_ok[:, None]
+    k_rows = qkv_ptr + tok[None, :] * stride_qt + (num_heads + kv_head) * HEAD_DIM
+    k_new = tl.load(k_rows + d[:, None], mask=k_ok, other=0.0)
+    k_new = _rotated(k_new, k_rows, cos_ptr + tok[None, :] * stride_ct, sin_ptr + tok[None, :] * stride_st, d[:, None],
+                     k_ok, HEAD_DIM)
+    tl.store(k_at, k_new, mask=k_ok)
+    k = tl.where(new[None, :], k_new, k)
+    if IEEE:
+        scores = tl.dot(q, k, input_precision="ieee")
+    else:
+        scores = tl.dot(q, k)
+    seen = in_range[None, :] & (pos[None, :] < row_visible[:, None])
+    scores = tl.where(seen, scores * scale_log2, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, 1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_ref)
+    p = tl.exp2(scores - m_ref[:, None])
+    v_at = v_base + page[:, None] * stride_vp + slot[:, None] * stride_vo + d[None, :]
+    v = tl.load(v_at, mask=cached[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, HEAD_PAD]
+    v_ok = new[:, None] & d_ok[None, :]
+    v_new = tl.load(qkv_ptr + tok[:, None] * stride_qt + (num_heads + tl.num_programs(1) + kv_head) * HEAD_DIM
+                    + d[None, :], mask=v_ok, other=0.0)
+    tl.store(v_at, v_new, mask=v_ok)
+    v = tl.where(new[:, None], v_new, v)
+    if IEEE:
+        pv = tl.dot(p, v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l * alpha + tl.sum(p, 1), acc * alpha[:, None] + pv
+
+
+@triton.jit
 def _attend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, page_table_ptr, seq_starts_ptr, tok_visible_ptr, part_acc_ptr,
-                   part_m_ptr, part_l_ptr, scale_log2, num_heads, q_blocks, num_splits, stride_qt, stride_qh,
-                   stride_ot, stride_oh, stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh, stride_pt,
-                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                   BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                   IEEE: tl.constexpr, PDL: tl.constexpr):
+                   part_m_ptr, part_l_ptr, cos_ptr, sin_ptr, scale_log2, num_heads, q_blocks, num_splits, stride_qt,
+                   stride_qh, stride_ot, stride_oh, stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh,
+                   stride_pt, stride_ct, stride_st, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   HEAD_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, ROTARY: tl.constexpr,
+                   PDL: tl.constexpr):
+    # ROTARY: q_ptr is the fused projection (q, k and v heads of each token; one query block a
+    # sequence): q and the step's own keys are rotated here, and the step's keys and values are read
+    # from it and stored into the pages by the program whose split holds their positions.
     if PDL:  # tpspec.model.dependent_launch: nothing is read or written before the kernel before has finished
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -131,8 +199,12 @@ def _attend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, page_table_ptr, seq_starts_ptr,
     tok = start + qi
     d = tl.arange(0, HEAD_PAD)
     d_ok = d < HEAD_DIM
-    q = tl.load(q_ptr + tok[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q_rows = q_ptr + tok[:, None] * stride_qt + heads[:, None] * stride_qh
+    q_ok = row_ok[:, None] & d_ok[None, :]
+    q = tl.load(q_rows + d[None, :], mask=q_ok, other=0.0)
+    if ROTARY:
+        q = _rotated(q, q_rows, cos_ptr + tok[:, None] * stride_ct, sin_ptr + tok[:, None] * stride_st, d[None, :],
+                     q_ok, HEAD_DIM)
     row_visible = cache_len + qi + 1  # [BLOCK_M]: positions each row sees
     block_visible = cache_len + tl.minimum(q_len, first + BLOCK_Q)  # positions the block's last row sees
     if SPLIT:
@@ -149,9 +221,20 @@ def _attend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, page_table_ptr, seq_starts_ptr,
     k_base = k_ptr + kv_head * stride_kh
     v_base = v_ptr + kv_head * stride_vh
     pt_base = page_table_ptr + seq * stride_pt
-    for n0 in range(lo, hi, BLOCK_N):
+    if ROTARY:
+        # The tiles from the one holding position cache_len on may hold the step's own positions.
+        mixed_from = tl.minimum(lo + tl.maximum(cache_len - lo, 0) // BLOCK_N * BLOCK_N, hi)
+    else:
+        mixed_from = hi
+    for n0 in range(lo, mixed_from, BLOCK_N):
         m, l, acc = _attend_tile(n0, hi, q, k_base, v_base, pt_base, row_visible, d, d_ok, m, l, acc, scale_log2,
                                  stride_kp, stride_ko, stride_vp, stride_vo, PAGE_SIZE, BLOCK_N, IEEE)
+    if ROTARY:
+        for n0 in range(mixed_from, hi, BLOCK_N):
+            m, l, acc = _attend_mixed_tile(n0, hi, q, q_ptr, cos_ptr, sin_ptr, k_base, v_base, pt_base, start,
+                                           cache_len, row_visible, d, d_ok, m, l, acc, scale_log2, num_heads, kv_head,
+                                           stride_qt, stride_ct, stride_st, stride_kp, stride_ko, stride_vp, stride_vo,
+                                           HEAD_DIM, PAGE_SIZE, BLOCK_N, IEEE)
 
     if SPLIT:
         part = (tok * num_heads + heads) * num_splits + split  # [BLOCK_M]
@@ -210,6 +293,12 @@ def _sm_count(device: torch.device) -> int:
     return 1  # the interpreter: no parallel hardware to fill
 
 
+def _query_block(q_max: int, group: int) -> tuple[int, int]:
+    """``(block_m, block_q)``: a program's ``tl.dot`` rows and the query rows of one sequence they hold."""
+    block_m = min(max(MAX_BLOCK_M, _pow2_at_least(group, _MIN_DOT)), _pow2_at_least(q_max * group, _MIN_DOT))
+    return block_m, max(1, block_m // group)
+
+
 @dataclass(frozen=True)
 class Launch:
     """Block sizes and grid of one step's attention (from the step's sizes only)."""
@@ -236,9 +325,7 @@ def plan_launch(*, num_tokens: int, num_seqs: int, q_max: int, kv_pages: int, pa
     the page table a split spans (the comment above ``BLOCK_N_SMALL_M``).
     Depends only on these arguments (and the device's SM count), never on a tensor's values.
     """
-    group = num_heads // kv_heads
-    block_m = min(max(MAX_BLOCK_M, _pow2_at_least(group, _MIN_DOT)), _pow2_at_least(q_max * group, _MIN_DOT))
-    block_q = max(1, block_m // group)
+    block_m, block_q = _query_block(q_max, num_heads // kv_heads)
     q_blocks = triton.cdiv(max(q_max, 1), block_q)
     head_pad = _pow2_at_least(head_dim, _MIN_DOT)
     if num_splits is None:
@@ -289,9 +376,70 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     Returns ``[N, H, head_dim]`` in ``q``'s dtype. Launch sizes come from the tensors' shapes,
     ``q_max`` and ``num_splits`` only: no host synchronization, capturable in a CUDA graph.
     """
-    n, num_heads, head_dim = q.shape
-    _, page_size, kv_heads, kv_dim = k_pages.shape
-    if num_heads % kv_heads or kv_dim != head_dim or v_pages.shape != k_pages.shape:
+    if q.dim() != 3:
+        raise ValueError(f"q must be [N, heads, head_dim], got {tuple(q.shape)}")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    return _attend(q, q.shape[1], q.stride(0), q.stride(1), None, None, k_pages, v_pages, page_table, seq_starts,
+                   tok_visible, scale, q_max=q_max, num_splits=num_splits)
+
+
+def fits_one_query_block(*, q_max: int, num_heads: int, kv_heads: int) -> bool:
+    """Whether every sequence's query rows (at most ``q_max``) fit one program's query block, as
+    :func:`paged_attention_qkv` needs (decode and verification steps; not long prefill chunks)."""
+    return q_max <= _query_block(q_max, num_heads // kv_heads)[1]
+
+
+def paged_attention_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pages: torch.Tensor,
+                        v_pages: torch.Tensor, page_table: torch.Tensor, seq_starts: torch.Tensor,
+                        tok_visible: torch.Tensor, scale: float, *, num_heads: int, q_max: int,
+                        num_splits: int | None = None) -> torch.Tensor:
+    """:func:`tpspec.model.fused_triton.rotary_and_write_kv` and :func:`paged_attention` in one
+    kernel, for steps whose sequences' rows fit one query block (:func:`fits_one_query_block`:
+    decode and verification).
+
+    ``qkv`` is the fused projection ``[N, (num_heads + 2 * kv_heads) * head_dim]`` (q heads, k
+    heads, v heads), ``cos`` and ``sin`` ``[N, head_dim]`` in its dtype; the rest as for
+    :func:`paged_attention`. Each program rotates its query rows, reads the cached positions from
+    the pages and the step's own keys and values from ``qkv`` (the keys rotated); the program whose
+    split holds a new position stores its key and value into the pages, at the row the page table
+    gives position ``tok_visible - 1`` (where ``rotary_and_write_kv``'s ``write_index`` points).
+    Returns the output of those two calls, bit for bit in float16 and bfloat16 (the rotary rounding
+    of ``rotary_and_write_kv``: each product and the sum rounded to the dtype; in float32 a CUDA
+    build may contract a product and the sum into one FMA, which that kernel does not), and leaves
+    the pages as they leave them. ``ValueError`` for shapes that do not fit or rows past one query
+    block.
+    """
+    if qkv.dim() != 2:
+        raise ValueError(f"qkv must be [N, features], got {tuple(qkv.shape)}")
+    if k_pages.dim() != 4:
+        raise ValueError(f"k_pages must be [num_pages, page_size, kv_heads, head_dim], got {tuple(k_pages.shape)}")
+    n = qkv.shape[0]
+    kv_heads, head_dim = k_pages.shape[2:]
+    if head_dim % 2 or qkv.shape[1] != (num_heads + 2 * kv_heads) * head_dim:
+        raise ValueError(f"qkv {tuple(qkv.shape)} does not hold {num_heads} + 2 x {kv_heads} heads of the pages' even "
+                         f"head_dim {head_dim}")
+    if cos.shape != (n, head_dim) or sin.shape != (n, head_dim) or not qkv.dtype == cos.dtype == sin.dtype:
+        raise ValueError(f"cos and sin must be [{n}, {head_dim}] in {qkv.dtype}, got {tuple(cos.shape)} {cos.dtype} "
+                         f"and {tuple(sin.shape)} {sin.dtype}")
+    if num_heads % max(kv_heads, 1) or not fits_one_query_block(q_max=q_max, num_heads=num_heads, kv_heads=kv_heads):
+        raise ValueError(f"q_max={q_max} rows of {num_heads} heads over {kv_heads} KV heads do not fit one query "
+                         f"block: run rotary_and_write_kv, then paged_attention")
+    if qkv.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
+        raise ValueError("qkv, cos and sin need a contiguous last dimension")
+    return _attend(qkv, num_heads, qkv.stride(0), head_dim, cos, sin, k_pages, v_pages, page_table, seq_starts,
+                   tok_visible, scale, q_max=q_max, num_splits=num_splits)
+
+
+def _attend(q: torch.Tensor, num_heads: int, stride_qt: int, stride_qh: int, cos: torch.Tensor | None,
+            sin: torch.Tensor | None, k_pages: torch.Tensor, v_pages: torch.Tensor, page_table: torch.Tensor,
+            seq_starts: torch.Tensor, tok_visible: torch.Tensor, scale: float, *, q_max: int,
+            num_splits: int | None) -> torch.Tensor:
+    """The launch behind both entry points: ``q`` holds the query heads at ``stride_qt`` a row and
+    ``stride_qh`` a head (with ``cos`` and ``sin``: the fused projection, rotated in the kernel)."""
+    n = q.shape[0]
+    _, page_size, kv_heads, head_dim = k_pages.shape
+    if num_heads % kv_heads or (cos is None and q.shape[2] != head_dim) or v_pages.shape != k_pages.shape:
         raise ValueError(f"q {tuple(q.shape)} does not fit K/V pages {tuple(k_pages.shape)} / {tuple(v_pages.shape)}: "
                          f"heads must be a multiple of kv_heads and head sizes equal")
     if not q.dtype == k_pages.dtype == v_pages.dtype:
@@ -302,9 +450,7 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     if seq_starts.shape != (num_seqs + 1,):
         raise ValueError(f"seq_starts must have {num_seqs + 1} entries (page_table rows + 1), got "
                          f"{tuple(seq_starts.shape)}")
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    out = torch.empty_like(q)
+    out = torch.empty((n, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if n == 0:
         return out
     launch = plan_launch(num_tokens=n, num_seqs=num_seqs, q_max=q_max, kv_pages=page_table.shape[1],
@@ -318,17 +464,20 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
         part_l = torch.empty_like(part_m)
     else:
         part_acc = part_m = part_l = out  # not read: the kernel writes the output itself
+    rotary = cos is not None
     pdl = pdl_args(q.device)
     # FP fusion pinned on, as every GPU run compiled these kernels (Triton 3.10 turns its default off).
     grid = (num_seqs * launch.q_blocks, kv_heads, splits)
     _attend_kernel[grid](
-        q, k_pages, v_pages, out, page_table, seq_starts, tok_visible, part_acc, part_m, part_l, scale * _LOG2E,
-        num_heads, launch.q_blocks, splits, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_pages.stride(0), k_pages.stride(1), k_pages.stride(2), v_pages.stride(0), v_pages.stride(1),
-        v_pages.stride(2), page_table.stride(0),
+        q, k_pages, v_pages, out, page_table, seq_starts, tok_visible, part_acc, part_m, part_l,
+        cos if rotary else q, sin if rotary else q, scale * _LOG2E, num_heads, launch.q_blocks, splits, stride_qt,
+        stride_qh, out.stride(0), out.stride(1), k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
+        v_pages.stride(0), v_pages.stride(1), v_pages.stride(2), page_table.stride(0),
+        cos.stride(0) if rotary else 0, sin.stride(0) if rotary else 0,
         GROUP=num_heads // kv_heads, HEAD_DIM=head_dim, HEAD_PAD=launch.head_pad, PAGE_SIZE=page_size,
         BLOCK_Q=launch.block_q, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, SPLIT=splits > 1, IEEE=q.dtype == f32,
-        num_warps=NUM_WARPS, num_stages=launch.num_stages, enable_fp_fusion=True, **pdl)
+        ROTARY=rotary, num_warps=NUM_WARPS,
+        num_stages=launch.num_stages, enable_fp_fusion=True, **pdl)
     if splits > 1:
         _merge_kernel[(n, num_heads)](part_acc, part_m, part_l, out, num_heads, splits, out.stride(0), out.stride(1),
                                       HEAD_DIM=head_dim, HEAD_PAD=launch.head_pad,
