@@ -22,6 +22,12 @@ Every step shape runs the same kernel, ``_attend_kernel``. Its programs are
   maximum, sum of exponentials, unnormalized output) and ``_merge_kernel`` combines the
   splits of every ``(row, head)``. With one split the first kernel writes the output itself.
 
+* **Rotary inside** (:func:`paged_attention_qkv`). Where every sequence's rows fit one query block
+  (decode, verification), the kernel can take the fused q/k/v projection instead of rotated queries:
+  each program rotates its query rows, reads the step's own keys (rotated) and values from the
+  projection in the tiles that hold their positions, and stores them into the pages, so the
+  rotary-and-KV-write kernel does not run. The tiles and sums are those of the two kernels.
+
 Scores, the online softmax and the output accumulate in float32 (``tl.exp2`` with the scale
 folded into ``log2 e``); float32 inputs use IEEE dot products. Head sizes are padded to a
 power of two (at least 16); any GQA group; any page size.
