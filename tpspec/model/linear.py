@@ -33,7 +33,7 @@ TRITON_GEMV_ROWS = 32
 rows: a verification step of one request (three drafts), whose rows the few-rows kernels read as
 one row is read. From five rows the GEMV's ``tl.dot`` kernels take only the linears
 ``ROWS_MIN_WIDENING`` admits (gate/up and the LM head): on an H100 the steps of 8 and 32 requests,
-and the verification of 8, took 2.5-3 % less time with them there than in cuBLAS
+and the verification of 8, took 2.3-4 % less time with them there than in cuBLAS
 (``docs/benchmarks.md``, "Gate/up and the LM head from five rows"). 32: the rows those steps
 measured; 4 keeps every linear of five rows and more in cuBLAS."""
 
