@@ -187,6 +187,7 @@ def test_cuda_kernels_match_the_float64_reference(dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.slow  # not in the quick group's share: `gpu_run.sh OUT fused` runs it by name
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_cuda_rotary_inside_equals_the_two_kernels(dtype):
