@@ -79,6 +79,32 @@ _MIN_DOT = 16  # tl.dot's smallest M, N and K
 
 
 @triton.jit
+def _weigh(q, k, seen, m, scale_log2, IEEE: tl.constexpr):
+    """A tile's keys ``k`` ``[HEAD_PAD, BLOCK_N]`` against the rows ``q``: the new running maximum,
+    the factor ``alpha`` for the state before, and the tile's weights ``p`` (zero where not ``seen``)."""
+    if IEEE:
+        scores = tl.dot(q, k, input_precision="ieee")
+    else:
+        scores = tl.dot(q, k)
+    scores = tl.where(seen, scores * scale_log2, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, 1))
+    # A row that has seen nothing yet keeps m = -inf; exponentiate against 0 then (weights 0, no NaN).
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    return m_new, tl.exp2(m - m_ref), tl.exp2(scores - m_ref[:, None])
+
+
+@triton.jit
+def _fold(p, v, alpha, l, acc, IEEE: tl.constexpr):
+    """The online softmax state after a tile: ``(l, acc)`` scaled by ``alpha`` plus its weights ``p``
+    and their values ``v`` ``[BLOCK_N, HEAD_PAD]``."""
+    if IEEE:
+        pv = tl.dot(p, v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return l * alpha + tl.sum(p, 1), acc * alpha[:, None] + pv
+
+
+@triton.jit
 def _attend_tile(n0, hi, q, k_base, v_base, pt_base, row_visible, d, d_ok, m, l, acc, scale_log2, stride_kp,
                  stride_ko, stride_vp, stride_vo, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
     """One KV tile (positions ``[n0, n0 + BLOCK_N)``, those below ``hi``) folded into the online
@@ -89,24 +115,12 @@ def _attend_tile(n0, hi, q, k_base, v_base, pt_base, row_visible, d, d_ok, m, l,
     slot = pos % PAGE_SIZE
     k = tl.load(k_base + page[None, :] * stride_kp + slot[None, :] * stride_ko + d[:, None],
                 mask=in_range[None, :] & d_ok[:, None], other=0.0)  # [HEAD_PAD, BLOCK_N]
-    if IEEE:
-        scores = tl.dot(q, k, input_precision="ieee")
-    else:
-        scores = tl.dot(q, k)
     seen = in_range[None, :] & (pos[None, :] < row_visible[:, None])
-    scores = tl.where(seen, scores * scale_log2, float("-inf"))
-    m_new = tl.maximum(m, tl.max(scores, 1))
-    # A row that has seen nothing yet keeps m = -inf; exponentiate against 0 then (weights 0, no NaN).
-    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m - m_ref)
-    p = tl.exp2(scores - m_ref[:, None])
+    m_new, alpha, p = _weigh(q, k, seen, m, scale_log2, IEEE)
     v = tl.load(v_base + page[:, None] * stride_vp + slot[:, None] * stride_vo + d[None, :],
                 mask=in_range[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, HEAD_PAD]
-    if IEEE:
-        pv = tl.dot(p, v, input_precision="ieee")
-    else:
-        pv = tl.dot(p.to(v.dtype), v)
-    return m_new, l * alpha + tl.sum(p, 1), acc * alpha[:, None] + pv
+    l, acc = _fold(p, v, alpha, l, acc, IEEE)
+    return m_new, l, acc
 
 
 @triton.jit
@@ -149,16 +163,8 @@ def _attend_mixed_tile(n0, hi, q, qkv_ptr, cos_ptr, sin_ptr, k_base, v_base, pt_
                      k_ok, HEAD_DIM)
     tl.store(k_at, k_new, mask=k_ok)
     k = tl.where(new[None, :], k_new, k)
-    if IEEE:
-        scores = tl.dot(q, k, input_precision="ieee")
-    else:
-        scores = tl.dot(q, k)
     seen = in_range[None, :] & (pos[None, :] < row_visible[:, None])
-    scores = tl.where(seen, scores * scale_log2, float("-inf"))
-    m_new = tl.maximum(m, tl.max(scores, 1))
-    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m - m_ref)
-    p = tl.exp2(scores - m_ref[:, None])
+    m_new, alpha, p = _weigh(q, k, seen, m, scale_log2, IEEE)
     v_at = v_base + page[:, None] * stride_vp + slot[:, None] * stride_vo + d[None, :]
     v = tl.load(v_at, mask=cached[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, HEAD_PAD]
     v_ok = new[:, None] & d_ok[None, :]
@@ -166,11 +172,8 @@ def _attend_mixed_tile(n0, hi, q, qkv_ptr, cos_ptr, sin_ptr, k_base, v_base, pt_
                     + d[None, :], mask=v_ok, other=0.0)
     tl.store(v_at, v_new, mask=v_ok)
     v = tl.where(new[:, None], v_new, v)
-    if IEEE:
-        pv = tl.dot(p, v, input_precision="ieee")
-    else:
-        pv = tl.dot(p.to(v.dtype), v)
-    return m_new, l * alpha + tl.sum(p, 1), acc * alpha[:, None] + pv
+    l, acc = _fold(p, v, alpha, l, acc, IEEE)
+    return m_new, l, acc
 
 
 @triton.jit
