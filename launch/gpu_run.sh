@@ -51,6 +51,14 @@ STEP_GROUP=(); STEP_NAME=(); STEP_LIMIT=(); STEP_CMD=()
 step() {  # group name limit_s command
     STEP_GROUP+=("$1"); STEP_NAME+=("$2"); STEP_LIMIT+=("$3"); STEP_CMD+=("$4")
 }
+ab_steps() {  # group prefix limit_s "bench step arguments" "state|--set arguments" ...: each state in turn, twice
+    local group=$1 prefix=$2 limit=$3 bench=$4 run spec; shift 4
+    for run in 1 2; do
+        for spec in "$@"; do
+            step "$group" "$prefix-${spec%%|*}-$run" "$limit" "$T bench step $bench${spec#*|} --out $o/$prefix-${spec%%|*}-$run"
+        done
+    done
+}
 o=$(printf %q "$OUT")
 T="$PY -m tpspec"
 
@@ -95,12 +103,7 @@ step profile profile-attention-splits 90 "$T bench attention --device cuda --mod
 #     `--set` switches them off in the rank processes).
 SWITCHES_OFF="--set tpspec.sampling.select.PENALIZED_KEYS_KERNEL=False --set tpspec.sampling.select.FILTERS_IN_DRAW_KERNEL=False --set tpspec.sampling.penalties.COUNT_KERNEL=False"
 step switches switches-gpu-tests 150 "$PY -m pytest -m gpu -v -rfE -p no:cacheprovider tests/test_key_kernels.py tests/test_runtime_gpu.py::test_qwen_defaults_and_logprobs_at_batch_64_stay_in_the_graph"
-for run in 1 2; do
-    for state in off on; do
-        set_args=""; [ $state = off ] && set_args=" $SWITCHES_OFF"
-        step switches switches-sampled-b64-$state-$run 90 "$T bench step $S8B --roofline-only --attention-backends triton --roofline-columns greedy,defaults,logprobs --contexts 1024,4096 --roofline-batch 64 --verify-batch none --iters 10 --warmup 2 --timeout 80$set_args --out $o/switches-sampled-b64-$state-$run"
-    done
-done
+ab_steps switches switches-sampled-b64 90 "$S8B --roofline-only --attention-backends triton --roofline-columns greedy,defaults,logprobs --contexts 1024,4096 --roofline-batch 64 --verify-batch none --iters 10 --warmup 2 --timeout 80" "off| $SWITCHES_OFF" "on|"
 
 # 1. Correctness: every GPU-marked test; the determinism suite with N rank processes on the GPU(s); the LL
 #    kernel bit for bit against the CPU reference.
@@ -144,16 +147,8 @@ step generate generate-llama-3-8b-deterministic 400 "$T bench generate --device 
 #     storing silu(gate) * up), twice.
 step rows rows-gpu-tests 200 "$PY -m pytest -m gpu -v -rfE -p no:cacheprovider tests/test_gemv_triton.py -k 'bfloat16 or not float64_reference'"
 step rows rows-gemv-llama-3-8b 40 "$T bench gemv --device cuda --model-shape llama-3-8b --batch 8,32 --out $o/rows-gemv-llama-3-8b"
-for run in 1 2; do
-    for state in cublas gemv default; do
-        case $state in
-            cublas) set_args=" --set tpspec.model.linear.TRITON_GEMV_ROWS=4" ;;
-            gemv) set_args=" --set tpspec.model.linear.TRITON_GATE_UP_SILU=False" ;;
-            default) set_args="" ;;
-        esac
-        step rows rows-steps-$state-$run 50 "$T bench step $S8B --roofline-only --attention-backends triton --roofline-columns greedy --contexts 1024,4096 --roofline-batch 8,32 --verify-batch 8 --iters 10 --warmup 2 --timeout 42$set_args --out $o/rows-steps-$state-$run"
-    done
-done
+ab_steps rows rows-steps 50 "$S8B --roofline-only --attention-backends triton --roofline-columns greedy --contexts 1024,4096 --roofline-batch 8,32 --verify-batch 8 --iters 10 --warmup 2 --timeout 42" \
+    "cublas| --set tpspec.model.linear.TRITON_GEMV_ROWS=4" "gemv| --set tpspec.model.linear.TRITON_GATE_UP_SILU=False" "default|"
 
 # 0e. Fused (one GPU, only when named, under 9 minutes): two fusions no default takes yet. Their GPU tests (rotary
 #     and the K/V write inside the Triton attention, paged_attention_qkv, against the two kernels it replaces; the
@@ -161,16 +156,8 @@ done
 #     rotary inside the attention (rotary: tpspec.model.attention.FUSED_ROTARY) and with gate/up's norm inside its
 #     GEMV from five rows (norm: FUSED_INPUT_ROWS=32), twice.
 step fused fused-gpu-tests 150 "$PY -m pytest -m gpu -v -rfE -p no:cacheprovider tests/test_paged_attention_triton.py::test_cuda_rotary_inside_equals_the_two_kernels tests/test_gemv_triton.py::test_cuda_gate_up_stores_silu_mul"
-for run in 1 2; do
-    for state in default rotary norm; do
-        case $state in
-            default) set_args="" ;;
-            rotary) set_args=" --set tpspec.model.attention.FUSED_ROTARY=True" ;;
-            norm) set_args=" --set tpspec.model.linear.FUSED_INPUT_ROWS=32" ;;
-        esac
-        step fused fused-steps-$state-$run 55 "$T bench step $S8B --roofline-only --attention-backends triton --roofline-columns greedy --contexts 1024,4096 --roofline-batch 1,8,32 --verify-batch 1,8 --iters 10 --warmup 2 --timeout 47$set_args --out $o/fused-steps-$state-$run"
-    done
-done
+ab_steps fused fused-steps 55 "$S8B --roofline-only --attention-backends triton --roofline-columns greedy --contexts 1024,4096 --roofline-batch 1,8,32 --verify-batch 1,8 --iters 10 --warmup 2 --timeout 47" \
+    "default|" "rotary| --set tpspec.model.attention.FUSED_ROTARY=True" "norm| --set tpspec.model.linear.FUSED_INPUT_ROWS=32"
 
 # ------------------------------------------------------------------------------------------- the selection
 selected=()
